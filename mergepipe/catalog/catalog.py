@@ -1,0 +1,349 @@
+"""The catalog: registered checkpoints (layout + identity) and per-block task-vector statistics.
+
+Embedded default: one SQLite file, ``$MERGEPIPE_HOME/catalog.sqlite`` (``~/.mergepipe``).
+
+* ``register`` records a checkpoint's layout (all shard headers) and its **identity digest**:
+  SHA-256 of, per shard file, its size, its storage version token (local ``mtime_ns``, S3
+  ETag) and the SHA-256 of its header. Re-registering an unchanged checkpoint only stats its
+  files (no byte is read); any change gives a new identity.
+* ``analyze`` streams an expert and its base once, with bounded memory (row chunks of at most
+  ``chunk_bytes``), and stores :class:`~mergepipe.catalog.stats.TensorStats` per tensor, keyed
+  by (base identity, expert identity, block size). A cached analysis is reused without reading.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mergepipe.catalog.stats import TensorStats, TensorStatsBuilder
+from mergepipe.errors import InputError
+from mergepipe.formats.safetensors import (
+    FLOAT_DTYPES,
+    INDEX_NAME,
+    CheckpointLayout,
+    layout_from_dict,
+    layout_to_dict,
+    load_layout,
+    rows_per_block,
+)
+from mergepipe.numerics import decode
+from mergepipe.storage.base import NotFoundError, Storage
+
+DEFAULT_BLOCK_BYTES = 128 * 1024
+DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
+STATS_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS checkpoints (
+    uri TEXT NOT NULL,
+    identity TEXT NOT NULL,
+    signature TEXT NOT NULL,
+    layout_json TEXT NOT NULL,
+    total_bytes INTEGER NOT NULL,
+    registered_at REAL NOT NULL,
+    PRIMARY KEY (uri, identity)
+);
+CREATE TABLE IF NOT EXISTS analyses (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    base_identity TEXT NOT NULL,
+    expert_identity TEXT NOT NULL,
+    block_bytes INTEGER NOT NULL,
+    stats_version INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    seconds REAL NOT NULL,
+    bytes_read INTEGER NOT NULL,
+    UNIQUE (base_identity, expert_identity, block_bytes, stats_version)
+);
+CREATE TABLE IF NOT EXISTS tensor_stats (
+    analysis_id INTEGER NOT NULL REFERENCES analyses(id) ON DELETE CASCADE,
+    tensor TEXT NOT NULL,
+    numel INTEGER NOT NULL,
+    n_blocks INTEGER NOT NULL,
+    sq_norm REAL NOT NULL,
+    content_sha256 TEXT NOT NULL,
+    stats BLOB NOT NULL,
+    PRIMARY KEY (analysis_id, tensor)
+);
+"""
+
+
+def default_home() -> Path:
+    """``$MERGEPIPE_HOME`` or ``~/.mergepipe``."""
+    return Path(os.environ.get("MERGEPIPE_HOME") or Path.home() / ".mergepipe")
+
+
+def default_catalog_path() -> Path:
+    return default_home() / "catalog.sqlite"
+
+
+@dataclass
+class CheckpointRecord:
+    """A registered checkpoint.
+
+    Attributes:
+        uri: where it lives.
+        identity: identity digest (hex SHA-256), see module docstring.
+        signature: per-file ``{name: [size, version]}`` JSON used to detect changes by stat.
+        layout: shard headers and tensor locations.
+    """
+
+    uri: str
+    identity: str
+    signature: dict
+    layout: CheckpointLayout
+
+    @property
+    def total_bytes(self) -> int:
+        return self.layout.total_bytes
+
+
+@dataclass
+class Analysis:
+    """Statistics of one expert's task vector against one base, per tensor."""
+
+    id: int
+    base_identity: str
+    expert_identity: str
+    block_bytes: int
+    tensors: dict[str, TensorStats]
+    seconds: float = 0.0
+    bytes_read: int = 0
+
+
+def _signature(storage: Storage, uri: str, files: Sequence[str]) -> dict:
+    sig = {}
+    for f in files:
+        st = storage.stat(storage.join(uri, f))
+        sig[f] = [st.size, st.version]
+    return sig
+
+
+def _identity(signature: dict, layout: CheckpointLayout) -> str:
+    mat = {
+        f: {"size": signature[f][0], "version": signature[f][1], "header_sha256": sh.header_sha256}
+        for f, sh in sorted(layout.shards.items())
+    }
+    return hashlib.sha256(json.dumps(mat, sort_keys=True).encode()).hexdigest()
+
+
+class Catalog:
+    """SQLite catalog. Thread-safe for the simple use here (one connection, a lock).
+
+    Args:
+        path: SQLite file; created with its parent folder if missing.
+    """
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = Path(path) if path else default_catalog_path()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=60)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA foreign_keys=ON")
+            self.db.executescript(SCHEMA)
+        except (OSError, sqlite3.Error) as e:
+            raise InputError(
+                f"{self.path}: cannot open the catalog ({e}); set MERGEPIPE_HOME or --catalog to a "
+                "writable location."
+            ) from None
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self.db.close()
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def _cached(self, uri: str) -> list[tuple[str, dict, dict]]:
+        with self._lock:
+            rows = self.db.execute(
+                "SELECT identity, signature, layout_json FROM checkpoints WHERE uri=? ORDER BY registered_at DESC",
+                (uri,),
+            ).fetchall()
+        return [(i, json.loads(s), json.loads(lj)) for i, s, lj in rows]
+
+    def register(self, storage: Storage, uri: str) -> CheckpointRecord:
+        """Register ``uri`` (idempotent). An unchanged checkpoint costs only ``stat`` calls.
+
+        Raises:
+            InputError: not a safetensors checkpoint, or any header/index error.
+        """
+        uri = uri.rstrip("/") if uri != "/" else uri
+        for ident, sig, ld in self._cached(uri):
+            files = list(sig)
+            try:
+                now = _signature(storage, uri, files)
+            except NotFoundError:
+                continue
+            idx_uri = storage.join(uri, INDEX_NAME)
+            idx_known = INDEX_NAME in sig
+            if now == sig and (idx_known or not storage.exists(idx_uri)):
+                return CheckpointRecord(uri, ident, sig, layout_from_dict(ld, root=uri))
+        layout = load_layout(storage, uri, role="catalog")
+        files = list(layout.shards) + ([INDEX_NAME] if layout.sharded else [])
+        sig = _signature(storage, uri, files)
+        ident = _identity(sig, layout)
+        with self._lock, self.db:
+            self.db.execute(
+                "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?,?)",
+                (uri, ident, json.dumps(sig), json.dumps(layout_to_dict(layout)), layout.total_bytes, time.time()),
+            )
+        return CheckpointRecord(uri, ident, sig, layout)
+
+    def checkpoints(self) -> list[tuple[str, str, int, float]]:
+        """(uri, identity, total bytes, registered_at) of every registered checkpoint."""
+        with self._lock:
+            return self.db.execute(
+                "SELECT uri, identity, total_bytes, registered_at FROM checkpoints ORDER BY registered_at"
+            ).fetchall()
+
+    # --- analyses ---------------------------------------------------------------------------
+    def find_analysis(self, base_identity: str, expert_identity: str, block_bytes: int) -> Analysis | None:
+        """The cached analysis, or None. Loads every tensor's statistics."""
+        with self._lock:
+            row = self.db.execute(
+                "SELECT id, seconds, bytes_read FROM analyses WHERE base_identity=? AND expert_identity=? "
+                "AND block_bytes=? AND stats_version=?",
+                (base_identity, expert_identity, block_bytes, STATS_VERSION),
+            ).fetchone()
+            if row is None:
+                return None
+            ts = self.db.execute(
+                "SELECT tensor, content_sha256, stats FROM tensor_stats WHERE analysis_id=?", (row[0],)
+            ).fetchall()
+        return Analysis(
+            id=row[0],
+            base_identity=base_identity,
+            expert_identity=expert_identity,
+            block_bytes=block_bytes,
+            tensors={n: TensorStats.from_bytes(n, b, h) for n, h, b in ts},
+            seconds=row[1],
+            bytes_read=row[2],
+        )
+
+    def has_analysis(self, base_identity: str, expert_identity: str, block_bytes: int) -> bool:
+        with self._lock:
+            return (
+                self.db.execute(
+                    "SELECT 1 FROM analyses WHERE base_identity=? AND expert_identity=? AND block_bytes=? AND stats_version=?",
+                    (base_identity, expert_identity, block_bytes, STATS_VERSION),
+                ).fetchone()
+                is not None
+            )
+
+    def _store(self, base: str, expert: str, block_bytes: int, stats: dict[str, TensorStats], seconds: float, nread: int) -> int:
+        with self._lock, self.db:
+            cur = self.db.execute(
+                "INSERT OR REPLACE INTO analyses (base_identity, expert_identity, block_bytes, stats_version, created_at, seconds, bytes_read) "
+                "VALUES (?,?,?,?,?,?,?)",
+                (base, expert, block_bytes, STATS_VERSION, time.time(), seconds, nread),
+            )
+            aid = cur.lastrowid
+            self.db.executemany(
+                "INSERT INTO tensor_stats VALUES (?,?,?,?,?,?,?)",
+                [
+                    (aid, n, s.numel, s.n_blocks, float(s.sq_norm.sum()), s.content_sha256, s.to_bytes())
+                    for n, s in stats.items()
+                ],
+            )
+        return aid
+
+    def analyze(
+        self,
+        storage: Storage,
+        base: CheckpointRecord,
+        experts: Sequence[CheckpointRecord],
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[Analysis]:
+        """Analyze each expert against ``base`` (cached ones are not read again).
+
+        The base is read once for all uncached experts; each chunk of at most ``chunk_bytes``
+        base bytes is paired with the same rows of every expert. Memory is bounded by
+        ``(1 + K) * chunk_bytes`` plus float32 temporaries of one chunk.
+
+        Args:
+            progress: called with the number of bytes read after each chunk.
+
+        Raises:
+            InputError: an expert lacks a base tensor, or shape/dtype differ (checked for all
+                experts before any tensor byte is read).
+        """
+        todo = [e for e in experts if not self.has_analysis(base.identity, e.identity, block_bytes)]
+        seen = set()
+        todo = [e for e in todo if not (e.identity in seen or seen.add(e.identity))]
+        if todo:
+            check_compatible(base, todo)
+            t0 = time.perf_counter()
+            before = storage.counters.snapshot()["read"]
+            results = _analyze_stream(storage, base, todo, block_bytes, chunk_bytes, progress)
+            after = storage.counters.snapshot()["read"]
+            secs = time.perf_counter() - t0
+            nread = sum(after.values()) - sum(before.values())
+            for e in todo:
+                self._store(base.identity, e.identity, block_bytes, results[e.identity], secs, nread)
+        out = []
+        for e in experts:
+            a = self.find_analysis(base.identity, e.identity, block_bytes)
+            assert a is not None
+            out.append(a)
+        return out
+
+
+def check_compatible(base: CheckpointRecord, experts: Sequence[CheckpointRecord]) -> None:
+    """Every base tensor must exist in each expert with the same shape and dtype.
+
+    Raises:
+        InputError: naming the expert, the tensor and what differs.
+    """
+    for e in experts:
+        for name, bt in base.layout.tensors.items():
+            et = e.layout.tensors.get(name)
+            if et is None:
+                raise InputError(
+                    f"{e.uri}: tensor {name!r} of the base ({base.uri}) is missing from this expert; "
+                    "experts must be fine-tunes of the same base architecture."
+                )
+            if et.shape != bt.shape or et.dtype != bt.dtype:
+                raise InputError(
+                    f"{e.uri}: tensor {name!r} is {et.dtype}{list(et.shape)} but the base has "
+                    f"{bt.dtype}{list(bt.shape)}; experts must share the base's shapes and dtypes "
+                    "(convert the expert, or pick its true base)."
+                )
+
+
+def _analyze_stream(storage, base, experts, block_bytes, chunk_bytes, progress):
+    builders: dict[str, dict[str, TensorStats]] = {e.identity: {} for e in experts}
+    for name, bt in base.layout.tensors.items():
+        if bt.dtype not in FLOAT_DTYPES or bt.numel == 0:
+            continue
+        rpb = rows_per_block(bt, block_bytes)
+        row_numel = bt.numel // max(1, bt.rows)
+        chunk_rows = max(rpb, (chunk_bytes // max(1, bt.row_bytes)) // rpb * rpb)
+        bs = {e.identity: TensorStatsBuilder(name, bt.rows, row_numel, rpb) for e in experts}
+        hashes = {e.identity: hashlib.sha256() for e in experts}
+        for r0 in range(0, bt.rows, chunk_rows):
+            r1 = min(bt.rows, r0 + chunk_rows)
+            s, t = bt.row_range(r0, r1)
+            b = decode(storage.read_range(storage.join(base.uri, bt.file), s, t, "base"), bt.dtype)
+            for e in experts:
+                et = e.layout.tensors[name]
+                es, ee = et.row_range(r0, r1)
+                raw = storage.read_range(storage.join(e.uri, et.file), es, ee, "expert")
+                hashes[e.identity].update(raw)
+                x = decode(raw, et.dtype)
+                bs[e.identity].add(r0, (x - b).astype(np.float32, copy=False))
+            if progress:
+                progress((t - s) * (1 + len(experts)))
+        for e in experts:
+            builders[e.identity][name] = bs[e.identity].finish(hashes[e.identity].hexdigest())
+    return builders

@@ -1,0 +1,210 @@
+"""Per-tensor and per-block statistics of one expert's task vector, and how they are computed.
+
+For every floating tensor of an expert checkpoint (task vector ``δ = expert − base`` computed in
+float32), the catalog keeps:
+
+* per block (rows ``[row0, row1)``, see :func:`mergepipe.formats.safetensors.iter_blocks`):
+  ``‖δ‖₂²`` (``sq_norm``), ``‖δ‖₁`` (``l1``), ``max|δ|`` (``max_abs``), element count
+  (``numel``) and an octave histogram — count and energy of entries per bf16 exponent — used to
+  estimate how much energy of the block survives a magnitude trim at any density;
+* per tensor: the exact histogram of magnitude keys (:func:`mergepipe.numerics.magnitude_keys`),
+  enough to fix the magnitude-trim threshold exactly for any density.
+
+Everything is numpy: the planner and the operator use these without torch.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+
+from mergepipe.numerics import N_OCT, OCT_SHIFT, key_value, trim_min_key
+
+
+@dataclass
+class TensorStats:
+    """Statistics of one expert tensor's task vector.
+
+    Attributes:
+        name: tensor name.
+        numel: elements in the tensor.
+        rows_per_block: rows per block (the last block may be shorter).
+        block_numel: int64[nb] elements per block.
+        sq_norm: float64[nb] ``Σ δ²`` per block.
+        l1: float64[nb] ``Σ |δ|`` per block.
+        max_abs: float32[nb] ``max |δ|`` per block.
+        oct_lo: first octave (bf16 exponent) of the octave histograms.
+        oct_count: int64[nb, n_oct] entries per octave per block.
+        oct_energy: float64[nb, n_oct] ``Σ δ²`` per octave per block.
+        hist_keys: int32[m] distinct magnitude keys in the tensor, ascending.
+        hist_counts: int64[m] entries per key.
+        content_sha256: SHA-256 of the expert tensor's raw bytes.
+    """
+
+    name: str
+    numel: int
+    rows_per_block: int
+    block_numel: np.ndarray
+    sq_norm: np.ndarray
+    l1: np.ndarray
+    max_abs: np.ndarray
+    oct_lo: int
+    oct_count: np.ndarray
+    oct_energy: np.ndarray
+    hist_keys: np.ndarray
+    hist_counts: np.ndarray
+    content_sha256: str = ""
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.sq_norm)
+
+    @property
+    def energy(self) -> float:
+        return float(self.sq_norm.sum())
+
+    def min_key(self, density: float) -> int:
+        """Canonical magnitude-trim threshold key for ``density`` (see numerics.trim_min_key)."""
+        return trim_min_key(self.hist_keys, self.hist_counts, self.numel, density)
+
+    def kept_fraction_by_octave(self, min_key: int) -> np.ndarray:
+        """float64[n_oct]: estimated fraction of each octave's energy that a trim keeping keys
+        ``>= min_key`` retains. Exact for octaves wholly above/below the threshold; inside the
+        threshold's octave, the fraction of the tensor's energy there above it (from the exact
+        key histogram), applied to every block."""
+        n_oct = self.oct_count.shape[1]
+        octs = np.arange(self.oct_lo, self.oct_lo + n_oct)
+        frac = np.zeros(n_oct)
+        if min_key <= 0:
+            frac[:] = 1.0
+            return frac
+        t_oct = min_key >> OCT_SHIFT
+        frac[octs > t_oct] = 1.0
+        if self.oct_lo <= t_oct < self.oct_lo + n_oct:
+            in_oct = (self.hist_keys >> OCT_SHIFT) == t_oct
+            k = self.hist_keys[in_oct]
+            e = self.hist_counts[in_oct] * key_value(k).astype(np.float64) ** 2
+            tot = e.sum()
+            frac[t_oct - self.oct_lo] = e[k >= min_key].sum() / tot if tot > 0 else 0.0
+        return frac
+
+    def kept_energy(self, min_key: int) -> np.ndarray:
+        """float64[nb]: estimated ``Σ δ²`` per block kept by a trim at ``min_key``; blocks whose
+        ``max|δ|`` key is below the threshold keep exactly 0."""
+        from mergepipe.numerics import magnitude_keys
+
+        if min_key <= 0:
+            return self.sq_norm.copy()
+        est = self.oct_energy @ self.kept_fraction_by_octave(min_key)
+        est[magnitude_keys(self.max_abs) < min_key] = 0.0
+        return est
+
+    # --- serialization (SQLite blobs and object-storage index objects) -------------------
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        np.savez(
+            buf,
+            meta=np.array([self.numel, self.rows_per_block, self.oct_lo], dtype=np.int64),
+            block_numel=self.block_numel,
+            sq_norm=self.sq_norm,
+            l1=self.l1,
+            max_abs=self.max_abs,
+            oct_count=self.oct_count,
+            oct_energy=self.oct_energy,
+            hist_keys=self.hist_keys,
+            hist_counts=self.hist_counts,
+        )
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, name: str, data: bytes, content_sha256: str = "") -> TensorStats:
+        z = np.load(io.BytesIO(data))
+        numel, rpb, oct_lo = (int(x) for x in z["meta"])
+        return cls(
+            name=name,
+            numel=numel,
+            rows_per_block=rpb,
+            block_numel=z["block_numel"],
+            sq_norm=z["sq_norm"],
+            l1=z["l1"],
+            max_abs=z["max_abs"],
+            oct_lo=oct_lo,
+            oct_count=z["oct_count"],
+            oct_energy=z["oct_energy"],
+            hist_keys=z["hist_keys"],
+            hist_counts=z["hist_counts"],
+            content_sha256=content_sha256,
+        )
+
+
+class TensorStatsBuilder:
+    """Accumulates :class:`TensorStats` over row chunks of one tensor, in row order.
+
+    Args:
+        name: tensor name.
+        rows: rows of the tensor; ``row_numel`` elements per row.
+        rows_per_block: block height in rows.
+    """
+
+    def __init__(self, name: str, rows: int, row_numel: int, rows_per_block: int) -> None:
+        self.name, self.rows, self.row_numel, self.rpb = name, rows, row_numel, rows_per_block
+        nb = max(1, -(-rows // rows_per_block)) if rows else 1
+        self.nb = nb
+        self.sq = np.zeros(nb)
+        self.l1 = np.zeros(nb)
+        self.mx = np.zeros(nb, dtype=np.float32)
+        self.bn = np.zeros(nb, dtype=np.int64)
+        self.oc = np.zeros((nb, N_OCT), dtype=np.int64)
+        self.oe = np.zeros((nb, N_OCT))
+        self.hist = np.zeros(0x8000, dtype=np.int64)
+
+    def add(self, row0: int, delta: np.ndarray) -> None:
+        """Add the float32 task vector of rows ``[row0, row0 + len(delta)/row_numel)``; ``row0``
+        must be a block boundary."""
+        from mergepipe.numerics import magnitude_keys
+
+        if row0 % self.rpb:
+            raise ValueError("chunks must start on block boundaries")
+        n = delta.size
+        if n == 0:
+            return
+        b0 = row0 // self.rpb
+        per_block = self.rpb * self.row_numel
+        bid = np.arange(n, dtype=np.int64) // per_block
+        nbl = int(bid[-1]) + 1
+        a = np.abs(delta.astype(np.float32, copy=False))
+        e = a.astype(np.float64) ** 2
+        keys = magnitude_keys(a)
+        octs = keys >> OCT_SHIFT
+        flat = bid * N_OCT + octs
+        sl = slice(b0, b0 + nbl)
+        self.oc[sl] += np.bincount(flat, minlength=nbl * N_OCT).reshape(nbl, N_OCT)
+        self.oe[sl] += np.bincount(flat, weights=e, minlength=nbl * N_OCT).reshape(nbl, N_OCT)
+        self.sq[sl] += np.bincount(bid, weights=e, minlength=nbl)
+        self.l1[sl] += np.bincount(bid, weights=a, minlength=nbl)
+        self.bn[sl] += np.bincount(bid, minlength=nbl)
+        starts = np.arange(0, n, per_block)
+        self.mx[sl] = np.maximum(self.mx[sl], np.maximum.reduceat(a, starts))
+        self.hist += np.bincount(keys, minlength=0x8000)
+
+    def finish(self, content_sha256: str = "") -> TensorStats:
+        used = np.nonzero(self.oc.sum(axis=0))[0]
+        lo, hi = (int(used[0]), int(used[-1]) + 1) if len(used) else (0, 1)
+        nz = np.nonzero(self.hist)[0]
+        return TensorStats(
+            name=self.name,
+            numel=int(self.bn.sum()),
+            rows_per_block=self.rpb,
+            block_numel=self.bn,
+            sq_norm=self.sq,
+            l1=self.l1,
+            max_abs=self.mx,
+            oct_lo=lo,
+            oct_count=self.oc[:, lo:hi].copy(),
+            oct_energy=self.oe[:, lo:hi].copy(),
+            hist_keys=nz.astype(np.int32),
+            hist_counts=self.hist[nz],
+            content_sha256=content_sha256,
+        )

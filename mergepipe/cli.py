@@ -1,0 +1,413 @@
+"""mergepipe command line (typer + rich). Heavy modules (torch, numpy) load inside commands so
+``mergepipe --help`` stays fast.
+
+Every user error exits with code 2 and one message naming the file/field and the fix; with
+``--json`` stdout holds only the JSON result and progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(
+    name="mergepipe",
+    help="Budget-aware LLM merging: catalog expert task vectors once, plan which blocks to read "
+    "under an expert-I/O budget, stream the merge, commit an immutable snapshot with a manifest.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+CatalogOpt = Annotated[
+    Optional[Path],
+    typer.Option("--catalog", help="SQLite catalog file [default: $MERGEPIPE_HOME/catalog.sqlite, ~/.mergepipe]"),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout (progress on stderr).")]
+ExpertOpt = Annotated[
+    list[str],
+    typer.Option("--expert", "-e", help="Expert checkpoint: URI or NAME=URI (repeat). Name defaults to the last path component."),
+]
+ParamOpt = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--param", "-p",
+        help="Method parameter NAME=VALUE (all experts / the merge) or EXPERT:NAME=VALUE (one expert, by name or "
+        "1-based index), e.g. -p density=0.5 -p math:weight=0.3. Names follow mergekit: weight, density, "
+        "normalize, rescale, lambda.",
+    ),
+]
+BudgetOpt = Annotated[
+    Optional[str],
+    typer.Option("--budget", "-b", help="Expert-I/O budget: bytes (512MiB, 1.5GB, 1073741824), a % of the experts' size, or 'unlimited'."),
+]
+FidelityOpt = Annotated[
+    Optional[float],
+    typer.Option("--fidelity", help="Read just enough blocks to retain this fraction (0-1] of the full-budget task-vector energy."),
+]
+
+
+def _err_console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _fail(msg: str, code: int = 2):
+    _err_console().print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _catalog(path: Optional[Path]):
+    from mergepipe.catalog.catalog import Catalog
+
+    return Catalog(path)
+
+
+def _storage():
+    from mergepipe.storage.base import IOCounters
+    from mergepipe.storage.local import LocalStorage
+
+    return LocalStorage(IOCounters())
+
+
+def _storage_for(uri: str):
+    from mergepipe.storage.base import IOCounters, open_storage
+
+    return open_storage(uri, IOCounters())
+
+
+class _Progress:
+    """A rich progress bar on stderr for byte-counted stages."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TransferSpeedColumn,
+        )
+
+        self.p = Progress(
+            TextColumn("{task.description:>8}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+            TimeElapsedColumn(), console=_err_console(), transient=False, disable=not enabled,
+        )
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self):
+        self.p.__enter__()
+        return self
+
+    def __exit__(self, *a):
+        self.p.__exit__(*a)
+
+    def __call__(self, stage: str, advance: int, total: int | None) -> None:
+        if stage not in self.tasks:
+            self.tasks[stage] = self.p.add_task(stage, total=total)
+        elif total is not None:
+            self.p.update(self.tasks[stage], total=total)
+        if advance:
+            self.p.advance(self.tasks[stage], advance)
+
+
+def _human(n: int | float | None) -> str:
+    if n is None:
+        return "unlimited"
+    n = float(n)
+    for u in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or u == "TiB":
+            return f"{n:.0f} {u}" if u == "B" else f"{n:.1f} {u}"
+        n /= 1024
+    return str(n)
+
+
+@app.command("init-db")
+def init_db(catalog: CatalogOpt = None, json_out: JsonOpt = False):
+    """Create the catalog (idempotent)."""
+    c = _catalog(catalog)
+    if json_out:
+        print(json.dumps({"catalog": str(c.path)}))
+    else:
+        _err_console().print(f"catalog ready at {c.path}")
+
+
+@app.command()
+def register(uris: Annotated[list[str], typer.Argument(help="Checkpoint folders or s3:// prefixes")],
+             catalog: CatalogOpt = None, json_out: JsonOpt = False):
+    """Register checkpoints: read their shard headers and record layout and identity digest."""
+    c = _catalog(catalog)
+    out = []
+    for u in uris:
+        st = _storage_for(u)
+        r = c.register(st, u)
+        out.append({"uri": r.uri, "identity": r.identity, "tensors": len(r.layout.tensors),
+                    "shards": len(r.layout.shards), "total_bytes": r.total_bytes,
+                    "header_bytes_read": st.counters.snapshot()["read"]["catalog"]})
+    if json_out:
+        print(json.dumps(out if len(out) > 1 else out[0]))
+    else:
+        for o in out:
+            _err_console().print(f"{o['uri']}: identity {o['identity'][:16]}, {o['tensors']} tensors in "
+                                 f"{o['shards']} shard(s), {_human(o['total_bytes'])}")
+
+
+@app.command()
+def analyze(
+    base: Annotated[str, typer.Option("--base", help="Base checkpoint (the experts' common ancestor)")],
+    expert: ExpertOpt,
+    block_size: Annotated[str, typer.Option("--block-size", help="Target block size (whole rows)")] = "128KiB",
+    catalog: CatalogOpt = None,
+    json_out: JsonOpt = False,
+):
+    """Analyze experts against the base once: per-block task-vector statistics (cached by identity)."""
+    from mergepipe.pipeline import parse_bytes, parse_expert, register_and_analyze
+
+    c = _catalog(catalog)
+    st = _storage_for(base)
+    bb = parse_bytes(block_size, what="--block-size")
+    if not bb or bb < 1:
+        _fail("--block-size must be a positive byte quantity, e.g. 128KiB.")
+    with _Progress(True) as prog:
+        b, recs, ans = register_and_analyze(c, st, base, [parse_expert(e)[1] for e in expert], bb,
+                                            progress=lambda n: prog("analyze", n, None))
+    rd = st.counters.snapshot()["read"]
+    res = {
+        "base": {"uri": b.uri, "identity": b.identity},
+        "experts": [{"uri": r.uri, "identity": r.identity, "tensors": len(a.tensors),
+                     "blocks": int(sum(s.n_blocks for s in a.tensors.values())),
+                     "energy": float(sum(s.energy for s in a.tensors.values()))} for r, a in zip(recs, ans)],
+        "bytes_read": {"base": rd["base"], "expert": rd["expert"], "catalog": rd["catalog"]},
+        "block_bytes": bb,
+    }
+    if json_out:
+        print(json.dumps(res))
+    else:
+        _err_console().print(f"analyzed {len(recs)} expert(s); read base {_human(rd['base'])}, experts "
+                             f"{_human(rd['expert'])} (0 means cached)")
+
+
+def _plan_args(base, expert, method, param, budget, fidelity, seed, block_size, catalog, progress=None):
+    from mergepipe.pipeline import build_plan, parse_bytes, parse_expert
+
+    c = _catalog(catalog)
+    st = _storage_for(base)
+    bb = parse_bytes(block_size, what="--block-size")
+    experts = [parse_expert(e) for e in expert]
+    plan = build_plan(c, st, base, experts, method, param or [], budget=budget, fidelity=fidelity, seed=seed,
+                      block_bytes=bb, progress=progress)
+    return plan, st
+
+
+MethodOpt = Annotated[str, typer.Option("--method", "-m", help="linear, task_arithmetic, ties, dare_ties, dare_linear")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the DARE random stream")]
+BlockOpt = Annotated[str, typer.Option("--block-size", help="Catalog block size (whole rows)")]
+
+
+@app.command()
+def plan(
+    base: Annotated[str, typer.Option("--base")],
+    expert: ExpertOpt,
+    method: MethodOpt = "ties",
+    param: ParamOpt = None,
+    budget: BudgetOpt = None,
+    fidelity: FidelityOpt = None,
+    seed: SeedOpt = 0,
+    block_size: BlockOpt = "128KiB",
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the plan JSON here")] = None,
+    catalog: CatalogOpt = None,
+    json_out: JsonOpt = False,
+):
+    """Plan a merge (registers and analyzes as needed) and print its summary; --out saves the plan."""
+    p, _ = _plan_args(base, expert, method, param, budget, fidelity, seed, block_size, catalog)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(p.to_json())
+        tmp.replace(out)
+    summary = {"plan_digest": p.digest, "method": p.method, "io": p.io.model_dump(),
+               "expert_budget_bytes": p.budget_bytes, "expert_bytes_total": p.expert_bytes_total,
+               "retained_energy": p.retained_energy, "plan": str(out) if out else None}
+    if json_out:
+        print(json.dumps(summary))
+    else:
+        _print_explain(p, per_tensor=False)
+
+
+def _print_explain(p, per_tensor: bool = True):
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(stderr=False)
+    con.print(f"[bold]plan {p.digest[:16]}[/]  {p.explain}", highlight=False)
+    t = Table("role", "bytes", title="I/O estimate")
+    t.add_row("base read", _human(p.io.base_read_bytes))
+    t.add_row("expert read", f"{_human(p.io.expert_read_bytes)} of {_human(p.expert_bytes_total)} (budget {_human(p.budget_bytes)})")
+    t.add_row("output write", _human(p.io.output_write_bytes))
+    con.print(t)
+    if per_tensor:
+        tt = Table("tensor", "blocks read", "explanation", title="per tensor")
+        for tp in p.tensors:
+            n = sum(b1 - b0 for te in tp.experts for b0, b1 in te.blocks)
+            tt.add_row(tp.name, f"{n}/{tp.n_blocks * len(p.experts)}", tp.explain)
+        con.print(tt)
+
+
+@app.command()
+def explain(plan_file: Annotated[Path, typer.Argument(help="Plan JSON (from `plan --out`)")],
+            json_out: JsonOpt = False):
+    """Explain a saved plan: I/O per role and, per tensor, which expert blocks are read and why."""
+    from mergepipe.planner.plan import Plan
+
+    try:
+        text = plan_file.read_text()
+    except OSError as e:
+        _fail(f"{plan_file}: cannot read ({e.strerror}).")
+    p = Plan.from_json(text, str(plan_file))
+    if json_out:
+        print(json.dumps({"plan_digest": p.digest, "explain": p.explain,
+                          "tensors": {t.name: t.explain for t in p.tensors}}))
+    else:
+        _print_explain(p)
+
+
+def _emit_merge(res, json_out: bool):
+    s = res.summary()
+    if json_out:
+        print(json.dumps(s))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    verb = "already committed" if res.already_committed else "committed"
+    con.print(f"[bold green]{verb}[/] {s['snapshot_id']} at {s['out']}", highlight=False)
+    t = Table("", "estimated", "realized")
+    m = res.manifest["io"]
+    for k, lab in (("base_read_bytes", "base read"), ("expert_read_bytes", "expert read"), ("output_write_bytes", "output write")):
+        t.add_row(lab, _human(m["estimated"][k]), _human(m["realized"][k]))
+    con.print(t)
+    con.print(f"expert budget {_human(s['io']['expert_budget_bytes'])}; retained energy {s['retained_energy']:.2%}; "
+              f"wall {s['wall_s']:.2f} s; manifest {s['manifest_hash'][:16]}; plan {s['plan_digest'][:16]}", highlight=False)
+
+
+DeviceOpt = Annotated[str, typer.Option("--device", help="torch device for the merge arithmetic: cpu, cuda, cuda:N")]
+
+
+@app.command()
+def merge(
+    base: Annotated[str, typer.Option("--base", help="Base checkpoint folder or s3:// prefix")],
+    expert: ExpertOpt,
+    out: Annotated[str, typer.Option("--out", "-o", help="Snapshot folder to create (must not exist or be empty)")],
+    method: MethodOpt = "ties",
+    param: ParamOpt = None,
+    budget: BudgetOpt = None,
+    fidelity: FidelityOpt = None,
+    seed: SeedOpt = 0,
+    device: DeviceOpt = "cpu",
+    block_size: BlockOpt = "128KiB",
+    catalog: CatalogOpt = None,
+    json_out: JsonOpt = False,
+):
+    """register → analyze → plan → execute → commit, in one go."""
+    from mergepipe.pipeline import merge as run_merge
+    from mergepipe.pipeline import parse_bytes, parse_expert
+
+    bb = parse_bytes(block_size, what="--block-size")
+    experts = [parse_expert(e) for e in expert]
+    with _Progress(True) as prog:
+        res = run_merge(base, experts, method, out, param or [], budget=budget, fidelity=fidelity, seed=seed,
+                        device=device, catalog=_catalog(catalog), storage=_storage_for(base), block_bytes=bb,
+                        progress=prog)
+    _emit_merge(res, json_out)
+
+
+@app.command()
+def execute(
+    plan_file: Annotated[Path, typer.Argument(help="Plan JSON (from `plan --out`)")],
+    out: Annotated[str, typer.Option("--out", "-o")],
+    device: DeviceOpt = "cpu",
+    json_out: JsonOpt = False,
+):
+    """Execute a saved plan and commit the snapshot (no catalog needed: the plan is self-contained)."""
+    from mergepipe.pipeline import execute_and_commit
+    from mergepipe.planner.plan import Plan
+
+    try:
+        text = plan_file.read_text()
+    except OSError as e:
+        _fail(f"{plan_file}: cannot read ({e.strerror}).")
+    p = Plan.from_json(text, str(plan_file))
+    st = _storage_for(p.base.uri)
+    with _Progress(True) as prog:
+        prog("merge", 0, p.io.output_write_bytes)
+        res = execute_and_commit(p, st, out, device=device, progress=lambda n: prog("merge", n, None))
+    _emit_merge(res, json_out)
+
+
+@app.command()
+def verify(snapshot: Annotated[Path, typer.Argument(help="Snapshot folder")], json_out: JsonOpt = False):
+    """Re-hash a snapshot's files against its manifest. Exit 1 when anything differs."""
+    from mergepipe.commit.manifest import verify_snapshot
+
+    r = verify_snapshot(snapshot)
+    if json_out:
+        print(json.dumps(r))
+    elif r["ok"]:
+        _err_console().print(f"[green]ok[/] {r['snapshot_id']}: {r['files']} files match; manifest {r['manifest_hash'][:16]}")
+    else:
+        for pr in r["problems"]:
+            _err_console().print(f"[red]{pr}[/]")
+    if not r["ok"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+def demo(
+    zoo_root: Annotated[Optional[Path], typer.Option("--zoo", help="Zoo cache folder [default: $MERGEPIPE_HOME/zoo]")] = None,
+    out_root: Annotated[Optional[Path], typer.Option("--out", help="Where the demo snapshots go [default: $MERGEPIPE_HOME/demo]")] = None,
+    tiny: Annotated[bool, typer.Option("--tiny", help="A tiny zoo (fast; for smoke tests)")] = False,
+    json_out: JsonOpt = False,
+):
+    """Build (once) a zoo of real trained experts, merge them with TIES at full budget and at 50/25/10%,
+    and print cost, retained energy and per-domain eval loss."""
+    from mergepipe.demo import run_demo
+
+    rows = run_demo(zoo_root, out_root, tiny=tiny, log=lambda m: _err_console().print(m, highlight=False))
+    if json_out:
+        print(json.dumps(rows))
+
+
+def main() -> None:
+    """Console entry point: maps user errors to exit code 2."""
+    from mergepipe.errors import CommitConflict, InputError
+    from mergepipe.storage.base import StorageError
+
+    try:
+        app(standalone_mode=False)
+    except (InputError, CommitConflict, StorageError) as e:
+        _err_console().print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        _err_console().print("interrupted; nothing was committed")
+        sys.exit(130)
+    except Exception as e:  # click usage errors come as click exceptions
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Abort):
+            sys.exit(1)
+        raise
+
+
+if __name__ == "__main__":
+    main()

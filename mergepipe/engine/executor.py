@@ -1,0 +1,430 @@
+"""Streaming executor: prefetch → merge on a torch device → write, one row chunk at a time.
+
+Three stages overlap: a reader pool fetches the next chunks' byte ranges (base rows, selected
+expert blocks) while the main thread merges the current chunk on ``device`` and a writer thread
+hashes and writes finished bytes. Bytes in flight are bounded (``prefetch_bytes``), and a chunk's
+float32 working set is bounded by the plan's ``work_bytes``, so peak memory does not grow with
+model size or tensor size.
+
+The executor reads only byte ranges the plan lists (and with the plan's coalescing gap), so
+realized expert bytes <= planned; it checks this at the end and refuses to finish otherwise.
+Output shards have the base's names, tensor order and header metadata (plus the plan digest),
+so the same plan and inputs give bit-identical shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mergepipe.errors import InputError
+from mergepipe.formats.safetensors import INDEX_NAME, build_header
+from mergepipe.methods.kernels import (
+    ExpertTensorParams,
+    combine,
+    l1_row_sums,
+    l1_rows,
+    rescale_factor,
+    sparsify,
+)
+from mergepipe.methods.registry import get_method
+from mergepipe.numerics import decode
+from mergepipe.planner.plan import Plan, TensorPlan
+from mergepipe.storage.base import NotFoundError, Storage, Writer
+
+DEFAULT_PREFETCH_BYTES = 256 * 1024 * 1024
+COPY_CHUNK = 64 * 1024 * 1024
+
+
+@dataclass
+class ExecResult:
+    """What an execution produced.
+
+    Attributes:
+        files: output file name -> ``{"size": bytes, "sha256": hex}``.
+        touched_blocks: expert name -> number of blocks read.
+        wall_s: seconds from start to the last byte written.
+        counters: the storage counters' snapshot (bytes per role).
+    """
+
+    files: dict[str, dict] = field(default_factory=dict)
+    touched_blocks: dict[str, int] = field(default_factory=dict)
+    wall_s: float = 0.0
+    counters: dict = field(default_factory=dict)
+    base_tensor_sha256: dict[str, str] = field(default_factory=dict)
+
+    def base_content_digest(self) -> str:
+        """SHA-256 over the base's per-tensor SHA-256s (every base byte is read once)."""
+        return hashlib.sha256(json.dumps(self.base_tensor_sha256, sort_keys=True).encode()).hexdigest()
+
+
+class HashingWriter:
+    """Wraps a :class:`Writer`, hashing (SHA-256) and counting what passes through."""
+
+    def __init__(self, inner: Writer) -> None:
+        self.inner = inner
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> None:
+        self.sha.update(data)
+        self.size += len(data) if not isinstance(data, memoryview) else data.nbytes
+        self.inner.write(data)
+
+
+def verify_inputs(plan: Plan, storage: Storage) -> None:
+    """Check every input file still has the size and version the plan was made from.
+
+    Raises:
+        InputError: a file is missing or changed since it was registered (stale catalog).
+    """
+    for ref in [plan.base, *plan.experts]:
+        for f, (size, version) in ref.signature.items():
+            uri = storage.join(ref.uri, f)
+            try:
+                st = storage.stat(uri)
+            except NotFoundError:
+                raise InputError(f"{uri}: missing; it was present when the plan was made. Restore it or re-plan.") from None
+            if st.size != size or st.version != version:
+                raise InputError(
+                    f"{uri}: changed since it was analyzed (size {size} -> {st.size}); the catalog is "
+                    "stale. Re-run `mergepipe merge` (or analyze + plan) to re-analyze it."
+                )
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    from mergepipe.formats.safetensors import DTYPES
+
+    return getattr(torch, DTYPES[name][1])
+
+
+def _encode(t, dtype: str) -> bytes:
+    """float32 torch tensor -> little-endian bytes of ``dtype`` (round to nearest even)."""
+    import torch
+
+    out = t.to(_torch_dtype(dtype)).contiguous().cpu()
+    return out.view(torch.uint8).numpy().tobytes()
+
+
+class _Item:
+    """One unit of work: a row chunk of a tensor (``kind`` merge or stats) or a copy range."""
+
+    __slots__ = ("kind", "tp", "r0", "r1", "future", "nbytes")
+
+    def __init__(self, kind: str, tp: TensorPlan, r0: int, r1: int, nbytes: int) -> None:
+        self.kind, self.tp, self.r0, self.r1, self.nbytes = kind, tp, r0, r1, nbytes
+        self.future = None
+
+
+def _row_bytes(tp: TensorPlan, itemsize: int) -> int:
+    return (int(np.prod(tp.shape[1:])) if len(tp.shape) > 1 else 1) * itemsize
+
+
+def _chunk_runs(te, rpb: int, r0: int, r1: int, rows: int) -> list[tuple[int, int]]:
+    """Row ranges of an expert's selected blocks inside rows ``[r0, r1)``."""
+    out = []
+    for b0, b1 in te.blocks:
+        a, b = max(r0, b0 * rpb), min(r1, b1 * rpb, rows)
+        if b > a:
+            out.append((a, b))
+    return out
+
+
+def execute(
+    plan: Plan,
+    storage: Storage,
+    out_storage: Storage,
+    out_prefix: str,
+    *,
+    device: str = "cpu",
+    prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+    progress: Callable[[int], None] | None = None,
+    read_threads: int = 4,
+) -> ExecResult:
+    """Execute ``plan``, writing the output shards and index under ``out_prefix``.
+
+    Args:
+        storage: where the base and experts are read (bytes counted by role).
+        out_storage: where outputs are written (``out_prefix`` is a staging location: the
+            commit step makes it visible).
+        device: torch device for the merge arithmetic (``cpu``, ``cuda``, ``cuda:1``...).
+        prefetch_bytes: bound on bytes fetched ahead of the merge.
+        progress: called with the output bytes produced after each chunk.
+
+    Raises:
+        InputError: inputs changed since planning; unusable device.
+        RuntimeError: realized expert bytes exceeded the plan (a bug; nothing is committed).
+    """
+    import torch
+
+    t0 = time.perf_counter()
+    spec = get_method(plan.method)
+    try:
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise InputError(f"--device {device}: CUDA is not available on this machine; use --device cpu.")
+    except RuntimeError as e:
+        raise InputError(f"--device {device}: {e}") from None
+    verify_inputs(plan, storage)
+    read_before = storage.counters.snapshot()["read"]
+    weights = [e.params["weight"] for e in plan.experts]
+    res = ExecResult()
+    expert_uri = {i: e.uri for i, e in enumerate(plan.experts)}
+    rescale = bool(plan.globals.get("rescale")) and spec.sparsify != "none"
+
+    # ---- work list ------------------------------------------------------------------------
+    from mergepipe.formats.safetensors import DTYPES
+
+    items: list[_Item] = []
+    for tp in plan.tensors:
+        itemsize = DTYPES[tp.dtype][0]
+        rows = tp.shape[0] if tp.shape else 1
+        rb = _row_bytes(tp, itemsize)
+        if tp.copy_base:
+            nbytes = rows * rb
+            step = max(1, COPY_CHUNK // max(1, rb))
+            for r0 in range(0, max(rows, 1), step):
+                items.append(_Item("copy", tp, r0, min(rows, r0 + step), min(rows, r0 + step) * rb - r0 * rb))
+            if not tp.shape or nbytes == 0:
+                items[-1].r1 = rows
+            continue
+        kinds = ["stats", "merge"] if tp.passes == 2 else ["merge"]
+        for kind in kinds:
+            for r0 in range(0, rows, tp.chunk_rows):
+                r1 = min(rows, r0 + tp.chunk_rows)
+                items.append(_Item(kind, tp, r0, r1, (r1 - r0) * rb * (1 + len(tp.experts))))
+
+    def fetch(it: _Item):
+        tp = it.tp
+        itemsize = DTYPES[tp.dtype][0]
+        rb = _row_bytes(tp, itemsize)
+        rows = tp.shape[0] if tp.shape else 1
+        base_uri = storage.join(plan.base.uri, tp.file)
+        s, e = tp.start + it.r0 * rb, tp.start + it.r1 * rb
+        base_raw = storage.read_ranges(base_uri, [(s, e)], "base")[0] if e > s else b""
+        if it.kind == "copy":
+            return base_raw, None
+        exp = []
+        for te in tp.experts:
+            runs = _chunk_runs(te, tp.rows_per_block, it.r0, it.r1, rows)
+            rngs = [(te.start + a * rb, te.start + b * rb) for a, b in runs]
+            bufs = storage.read_ranges(storage.join(expert_uri[te.expert], te.file), rngs, "expert",
+                                       max_gap=plan.coalesce_gap)
+            exp.append(list(zip(runs, bufs)))
+        return base_raw, exp
+
+    # ---- writer thread ---------------------------------------------------------------------
+    wq: queue.Queue = queue.Queue(maxsize=8)
+    werr: list[BaseException] = []
+    writers: dict[str, HashingWriter] = {}
+
+    def writer_loop():
+        cur = None
+        try:
+            while True:
+                msg = wq.get()
+                if msg is None:
+                    break
+                op, arg = msg
+                if op == "open":
+                    cur = HashingWriter(out_storage.open_writer(out_storage.join(out_prefix, arg), "output"))
+                    writers[arg] = cur
+                elif op == "data":
+                    cur.write(arg)
+                elif op == "close":
+                    w = writers[arg]
+                    size = w.inner.close()
+                    res.files[arg] = {"size": size, "sha256": w.sha.hexdigest()}
+        except BaseException as e:  # surfaced to the main thread
+            werr.append(e)
+            while True:  # drain so the producer never blocks
+                try:
+                    if wq.get_nowait() is None:
+                        break
+                except queue.Empty:
+                    time.sleep(0.01)
+
+    wt = threading.Thread(target=writer_loop, name="mergepipe-writer", daemon=True)
+    wt.start()
+
+    def put(msg):
+        while True:
+            if werr:
+                raise werr[0]
+            try:
+                wq.put(msg, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    # ---- main loop -------------------------------------------------------------------------
+    shard_tensors: dict[str, list[TensorPlan]] = {}
+    for tp in plan.tensors:
+        shard_tensors.setdefault(tp.file, []).append(tp)
+    last_item_of_shard = {}
+    for i, it in enumerate(items):
+        last_item_of_shard[it.tp.file] = i
+    first_item_of_shard = {}
+    for i, it in enumerate(items):
+        first_item_of_shard.setdefault(it.tp.file, i)
+
+    weight_sum = sum(weights)
+    l1_all: dict[tuple[str, int], list[float]] = {}
+    l1_kept: dict[tuple[str, int], list[float]] = {}
+    base_sha: dict[str, hashlib._Hash] = {}
+    pool = ThreadPoolExecutor(read_threads, thread_name_prefix="mergepipe-fetch")
+    pending: deque[_Item] = deque()
+    nxt = 0
+    inflight = 0
+    try:
+        for i, it in enumerate(items):
+            while nxt < len(items) and (nxt <= i or inflight + items[nxt].nbytes <= prefetch_bytes):
+                items[nxt].future = pool.submit(fetch, items[nxt])
+                inflight += items[nxt].nbytes
+                pending.append(items[nxt])
+                nxt += 1
+            base_raw, exp = it.future.result()
+            pending.popleft()
+            inflight -= it.nbytes
+            it.future = None
+            tp = it.tp
+            if it.kind != "stats":
+                base_sha.setdefault(tp.name, hashlib.sha256()).update(base_raw)
+            if i == first_item_of_shard.get(tp.file):
+                put(("open", tp.file))
+                hdr = build_header(
+                    [(t.name, t.dtype, tuple(t.shape)) for t in shard_tensors[tp.file]],
+                    {**plan.shard_metadata.get(tp.file, {}), "mergepipe.plan_digest": plan.digest},
+                )
+                put(("data", hdr))
+            if it.kind == "copy":
+                put(("data", base_raw))
+                if progress:
+                    progress(len(base_raw))
+            else:
+                out = _merge_chunk(it, base_raw, exp, plan, spec, weights, dev, rescale, l1_all, l1_kept, weight_sum)
+                if out is not None:
+                    put(("data", out))
+                    if progress:
+                        progress(len(out))
+            if i == last_item_of_shard.get(tp.file):
+                put(("close", tp.file))
+        put(None)
+        wt.join()
+        if werr:
+            raise werr[0]
+    except BaseException:
+        for f, w in writers.items():
+            if f not in res.files:
+                w.inner.abort()
+        for p in pending:
+            if p.future is not None:
+                p.future.cancel()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        if wt.is_alive():
+            try:
+                wq.put_nowait(None)
+            except queue.Full:
+                pass
+
+    # ---- index ------------------------------------------------------------------------------
+    if len(shard_tensors) > 1 or plan.index_metadata or any(f != "model.safetensors" for f in shard_tensors):
+        from mergepipe.formats.safetensors import DTYPES as _D
+
+        total = sum(int(np.prod(t.shape)) * _D[t.dtype][0] for t in plan.tensors)
+        idx = {
+            "metadata": {"total_size": total, "mergepipe_plan_digest": plan.digest},
+            "weight_map": {t.name: t.file for t in sorted(plan.tensors, key=lambda t: t.name)},
+        }
+        data = (json.dumps(idx, indent=2, sort_keys=True) + "\n").encode()
+        w = HashingWriter(out_storage.open_writer(out_storage.join(out_prefix, INDEX_NAME), "output"))
+        w.write(data)
+        res.files[INDEX_NAME] = {"size": w.inner.close(), "sha256": w.sha.hexdigest()}
+
+    # ---- non-weight files (config, tokenizer) from the base ------------------------------------
+    for f in plan.extra_files:
+        src = storage.join(plan.base.uri, f)
+        try:
+            data = storage.read_object(src, "base")
+        except NotFoundError:
+            continue
+        w = HashingWriter(out_storage.open_writer(out_storage.join(out_prefix, f), "output"))
+        w.write(data)
+        res.files[f] = {"size": w.inner.close(), "sha256": w.sha.hexdigest()}
+
+    res.counters = storage.counters.snapshot() if storage.counters is out_storage.counters else {
+        "read": storage.counters.snapshot()["read"], "written": out_storage.counters.snapshot()["written"],
+        "copied": out_storage.counters.snapshot()["copied"],
+    }
+    realized = res.counters["read"].get("expert", 0) - read_before.get("expert", 0)
+    if realized > plan.io.expert_read_bytes:
+        raise RuntimeError(
+            f"realized expert bytes {realized} exceed the planned {plan.io.expert_read_bytes}: refusing to "
+            "commit (this is a mergepipe bug; please report it with the plan)."
+        )
+    for tp in plan.tensors:
+        for te in tp.experts:
+            nm = plan.experts[te.expert].name
+            res.touched_blocks[nm] = res.touched_blocks.get(nm, 0) + sum(b - a for a, b in te.blocks)
+    res.base_tensor_sha256 = {k: v.hexdigest() for k, v in base_sha.items()}
+    res.wall_s = time.perf_counter() - t0
+    return res
+
+
+def _merge_chunk(it, base_raw, exp, plan, spec, weights, dev, rescale, l1_all, l1_kept, weight_sum):
+    """Merge one row chunk; for ``stats`` items only accumulate L1 sums and return None."""
+    import torch
+
+    tp = it.tp
+    b = torch.from_numpy(decode(base_raw, tp.dtype)).to(dev)
+    if b.dtype != torch.float32:
+        b = b.float()
+    row_numel = int(np.prod(tp.shape[1:])) if len(tp.shape) > 1 else 1
+    offset = it.r0 * row_numel
+    deltas, ws = [], []
+    for te, parts in zip(tp.experts, exp):
+        d = torch.zeros_like(b)
+        for (a, z), buf in parts:
+            x = torch.from_numpy(decode(buf, tp.dtype)).to(dev).float()
+            sl = slice((a - it.r0) * row_numel, (z - it.r0) * row_numel)
+            d[sl] = x - b[sl]
+        ep = ExpertTensorParams(
+            weight=weights[te.expert],
+            density=plan.experts[te.expert].params.get("density", 1.0),
+            min_key=te.min_key,
+            stream_key=te.stream_key,
+        )
+        kept = sparsify(d, spec, ep, offset)
+        key = (tp.name, te.expert)
+        if rescale and ep.density < 1.0:
+            if it.kind == "stats":
+                l1_all.setdefault(key, []).extend(l1_row_sums(d, row_numel))
+                l1_kept.setdefault(key, []).extend(l1_row_sums(kept, row_numel))
+                continue
+            if tp.passes == 2:
+                import math
+
+                f = rescale_factor(math.fsum(l1_all[key]), math.fsum(l1_kept[key]))
+            else:
+                f = rescale_factor(l1_rows(d, row_numel), l1_rows(kept, row_numel))
+            if f != 1.0:
+                kept = kept * f
+        deltas.append(kept)
+        ws.append(ep.weight)
+    if it.kind == "stats":
+        return None
+    out = combine(b, deltas, ws, spec, plan.globals, weight_sum=weight_sum)
+    return _encode(out, tp.dtype)

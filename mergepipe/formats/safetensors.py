@@ -1,0 +1,426 @@
+"""safetensors layout: header parsing and validation, shard indexes, byte ranges of row blocks.
+
+Format (huggingface/safetensors README): 8 bytes little-endian u64 ``N``; ``N`` bytes of UTF-8
+JSON mapping tensor name -> ``{"dtype", "shape", "data_offsets": [begin, end)}`` plus an
+optional ``"__metadata__"`` string map; then the raw little-endian, C-order data. Offsets are
+relative to byte ``8 + N``. The header is capped at 100 MB (as in the reference loader).
+
+Everything here works on bytes and :class:`~mergepipe.storage.base.Storage` URIs, never loads
+tensors, and needs no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from mergepipe.errors import InputError
+
+#: largest header the reference implementation accepts (bytes)
+MAX_HEADER_BYTES = 100_000_000
+
+#: dtype name -> (itemsize in bytes, torch dtype attribute name, numpy dtype string or None)
+DTYPES: dict[str, tuple[int, str, str | None]] = {
+    "F64": (8, "float64", "<f8"),
+    "F32": (4, "float32", "<f4"),
+    "F16": (2, "float16", "<f2"),
+    "BF16": (2, "bfloat16", None),
+    "I64": (8, "int64", "<i8"),
+    "I32": (4, "int32", "<i4"),
+    "I16": (2, "int16", "<i2"),
+    "I8": (1, "int8", "i1"),
+    "U8": (1, "uint8", "u1"),
+    "BOOL": (1, "bool", "?"),
+    "F8_E4M3": (1, "float8_e4m3fn", None),
+    "F8_E5M2": (1, "float8_e5m2", None),
+}
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of one shard file.
+
+    Attributes:
+        name: tensor name.
+        dtype: safetensors dtype name (a key of :data:`DTYPES`).
+        shape: tensor shape.
+        file: shard file name relative to the checkpoint root.
+        start: absolute byte offset of the first data byte in the file.
+        end: absolute byte offset one past the last data byte.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    start: int
+    end: int
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def rows(self) -> int:
+        """Rows along the first dimension; a 1-D tensor has one row per element, a scalar 1."""
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per row (``prod(shape[1:]) * itemsize``; the itemsize for 1-D tensors)."""
+        return (math.prod(self.shape[1:]) if len(self.shape) > 1 else 1) * self.itemsize
+
+    def row_range(self, r0: int, r1: int) -> tuple[int, int]:
+        """Absolute byte range ``[start, end)`` of rows ``[r0, r1)``."""
+        if not 0 <= r0 <= r1 <= self.rows:
+            raise ValueError(f"{self.name}: rows [{r0}, {r1}) outside [0, {self.rows})")
+        return self.start + r0 * self.row_bytes, self.start + r1 * self.row_bytes
+
+
+@dataclass(frozen=True)
+class Block:
+    """A row block: rows ``[row0, row1)`` of one tensor, the unit of cataloguing and planning."""
+
+    tensor: str
+    index: int
+    row0: int
+    row1: int
+
+
+def rows_per_block(info: TensorInfo, block_bytes: int) -> int:
+    """Rows per block so that a block is at most ``block_bytes`` bytes (at least one row)."""
+    return max(1, block_bytes // max(1, info.row_bytes))
+
+
+def iter_blocks(info: TensorInfo, block_bytes: int) -> Iterator[Block]:
+    """Split a tensor into row blocks of at most ``block_bytes`` bytes (whole rows; a row longer
+    than ``block_bytes`` is one block). The last block may be shorter."""
+    rpb = rows_per_block(info, block_bytes)
+    for i, r0 in enumerate(range(0, info.rows, rpb)):
+        yield Block(info.name, i, r0, min(info.rows, r0 + rpb))
+
+
+def n_blocks(info: TensorInfo, block_bytes: int) -> int:
+    rpb = rows_per_block(info, block_bytes)
+    return max(1, -(-info.rows // rpb)) if info.rows else 1
+
+
+@dataclass
+class ShardHeader:
+    """A parsed, validated safetensors header of one shard file.
+
+    Attributes:
+        file: shard file name relative to the checkpoint root.
+        header_len: ``N``, the JSON header length in bytes.
+        data_start: ``8 + N``, absolute offset of the data section.
+        file_size: size of the file in bytes.
+        tensors: name -> :class:`TensorInfo` in file (offset) order.
+        metadata: the ``__metadata__`` map (may be empty).
+        header_sha256: SHA-256 hex digest of the raw header bytes (identity input).
+    """
+
+    file: str
+    header_len: int
+    data_start: int
+    file_size: int
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    header_sha256: str
+
+
+def header_length(prefix: bytes, source: str, file_size: int) -> int:
+    """Read ``N`` from the first 8 bytes and check it against the file size and the 100 MB cap.
+
+    Raises:
+        InputError: file shorter than 8 bytes, header past end of file, or header too large.
+    """
+    if len(prefix) < 8 or file_size < 8:
+        raise InputError(
+            f"{source}: file is {file_size} bytes, shorter than the 8-byte safetensors length "
+            "prefix; the file is truncated or not a safetensors file. Re-export or re-download it."
+        )
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > MAX_HEADER_BYTES:
+        raise InputError(
+            f"{source}: header length {n} bytes exceeds the 100 MB safetensors limit; the file is "
+            "corrupt or not a safetensors file."
+        )
+    if 8 + n > file_size:
+        raise InputError(
+            f"{source}: header length {n} bytes runs past the end of the file ({file_size} bytes); "
+            "the file is truncated. Re-export or re-download it."
+        )
+    return n
+
+
+def parse_header(raw: bytes, file: str, file_size: int, source: str | None = None) -> ShardHeader:
+    """Parse and validate a safetensors header.
+
+    Args:
+        raw: at least the first ``8 + N`` bytes of the file.
+        file: shard name relative to the checkpoint root (recorded in :class:`TensorInfo`).
+        file_size: total file size in bytes (for bounds checks).
+        source: how to name the file in errors (defaults to ``file``).
+
+    Validation: JSON object; every entry has a known dtype, a shape of non-negative ints and
+    ``data_offsets`` ``[begin, end]`` with ``end - begin == numel * itemsize``; offsets in
+    bounds of the data section; tensors non-overlapping and contiguous (no gaps, as the
+    reference writer produces and the reference loader requires); the data section ends
+    exactly at the end of the file.
+
+    Raises:
+        InputError: naming the file, the tensor and the fix.
+    """
+    src = source or file
+    n = header_length(raw[:8], src, file_size)
+    if len(raw) < 8 + n:
+        raise InputError(f"{src}: expected {8 + n} header bytes, got {len(raw)}; file truncated.")
+    hbytes = bytes(raw[8 : 8 + n])
+    try:
+        obj = json.loads(hbytes.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{src}: header is not valid UTF-8 JSON ({e}); the file is corrupt.") from None
+    if not isinstance(obj, dict):
+        raise InputError(f"{src}: header JSON is {type(obj).__name__}, expected an object.")
+    meta = obj.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise InputError(f"{src}: __metadata__ must be a string map.")
+    data_start = 8 + n
+    data_len = file_size - data_start
+    entries = []
+    for name, ent in obj.items():
+        if not isinstance(ent, dict):
+            raise InputError(f"{src}: tensor {name!r}: entry is not an object.")
+        dtype = ent.get("dtype")
+        if dtype not in DTYPES:
+            raise InputError(
+                f"{src}: tensor {name!r} has unknown dtype {dtype!r}; supported: "
+                f"{', '.join(DTYPES)}."
+            )
+        shape = ent.get("shape")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise InputError(f"{src}: tensor {name!r}: shape {shape!r} is not a list of non-negative ints.")
+        offs = ent.get("data_offsets")
+        if (
+            not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(isinstance(o, int) and o >= 0 for o in offs)
+            or offs[1] < offs[0]
+        ):
+            raise InputError(f"{src}: tensor {name!r}: data_offsets {offs!r} must be [begin, end] with begin <= end.")
+        expect = math.prod(shape) * DTYPES[dtype][0]
+        if offs[1] - offs[0] != expect:
+            raise InputError(
+                f"{src}: tensor {name!r}: data_offsets span {offs[1] - offs[0]} bytes but shape "
+                f"{shape} of {dtype} needs {expect}; the header is corrupt."
+            )
+        if offs[1] > data_len:
+            raise InputError(
+                f"{src}: tensor {name!r}: data_offsets end {offs[1]} is past the data section "
+                f"({data_len} bytes); the file is truncated. Re-export or re-download it."
+            )
+        entries.append((offs[0], offs[1], name, dtype, tuple(shape)))
+    entries.sort()
+    pos = 0
+    tensors: dict[str, TensorInfo] = {}
+    for b, e, name, dtype, shape in entries:
+        if b < pos:
+            raise InputError(f"{src}: tensor {name!r} overlaps the previous tensor (offset {b} < {pos}).")
+        if b > pos:
+            raise InputError(f"{src}: gap of {b - pos} bytes before tensor {name!r}; offsets must be contiguous.")
+        pos = e
+        tensors[name] = TensorInfo(name, dtype, shape, file, data_start + b, data_start + e)
+    if pos != data_len:
+        raise InputError(
+            f"{src}: data section is {data_len} bytes but tensors cover {pos}; "
+            + ("the file is truncated." if pos > data_len else "trailing bytes after the last tensor.")
+        )
+    return ShardHeader(
+        file=file,
+        header_len=n,
+        data_start=data_start,
+        file_size=file_size,
+        tensors=tensors,
+        metadata={str(k): str(v) for k, v in meta.items()},
+        header_sha256=hashlib.sha256(raw[: 8 + n]).hexdigest(),
+    )
+
+
+def build_header(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> bytes:
+    """Serialize a safetensors header for tensors ``(name, dtype, shape)`` laid out contiguously in
+    the given order. The JSON is padded with spaces so the data section starts 8-byte aligned
+    (as the reference writer does). Returns ``8 + N`` bytes."""
+    obj: dict = {}
+    if metadata:
+        obj["__metadata__"] = dict(metadata)
+    pos = 0
+    for name, dtype, shape in tensors:
+        nb = math.prod(shape) * DTYPES[dtype][0]
+        obj[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nb]}
+        pos += nb
+    js = json.dumps(obj, separators=(",", ":")).encode()
+    js += b" " * ((8 - (len(js) + 8) % 8) % 8)
+    return struct.pack("<Q", len(js)) + js
+
+
+@dataclass
+class CheckpointLayout:
+    """Where every tensor of a Hugging Face checkpoint lives.
+
+    Attributes:
+        root: checkpoint URI (folder path or ``s3://`` prefix).
+        shards: shard file name -> :class:`ShardHeader`, in index order.
+        tensors: tensor name -> :class:`TensorInfo`, in checkpoint order (shard, then offset).
+        index_metadata: ``metadata`` of ``model.safetensors.index.json`` (``{}`` if single file).
+        sharded: True when the checkpoint uses an index.
+    """
+
+    root: str
+    shards: dict[str, ShardHeader]
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    index_metadata: dict = field(default_factory=dict)
+    sharded: bool = False
+
+    def identity_material(self) -> dict:
+        """The inputs of a checkpoint identity digest: per shard its size and header hash."""
+        return {
+            name: {"size": sh.file_size, "header_sha256": sh.header_sha256}
+            for name, sh in sorted(self.shards.items())
+        }
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(sh.file_size for sh in self.shards.values())
+
+
+def read_shard_header(storage, uri: str, file: str, role: str, size: int | None = None) -> ShardHeader:
+    """Read and parse one shard's header through ``storage`` (a speculative 64 KiB read first,
+    more only when the header is larger). Bytes are counted under ``role``."""
+    from mergepipe.storage.base import NotFoundError
+
+    try:
+        size = storage.stat(uri).size if size is None else size
+    except NotFoundError:
+        raise InputError(f"{uri}: shard file not found; check the path or the index's weight_map.") from None
+    first = storage.read_range(uri, 0, min(size, 65536), role) if size else b""
+    n = header_length(first[:8], uri, size)
+    raw = first if 8 + n <= len(first) else first + storage.read_range(uri, len(first), 8 + n, role)
+    return parse_header(raw, file, size, source=uri)
+
+
+def load_layout(storage, root: str, role: str = "other") -> CheckpointLayout:
+    """Read a checkpoint's shard index (if any) and every shard header.
+
+    Raises:
+        InputError: no ``model.safetensors`` nor index; invalid index JSON; index naming a
+            missing shard; a tensor listed in the index missing from its shard; any header error.
+    """
+    from mergepipe.storage.base import NotFoundError
+
+    idx_uri = storage.join(root, INDEX_NAME)
+    try:
+        idx_raw = storage.read_object(idx_uri, role)
+    except NotFoundError:
+        idx_raw = None
+    if idx_raw is None:
+        single = storage.join(root, SINGLE_NAME)
+        if not storage.exists(single):
+            raise InputError(
+                f"{root}: no {SINGLE_NAME} and no {INDEX_NAME}; point at a Hugging Face checkpoint "
+                "folder saved with safetensors (save_pretrained(..., safe_serialization=True))."
+            )
+        sh = read_shard_header(storage, single, SINGLE_NAME, role)
+        return CheckpointLayout(root=root, shards={SINGLE_NAME: sh}, tensors=dict(sh.tensors))
+    try:
+        idx = json.loads(idx_raw)
+        weight_map = idx["weight_map"]
+        assert isinstance(weight_map, dict)
+    except Exception:
+        raise InputError(f"{idx_uri}: not a valid shard index (needs a JSON object with a 'weight_map' map).") from None
+    files: list[str] = []
+    for f in weight_map.values():
+        if f not in files:
+            files.append(f)
+    shards: dict[str, ShardHeader] = {}
+    for f in sorted(files):
+        uri = storage.join(root, f)
+        try:
+            size = storage.stat(uri).size
+        except NotFoundError:
+            raise InputError(
+                f"{idx_uri}: weight_map names shard {f!r}, which does not exist at {uri}; "
+                "the checkpoint is incomplete: copy the missing shard or fix the index."
+            ) from None
+        shards[f] = read_shard_header(storage, uri, f, role, size=size)
+    tensors: dict[str, TensorInfo] = {}
+    for f, sh in shards.items():
+        for name, ti in sh.tensors.items():
+            if name in tensors:
+                raise InputError(f"{root}: tensor {name!r} appears in two shards ({tensors[name].file}, {f}).")
+            tensors[name] = ti
+    for name, f in weight_map.items():
+        if name not in tensors or tensors[name].file != f:
+            raise InputError(f"{idx_uri}: weight_map maps {name!r} to {f!r} but that shard does not hold it.")
+    return CheckpointLayout(
+        root=root, shards=shards, tensors=tensors, index_metadata=idx.get("metadata") or {}, sharded=True
+    )
+
+
+def layout_to_dict(layout: CheckpointLayout) -> dict:
+    """JSON-able form of a layout (stored in the catalog so merges need not re-read headers)."""
+    return {
+        "root": layout.root,
+        "sharded": layout.sharded,
+        "index_metadata": layout.index_metadata,
+        "shards": {
+            f: {
+                "header_len": sh.header_len,
+                "file_size": sh.file_size,
+                "metadata": sh.metadata,
+                "header_sha256": sh.header_sha256,
+                "tensors": [[t.name, t.dtype, list(t.shape), t.start, t.end] for t in sh.tensors.values()],
+            }
+            for f, sh in layout.shards.items()
+        },
+    }
+
+
+def layout_from_dict(d: dict, root: str | None = None) -> CheckpointLayout:
+    """Inverse of :func:`layout_to_dict`; ``root`` overrides the stored root URI."""
+    shards: dict[str, ShardHeader] = {}
+    tensors: dict[str, TensorInfo] = {}
+    for f, s in d["shards"].items():
+        ts = {n: TensorInfo(n, dt, tuple(shape), f, b, e) for n, dt, shape, b, e in s["tensors"]}
+        shards[f] = ShardHeader(
+            file=f,
+            header_len=s["header_len"],
+            data_start=8 + s["header_len"],
+            file_size=s["file_size"],
+            tensors=ts,
+            metadata=s["metadata"],
+            header_sha256=s["header_sha256"],
+        )
+        tensors.update(ts)
+    return CheckpointLayout(
+        root=root or d["root"],
+        shards=shards,
+        tensors=tensors,
+        index_metadata=d.get("index_metadata") or {},
+        sharded=d["sharded"],
+    )

@@ -1,0 +1,317 @@
+"""The merge pipeline: register → analyze → plan → execute → commit, as library calls.
+
+The CLI (:mod:`mergepipe.cli`) is a thin layer over these functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import re
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, Catalog, CheckpointRecord
+from mergepipe.errors import InputError
+from mergepipe.planner.plan import Plan
+from mergepipe.planner.planner import DEFAULT_WORK_BYTES, EXTRA_FILES, make_plan
+from mergepipe.storage.base import IOCounters, Storage, is_s3, open_storage
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4,
+}
+
+
+def parse_bytes(text: str, *, total: int | None = None, what: str = "--budget") -> int | None:
+    """Parse a byte quantity: ``1234``, ``512MiB``, ``1.5GB``, ``10Gi``, a percentage of
+    ``total`` (``25%``), or ``unlimited``/``inf`` (returns None).
+
+    Raises:
+        InputError: unparseable, negative, or a percentage without a total.
+    """
+    s = str(text).strip()
+    if s.lower() in ("unlimited", "inf", "none", "full"):
+        return None
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z%]*)", s)
+    if not m:
+        raise InputError(f"{what} {text!r}: not a byte quantity; use e.g. 512MiB, 1.5GB, 1073741824, 25% or unlimited.")
+    num, unit = float(m.group(1)), m.group(2).lower()
+    if unit == "%":
+        if total is None:
+            raise InputError(f"{what} {text!r}: a percentage needs the experts' total size, which is unknown here.")
+        if num > 100:
+            raise InputError(f"{what} {text!r}: a percentage above 100% is not a budget; use unlimited.")
+        return int(total * num / 100.0)
+    if unit not in _UNITS:
+        raise InputError(f"{what} {text!r}: unknown unit {m.group(2)!r}; use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB or %.")
+    return int(num * _UNITS[unit])
+
+
+def parse_params(items: Sequence[str], expert_names: Sequence[str]) -> tuple[dict, list[dict]]:
+    """Parse ``--param`` values.
+
+    Syntax: ``NAME=VALUE`` applies to the merge (and to every expert for per-expert parameters
+    such as weight and density); ``EXPERT:NAME=VALUE`` applies to one expert, where ``EXPERT`` is
+    the expert's name (the last path component of its URI, or the name given as
+    ``--expert NAME=URI``) or its 1-based position. Works unchanged for ``s3://`` URIs.
+
+    Raises:
+        InputError: malformed item or unknown expert.
+    """
+    glob: dict = {}
+    per: list[dict] = [{} for _ in expert_names]
+    for it in items:
+        m = re.fullmatch(r"(?:([^:=]+):)?([A-Za-z_][A-Za-z0-9_]*)=(.+)", it.strip())
+        if not m:
+            raise InputError(f"--param {it!r}: expected NAME=VALUE or EXPERT:NAME=VALUE (e.g. density=0.5, math:weight=0.3).")
+        who, name, val = m.group(1), m.group(2), m.group(3)
+        if who is None:
+            glob[name] = val
+            continue
+        if who.isdigit() and 1 <= int(who) <= len(expert_names):
+            per[int(who) - 1][name] = val
+        elif who in expert_names:
+            per[list(expert_names).index(who)][name] = val
+        else:
+            raise InputError(f"--param {it!r}: no expert named {who!r}; experts are {', '.join(expert_names)} (or 1..{len(expert_names)}).")
+    return glob, per
+
+
+def parse_expert(arg: str) -> tuple[str, str]:
+    """``NAME=URI`` or ``URI`` -> (name, uri); the default name is the URI's last component."""
+    m = re.fullmatch(r"([A-Za-z0-9_.-]+)=(.+)", arg)
+    if m and not arg.startswith("s3://"):
+        return m.group(1), m.group(2).rstrip("/")
+    uri = arg.rstrip("/")
+    return uri.rsplit("/", 1)[-1] or uri, uri
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for mod in ("mergepipe", "numpy", "torch", "safetensors", "pydantic"):
+        try:
+            m = __import__(mod)
+            out[mod] = getattr(m, "__version__", "?")
+        except Exception:
+            pass
+    return out
+
+
+@dataclass
+class MergeResult:
+    """Outcome of a committed merge (also the ``--json`` output)."""
+
+    out: str
+    manifest: dict
+    manifest_hash: str
+    plan: Plan
+    already_committed: bool = False
+    analyze_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        m = self.manifest
+        return {
+            "snapshot_id": m["snapshot_id"],
+            "manifest_hash": self.manifest_hash,
+            "plan_digest": m["plan_digest"],
+            "out": self.out,
+            "method": m["method"],
+            "already_committed": self.already_committed,
+            "io": {
+                "base_read_bytes": m["io"]["realized"]["base_read_bytes"],
+                "expert_read_bytes": m["io"]["realized"]["expert_read_bytes"],
+                "output_write_bytes": m["io"]["realized"]["output_write_bytes"],
+                "expert_budget_bytes": m["io"]["expert_budget_bytes"],
+                "planned_expert_read_bytes": m["io"]["estimated"]["expert_read_bytes"],
+                "expert_bytes_total": m["io"]["expert_bytes_total"],
+            },
+            "retained_energy": m["retained_energy"],
+            "wall_s": m["time"]["wall_s"],
+        }
+
+
+def register_and_analyze(
+    catalog: Catalog,
+    storage: Storage,
+    base_uri: str,
+    expert_uris: Sequence[str],
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[CheckpointRecord, list[CheckpointRecord], list[Analysis]]:
+    """Register the base and experts and analyze the experts (cached)."""
+    base = catalog.register(storage, base_uri)
+    experts = [catalog.register(storage, u) for u in expert_uris]
+    analyses = catalog.analyze(storage, base, experts, block_bytes=block_bytes, progress=progress)
+    return base, experts, analyses
+
+
+def build_plan(
+    catalog: Catalog,
+    storage: Storage,
+    base_uri: str,
+    experts: Sequence[tuple[str, str]],
+    method: str,
+    params: Sequence[str] = (),
+    *,
+    budget: str | int | None = None,
+    fidelity: float | None = None,
+    seed: int = 0,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    work_bytes: int = DEFAULT_WORK_BYTES,
+    progress: Callable[[int], None] | None = None,
+) -> Plan:
+    """Register, analyze and plan. ``experts`` are (name, uri) pairs; ``budget`` a byte quantity
+    string (see :func:`parse_bytes`), an int, or None for unlimited."""
+    names = [n for n, _ in experts]
+    if len(set(names)) != len(names):
+        raise InputError(f"--expert: two experts share a name ({', '.join(names)}); name them as --expert NAME=URI.")
+    from mergepipe.methods.registry import get_method
+
+    from mergepipe.methods.registry import resolve_params
+
+    get_method(method)  # fail fast, before reading anything
+    glob, per = parse_params(params, names)
+    resolve_params(method, dict(glob), [dict(p) for p in per])
+    if fidelity is not None and not (0.0 < fidelity <= 1.0):
+        raise InputError(f"--fidelity {fidelity} is outside (0, 1]; e.g. --fidelity 0.99.")
+    if isinstance(budget, str):
+        parse_bytes(budget, total=0)  # syntax check before any read
+    base, recs, analyses = register_and_analyze(catalog, storage, base_uri, [u for _, u in experts], block_bytes, progress)
+    total = sum(r.total_bytes for r in recs)
+    budget_bytes = parse_bytes(budget, total=total) if isinstance(budget, str) else budget
+    extra = [f for f in EXTRA_FILES if storage.exists(storage.join(base.uri, f))]
+    plan = make_plan(
+        base, recs, analyses, method, glob, per, expert_names=names, budget_bytes=budget_bytes,
+        fidelity=fidelity, seed=seed, work_bytes=work_bytes, coalesce_gap=storage.max_gap, extra_files=extra,
+    )
+    return plan
+
+
+def execute_and_commit(
+    plan: Plan,
+    storage: Storage,
+    out: str,
+    *,
+    device: str = "cpu",
+    progress: Callable[[int], None] | None = None,
+) -> MergeResult:
+    """Execute ``plan`` into a staging folder beside ``out`` and publish it atomically.
+
+    Raises:
+        InputError: output path unusable or holding another snapshot; inputs changed.
+    """
+    from mergepipe.commit.manifest import (
+        check_output,
+        clean_stale_staging,
+        new_staging,
+        publish_local,
+        read_manifest,
+        snapshot_id,
+    )
+    from mergepipe.engine.executor import execute
+
+    if is_s3(out):
+        raise InputError(f"--out {out}: committing to S3 is not available in this build yet; write to a local folder.")
+    existing = check_output(out, plan.digest)
+    if existing is not None:
+        m, mh = read_manifest(out)
+        return MergeResult(out=str(out), manifest=m, manifest_hash=mh, plan=plan, already_committed=True)
+    clean_stale_staging(out)
+    staging = new_staging(out)
+    started = time.time()
+    try:
+        before = storage.counters.snapshot()
+        res = execute(plan, storage, storage, str(staging), device=device, progress=progress)
+        after = storage.counters.snapshot()
+        delta = {k: after["read"].get(k, 0) - before["read"].get(k, 0) for k in after["read"]}
+        written = {k: after["written"].get(k, 0) - before["written"].get(k, 0) for k in after["written"]}
+        outputs = res.files
+        manifest = {
+            "format": "mergepipe.manifest/v1",
+            "snapshot_id": snapshot_id(plan.digest, outputs),
+            "plan_digest": plan.digest,
+            "method": plan.method,
+            "parameters": {"globals": plan.globals, "experts": {e.name: e.params for e in plan.experts}},
+            "seed": plan.seed,
+            "inputs": {
+                "base": {"uri": plan.base.uri, "identity": plan.base.identity, "files": plan.base.signature,
+                         "content_digest": res.base_content_digest()},
+                "experts": [
+                    {"name": e.name, "uri": e.uri, "identity": e.identity, "files": e.signature,
+                     "content_digest": e.content_digest}
+                    for e in plan.experts
+                ],
+            },
+            "outputs": outputs,
+            "touched_blocks": res.touched_blocks,
+            "blocks_total": {e.name: sum(t.n_blocks for t in plan.tensors if t.dtype in ("F32", "F16", "BF16", "F64")) for e in plan.experts},
+            "io": {
+                "expert_budget_bytes": plan.budget_bytes,
+                "fidelity": plan.fidelity,
+                "expert_bytes_total": plan.expert_bytes_total,
+                "estimated": plan.io.model_dump(),
+                "realized": {
+                    "base_read_bytes": delta.get("base", 0),
+                    "expert_read_bytes": delta.get("expert", 0),
+                    "output_write_bytes": written.get("output", 0),
+                    "catalog_read_bytes": delta.get("catalog", 0),
+                },
+            },
+            "retained_energy": plan.retained_energy,
+            "time": {"started_at": started, "wall_s": round(res.wall_s, 3)},
+            "device": device,
+            "versions": versions(),
+        }
+        mh = publish_local(staging, out, manifest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return MergeResult(out=str(out), manifest=manifest, manifest_hash=mh, plan=plan)
+
+
+def merge(
+    base_uri: str,
+    experts: Sequence[tuple[str, str]],
+    method: str,
+    out: str,
+    params: Sequence[str] = (),
+    *,
+    budget: str | int | None = None,
+    fidelity: float | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+    catalog: Catalog | None = None,
+    storage: Storage | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    work_bytes: int = DEFAULT_WORK_BYTES,
+    progress: Callable[[str, int, int | None], None] | None = None,
+) -> MergeResult:
+    """register → analyze → plan → execute → commit in one call (what ``mergepipe merge`` runs).
+
+    Args:
+        progress: ``progress(stage, advance_bytes, total_bytes_or_None)``.
+    """
+    from mergepipe.commit.manifest import check_output
+
+    t0 = time.perf_counter()
+    storage = storage or open_storage(base_uri, IOCounters())
+    catalog = catalog or Catalog()
+    if not is_s3(out) and not (Path(out) / "manifest.json").exists():
+        check_output(out, "")  # fail fast (unwritable, non-empty) before reading any input
+    cb = (lambda n: progress("analyze", n, None)) if progress else None
+    plan = build_plan(catalog, storage, base_uri, experts, method, params, budget=budget, fidelity=fidelity,
+                      seed=seed, block_bytes=block_bytes, work_bytes=work_bytes, progress=cb)
+    t_an = time.perf_counter() - t0
+    if progress:
+        progress("merge", 0, plan.io.output_write_bytes)
+    res = execute_and_commit(plan, storage, out, device=device,
+                             progress=(lambda n: progress("merge", n, None)) if progress else None)
+    res.analyze_s = t_an
+    return res

@@ -1,0 +1,156 @@
+"""The plan: the executable object of a merge, and its digest.
+
+A :class:`Plan` says, per tensor, which blocks of which experts the engine reads, with the
+method parameters resolved per expert and the magnitude-trim thresholds fixed. Its **digest**
+is the SHA-256 of the canonical JSON (sorted keys, no whitespace) of its semantic fields:
+everything except ``created_at``, ``mergepipe_version``, the human explanations and the digest
+itself. Two plans with the same digest produce bit-identical snapshots from the same inputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from pydantic import BaseModel, Field
+
+PLAN_FORMAT = "mergepipe.plan/v1"
+
+
+class InputRef(BaseModel):
+    """A checkpoint the merge reads: URI, identity digest, per-file ``[size, version]``."""
+
+    uri: str
+    identity: str
+    signature: dict[str, list]
+    total_bytes: int
+
+
+class ExpertRef(InputRef):
+    """An expert: its name, resolved per-expert parameters, and the SHA-256 over its tensors'
+    content hashes recorded by the catalog's analysis."""
+
+    name: str
+    params: dict[str, float]
+    content_digest: str = ""
+
+
+class TensorExpert(BaseModel):
+    """One expert's part in one tensor.
+
+    Attributes:
+        expert: index into ``Plan.experts``.
+        file, start: the expert's shard holding the tensor and the tensor's first data byte.
+        min_key: magnitude-trim threshold key (0 = keep all).
+        stream_key: DARE random stream key.
+        blocks: selected block runs ``[b0, b1)`` (block indices).
+        bytes: expert bytes these blocks occupy (one pass).
+        kept_energy: estimated ``w² Σ δ²`` kept from the selected blocks.
+        full_energy: the same over all blocks (the full-budget value).
+    """
+
+    expert: int
+    file: str
+    start: int
+    min_key: int = 0
+    stream_key: int = 0
+    blocks: list[tuple[int, int]]
+    bytes: int
+    kept_energy: float
+    full_energy: float
+
+
+class TensorPlan(BaseModel):
+    """How one output tensor is produced.
+
+    Attributes:
+        name, dtype, shape, file: the tensor and its shard (output layout = base layout).
+        start: first data byte of the tensor in the base shard ``file``.
+        rows_per_block, n_blocks: the catalog's block grid for this tensor.
+        chunk_rows: rows processed at once by the engine (a multiple of ``rows_per_block``).
+        passes: 2 when per-tensor statistics of the read data (L1 rescale) need a pre-pass
+            over a tensor larger than one chunk, else 1.
+        experts: contributing experts (experts with no selected block are absent).
+        copy_base: True when the output tensor is the base tensor byte for byte.
+    """
+
+    name: str
+    dtype: str
+    shape: list[int]
+    file: str
+    start: int
+    rows_per_block: int
+    n_blocks: int
+    chunk_rows: int
+    passes: int = 1
+    experts: list[TensorExpert] = Field(default_factory=list)
+    copy_base: bool = False
+    explain: str = ""
+
+
+class IOEstimate(BaseModel):
+    """Bytes per role. ``expert_read_bytes`` is exact for the plan's coalescing rule."""
+
+    base_read_bytes: int = 0
+    expert_read_bytes: int = 0
+    output_write_bytes: int = 0
+
+
+class Plan(BaseModel):
+    """A merge plan. See the module docstring for the digest."""
+
+    format: str = PLAN_FORMAT
+    method: str
+    globals: dict[str, float | bool]
+    seed: int = 0
+    block_bytes: int
+    coalesce_gap: int = 0
+    work_bytes: int
+    base: InputRef
+    experts: list[ExpertRef]
+    budget_bytes: int | None = None
+    fidelity: float | None = None
+    tensors: list[TensorPlan]
+    io: IOEstimate
+    expert_bytes_total: int
+    retained_energy: float
+    extra_files: list[str] = Field(default_factory=list)
+    shard_metadata: dict[str, dict[str, str]] = Field(default_factory=dict)
+    index_metadata: dict = Field(default_factory=dict)
+    # non-semantic
+    created_at: float = 0.0
+    mergepipe_version: str = ""
+    explain: str = ""
+    digest: str = ""
+
+    NON_SEMANTIC: frozenset = frozenset({"created_at", "mergepipe_version", "explain", "digest"})
+
+    def semantic_json(self) -> str:
+        d = self.model_dump(mode="json", exclude=set(self.NON_SEMANTIC))
+        for t in d["tensors"]:
+            t.pop("explain", None)
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+    def compute_digest(self) -> str:
+        return hashlib.sha256(self.semantic_json().encode()).hexdigest()
+
+    def seal(self) -> Plan:
+        self.digest = self.compute_digest()
+        return self
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "plan") -> Plan:
+        from mergepipe.errors import InputError
+
+        try:
+            p = cls.model_validate_json(text)
+        except Exception as e:
+            raise InputError(f"{source}: not a valid mergepipe plan ({str(e).splitlines()[0]}).") from None
+        if p.format != PLAN_FORMAT:
+            raise InputError(f"{source}: plan format {p.format!r}, this mergepipe reads {PLAN_FORMAT!r}.")
+        if p.digest and p.digest != p.compute_digest():
+            raise InputError(f"{source}: plan digest does not match its content; the plan was edited or corrupted.")
+        return p
