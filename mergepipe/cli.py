@@ -389,7 +389,9 @@ def main() -> None:
     from mergepipe.storage.base import StorageError
 
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)
+        if isinstance(rc, int) and rc:
+            sys.exit(rc)
     except (InputError, CommitConflict, StorageError) as e:
         _err_console().print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)

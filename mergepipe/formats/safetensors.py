@@ -214,13 +214,13 @@ def parse_header(raw: bytes, file: str, file_size: int, source: str | None = Non
                 f"{', '.join(DTYPES)}."
             )
         shape = ent.get("shape")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise InputError(f"{src}: tensor {name!r}: shape {shape!r} is not a list of non-negative ints.")
         offs = ent.get("data_offsets")
         if (
             not isinstance(offs, list)
             or len(offs) != 2
-            or not all(isinstance(o, int) and o >= 0 for o in offs)
+            or not all(type(o) is int and o >= 0 for o in offs)
             or offs[1] < offs[0]
         ):
             raise InputError(f"{src}: tensor {name!r}: data_offsets {offs!r} must be [begin, end] with begin <= end.")
@@ -350,7 +350,8 @@ def load_layout(storage, root: str, role: str = "other") -> CheckpointLayout:
     try:
         idx = json.loads(idx_raw)
         weight_map = idx["weight_map"]
-        assert isinstance(weight_map, dict)
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError("weight_map must map tensor names to shard file names")
     except Exception:
         raise InputError(f"{idx_uri}: not a valid shard index (needs a JSON object with a 'weight_map' map).") from None
     files: list[str] = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import ClassVar
 
 from pydantic import BaseModel, Field
 
@@ -123,7 +124,7 @@ class Plan(BaseModel):
     explain: str = ""
     digest: str = ""
 
-    NON_SEMANTIC: frozenset = frozenset({"created_at", "mergepipe_version", "explain", "digest"})
+    NON_SEMANTIC: ClassVar[frozenset] = frozenset({"created_at", "mergepipe_version", "explain", "digest"})
 
     def semantic_json(self) -> str:
         d = self.model_dump(mode="json", exclude=set(self.NON_SEMANTIC))

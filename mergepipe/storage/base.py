@@ -103,8 +103,11 @@ def coalesce(
     the storage layer calls it to issue requests, so realized bytes equal planned bytes.
 
     Raises:
-        ValueError: a range with ``start > end`` or a negative start.
+        ValueError: a range with ``start > end`` or a negative start, or ``max_request < 1``.
     """
+    if max_request < 1:
+        raise ValueError(f"max_request must be at least 1 byte, got {max_request}")
+    max_gap = max(0, max_gap)
     spans = []
     for s, e in ranges:
         if s < 0 or e < s:
@@ -141,6 +144,8 @@ def slice_from_requests(
     data are ``buffers``. A range spanning several split requests is joined (one copy)."""
     import bisect
 
+    if start == end:
+        return b""
     starts = [s for s, _ in requests]
     i = bisect.bisect_right(starts, start) - 1
     if i < 0:
@@ -151,6 +156,8 @@ def slice_from_requests(
     parts = []
     pos = start
     while pos < end:
+        if i >= len(requests):
+            raise ValueError(f"range [{start}, {end}) not covered by requests")
         s, e = requests[i]
         if pos < s or pos >= e:
             raise ValueError(f"range [{start}, {end}) not covered by requests")

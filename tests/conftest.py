@@ -1,0 +1,47 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path, monkeypatch):
+    """Never touch the user's ~/.mergepipe from tests."""
+    monkeypatch.setenv("MERGEPIPE_HOME", str(tmp_path / "mergepipe-home"))
+
+
+@pytest.fixture(scope="session")
+def family(tmp_path_factory):
+    """A bf16 base + 3 experts (2 shards each) with fine-tuning-like task vectors."""
+    from tests.synth import make_family
+
+    root = tmp_path_factory.mktemp("family")
+    base, experts = make_family(root, 3, seed=1)
+    return base, experts
+
+
+def merged_tensors(folder) -> dict:
+    import glob
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(glob.glob(os.path.join(str(folder), "*.safetensors"))):
+        out.update(load_file(f))
+    return out
+
+
+def same_bits(a, b) -> bool:
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point:
+        iv = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.view(iv), b.view(iv))
+    return torch.equal(a, b)

@@ -1,0 +1,118 @@
+"""Registration identity, analysis statistics, and caching (a cached analyze reads nothing)."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mergepipe.catalog.catalog import Catalog
+from mergepipe.errors import InputError
+from mergepipe.numerics import magnitude_keys
+from mergepipe.storage.base import IOCounters
+from mergepipe.storage.local import LocalStorage
+from tests.synth import make_family, save_checkpoint
+
+
+def _load(folder):
+    out = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, f)))
+    return out
+
+
+def test_stats_match_direct_computation(family, tmp_path):
+    base, experts = family
+    cat = Catalog(tmp_path / "c.sqlite")
+    st = LocalStorage(IOCounters())
+    b = cat.register(st, str(base))
+    e = cat.register(st, str(experts[0]))
+    (a,) = cat.analyze(st, b, [e], block_bytes=4096)
+    B, E = _load(base), _load(experts[0])
+    for name, s in a.tensors.items():
+        d = (E[name].float() - B[name].float()).flatten().numpy()
+        assert s.numel == d.size
+        assert s.sq_norm.sum() == pytest.approx(float((d.astype(np.float64) ** 2).sum()), rel=1e-9)
+        assert s.l1.sum() == pytest.approx(float(np.abs(d).astype(np.float64).sum()), rel=1e-9)
+        per = s.rows_per_block * (d.size // B[name].shape[0])
+        for i in range(s.n_blocks):
+            blk = d[i * per : (i + 1) * per]
+            assert s.max_abs[i] == np.abs(blk).max()
+            assert s.block_numel[i] == blk.size
+        keys, counts = np.unique(magnitude_keys(d), return_counts=True)
+        np.testing.assert_array_equal(s.hist_keys, keys)
+        np.testing.assert_array_equal(s.hist_counts, counts)
+        # octave histograms add up to the block energies
+        np.testing.assert_allclose(s.oct_energy.sum(axis=1), s.sq_norm, rtol=1e-9)
+
+
+def test_kept_energy_estimate_is_close(family, tmp_path):
+    base, experts = family
+    cat = Catalog(tmp_path / "c.sqlite")
+    st = LocalStorage(IOCounters())
+    b = cat.register(st, str(base))
+    e = cat.register(st, str(experts[1]))
+    (a,) = cat.analyze(st, b, [e], block_bytes=4096)
+    B, E = _load(base), _load(experts[1])
+    name = "model.layers.0.mlp.up_proj.weight"
+    s = a.tensors[name]
+    d = (E[name].float() - B[name].float()).flatten().numpy()
+    for dens in (0.1, 0.5):
+        mk = s.min_key(dens)
+        exact = np.where(magnitude_keys(d) >= mk, d.astype(np.float64) ** 2, 0).sum()
+        assert s.kept_energy(mk).sum() == pytest.approx(exact, rel=0.05)
+
+
+def test_cached_analysis_reads_nothing_and_change_reanalyzes(tmp_path):
+    base, experts = make_family(tmp_path / "m", 2, seed=5)
+    cat = Catalog(tmp_path / "c.sqlite")
+    st = LocalStorage(IOCounters())
+    b = cat.register(st, str(base))
+    es = [cat.register(st, str(e)) for e in experts]
+    cat.analyze(st, b, es)
+    first = st.counters.snapshot()["read"]
+    assert first["expert"] > 0 and first["base"] > 0
+
+    st2 = LocalStorage(IOCounters())
+    b2 = cat.register(st2, str(base))
+    es2 = [cat.register(st2, str(e)) for e in experts]
+    cat.analyze(st2, b2, es2)
+    assert sum(st2.counters.snapshot()["read"].values()) == 0, "unchanged checkpoints must not be read again"
+    assert b2.identity == b.identity
+
+    # rewrite one expert in place (same shapes, same header) -> new identity, re-analyzed
+    time.sleep(0.01)
+    t = _load(experts[0])
+    t = {k: (v.float() * 1.01).to(v.dtype) for k, v in t.items()}
+    for f in experts[0].glob("*.safetensors"):
+        f.unlink()
+    save_checkpoint(experts[0], t, 2)
+    st3 = LocalStorage(IOCounters())
+    e3 = cat.register(st3, str(experts[0]))
+    assert e3.identity != es[0].identity
+    cat.analyze(st3, cat.register(st3, str(base)), [e3])
+    assert st3.counters.snapshot()["read"]["expert"] > 0
+
+
+def test_incompatible_expert_is_refused_before_reading(tmp_path):
+    base, (e1,) = make_family(tmp_path / "m", 1, seed=6)
+    t = _load(e1)
+    bad = dict(t)
+    bad["model.norm.weight"] = torch.zeros(7, dtype=torch.bfloat16)
+    save_checkpoint(tmp_path / "shape", bad, 1)
+    bad2 = dict(t)
+    bad2["model.norm.weight"] = t["model.norm.weight"].float()
+    save_checkpoint(tmp_path / "dtype", bad2, 1)
+    bad3 = {k: v for k, v in t.items() if k != "lm_head.weight"}
+    save_checkpoint(tmp_path / "missing", bad3, 1)
+    cat = Catalog(tmp_path / "c.sqlite")
+    for folder, msg in (("shape", "model.norm.weight"), ("dtype", "F32"), ("missing", "lm_head.weight")):
+        st = LocalStorage(IOCounters())
+        b = cat.register(st, str(base))
+        e = cat.register(st, str(tmp_path / folder))
+        with pytest.raises(InputError, match=msg):
+            cat.analyze(st, b, [e])
+        assert st.counters.snapshot()["read"]["expert"] == 0

@@ -1,0 +1,182 @@
+"""The CLI contract: --json output, exit code 2 with one clear message for bad input, and
+nothing written when it fails."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mergepipe import cli
+from tests.synth import make_family, save_checkpoint
+
+
+def run_cli(args, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["mergepipe", *args])
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as e:
+        code = e.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture()
+def fam(tmp_path):
+    base, experts = make_family(tmp_path / "m", 2, seed=11)
+    return tmp_path, base, experts
+
+
+def merge_args(base, experts, out, *extra):
+    a = ["merge", "--base", str(base)]
+    for e in experts:
+        a += ["--expert", str(e)]
+    return a + ["--out", str(out), *extra]
+
+
+def test_merge_json_contract(fam, monkeypatch, capsys):
+    tmp, base, experts = fam
+    code, out, err = run_cli(merge_args(base, experts, tmp / "out", "--method", "ties", "--param", "density=0.5",
+                                        "--param", "expert1:weight=0.7", "--budget", "64KiB", "--json"),
+                             monkeypatch, capsys)
+    assert code == 0, err
+    res = json.loads(out)  # stdout holds exactly one JSON object
+    for k in ("snapshot_id", "manifest_hash", "plan_digest", "retained_energy", "wall_s"):
+        assert k in res
+    for k in ("base_read_bytes", "expert_read_bytes", "output_write_bytes", "expert_budget_bytes"):
+        assert isinstance(res["io"][k], int)
+    assert res["io"]["expert_read_bytes"] <= res["io"]["expert_budget_bytes"] == 65536
+    m = json.loads((tmp / "out" / "manifest.json").read_text())
+    assert m["parameters"]["experts"]["expert1"]["weight"] == 0.7
+    assert m["parameters"]["experts"]["expert0"]["weight"] == 1.0
+    # rerun: idempotent, nothing recomputed
+    code, out2, _ = run_cli(merge_args(base, experts, tmp / "out", "--method", "ties", "--param", "density=0.5",
+                                       "--param", "expert1:weight=0.7", "--budget", "64KiB", "--json"),
+                            monkeypatch, capsys)
+    assert code == 0 and json.loads(out2)["already_committed"] is True
+    code, out3, _ = run_cli(["verify", str(tmp / "out"), "--json"], monkeypatch, capsys)
+    assert code == 0 and json.loads(out3)["ok"]
+
+
+def test_plan_explain_execute(fam, monkeypatch, capsys):
+    tmp, base, experts = fam
+    plan = tmp / "plan.json"
+    code, out, err = run_cli(["plan", "--base", str(base), "-e", str(experts[0]), "-e", str(experts[1]), "-m",
+                              "dare_linear", "-p", "density=0.5", "-b", "30%", "-o", str(plan), "--json"],
+                             monkeypatch, capsys)
+    assert code == 0, err
+    digest = json.loads(out)["plan_digest"]
+    code, out, _ = run_cli(["explain", str(plan), "--json"], monkeypatch, capsys)
+    assert code == 0 and json.loads(out)["plan_digest"] == digest
+    code, out, err = run_cli(["execute", str(plan), "--out", str(tmp / "snap"), "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    assert json.loads(out)["plan_digest"] == digest
+
+
+def test_verify_detects_tampering(fam, monkeypatch, capsys):
+    tmp, base, experts = fam
+    assert run_cli(merge_args(base, experts, tmp / "out", "--json"), monkeypatch, capsys)[0] == 0
+    shard = sorted((tmp / "out").glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    code, out, _ = run_cli(["verify", str(tmp / "out"), "--json"], monkeypatch, capsys)
+    assert code == 1 and not json.loads(out)["ok"]
+    assert shard.name in json.loads(out)["problems"][0]
+
+
+def _corrupt(folder: Path, how: str) -> str:
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    raw = shard.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    if how == "truncated":
+        shard.write_bytes(raw[:-100])
+    elif how == "header_past_eof":
+        shard.write_bytes(struct.pack("<Q", len(raw) * 2) + raw[8:])
+    elif how == "header_too_large":
+        shard.write_bytes(struct.pack("<Q", 200_000_000) + raw[8:])
+    elif how == "invalid_json":
+        shard.write_bytes(raw[:8] + b"{" * n + raw[8 + n :])
+    elif how == "missing_shard":
+        shard.unlink()
+    return shard.name
+
+
+BAD_FILES = ["truncated", "header_past_eof", "header_too_large", "invalid_json", "missing_shard"]
+
+
+@pytest.mark.parametrize("how", BAD_FILES)
+def test_bad_checkpoint_files_exit_2_nothing_written(fam, monkeypatch, capsys, how):
+    tmp, base, experts = fam
+    name = _corrupt(experts[1], how)
+    code, out, err = run_cli(merge_args(base, experts, tmp / "out", "--json"), monkeypatch, capsys)
+    assert code == 2
+    assert out == ""
+    assert name in err or str(experts[1]) in err
+    assert not (tmp / "out").exists()
+    assert not list(tmp.glob(".out.staging-*"))
+
+
+def test_mismatched_expert_exit_2(fam, monkeypatch, capsys):
+    import torch
+    from safetensors.torch import load_file
+
+    tmp, base, experts = fam
+    t = {}
+    for f in sorted(experts[0].glob("*.safetensors")):
+        t.update(load_file(str(f)))
+    t["model.layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3, dtype=torch.bfloat16)
+    save_checkpoint(tmp / "bad", t, 2)
+    code, out, err = run_cli(merge_args(base, [experts[0], tmp / "bad"], tmp / "out"), monkeypatch, capsys)
+    assert code == 2 and "model.layers.0.mlp.up_proj.weight" in err and "bad" in err
+    assert not (tmp / "out").exists()
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--budget", "12 parsecs"], "--budget"),
+    (["--budget", "lots"], "--budget"),
+    (["--method", "frankenmerge"], "unknown merge method"),
+    (["--method", "ties", "--param", "density=0"], "density"),
+    (["--method", "ties", "--param", "colour=blue"], "colour"),
+    (["--param", "nobody:weight=1"], "nobody"),
+    (["--fidelity", "1.5"], "fidelity"),
+    (["--device", "cuda:7"], "--device"),
+])
+def test_bad_arguments_exit_2(fam, monkeypatch, capsys, extra, needle):
+    tmp, base, experts = fam
+    code, out, err = run_cli(merge_args(base, experts, tmp / "out", *extra), monkeypatch, capsys)
+    assert code == 2, err
+    assert needle in err
+    assert not (tmp / "out").exists()
+
+
+def test_output_path_problems(fam, monkeypatch, capsys):
+    tmp, base, experts = fam
+    (tmp / "afile").write_text("x")
+    code, _, err = run_cli(merge_args(base, experts, tmp / "afile"), monkeypatch, capsys)
+    assert code == 2 and "afile" in err
+    code, _, err = run_cli(merge_args(base, experts, tmp / "afile" / "sub"), monkeypatch, capsys)
+    assert code == 2
+    (tmp / "full").mkdir()
+    (tmp / "full" / "keep.txt").write_text("precious")
+    code, _, err = run_cli(merge_args(base, experts, tmp / "full"), monkeypatch, capsys)
+    assert code == 2 and "not empty" in err
+    assert (tmp / "full" / "keep.txt").read_text() == "precious"
+    # a snapshot of another plan is never overwritten
+    assert run_cli(merge_args(base, experts, tmp / "snap", "--method", "linear"), monkeypatch, capsys)[0] == 0
+    before = (tmp / "snap" / "manifest.json").read_bytes()
+    code, _, err = run_cli(merge_args(base, experts, tmp / "snap", "--method", "ties"), monkeypatch, capsys)
+    assert code == 2 and "different plan" in err
+    assert (tmp / "snap" / "manifest.json").read_bytes() == before
+
+
+def test_help_is_fast_and_imports_no_torch():
+    r = subprocess.run([sys.executable, "-c", "import sys; from mergepipe import cli; "
+                        "sys.argv=['mergepipe','--help']\ntry: cli.main()\nexcept SystemExit: pass\n"
+                        "print('TORCH' if 'torch' in sys.modules else 'NOTORCH')"],
+                       capture_output=True, text=True, env={**os.environ, "COLUMNS": "100"})
+    assert "merge" in r.stdout and r.stdout.strip().endswith("NOTORCH")
