@@ -192,7 +192,17 @@ def analyze(
                              f"{_human(rd['expert'])} (0 means cached)")
 
 
-def _plan_args(base, expert, method, param, budget, fidelity, seed, block_size, catalog, progress=None):
+def _work_bytes(text: str) -> int:
+    from mergepipe.pipeline import parse_bytes
+
+    wb = parse_bytes(text, what="--work-memory")
+    if not wb or wb < (1 << 20):
+        _fail("--work-memory must be at least 1MiB, e.g. 256MiB.")
+    return wb
+
+
+def _plan_args(base, expert, method, param, budget, fidelity, seed, block_size, catalog, progress=None,
+               work_memory="256MiB"):
     from mergepipe.pipeline import build_plan, parse_bytes, parse_expert
 
     c = _catalog(catalog)
@@ -200,13 +210,14 @@ def _plan_args(base, expert, method, param, budget, fidelity, seed, block_size, 
     bb = parse_bytes(block_size, what="--block-size")
     experts = [parse_expert(e) for e in expert]
     plan = build_plan(c, st, base, experts, method, param or [], budget=budget, fidelity=fidelity, seed=seed,
-                      block_bytes=bb, progress=progress)
+                      block_bytes=bb, work_bytes=_work_bytes(work_memory), progress=progress)
     return plan, st
 
 
 MethodOpt = Annotated[str, typer.Option("--method", "-m", help="linear, task_arithmetic, ties, dare_ties, dare_linear")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the DARE random stream")]
 BlockOpt = Annotated[str, typer.Option("--block-size", help="Catalog block size (whole rows)")]
+MemOpt = Annotated[str, typer.Option("--work-memory", help="Engine memory target: float32 working set per chunk, and bytes prefetched ahead")]
 
 
 @app.command()
@@ -219,12 +230,14 @@ def plan(
     fidelity: FidelityOpt = None,
     seed: SeedOpt = 0,
     block_size: BlockOpt = "128KiB",
+    work_memory: MemOpt = "256MiB",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the plan JSON here")] = None,
     catalog: CatalogOpt = None,
     json_out: JsonOpt = False,
 ):
     """Plan a merge (registers and analyzes as needed) and print its summary; --out saves the plan."""
-    p, _ = _plan_args(base, expert, method, param, budget, fidelity, seed, block_size, catalog)
+    p, _ = _plan_args(base, expert, method, param, budget, fidelity, seed, block_size, catalog,
+                      work_memory=work_memory)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".tmp")
@@ -311,6 +324,7 @@ def merge(
     seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
     block_size: BlockOpt = "128KiB",
+    work_memory: MemOpt = "256MiB",
     catalog: CatalogOpt = None,
     json_out: JsonOpt = False,
 ):
@@ -323,7 +337,7 @@ def merge(
     with _Progress(True) as prog:
         res = run_merge(base, experts, method, out, param or [], budget=budget, fidelity=fidelity, seed=seed,
                         device=device, catalog=_catalog(catalog), storage=_storage_for(base), block_bytes=bb,
-                        progress=prog)
+                        work_bytes=_work_bytes(work_memory), progress=prog)
     _emit_merge(res, json_out)
 
 

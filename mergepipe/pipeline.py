@@ -201,6 +201,7 @@ def execute_and_commit(
     *,
     device: str = "cpu",
     progress: Callable[[int], None] | None = None,
+    prefetch_bytes: int | None = None,
 ) -> MergeResult:
     """Execute ``plan`` into a staging folder beside ``out`` and publish it atomically.
 
@@ -228,7 +229,8 @@ def execute_and_commit(
     started = time.time()
     try:
         before = storage.counters.snapshot()
-        res = execute(plan, storage, storage, str(staging), device=device, progress=progress)
+        res = execute(plan, storage, storage, str(staging), device=device, progress=progress,
+                      prefetch_bytes=prefetch_bytes or plan.work_bytes)
         after = storage.counters.snapshot()
         delta = {k: after["read"].get(k, 0) - before["read"].get(k, 0) for k in after["read"]}
         written = {k: after["written"].get(k, 0) - before["written"].get(k, 0) for k in after["written"]}
@@ -291,6 +293,7 @@ def merge(
     storage: Storage | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     work_bytes: int = DEFAULT_WORK_BYTES,
+    prefetch_bytes: int | None = None,
     progress: Callable[[str, int, int | None], None] | None = None,
 ) -> MergeResult:
     """register → analyze → plan → execute → commit in one call (what ``mergepipe merge`` runs).
@@ -311,7 +314,7 @@ def merge(
     t_an = time.perf_counter() - t0
     if progress:
         progress("merge", 0, plan.io.output_write_bytes)
-    res = execute_and_commit(plan, storage, out, device=device,
+    res = execute_and_commit(plan, storage, out, device=device, prefetch_bytes=prefetch_bytes,
                              progress=(lambda n: progress("merge", n, None)) if progress else None)
     res.analyze_s = t_an
     return res
