@@ -194,6 +194,55 @@ def build_plan(
     return plan
 
 
+def _build_manifest(plan: Plan, res, before: dict, after: dict, started: float, device: str,
+                    files_prefix: str = "") -> dict:
+    """The manifest of a finished execution (see :mod:`mergepipe.commit.manifest`)."""
+    from mergepipe.commit.manifest import snapshot_id
+
+    delta = {k: after["read"].get(k, 0) - before["read"].get(k, 0) for k in after["read"]}
+    written = {k: after["written"].get(k, 0) - before["written"].get(k, 0) for k in after["written"]}
+    copied = {k: after["copied"].get(k, 0) - before["copied"].get(k, 0) for k in after["copied"]}
+    floating = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+    return {
+        "format": "mergepipe.manifest/v1",
+        "snapshot_id": snapshot_id(plan.digest, res.files),
+        "plan_digest": plan.digest,
+        "method": plan.method,
+        "parameters": {"globals": plan.globals, "experts": {e.name: e.params for e in plan.experts}},
+        "seed": plan.seed,
+        "inputs": {
+            "base": {"uri": plan.base.uri, "identity": plan.base.identity, "files": plan.base.signature,
+                     "content_digest": res.base_content_digest()},
+            "experts": [
+                {"name": e.name, "uri": e.uri, "identity": e.identity, "files": e.signature,
+                 "content_digest": e.content_digest}
+                for e in plan.experts
+            ],
+        },
+        "files_prefix": files_prefix,
+        "outputs": res.files,
+        "touched_blocks": res.touched_blocks,
+        "blocks_total": {e.name: sum(t.n_blocks for t in plan.tensors if t.dtype in floating) for e in plan.experts},
+        "io": {
+            "expert_budget_bytes": plan.budget_bytes,
+            "fidelity": plan.fidelity,
+            "expert_bytes_total": plan.expert_bytes_total,
+            "estimated": plan.io.model_dump(),
+            "realized": {
+                "base_read_bytes": delta.get("base", 0),
+                "expert_read_bytes": delta.get("expert", 0),
+                "output_write_bytes": written.get("output", 0),
+                "output_copied_bytes": copied.get("output", 0),
+                "catalog_read_bytes": delta.get("catalog", 0),
+            },
+        },
+        "retained_energy": plan.retained_energy,
+        "time": {"started_at": started, "wall_s": round(res.wall_s, 3)},
+        "device": device,
+        "versions": versions(),
+    }
+
+
 def execute_and_commit(
     plan: Plan,
     storage: Storage,
@@ -202,75 +251,71 @@ def execute_and_commit(
     device: str = "cpu",
     progress: Callable[[int], None] | None = None,
     prefetch_bytes: int | None = None,
+    out_storage: Storage | None = None,
+    object_mode: bool | None = None,
+    unsafe_single_writer: bool = False,
 ) -> MergeResult:
-    """Execute ``plan`` into a staging folder beside ``out`` and publish it atomically.
+    """Execute ``plan`` and publish the snapshot at ``out`` atomically.
+
+    Local folders: staging folder beside ``out`` + ``rename(2)``. Object storage (``s3://``, or
+    ``object_mode=True``): fresh run prefix + conditional manifest create (see
+    :mod:`mergepipe.commit.objectstore`).
+
+    Args:
+        out_storage: storage for ``out`` (default: derived from ``out``, sharing ``storage``'s
+            byte counters).
 
     Raises:
-        InputError: output path unusable or holding another snapshot; inputs changed.
+        InputError: output path unusable or holding another snapshot; inputs changed; the store
+            ignores conditional writes (unless ``unsafe_single_writer``).
+        CommitConflict: another writer committed a different snapshot at ``out`` meanwhile.
     """
+    from mergepipe.commit import objectstore as obj
     from mergepipe.commit.manifest import (
         check_output,
         clean_stale_staging,
         new_staging,
         publish_local,
         read_manifest,
-        snapshot_id,
     )
     from mergepipe.engine.executor import execute
 
-    if is_s3(out):
-        raise InputError(f"--out {out}: committing to S3 is not available in this build yet; write to a local folder.")
+    object_mode = is_s3(out) if object_mode is None else object_mode
+    if out_storage is None:
+        out_storage = storage if is_s3(out) == is_s3(plan.base.uri) else open_storage(out, storage.counters)
+    pf = prefetch_bytes or plan.work_bytes
+    started = time.time()
+    if object_mode:
+        existing = obj.check_output_obj(out_storage, out, plan.digest)
+        if existing is not None:
+            return MergeResult(out=str(out), manifest=existing[0], manifest_hash=existing[1], plan=plan,
+                               already_committed=True)
+        obj.require_conditional_writes(out_storage, out, unsafe_single_writer)
+        rid, run = obj.new_run_prefix(out_storage, out)
+        try:
+            before = storage.counters.snapshot()
+            res = execute(plan, storage, out_storage, run, device=device, progress=progress, prefetch_bytes=pf)
+            manifest = _build_manifest(plan, res, before, storage.counters.snapshot(), started, device,
+                                       files_prefix=f"runs/{rid}")
+            manifest, mh, won = obj.publish_obj(out_storage, out, run, manifest)
+        except BaseException:
+            try:
+                out_storage.delete(run.rstrip("/") + "/")
+            except Exception:
+                pass
+            raise
+        return MergeResult(out=str(out), manifest=manifest, manifest_hash=mh, plan=plan, already_committed=not won)
+
     existing = check_output(out, plan.digest)
     if existing is not None:
         m, mh = read_manifest(out)
         return MergeResult(out=str(out), manifest=m, manifest_hash=mh, plan=plan, already_committed=True)
     clean_stale_staging(out)
     staging = new_staging(out)
-    started = time.time()
     try:
         before = storage.counters.snapshot()
-        res = execute(plan, storage, storage, str(staging), device=device, progress=progress,
-                      prefetch_bytes=prefetch_bytes or plan.work_bytes)
-        after = storage.counters.snapshot()
-        delta = {k: after["read"].get(k, 0) - before["read"].get(k, 0) for k in after["read"]}
-        written = {k: after["written"].get(k, 0) - before["written"].get(k, 0) for k in after["written"]}
-        outputs = res.files
-        manifest = {
-            "format": "mergepipe.manifest/v1",
-            "snapshot_id": snapshot_id(plan.digest, outputs),
-            "plan_digest": plan.digest,
-            "method": plan.method,
-            "parameters": {"globals": plan.globals, "experts": {e.name: e.params for e in plan.experts}},
-            "seed": plan.seed,
-            "inputs": {
-                "base": {"uri": plan.base.uri, "identity": plan.base.identity, "files": plan.base.signature,
-                         "content_digest": res.base_content_digest()},
-                "experts": [
-                    {"name": e.name, "uri": e.uri, "identity": e.identity, "files": e.signature,
-                     "content_digest": e.content_digest}
-                    for e in plan.experts
-                ],
-            },
-            "outputs": outputs,
-            "touched_blocks": res.touched_blocks,
-            "blocks_total": {e.name: sum(t.n_blocks for t in plan.tensors if t.dtype in ("F32", "F16", "BF16", "F64")) for e in plan.experts},
-            "io": {
-                "expert_budget_bytes": plan.budget_bytes,
-                "fidelity": plan.fidelity,
-                "expert_bytes_total": plan.expert_bytes_total,
-                "estimated": plan.io.model_dump(),
-                "realized": {
-                    "base_read_bytes": delta.get("base", 0),
-                    "expert_read_bytes": delta.get("expert", 0),
-                    "output_write_bytes": written.get("output", 0),
-                    "catalog_read_bytes": delta.get("catalog", 0),
-                },
-            },
-            "retained_energy": plan.retained_energy,
-            "time": {"started_at": started, "wall_s": round(res.wall_s, 3)},
-            "device": device,
-            "versions": versions(),
-        }
+        res = execute(plan, storage, out_storage, str(staging), device=device, progress=progress, prefetch_bytes=pf)
+        manifest = _build_manifest(plan, res, before, storage.counters.snapshot(), started, device)
         mh = publish_local(staging, out, manifest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,99 @@
+"""The object-store commit protocol (run prefix + conditional manifest), exercised on local
+storage (conditional create = O_EXCL); the S3 tests run the same code against SeaweedFS."""
+
+import threading
+
+import pytest
+
+from mergepipe.catalog.catalog import Catalog
+from mergepipe.commit.objectstore import read_manifest_obj, verify_obj
+from mergepipe.errors import CommitConflict, InputError
+from mergepipe.pipeline import build_plan, execute_and_commit
+from mergepipe.storage.base import IOCounters
+from mergepipe.storage.local import LocalStorage
+
+
+def _plan(family, tmp_path, method="ties", params=("density=0.5",)):
+    base, experts = family
+    st = LocalStorage(IOCounters())
+    return build_plan(Catalog(tmp_path / "c.sqlite"), st, str(base), [(e.name, str(e)) for e in experts], method,
+                      list(params), budget="50%")
+
+
+def test_concurrent_writers_one_manifest(family, tmp_path):
+    plan = _plan(family, tmp_path)
+    out = str(tmp_path / "snap")
+    results, errors = [], []
+
+    def worker():
+        try:
+            results.append(execute_and_commit(plan, LocalStorage(IOCounters()), out, object_mode=True))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=worker) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    ids = {r.manifest["snapshot_id"] for r in results}
+    assert len(ids) == 1
+    assert sum(not r.already_committed for r in results) == 1, "exactly one writer wins"
+    m, _ = read_manifest_obj(LocalStorage(), out)
+    runs = sorted((tmp_path / "snap" / "runs").iterdir())
+    assert [p.name for p in runs] == [m["files_prefix"].split("/")[-1]], "losers' objects are removed"
+    assert verify_obj(LocalStorage(), out)["ok"]
+
+
+def test_different_snapshot_is_refused(family, tmp_path):
+    out = str(tmp_path / "snap")
+    execute_and_commit(_plan(family, tmp_path), LocalStorage(IOCounters()), out, object_mode=True)
+    other = _plan(family, tmp_path, params=("density=0.3",))
+    with pytest.raises(InputError, match="different plan"):
+        execute_and_commit(other, LocalStorage(IOCounters()), out, object_mode=True)
+
+
+def test_lost_race_to_different_snapshot_is_conflict(family, tmp_path, monkeypatch):
+    """Both checks pass, then another writer commits a different snapshot first."""
+    from mergepipe.commit import objectstore
+
+    out = str(tmp_path / "snap")
+    p1, p2 = _plan(family, tmp_path), _plan(family, tmp_path, params=("density=0.3",))
+    real_publish = objectstore.publish_obj
+
+    raced = []
+
+    def racing_publish(storage, out_, run, manifest):
+        if not raced:
+            raced.append(1)
+            execute_and_commit(p2, LocalStorage(IOCounters()), out, object_mode=True)
+        return real_publish(storage, out_, run, manifest)
+
+    monkeypatch.setattr(objectstore, "publish_obj", racing_publish)
+    with pytest.raises(CommitConflict, match="another writer"):
+        execute_and_commit(p1, LocalStorage(IOCounters()), out, object_mode=True)
+    m, _ = read_manifest_obj(LocalStorage(), out)
+    assert m["plan_digest"] == p2.digest
+    assert len(list((tmp_path / "snap" / "runs").iterdir())) == 1
+
+
+def test_failed_run_leaves_no_objects(family, tmp_path, monkeypatch):
+    from mergepipe.storage import local
+
+    plan = _plan(family, tmp_path)
+    n = {"i": 0}
+    orig = local.LocalWriter.write
+
+    def flaky(self, data):
+        n["i"] += 1
+        if n["i"] == 3:
+            raise ConnectionResetError("upload broke")
+        return orig(self, data)
+
+    monkeypatch.setattr(local.LocalWriter, "write", flaky)
+    with pytest.raises(ConnectionResetError):
+        execute_and_commit(plan, LocalStorage(IOCounters()), str(tmp_path / "snap"), object_mode=True)
+    assert read_manifest_obj(LocalStorage(), str(tmp_path / "snap")) is None
+    runs = tmp_path / "snap" / "runs"
+    assert not runs.exists() or list(runs.iterdir()) == []
