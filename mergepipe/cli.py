@@ -24,8 +24,9 @@ app = typer.Typer(
 )
 
 CatalogOpt = Annotated[
-    Optional[Path],
-    typer.Option("--catalog", help="SQLite catalog file [default: $MERGEPIPE_HOME/catalog.sqlite, ~/.mergepipe]"),
+    Optional[str],
+    typer.Option("--catalog", help="SQLite catalog file, or an s3:// prefix of index objects (the cluster catalog) "
+                 "[default: $MERGEPIPE_HOME/catalog.sqlite, ~/.mergepipe]"),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout (progress on stderr).")]
 ExpertOpt = Annotated[
@@ -62,10 +63,10 @@ def _fail(msg: str, code: int = 2):
     raise typer.Exit(code)
 
 
-def _catalog(path: Optional[Path]):
-    from mergepipe.catalog.catalog import Catalog
+def _catalog(location: Optional[str]):
+    from mergepipe.catalog.objectstore import open_catalog
 
-    return Catalog(path)
+    return open_catalog(location)
 
 
 def _storage():

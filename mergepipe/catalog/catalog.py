@@ -191,12 +191,17 @@ class Catalog:
         files = list(layout.shards) + ([INDEX_NAME] if layout.sharded else [])
         sig = _signature(storage, uri, files)
         ident = _identity(sig, layout)
+        rec = CheckpointRecord(uri, ident, sig, layout)
+        self._save_checkpoint(rec)
+        return rec
+
+    def _save_checkpoint(self, rec: CheckpointRecord) -> None:
         with self._lock, self.db:
             self.db.execute(
                 "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?,?)",
-                (uri, ident, json.dumps(sig), json.dumps(layout_to_dict(layout)), layout.total_bytes, time.time()),
+                (rec.uri, rec.identity, json.dumps(rec.signature), json.dumps(layout_to_dict(rec.layout)),
+                 rec.total_bytes, time.time()),
             )
-        return CheckpointRecord(uri, ident, sig, layout)
 
     def checkpoints(self) -> list[tuple[str, str, int, float]]:
         """(uri, identity, total bytes, registered_at) of every registered checkpoint."""

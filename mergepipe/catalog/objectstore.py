@@ -1,0 +1,116 @@
+"""The catalog as small index objects under a storage prefix (for the cluster).
+
+The operator plans in-process from these objects and never reads a checkpoint:
+
+* ``<prefix>/checkpoints/<sha256(uri)[:32]>.json``: the latest registration of a checkpoint URI
+  (identity, per-file ``[size, version]`` signature with S3 ETags, layout with all shard headers);
+* ``<prefix>/analyses/<base identity>/<expert identity>/<block bytes>-v<stats version>.zip``: one
+  zip with ``meta.json`` and one entry per tensor holding its
+  :class:`~mergepipe.catalog.stats.TensorStats` (numpy ``.npz`` bytes).
+
+Analyses are immutable and keyed by identities, so concurrent analyze Jobs writing the same
+object write the same content; writes use a conditional create and a lost race is success.
+The local SQLite catalog stays the embedded default; both share the logic of
+:class:`~mergepipe.catalog.catalog.Catalog`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import threading
+import time
+import zipfile
+
+from mergepipe.catalog.catalog import STATS_VERSION, Analysis, Catalog, CheckpointRecord
+from mergepipe.catalog.stats import TensorStats
+from mergepipe.formats.safetensors import layout_from_dict, layout_to_dict
+from mergepipe.storage.base import NotFoundError, PreconditionFailed, Storage
+
+
+class ObjectCatalog(Catalog):
+    """A :class:`Catalog` persisted as index objects under ``prefix`` of ``storage``.
+
+    Args:
+        storage: where the index objects live (bytes counted under role ``catalog``).
+        prefix: e.g. ``s3://models/mergepipe-catalog``.
+    """
+
+    def __init__(self, storage: Storage, prefix: str) -> None:  # noqa: D107 - no SQLite here
+        self.storage = storage
+        self.prefix = prefix.rstrip("/")
+        self.path = self.prefix
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        pass
+
+    def _ckpt_uri(self, uri: str) -> str:
+        return self.storage.join(self.prefix, "checkpoints", hashlib.sha256(uri.encode()).hexdigest()[:32] + ".json")
+
+    def _analysis_uri(self, base: str, expert: str, block_bytes: int) -> str:
+        return self.storage.join(self.prefix, "analyses", base, expert, f"{block_bytes}-v{STATS_VERSION}.zip")
+
+    def _cached(self, uri: str):
+        try:
+            d = json.loads(self.storage.read_object(self._ckpt_uri(uri), "catalog"))
+        except NotFoundError:
+            return []
+        return [(d["identity"], d["signature"], d["layout"])]
+
+    def _save_checkpoint(self, rec: CheckpointRecord) -> None:
+        d = {"uri": rec.uri, "identity": rec.identity, "signature": rec.signature,
+             "layout": layout_to_dict(rec.layout), "registered_at": time.time()}
+        self.storage.put_object(self._ckpt_uri(rec.uri), json.dumps(d).encode(), "catalog")
+
+    def checkpoints(self):
+        out = []
+        for u in self.storage.list(self.storage.join(self.prefix, "checkpoints") + "/"):
+            d = json.loads(self.storage.read_object(u, "catalog"))
+            out.append((d["uri"], d["identity"], sum(s["file_size"] for s in d["layout"]["shards"].values()),
+                        d["registered_at"]))
+        return sorted(out, key=lambda r: r[3])
+
+    def has_analysis(self, base_identity: str, expert_identity: str, block_bytes: int) -> bool:
+        return self.storage.exists(self._analysis_uri(base_identity, expert_identity, block_bytes))
+
+    def find_analysis(self, base_identity: str, expert_identity: str, block_bytes: int) -> Analysis | None:
+        try:
+            data = self.storage.read_object(self._analysis_uri(base_identity, expert_identity, block_bytes), "catalog")
+        except NotFoundError:
+            return None
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            meta = json.loads(z.read("meta.json"))
+            tensors = {n: TensorStats.from_bytes(n, z.read(f"t/{i}"), meta["sha256"][n])
+                       for i, n in enumerate(meta["tensors"])}
+        return Analysis(id=0, base_identity=base_identity, expert_identity=expert_identity, block_bytes=block_bytes,
+                        tensors=tensors, seconds=meta["seconds"], bytes_read=meta["bytes_read"])
+
+    def _store(self, base, expert, block_bytes, stats, seconds, nread) -> int:
+        buf = io.BytesIO()
+        names = list(stats)
+        with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
+            z.writestr("meta.json", json.dumps({
+                "base_identity": base, "expert_identity": expert, "block_bytes": block_bytes,
+                "stats_version": STATS_VERSION, "tensors": names, "seconds": seconds, "bytes_read": nread,
+                "sha256": {n: stats[n].content_sha256 for n in names}}))
+            for i, n in enumerate(names):
+                z.writestr(f"t/{i}", stats[n].to_bytes())
+        try:
+            self.storage.put_object(self._analysis_uri(base, expert, block_bytes), buf.getvalue(), "catalog",
+                                    if_none_match=True)
+        except PreconditionFailed:
+            pass  # another analyzer stored the same (identity-keyed) analysis first
+        return 0
+
+
+def open_catalog(location: str | None):
+    """``s3://…`` or an existing folder given as ``objects:PATH`` -> :class:`ObjectCatalog`; a file
+    path (or None: the default) -> the SQLite :class:`Catalog`."""
+    from mergepipe.storage.base import IOCounters, is_s3, open_storage
+
+    if location and (is_s3(location) or location.startswith("objects:")):
+        loc = location[len("objects:"):] if location.startswith("objects:") else location
+        return ObjectCatalog(open_storage(loc, IOCounters()), loc)
+    return Catalog(location)
