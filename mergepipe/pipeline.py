@@ -189,7 +189,8 @@ def build_plan(
     extra = [f for f in EXTRA_FILES if storage.exists(storage.join(base.uri, f))]
     plan = make_plan(
         base, recs, analyses, method, glob, per, expert_names=names, budget_bytes=budget_bytes,
-        fidelity=fidelity, seed=seed, work_bytes=work_bytes, coalesce_gap=storage.max_gap, extra_files=extra,
+        fidelity=fidelity, seed=seed, work_bytes=work_bytes, extra_files=extra,
+        coalesce_gap=(storage.gap_for([u for _, u in experts]) if hasattr(storage, "gap_for") else storage.max_gap),
     )
     return plan
 
@@ -282,7 +283,8 @@ def execute_and_commit(
 
     object_mode = is_s3(out) if object_mode is None else object_mode
     if out_storage is None:
-        out_storage = storage if is_s3(out) == is_s3(plan.base.uri) else open_storage(out, storage.counters)
+        out_storage = storage if (hasattr(storage, "gap_for") or is_s3(out) == is_s3(plan.base.uri)) \
+            else open_storage(out, storage.counters)
     pf = prefetch_bytes or plan.work_bytes
     started = time.time()
     if object_mode:

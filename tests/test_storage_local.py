@@ -471,7 +471,9 @@ def test_join_and_open_storage(tmp_path):
     assert LocalStorage.join("file:///a/b/", "c") == "/a/b/c"
     c = IOCounters()
     s = open_storage(str(tmp_path), counters=c)
-    assert isinstance(s, LocalStorage) and s.counters is c
+    assert isinstance(s.backend(str(tmp_path)), LocalStorage) and s.counters is c and s.local.counters is c
+    (tmp_path / "f").write_bytes(b"0123456789")
+    assert s.read_range(str(tmp_path / "f"), 2, 5, "base") == b"234" and c.bytes_read["base"] == 3
     assert isinstance(open_storage(str(tmp_path)).counters, IOCounters)
 
 

@@ -305,7 +305,7 @@ def execute(
                 put(("open", tp.file))
                 hdr = build_header(
                     [(t.name, t.dtype, tuple(t.shape)) for t in shard_tensors[tp.file]],
-                    {**plan.shard_metadata.get(tp.file, {}), "mergepipe.plan_digest": plan.digest},
+                    plan.shard_metadata.get(tp.file, {}),
                 )
                 put(("data", hdr))
             if it.kind == "copy":
@@ -346,7 +346,7 @@ def execute(
 
         total = sum(int(np.prod(t.shape)) * _D[t.dtype][0] for t in plan.tensors)
         idx = {
-            "metadata": {"total_size": total, "mergepipe_plan_digest": plan.digest},
+            "metadata": {"total_size": total},
             "weight_map": {t.name: t.file for t in sorted(plan.tensors, key=lambda t: t.name)},
         }
         data = (json.dumps(idx, indent=2, sort_keys=True) + "\n").encode()

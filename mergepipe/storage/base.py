@@ -289,12 +289,10 @@ def is_s3(uri: str) -> bool:
     return str(uri).startswith("s3://")
 
 
-def open_storage(uri: str, counters: IOCounters | None = None, **kwargs) -> Storage:
-    """The storage for ``uri``: :class:`S3Storage` for ``s3://``, else local."""
-    if is_s3(uri):
-        from mergepipe.storage.s3 import S3Storage
+def open_storage(uri: str | None = None, counters: IOCounters | None = None, **kwargs) -> Storage:
+    """A storage for any URI: a :class:`~mergepipe.storage.routing.RoutingStorage` sending local
+    paths to :class:`LocalStorage` and ``s3://`` URIs to :class:`S3Storage` (created on first
+    use, with ``kwargs``), all counted in one :class:`IOCounters`."""
+    from mergepipe.storage.routing import RoutingStorage
 
-        return S3Storage(counters=counters, **kwargs)
-    from mergepipe.storage.local import LocalStorage
-
-    return LocalStorage(counters=counters, **kwargs)
+    return RoutingStorage(counters=counters, **kwargs)
