@@ -344,24 +344,29 @@ def merge(
 
 @app.command()
 def execute(
-    plan_file: Annotated[Path, typer.Argument(help="Plan JSON (from `plan --out`)")],
-    out: Annotated[str, typer.Option("--out", "-o")],
+    plan_file: Annotated[str, typer.Argument(help="Plan JSON (from `plan --out`): a path or an s3:// URI")],
+    out: Annotated[str, typer.Option("--out", "-o", help="Snapshot folder or s3:// prefix")],
     device: DeviceOpt = "cpu",
+    unsafe_single_writer: Annotated[bool, typer.Option(
+        "--unsafe-single-writer", help="Commit even on an object store that ignores If-None-Match")] = False,
     json_out: JsonOpt = False,
 ):
-    """Execute a saved plan and commit the snapshot (no catalog needed: the plan is self-contained)."""
+    """Execute a saved plan and commit the snapshot (no catalog needed: the plan is self-contained).
+    This is the worker command of the Kubernetes merge Job."""
     from mergepipe.pipeline import execute_and_commit
     from mergepipe.planner.plan import Plan
+    from mergepipe.storage.base import NotFoundError
 
+    st = _storage_for(plan_file)
     try:
-        text = plan_file.read_text()
-    except OSError as e:
-        _fail(f"{plan_file}: cannot read ({e.strerror}).")
+        text = st.read_object(plan_file, "other").decode()
+    except NotFoundError:
+        _fail(f"{plan_file}: plan not found; write one with `mergepipe plan ... --out`.")
     p = Plan.from_json(text, str(plan_file))
-    st = _storage_for(p.base.uri)
     with _Progress(True) as prog:
         prog("merge", 0, p.io.output_write_bytes)
-        res = execute_and_commit(p, st, out, device=device, progress=lambda n: prog("merge", n, None))
+        res = execute_and_commit(p, st, out, device=device, progress=lambda n: prog("merge", n, None),
+                                 unsafe_single_writer=unsafe_single_writer)
     _emit_merge(res, json_out)
 
 

@@ -137,6 +137,16 @@ class MergeResult:
         }
 
 
+class MissingAnalysis(InputError):
+    """Planning without analysis: the catalog lacks statistics for ``uris`` (run analyze)."""
+
+    def __init__(self, uris: Sequence[str]) -> None:
+        self.uris = list(uris)
+        super().__init__(
+            "the catalog has no analysis of " + ", ".join(self.uris) + "; run `mergepipe analyze` for them first."
+        )
+
+
 def register_and_analyze(
     catalog: Catalog,
     storage: Storage,
@@ -144,10 +154,20 @@ def register_and_analyze(
     expert_uris: Sequence[str],
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     progress: Callable[[int], None] | None = None,
+    analyze: bool = True,
 ) -> tuple[CheckpointRecord, list[CheckpointRecord], list[Analysis]]:
-    """Register the base and experts and analyze the experts (cached)."""
+    """Register the base and experts and analyze the experts (cached).
+
+    With ``analyze=False`` nothing but shard headers (and, for checkpoints the catalog already
+    knows unchanged, not even those) is read, and :class:`MissingAnalysis` names the experts
+    whose statistics are missing: this is how the operator plans in-process.
+    """
     base = catalog.register(storage, base_uri)
     experts = [catalog.register(storage, u) for u in expert_uris]
+    if not analyze:
+        missing = [e.uri for e in experts if not catalog.has_analysis(base.identity, e.identity, block_bytes)]
+        if missing:
+            raise MissingAnalysis(missing)
     analyses = catalog.analyze(storage, base, experts, block_bytes=block_bytes, progress=progress)
     return base, experts, analyses
 
@@ -166,9 +186,19 @@ def build_plan(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     work_bytes: int = DEFAULT_WORK_BYTES,
     progress: Callable[[int], None] | None = None,
+    resolved=None,
+    out_dtype: str | None = None,
+    requested_dtype: str | None = None,
+    source: dict | None = None,
 ) -> Plan:
     """Register, analyze and plan. ``experts`` are (name, uri) pairs; ``budget`` a byte quantity
-    string (see :func:`parse_bytes`), an int, or None for unlimited."""
+    string (see :func:`parse_bytes`), an int, or None for unlimited.
+
+    ``resolved`` (validated settings, e.g. from a mergekit config) replaces ``params``;
+    ``out_dtype`` is a safetensors dtype for the floating outputs; ``requested_dtype`` and
+    ``source`` are recorded (see :func:`mergepipe.planner.planner.make_plan`). Every parameter,
+    including layer-wise settings per tensor, is checked after reading the checkpoints' headers
+    and before reading any tensor byte."""
     names = [n for n, _ in experts]
     if len(set(names)) != len(names):
         raise InputError(f"--expert: two experts share a name ({', '.join(names)}); name them as --expert NAME=URI.")
@@ -176,21 +206,30 @@ def build_plan(
 
     from mergepipe.methods.registry import resolve_params
 
-    get_method(method)  # fail fast, before reading anything
-    glob, per = parse_params(params, names)
-    resolve_params(method, dict(glob), [dict(p) for p in per])
+    spec = get_method(method)  # fail fast, before reading anything
+    if resolved is None:
+        glob, per = parse_params(params, names)
+        resolved = resolve_params(method, dict(glob), [dict(p) for p in per],
+                                  where_expert=lambda i, n: f"--param {names[i]}:{n}")
     if fidelity is not None and not (0.0 < fidelity <= 1.0):
         raise InputError(f"--fidelity {fidelity} is outside (0, 1]; e.g. --fidelity 0.99.")
     if isinstance(budget, str):
         parse_bytes(budget, total=0)  # syntax check before any read
-    base, recs, analyses = register_and_analyze(catalog, storage, base_uri, [u for _, u in experts], block_bytes, progress)
+    base = catalog.register(storage, base_uri)
+    recs = [catalog.register(storage, u) for _, u in experts]
+    from mergepipe.formats.safetensors import FLOAT_DTYPES
+
+    resolved.check_tensors([n for n, t in base.layout.tensors.items() if t.dtype in FLOAT_DTYPES and t.numel > 0])
+    analyses = catalog.analyze(storage, base, recs, block_bytes=block_bytes, progress=progress,
+                               pairs=spec.needs_gram)
+    gram = catalog.pair_dots(base, recs, analyses) if spec.needs_gram else None
     total = sum(r.total_bytes for r in recs)
     budget_bytes = parse_bytes(budget, total=total) if isinstance(budget, str) else budget
     extra = [f for f in EXTRA_FILES if storage.exists(storage.join(base.uri, f))]
     plan = make_plan(
-        base, recs, analyses, method, glob, per, expert_names=names, budget_bytes=budget_bytes,
-        fidelity=fidelity, seed=seed, work_bytes=work_bytes, extra_files=extra,
-        coalesce_gap=(storage.gap_for([u for _, u in experts]) if hasattr(storage, "gap_for") else storage.max_gap),
+        base, recs, analyses, method, expert_names=names, budget_bytes=budget_bytes,
+        fidelity=fidelity, seed=seed, work_bytes=work_bytes, coalesce_gap=storage.max_gap, extra_files=extra,
+        gram=gram, resolved=resolved, out_dtype=out_dtype, requested_dtype=requested_dtype, source=source,
     )
     return plan
 
@@ -238,6 +277,8 @@ def _build_manifest(plan: Plan, res, before: dict, after: dict, started: float, 
             },
         },
         "retained_energy": plan.retained_energy,
+        "dtype": {"compute": "float32", "requested": plan.requested_dtype, "out": plan.out_dtype},
+        "config": plan.source or None,
         "time": {"started_at": started, "wall_s": round(res.wall_s, 3)},
         "device": device,
         "versions": versions(),
@@ -342,11 +383,14 @@ def merge(
     work_bytes: int = DEFAULT_WORK_BYTES,
     prefetch_bytes: int | None = None,
     progress: Callable[[str, int, int | None], None] | None = None,
+    **plan_options,
 ) -> MergeResult:
     """register → analyze → plan → execute → commit in one call (what ``mergepipe merge`` runs).
 
     Args:
         progress: ``progress(stage, advance_bytes, total_bytes_or_None)``.
+        plan_options: ``resolved``, ``out_dtype``, ``requested_dtype``, ``source`` for
+            :func:`build_plan` (the mergekit-config path, :mod:`mergepipe.config`).
     """
     from mergepipe.commit.manifest import check_output
 
@@ -357,7 +401,7 @@ def merge(
         check_output(out, "")  # fail fast (unwritable, non-empty) before reading any input
     cb = (lambda n: progress("analyze", n, None)) if progress else None
     plan = build_plan(catalog, storage, base_uri, experts, method, params, budget=budget, fidelity=fidelity,
-                      seed=seed, block_bytes=block_bytes, work_bytes=work_bytes, progress=cb)
+                      seed=seed, block_bytes=block_bytes, work_bytes=work_bytes, progress=cb, **plan_options)
     t_an = time.perf_counter() - t0
     if progress:
         progress("merge", 0, plan.io.output_write_bytes)
