@@ -20,6 +20,7 @@ Three definitions here are mergepipe's canonical, device-independent semantics:
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -146,3 +147,217 @@ def dare_keep_mask(key: int, start: int, n: int, density: float) -> np.ndarray:
     u = splitmix64(idx)
     thresh = np.uint64(min(int(density * 2.0**64), 2**64 - 1))
     return u < thresh
+
+
+# --- canonical top-k threshold, breadcrumbs window -------------------------------------------
+
+def topk_min_key(keys: np.ndarray, counts: np.ndarray, k: int) -> int:
+    """The smallest key of the canonical top-``k`` set of a key histogram.
+
+    With ``τ`` the k-th largest key, ``A`` the entries above ``τ`` and ``T`` those equal to it,
+    the set holds every entry with key ``> τ`` and *all or none* of the ties: all when
+    ``A + T`` is at least as close to ``k`` as ``A`` is. Returns ``N_KEYS`` (no key qualifies)
+    for ``k <= 0`` and 0 (everything) for ``k >= numel``. Unlike :func:`trim_min_key` there is no
+    special case for zeros.
+    """
+    n = int(np.asarray(counts, dtype=np.int64).sum())
+    if k <= 0:
+        return N_KEYS
+    if k >= n or len(keys) == 0:
+        return 0
+    order = np.argsort(keys)[::-1]
+    ks = np.asarray(keys)[order]
+    cs = np.asarray(counts, dtype=np.int64)[order]
+    cum = np.cumsum(cs)
+    i = int(np.searchsorted(cum, k, side="left"))
+    tau = int(ks[i])
+    above = int(cum[i] - cs[i])
+    ties = int(cs[i])
+    return tau if (above + ties - k) <= (k - above) else tau + 1
+
+
+def outlier_window(keys: np.ndarray, counts: np.ndarray, numel: int, density: float, gamma: float) -> tuple[int, int]:
+    """Breadcrumbs' ``magnitude_outliers`` as a key window: keep ``min_key <= key < max_key``.
+
+    mergekit 0.1.5 sorts ``|δ|`` ascending and keeps positions ``[n_bot, n_bot + target)`` with
+    ``target = int(density·n)``, ``n_top = int(gamma·n)``, ``n_bot = max(0, n − target − n_top)``:
+    it drops the ``n_bot`` smallest and the ``n − n_bot − target`` largest. Both ends use the
+    canonical tie rule of :func:`topk_min_key`: the upper bound is the threshold of the top
+    ``n − n_bot − target`` (the outliers; ties there are dropped when that lands at least as near
+    the count), the lower bound that of the top ``n − n_bot`` (ties kept when at least as near).
+    ``density >= 1`` keeps everything (mergekit returns the tensor unchanged, ignoring gamma).
+
+    Returns:
+        ``(min_key, max_key)``; ``(0, N_KEYS)`` keeps all, ``min_key >= max_key`` keeps nothing.
+    """
+    if density >= 1.0 or numel == 0:
+        return 0, N_KEYS
+    target = int(density * numel)
+    if target <= 0:
+        return N_KEYS, N_KEYS
+    n_top = int(gamma * numel)
+    n_bot = max(0, numel - target - n_top)
+    k_top = numel - n_bot - target
+    max_key = N_KEYS if k_top <= 0 else topk_min_key(keys, counts, k_top)
+    min_key = 0 if n_bot == 0 else topk_min_key(keys, counts, numel - n_bot)
+    return int(min_key), int(max_key)
+
+
+# --- canonical sums of products (whole-tensor statistics) ----------------------------------
+
+def segment_dots(a: np.ndarray, b: np.ndarray, width: int) -> np.ndarray:
+    """float64 ``Σ a·b`` of each consecutive ``width``-element segment of two flat arrays.
+
+    Products are formed in float64 (exact for float32 inputs) and each segment is summed by
+    numpy's row reduction, whose result for a segment does not depend on the segments around it
+    (tested). Whole-tensor statistics are :func:`exact_total` of per-row values, so they do not
+    depend on how rows are grouped into chunks.
+    """
+    if a.size == 0:
+        return np.zeros(0)
+    a64 = a.astype(np.float64, copy=False).reshape(-1, width)
+    b64 = a64 if b is a else b.astype(np.float64, copy=False).reshape(-1, width)
+    return (a64 * b64).sum(axis=1)
+
+
+def exact_total(parts) -> float:
+    """Exactly rounded sum (``math.fsum``) of float64 partial sums."""
+    import math
+
+    return math.fsum(float(x) for x in np.asarray(parts, dtype=np.float64).ravel())
+
+
+# --- DELLA's magnitude-ranked keep probabilities --------------------------------------------
+
+def uniform53(key: int, start: int, n: int) -> np.ndarray:
+    """The top 53 bits of the counter-based stream (as float64 integers in ``[0, 2⁵³)``),
+    elements ``[start, start + n)`` of the stream ``key`` (same stream as DARE's)."""
+    with np.errstate(over="ignore"):
+        idx = np.arange(start, start + n, dtype=np.uint64) + np.uint64(key)
+    return (splitmix64(idx) >> np.uint64(11)).astype(np.float64)
+
+
+def della_rank_axis(shape: Sequence[int], n_rows: int) -> tuple[int, int, int]:
+    """How a chunk of ``n_rows`` rows of a tensor of ``shape`` is viewed for DELLA's ranking:
+    ``(groups, axis_len, inner)`` such that ranks run along the middle axis of
+    ``reshape(groups, axis_len, inner)``. mergekit ranks along dim 1 (a 1-D tensor is unsqueezed
+    to one row, so its ranks run over the whole tensor)."""
+    if len(shape) < 2:
+        return 1, int(shape[0]) if shape else 1, 1
+    inner = int(np.prod(shape[2:])) if len(shape) > 2 else 1
+    return n_rows, int(shape[1]), inner
+
+
+def della_probs(keys: np.ndarray, shape: Sequence[int], n_rows: int, density: float, epsilon: float) -> np.ndarray:
+    """Per-element keep probabilities (float32, flat) of DELLA's ``della_magprune`` for a chunk.
+
+    Ranks: position in an ascending *stable* sort of the magnitude keys along mergekit's rank
+    axis (ties ordered by position: the canonical tie rule, device independent). With ``n`` the
+    axis length, ``rank_norm = rank0 / (n − 1)`` (0.5 when ``n = 1``; mergekit divides 0 by 0
+    there) and ``p = f32(density − ε) + (rank_norm · 2) · f32(ε)``, all in float32 as mergekit.
+    """
+    g, n, inner = della_rank_axis(shape, n_rows)
+    k = keys.reshape(g, n, inner)
+    order = np.argsort(k, axis=1, kind="stable")
+    ranks = np.empty(order.shape, dtype=np.int64)
+    np.put_along_axis(ranks, order, np.arange(n, dtype=np.int64).reshape(1, n, 1), axis=1)
+    if n > 1:
+        rn = ranks.astype(np.float32) / np.float32(n - 1)
+    else:
+        rn = np.full(ranks.shape, 0.5, dtype=np.float32)
+    p = np.float32(density - epsilon) + (rn * np.float32(2.0)) * np.float32(epsilon)
+    return p.reshape(-1)
+
+
+def della_keep_mask(key: int, start: int, probs: np.ndarray) -> np.ndarray:
+    """Keep-mask for flat elements ``[start, start + len(probs))``: element ``j`` is kept iff
+    ``(splitmix64(key + j) >> 11) < p_j · 2⁵³`` (exact in float64)."""
+    return uniform53(key, start, probs.size) < probs.astype(np.float64) * float(2**53)
+
+
+# --- coefficients of the interpolating methods (float64 math, float32 results) --------------
+
+def f32(x: float) -> float:
+    """Round to the nearest float32 (the engine multiplies float32 tensors by these)."""
+    return float(np.float32(x))
+
+
+def slerp_coefficients(t: float, base_sq: float, expert_sq: float, base_dot_expert: float,
+                       dot_threshold: float = 0.9995, eps: float = 1e-8) -> tuple[float, float]:
+    """``(c_base, c_expert)`` of mergekit's ``slerp`` for one tensor, from whole-tensor sums.
+
+    mergekit 0.1.5: norms (replaced by 1 when ``<= eps``), ``dot = ⟨x/‖x‖, y/‖y‖⟩`` clamped to
+    [−1, 1]; linear interpolation when ``|dot| > 0.9995``, else ``sin((1−t)θ)/sin θ`` and
+    ``sin(tθ)/sin θ``. Here in float64 from the catalog's exact sums, rounded to float32.
+    """
+    import math
+
+    na = math.sqrt(max(base_sq, 0.0))
+    nb = math.sqrt(max(expert_sq, 0.0))
+    na = na if na > eps else 1.0
+    nb = nb if nb > eps else 1.0
+    dot = max(-1.0, min(1.0, base_dot_expert / (na * nb)))
+    if abs(dot) > dot_threshold:
+        return f32(1.0 - t), f32(t)
+    theta = math.acos(dot)
+    s = math.sin(theta)
+    return f32(math.sin((1.0 - t) * theta) / s), f32(math.sin(t * theta) / s)
+
+
+def nuslerp_coefficients(t: float, sq0: float, sq1: float, dot01: float, eps: float = 1e-8) -> tuple[float, float, float]:
+    """``(a, b, s)`` of mergekit's ``nuslerp`` on two task vectors: the result is
+    ``(a·δ₀ + b·δ₁) / s``; when the vectors are colinear (``1 − cos² <= eps²``) it is the lerp
+    ``(1−t)·δ₀ + t·δ₁``, returned as ``(1−t, t, 1)``. Norms are clamped below at 1e-7 as in
+    mergekit's ``_normalize``."""
+    import math
+
+    n0 = max(math.sqrt(max(sq0, 0.0)), 1e-7)
+    n1 = max(math.sqrt(max(sq1, 0.0)), 1e-7)
+    cos = max(-1.0, min(1.0, dot01 / (n0 * n1)))
+    if (1.0 - cos * cos) <= eps * eps:
+        return f32(1.0 - t), f32(t), 1.0
+    theta = math.acos(cos)
+    return f32(math.sin((1.0 - t) * theta)), f32(math.sin(t * theta)), f32(math.sin(theta))
+
+
+def nuslerp_coefficients_rows(t: float, sq0: np.ndarray, sq1: np.ndarray, dot01: np.ndarray) -> np.ndarray:
+    """:func:`nuslerp_coefficients` per filter: float32 array ``(n, 3)`` of ``(a, b, s)``.
+    Uses Python's ``math`` (libm) per filter rather than numpy's SIMD kernels so the values do
+    not depend on the CPU's vector extensions."""
+    out = np.empty((len(sq0), 3), dtype=np.float32)
+    for i, (a, b, d) in enumerate(zip(sq0.tolist(), sq1.tolist(), dot01.tolist())):
+        out[i] = nuslerp_coefficients(t, a, b, d)
+    return out
+
+
+def model_stock_t(n_models: int, sq: Sequence, dots: dict) -> np.ndarray:
+    """Model Stock's interpolation ratio per tensor (scalars) or per filter (arrays).
+
+    ``cos θ`` is the mean over pairs ``i < j`` (summed in that order) of
+    ``⟨δᵢ,δⱼ⟩ / max(‖δᵢ‖‖δⱼ‖, 1e-6)`` clamped to [−1, 1];
+    ``t = N·cos θ / (1 + (N−1)·cos θ)``, and 0 where the denominator is below 1e-6 in magnitude
+    (mergekit 0.1.5 keeps the base there). Only IEEE-exact operations (sqrt, ×, ÷, +) in
+    float64, so the result is the same on every machine; rounded to float32.
+
+    Args:
+        n_models: N, the number of experts.
+        sq: ``‖δᵢ‖²`` per expert (floats or float64 arrays of one shape).
+        dots: ``{(i, j): ⟨δᵢ,δⱼ⟩}`` for ``i < j``.
+
+    Returns:
+        float32 array of the statistics' shape (0-d for scalars).
+    """
+    norms = [np.sqrt(np.maximum(np.asarray(s, dtype=np.float64), 0.0)) for s in sq]
+    acc = None
+    npairs = 0
+    for i in range(n_models):
+        for j in range(i + 1, n_models):
+            den = np.maximum(norms[i] * norms[j], 1e-6)
+            c = np.clip(np.asarray(dots[(i, j)], dtype=np.float64) / den, -1.0, 1.0)
+            acc = c if acc is None else acc + c
+            npairs += 1
+    c = acc / npairs
+    den = 1.0 + (n_models - 1) * c
+    singular = np.abs(den) < 1e-6
+    t = np.where(singular, 0.0, n_models * c / np.where(singular, 1.0, den))
+    return t.astype(np.float32)

@@ -228,7 +228,8 @@ def build_plan(
     extra = [f for f in EXTRA_FILES if storage.exists(storage.join(base.uri, f))]
     plan = make_plan(
         base, recs, analyses, method, expert_names=names, budget_bytes=budget_bytes,
-        fidelity=fidelity, seed=seed, work_bytes=work_bytes, coalesce_gap=storage.max_gap, extra_files=extra,
+        fidelity=fidelity, seed=seed, work_bytes=work_bytes, extra_files=extra,
+        coalesce_gap=(storage.gap_for([u for _, u in experts]) if hasattr(storage, "gap_for") else storage.max_gap),
         gram=gram, resolved=resolved, out_dtype=out_dtype, requested_dtype=requested_dtype, source=source,
     )
     return plan

@@ -9,6 +9,13 @@ Embedded default: one SQLite file, ``$MERGEPIPE_HOME/catalog.sqlite`` (``~/.merg
 * ``analyze`` streams an expert and its base once, with bounded memory (row chunks of at most
   ``chunk_bytes``), and stores :class:`~mergepipe.catalog.stats.TensorStats` per tensor, keyed
   by (base identity, expert identity, block size). A cached analysis is reused without reading.
+* **pair statistics** (``analyze(..., pairs=True)``, for model_stock and nuslerp): per tensor,
+  the exact cross term ``⟨δᵢ,δⱼ⟩`` between two experts' task vectors (``math.fsum`` of per-row
+  float64 sums, like the per-expert sums), keyed by (base identity, the two expert identities
+  in sorted order) and independent of the block size. A per-expert analysis cannot give them,
+  so they are computed in the same streaming pass as the analyses of the experts that are new;
+  when a pair involves an expert analyzed earlier, that expert is streamed again once (counted
+  as expert bytes of the analysis) and the pair is cached from then on.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from mergepipe.storage.base import NotFoundError, Storage
 
 DEFAULT_BLOCK_BYTES = 128 * 1024
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
-STATS_VERSION = 1
+STATS_VERSION = 2  # 2: exact whole-tensor sums of products; pair statistics
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS checkpoints (
@@ -73,6 +80,15 @@ CREATE TABLE IF NOT EXISTS tensor_stats (
     content_sha256 TEXT NOT NULL,
     stats BLOB NOT NULL,
     PRIMARY KEY (analysis_id, tensor)
+);
+CREATE TABLE IF NOT EXISTS pair_stats (
+    base_identity TEXT NOT NULL,
+    expert_a TEXT NOT NULL,
+    expert_b TEXT NOT NULL,
+    stats_version INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    dots TEXT NOT NULL,
+    PRIMARY KEY (base_identity, expert_a, expert_b, stats_version)
 );
 """
 
@@ -269,6 +285,7 @@ class Catalog:
         block_bytes: int = DEFAULT_BLOCK_BYTES,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         progress: Callable[[int], None] | None = None,
+        pairs: bool = False,
     ) -> list[Analysis]:
         """Analyze each expert against ``base`` (cached ones are not read again).
 
@@ -278,6 +295,8 @@ class Catalog:
 
         Args:
             progress: called with the number of bytes read after each chunk.
+            pairs: also make sure the pair statistics ``⟨δᵢ,δⱼ⟩`` of every two experts exist
+                (see the module docstring; read them with :meth:`pair_dots`).
 
         Raises:
             InputError: an expert lacks a base tensor, or shape/dtype differ (checked for all
@@ -286,22 +305,80 @@ class Catalog:
         todo = [e for e in experts if not self.has_analysis(base.identity, e.identity, block_bytes)]
         seen = set()
         todo = [e for e in todo if not (e.identity in seen or seen.add(e.identity))]
-        if todo:
-            check_compatible(base, todo)
+        missing_pairs: list[tuple[CheckpointRecord, CheckpointRecord]] = []
+        if pairs:
+            uniq = []
+            ids = set()
+            for e in experts:
+                if e.identity not in ids:
+                    ids.add(e.identity)
+                    uniq.append(e)
+            for i, a in enumerate(uniq):
+                for b in uniq[i + 1:]:
+                    if self._find_pair(base.identity, *sorted((a.identity, b.identity))) is None:
+                        missing_pairs.append((a, b))
+        if todo or missing_pairs:
+            readers = list(todo)
+            for a, b in missing_pairs:
+                for e in (a, b):
+                    if all(e.identity != r.identity for r in readers):
+                        readers.append(e)
+            check_compatible(base, readers)
             t0 = time.perf_counter()
             before = storage.counters.snapshot()["read"]
-            results = _analyze_stream(storage, base, todo, block_bytes, chunk_bytes, progress)
+            results, dots = _analyze_stream(storage, base, readers, {e.identity for e in todo}, block_bytes,
+                                            chunk_bytes, progress, missing_pairs)
             after = storage.counters.snapshot()["read"]
             secs = time.perf_counter() - t0
             nread = sum(after.values()) - sum(before.values())
             for e in todo:
                 self._store(base.identity, e.identity, block_bytes, results[e.identity], secs, nread)
+            for (a, b), d in dots.items():
+                self._store_pair(base.identity, a, b, d)
         out = []
         for e in experts:
             a = self.find_analysis(base.identity, e.identity, block_bytes)
             assert a is not None
             out.append(a)
         return out
+
+    def pair_dots(self, base: CheckpointRecord, experts: Sequence[CheckpointRecord],
+                  analyses: Sequence[Analysis] | None = None) -> dict[tuple[int, int], dict[str, float]]:
+        """``{(i, j): {tensor: ⟨δᵢ,δⱼ⟩}}`` for expert indices ``i < j`` (after
+        ``analyze(..., pairs=True)``). The same checkpoint given twice pairs with itself:
+        ``‖δ‖²`` from its analysis.
+
+        Raises:
+            InputError: a pair was never computed (run analyze with pairs).
+        """
+        out = {}
+        for i, a in enumerate(experts):
+            for j in range(i + 1, len(experts)):
+                b = experts[j]
+                if a.identity == b.identity and analyses is not None:
+                    out[(i, j)] = {n: s.delta_sq for n, s in analyses[i].tensors.items()}
+                    continue
+                d = self._find_pair(base.identity, *sorted((a.identity, b.identity)))
+                if d is None:
+                    raise InputError(f"catalog: no pair statistics for {a.uri} and {b.uri}; re-run the merge "
+                                     "(analyze computes them for model_stock and nuslerp).")
+                out[(i, j)] = d
+        return out
+
+    def _find_pair(self, base_identity: str, a: str, b: str) -> dict[str, float] | None:
+        with self._lock:
+            row = self.db.execute(
+                "SELECT dots FROM pair_stats WHERE base_identity=? AND expert_a=? AND expert_b=? AND stats_version=?",
+                (base_identity, a, b, STATS_VERSION),
+            ).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def _store_pair(self, base_identity: str, a: str, b: str, dots: dict[str, float]) -> None:
+        with self._lock, self.db:
+            self.db.execute(
+                "INSERT OR REPLACE INTO pair_stats VALUES (?,?,?,?,?,?)",
+                (base_identity, a, b, STATS_VERSION, time.time(), json.dumps(dots)),
+            )
 
 
 def check_compatible(base: CheckpointRecord, experts: Sequence[CheckpointRecord]) -> None:
@@ -326,29 +403,53 @@ def check_compatible(base: CheckpointRecord, experts: Sequence[CheckpointRecord]
                 )
 
 
-def _analyze_stream(storage, base, experts, block_bytes, chunk_bytes, progress):
-    builders: dict[str, dict[str, TensorStats]] = {e.identity: {} for e in experts}
+def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, progress, pairs=()):
+    """Stream the base and ``readers`` once; per-expert statistics for identities in
+    ``stat_ids``, and for each pair of ``pairs`` the exact per-tensor ``⟨δᵢ,δⱼ⟩``.
+
+    Returns:
+        ``({identity: {tensor: TensorStats}}, {(id_a, id_b) sorted: {tensor: dot}})``.
+    """
+    from mergepipe.numerics import exact_total, segment_dots
+
+    builders: dict[str, dict[str, TensorStats]] = {i: {} for i in stat_ids}
+    pair_ids = [tuple(sorted((a.identity, b.identity))) for a, b in pairs]
+    dots: dict[tuple[str, str], dict[str, float]] = {p: {} for p in pair_ids}
+    held = {i for p in pair_ids for i in p}
+    stat_readers = [e for e in readers if e.identity in stat_ids]
     for name, bt in base.layout.tensors.items():
         if bt.dtype not in FLOAT_DTYPES or bt.numel == 0:
             continue
         rpb = rows_per_block(bt, block_bytes)
         row_numel = bt.numel // max(1, bt.rows)
-        chunk_rows = max(rpb, (chunk_bytes // max(1, bt.row_bytes)) // rpb * rpb)
-        bs = {e.identity: TensorStatsBuilder(name, bt.rows, row_numel, rpb) for e in experts}
-        hashes = {e.identity: hashlib.sha256() for e in experts}
+        cb = chunk_bytes // max(1, len(held)) if held else chunk_bytes  # pairs hold every delta of a chunk
+        chunk_rows = max(rpb, (cb // max(1, bt.row_bytes)) // rpb * rpb)
+        bs = {e.identity: TensorStatsBuilder(name, bt.rows, row_numel, rpb) for e in stat_readers}
+        hashes = {e.identity: hashlib.sha256() for e in stat_readers}
+        prow: dict[tuple[str, str], list[np.ndarray]] = {p: [] for p in pair_ids}
         for r0 in range(0, bt.rows, chunk_rows):
             r1 = min(bt.rows, r0 + chunk_rows)
             s, t = bt.row_range(r0, r1)
             b = decode(storage.read_range(storage.join(base.uri, bt.file), s, t, "base"), bt.dtype)
-            for e in experts:
+            bsq = segment_dots(b, b, row_numel) if stat_readers else None
+            deltas = {}
+            for e in readers:
                 et = e.layout.tensors[name]
                 es, ee = et.row_range(r0, r1)
                 raw = storage.read_range(storage.join(e.uri, et.file), es, ee, "expert")
-                hashes[e.identity].update(raw)
                 x = decode(raw, et.dtype)
-                bs[e.identity].add(r0, (x - b).astype(np.float32, copy=False))
+                d = (x - b).astype(np.float32, copy=False)
+                if e.identity in bs:
+                    hashes[e.identity].update(raw)
+                    bs[e.identity].add(r0, d, expert=x, base=b, base_sq_rows=bsq)
+                if e.identity in held:
+                    deltas[e.identity] = d
+            for p in pair_ids:
+                prow[p].append(segment_dots(deltas[p[0]], deltas[p[1]], row_numel))
             if progress:
-                progress((t - s) * (1 + len(experts)))
-        for e in experts:
+                progress((t - s) * (1 + len(readers)))
+        for e in stat_readers:
             builders[e.identity][name] = bs[e.identity].finish(hashes[e.identity].hexdigest())
-    return builders
+        for p in pair_ids:
+            dots[p][name] = exact_total(np.concatenate(prow[p])) if prow[p] else 0.0
+    return builders, dots

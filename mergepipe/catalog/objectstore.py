@@ -104,6 +104,23 @@ class ObjectCatalog(Catalog):
             pass  # another analyzer stored the same (identity-keyed) analysis first
         return 0
 
+    # pair statistics (model_stock, nuslerp): <prefix>/pairs/<base>/<a>-<b>-v<stats version>.json
+    def _pair_uri(self, base: str, a: str, b: str) -> str:
+        return self.storage.join(self.prefix, "pairs", base, f"{a}-{b}-v{STATS_VERSION}.json")
+
+    def _find_pair(self, base_identity: str, a: str, b: str) -> dict | None:
+        try:
+            return json.loads(self.storage.read_object(self._pair_uri(base_identity, a, b), "catalog"))
+        except NotFoundError:
+            return None
+
+    def _store_pair(self, base_identity: str, a: str, b: str, dots: dict) -> None:
+        try:
+            self.storage.put_object(self._pair_uri(base_identity, a, b), json.dumps(dots).encode(), "catalog",
+                                    if_none_match=True)
+        except PreconditionFailed:
+            pass  # identity-keyed: another analyzer stored the same content first
+
 
 def open_catalog(location: str | None):
     """``s3://…`` or an existing folder given as ``objects:PATH`` -> :class:`ObjectCatalog`; a file

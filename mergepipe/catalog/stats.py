@@ -8,7 +8,12 @@ float32), the catalog keeps:
   (``numel``) and an octave histogram — count and energy of entries per bf16 exponent — used to
   estimate how much energy of the block survives a magnitude trim at any density;
 * per tensor: the exact histogram of magnitude keys (:func:`mergepipe.numerics.magnitude_keys`),
-  enough to fix the magnitude-trim threshold exactly for any density.
+  enough to fix the magnitude-trim threshold (TIES) and the outlier window (breadcrumbs) exactly
+  for any density; and four whole-tensor sums of products — ``Σδ²``, ``Σθ_base²``,
+  ``Σθ_expert²`` and ``Σθ_base·θ_expert`` — each the exactly rounded sum (``math.fsum``) of
+  per-row float64 sums (:func:`mergepipe.numerics.segment_dots`), so they do not depend on how
+  the tensor was chunked. slerp's and nuslerp's norms and model_stock's ``‖δ‖`` come from these;
+  the cross terms ``⟨δᵢ,δⱼ⟩`` between experts are pair statistics (see the catalog).
 
 Everything is numpy: the planner and the operator use these without torch.
 """
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mergepipe.numerics import N_OCT, OCT_SHIFT, key_value, trim_min_key
+from mergepipe.numerics import N_OCT, OCT_SHIFT, exact_total, key_value, trim_min_key
 
 
 @dataclass
@@ -41,6 +46,8 @@ class TensorStats:
         hist_keys: int32[m] distinct magnitude keys in the tensor, ascending.
         hist_counts: int64[m] entries per key.
         content_sha256: SHA-256 of the expert tensor's raw bytes.
+        sums: float64[4] exact whole-tensor sums ``[Σδ², Σθ_b², Σθ_e², Σθ_b·θ_e]`` (see the
+            module docstring).
     """
 
     name: str
@@ -56,6 +63,24 @@ class TensorStats:
     hist_keys: np.ndarray
     hist_counts: np.ndarray
     content_sha256: str = ""
+    sums: np.ndarray | None = None
+
+    @property
+    def delta_sq(self) -> float:
+        """Exact ``Σδ²`` (canonical, chunking-independent)."""
+        return float(self.sums[0])
+
+    @property
+    def base_sq(self) -> float:
+        return float(self.sums[1])
+
+    @property
+    def expert_sq(self) -> float:
+        return float(self.sums[2])
+
+    @property
+    def base_dot_expert(self) -> float:
+        return float(self.sums[3])
 
     @property
     def n_blocks(self) -> int:
@@ -77,6 +102,8 @@ class TensorStats:
         n_oct = self.oct_count.shape[1]
         octs = np.arange(self.oct_lo, self.oct_lo + n_oct)
         frac = np.zeros(n_oct)
+        if min_key >= 0x8000:
+            return frac
         if min_key <= 0:
             frac[:] = 1.0
             return frac
@@ -101,12 +128,47 @@ class TensorStats:
         est[magnitude_keys(self.max_abs) < min_key] = 0.0
         return est
 
+    def kept_energy_window(self, min_key: int, max_key: int) -> np.ndarray:
+        """float64[nb]: estimated ``Σ δ²`` per block with ``min_key <= key < max_key``
+        (breadcrumbs); exact 0 for blocks whose ``max|δ|`` key is below ``min_key``."""
+        from mergepipe.numerics import N_KEYS, magnitude_keys
+
+        if min_key >= max_key:
+            return np.zeros(self.n_blocks)
+        frac = self.kept_fraction_by_octave(min_key)
+        if max_key < N_KEYS:
+            frac = np.clip(frac - self.kept_fraction_by_octave(max_key), 0.0, 1.0)
+        est = self.oct_energy @ frac
+        est[magnitude_keys(self.max_abs) < min_key] = 0.0
+        return est
+
+    def della_kept_energy(self, density: float, epsilon: float) -> np.ndarray:
+        """float64[nb]: expected ``Σ p·δ²`` per block under DELLA's rank-based keep probability.
+
+        Estimate: an entry's rank within its row is approximated by its magnitude's rank in the
+        whole tensor (the key histogram), at octave resolution: octave ``o`` gets
+        ``p = density − ε + 2ε·c_o`` with ``c_o`` the fraction of entries below the octave plus
+        half of those in it."""
+        from mergepipe.numerics import OCT_SHIFT
+
+        n_oct = self.oct_count.shape[1]
+        cnt = np.zeros(n_oct)
+        ko = (self.hist_keys >> OCT_SHIFT).astype(np.int64) - self.oct_lo
+        ok = (ko >= 0) & (ko < n_oct)
+        np.add.at(cnt, ko[ok], self.hist_counts[ok])
+        below = np.cumsum(cnt) - cnt
+        tot = max(1.0, float(self.hist_counts.sum()))
+        c = (below + cnt / 2.0) / tot
+        p = np.clip(density - epsilon + 2.0 * epsilon * c, 0.0, 1.0)
+        return self.oct_energy @ p
+
     # --- serialization (SQLite blobs and object-storage index objects) -------------------
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
         np.savez(
             buf,
             meta=np.array([self.numel, self.rows_per_block, self.oct_lo], dtype=np.int64),
+            sums=self.sums if self.sums is not None else np.full(4, np.nan),
             block_numel=self.block_numel,
             sq_norm=self.sq_norm,
             l1=self.l1,
@@ -136,6 +198,7 @@ class TensorStats:
             hist_keys=z["hist_keys"],
             hist_counts=z["hist_counts"],
             content_sha256=content_sha256,
+            sums=z["sums"] if "sums" in z.files else np.full(4, np.nan),
         )
 
 
@@ -159,11 +222,15 @@ class TensorStatsBuilder:
         self.oc = np.zeros((nb, N_OCT), dtype=np.int64)
         self.oe = np.zeros((nb, N_OCT))
         self.hist = np.zeros(0x8000, dtype=np.int64)
+        self.row_sums: list[list[np.ndarray]] = [[], [], [], []]
 
-    def add(self, row0: int, delta: np.ndarray) -> None:
+    def add(self, row0: int, delta: np.ndarray, expert: np.ndarray | None = None, base: np.ndarray | None = None,
+            base_sq_rows: np.ndarray | None = None) -> None:
         """Add the float32 task vector of rows ``[row0, row0 + len(delta)/row_numel)``; ``row0``
-        must be a block boundary."""
-        from mergepipe.numerics import magnitude_keys
+        must be a block boundary. With ``expert`` and ``base`` (the decoded values of the same
+        rows; ``base_sq_rows`` their per-row ``Σθ_b²`` when already computed) the exact
+        whole-tensor sums are accumulated too."""
+        from mergepipe.numerics import magnitude_keys, segment_dots
 
         if row0 % self.rpb:
             raise ValueError("chunks must start on block boundaries")
@@ -188,6 +255,12 @@ class TensorStatsBuilder:
         starts = np.arange(0, n, per_block)
         self.mx[sl] = np.maximum(self.mx[sl], np.maximum.reduceat(a, starts))
         self.hist += np.bincount(keys, minlength=0x8000)
+        if expert is not None and base is not None:
+            w = self.row_numel
+            self.row_sums[0].append(segment_dots(delta, delta, w))
+            self.row_sums[1].append(base_sq_rows if base_sq_rows is not None else segment_dots(base, base, w))
+            self.row_sums[2].append(segment_dots(expert, expert, w))
+            self.row_sums[3].append(segment_dots(base, expert, w))
 
     def finish(self, content_sha256: str = "") -> TensorStats:
         used = np.nonzero(self.oc.sum(axis=0))[0]
@@ -207,4 +280,5 @@ class TensorStatsBuilder:
             hist_keys=nz.astype(np.int32),
             hist_counts=self.hist[nz],
             content_sha256=content_sha256,
+            sums=np.array([exact_total(np.concatenate(r)) if r else np.nan for r in self.row_sums]),
         )

@@ -8,8 +8,10 @@ model size or tensor size.
 
 The executor reads only byte ranges the plan lists (and with the plan's coalescing gap), so
 realized expert bytes <= planned; it checks this at the end and refuses to finish otherwise.
-Output shards have the base's names, tensor order and header metadata (plus the plan digest),
-so the same plan and inputs give bit-identical shards.
+Output shards have the base's names, tensor order and header metadata,
+and the base's dtypes unless the plan sets ``out_dtype`` (then floating tensors, their headers,
+the index's ``total_size`` and ``config.json``'s ``torch_dtype`` say so), so the same plan and
+inputs give bit-identical shards. Every parameter the kernels use is the plan's per-tensor value.
 """
 
 from __future__ import annotations
@@ -31,9 +33,13 @@ from mergepipe.formats.safetensors import INDEX_NAME, build_header
 from mergepipe.methods.kernels import (
     ExpertTensorParams,
     combine,
+    filter_width,
     l1_row_sums,
     l1_rows,
+    model_stock_merge,
+    nuslerp_merge,
     rescale_factor,
+    slerp_merge,
     sparsify,
 )
 from mergepipe.methods.registry import get_method
@@ -178,10 +184,8 @@ def execute(
         raise InputError(f"--device {device}: {e}") from None
     verify_inputs(plan, storage)
     read_before = storage.counters.snapshot()["read"]
-    weights = [e.params["weight"] for e in plan.experts]
     res = ExecResult()
     expert_uri = {i: e.uri for i, e in enumerate(plan.experts)}
-    rescale = bool(plan.globals.get("rescale")) and spec.sparsify != "none"
 
     # ---- work list ------------------------------------------------------------------------
     from mergepipe.formats.safetensors import DTYPES
@@ -191,6 +195,11 @@ def execute(
         itemsize = DTYPES[tp.dtype][0]
         rows = tp.shape[0] if tp.shape else 1
         rb = _row_bytes(tp, itemsize)
+        if tp.copy_base and tp.out_dtype and tp.out_dtype != tp.dtype:
+            for r0 in range(0, rows, tp.chunk_rows):  # same values, another dtype: decode + encode
+                r1 = min(rows, r0 + tp.chunk_rows)
+                items.append(_Item("convert", tp, r0, r1, (r1 - r0) * rb))
+            continue
         if tp.copy_base:
             nbytes = rows * rb
             step = max(1, COPY_CHUNK // max(1, rb))
@@ -213,7 +222,7 @@ def execute(
         base_uri = storage.join(plan.base.uri, tp.file)
         s, e = tp.start + it.r0 * rb, tp.start + it.r1 * rb
         base_raw = storage.read_ranges(base_uri, [(s, e)], "base")[0] if e > s else b""
-        if it.kind == "copy":
+        if it.kind in ("copy", "convert"):
             return base_raw, None
         exp = []
         for te in tp.experts:
@@ -279,7 +288,6 @@ def execute(
     for i, it in enumerate(items):
         first_item_of_shard.setdefault(it.tp.file, i)
 
-    weight_sum = sum(weights)
     l1_all: dict[tuple[str, int], list[float]] = {}
     l1_kept: dict[tuple[str, int], list[float]] = {}
     base_sha: dict[str, hashlib._Hash] = {}
@@ -304,7 +312,7 @@ def execute(
             if i == first_item_of_shard.get(tp.file):
                 put(("open", tp.file))
                 hdr = build_header(
-                    [(t.name, t.dtype, tuple(t.shape)) for t in shard_tensors[tp.file]],
+                    [(t.name, t.out_dtype or t.dtype, tuple(t.shape)) for t in shard_tensors[tp.file]],
                     plan.shard_metadata.get(tp.file, {}),
                 )
                 put(("data", hdr))
@@ -313,7 +321,7 @@ def execute(
                 if progress:
                     progress(len(base_raw))
             else:
-                out = _merge_chunk(it, base_raw, exp, plan, spec, weights, dev, rescale, l1_all, l1_kept, weight_sum)
+                out = _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept)
                 if out is not None:
                     put(("data", out))
                     if progress:
@@ -344,7 +352,7 @@ def execute(
     if len(shard_tensors) > 1 or plan.index_metadata or any(f != "model.safetensors" for f in shard_tensors):
         from mergepipe.formats.safetensors import DTYPES as _D
 
-        total = sum(int(np.prod(t.shape)) * _D[t.dtype][0] for t in plan.tensors)
+        total = sum(int(np.prod(t.shape)) * _D[t.out_dtype or t.dtype][0] for t in plan.tensors)
         idx = {
             "metadata": {"total_size": total},
             "weight_map": {t.name: t.file for t in sorted(plan.tensors, key=lambda t: t.name)},
@@ -361,6 +369,8 @@ def execute(
             data = storage.read_object(src, "base")
         except NotFoundError:
             continue
+        if f == "config.json" and plan.out_dtype:
+            data = _config_with_dtype(data, plan.out_dtype)
         w = HashingWriter(out_storage.open_writer(out_storage.join(out_prefix, f), "output"))
         w.write(data)
         res.files[f] = {"size": w.inner.close(), "sha256": w.sha.hexdigest()}
@@ -384,30 +394,71 @@ def execute(
     return res
 
 
-def _merge_chunk(it, base_raw, exp, plan, spec, weights, dev, rescale, l1_all, l1_kept, weight_sum):
-    """Merge one row chunk; for ``stats`` items only accumulate L1 sums and return None."""
+def _config_with_dtype(data: bytes, out_dtype: str) -> bytes:
+    """``config.json`` with ``torch_dtype`` (and ``dtype``, newer transformers) set to the output
+    dtype, as mergekit writes it; unparseable configs are copied unchanged."""
+    from mergepipe.formats.safetensors import DTYPES
+
+    try:
+        cfg = json.loads(data)
+    except ValueError:
+        return data
+    if not isinstance(cfg, dict):
+        return data
+    name = DTYPES[out_dtype][1]
+    cfg["torch_dtype"] = name
+    if "dtype" in cfg:
+        cfg["dtype"] = name
+    return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept):
+    """Merge one row chunk; for ``stats`` items only accumulate L1 sums and return None. Uses
+    only the plan's per-tensor parameters (``tp.params``, ``TensorExpert`` fields, ``tp.derived``)."""
+    import math
+
     import torch
 
     tp = it.tp
     b = torch.from_numpy(decode(base_raw, tp.dtype)).to(dev)
     if b.dtype != torch.float32:
         b = b.float()
+    out_dtype = tp.out_dtype or tp.dtype
+    if it.kind == "convert":
+        return _encode(b, out_dtype)
     row_numel = int(np.prod(tp.shape[1:])) if len(tp.shape) > 1 else 1
     offset = it.r0 * row_numel
-    deltas, ws = [], []
+    keep_x = spec.kind == "slerp"
+    present = {}
     for te, parts in zip(tp.experts, exp):
         d = torch.zeros_like(b)
+        xf = b.clone() if keep_x else None
         for (a, z), buf in parts:
             x = torch.from_numpy(decode(buf, tp.dtype)).to(dev).float()
             sl = slice((a - it.r0) * row_numel, (z - it.r0) * row_numel)
             d[sl] = x - b[sl]
-        ep = ExpertTensorParams(
-            weight=weights[te.expert],
-            density=plan.experts[te.expert].params.get("density", 1.0),
-            min_key=te.min_key,
-            stream_key=te.stream_key,
-        )
-        kept = sparsify(d, spec, ep, offset)
+            if xf is not None:
+                xf[sl] = x
+        present[te.expert] = (te, d, xf)
+    K = len(plan.experts)
+    if spec.kind == "model_stock":
+        ds = [present[i][1] if i in present else torch.zeros_like(b) for i in range(K)]
+        t = None if tp.params.get("filter_wise") else tp.derived["t"]
+        return _encode(model_stock_merge(b, ds, t, filter_width(tp.shape)), out_dtype)
+    if spec.kind == "slerp":
+        e = present[0][2] if 0 in present else b
+        return _encode(slerp_merge(b, e, tp.derived["c_base"], tp.derived["c_expert"]), out_dtype)
+    if spec.kind == "nuslerp":
+        d0, d1 = (present[i][1] if i in present else torch.zeros_like(b) for i in range(2))
+        dv = tp.derived
+        coef = (dv["a"], dv["b"], dv["s"]) if "a" in dv else None
+        return _encode(nuslerp_merge(b, d0, d1, coef, filter_width(tp.shape), t=dv["t"]), out_dtype)
+    rescale = bool(tp.params.get("rescale")) and spec.kind == "gta" and spec.sparsify != "none"
+    deltas, ws = [], []
+    for te, d, _ in present.values():
+        ep = ExpertTensorParams(weight=te.weight, density=te.density, min_key=te.min_key, stream_key=te.stream_key,
+                                max_key=te.max_key, epsilon=te.epsilon)
+        kept = sparsify(d, spec, ep, offset, tp.shape)
         key = (tp.name, te.expert)
         if rescale and ep.density < 1.0:
             if it.kind == "stats":
@@ -415,8 +466,6 @@ def _merge_chunk(it, base_raw, exp, plan, spec, weights, dev, rescale, l1_all, l
                 l1_kept.setdefault(key, []).extend(l1_row_sums(kept, row_numel))
                 continue
             if tp.passes == 2:
-                import math
-
                 f = rescale_factor(math.fsum(l1_all[key]), math.fsum(l1_kept[key]))
             else:
                 f = rescale_factor(l1_rows(d, row_numel), l1_rows(kept, row_numel))
@@ -426,5 +475,5 @@ def _merge_chunk(it, base_raw, exp, plan, spec, weights, dev, rescale, l1_all, l
         ws.append(ep.weight)
     if it.kind == "stats":
         return None
-    out = combine(b, deltas, ws, spec, plan.globals, weight_sum=weight_sum)
-    return _encode(out, tp.dtype)
+    out = combine(b, deltas, ws, spec, tp.params, weight_sum=tp.weight_sum)
+    return _encode(out, out_dtype)

@@ -7,6 +7,12 @@ whole-tensor merge (``tests/test_methods.py`` checks this against :mod:`.referen
 
 Unread expert blocks enter as ``δ = 0`` (the expert is assumed equal to the base there): they
 are pruned by every sparsifier and take no part in the sign election or the divisor.
+
+Statistics that are not elementwise are computed so that they are still independent of
+chunking and device: per-tensor sums are exactly rounded (``math.fsum``) sums of per-row float64
+sums, and row-local statistics (DELLA's ranks, per-row cosines) are computed on the CPU with
+numpy from whole rows (a chunk always holds whole rows, and a 1-D tensor, which mergekit
+treats as one row, is one chunk).
 """
 
 from __future__ import annotations
@@ -14,8 +20,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from mergepipe.methods.registry import MethodSpec
-from mergepipe.numerics import dare_keep_mask
+from mergepipe.numerics import (
+    N_KEYS,
+    dare_keep_mask,
+    della_keep_mask,
+    della_probs,
+    magnitude_keys,
+    model_stock_t,
+    nuslerp_coefficients_rows,
+    segment_dots,
+)
 
 
 @dataclass(frozen=True)
@@ -25,15 +42,19 @@ class ExpertTensorParams:
     Attributes:
         weight: mergekit ``weight``.
         density: mergekit ``density`` (1.0 = no sparsification).
-        min_key: magnitude-trim threshold key (keep ``key >= min_key``; 0 keeps all), fixed at
+        min_key: magnitude threshold key (keep ``key >= min_key``; 0 keeps all), fixed at
             plan time from the catalog's key histogram.
-        stream_key: key of the DARE random stream of this (expert, tensor).
+        max_key: breadcrumbs' outlier bound (keep ``key < max_key``; ``N_KEYS`` = none).
+        stream_key: key of the DARE / DELLA random stream of this (expert, tensor).
+        epsilon: DELLA's ``epsilon``.
     """
 
     weight: float
     density: float
     min_key: int = 0
     stream_key: int = 0
+    max_key: int = N_KEYS
+    epsilon: float = 0.0
 
 
 def magnitude_key_torch(delta):
@@ -43,12 +64,14 @@ def magnitude_key_torch(delta):
     return delta.abs().to(torch.bfloat16).view(torch.int16).to(torch.int32).clamp_(max=0x7F80)
 
 
-def sparsify(delta, spec: MethodSpec, ep: ExpertTensorParams, offset: int):
+def sparsify(delta, spec: MethodSpec, ep: ExpertTensorParams, offset: int, shape=None):
     """Apply the method's sparsifier to a chunk of one expert's task vector.
 
     Args:
-        delta: float32 tensor ``(n,)``: flat elements ``[offset, offset + n)`` of the tensor.
-        offset: flat index of the chunk's first element (for the DARE stream).
+        delta: float32 tensor ``(n,)``: flat elements ``[offset, offset + n)`` of the tensor;
+            whole rows.
+        offset: flat index of the chunk's first element (for the random streams).
+        shape: the tensor's shape (DELLA ranks along mergekit's rank axis within rows).
 
     Returns:
         ``δ ⊙ mask`` (float32, same device), not yet rescaled.
@@ -59,12 +82,36 @@ def sparsify(delta, spec: MethodSpec, ep: ExpertTensorParams, offset: int):
         return delta
     if spec.sparsify == "magnitude":
         keep = magnitude_key_torch(delta) >= ep.min_key
+    elif spec.sparsify == "outliers":
+        k = magnitude_key_torch(delta)
+        keep = (k >= ep.min_key) & (k < ep.max_key)
+    elif spec.sparsify == "della":
+        d = delta.detach().cpu().numpy()
+        rows = d.size // row_numel_of(shape) if len(shape) > 1 else 1
+        p = della_probs(magnitude_keys(d), shape, rows, ep.density, ep.epsilon)
+        keep = torch.from_numpy(della_keep_mask(ep.stream_key, offset, p)).to(delta.device)
     elif spec.sparsify == "random":
         m = dare_keep_mask(ep.stream_key, offset, delta.numel(), ep.density)
         keep = torch.from_numpy(m).to(delta.device)
     else:  # pragma: no cover - registry guards this
         raise ValueError(spec.sparsify)
     return torch.where(keep, delta, torch.zeros((), dtype=delta.dtype, device=delta.device))
+
+
+def row_numel_of(shape) -> int:
+    return int(np.prod(shape[1:])) if len(shape) > 1 else 1
+
+
+def filter_width(shape) -> int:
+    """Length of the vectors mergekit's per-row statistics run over: the last dimension; a 1-D
+    tensor is one vector."""
+    return int(shape[-1]) if len(shape) > 1 else int(shape[0]) if shape else 1
+
+
+def needs_row_stats(spec: MethodSpec, params: dict) -> bool:
+    """The method computes row-local statistics in the engine (so a 1-D tensor must be one chunk)."""
+    return (spec.sparsify == "della" or (spec.kind == "model_stock" and bool(params.get("filter_wise")))
+            or (spec.kind == "nuslerp" and not params.get("nuslerp_flatten", True)))
 
 
 def l1_row_sums(x, row_numel: int) -> list[float]:
@@ -90,7 +137,7 @@ def rescale_factor(l1_all: float, l1_kept: float) -> float:
 
 
 def combine(base, deltas: list, weights: list[float], spec: MethodSpec, globals_: dict,
-            weight_sum: float | None = None):
+            weight_sum: float | None = None):  # noqa: C901 - one branch per mergekit mode
     """Combine sparsified (and rescaled) task vectors with the base.
 
     Args:
@@ -166,9 +213,73 @@ def _add(base, mixed):
     return torch.where(mixed == 0, base, base + mixed)
 
 
-def identity_on_zero_delta(spec: MethodSpec, weights: list[float], globals_: dict) -> bool:
+def identity_on_zero_delta(spec: MethodSpec, weight_sum: float, globals_: dict) -> bool:
     """True when all-zero task vectors give back the base exactly (then a tensor no expert
-    block touches is copied byte for byte)."""
+    block touches is copied byte for byte). ``weight_sum``: the tensor's sum of weights."""
+    if spec.kind == "slerp":
+        return globals_.get("t") == 0.0
     if spec.linear and not globals_.get("normalize", True):
-        return sum(weights) == 1.0
+        return weight_sum == 1.0
     return True
+
+
+def sum_in_order(ts: list):
+    acc = ts[0]
+    for t in ts[1:]:
+        acc = acc + t
+    return acc
+
+
+def model_stock_merge(base, deltas: list, t, width: int | None = None):
+    """mergekit's Model Stock in task-vector form: ``base + t · (Σδᵢ)/N``.
+
+    Args:
+        deltas: all N experts' task vectors in plan order (zeros where unread).
+        t: the ratio (float) for the whole tensor; or None with ``width``: one ratio per
+            ``width``-element filter (``filter_wise``), computed here from these rows with
+            :func:`mergepipe.numerics.model_stock_t` (unread rows count as δ = 0).
+
+    mergekit computes ``t·mean(θᵢ) + (1−t)·θ_base``; the task-vector form is the same value up to
+    float32 rounding and returns the base bit for bit where every δ is 0.
+    """
+    import torch
+
+    n = len(deltas)
+    avg = sum_in_order(deltas) / n
+    if t is None:
+        ds = [d.detach().cpu().numpy() for d in deltas]
+        sq = [segment_dots(x, x, width) for x in ds]
+        dots = {(i, j): segment_dots(ds[i], ds[j], width) for i in range(n) for j in range(i + 1, n)}
+        tf = torch.from_numpy(model_stock_t(n, sq, dots)).to(base.device)
+        mixed = (avg.reshape(-1, width) * tf[:, None]).reshape(-1)
+    else:
+        mixed = avg * t
+    return _add(base, mixed)
+
+
+def slerp_merge(base, expert, c_base: float, c_expert: float):
+    """mergekit's slerp output ``c_base·θ_base + c_expert·θ_expert`` (float32), with the
+    coefficients from whole-tensor statistics (plan)."""
+    return base * c_base + expert * c_expert
+
+
+def nuslerp_merge(base, d0, d1, coef, width: int | None = None, t: float = 0.5):
+    """mergekit's nuslerp with a base: ``base + (a·δ₀ + b·δ₁)/s``.
+
+    Args:
+        coef: ``(a, b, s)`` for the whole tensor (plan); or None with ``width``: per
+            ``width``-element row, computed here from these rows (``nuslerp_flatten=false``).
+    """
+    import torch
+
+    if coef is None:
+        x0, x1 = d0.detach().cpu().numpy(), d1.detach().cpu().numpy()
+        c = nuslerp_coefficients_rows(t, segment_dots(x0, x0, width), segment_dots(x1, x1, width),
+                                      segment_dots(x0, x1, width))
+        c = torch.from_numpy(c).to(base.device)
+        a, b, s = c[:, 0:1], c[:, 1:2], c[:, 2:3]
+        mixed = ((d0.reshape(-1, width) * a + d1.reshape(-1, width) * b) / s).reshape(-1)
+    else:
+        a, b, s = coef
+        mixed = (d0 * a + d1 * b) / s
+    return _add(base, mixed)

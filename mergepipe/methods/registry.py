@@ -1,16 +1,25 @@
 """Merge methods as data: one registry, mergekit's names, parameters and defaults.
 
-Every method here is an instance of generalized task arithmetic (mergekit's
-``GeneralizedTaskArithmeticMerge``): per expert a task vector ``δᵢ = θᵢ − θ_base`` is
-*sparsified* (none / magnitude top-k / random Bernoulli), optionally *rescaled* (L1-norm
+Most methods here are instances of generalized task arithmetic (mergekit's
+``GeneralizedTaskArithmeticMerge``, kind ``gta``): per expert a task vector
+``δᵢ = θᵢ − θ_base`` is *sparsified* (none / magnitude top-k / random Bernoulli / magnitude
+window without outliers / DELLA's magnitude-ranked Bernoulli), optionally *rescaled* (L1-norm
 matching), multiplied by its ``weight``, optionally passed through a *sign consensus* (TIES sign
 election), summed, optionally *normalized* by the sum of (agreeing) weights, scaled by
 ``lambda`` and added to the base. ``linear`` is the weighted average of the models, which with a
 base equals the base plus the weighted average of task vectors.
 
+Three methods interpolate instead: ``model_stock`` (the base and the mean of the experts, with a
+ratio from the experts' pairwise cosines), ``slerp`` (base and one expert along the great
+circle) and ``nuslerp`` (two task vectors along the great circle). Their whole-tensor
+statistics (norms, dot products) come from the catalog; see :mod:`mergepipe.numerics`.
+
 Sources: Task arithmetic (Ilharco et al., 2023, arXiv:2212.04089); TIES-Merging (Yadav et al.,
-2023, arXiv:2306.01708); DARE (Yu et al., 2024, arXiv:2311.03099); mergekit 0.1.5
-``merge_methods/generalized_task_arithmetic.py`` and ``sparsify.py`` (defaults below).
+2023, arXiv:2306.01708); DARE (Yu et al., 2024, arXiv:2311.03099); Model Breadcrumbs
+(Davari & Belilovsky, 2023, arXiv:2312.06795); DELLA-Merging (Deep et al., 2024,
+arXiv:2406.11617); Model Stock (Jang et al., 2024, arXiv:2403.19522); SLERP (Shoemake, 1985);
+mergekit 0.1.5 ``merge_methods/*.py`` and ``sparsify.py`` (names, parameters and defaults
+below).
 """
 
 from __future__ import annotations
@@ -20,7 +29,8 @@ from typing import Literal
 
 from mergepipe.errors import InputError
 
-Sparsify = Literal["none", "magnitude", "random"]
+Sparsify = Literal["none", "magnitude", "random", "outliers", "della"]
+Kind = Literal["gta", "linear", "model_stock", "slerp", "nuslerp"]
 
 
 @dataclass(frozen=True)
@@ -35,33 +45,53 @@ class ParamSpec:
     lo: float | None = None
     hi: float | None = None
     lo_open: bool = False
+    hi_open: bool = False
     doc: str = ""
 
+    @property
+    def range_text(self) -> str:
+        if self.kind == "bool":
+            return "true or false"
+        lo = "-inf" if self.lo is None else f"{self.lo:g}"
+        hi = "inf" if self.hi is None else f"{self.hi:g}"
+        return f"{'(' if self.lo_open or self.lo is None else '['}{lo}, {hi}{')' if self.hi_open or self.hi is None else ']'}"
+
     def check(self, value, where: str):
+        """Validate one scalar value; ``where`` names the key in the message."""
         if self.kind == "bool":
             if isinstance(value, bool):
                 return value
-            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-                return value.lower() in ("true", "1", "yes")
+            if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
+                return value.strip().lower() in ("true", "1", "yes")
             raise InputError(f"{where}: {self.name} must be true or false, got {value!r}.")
+        if isinstance(value, bool) or isinstance(value, (list, dict)):
+            raise InputError(f"{where}: {self.name} must be a number in {self.range_text}, got {value!r}.")
         try:
             v = float(value)
         except (TypeError, ValueError):
-            raise InputError(f"{where}: {self.name} must be a number, got {value!r}.") from None
-        if v != v:
-            raise InputError(f"{where}: {self.name} is NaN.")
-        if self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo)):
-            rng = f"({self.lo}, {self.hi}]" if self.lo_open else f"[{self.lo}, {self.hi}]"
-            raise InputError(f"{where}: {self.name}={v} is outside {rng}.")
-        if self.hi is not None and v > self.hi:
-            rng = f"({self.lo}, {self.hi}]" if self.lo_open else f"[{self.lo}, {self.hi}]"
-            raise InputError(f"{where}: {self.name}={v} is outside {rng}.")
+            raise InputError(f"{where}: {self.name} must be a number in {self.range_text}, got {value!r}.") from None
+        if v != v or v in (float("inf"), float("-inf")):
+            raise InputError(f"{where}: {self.name} must be a finite number in {self.range_text}, got {value!r}.")
+        bad = (self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo))) or (
+            self.hi is not None and (v > self.hi or (self.hi_open and v == self.hi)))
+        if bad:
+            raise InputError(f"{where}: {self.name}={v:g} is outside {self.range_text}.")
         return v
 
 
 WEIGHT = ParamSpec("weight", 1.0, "expert", doc="scale of this expert's task vector")
 DENSITY = ParamSpec("density", 1.0, "expert", lo=0.0, hi=1.0, lo_open=True, doc="fraction of task-vector entries kept")
 LAMBDA = ParamSpec("lambda", 1.0, "global", doc="scale of the merged task vector")
+INT8_MASK = ParamSpec("int8_mask", False, "global", kind="bool",
+                      doc="accepted for mergekit compatibility; only changes mergekit's mask dtype (no numerical effect)")
+GAMMA = ParamSpec("gamma", 0.01, "expert", lo=0.0, hi=1.0, hi_open=True, doc="fraction of largest magnitudes dropped as outliers")
+EPSILON = ParamSpec("epsilon", 0.15, "expert", lo=0.0, hi=1.0,
+                    doc="keep probabilities run from density-epsilon to density+epsilon by magnitude rank")
+T = ParamSpec("t", None, "global", lo=0.0, hi=1.0, doc="interpolation position: 0 = base, 1 = expert")
+FILTER_WISE = ParamSpec("filter_wise", False, "global", kind="bool", doc="one ratio per row (last-dim vector)")
+NUSLERP_FLATTEN = ParamSpec("nuslerp_flatten", True, "global", kind="bool", doc="treat each tensor as one vector")
+NUSLERP_ROW_WISE = ParamSpec("nuslerp_row_wise", False, "global", kind="bool",
+                             doc="with nuslerp_flatten=false: interpolate columns instead of rows (not supported)")
 
 
 def _normalize(default: bool) -> ParamSpec:
@@ -78,10 +108,12 @@ class MethodSpec:
 
     Attributes:
         name: mergekit's method name.
-        sparsify: how each task vector is sparsified.
+        sparsify: how each task vector is sparsified (``gta`` methods).
         consensus: ``"sum"`` for TIES sign election, else ``None``.
         params: the parameters the method takes (others are refused).
-        linear: True for ``linear`` (weighted average of models, not of task vectors).
+        kind: ``gta`` (generalized task arithmetic), ``linear``, ``model_stock``, ``slerp``,
+            ``nuslerp``.
+        min_experts, max_experts: how many experts (models besides the base) it takes.
         paper: the algorithm's source.
     """
 
@@ -89,20 +121,44 @@ class MethodSpec:
     sparsify: Sparsify
     consensus: Literal["sum"] | None
     params: tuple[ParamSpec, ...]
-    linear: bool = False
+    kind: Kind = "gta"
+    min_experts: int = 1
+    max_experts: int | None = None
     paper: str = ""
     extra: dict = field(default_factory=dict)
 
-    def param(self, name: str) -> ParamSpec:
+    def param(self, name: str, where: str = "") -> ParamSpec:
         for p in self.params:
             if p.name == name:
                 return p
-        allowed = ", ".join(p.name for p in self.params)
-        raise InputError(f"method {self.name!r} takes no parameter {name!r}; allowed: {allowed}.")
+        allowed = ", ".join(p.name for p in self.params) or "none"
+        pre = f"{where}: " if where else ""
+        raise InputError(f"{pre}method {self.name!r} takes no parameter {name!r}; allowed: {allowed}.")
+
+    @property
+    def linear(self) -> bool:
+        return self.kind == "linear"
 
     @property
     def uses_density(self) -> bool:
         return self.sparsify != "none"
+
+    @property
+    def has_weights(self) -> bool:
+        return any(p.name == "weight" for p in self.params)
+
+    @property
+    def needs_gram(self) -> bool:
+        """Needs the experts' pairwise task-vector dot products from the catalog."""
+        return self.kind in ("model_stock", "nuslerp")
+
+    @property
+    def experts_text(self) -> str:
+        if self.max_experts == self.min_experts:
+            return f"exactly {self.min_experts}"
+        if self.max_experts is None:
+            return f"at least {self.min_experts}"
+        return f"{self.min_experts} to {self.max_experts}"
 
 
 METHODS: dict[str, MethodSpec] = {}
@@ -115,16 +171,34 @@ def register(spec: MethodSpec) -> MethodSpec:
     return spec
 
 
-register(MethodSpec("linear", "none", None, (WEIGHT, _normalize(True)), linear=True,
+register(MethodSpec("linear", "none", None, (WEIGHT, _normalize(True)), kind="linear",
                     paper="Model soups (Wortsman et al., 2022, arXiv:2203.05482)"))
-register(MethodSpec("task_arithmetic", "none", None, (WEIGHT, LAMBDA, _normalize(False)),
+register(MethodSpec("task_arithmetic", "none", None, (WEIGHT, LAMBDA, _normalize(False), INT8_MASK),
                     paper="Task arithmetic (Ilharco et al., 2023, arXiv:2212.04089)"))
-register(MethodSpec("ties", "magnitude", "sum", (WEIGHT, DENSITY, LAMBDA, _normalize(True), _rescale(False)),
+register(MethodSpec("ties", "magnitude", "sum", (WEIGHT, DENSITY, LAMBDA, _normalize(True), _rescale(False), INT8_MASK),
                     paper="TIES-Merging (Yadav et al., 2023, arXiv:2306.01708)"))
-register(MethodSpec("dare_ties", "random", "sum", (WEIGHT, DENSITY, LAMBDA, _normalize(False), _rescale(True)),
+register(MethodSpec("dare_ties", "random", "sum", (WEIGHT, DENSITY, LAMBDA, _normalize(False), _rescale(True), INT8_MASK),
                     paper="DARE (Yu et al., 2024, arXiv:2311.03099) with TIES sign consensus"))
-register(MethodSpec("dare_linear", "random", None, (WEIGHT, DENSITY, LAMBDA, _normalize(False), _rescale(True)),
+register(MethodSpec("dare_linear", "random", None, (WEIGHT, DENSITY, LAMBDA, _normalize(False), _rescale(True), INT8_MASK),
                     paper="DARE (Yu et al., 2024, arXiv:2311.03099)"))
+register(MethodSpec("breadcrumbs", "outliers", None,
+                    (WEIGHT, DENSITY, GAMMA, LAMBDA, _normalize(False), _rescale(False), INT8_MASK),
+                    paper="Model Breadcrumbs (Davari & Belilovsky, 2023, arXiv:2312.06795)"))
+register(MethodSpec("breadcrumbs_ties", "outliers", "sum",
+                    (WEIGHT, DENSITY, GAMMA, LAMBDA, _normalize(False), _rescale(False), INT8_MASK),
+                    paper="Model Breadcrumbs (arXiv:2312.06795) with TIES sign consensus"))
+register(MethodSpec("della", "della", "sum",
+                    (WEIGHT, DENSITY, EPSILON, LAMBDA, _normalize(True), _rescale(True), INT8_MASK),
+                    paper="DELLA-Merging (Deep et al., 2024, arXiv:2406.11617)"))
+register(MethodSpec("della_linear", "della", None,
+                    (WEIGHT, DENSITY, EPSILON, LAMBDA, _normalize(False), _rescale(True), INT8_MASK),
+                    paper="DELLA-Merging (Deep et al., 2024, arXiv:2406.11617), no sign consensus"))
+register(MethodSpec("model_stock", "none", None, (FILTER_WISE,), kind="model_stock", min_experts=2,
+                    paper="Model Stock (Jang et al., 2024, arXiv:2403.19522)"))
+register(MethodSpec("slerp", "none", None, (T,), kind="slerp", min_experts=1, max_experts=1,
+                    paper="Spherical linear interpolation (Shoemake, 1985)"))
+register(MethodSpec("nuslerp", "none", None, (WEIGHT, NUSLERP_FLATTEN, NUSLERP_ROW_WISE), kind="nuslerp",
+                    min_experts=2, max_experts=2, paper="mergekit's NuSLERP (slerp of two task vectors)"))
 
 
 def get_method(name: str) -> MethodSpec:
@@ -139,45 +213,16 @@ def get_method(name: str) -> MethodSpec:
         raise InputError(f"unknown merge method {name!r}; allowed: {', '.join(METHODS)}.") from None
 
 
-@dataclass(frozen=True)
-class ResolvedParams:
-    """Parameters of one merge, validated: ``experts[i]`` holds weight/density of expert ``i``."""
+def resolve_params(method: str, global_params: dict, expert_params: list[dict], **kw):
+    """Validate parameter settings; see :func:`mergepipe.methods.params.resolve_params`."""
+    from mergepipe.methods.params import resolve_params as _resolve
 
-    method: str
-    experts: tuple[dict, ...]
-    globals: dict
+    return _resolve(method, global_params, expert_params, **kw)
 
 
-def resolve_params(method: str, global_params: dict, expert_params: list[dict]) -> ResolvedParams:
-    """Validate and resolve parameters with precedence per-expert > global > method default.
+def __getattr__(name: str):  # ResolvedParams lives in .params; keep the old import path working
+    if name == "ResolvedParams":
+        from mergepipe.methods.params import ResolvedParams
 
-    Args:
-        global_params: ``{name: value}`` applying to the merge (and, for expert-scoped names,
-            to every expert).
-        expert_params: one ``{name: value}`` per expert.
-
-    Raises:
-        InputError: a parameter the method does not take, a value out of range (density must
-            be in (0, 1]), or a global-only parameter given per expert.
-    """
-    spec = get_method(method)
-    for k in global_params:
-        spec.param(k)
-    g = {}
-    for p in spec.params:
-        if p.scope == "global":
-            v = global_params.get(p.name, p.default)
-            g[p.name] = p.check(v, f"parameter {p.name}")
-    experts = []
-    for i, ep in enumerate(expert_params):
-        d = {}
-        for k in ep:
-            p = spec.param(k)
-            if p.scope != "expert":
-                raise InputError(f"expert {i + 1}: {k} is a global parameter of {method}; set it without an expert prefix.")
-        for p in spec.params:
-            if p.scope == "expert":
-                v = ep.get(p.name, global_params.get(p.name, p.default))
-                d[p.name] = p.check(v, f"expert {i + 1} parameter {p.name}")
-        experts.append(d)
-    return ResolvedParams(method, tuple(experts), g)
+        return ResolvedParams
+    raise AttributeError(name)

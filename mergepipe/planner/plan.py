@@ -1,7 +1,10 @@
 """The plan: the executable object of a merge, and its digest.
 
 A :class:`Plan` says, per tensor, which blocks of which experts the engine reads, with the
-method parameters resolved per expert and the magnitude-trim thresholds fixed. Its **digest**
+method parameters resolved per tensor and per expert (layer-wise settings are evaluated here, at
+plan time: the engine only ever uses the per-tensor values), the magnitude thresholds fixed and
+the coefficients that need whole-tensor statistics (slerp, nuslerp, model_stock) computed from
+the catalog. Its **digest**
 is the SHA-256 of the canonical JSON (sorted keys, no whitespace) of its semantic fields:
 everything except ``created_at``, ``mergepipe_version``, the human explanations and the digest
 itself. Two plans with the same digest produce bit-identical snapshots from the same inputs.
@@ -11,11 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field
 
-PLAN_FORMAT = "mergepipe.plan/v1"
+PLAN_FORMAT = "mergepipe.plan/v2"  # v2: per-tensor parameters, out_dtype
 
 
 class InputRef(BaseModel):
@@ -28,11 +31,12 @@ class InputRef(BaseModel):
 
 
 class ExpertRef(InputRef):
-    """An expert: its name, resolved per-expert parameters, and the SHA-256 over its tensors'
-    content hashes recorded by the catalog's analysis."""
+    """An expert: its name, its parameter settings (scalars, gradients or filter lists; the
+    per-tensor values are in :class:`TensorExpert`), and the SHA-256 over its tensors' content
+    hashes recorded by the catalog's analysis."""
 
     name: str
-    params: dict[str, float]
+    params: dict[str, Any]
     content_digest: str = ""
 
 
@@ -42,8 +46,10 @@ class TensorExpert(BaseModel):
     Attributes:
         expert: index into ``Plan.experts``.
         file, start: the expert's shard holding the tensor and the tensor's first data byte.
-        min_key: magnitude-trim threshold key (0 = keep all).
-        stream_key: DARE random stream key.
+        weight, density, gamma, epsilon: the expert's parameters resolved for this tensor.
+        min_key: magnitude threshold key: keep ``key >= min_key`` (0 = keep all).
+        max_key: breadcrumbs' outlier bound: keep ``key < max_key`` (0x8000 = no bound).
+        stream_key: key of the DARE / DELLA random stream.
         blocks: selected block runs ``[b0, b1)`` (block indices).
         bytes: expert bytes these blocks occupy (one pass).
         kept_energy: estimated ``w² Σ δ²`` kept from the selected blocks.
@@ -53,7 +59,12 @@ class TensorExpert(BaseModel):
     expert: int
     file: str
     start: int
+    weight: float = 1.0
+    density: float = 1.0
+    gamma: float = 0.0
+    epsilon: float = 0.0
     min_key: int = 0
+    max_key: int = 0x8000
     stream_key: int = 0
     blocks: list[tuple[int, int]]
     bytes: int
@@ -71,6 +82,12 @@ class TensorPlan(BaseModel):
         chunk_rows: rows processed at once by the engine (a multiple of ``rows_per_block``).
         passes: 2 when per-tensor statistics of the read data (L1 rescale) need a pre-pass
             over a tensor larger than one chunk, else 1.
+        params: the merge-wide parameters resolved for this tensor (normalize, lambda, t, ...).
+        weight_sum: sum of all experts' weights for this tensor (experts without a selected
+            block included).
+        derived: coefficients computed at plan time from whole-tensor catalog statistics:
+            slerp ``c_base``/``c_expert``; nuslerp ``a``/``b``/``s``; model_stock ``t``.
+        out_dtype: dtype written (the base's unless the merge asks for another).
         experts: contributing experts (experts with no selected block are absent).
         copy_base: True when the output tensor is the base tensor byte for byte.
     """
@@ -84,6 +101,10 @@ class TensorPlan(BaseModel):
     n_blocks: int
     chunk_rows: int
     passes: int = 1
+    params: dict[str, float | bool] = Field(default_factory=dict)
+    weight_sum: float = 0.0
+    derived: dict[str, float] = Field(default_factory=dict)
+    out_dtype: str | None = None
     experts: list[TensorExpert] = Field(default_factory=list)
     copy_base: bool = False
     explain: str = ""
@@ -102,7 +123,7 @@ class Plan(BaseModel):
 
     format: str = PLAN_FORMAT
     method: str
-    globals: dict[str, float | bool]
+    globals: dict[str, Any]
     seed: int = 0
     block_bytes: int
     coalesce_gap: int = 0
@@ -118,13 +139,18 @@ class Plan(BaseModel):
     extra_files: list[str] = Field(default_factory=list)
     shard_metadata: dict[str, dict[str, str]] = Field(default_factory=dict)
     index_metadata: dict = Field(default_factory=dict)
+    out_dtype: str | None = None
+    n_layers: int = 0
     # non-semantic
+    requested_dtype: str | None = None
+    source: dict = Field(default_factory=dict)
     created_at: float = 0.0
     mergepipe_version: str = ""
     explain: str = ""
     digest: str = ""
 
-    NON_SEMANTIC: ClassVar[frozenset] = frozenset({"created_at", "mergepipe_version", "explain", "digest"})
+    NON_SEMANTIC: ClassVar[frozenset] = frozenset(
+        {"created_at", "mergepipe_version", "explain", "digest", "requested_dtype", "source"})
 
     def semantic_json(self) -> str:
         d = self.model_dump(mode="json", exclude=set(self.NON_SEMANTIC))

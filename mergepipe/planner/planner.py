@@ -12,7 +12,17 @@ over the exact byte ranges the engine requests, so realized expert bytes <= plan
 
 Blocks whose every entry falls below the trim threshold (``max|δ|`` key below it) or whose
 task vector is zero carry no value and are never read, even at unlimited budget: the output is
-the same either way.
+the same either way. (With ``rescale``, a block below the threshold still changes the tensor's
+L1 norm, so it keeps a tiny positive value: read last, and always at unlimited budget.)
+
+Parameters are resolved per tensor here (layer gradients, name filters; see
+:mod:`mergepipe.methods.params`) and stored in the plan per tensor and per expert. Methods whose
+coefficients need whole-tensor statistics get them from the catalog: slerp from the exact
+``Σθ_b²``, ``Σθ_e²``, ``Σθ_b·θ_e`` of the expert's analysis; nuslerp and model_stock from
+``‖δᵢ‖²`` and the pair statistics ``⟨δᵢ,δⱼ⟩``. Row-local statistics (DELLA's per-row ranks,
+model_stock ``filter_wise`` and nuslerp ``nuslerp_flatten=false`` per-row cosines) are computed by
+the engine from the rows it reads; their block values here are estimates from the tensor-level
+coefficient, floored so that every block with a non-zero task vector has a positive value.
 """
 
 from __future__ import annotations
@@ -26,9 +36,17 @@ import numpy as np
 from mergepipe.catalog.catalog import Analysis, CheckpointRecord
 from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import FLOAT_DTYPES, TensorInfo, n_blocks, rows_per_block
-from mergepipe.methods.kernels import identity_on_zero_delta
+from mergepipe.methods.kernels import identity_on_zero_delta, needs_row_stats
+from mergepipe.methods.params import ResolvedParams, layer_count, layer_t
 from mergepipe.methods.registry import get_method, resolve_params
-from mergepipe.numerics import stream_key
+from mergepipe.numerics import (
+    N_KEYS,
+    model_stock_t,
+    nuslerp_coefficients,
+    outlier_window,
+    slerp_coefficients,
+    stream_key,
+)
 from mergepipe.planner.plan import (
     ExpertRef,
     InputRef,
@@ -54,12 +72,13 @@ EXTRA_FILES = (
 )
 
 
-def chunk_rows(info: TensorInfo, rpb: int, n_experts: int, work_bytes: int) -> int:
+def chunk_rows(info: TensorInfo, rpb: int, n_experts: int, work_bytes: int, extra_per_elem: int = 0) -> int:
     """Rows the engine processes at once: a multiple of ``rpb`` such that the float32 working
     set (base, K task vectors, output and one temporary: ``(K + 3) * rows * row_numel * 4``
-    bytes) stays within ``work_bytes``; at least one block."""
+    bytes, plus ``extra_per_elem`` bytes per element for a method's temporaries) stays within
+    ``work_bytes``; at least one block."""
     row_numel = max(1, info.numel // max(1, info.rows))
-    per_row = (n_experts + 3) * row_numel * 4
+    per_row = ((n_experts + 3) * 4 + extra_per_elem) * row_numel
     rows = max(rpb, (work_bytes // max(1, per_row)) // rpb * rpb)
     return min(rows, max(rpb, -(-info.rows // rpb) * rpb))
 
@@ -109,6 +128,11 @@ def make_plan(
     work_bytes: int = DEFAULT_WORK_BYTES,
     coalesce_gap: int = 0,
     extra_files: Sequence[str] = (),
+    gram: dict | None = None,
+    resolved: ResolvedParams | None = None,
+    out_dtype: str | None = None,
+    requested_dtype: str | None = None,
+    source: dict | None = None,
 ) -> Plan:
     """Plan a merge of ``experts`` into ``base``.
 
@@ -120,6 +144,12 @@ def make_plan(
         work_bytes: engine working-memory target (bytes) that fixes chunking (semantic:
             it decides whether a tensor needs a second pass).
         coalesce_gap: gap (bytes) under which the storage merges ranges; the cost model.
+        gram: ``{(i, j): {tensor: ⟨δᵢ,δⱼ⟩}}`` from :meth:`Catalog.pair_dots` (model_stock, nuslerp).
+        resolved: already validated parameter settings (instead of ``global_params`` /
+            ``expert_params``; the config loader passes these with its key paths for messages).
+        out_dtype: safetensors dtype of the floating output tensors (None: the base's).
+        requested_dtype, source: recorded in the plan (not part of its digest): the compute dtype a
+            mergekit config asked for (mergepipe always computes in float32) and the config file.
 
     Raises:
         InputError: bad parameters, negative budget, fidelity outside (0, 1].
@@ -133,10 +163,14 @@ def make_plan(
     if fidelity is not None and not (0.0 < fidelity <= 1.0):
         raise InputError(f"--fidelity {fidelity} is outside (0, 1]; e.g. --fidelity 0.99.")
     spec = get_method(method)
-    params = resolve_params(method, dict(global_params or {}), [dict(p) for p in (expert_params or [{}] * K)])
+    params = resolved or resolve_params(method, dict(global_params or {}),
+                                        [dict(p) for p in (expert_params or [{}] * K)])
+    if len(params.experts) != K:
+        raise InputError(f"{len(params.experts)} expert parameter sets for {K} experts.")
     block_bytes = analyses[0].block_bytes
-    weights = [p["weight"] for p in params.experts]
-    needs_stats_pass = bool(params.globals.get("rescale")) and spec.sparsify != "none"
+    if spec.needs_gram and gram is None:
+        raise InputError(f"{method} needs the experts' pair statistics; analyze with pairs (the pipeline does).")
+    n_layers = layer_count(base.layout.tensors)
 
     tensors: list[TensorPlan] = []
     cands: list[_Cand] = []
@@ -144,44 +178,73 @@ def make_plan(
     for name, bt in base.layout.tensors.items():
         floating = bt.dtype in FLOAT_DTYPES and bt.numel > 0
         rpb = rows_per_block(bt, block_bytes)
-        cr = chunk_rows(bt, rpb, K, work_bytes)
+        tpar = params.for_tensor(name, layer_t(name, n_layers)) if floating else None
+        g = dict(tpar.globals) if tpar else dict(params.for_tensor("", 0.0).globals)
+        eps = tpar.experts if tpar else ()
+        row_stats = floating and needs_row_stats(spec, g)
+        cr = chunk_rows(bt, rpb, K, work_bytes, 48 if spec.sparsify == "della" else 0)
+        if row_stats and len(bt.shape) < 2:
+            cr = max(rpb, -(-bt.rows // rpb) * rpb)  # a 1-D tensor is one row: one chunk
+        weights = [float(e.get("weight", 1.0)) for e in eps]
         tp = TensorPlan(
             name=name, dtype=bt.dtype, shape=list(bt.shape), file=bt.file, start=bt.start, rows_per_block=rpb,
-            n_blocks=n_blocks(bt, block_bytes), chunk_rows=cr,
+            n_blocks=n_blocks(bt, block_bytes), chunk_rows=cr, params=g, weight_sum=float(sum(weights)),
+            out_dtype=(out_dtype if floating and out_dtype else None),
         )
-        passes = 2 if needs_stats_pass and cr < bt.rows and any(
-            p.get("density", 1.0) < 1.0 for p in params.experts) else 1
+        rescale = spec.kind == "gta" and bool(g.get("rescale")) and spec.sparsify != "none"
+        passes = 2 if rescale and cr < bt.rows and any(e.get("density", 1.0) < 1.0 for e in eps) else 1
         tp.passes = passes
         ti = len(tensors)
         tensors.append(tp)
         infos.append(bt)
         if not floating:
             continue
+        stats = []
         for i, (e, a) in enumerate(zip(experts, analyses)):
             st = a.tensors.get(name)
             if st is None:
                 raise InputError(f"catalog: analysis of {e.uri} lacks tensor {name!r}; re-run `mergepipe analyze`.")
             if st.rows_per_block != rpb:
                 raise InputError(f"catalog: block grid of {name!r} differs from the plan's; re-run analyze.")
-            ep = params.experts[i]
-            dens = ep.get("density", 1.0)
-            w2 = weights[i] ** 2
-            if spec.sparsify == "magnitude" and dens < 1.0:
-                mk = st.min_key(dens)
-                kept = st.kept_energy(mk)
-            elif spec.sparsify == "random" and dens < 1.0:
-                mk = 0
-                kept = st.sq_norm * (1.0 / dens if params.globals.get("rescale") else dens)
+            stats.append(st)
+        coefs = _coefficients(spec, g, tp, stats, weights, gram, name, K)
+        for i, (e, st) in enumerate(zip(experts, stats)):
+            ep = eps[i]
+            dens = float(ep.get("density", 1.0))
+            mk, xk = 0, N_KEYS
+            if spec.kind in ("gta", "linear"):
+                w2 = weights[i] ** 2
+                if spec.sparsify == "magnitude" and dens < 1.0:
+                    mk = st.min_key(dens)
+                    kept = st.kept_energy(mk)
+                elif spec.sparsify == "outliers" and dens < 1.0:
+                    mk, xk = outlier_window(st.hist_keys, st.hist_counts, st.numel, dens, float(ep["gamma"]))
+                    kept = st.kept_energy_window(mk, xk)
+                elif spec.sparsify == "random" and dens < 1.0:
+                    kept = st.sq_norm * (1.0 / dens if g.get("rescale") else dens)
+                elif spec.sparsify == "della" and dens < 1.0:
+                    kept = st.della_kept_energy(dens, float(ep["epsilon"]))
+                    if g.get("rescale"):
+                        kept = kept / dens**2
+                else:
+                    kept = st.sq_norm.copy()
+                if rescale and dens < 1.0:
+                    # below-threshold blocks still count in the L1 norm the rescale matches
+                    kept = np.where((kept <= 0) & (st.sq_norm > 0), 1e-12 * st.sq_norm, kept)
+                value = kept * w2
             else:
-                mk = 0
-                kept = st.sq_norm.copy()
-            value = kept * w2
+                c2 = coefs[i] ** 2
+                if row_stats:
+                    c2 = max(c2, 1e-12)  # an estimate: the engine computes the per-row coefficient
+                value = st.sq_norm * c2
             et = e.layout.tensors[name]
             cost = (np.minimum((np.arange(st.n_blocks) + 1) * rpb, et.rows) - np.arange(st.n_blocks) * rpb) * et.row_bytes
             cands.append(_Cand(ti, i, value, value.copy(), cost.astype(np.int64), passes))
             tp.experts.append(
-                TensorExpert(expert=i, file=et.file, start=et.start, min_key=int(mk), stream_key=stream_key(seed, i, name), blocks=[], bytes=0,
-                             kept_energy=0.0, full_energy=float(value.sum()))
+                TensorExpert(expert=i, file=et.file, start=et.start, weight=weights[i] if weights else 1.0,
+                             density=dens, gamma=float(ep.get("gamma", 0.0)), epsilon=float(ep.get("epsilon", 0.0)),
+                             min_key=int(mk), max_key=int(xk), stream_key=stream_key(seed, i, name), blocks=[],
+                             bytes=0, kept_energy=0.0, full_energy=float(value.sum()))
             )
 
     # --- selection -------------------------------------------------------------------------
@@ -262,19 +325,28 @@ def make_plan(
     for tp, bt in zip(tensors, infos):
         tp.experts = [t for t in tp.experts if t.blocks]
         floating = bt.dtype in FLOAT_DTYPES and bt.numel > 0
-        tp.copy_base = not floating or (not tp.experts and identity_on_zero_delta(spec, weights, params.globals))
-        tp.explain = _explain_tensor(tp, spec.name, params, [e for e in (expert_names or [])])
+        if not floating:
+            tp.copy_base = True
+        elif spec.kind == "slerp":
+            tp.copy_base = tp.params["t"] == 0.0  # t = 0 is the base; otherwise slerp rescales even the base
+        else:
+            tp.copy_base = not tp.experts and identity_on_zero_delta(spec, tp.weight_sum, tp.params)
+        tp.explain = _explain_tensor(tp, spec, [e for e in (expert_names or [])])
     expert_read, _ = plan_cost(selected)
     retained = float(values[selected].sum()) / total_value if total_value > 0 else 1.0
 
     base_read = 0
     for tp, bt in zip(tensors, infos):
         base_read += bt.nbytes * (tp.passes if tp.experts else 1)
-    out_bytes = base.layout.total_bytes
+    from mergepipe.formats.safetensors import DTYPES
+
+    out_bytes = base.layout.total_bytes + sum(
+        (DTYPES[tp.out_dtype][0] - DTYPES[tp.dtype][0]) * int(np.prod(tp.shape, dtype=np.int64))
+        for tp in tensors if tp.out_dtype and tp.out_dtype != tp.dtype)
     names = list(expert_names) if expert_names else [e.uri.rstrip("/").rsplit("/", 1)[-1] for e in experts]
     plan = Plan(
         method=method,
-        globals=params.globals,
+        globals=dict(params.globals),
         seed=seed,
         block_bytes=block_bytes,
         coalesce_gap=coalesce_gap,
@@ -294,6 +366,10 @@ def make_plan(
         extra_files=sorted(extra_files),
         shard_metadata={f: sh.metadata for f, sh in base.layout.shards.items()},
         index_metadata=base.layout.index_metadata,
+        out_dtype=out_dtype,
+        n_layers=n_layers,
+        requested_dtype=requested_dtype,
+        source=dict(source or {}),
         created_at=time.time(),
     )
     from mergepipe import __version__
@@ -312,26 +388,81 @@ def _content_digest(a: Analysis) -> str:
     ).hexdigest()
 
 
-def _explain_tensor(tp: TensorPlan, method: str, params, names: list[str]) -> str:
+def _coefficients(spec, g: dict, tp: TensorPlan, stats: list, weights: list[float], gram, name: str,
+                  K: int) -> list[float]:
+    """Per-expert coefficient of the task vector in the output (interpolating methods), and
+    ``tp.derived`` filled with what the engine needs. From whole-tensor catalog statistics."""
+    if spec.kind == "slerp":
+        st = stats[0]
+        ca, cb = slerp_coefficients(float(g["t"]), st.base_sq, st.expert_sq, st.base_dot_expert)
+        tp.derived = {"c_base": ca, "c_expert": cb}
+        return [cb]
+    if spec.kind == "nuslerp":
+        total = weights[0] + weights[1]
+        t = 0.5 if abs(total) < 1e-6 else weights[1] / total
+        a, b, s = nuslerp_coefficients(t, stats[0].delta_sq, stats[1].delta_sq, float(gram[(0, 1)][name]))
+        tp.derived = {"t": t}
+        if g.get("nuslerp_flatten", True):
+            tp.derived.update({"a": a, "b": b, "s": s})
+        return [a / s, b / s]
+    if spec.kind == "model_stock":
+        t = float(model_stock_t(K, [st.delta_sq for st in stats], {k: float(v[name]) for k, v in gram.items()}))
+        tp.derived = {} if g.get("filter_wise") else {"t": t}
+        return [t / K] * K
+    return [1.0] * K
+
+
+def _explain_tensor(tp: TensorPlan, spec, names: list[str]) -> str:
     if tp.copy_base:
+        if spec.kind == "slerp" and tp.params.get("t") == 0.0 and tp.dtype in FLOAT_DTYPES:
+            return "copied from base: slerp t=0"
         return "copied from base: no expert block selected (or the tensor is not floating point)"
     parts = []
     for te in tp.experts:
         nsel = sum(b1 - b0 for b0, b1 in te.blocks)
         frac = te.kept_energy / te.full_energy if te.full_energy > 0 else 1.0
         nm = names[te.expert] if te.expert < len(names) else f"expert {te.expert + 1}"
-        thr = f", trim key>={te.min_key}" if te.min_key else ""
-        parts.append(f"{nm}: {nsel}/{tp.n_blocks} blocks, {frac:.1%} of its energy{thr}")
+        thr = ""
+        if spec.sparsify == "magnitude" and te.min_key:
+            thr = f", trim key>={te.min_key}"
+        elif spec.sparsify == "outliers" and te.density < 1.0:
+            thr = f", keep keys in [{te.min_key}, {te.max_key})"
+        pv = ""
+        if spec.has_weights and spec.kind != "nuslerp":
+            pv = f" (weight {te.weight:g}" + (f", density {te.density:g}" if spec.uses_density else "") + ")"
+        parts.append(f"{nm}{pv}: {nsel}/{tp.n_blocks} blocks, {frac:.1%} of its energy{thr}")
+    head = ""
+    d = tp.derived
+    if spec.kind == "slerp":
+        head = (f"slerp t={tp.params['t']:g}: {d['c_base']:.6g}·base + {d['c_expert']:.6g}·expert (coefficients "
+                "from the catalog's whole-tensor norms and dot product); ")
+    elif spec.kind == "model_stock":
+        head = ("model_stock filter_wise: per-row ratio computed by the engine from the rows it reads (unread rows "
+                "count as δ = 0); " if tp.params.get("filter_wise") else
+                f"model_stock t={d['t']:.6g} from the catalog's pairwise cosines; ")
+    elif spec.kind == "nuslerp":
+        head = (f"nuslerp t={d['t']:.6g}: coefficients from the catalog's norms and ⟨δ₀,δ₁⟩; " if "a" in d else
+                f"nuslerp t={d['t']:.6g}: per-row coefficients computed by the engine from the rows it reads; ")
+    elif spec.sparsify == "della":
+        head = "della: per-row magnitude ranks computed by the engine from the rows it reads; "
+    if not parts:
+        return head + "no expert block selected"
     extra = " (L1 rescale needs a pre-pass: expert blocks read twice)" if tp.passes == 2 else ""
-    return "; ".join(parts) + extra
+    return head + "; ".join(parts) + extra
 
 
 def _explain_plan(plan: Plan, seconds: float) -> str:
     touched = sum(1 for t in plan.tensors if t.experts)
     b = "unlimited" if plan.budget_bytes is None else f"{plan.budget_bytes:,} B"
+    dt = ""
+    if plan.requested_dtype:
+        dt = (f" Arithmetic in float32 (the config's dtype {plan.requested_dtype} is recorded; mergepipe always "
+              "computes in float32).")
+    if plan.out_dtype:
+        dt += f" Floating outputs written as {plan.out_dtype}."
     return (
         f"{plan.method} over {len(plan.experts)} experts: reads {plan.io.expert_read_bytes:,} of "
         f"{plan.expert_bytes_total:,} expert bytes (budget {b}), retaining {plan.retained_energy:.2%} "
         f"of the weighted task-vector energy kept by {plan.method} at full budget; {touched}/"
-        f"{len(plan.tensors)} tensors merged, the rest copied from the base. Planned in {seconds:.3f} s."
+        f"{len(plan.tensors)} tensors merged, the rest copied from the base. Planned in {seconds:.3f} s." + dt
     )

@@ -1,0 +1,351 @@
+"""Parameter settings — scalars, layer gradients, name filters — and their resolution per tensor.
+
+A setting takes one of mergekit's forms:
+
+* a **scalar**: ``0.5``, ``true``;
+* a **gradient**: a list of at least two numbers, interpolated piecewise-linearly over the
+  layers. For a tensor in layer ``ℓ`` of ``L`` layers, ``t = ℓ / (L − 1)`` (``t = 1`` when
+  ``L = 1``), ``x = t·(n − 1)``, ``i = int(x)``, and the value is
+  ``(1 − (x − i))·v[i] + (x − i)·v[min(i + 1, n − 1)]`` (mergekit ``evaluate_setting``).
+  Tensors without a layer index — embeddings, the final norm, ``lm_head`` — get ``t = 0``, the
+  gradient's first value: mergekit plans its pre-layer and post-layer weights with a
+  ``ConfigReader(t=0)`` (mergekit 0.1.5 ``plan.py`` ``plan_module``);
+* a **filter list**: ``[{filter: <substring of the tensor name>, value: <scalar or gradient>},
+  …]``. The first entry whose filter occurs in the tensor name applies (an entry without
+  ``filter``, or with ``"*"``, matches every tensor); when none matches, the setting has no
+  value for that tensor and resolution falls through to the next scope.
+
+**Precedence** (mergekit's): an expert's own setting, then the merge-wide setting, then the
+method's default. Within a filter list the first match wins, as in mergekit; so that this is
+also the *most specific* match, a list where an earlier entry shadows a later one is refused:
+a catch-all entry that is not last, or an entry whose filter contains an earlier entry's filter
+(every tensor it would match is taken by the earlier one). Filters that merely overlap (neither
+contains the other, e.g. ``self_attn`` and ``q_proj``) resolve by list order.
+
+Layer index of a tensor: the integer after a ``layers``/``layer``/``h``/``blocks``/``block``
+path component (``model.layers.12.mlp…``, ``transformer.h.3…``, ``encoder.layer.5…``); the
+number of layers ``L`` is one more than the largest index among the base's tensors. (mergekit
+counts layers from the architecture's config; for the decoder-only models both agree.)
+
+Booleans are scalars only (not layer-wise). Every value is validated where it is given, with
+the key path in the message; interpolated values lie between validated endpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mergepipe.errors import InputError
+from mergepipe.methods.registry import MethodSpec, ParamSpec, get_method
+
+LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
+
+
+def layer_index(name: str) -> int | None:
+    """The layer a tensor belongs to, from its name; None for embeddings, final norm, head."""
+    m = LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+def layer_count(names: Iterable[str]) -> int:
+    """Number of layers: one more than the largest layer index (0 when no name has one)."""
+    idx = [i for i in (layer_index(n) for n in names) if i is not None]
+    return max(idx) + 1 if idx else 0
+
+
+def layer_t(name: str, n_layers: int) -> float:
+    """mergekit's gradient position of a tensor: ``ℓ/(L−1)``, 1 for a single layer, 0 without
+    a layer index."""
+    i = layer_index(name)
+    if i is None:
+        return 0.0
+    if n_layers <= 1:
+        return 1.0
+    return i / (n_layers - 1)
+
+
+def _is_scalar(v) -> bool:
+    return isinstance(v, (int, float, bool, str)) and not isinstance(v, (list, dict))
+
+
+def parse_setting(p: ParamSpec, raw: Any, where: str) -> Any:
+    """Validate a setting and return it in canonical JSON form.
+
+    Args:
+        raw: a scalar, a list (gradient or filter entries), one ``{filter, value}`` mapping, or
+            a string (CLI): strings starting with ``[`` or ``{`` are parsed as JSON.
+        where: the key path for messages, e.g. ``--param density`` or
+            ``merge.yml: models[1].parameters.density``.
+
+    Raises:
+        InputError: naming ``where`` and the allowed values.
+    """
+    if isinstance(raw, str) and raw.strip()[:1] in ("[", "{"):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise InputError(
+                f"{where}: {raw!r} is not valid JSON ({e.msg}); a gradient is [0.2, 0.8], a filter list "
+                '[{"filter": "mlp", "value": 0.5}, {"value": 0.3}].'
+            ) from None
+    if isinstance(raw, dict):
+        raw = [raw]
+    if not isinstance(raw, list):
+        return p.check(raw, where)
+    if p.kind == "bool":
+        raise InputError(f"{where}: {p.name} is a boolean and takes one value (true or false), not a list; "
+                         "boolean parameters are not layer-wise.")
+    if not raw:
+        raise InputError(f"{where}: empty list; give a number, a gradient of at least two numbers such as "
+                         '[0.2, 0.8], or filter entries [{"filter": "mlp", "value": 0.5}, {"value": 0.3}].')
+    if all(_is_scalar(e) for e in raw):
+        return _gradient(p, raw, where)
+    if not all(isinstance(e, dict) for e in raw):
+        raise InputError(f"{where}: the list mixes numbers and {{filter, value}} entries; use a gradient "
+                         "(numbers only) or filter entries (mappings only).")
+    out = []
+    catch_all = None
+    for i, e in enumerate(raw):
+        ew = f"{where}[{i}]"
+        extra = set(e) - {"filter", "value"}
+        if extra:
+            raise InputError(f"{ew}: unknown key(s) {', '.join(sorted(map(str, extra)))}; an entry has only "
+                             "filter and value.")
+        if "value" not in e:
+            raise InputError(f"{ew}: value is missing; an entry is {{filter: <substring of tensor names>, value: ...}}.")
+        f = e.get("filter")
+        if f is not None and (not isinstance(f, str) or not f):
+            raise InputError(f"{ew}.filter: must be a non-empty substring of tensor names (or '*'), got {f!r}.")
+        if f == "*":
+            f = None
+        if catch_all is not None:
+            raise InputError(f"{where}[{catch_all}]: the entry without filter matches every tensor, so entry "
+                             f"{i} after it is never used (first match wins); move the catch-all last.")
+        for j, prev in enumerate(out):
+            if prev["filter"] is not None and f is not None and prev["filter"] in f:
+                raise InputError(
+                    f"{ew}.filter: {f!r} is never used: every tensor it matches also matches entry {j} "
+                    f"({prev['filter']!r}) before it (first match wins); put the more specific filter first.")
+        v = e["value"]
+        if isinstance(v, list):
+            if not all(_is_scalar(x) for x in v):
+                raise InputError(f"{ew}.value: a value is a number or a gradient of numbers, not nested entries.")
+            val = _gradient(p, v, f"{ew}.value")
+        elif isinstance(v, dict):
+            raise InputError(f"{ew}.value: a value is a number or a gradient of numbers, not a mapping.")
+        else:
+            val = p.check(v, f"{ew}.value")
+        if f is None:
+            catch_all = i
+        out.append({"filter": f, "value": val})
+    return out
+
+
+def _gradient(p: ParamSpec, raw: list, where: str) -> list:
+    if len(raw) < 2:
+        raise InputError(f"{where}: a gradient needs at least two values (first layer … last layer), got "
+                         f"{len(raw)}; for one value write the number itself.")
+    return [p.check(v, f"{where}[{i}]") for i, v in enumerate(raw)]
+
+
+def evaluate(setting: Any, tensor_name: str, t: float):
+    """The value of a (validated, canonical) setting for one tensor at gradient position ``t``;
+    None when a filter list has no entry for the tensor."""
+    if isinstance(setting, list):
+        if setting and isinstance(setting[0], dict):
+            for e in setting:
+                if e["filter"] is None or e["filter"] in tensor_name:
+                    return evaluate(e["value"], tensor_name, t)
+            return None
+        n = len(setting)
+        x = t * (n - 1)
+        i0 = int(x)
+        i1 = min(n - 1, i0 + 1)
+        frac = x - i0
+        a, b = float(setting[i0]), float(setting[i1])
+        v = (1 - frac) * a + frac * b
+        return min(max(v, min(a, b)), max(a, b))  # no rounding step outside the validated endpoints
+    return setting
+
+
+def is_layerwise(setting: Any) -> bool:
+    return isinstance(setting, list)
+
+
+@dataclass(frozen=True)
+class TensorParams:
+    """Concrete parameter values for one tensor: merge-wide and per expert."""
+
+    globals: dict
+    experts: tuple[dict, ...]
+
+
+def _default_where_global(name: str) -> str:
+    return f"--param {name}"
+
+
+def _default_where_expert(i: int, name: str) -> str:
+    return f"--param {i + 1}:{name}"
+
+
+@dataclass(frozen=True)
+class ResolvedParams:
+    """Validated parameter settings of one merge.
+
+    Attributes:
+        method: the method name.
+        globals: merge-wide parameters: ``name -> setting`` (defaults filled in).
+        experts: per expert, ``name -> setting`` of its expert-scoped parameters; the expert's
+            own setting, else the merge-wide one, else the default. When the expert's own
+            setting is a filter list, the fallback is appended as a final catch-all entry, so
+            the single setting resolves exactly like the precedence chain.
+    """
+
+    method: str
+    experts: tuple[dict, ...]
+    globals: dict
+    where_global: Callable[[str], str] = field(default=_default_where_global, repr=False, compare=False)
+    where_expert: Callable[[int, str], str] = field(default=_default_where_expert, repr=False, compare=False)
+
+    @property
+    def spec(self) -> MethodSpec:
+        return get_method(self.method)
+
+    @property
+    def layerwise(self) -> bool:
+        return any(is_layerwise(v) for v in self.globals.values()) or any(
+            is_layerwise(v) for e in self.experts for v in e.values())
+
+    def for_tensor(self, name: str, t: float = 0.0) -> TensorParams:
+        """Concrete values for tensor ``name`` at gradient position ``t``.
+
+        Raises:
+            InputError: a required parameter has no value for this tensor, or values that are
+                valid one by one are invalid together (DELLA's density ± epsilon).
+        """
+        spec = self.spec
+        g = {}
+        for p in spec.params:
+            if p.scope == "global":
+                v = evaluate(self.globals.get(p.name, p.default), name, t)
+                if v is None:
+                    v = p.default
+                if v is None:
+                    raise InputError(f"{self.where_global(p.name)}: no value for tensor {name!r} (no filter entry "
+                                     f"matches it and {self.method} has no default); add a catch-all entry "
+                                     '{"value": ...} at the end.')
+                g[p.name] = v
+        es = []
+        for i, ep in enumerate(self.experts):
+            d = {}
+            for p in spec.params:
+                if p.scope == "expert":
+                    v = evaluate(ep.get(p.name, p.default), name, t)
+                    d[p.name] = p.default if v is None else v
+            es.append(d)
+        out = TensorParams(g, tuple(es))
+        _check_tensor(self, name, out)
+        return out
+
+    def check_tensors(self, names: Sequence[str]) -> None:
+        """Resolve every tensor (raising the first problem) — run before reading tensor data."""
+        n = layer_count(names)
+        for name in names:
+            self.for_tensor(name, layer_t(name, n))
+
+
+def _check_tensor(rp: ResolvedParams, name: str, tpar: TensorParams) -> None:
+    spec = rp.spec
+    if spec.sparsify == "della":
+        for i, d in enumerate(tpar.experts):
+            dens, eps = d["density"], d["epsilon"]
+            if dens < 1.0 and not (dens - eps > 0.0 and dens + eps < 1.0):
+                raise InputError(
+                    f"{rp.where_expert(i, 'density')} / {rp.where_expert(i, 'epsilon')}: for tensor {name!r}, "
+                    f"density={dens:g} and epsilon={eps:g}; {spec.name} needs density - epsilon > 0 and "
+                    "density + epsilon < 1 wherever density < 1 (keep probabilities run from density - epsilon "
+                    "to density + epsilon; mergekit refuses the same). Lower epsilon or move density.")
+
+
+def resolve_params(
+    method: str,
+    global_params: dict,
+    expert_params: Sequence[dict],
+    *,
+    where_global: Callable[[str], str] | None = None,
+    where_expert: Callable[[int, str], str] | None = None,
+) -> ResolvedParams:
+    """Validate parameter settings with precedence per-expert > global > method default.
+
+    Args:
+        global_params: ``{name: setting}`` applying to the merge (and, for expert-scoped names,
+            to every expert).
+        expert_params: one ``{name: setting}`` per expert.
+        where_global, where_expert: key path of a setting for messages (default: CLI syntax).
+
+    Raises:
+        InputError: unknown method; wrong number of experts for the method; a parameter the
+            method does not take; a value out of range (density in (0, 1], t in [0, 1], gamma
+            in [0, 1), epsilon in [0, 1]); a malformed gradient or filter list; a global-only
+            parameter given per expert; a required parameter (slerp's t) missing;
+            nuslerp_row_wise with nuslerp_flatten false (unsupported).
+    """
+    wg = where_global or _default_where_global
+    we = where_expert or _default_where_expert
+    spec = get_method(method)
+    k = len(expert_params)
+    if k < spec.min_experts or (spec.max_experts is not None and k > spec.max_experts):
+        extra = " (3 models including the base)" if spec.kind == "model_stock" else ""
+        extra = " (the base and one expert)" if spec.kind == "slerp" else extra
+        raise InputError(f"experts: {method} takes {spec.experts_text} expert(s) besides the base{extra}; got {k}.")
+    g: dict = {}
+    shared: dict = {}
+    for name, raw in global_params.items():
+        p = spec.param(name, wg(name))
+        v = parse_setting(p, raw, wg(name))
+        (g if p.scope == "global" else shared)[name] = v
+    for p in spec.params:
+        if p.scope == "global" and p.name not in g:
+            if p.default is None:
+                raise InputError(f"{wg(p.name)}: {method} needs {p.name} in {p.range_text} (e.g. {wg(p.name)}=0.5); "
+                                 f"it has no default.")
+            g[p.name] = p.default
+    experts = []
+    for i, ep in enumerate(expert_params):
+        d = {}
+        for name, raw in ep.items():
+            p = spec.param(name, we(i, name))
+            if p.scope != "expert":
+                raise InputError(f"{we(i, name)}: {name} is a global parameter of {method}; set it for the merge, "
+                                 "not per expert.")
+            d[name] = parse_setting(p, raw, we(i, name))
+        view = {}
+        for p in spec.params:
+            if p.scope != "expert":
+                continue
+            own, fb = d.get(p.name), shared.get(p.name, p.default)
+            if own is None:
+                view[p.name] = fb
+            elif isinstance(own, list) and own and isinstance(own[0], dict):
+                if fb is None:
+                    view[p.name] = own
+                elif isinstance(fb, list) and fb and isinstance(fb[0], dict):
+                    view[p.name] = own + fb
+                else:
+                    view[p.name] = own + [{"filter": None, "value": fb}]
+            else:
+                view[p.name] = own
+        experts.append(view)
+    if spec.kind == "nuslerp" and g.get("nuslerp_row_wise") and not g.get("nuslerp_flatten"):
+        raise InputError(f"{wg('nuslerp_row_wise')}: nuslerp_row_wise=true with nuslerp_flatten=false interpolates "
+                         "columns, which needs per-column statistics over all rows that mergepipe does not keep; "
+                         "use nuslerp_flatten=true (default, whole tensors) or nuslerp_flatten=false with "
+                         "nuslerp_row_wise=false (rows).")
+    rp = ResolvedParams(method, tuple(experts), g, wg, we)
+    if not rp.layerwise:
+        rp.for_tensor("", 0.0)  # scalar settings: the per-tensor checks hold for every tensor
+    return rp
