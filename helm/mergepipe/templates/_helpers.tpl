@@ -1,0 +1,65 @@
+{{/* Chart name. */}}
+{{- define "mergepipe.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Full name: <release>-<chart> unless the release name already contains the chart name. */}}
+{{- define "mergepipe.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "mergepipe.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "mergepipe.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "mergepipe.labels" -}}
+{{ include "mergepipe.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: mergepipe
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end -}}
+
+{{- define "mergepipe.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "mergepipe.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "mergepipe.image" -}}
+{{- printf "%s:%s" .repository (default .appVersion .tag) -}}
+{{- end -}}
+
+{{/*
+RBAC rules for the watched namespaces: exactly the calls the operator makes
+(mergepipe_operator/kube.py) plus what kopf needs (watch, patch for finalizers and its
+annotations, events).
+*/}}
+{{- define "mergepipe.namespacedRules" -}}
+- apiGroups: ["mergepipe.io"]
+  resources: ["modelmerges", "mergedsnapshots", "mergequotas"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["mergepipe.io"]
+  resources: ["mergedsnapshots"]
+  verbs: ["create"]
+- apiGroups: ["mergepipe.io"]
+  resources: ["modelmerges/status", "mergedsnapshots/status"]
+  verbs: ["get", "patch"]
+- apiGroups: ["mergepipe.io"]
+  resources: ["mergequotas/status"]
+  verbs: ["get", "update"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch", "create", "delete"]
+- apiGroups: ["", "events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end -}}

@@ -1,0 +1,1 @@
+"""mergepipe Kubernetes operator: CRD models, pure decisions, kopf handlers (see README.md)."""

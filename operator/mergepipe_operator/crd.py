@@ -1,0 +1,522 @@
+"""The custom resources of the operator, defined once as pydantic models.
+
+Three kinds in ``mergepipe.io/v1alpha1``:
+
+- :class:`ModelMerge` (``mm``): what to merge (base, experts, method and parameters), under which
+  expert-I/O ``budget`` or ``fidelity`` target, where to write the snapshot, with which resources.
+- :class:`MergedSnapshot` (``msnap``): a committed snapshot; ``Ready=True`` only after the operator
+  verified the committed manifest in object storage. Never owned by (so never garbage-collected
+  with) the ModelMerge that produced it.
+- :class:`MergeQuota` (``mq``): a ResourceQuota-like limit on expert-read bytes and merges per
+  time window, enforced by ``Clamp`` (lower a merge's budget to what is left) or ``Reject``.
+
+``crdgen`` turns these models into the CRD YAML (``crds/*.yaml``, copied into the Helm chart).
+Field names are the Kubernetes (camelCase) names; Python attribute names are snake_case.
+
+How layer-wise parameter values are typed. A merge parameter (mergekit's syntax) is a scalar, a
+list of numbers (a *gradient* interpolated over the layers) or a list of ``{filter, value}``
+entries. A structural schema must give every node one ``type`` and forbids ``type`` inside
+``anyOf``/``oneOf`` (except the exact int-or-string pattern), so this union cannot be typed in the
+CRD. The parameter *maps* are typed (``type: object`` with ``maxProperties``), and each *value*
+is the one node marked ``x-kubernetes-preserve-unknown-fields: true`` without a ``type``
+(allowed for such nodes). The operator checks names, shapes and ranges of these values in
+:func:`mergepipe_operator.decisions.validate_merge_spec` and reports ``Ready=False`` with reason
+``InvalidSpec`` naming the field. Everything else in the schemas is fully typed.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, WithJsonSchema
+from pydantic.alias_generators import to_camel
+
+GROUP = "mergepipe.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+#: mergekit's names of the merge methods the CRD accepts.
+METHODS: tuple[str, ...] = (
+    "linear",
+    "task_arithmetic",
+    "ties",
+    "dare_ties",
+    "dare_linear",
+    "breadcrumbs",
+    "breadcrumbs_ties",
+    "della",
+    "della_linear",
+    "model_stock",
+    "slerp",
+    "nuslerp",
+)
+
+# --- patterns (Go RE2 syntax: no look-around; also valid Python `re`) -------------------------
+
+#: A byte quantity as a string: a decimal number and an optional unit. SI units (k/K, M, G, T, P,
+#: E; optional "B") are powers of 1000, binary units (Ki, Mi, Gi, Ti, Pi, Ei; optional "B") are
+#: powers of 1024, "B" or no unit means bytes. Examples: "512MiB", "10Gi", "1G", "1.5TB".
+BYTES_PATTERN = r"^[0-9]+(\.[0-9]+)?(B|[kK]B?|Ki|KiB|[MGTPE](i|iB|B)?)?$"
+#: A Kubernetes resource quantity (the pattern kubebuilder emits for resource.Quantity).
+K8S_QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+#: An S3 URI: bucket name rules (3-63 chars, lowercase, digits, dots, hyphens), optional key prefix.
+S3_URI_PATTERN = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$"
+#: An S3 URI with a non-empty key prefix (outputs never go to a bucket root).
+S3_PREFIX_URI_PATTERN = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/[^\s]*[^\s/][^\s]*$"
+HTTP_URL_PATTERN = r"^https?://[^\s/]+(/[^\s]*)?$"
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+#: An extended resource name such as "nvidia.com/gpu" or "amd.com/gpu".
+RESOURCE_NAME_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+#: A duration such as "30m", "24h", "7d", "1h30m" (s, m, h, d, w).
+DURATION_PATTERN = r"^([0-9]+[smhdw])+$"
+IMAGE_PATTERN = r"^[^\s]+$"
+CONDITION_TYPE_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$"
+CONDITION_REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+
+
+class K8sModel(BaseModel):
+    """Base: camelCase field names on the wire, unknown fields refused (the API server prunes
+    them anyway; refusing them here catches typos in manifests validated offline)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+# --- shared field types -----------------------------------------------------------------------
+
+ByteQuantity = Annotated[
+    Union[Annotated[StrictInt, Field(ge=1)], Annotated[str, StringConstraints(pattern=BYTES_PATTERN)]],
+    WithJsonSchema(
+        {
+            "x-kubernetes-int-or-string": True,
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": BYTES_PATTERN,
+            "minimum": 1,
+        }
+    ),
+]
+
+K8sQuantity = Annotated[
+    Union[Annotated[StrictInt, Field(ge=0)], Annotated[str, StringConstraints(pattern=K8S_QUANTITY_PATTERN)]],
+    WithJsonSchema(
+        {
+            "x-kubernetes-int-or-string": True,
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": K8S_QUANTITY_PATTERN,
+        }
+    ),
+]
+
+S3Uri = Annotated[str, StringConstraints(pattern=S3_URI_PATTERN, max_length=1024)]
+S3PrefixUri = Annotated[str, StringConstraints(pattern=S3_PREFIX_URI_PATTERN, max_length=1024)]
+Sha256 = Annotated[str, StringConstraints(pattern=SHA256_PATTERN)]
+DnsLabel = Annotated[str, StringConstraints(pattern=DNS_LABEL_PATTERN, max_length=63)]
+DnsSubdomain = Annotated[str, StringConstraints(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)]
+Duration = Annotated[str, StringConstraints(pattern=DURATION_PATTERN, max_length=32)]
+Timestamp = Annotated[datetime, WithJsonSchema({"type": "string", "format": "date-time"})]
+NonNegInt = Annotated[int, Field(ge=0)]
+
+PARAM_VALUE_DESCRIPTION = (
+    "A parameter value (mergekit syntax): a number or boolean; a list of numbers (a gradient, "
+    "interpolated piecewise-linearly over the layers); or a list of {filter, value} entries where "
+    "the first entry whose filter is a substring of the tensor name applies and an entry without "
+    "filter matches every tensor (value: a number or a gradient). Checked by the operator "
+    "(Ready=False, reason InvalidSpec), since a structural schema cannot type this union."
+)
+
+#: One parameter value: typed in Python, free-form in the CRD (see the module docstring).
+ParamValue = Annotated[
+    Any,
+    WithJsonSchema({"x-kubernetes-preserve-unknown-fields": True, "description": PARAM_VALUE_DESCRIPTION}),
+]
+ParamMap = Annotated[
+    dict[str, ParamValue],
+    Field(
+        json_schema_extra={"maxProperties": 32},
+        description=(
+            "Merge parameters by mergekit name (weight, density, lambda, normalize, rescale, "
+            "int8_mask, gamma, epsilon, t, filter_wise, nuslerp_flatten, nuslerp_row_wise); "
+            "which names a method takes is checked by the operator."
+        ),
+    ),
+]
+
+
+class Condition(K8sModel):
+    """A condition, following the Kubernetes API conventions (metav1.Condition)."""
+
+    type: Annotated[str, StringConstraints(pattern=CONDITION_TYPE_PATTERN, max_length=316)] = Field(
+        description="Condition type, e.g. Ready."
+    )
+    status: Literal["True", "False", "Unknown"]
+    reason: Annotated[str, StringConstraints(pattern=CONDITION_REASON_PATTERN, min_length=1, max_length=1024)] = Field(
+        description="CamelCase reason for the last transition."
+    )
+    message: Annotated[str, StringConstraints(max_length=32768)] = Field(description="Human-readable details.")
+    last_transition_time: Timestamp = Field(description="When status last changed.")
+    observed_generation: NonNegInt | None = Field(
+        default=None, description="metadata.generation this condition was computed from."
+    )
+
+
+def _conditions_field() -> Any:
+    return Field(
+        default_factory=list,
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+            "maxItems": 16,
+        },
+        description="Observations of the object's state; the summary condition is Ready.",
+    )
+
+
+class IOBytes(K8sModel):
+    """Bytes per role of a merge (base read, expert read, output write)."""
+
+    base_read_bytes: NonNegInt | None = None
+    expert_read_bytes: NonNegInt | None = None
+    output_write_bytes: NonNegInt | None = None
+
+
+# --- ModelMerge --------------------------------------------------------------------------------
+
+
+class CheckpointRef(K8sModel):
+    """A Hugging Face checkpoint (safetensors, config, tokenizer) under an S3 prefix."""
+
+    uri: S3Uri = Field(description="s3://bucket/prefix of the checkpoint.")
+
+
+class ExpertSpec(K8sModel):
+    """One fine-tuned expert; its task vector is (expert - base)."""
+
+    name: DnsLabel | None = Field(
+        default=None, description="Short name used in plans, manifests and status (default expert-<index>)."
+    )
+    uri: S3Uri = Field(description="s3://bucket/prefix of the expert checkpoint.")
+    weight: float | None = Field(
+        default=None, description="Scale of this expert's task vector (method default when unset)."
+    )
+    parameters: ParamMap = Field(default_factory=dict)
+
+
+class OutputSpec(K8sModel):
+    """Where the merged snapshot is committed."""
+
+    uri: S3PrefixUri = Field(description="s3://bucket/prefix (not a bucket root) for the snapshot.")
+
+
+class GPUSpec(K8sModel):
+    """GPUs of the merge Job (defaults from the operator's settings: 1 x nvidia.com/gpu)."""
+
+    count: Annotated[int, Field(ge=0, le=64)] | None = Field(
+        default=None, description="Number of GPUs; 0 runs the merge on CPU."
+    )
+    resource_name: Annotated[str, StringConstraints(pattern=RESOURCE_NAME_PATTERN, max_length=253)] | None = Field(
+        default=None, description="Extended resource name, e.g. nvidia.com/gpu or amd.com/gpu."
+    )
+
+
+class ResourcesSpec(K8sModel):
+    """Compute resources of the merge Job."""
+
+    gpu: GPUSpec | None = None
+    cpu: K8sQuantity | None = Field(default=None, description="CPU request, e.g. \"4\" or \"500m\".")
+    memory: K8sQuantity | None = Field(
+        default=None, description="Memory request and limit, e.g. \"32Gi\"."
+    )
+
+
+class SecretRef(K8sModel):
+    """A Secret in the merge's namespace holding S3 credentials (passed to the Job only through
+    secretKeyRef environment variables)."""
+
+    name: DnsSubdomain
+    access_key_id_key: Annotated[str, StringConstraints(pattern=SECRET_KEY_PATTERN, max_length=253)] = Field(
+        default="AWS_ACCESS_KEY_ID", description="Key of the access key id in the Secret."
+    )
+    secret_access_key_key: Annotated[str, StringConstraints(pattern=SECRET_KEY_PATTERN, max_length=253)] = Field(
+        default="AWS_SECRET_ACCESS_KEY", description="Key of the secret access key in the Secret."
+    )
+    session_token_key: Annotated[str, StringConstraints(pattern=SECRET_KEY_PATTERN, max_length=253)] | None = Field(
+        default=None, description="Key of an optional session token in the Secret."
+    )
+
+
+class S3Spec(K8sModel):
+    """Object-storage access of the merge Job (defaults from the operator's settings)."""
+
+    credentials_secret_ref: SecretRef | None = None
+    endpoint: Annotated[str, StringConstraints(pattern=HTTP_URL_PATTERN, max_length=1024)] | None = Field(
+        default=None, description="S3 endpoint URL (empty: the operator's default)."
+    )
+    region: Annotated[str, StringConstraints(pattern=r"^[a-z0-9-]+$", max_length=64)] | None = None
+
+
+class ModelMergeSpec(K8sModel):
+    """What to merge and under which expert-I/O budget."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!(has(self.budget) && has(self.fidelity))",
+                    "message": "set at most one of budget and fidelity",
+                },
+                {
+                    "rule": "self.method != 'slerp' || size(self.experts) == 1",
+                    "message": "slerp merges exactly 2 models: the base and one expert",
+                },
+                {
+                    "rule": "self.method != 'nuslerp' || size(self.experts) == 2",
+                    "message": "nuslerp merges exactly 2 experts (relative to the base)",
+                },
+                {
+                    "rule": "self.method != 'model_stock' || size(self.experts) >= 2",
+                    "message": "model_stock needs at least 3 models: the base and 2 experts",
+                },
+            ]
+        }
+    )
+
+    base: CheckpointRef
+    experts: list[ExpertSpec] = Field(min_length=1, max_length=64, description="The experts to merge.")
+    method: Literal[METHODS] = Field(description="Merge method (mergekit name).")  # type: ignore[valid-type]
+    parameters: ParamMap = Field(default_factory=dict)
+    budget: ByteQuantity | None = Field(
+        default=None,
+        description=(
+            "Expert-I/O budget: bytes the merge may read from expert checkpoints, e.g. 10Gi, "
+            "512MiB, 1G or an integer. Mutually exclusive with fidelity; neither means the "
+            "operator's default budget (or an unbounded read when it has none)."
+        ),
+    )
+    fidelity: Annotated[float, Field(gt=0, le=1)] | None = Field(
+        default=None,
+        description="Target fraction (0, 1] of the task-vector energy to retain; the planner reads the fewest bytes that reach it.",
+    )
+    output: OutputSpec
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = Field(
+        default=None, description="Seed of random sparsification (DARE, DELLA)."
+    )
+    resources: ResourcesSpec | None = None
+    image: Annotated[str, StringConstraints(pattern=IMAGE_PATTERN, max_length=512)] | None = Field(
+        default=None, description="Merger image override."
+    )
+    s3: S3Spec | None = None
+
+
+class AdmissionStatus(K8sModel):
+    """How the merge was admitted under the namespace's MergeQuotas."""
+
+    key: Annotated[str, StringConstraints(max_length=128)] | None = Field(
+        default=None, description="Ledger key of the reservation (uid.generation)."
+    )
+    budget_bytes: NonNegInt | None = None
+    clamped: bool | None = None
+    quotas: list[Annotated[str, StringConstraints(max_length=253)]] = Field(default_factory=list, max_length=32)
+
+
+class ModelMergeStatus(K8sModel):
+    """Observed state of a ModelMerge."""
+
+    observed_generation: NonNegInt | None = None
+    conditions: list[Condition] = _conditions_field()
+    expert_count: NonNegInt | None = None
+    method: Annotated[str, StringConstraints(max_length=64)] | None = None
+    budget: Annotated[str, StringConstraints(max_length=32)] | None = Field(
+        default=None, description="Effective budget after quota admission (human-readable)."
+    )
+    budget_bytes: NonNegInt | None = None
+    plan_digest: Sha256 | None = None
+    plan_uri: Annotated[str, StringConstraints(max_length=2048)] | None = Field(default=None, alias="planURI")
+    estimated_fidelity: Annotated[float, Field(ge=0, le=1)] | None = None
+    estimated: IOBytes | None = None
+    realized: IOBytes | None = None
+    expert_read: Annotated[str, StringConstraints(max_length=32)] | None = Field(
+        default=None, description="Realized expert read (human-readable)."
+    )
+    job_name: DnsLabel | None = None
+    snapshot: DnsSubdomain | None = Field(default=None, description="Name of the MergedSnapshot.")
+    admission: AdmissionStatus | None = None
+
+
+# --- MergedSnapshot ----------------------------------------------------------------------------
+
+
+class SourceRef(K8sModel):
+    """The ModelMerge a snapshot came from (a reference, not an owner)."""
+
+    name: DnsSubdomain
+    uid: Annotated[str, StringConstraints(max_length=64)] | None = None
+    generation: NonNegInt | None = None
+
+
+class SnapshotSizes(K8sModel):
+    """Size of the committed output files."""
+
+    total_bytes: NonNegInt | None = None
+    files: NonNegInt | None = None
+
+
+class MergedSnapshotSpec(K8sModel):
+    """A committed snapshot: where it is and which manifest identifies it."""
+
+    uri: S3PrefixUri = Field(description="s3://bucket/prefix of the snapshot (holds its manifest).")
+    manifest_hash: Sha256 = Field(description="SHA-256 (hex) of the committed manifest.")
+    plan_digest: Sha256 | None = Field(default=None, description="Expected plan digest (hex).")
+    source: SourceRef | None = None
+
+
+class MergedSnapshotStatus(K8sModel):
+    """Observed state of a MergedSnapshot: what the operator verified in its manifest."""
+
+    observed_generation: NonNegInt | None = None
+    conditions: list[Condition] = _conditions_field()
+    verified_time: Timestamp | None = None
+    plan_digest: Sha256 | None = None
+    sizes: SnapshotSizes | None = None
+    total_size: Annotated[str, StringConstraints(max_length=32)] | None = Field(
+        default=None, description="Total output size (human-readable)."
+    )
+    estimated: IOBytes | None = None
+    realized: IOBytes | None = None
+    expert_read: Annotated[str, StringConstraints(max_length=32)] | None = None
+
+
+# --- MergeQuota --------------------------------------------------------------------------------
+
+
+class QuotaHard(K8sModel):
+    """Hard limits per window; an unset limit is unlimited."""
+
+    expert_read_bytes: ByteQuantity | None = Field(
+        default=None, description="Expert bytes all merges of the namespace may read per window."
+    )
+    merges: Annotated[int, Field(ge=0, le=1_000_000)] | None = Field(
+        default=None, description="Merges that may be admitted per window."
+    )
+
+
+class MergeQuotaSpec(K8sModel):
+    """Limits on the merges of this namespace."""
+
+    hard: QuotaHard
+    window: Duration | None = Field(
+        default=None,
+        description="Rolling window, e.g. 24h, 7d, 1h30m; charges older than this stop counting. Unset: charges never expire.",
+    )
+    enforcement: Literal["Clamp", "Reject"] = Field(
+        default="Reject",
+        description="Clamp lowers a merge's budget to what is left; Reject refuses a merge that does not fit.",
+    )
+
+
+class QuotaAmounts(K8sModel):
+    """Amounts in bytes and merges."""
+
+    expert_read_bytes: NonNegInt | None = None
+    merges: NonNegInt | None = None
+
+
+class LedgerEntry(K8sModel):
+    """One merge's charge against the quota: Reserved at admission, Charged from the realized bytes in
+    its manifest (or the reservation, if the Job failed)."""
+
+    key: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    merge: Annotated[str, StringConstraints(max_length=253)]
+    bytes: NonNegInt
+    state: Literal["Reserved", "Charged"]
+    time: Timestamp
+
+
+class QuotaCarry(K8sModel):
+    """Charges folded out of the ledger to keep it small; they count until expires (forever when unset)."""
+
+    expert_read_bytes: NonNegInt | None = None
+    merges: NonNegInt | None = None
+    expires: Timestamp | None = None
+
+
+class MergeQuotaStatus(K8sModel):
+    """Observed state of a MergeQuota: limits as bytes, usage in the current window, the ledger."""
+
+    observed_generation: NonNegInt | None = None
+    conditions: list[Condition] = _conditions_field()
+    hard: QuotaAmounts | None = None
+    used: QuotaAmounts | None = None
+    ledger: list[LedgerEntry] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["key"], "maxItems": 512},
+    )
+    carry: QuotaCarry | None = None
+
+
+# --- resource table ----------------------------------------------------------------------------
+
+READY_STATUS = '.status.conditions[?(@.type=="Ready")].status'
+READY_REASON = '.status.conditions[?(@.type=="Ready")].reason'
+
+#: Everything crdgen needs per kind.
+RESOURCES: dict[str, dict[str, Any]] = {
+    "ModelMerge": {
+        "plural": "modelmerges",
+        "singular": "modelmerge",
+        "short_names": ["mm"],
+        "spec": ModelMergeSpec,
+        "status": ModelMergeStatus,
+        "description": "A budget-aware merge of expert checkpoints into a base model.",
+        "columns": [
+            {"name": "Ready", "type": "string", "jsonPath": READY_STATUS},
+            {"name": "Reason", "type": "string", "jsonPath": READY_REASON},
+            {"name": "Method", "type": "string", "jsonPath": ".spec.method"},
+            {"name": "Experts", "type": "integer", "jsonPath": ".status.expertCount"},
+            {"name": "Budget", "type": "string", "jsonPath": ".status.budget"},
+            {"name": "ExpertRead", "type": "string", "jsonPath": ".status.expertRead"},
+            {"name": "Snapshot", "type": "string", "jsonPath": ".status.snapshot", "priority": 1},
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        ],
+    },
+    "MergedSnapshot": {
+        "plural": "mergedsnapshots",
+        "singular": "mergedsnapshot",
+        "short_names": ["msnap"],
+        "spec": MergedSnapshotSpec,
+        "status": MergedSnapshotStatus,
+        "description": "A committed merged checkpoint, verified against its manifest.",
+        "columns": [
+            {"name": "Ready", "type": "string", "jsonPath": READY_STATUS},
+            {"name": "Reason", "type": "string", "jsonPath": READY_REASON},
+            {"name": "Source", "type": "string", "jsonPath": ".spec.source.name"},
+            {"name": "Size", "type": "string", "jsonPath": ".status.totalSize"},
+            {"name": "ExpertRead", "type": "string", "jsonPath": ".status.expertRead"},
+            {"name": "URI", "type": "string", "jsonPath": ".spec.uri", "priority": 1},
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        ],
+    },
+    "MergeQuota": {
+        "plural": "mergequotas",
+        "singular": "mergequota",
+        "short_names": ["mq"],
+        "spec": MergeQuotaSpec,
+        "status": MergeQuotaStatus,
+        "description": "Limits on expert-read bytes and merges of a namespace per time window.",
+        "columns": [
+            {"name": "Enforcement", "type": "string", "jsonPath": ".spec.enforcement"},
+            {"name": "Window", "type": "string", "jsonPath": ".spec.window"},
+            {"name": "ExpertReadUsed", "type": "integer", "jsonPath": ".status.used.expertReadBytes"},
+            {"name": "ExpertReadHard", "type": "string", "jsonPath": ".spec.hard.expertReadBytes"},
+            {"name": "MergesUsed", "type": "integer", "jsonPath": ".status.used.merges"},
+            {"name": "MergesHard", "type": "integer", "jsonPath": ".spec.hard.merges"},
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        ],
+    },
+}
+
+PLURALS = {kind: r["plural"] for kind, r in RESOURCES.items()}

@@ -1,0 +1,114 @@
+"""Operator settings: what the Helm chart configures, read from environment variables.
+
+Every variable is optional except the merger image. The chart's Deployment sets them from
+``values.yaml`` (see ``helm/mergepipe/templates/deployment.yaml``); a test renders the chart and
+checks that :meth:`Settings.from_env` reads back what the values say.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_PREFIX = "MERGEPIPE_"
+
+
+def _opt(env: Mapping[str, str], name: str) -> str | None:
+    v = env.get(ENV_PREFIX + name, "").strip()
+    return v or None
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    v = _opt(env, name)
+    if v is None:
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"environment variable {ENV_PREFIX}{name}={v!r} is not an integer") from None
+
+
+def _json(env: Mapping[str, str], name: str, default: Any) -> Any:
+    v = _opt(env, name)
+    if v is None:
+        return default
+    try:
+        return json.loads(v)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"environment variable {ENV_PREFIX}{name} is not valid JSON: {e}") from None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Cluster-wide defaults of the operator. A ModelMerge's spec overrides the per-merge ones
+    (image, GPU, CPU, memory, S3 endpoint/region/Secret)."""
+
+    merger_image: str = "ghcr.io/mergepipe/merger:latest"
+    image_pull_policy: str = "IfNotPresent"
+    # object storage
+    s3_endpoint: str | None = None
+    s3_region: str | None = None
+    s3_secret_name: str | None = None
+    s3_access_key_id_key: str = "AWS_ACCESS_KEY_ID"
+    s3_secret_access_key_key: str = "AWS_SECRET_ACCESS_KEY"
+    catalog_uri: str | None = None
+    plan_prefix: str | None = None
+    # merges
+    default_budget: str | None = None
+    gpu_resource_name: str = "nvidia.com/gpu"
+    gpu_count: int = 1
+    cpu: str | None = "4"
+    memory: str | None = "32Gi"
+    tmp_size_limit: str | None = None
+    backoff_limit: int = 2
+    active_deadline_seconds: int = 6 * 3600
+    ttl_seconds_after_finished: int = 24 * 3600
+    job_service_account: str | None = None
+    run_as_user: int = 10001
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    # operator behaviour
+    watch_namespaces: tuple[str, ...] = ()
+    quota_retry_seconds: int = 300
+    metrics_port: int | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Read ``MERGEPIPE_*`` variables (``os.environ`` by default)."""
+        env = os.environ if env is None else env
+        d = cls()
+        gpu_count = _int(env, "GPU_COUNT", d.gpu_count)
+        if gpu_count < 0:
+            raise ValueError(f"{ENV_PREFIX}GPU_COUNT must be >= 0, got {gpu_count}")
+        metrics = _opt(env, "METRICS_PORT")
+        ns = _opt(env, "WATCH_NAMESPACES")
+        return cls(
+            merger_image=_opt(env, "MERGER_IMAGE") or d.merger_image,
+            image_pull_policy=_opt(env, "IMAGE_PULL_POLICY") or d.image_pull_policy,
+            s3_endpoint=_opt(env, "S3_ENDPOINT"),
+            s3_region=_opt(env, "S3_REGION"),
+            s3_secret_name=_opt(env, "S3_SECRET_NAME"),
+            s3_access_key_id_key=_opt(env, "S3_ACCESS_KEY_ID_KEY") or d.s3_access_key_id_key,
+            s3_secret_access_key_key=_opt(env, "S3_SECRET_ACCESS_KEY_KEY") or d.s3_secret_access_key_key,
+            catalog_uri=_opt(env, "CATALOG_URI"),
+            plan_prefix=_opt(env, "PLAN_PREFIX"),
+            default_budget=_opt(env, "DEFAULT_BUDGET"),
+            gpu_resource_name=_opt(env, "GPU_RESOURCE_NAME") or d.gpu_resource_name,
+            gpu_count=gpu_count,
+            cpu=_opt(env, "JOB_CPU") or d.cpu,
+            memory=_opt(env, "JOB_MEMORY") or d.memory,
+            tmp_size_limit=_opt(env, "JOB_TMP_SIZE_LIMIT"),
+            backoff_limit=_int(env, "JOB_BACKOFF_LIMIT", d.backoff_limit),
+            active_deadline_seconds=_int(env, "JOB_ACTIVE_DEADLINE_SECONDS", d.active_deadline_seconds),
+            ttl_seconds_after_finished=_int(env, "JOB_TTL_SECONDS_AFTER_FINISHED", d.ttl_seconds_after_finished),
+            job_service_account=_opt(env, "JOB_SERVICE_ACCOUNT"),
+            run_as_user=_int(env, "JOB_RUN_AS_USER", d.run_as_user),
+            node_selector=_json(env, "JOB_NODE_SELECTOR", {}),
+            tolerations=_json(env, "JOB_TOLERATIONS", []),
+            watch_namespaces=tuple(n.strip() for n in ns.split(",") if n.strip()) if ns else (),
+            quota_retry_seconds=_int(env, "QUOTA_RETRY_SECONDS", d.quota_retry_seconds),
+            metrics_port=int(metrics) if metrics else None,
+        )

@@ -1,0 +1,369 @@
+"""The reconciliation in mergepipe_operator.main, driven with in-memory fakes of the API server and
+of object storage (no kopf runtime, no kmock: those integration tests come later)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from op_testlib import DIGEST, NOW, FakeKube, FakeStore, make_merge, make_quota
+
+from mergepipe_operator import decisions as d
+
+kopf = pytest.importorskip("kopf", reason="kopf (the operator framework) is not installed")
+from mergepipe_operator import main  # noqa: E402
+from mergepipe_operator.kube import JOBS, MERGES, QUOTAS, SNAPSHOTS  # noqa: E402
+
+GI = 1024**3
+
+
+class Planner:
+    """A stand-in for the core planner: expert reads = min(budget, what the fidelity needs)."""
+
+    def __init__(self, full=8 * GI, missing=()):
+        self.full, self.missing, self.calls = full, tuple(missing), []
+
+    def __call__(self, spec, catalog_uri):
+        self.calls.append((spec.get("budget"), catalog_uri))
+        budget = spec.get("budget")
+        read = self.full if budget is None else min(self.full, budget)
+        digest = hashlib.sha256(f"{read}".encode()).hexdigest()
+        return main.PlanSummary(
+            digest=digest, plan_json=json.dumps({"digest": digest}).encode(), base_read_bytes=GI,
+            expert_read_bytes=read, output_write_bytes=GI, budget_bytes=budget,
+            estimated_fidelity=read / self.full, missing_experts=self.missing,
+        )
+
+
+def setup(settings, *quotas, planner=None, mm=None):
+    kube, store = FakeKube(), FakeStore()
+    for q in quotas:
+        kube.put(QUOTAS, q)
+    mm = kube.put(MERGES, mm or make_merge())
+    c = main.Controller(settings, kube, store, planner or Planner(), clock=lambda: NOW)
+    return c, kube, store, mm
+
+
+def apply(kube, mm, status):
+    kube.patch_status(MERGES, mm["metadata"]["namespace"], mm["metadata"]["name"], status)
+    return kube.get(MERGES, mm["metadata"]["namespace"], mm["metadata"]["name"])
+
+
+def ready(obj):
+    return d.get_condition((obj.get("status") or {}).get("conditions"), "Ready")
+
+
+def commit(store, out, plan_digest, realized, files_prefix="runs/r1"):
+    """What the worker leaves behind: shards under a run prefix, then manifest.json (core format)."""
+    from mergepipe.commit.manifest import manifest_bytes, snapshot_id
+
+    shard = b"x" * 100
+    store.put(f"{out}{files_prefix}/model.safetensors", shard)
+    outputs = {"model.safetensors": {"size": 100, "sha256": hashlib.sha256(shard).hexdigest()}}
+    m = {
+        "format": "mergepipe.manifest/v1", "snapshot_id": snapshot_id(plan_digest, outputs), "plan_digest": plan_digest,
+        "files_prefix": files_prefix, "outputs": outputs,
+        "io": {"expert_budget_bytes": 10 * GI, "estimated": {"expert_read_bytes": 8 * GI},
+               "realized": {"base_read_bytes": GI, "expert_read_bytes": realized, "output_write_bytes": 100}},
+    }
+    raw = manifest_bytes(m)
+    store.put(out + "manifest.json", raw)
+    return raw
+
+
+def test_plan_merge_is_the_pending_integration_point():
+    with pytest.raises(NotImplementedError, match="planner integration pending"):
+        main.plan_merge(make_merge()["spec"], "s3://mergepipe/catalog/")
+
+
+def test_without_a_planner_the_merge_waits_in_planning(settings):
+    c, kube, store, mm = setup(settings, make_quota(), planner=main.plan_merge)
+    with pytest.raises(main.RetryWithStatus) as e:
+        c.reconcile_merge(mm)
+    st = e.value.status
+    r = d.get_condition(st["conditions"], "Ready")
+    assert (r["status"], r["reason"]) == ("False", "Planning") and "planner integration pending" in r["message"]
+    assert kube.list(JOBS, "ns1") == []
+    assert kube.get(QUOTAS, "ns1", "q").get("status") is None  # nothing reserved before a plan exists
+
+
+def test_happy_path_budget_mode(settings):
+    c, kube, store, mm = setup(settings, make_quota(bytes_="100Gi", merges=5))
+    st = c.reconcile_merge(mm)
+    mm = apply(kube, mm, st)
+    assert ready(mm)["reason"] == "JobRunning" and st["observedGeneration"] == 1
+    assert st["budget"] == "10Gi" and st["estimated"]["expertReadBytes"] == 8 * GI
+    (job,) = kube.list(JOBS, "ns1")
+    assert job["metadata"]["name"] == st["jobName"] == d.job_name("mm1", st["planDigest"])
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"][1] == st["planURI"]
+    assert store.get(st["planURI"]) is not None  # the operator wrote the plan
+    q = kube.get(QUOTAS, "ns1", "q")
+    # the quota reserves what the plan reads (8Gi), not the whole 10Gi budget
+    assert q["status"]["ledger"][0]["state"] == "Reserved" and q["status"]["used"]["expertReadBytes"] == 8 * GI
+    assert c.reconcile_merge(mm) is None  # same generation: nothing more to do (resume, retries)
+
+    # the Job runs, then completes; the worker committed a manifest
+    running = dict(job, status={"active": 1})
+    assert d.get_condition(c.sync_job(mm, running)["conditions"], "Ready")["message"].startswith("merge Job running")
+    out = "s3://snapshots/mm1/"
+    manifest = commit(store, out, st["planDigest"], realized=7 * GI)
+    done = dict(job, status={"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
+    patch = c.sync_job(mm, done)
+    mm = apply(kube, mm, patch)
+    r = ready(mm)
+    assert (r["status"], r["reason"]) == ("True", "Committed")
+    assert mm["status"]["expertRead"] == "7Gi" and mm["status"]["realized"]["expertReadBytes"] == 7 * GI
+    q = kube.get(QUOTAS, "ns1", "q")
+    assert q["status"]["ledger"][0]["state"] == "Charged" and q["status"]["used"] == {"expertReadBytes": 7 * GI, "merges": 1}
+    (snap,) = kube.list(SNAPSHOTS, "ns1")
+    assert snap["metadata"]["name"] == mm["status"]["snapshot"] == d.snapshot_name("mm1", d.manifest_hash(manifest))
+    assert "ownerReferences" not in snap["metadata"]  # not garbage-collected with its ModelMerge
+    assert snap["spec"]["manifestHash"] == d.manifest_hash(manifest)
+    # the snapshot becomes Ready only through verification
+    assert ready(snap) is None
+    sst = c.verify_snapshot(snap)
+    assert (d.get_condition(sst["conditions"], "Ready")["status"], sst["sizes"]) == ("True", {"totalBytes": 100, "files": 1})
+    # replays are harmless
+    assert c.sync_job(mm, done) is None
+    assert kube.get(QUOTAS, "ns1", "q")["status"]["used"]["expertReadBytes"] == 7 * GI
+
+
+def test_invalid_spec_creates_nothing(settings):
+    c, kube, store, mm = setup(settings, make_quota(), mm=make_merge(budget="10 GB"))
+    st = c.reconcile_merge(mm)
+    r = d.get_condition(st["conditions"], "Ready")
+    assert (r["reason"], r["observedGeneration"]) == ("InvalidSpec", 1) and "spec.budget" in r["message"]
+    assert kube.list(JOBS, "ns1") == [] and kube.writes == []
+
+
+def test_quota_reject_keeps_the_merge_waiting(settings):
+    q = make_quota(bytes_="5Gi")
+    c, kube, store, mm = setup(settings, q)
+    with pytest.raises(main.RetryWithStatus) as e:
+        c.reconcile_merge(mm)
+    assert e.value.delay == settings.quota_retry_seconds
+    r = d.get_condition(e.value.status["conditions"], "Ready")
+    assert r["reason"] == "QuotaExceeded" and "requested 8Gi but only 5Gi is left" in r["message"]
+    assert kube.list(JOBS, "ns1") == []
+
+
+def test_an_output_holding_another_snapshot_is_refused_before_any_job(settings):
+    c, kube, store, mm = setup(settings, make_quota())
+    commit(store, "s3://snapshots/mm1/", "ef" * 32, realized=GI)
+    st = c.reconcile_merge(mm)
+    r = d.get_condition(st["conditions"], "Ready")
+    assert r["reason"] == "InvalidSpec" and "already holds a committed snapshot" in r["message"]
+    assert kube.list(JOBS, "ns1") == [] and kube.get(QUOTAS, "ns1", "q")["status"]["ledger"] == []
+
+
+def test_a_broken_quota_blocks_admission(settings):
+    c, kube, store, mm = setup(settings, make_quota(bytes_="lots"))
+    with pytest.raises(main.RetryWithStatus) as e:
+        c.reconcile_merge(mm)
+    r = d.get_condition(e.value.status["conditions"], "Ready")
+    assert r["reason"] == "QuotaExceeded" and "invalid MergeQuota" in r["message"] and "spec.hard.expertReadBytes" in r["message"]
+
+
+def test_quota_clamp_in_fidelity_mode_replans_under_the_lower_budget(settings):
+    planner = Planner(full=8 * GI)
+    c, kube, store, mm = setup(settings, make_quota(bytes_="3Gi", enforcement="Clamp"), planner=planner,
+                               mm=make_merge(budget=None, fidelity=0.99))
+    st = c.reconcile_merge(mm)
+    assert planner.calls == [(None, "s3://mergepipe/catalog/"), (3 * GI, "s3://mergepipe/catalog/")]
+    assert st["budgetBytes"] == 3 * GI and st["admission"]["clamped"] is True
+    assert d.get_condition(st["conditions"], "QuotaAdmitted")["reason"] == "Clamped"
+    assert kube.get(QUOTAS, "ns1", "q")["status"]["used"]["expertReadBytes"] == 3 * GI
+
+
+def test_analysis_pending(settings):
+    c, kube, store, mm = setup(settings, planner=Planner(missing=["s3://models/math/"]))
+    with pytest.raises(main.RetryWithStatus) as e:
+        c.reconcile_merge(mm)
+    assert d.get_condition(e.value.status["conditions"], "Ready")["reason"] == "Analyzing"
+
+
+def test_job_failure_charges_the_reservation(settings):
+    c, kube, store, mm = setup(settings, make_quota())
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    (job,) = kube.list(JOBS, "ns1")
+    failed = dict(job, status={"conditions": [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded", "message": "too slow"}]})
+    mm = apply(kube, mm, c.sync_job(mm, failed))
+    assert (ready(mm)["reason"], ready(mm)["message"]) == ("JobFailed", "too slow")
+    (entry,) = kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]
+    assert (entry["state"], entry["bytes"]) == ("Charged", 8 * GI)  # the reservation, read or not
+    assert c.reconcile_merge(mm) is None  # a failed generation waits for a spec change
+
+
+def test_job_success_without_manifest_retries_then_bad_manifest_fails(settings):
+    c, kube, store, mm = setup(settings)
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    (job,) = kube.list(JOBS, "ns1")
+    done = dict(job, status={"conditions": [{"type": "Complete", "status": "True"}]})
+    with pytest.raises(main.Retry):
+        c.sync_job(mm, done)
+    commit(store, "s3://snapshots/mm1/", DIGEST, realized=GI)  # a manifest of another plan
+    st = c.sync_job(mm, done)
+    r = d.get_condition(st["conditions"], "Ready")
+    assert r["reason"] == "JobFailed" and "PlanDigestMismatch" in r["message"]
+
+
+def test_stale_job_events_are_ignored(settings):
+    c, kube, store, mm = setup(settings)
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    (job,) = kube.list(JOBS, "ns1")
+    job["metadata"]["annotations"][d.ANN_PLAN_DIGEST] = "ef" * 32
+    assert c.sync_job(mm, dict(job, status={"conditions": [{"type": "Failed", "status": "True"}]})) is None
+
+
+def test_spec_change_supersedes_the_running_job(settings):
+    c, kube, store, mm = setup(settings, make_quota())
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    (old_job,) = kube.list(JOBS, "ns1")
+    mm = bump(kube, budget="4Gi")
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    (new_job,) = kube.list(JOBS, "ns1")
+    assert new_job["metadata"]["name"] != old_job["metadata"]["name"]
+    ledger = {e["key"]: e for e in kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]}
+    uid = mm["metadata"]["uid"]
+    assert ledger[f"{uid}.1"]["state"] == "Charged" and ledger[f"{uid}.2"]["state"] == "Reserved"
+
+
+def bump(kube, **spec):
+    o = kube.objects[("modelmerges", "ns1", "mm1")]
+    o["spec"].update(spec)
+    o["metadata"]["generation"] += 1
+    return kube.get(MERGES, "ns1", "mm1")
+
+
+def test_spec_change_with_the_same_plan_keeps_the_job_and_moves_the_reservation(settings):
+    c, kube, store, mm = setup(settings, make_quota())
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    (job,) = kube.list(JOBS, "ns1")
+    mm = bump(kube, resources={"cpu": "8"})  # the planner gives the same digest
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    assert [j["metadata"]["name"] for j in kube.list(JOBS, "ns1")] == [job["metadata"]["name"]]
+    ledger = kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]
+    assert [(e["key"].split(".")[1], e["state"]) for e in ledger] == [("2", "Reserved")]
+
+
+def test_committed_merge_with_an_unchanged_plan_stays_committed(settings):
+    c, kube, store, mm = setup(settings, make_quota())
+    st = c.reconcile_merge(mm)
+    st["conditions"] = d.set_condition(st["conditions"], "Ready", "True", "Committed", "snapshot s1", 1, NOW)
+    mm = apply(kube, mm, st)
+    writes = len(kube.writes)
+    mm = bump(kube, image="registry.local/merger:v2")
+    st = c.reconcile_merge(mm)
+    r = d.get_condition(st["conditions"], "Ready")
+    assert (r["status"], r["reason"], r["observedGeneration"]) == ("True", "Committed", 2)
+    assert len(kube.writes) == writes  # no new reservation, no Job
+
+
+def test_finalizer_deletes_jobs_and_settles(settings):
+    c, kube, store, mm = setup(settings, make_quota())
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    c.finalize_merge(mm)
+    assert kube.list(JOBS, "ns1") == []
+    (entry,) = kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]
+    assert entry["state"] == "Charged"  # it may have read: charge the reservation
+    c2, kube2, _, mm2 = setup(settings, make_quota())
+    c2.finalize_merge(mm2)  # never admitted: nothing to do
+    assert kube2.get(QUOTAS, "ns1", "q").get("status") is None
+
+
+def test_concurrent_admission_never_overspends_a_quota(settings):
+    """Two merges admitted at once: the second writer's resourceVersion is stale, it re-reads and
+    sees the first reservation."""
+    kube = FakeKube()
+    kube.put(QUOTAS, make_quota(bytes_="15Gi"))
+    c = main.Controller(settings, kube, FakeStore(), Planner(), clock=lambda: NOW)
+    results = {}
+
+    def admit_b(_):
+        results["b"] = c.reserve("ns1", "b", "uid-b.1", 10 * GI, NOW)
+
+    kube.before_replace = admit_b  # b slips in between a's read and a's write
+    results["a"] = c.reserve("ns1", "a", "uid-a.1", 10 * GI, NOW)
+    assert results["b"][0].allowed and not results["a"][0].allowed
+    st = kube.get(QUOTAS, "ns1", "q")["status"]
+    assert [e["key"] for e in st["ledger"]] == ["uid-b.1"] and st["used"]["expertReadBytes"] == 10 * GI
+
+
+@pytest.mark.parametrize("enforcement", ["Reject", "Clamp"])
+def test_many_threads_never_overspend(settings, enforcement):
+    kube = FakeKube()
+    kube.put(QUOTAS, make_quota(bytes_="100Gi", enforcement=enforcement))
+    c = main.Controller(settings, kube, FakeStore(), Planner(), clock=lambda: NOW)
+    orig_get = kube.get
+
+    def slow_get(*a):  # widen the read-modify-write window
+        o = orig_get(*a)
+        time.sleep(0.001)
+        return o
+
+    kube.get = slow_get
+    orig_list = kube.list
+    kube.list = lambda *a, **k: (time.sleep(0.001), orig_list(*a, **k))[1]
+    out = []
+
+    def worker(i):
+        try:
+            out.append(c.reserve("ns1", f"m{i}", f"uid{i}.1", 30 * GI, NOW)[0])
+        except main.Retry:
+            out.append(None)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    st = kube.get(QUOTAS, "ns1", "q")["status"]
+    reserved = sum(e["bytes"] for e in st["ledger"])
+    admitted = [a for a in out if a is not None and a.allowed]
+    assert reserved == sum(a.budget for a in admitted) <= 100 * GI
+    assert len(st["ledger"]) == len(admitted)
+    if enforcement == "Reject":
+        assert len(admitted) == 3
+    else:
+        assert reserved == 100 * GI
+
+
+def test_quota_refresh_ages_the_window(settings):
+    old = d.rfc3339(NOW - timedelta(hours=30))
+    q = make_quota(status={"ledger": [{"key": "k", "merge": "m", "bytes": 5, "state": "Charged", "time": old}]})
+    c, kube, _, _ = setup(settings, q)
+    c.refresh_quota(kube.get(QUOTAS, "ns1", "q"))
+    st = kube.get(QUOTAS, "ns1", "q")["status"]
+    assert st["ledger"] == [] and st["used"] == {"expertReadBytes": 0, "merges": 0}
+    assert d.get_condition(st["conditions"], "Ready")["status"] == "True"
+    writes = len(kube.writes)
+    c.refresh_quota(kube.get(QUOTAS, "ns1", "q"))
+    assert len(kube.writes) == writes  # nothing changed: no write
+    kube.objects[("mergequotas", "ns1", "q")]["spec"]["window"] = "soon"
+    c.refresh_quota(kube.get(QUOTAS, "ns1", "q"))
+    assert d.get_condition(kube.get(QUOTAS, "ns1", "q")["status"]["conditions"], "Ready")["reason"] == "InvalidSpec"
+
+
+def test_kopf_handlers_are_registered():
+    registry = kopf.get_default_registry()
+    changing = {(h.id, h.reason) for h in registry._changing.get_all_handlers()}  # noqa: SLF001
+    assert ("merge_changed", "create") in changing and ("merge_deleted", "delete") in changing
+    assert ("snapshot_changed", "create") in changing and ("quota_changed", "create") in changing
+    watching = [h.id for h in registry._watching.get_all_handlers()]  # noqa: SLF001
+    assert "job_event" in watching
+    spawning = [h.id for h in registry._spawning.get_all_handlers()]  # noqa: SLF001
+    assert "merge_job_poll" in spawning
+
+
+def test_run_maps_retries_to_kopf_errors():
+    patch = kopf.Patch()
+    with pytest.raises(kopf.TemporaryError):
+        main._run(lambda: (_ for _ in ()).throw(main.RetryWithStatus("wait", 7, {"observedGeneration": 3})), patch)
+    assert patch["status"] == {"observedGeneration": 3}
+    patch = kopf.Patch()
+    main._run(lambda: {"x": 1}, patch)
+    assert patch["status"] == {"x": 1}

@@ -1,0 +1,207 @@
+"""The Helm chart: lint and render offline (helm-python-sdk binds Helm v4's Go SDK; there is no
+helm binary here), then check every rendered built-in object with kubernetes-validate --strict,
+the RBAC for least privilege, and that the Deployment's environment reads back as the Settings
+the values describe."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from op_testlib import ROOT, k8s_validate
+
+from mergepipe_operator.settings import Settings
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm v4 Go SDK binding) is not installed")
+
+CHART = ROOT / "helm" / "mergepipe"
+VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+RELEASE, NAMESPACE = "mp", "mergepipe-system"
+
+
+def values_of(path):
+    return yaml.safe_load(path.read_text()) or {}
+
+
+@pytest.fixture(scope="module")
+def chart():
+    with helm.Chart.load(str(CHART)) as c:
+        yield c
+
+
+def render(chart, values):
+    out = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    objs = []
+    for path, text in out.items():
+        if path.endswith("NOTES.txt"):
+            continue
+        objs += [o for o in yaml.safe_load_all(text) if o]
+    return objs
+
+
+def test_there_are_at_least_three_values_files():
+    assert len(VALUES) >= 3
+
+
+@pytest.mark.parametrize("vfile", VALUES, ids=lambda p: p.name)
+def test_lint(vfile):
+    report = helm.lint(str(CHART), values_of(vfile), strict=True, namespace=NAMESPACE)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("vfile", VALUES, ids=lambda p: p.name)
+def test_rendered_objects_are_valid_kubernetes(chart, vfile):
+    objs = render(chart, values_of(vfile))
+    kinds = sorted(o["kind"] for o in objs)
+    assert "Deployment" in kinds
+    for o in objs:
+        k8s_validate(o)
+
+
+def deployment(objs):
+    (dep,) = [o for o in objs if o["kind"] == "Deployment"]
+    return dep
+
+
+def operator_env(dep):
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    return c, {e["name"]: e for e in c["env"]}
+
+
+@pytest.mark.parametrize("vfile", VALUES, ids=lambda p: p.name)
+def test_deployment_is_single_and_locked_down(chart, vfile):
+    dep = deployment(render(chart, values_of(vfile)))
+    spec = dep["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    c, env = operator_env(dep)
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] and sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+    assert c["command"] == ["kopf"] and c["args"][:3] == ["run", "--standalone", "--module=mergepipe_operator.main"]
+    for name, e in env.items():
+        if name.startswith("AWS_"):
+            assert "value" not in e and "secretKeyRef" in e["valueFrom"], e
+
+
+def test_watch_namespaces_and_rbac(chart):
+    all_ns = render(chart, {})
+    args = deployment(all_ns)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--all-namespaces" in args
+    assert {o["kind"] for o in all_ns if "Role" in o["kind"]} == {"ClusterRole", "ClusterRoleBinding"}
+    some = render(chart, {"watchNamespaces": ["team-a", "team-b"]})
+    args = deployment(some)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args and "--all-namespaces" not in args
+    roles = [o for o in some if o["kind"] == "Role"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    (cluster_role,) = [o for o in some if o["kind"] == "ClusterRole"]
+    # with fixed namespaces, the only cluster-wide grants are reads kopf needs
+    for rule in cluster_role["rules"]:
+        assert set(rule["verbs"]) <= {"list", "watch"}
+        assert set(rule["resources"]) <= {"customresourcedefinitions", "namespaces"}
+
+
+#: (apiGroup, resource) -> verbs the operator and kopf use; anything more is a finding.
+EXPECTED_GRANTS = {
+    ("mergepipe.io", "modelmerges"): {"get", "list", "watch", "patch"},
+    ("mergepipe.io", "mergedsnapshots"): {"get", "list", "watch", "patch", "create"},
+    ("mergepipe.io", "mergequotas"): {"get", "list", "watch", "patch"},
+    ("mergepipe.io", "modelmerges/status"): {"get", "patch"},
+    ("mergepipe.io", "mergedsnapshots/status"): {"get", "patch"},
+    ("mergepipe.io", "mergequotas/status"): {"get", "update"},
+    ("batch", "jobs"): {"get", "list", "watch", "create", "delete"},
+    ("", "events"): {"create"},
+    ("events.k8s.io", "events"): {"create"},
+    ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
+    ("", "namespaces"): {"list", "watch"},
+}
+
+
+def grants(objs):
+    out: dict[tuple[str, str], set[str]] = {}
+    for o in objs:
+        if o["kind"] not in ("Role", "ClusterRole"):
+            continue
+        for rule in o["rules"]:
+            for g in rule["apiGroups"]:
+                for r in rule["resources"]:
+                    out.setdefault((g, r), set()).update(rule["verbs"])
+    return out
+
+
+@pytest.mark.parametrize("values", [{}, {"watchNamespaces": ["team-a"]}], ids=["cluster", "namespaced"])
+def test_rbac_is_least_privilege(chart, values):
+    got = grants(render(chart, values))
+    assert got == EXPECTED_GRANTS
+    flat = json.dumps([o for o in render(chart, values) if "Role" in o["kind"]])
+    assert '"*"' not in flat and "secrets" not in flat and "pods" not in flat
+
+
+def test_rbac_can_be_disabled(chart):
+    objs = render(chart, {"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "existing"}})
+    assert {o["kind"] for o in objs} == {"Deployment"}
+    assert deployment(objs)["spec"]["template"]["spec"]["serviceAccountName"] == "existing"
+
+
+def settings_from(dep):
+    _, env = operator_env(dep)
+    return Settings.from_env({k: e["value"] for k, e in env.items() if "value" in e})
+
+
+def test_values_reach_the_operator_settings(chart):
+    s = settings_from(deployment(render(chart, {})))
+    assert (s.merger_image, s.gpu_resource_name, s.gpu_count) == ("ghcr.io/mergepipe/merger:0.1.0", "nvidia.com/gpu", 1)
+    assert (s.s3_secret_name, s.catalog_uri, s.plan_prefix, s.default_budget) == (
+        "mergepipe-s3", "s3://mergepipe/catalog/", "s3://mergepipe/plans/", None)
+    assert (s.backoff_limit, s.active_deadline_seconds, s.ttl_seconds_after_finished) == (2, 21600, 86400)
+    assert s.metrics_port == 9090 and s.watch_namespaces == ()
+
+    custom = settings_from(deployment(render(chart, values_of(CHART / "ci" / "custom-values.yaml"))))
+    assert custom.merger_image == "registry.internal/mergepipe/merger:0.1.0-rocm"
+    assert (custom.gpu_resource_name, custom.gpu_count, custom.tmp_size_limit) == ("amd.com/gpu", 2, "100Gi")
+    assert (custom.s3_endpoint, custom.s3_region, custom.s3_secret_name) == ("https://minio.storage.svc:9000", "eu-central-1", "minio-creds")
+    assert (custom.s3_access_key_id_key, custom.s3_secret_access_key_key) == ("accesskey", "secretkey")
+    assert custom.job_service_account == "merger-irsa" and custom.node_selector == {"pool": "gpu"}
+    assert custom.tolerations == [{"key": "amd.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert (custom.default_budget, custom.backoff_limit, custom.image_pull_policy) == ("512MiB", 0, "Always")
+    _, env = operator_env(deployment(render(chart, values_of(CHART / "ci" / "custom-values.yaml"))))
+    assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": "minio-creds", "key": "accesskey"}
+
+    cpu = settings_from(deployment(render(chart, values_of(CHART / "ci" / "namespaced-cpu-values.yaml"))))
+    assert cpu.gpu_count == 0 and cpu.watch_namespaces == ("team-a", "team-b") and cpu.metrics_port is None
+    assert (cpu.cpu, cpu.memory, cpu.default_budget, cpu.quota_retry_seconds) == ("8", "64Gi", "10Gi", 120)
+
+
+def test_chart_ships_the_generated_crds(chart):
+    crds = {c["filename"].removeprefix("mergepipe/"): c["data"] for c in chart.crds}
+    assert sorted(crds) == ["crds/mergedsnapshots.yaml", "crds/mergequotas.yaml", "crds/modelmerges.yaml"]
+    for name, data in crds.items():
+        assert data == (ROOT / name).read_text()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"merger": {"gpu": {"count": -1}}},
+        {"merger": {"gpu": {"resourceName": "gpu please"}}},
+        {"watchNamespaces": ["Team_A"]},
+        {"s3": {"endpoint": "ftp://x"}},
+        {"merges": {"defaultBudget": "10 GB"}},
+        {"catalog": {"uri": "/data/catalog"}},
+        {"logLevel": "verbose"},
+        {"replicas": 3},
+        {"image": {"pullPolicy": "Sometimes"}},
+    ],
+    ids=str,
+)
+def test_values_schema_rejects_bad_values(chart, bad):
+    with pytest.raises(helm.HelmError):
+        chart.validate_schema(bad)
+
+
+def test_values_schema_accepts_the_ci_values(chart):
+    for v in VALUES:
+        chart.validate_schema(values_of(v))
