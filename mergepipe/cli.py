@@ -39,7 +39,8 @@ ParamOpt = Annotated[
         "--param", "-p",
         help="Method parameter NAME=VALUE (all experts / the merge) or EXPERT:NAME=VALUE (one expert, by name or "
         "1-based index), e.g. -p density=0.5 -p math:weight=0.3. Names follow mergekit: weight, density, "
-        "normalize, rescale, lambda.",
+        "normalize, rescale, lambda, gamma, epsilon, t, filter_wise, ... VALUE may be a JSON list: a gradient "
+        "over layers (-p 'density=[0.2,0.8]') or filters (-p 'weight=[{\"filter\":\"mlp\",\"value\":0.5},{\"value\":1}]').",
     ),
 ]
 BudgetOpt = Annotated[
@@ -215,7 +216,9 @@ def _plan_args(base, expert, method, param, budget, fidelity, seed, block_size, 
     return plan, st
 
 
-MethodOpt = Annotated[str, typer.Option("--method", "-m", help="linear, task_arithmetic, ties, dare_ties, dare_linear")]
+MethodOpt = Annotated[str, typer.Option(
+    "--method", "-m", help="linear, task_arithmetic, ties, dare_ties, dare_linear, breadcrumbs, breadcrumbs_ties, della, "
+    "della_linear, model_stock, slerp, nuslerp (mergekit's names)")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the DARE random stream")]
 BlockOpt = Annotated[str, typer.Option("--block-size", help="Catalog block size (whole rows)")]
 MemOpt = Annotated[str, typer.Option("--work-memory", help="Engine memory target: float32 working set per chunk, and bytes prefetched ahead")]
@@ -315,30 +318,52 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="torch device for the m
 
 @app.command()
 def merge(
-    base: Annotated[str, typer.Option("--base", help="Base checkpoint folder or s3:// prefix")],
-    expert: ExpertOpt,
     out: Annotated[str, typer.Option("--out", "-o", help="Snapshot folder to create (must not exist or be empty)")],
-    method: MethodOpt = "ties",
+    base: Annotated[Optional[str], typer.Option("--base", help="Base checkpoint folder or s3:// prefix")] = None,
+    expert: Annotated[Optional[list[str]], typer.Option(
+        "--expert", "-e", help="Expert checkpoint: URI or NAME=URI (repeat). Name defaults to the last path component.")] = None,
+    config: Annotated[Optional[Path], typer.Option(
+        "--config", help="A mergekit YAML config (models, base_model, merge_method, parameters, dtype, out_dtype; "
+        "plus budget, fidelity, seed) instead of --base/--expert/--method/--param")] = None,
+    method: Annotated[Optional[str], typer.Option(
+        "--method", "-m", help="Merge method (mergekit's name) [default: ties]")] = None,
     param: ParamOpt = None,
     budget: BudgetOpt = None,
     fidelity: FidelityOpt = None,
-    seed: SeedOpt = 0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed of the DARE/DELLA random streams [default: 0]")] = None,
     device: DeviceOpt = "cpu",
     block_size: BlockOpt = "128KiB",
     work_memory: MemOpt = "256MiB",
     catalog: CatalogOpt = None,
     json_out: JsonOpt = False,
 ):
-    """register → analyze → plan → execute → commit, in one go."""
+    """register → analyze → plan → execute → commit, in one go (or from a mergekit config: --config)."""
     from mergepipe.pipeline import merge as run_merge
     from mergepipe.pipeline import parse_bytes, parse_expert
 
     bb = parse_bytes(block_size, what="--block-size")
-    experts = [parse_expert(e) for e in expert]
+    opts = {}
+    if config is not None:
+        from mergepipe.config import load_config
+
+        given = [f for f, v in (("--base", base), ("--expert", expert), ("--method", method), ("--param", param)) if v]
+        if given:
+            _fail(f"--config {config} defines the models, method and parameters; drop {', '.join(given)} "
+                  "(--budget, --fidelity and --seed override the config's keys).")
+        c = load_config(config)
+        base, experts, method = c.base, c.experts, c.method
+        budget = budget if budget is not None else c.budget
+        fidelity = fidelity if fidelity is not None else c.fidelity
+        seed = seed if seed is not None else c.seed
+        opts = c.plan_options()
+    else:
+        if not base or not expert:
+            _fail("--base and --expert are required (or give a mergekit config with --config merge.yml).")
+        experts = [parse_expert(e) for e in expert]
     with _Progress(True) as prog:
-        res = run_merge(base, experts, method, out, param or [], budget=budget, fidelity=fidelity, seed=seed,
-                        device=device, catalog=_catalog(catalog), storage=_storage_for(base), block_bytes=bb,
-                        work_bytes=_work_bytes(work_memory), progress=prog)
+        res = run_merge(base, experts, method or "ties", out, param or [], budget=budget, fidelity=fidelity,
+                        seed=seed or 0, device=device, catalog=_catalog(catalog), storage=_storage_for(base),
+                        block_bytes=bb, work_bytes=_work_bytes(work_memory), progress=prog, **opts)
     _emit_merge(res, json_out)
 
 

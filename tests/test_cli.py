@@ -145,6 +145,14 @@ def test_mismatched_expert_exit_2(fam, monkeypatch, capsys):
     (["--param", "nobody:weight=1"], "nobody"),
     (["--fidelity", "1.5"], "fidelity"),
     (["--device", "cuda:7"], "--device"),
+    (["--param", "density=[0.5]"], "--param density: a gradient needs at least two values"),
+    (["--param", "density=[0.2,"], "not valid JSON"),
+    (["--param", 'density=[{"filter":"mlp","value":1.5}]'], "density[0].value: density=1.5 is outside (0, 1]"),
+    (["--method", "slerp", "--param", "t=0.5"], "slerp takes exactly 1 expert(s)"),
+    (["--method", "breadcrumbs", "--param", "gamma=1"], "gamma=1 is outside [0, 1)"),
+    (["--method", "della", "--param", "density=0.95"], "epsilon"),
+    (["--method", "nuslerp", "--param", "nuslerp_row_wise=true", "--param", "nuslerp_flatten=false"], "nuslerp_row_wise"),
+    (["--param", "expert0:lambda=2"], "--param expert0:lambda: lambda is a global parameter"),
 ])
 def test_bad_arguments_exit_2(fam, monkeypatch, capsys, extra, needle):
     tmp, base, experts = fam
@@ -152,6 +160,25 @@ def test_bad_arguments_exit_2(fam, monkeypatch, capsys, extra, needle):
     assert code == 2, err
     assert needle in err
     assert not (tmp / "out").exists()
+
+
+def test_layerwise_param_json_lists(fam, monkeypatch, capsys):
+    """--param values may be JSON gradients and filter lists; the plan holds per-tensor values."""
+    tmp, base, experts = fam
+    plan = tmp / "plan.json"
+    code, out, err = run_cli(["plan", "--base", str(base), "-e", str(experts[0]), "-e", str(experts[1]), "-m", "ties",
+                              "-p", "density=[0.2,0.8]", "-p", 'expert1:weight=[{"filter":"mlp","value":0.5},{"value":1}]',
+                              "-o", str(plan), "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    p = json.loads(plan.read_text())
+    t = {x["name"]: x for x in p["tensors"]}
+    assert t["model.layers.0.self_attn.q_proj.weight"]["experts"][0]["density"] == 0.2
+    assert t["model.layers.1.self_attn.q_proj.weight"]["experts"][0]["density"] == 0.8
+    assert t["model.layers.1.mlp.up_proj.weight"]["experts"][1]["weight"] == 0.5
+    assert t["model.layers.1.self_attn.q_proj.weight"]["experts"][1]["weight"] == 1.0
+    assert p["experts"][0]["params"]["density"] == [0.2, 0.8]  # the setting itself is recorded too
+    code, out, err = run_cli(["execute", str(plan), "--out", str(tmp / "snap"), "--json"], monkeypatch, capsys)
+    assert code == 0, err
 
 
 def test_output_path_problems(fam, monkeypatch, capsys):

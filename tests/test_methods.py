@@ -23,7 +23,28 @@ CASES = [
     ("dare_ties", ["density=0.5"]),
     ("dare_ties", ["density=0.3", "rescale=false", "normalize=true"]),
     ("dare_linear", ["density=0.4", "expert1:density=0.9"]),
+    # methods added with mergekit's names and defaults
+    ("breadcrumbs", ["density=0.5"]),
+    ("breadcrumbs", ["density=0.3", "gamma=0.05", "expert1:weight=0.6", "rescale=true"]),
+    ("breadcrumbs_ties", ["density=0.6", "expert2:gamma=0.02", "normalize=true"]),
+    ("della", ["density=0.5"]),
+    ("della", ["density=0.4", "epsilon=0.1", "rescale=false", "expert0:density=0.7"]),
+    ("della_linear", ["density=0.5", "lambda=1.2"]),
+    ("model_stock", []),
+    ("model_stock", ["filter_wise=true"]),
+    ("slerp", ["t=0.3"], 1),
+    ("slerp", ["t=1"], 1),
+    ("nuslerp", [], 2),
+    ("nuslerp", ["expert1:weight=3", "nuslerp_flatten=false"], 2),
+    # layer-wise parameters: gradients and filter lists, per expert and merge-wide
+    ("ties", ["density=[0.2,0.9]", 'expert0:weight=[{"filter":"mlp","value":0.5},{"value":1.5}]']),
+    ("dare_linear", ['density=[{"filter":"self_attn","value":[0.3,0.8]},{"value":0.6}]', "expert1:weight=[1,0.2]"]),
+    ("della", ["density=[0.3,0.6]", 'epsilon=[{"filter":"mlp","value":0.05}]']),
+    ("slerp", ["t=[0.1,0.9]"], 1),
+    ("task_arithmetic", ['lambda=[{"filter":"lm_head","value":0.5},{"value":[1,2]}]']),
 ]
+CASES = [c if len(c) == 3 else (*c, 3) for c in CASES]
+IDS = [f"{m}-{n}-{'-'.join(p) or 'default'}" for m, p, n in CASES]
 
 
 def _resolved(method, params, names):
@@ -33,9 +54,10 @@ def _resolved(method, params, names):
     return resolve_params(method, g, per)
 
 
-@pytest.mark.parametrize("method,params", CASES, ids=[f"{m}-{'-'.join(p) or 'default'}" for m, p in CASES])
-def test_engine_equals_dense_reference(family, tmp_path, method, params):
+@pytest.mark.parametrize("method,params,n", CASES, ids=IDS)
+def test_engine_equals_dense_reference(family, tmp_path, method, params, n):
     base, experts = family
+    experts = experts[:n]
     names = [e.name for e in experts]
     res = merge(str(base), [(e.name, str(e)) for e in experts], method, str(tmp_path / "out"), params,
                 catalog=Catalog(tmp_path / "c.sqlite"), seed=7)
@@ -65,25 +87,32 @@ def test_other_dtypes_equal_reference(tmp_path, dtype):
         assert all(same_bits(got[n], ref[n]) for n in ref)
 
 
-def test_chunked_and_two_pass_execution_equal_reference(family, tmp_path):
+CHUNKED = [("dare_ties", ["density=0.4"], 3), ("ties", ["density=0.5", "rescale=true"], 3),
+           ("task_arithmetic", [], 3), ("breadcrumbs_ties", ["density=0.5", "rescale=true"], 3),
+           ("della", ["density=0.5", "expert1:density=[0.3,0.7]"], 3), ("model_stock", [], 3),
+           ("model_stock", ["filter_wise=true"], 3), ("slerp", ["t=[0.2,0.7]"], 1),
+           ("nuslerp", ["nuslerp_flatten=false"], 2), ("nuslerp", ["expert1:weight=0.25"], 2)]
+
+
+@pytest.mark.parametrize("method,params,n", CHUNKED, ids=[f"{m}-{'-'.join(p) or 'default'}" for m, p, _ in CHUNKED])
+def test_chunked_and_two_pass_execution_equal_reference(family, tmp_path, method, params, n):
     """A tiny working-memory target forces many chunks per tensor and the L1-rescale pre-pass."""
     base, experts = family
+    experts = experts[:n]
     cat = Catalog(tmp_path / "c.sqlite")
-    for method, params in [("dare_ties", ["density=0.4"]), ("ties", ["density=0.5", "rescale=true"]),
-                           ("task_arithmetic", [])]:
-        res = merge(str(base), [(e.name, str(e)) for e in experts], method, str(tmp_path / f"o-{method}"), params,
-                    catalog=cat, block_bytes=4096, work_bytes=64 * 1024)
-        plan = res.plan
-        assert any(t.chunk_rows < t.shape[0] for t in plan.tensors if t.experts)
-        if method != "task_arithmetic":
-            assert any(t.passes == 2 for t in plan.tensors)
-        got = merged_tensors(res.out)
-        ref = merge_checkpoint_dense(str(base), [str(e) for e in experts],
-                                     _resolved(method, params, [e.name for e in experts]))
-        assert all(same_bits(got[n], ref[n]) for n in ref)
-        # realized reads include the second pass and still stay within the plan
-        m = res.manifest["io"]
-        assert m["realized"]["expert_read_bytes"] <= m["estimated"]["expert_read_bytes"]
+    res = merge(str(base), [(e.name, str(e)) for e in experts], method, str(tmp_path / f"o-{method}"), params,
+                catalog=cat, block_bytes=4096, work_bytes=64 * 1024, seed=3)
+    plan = res.plan
+    assert any(t.chunk_rows < t.shape[0] for t in plan.tensors if not t.copy_base)
+    if "rescale=true" in params or method in ("dare_ties", "della"):
+        assert any(t.passes == 2 for t in plan.tensors)
+    got = merged_tensors(res.out)
+    ref = merge_checkpoint_dense(str(base), [str(e) for e in experts],
+                                 _resolved(method, params, [e.name for e in experts]), seed=3)
+    assert all(same_bits(got[n], ref[n]) for n in ref)
+    # realized reads include the second pass and still stay within the plan
+    m = res.manifest["io"]
+    assert m["realized"]["expert_read_bytes"] <= m["estimated"]["expert_read_bytes"]
 
 
 def test_magnitude_keys_match_torch_bf16_rounding():
@@ -131,3 +160,183 @@ def test_registry_names_and_defaults():
     r = resolve_params("dare_ties", {}, [{}])
     assert r.globals["rescale"] is True and r.globals["normalize"] is False
     assert r.experts[0] == {"weight": 1.0, "density": 1.0}
+
+
+def test_new_methods_registered_with_mergekit_defaults():
+    from mergepipe.methods.registry import get_method
+
+    for m in ("breadcrumbs", "breadcrumbs_ties", "della", "della_linear", "model_stock", "slerp", "nuslerp"):
+        assert m in METHODS
+    assert resolve_params("breadcrumbs", {}, [{}]).experts[0]["gamma"] == 0.01
+    r = resolve_params("della", {}, [{}])
+    assert r.experts[0]["epsilon"] == 0.15 and r.globals["normalize"] is True and r.globals["rescale"] is True
+    r = resolve_params("della_linear", {}, [{}])
+    assert r.globals["normalize"] is False and r.globals["rescale"] is True
+    r = resolve_params("breadcrumbs_ties", {}, [{}])
+    assert r.globals["normalize"] is False and r.globals["rescale"] is False
+    assert resolve_params("model_stock", {}, [{}, {}]).globals == {"filter_wise": False}
+    r = resolve_params("nuslerp", {}, [{}, {}])
+    assert r.globals == {"nuslerp_flatten": True, "nuslerp_row_wise": False}
+    assert get_method("slerp").max_experts == 1 and get_method("nuslerp").min_experts == 2
+
+
+@pytest.mark.parametrize("density,gamma", [(0.5, 0.01), (0.9, 0.05), (0.2, 0.0), (0.99, 0.02), (0.3, 0.9),
+                                           (1e-5, 0.01), (0.7, 0.3)])
+def test_breadcrumbs_window_from_histogram_equals_sort(density, gamma):
+    from mergepipe.methods.reference import reference_outlier_window
+    from mergepipe.numerics import outlier_window
+
+    rng = np.random.default_rng(int(density * 1000 + gamma * 100))
+    d = torch.from_numpy((rng.standard_normal(40_000) * 1e-3).astype(np.float32)).to(torch.bfloat16).float()
+    d[:500] = 0.0  # exact zeros, as in untouched parameters
+    keys = magnitude_keys(d.numpy())
+    k, c = histogram(keys)
+    lo, hi = outlier_window(k, c, keys.size, density, gamma)
+    assert (lo, hi) == reference_outlier_window(d, density, gamma)
+    n = keys.size
+    target = int(density * n)
+    kept = int(((keys >= lo) & (keys < hi)).sum())
+    if target == 0:
+        assert kept == 0
+    else:  # each end is off by at most the ties at its boundary key
+        slack = int((keys == min(lo, 0x7F80)).sum()) + int((keys == max(hi - 1, 0)).sum())
+        assert abs(kept - target) <= slack
+        assert lo < hi
+
+
+def test_della_probabilities_follow_mergekit():
+    """With distinct magnitudes (no ties) the ranks are mergekit's argsort ranks, so the keep
+    probabilities equal mergekit 0.1.5's float32 formula bit for bit; the mask keeps ~density."""
+    from mergepipe.numerics import della_keep_mask, della_probs
+
+    rng = np.random.default_rng(5)
+    rows, cols = 64, 300
+    keys = (rng.permutation(rows * cols) + 0x3000).astype(np.uint32)  # distinct bf16 magnitudes
+    x = ((keys << 16).view(np.float32) * np.sign(rng.standard_normal(rows * cols))).astype(np.float32)
+    t = torch.from_numpy(x).reshape(rows, cols)
+    density, eps = 0.4, 0.15
+    ranks = torch.argsort(torch.argsort(t.abs(), dim=1), dim=1).to(torch.float32) + 1
+    mn, mx = ranks.min(dim=1, keepdim=True).values, ranks.max(dim=1, keepdim=True).values
+    rank_norm = ((ranks - mn) / (mx - mn)).clamp(0, 1)
+    probs = torch.tensor(density - eps, dtype=torch.float32) + rank_norm * 2 * torch.tensor(eps, dtype=torch.float32)
+    ours = della_probs(magnitude_keys(x), (rows, cols), rows, density, eps)
+    assert np.array_equal(ours, probs.flatten().numpy())
+    assert ours.min() == pytest.approx(density - eps) and ours.max() == pytest.approx(density + eps)
+    keep = della_keep_mask(123, 0, ours)
+    assert abs(keep.mean() - density) < 0.02
+    assert keep[np.abs(x) >= np.median(np.abs(x))].mean() > keep.mean()  # larger magnitudes kept more often
+    # counter-based: a chunk of rows draws the same mask as the whole tensor
+    part = della_keep_mask(123, 10 * cols, ours[10 * cols: 20 * cols])
+    assert np.array_equal(part, keep[10 * cols: 20 * cols])
+
+
+def _mk_slerp(t, v0, v1, dot_threshold=0.9995, eps=1e-8):
+    """mergekit 0.1.5 slerp (merge_methods/slerp.py) for one tensor, float64 transcription."""
+    a, b = v0.flatten().double(), v1.flatten().double()
+    na, nb = a.norm(), b.norm()
+    na = na if na > eps else torch.tensor(1.0, dtype=torch.float64)
+    nb = nb if nb > eps else torch.tensor(1.0, dtype=torch.float64)
+    dot = ((a / na) * (b / nb)).sum().clamp(-1, 1)
+    if dot.abs() > dot_threshold:
+        return (1 - t) * a + t * b
+    th = torch.acos(dot)
+    return torch.sin((1 - t) * th) / torch.sin(th) * a + torch.sin(t * th) / torch.sin(th) * b
+
+
+def test_interpolation_coefficients_match_mergekit_formulas():
+    from mergepipe.numerics import model_stock_t, nuslerp_coefficients, slerp_coefficients
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(6):
+        v0 = torch.randn(2000, generator=g, dtype=torch.float64)
+        v1 = v0 + (0.01 if trial % 2 else 1.0) * torch.randn(2000, generator=g, dtype=torch.float64)
+        if trial == 5:
+            v1 = v0 * 1.0000001  # colinear: lerp
+        for t in (0.0, 0.3, 0.5, 1.0):
+            ca, cb = slerp_coefficients(t, float(v0 @ v0), float(v1 @ v1), float(v0 @ v1))
+            torch.testing.assert_close(ca * v0 + cb * v1, _mk_slerp(t, v0, v1), rtol=1e-6, atol=1e-6)
+            # nuslerp on task vectors: (a·v0 + b·v1)/s, mergekit's nuslerp(t, v0, v1)
+            a, b, s = nuslerp_coefficients(t, float(v0 @ v0), float(v1 @ v1), float(v0 @ v1))
+            cos = (v0 / v0.norm()) @ (v1 / v1.norm())
+            th = torch.acos(cos.clamp(-1, 1))
+            mk = (torch.sin((1 - t) * th) * v0 + torch.sin(t * th) * v1) / torch.sin(th) \
+                if (1 - cos**2) > 1e-16 else (1 - t) * v0 + t * v1
+            torch.testing.assert_close((a * v0 + b * v1) / s, mk, rtol=1e-6, atol=1e-6)  # float32 coefficients
+    # model stock: t = N·cos/(1 + (N−1)·cos) with cos the mean pairwise cosine (mergekit 0.1.5)
+    ds = [torch.randn(500, generator=g, dtype=torch.float64) + 0.5 for _ in range(3)]
+    cos = [(ds[i] @ ds[j]) / (ds[i].norm() * ds[j].norm()) for i in range(3) for j in range(i + 1, 3)]
+    c = sum(cos) / 3
+    expect = 3 * c / (1 + 2 * c)
+    got = model_stock_t(3, [float(d @ d) for d in ds], {(i, j): float(ds[i] @ ds[j]) for i in range(3) for j in range(i + 1, 3)})
+    assert float(got) == pytest.approx(float(expect), rel=1e-6)
+    # singular denominator keeps the base (t = 0), like mergekit 0.1.5
+    assert float(model_stock_t(2, [1.0, 1.0], {(0, 1): -1.0})) == 0.0
+
+
+def test_engine_uses_per_tensor_values_only(family, tmp_path):
+    """Layer-wise settings are resolved into the plan per tensor; erasing the merge-level
+    settings from the plan does not change the output (the engine never reads them)."""
+    from mergepipe.pipeline import build_plan, execute_and_commit
+    from mergepipe.storage.base import IOCounters
+    from mergepipe.storage.local import LocalStorage
+
+    base, experts = family
+    params = ["density=[0.2,0.9]", 'expert1:weight=[{"filter":"mlp","value":0.5},{"value":1.5}]', "lambda=[1,0.5]"]
+    st = LocalStorage(IOCounters())
+    plan = build_plan(Catalog(tmp_path / "c.sqlite"), st, str(base), [(e.name, str(e)) for e in experts], "ties",
+                      params)
+    tp = {t.name: t for t in plan.tensors}
+    l0, l1 = tp["model.layers.0.mlp.up_proj.weight"], tp["model.layers.1.self_attn.q_proj.weight"]
+    assert [te.density for te in l0.experts] == [0.2] * 3 and [te.density for te in l1.experts] == [0.9] * 3
+    assert l0.experts[1].weight == 0.5 and l1.experts[1].weight == 1.5 and l1.experts[0].weight == 1.0
+    assert l0.params["lambda"] == 1.0 and l1.params["lambda"] == 0.5
+    assert tp["model.embed_tokens.weight"].experts[0].density == 0.2  # no layer index: the first value
+    assert tp["lm_head.weight"].params["lambda"] == 1.0
+    plan.globals = {}
+    for e in plan.experts:
+        e.params = {}
+    plan.seal()
+    res = execute_and_commit(plan, st, str(tmp_path / "out"))
+    got = merged_tensors(res.out)
+    ref = merge_checkpoint_dense(str(base), [str(e) for e in experts], _resolved("ties", params, [e.name for e in experts]))
+    assert all(same_bits(got[n], ref[n]) for n in ref)
+
+
+def test_pair_statistics_exact_and_cached(family, tmp_path):
+    """model_stock's cross terms come from the catalog: exact, computed in the analysis stream,
+    and for an expert analyzed earlier read once more, then cached."""
+    import math
+
+    from mergepipe.catalog import catalog as catmod
+    from mergepipe.storage.base import IOCounters
+    from mergepipe.storage.local import LocalStorage
+    from tests.conftest import merged_tensors as mt
+
+    base, experts = family
+    cat = Catalog(tmp_path / "c.sqlite")
+    st = LocalStorage(IOCounters())
+    b = cat.register(st, str(base))
+    es = [cat.register(st, str(e)) for e in experts]
+    cat.analyze(st, b, es[:1], block_bytes=4096)  # one expert alone: no pair yet
+    before = st.counters.snapshot()["read"]["expert"]
+    an = cat.analyze(st, b, es, block_bytes=4096, pairs=True)
+    first = st.counters.snapshot()["read"]["expert"] - before
+    tensor_bytes = sum(t.nbytes for t in es[0].layout.tensors.values())
+    assert first == 3 * tensor_bytes  # expert 0 is streamed again for its pairs, once
+    dots = cat.pair_dots(b, es, an)
+    B, E = mt(base), [mt(e) for e in experts]
+    for name in ("model.layers.0.mlp.up_proj.weight", "model.norm.weight"):
+        d = [(x[name].float() - B[name].float()).numpy().reshape(B[name].shape[0], -1) for x in E]
+        for (i, j), v in dots.items():
+            exact = math.fsum((d[i].astype(np.float64) * d[j]).sum(axis=1).tolist())
+            assert v[name] == exact
+        assert an[0].tensors[name].delta_sq == math.fsum((d[0].astype(np.float64) ** 2).sum(axis=1).tolist())
+    before = st.counters.snapshot()["read"]
+    cat.analyze(st, b, es, block_bytes=4096, pairs=True)
+    after = st.counters.snapshot()["read"]
+    assert after["expert"] == before["expert"] and after["base"] == before["base"]  # all cached
+    # statistics of an older version are recomputed (STATS_VERSION is part of the key)
+    cat.db.execute("UPDATE analyses SET stats_version = ?", (catmod.STATS_VERSION - 1,))
+    cat.db.commit()
+    cat.analyze(st, b, es[:1], block_bytes=4096)
+    assert st.counters.snapshot()["read"]["expert"] > after["expert"]

@@ -431,7 +431,8 @@ def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, 
             r1 = min(bt.rows, r0 + chunk_rows)
             s, t = bt.row_range(r0, r1)
             b = decode(storage.read_range(storage.join(base.uri, bt.file), s, t, "base"), bt.dtype)
-            bsq = segment_dots(b, b, row_numel) if stat_readers else None
+            b64 = b.astype(np.float64) if stat_readers else None
+            bsq = (b64 * b64).reshape(-1, row_numel).sum(axis=1) if stat_readers else None
             deltas = {}
             for e in readers:
                 et = e.layout.tensors[name]
@@ -441,7 +442,7 @@ def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, 
                 d = (x - b).astype(np.float32, copy=False)
                 if e.identity in bs:
                     hashes[e.identity].update(raw)
-                    bs[e.identity].add(r0, d, expert=x, base=b, base_sq_rows=bsq)
+                    bs[e.identity].add(r0, d, expert=x, base=b64, base_sq_rows=bsq)
                 if e.identity in held:
                     deltas[e.identity] = d
             for p in pair_ids:

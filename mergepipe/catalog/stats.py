@@ -228,9 +228,10 @@ class TensorStatsBuilder:
             base_sq_rows: np.ndarray | None = None) -> None:
         """Add the float32 task vector of rows ``[row0, row0 + len(delta)/row_numel)``; ``row0``
         must be a block boundary. With ``expert`` and ``base`` (the decoded values of the same
-        rows; ``base_sq_rows`` their per-row ``Σθ_b²`` when already computed) the exact
-        whole-tensor sums are accumulated too."""
-        from mergepipe.numerics import magnitude_keys, segment_dots
+        rows, the base preferably already float64; ``base_sq_rows`` its per-row ``Σθ_b²``) the
+        exact whole-tensor sums are accumulated too, equal to
+        :func:`mergepipe.numerics.segment_dots` per row."""
+        from mergepipe.numerics import magnitude_keys
 
         if row0 % self.rpb:
             raise ValueError("chunks must start on block boundaries")
@@ -257,10 +258,12 @@ class TensorStatsBuilder:
         self.hist += np.bincount(keys, minlength=0x8000)
         if expert is not None and base is not None:
             w = self.row_numel
-            self.row_sums[0].append(segment_dots(delta, delta, w))
-            self.row_sums[1].append(base_sq_rows if base_sq_rows is not None else segment_dots(base, base, w))
-            self.row_sums[2].append(segment_dots(expert, expert, w))
-            self.row_sums[3].append(segment_dots(base, expert, w))
+            x64 = expert.astype(np.float64, copy=False).reshape(-1, w)
+            b64 = base.astype(np.float64, copy=False).reshape(-1, w)  # float64 already: no copy
+            self.row_sums[0].append(e.reshape(-1, w).sum(axis=1))  # = segment_dots(δ, δ): |δ|² = δ²
+            self.row_sums[1].append(base_sq_rows if base_sq_rows is not None else (b64 * b64).sum(axis=1))
+            self.row_sums[2].append((x64 * x64).sum(axis=1))
+            self.row_sums[3].append((b64 * x64).sum(axis=1))
 
     def finish(self, content_sha256: str = "") -> TensorStats:
         used = np.nonzero(self.oc.sum(axis=0))[0]

@@ -278,6 +278,7 @@ def resolve_params(
     *,
     where_global: Callable[[str], str] | None = None,
     where_expert: Callable[[int, str], str] | None = None,
+    where_models: str = "experts",
 ) -> ResolvedParams:
     """Validate parameter settings with precedence per-expert > global > method default.
 
@@ -286,6 +287,7 @@ def resolve_params(
             to every expert).
         expert_params: one ``{name: setting}`` per expert.
         where_global, where_expert: key path of a setting for messages (default: CLI syntax).
+        where_models: what to name in a message about the number of experts.
 
     Raises:
         InputError: unknown method; wrong number of experts for the method; a parameter the
@@ -301,7 +303,7 @@ def resolve_params(
     if k < spec.min_experts or (spec.max_experts is not None and k > spec.max_experts):
         extra = " (3 models including the base)" if spec.kind == "model_stock" else ""
         extra = " (the base and one expert)" if spec.kind == "slerp" else extra
-        raise InputError(f"experts: {method} takes {spec.experts_text} expert(s) besides the base{extra}; got {k}.")
+        raise InputError(f"{where_models}: {method} takes {spec.experts_text} expert(s) besides the base{extra}; got {k}.")
     g: dict = {}
     shared: dict = {}
     for name, raw in global_params.items():
@@ -331,7 +333,7 @@ def resolve_params(
             if own is None:
                 view[p.name] = fb
             elif isinstance(own, list) and own and isinstance(own[0], dict):
-                if fb is None:
+                if fb is None or own[-1]["filter"] is None:  # no fallback, or own catch-all
                     view[p.name] = own
                 elif isinstance(fb, list) and fb and isinstance(fb[0], dict):
                     view[p.name] = own + fb

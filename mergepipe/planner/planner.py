@@ -147,7 +147,9 @@ def make_plan(
         gram: ``{(i, j): {tensor: ⟨δᵢ,δⱼ⟩}}`` from :meth:`Catalog.pair_dots` (model_stock, nuslerp).
         resolved: already validated parameter settings (instead of ``global_params`` /
             ``expert_params``; the config loader passes these with its key paths for messages).
-        out_dtype: safetensors dtype of the floating output tensors (None: the base's).
+        out_dtype: safetensors dtype of the floating output tensors (None: the base's). Recorded
+            per tensor (and in the plan) only where it differs from the base's dtype, so a merge
+            asking for the dtype it already has plans (and digests) like one that does not ask.
         requested_dtype, source: recorded in the plan (not part of its digest): the compute dtype a
             mergekit config asked for (mergepipe always computes in float32) and the config file.
 
@@ -179,7 +181,7 @@ def make_plan(
         floating = bt.dtype in FLOAT_DTYPES and bt.numel > 0
         rpb = rows_per_block(bt, block_bytes)
         tpar = params.for_tensor(name, layer_t(name, n_layers)) if floating else None
-        g = dict(tpar.globals) if tpar else dict(params.for_tensor("", 0.0).globals)
+        g = dict(tpar.globals) if tpar else {}
         eps = tpar.experts if tpar else ()
         row_stats = floating and needs_row_stats(spec, g)
         cr = chunk_rows(bt, rpb, K, work_bytes, 48 if spec.sparsify == "della" else 0)
@@ -189,7 +191,7 @@ def make_plan(
         tp = TensorPlan(
             name=name, dtype=bt.dtype, shape=list(bt.shape), file=bt.file, start=bt.start, rows_per_block=rpb,
             n_blocks=n_blocks(bt, block_bytes), chunk_rows=cr, params=g, weight_sum=float(sum(weights)),
-            out_dtype=(out_dtype if floating and out_dtype else None),
+            out_dtype=(out_dtype if floating and out_dtype and out_dtype != bt.dtype else None),
         )
         rescale = spec.kind == "gta" and bool(g.get("rescale")) and spec.sparsify != "none"
         passes = 2 if rescale and cr < bt.rows and any(e.get("density", 1.0) < 1.0 for e in eps) else 1
@@ -366,7 +368,7 @@ def make_plan(
         extra_files=sorted(extra_files),
         shard_metadata={f: sh.metadata for f, sh in base.layout.shards.items()},
         index_metadata=base.layout.index_metadata,
-        out_dtype=out_dtype,
+        out_dtype=out_dtype if any(tp.out_dtype for tp in tensors) else None,
         n_layers=n_layers,
         requested_dtype=requested_dtype,
         source=dict(source or {}),

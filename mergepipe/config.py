@@ -1,0 +1,270 @@
+"""mergekit YAML configs: ``mergepipe merge --config merge.yml --out DIR``.
+
+Accepted (mergekit 0.1.5 ``MergeConfiguration`` keys):
+
+* ``models``: a list of ``{model: <folder or s3:// URI>, parameters: {...}}``; an entry naming
+  the ``base_model`` is the base (mergekit lists it there too) and must not carry parameters;
+* ``base_model`` (required: mergepipe merges task vectors against a base);
+* ``merge_method`` (mergekit's names, see :mod:`mergepipe.methods.registry`);
+* ``parameters``: merge-wide parameters; any parameter may be a scalar, a gradient or a filter
+  list (:mod:`mergepipe.methods.params`);
+* ``dtype``: mergekit's compute dtype. mergepipe always computes in float32 (exact for every
+  input dtype up to float32); the value is accepted, recorded in the plan and the manifest, and
+  — as in mergekit, where results stay in ``dtype`` — it is the output dtype unless
+  ``out_dtype`` is given;
+* ``out_dtype``: dtype of the floating output tensors (and ``config.json``'s ``torch_dtype``);
+* ``tokenizer_source: base`` (the default: the base's tokenizer files are copied).
+
+mergepipe's own keys: ``budget`` (``512MiB``, ``25%``, bytes), ``fidelity`` (0–1], ``seed``.
+
+Refused with a message naming the key (never silently ignored): ``slices``, ``modules``,
+``tokenizer_source`` other than ``base``, a ``tokenizer:`` block, ``chat_template``,
+``model+lora`` references, ``model@revision`` references (and their mapping forms), Hugging Face
+Hub names (only local folders and ``s3://`` URIs are read), and any unknown key.
+Every message starts with the config path and the key path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from mergepipe.errors import InputError
+
+#: mergekit dtype names (``mergekit.common.dtype_from_name``) -> safetensors dtypes.
+DTYPE_NAMES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}
+
+
+def dtype_code(name: Any, where: str) -> str:
+    """safetensors dtype of a mergekit dtype name (``bfloat16``, ``torch.float16``, ...)."""
+    if not isinstance(name, str):
+        raise InputError(f"{where}: must be one of {', '.join(DTYPE_NAMES)}, got {name!r}.")
+    n = name[len("torch."):] if name.startswith("torch.") else name
+    if n not in DTYPE_NAMES:
+        raise InputError(f"{where}: {name!r} is not a dtype mergepipe writes; use one of {', '.join(DTYPE_NAMES)}.")
+    return DTYPE_NAMES[n]
+
+
+class _ModelEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Any
+    parameters: dict[str, Any] | None = None
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    models: list[_ModelEntry] | None = None
+    merge_method: str
+    base_model: Any = None
+    parameters: dict[str, Any] | None = None
+    dtype: str | None = None
+    out_dtype: str | None = None
+    tokenizer_source: Any = None
+    # mergepipe's own keys
+    budget: str | int | None = None
+    fidelity: float | None = None
+    seed: int | None = None
+
+
+REFUSED = {
+    "slices": "mergekit slices (layer ranges taken from different models) are not supported by mergepipe, which "
+              "merges whole models tensor by tensor; use models: (layer-wise parameters can vary values per layer)",
+    "modules": "mergekit modules (multi-module architectures) are not supported by mergepipe; use models:",
+    "tokenizer": "a tokenizer: block (building a merged vocabulary) is not supported; mergepipe copies the base's "
+                 "tokenizer (tokenizer_source: base)",
+    "chat_template": "chat_template is not supported; mergepipe copies the base's tokenizer files unchanged",
+}
+
+
+@dataclass
+class LoadedConfig:
+    """A validated mergekit config, ready for :func:`mergepipe.pipeline.merge`."""
+
+    path: str
+    method: str
+    base: str
+    experts: list[tuple[str, str]]
+    resolved: Any
+    dtype: str | None = None
+    out_dtype: str | None = None
+    budget: str | int | None = None
+    fidelity: float | None = None
+    seed: int | None = None
+    source: dict = field(default_factory=dict)
+
+    def plan_options(self) -> dict:
+        """Keyword arguments for :func:`mergepipe.pipeline.build_plan` / ``merge``."""
+        return {"resolved": self.resolved, "out_dtype": self.out_dtype, "requested_dtype": self.dtype,
+                "source": self.source}
+
+
+def _model_uri(ref: Any, where: str) -> str:
+    """A model reference of the config as a URI, refusing what mergepipe cannot read."""
+    from mergepipe.storage.base import is_s3
+
+    if isinstance(ref, dict):
+        extra = set(ref) - {"model", "path"}
+        for k in ("lora", "revision", "override_architecture"):
+            if ref.get(k) is not None:
+                raise InputError(f"{where}.{k}: {_REF_REFUSAL[k]}")
+        if extra - {"lora", "revision", "override_architecture"}:
+            raise InputError(f"{where}: unknown key(s) {', '.join(sorted(extra))}; a model is a folder or s3:// URI.")
+        inner = ref.get("model", ref.get("path"))
+        if isinstance(inner, dict):
+            return _model_uri(inner, f"{where}.model")
+        ref = inner
+    if not isinstance(ref, str) or not ref.strip():
+        raise InputError(f"{where}: must be a checkpoint folder or s3:// URI, got {ref!r}.")
+    ref = ref.strip()
+    if "+" in ref:
+        raise InputError(f"{where}: {ref!r} is a mergekit model+LoRA reference; {_REF_REFUSAL['lora']}")
+    if "@" in ref:
+        raise InputError(f"{where}: {ref!r} is a mergekit model@revision reference; {_REF_REFUSAL['revision']}")
+    if is_s3(ref):
+        return ref.rstrip("/")
+    if not os.path.isdir(ref):
+        raise InputError(f"{where}: {ref!r} is not a folder (relative paths are resolved from the current "
+                         "directory, as mergekit does); mergepipe reads local folders and s3:// URIs, not "
+                         "Hugging Face Hub names — download the model first.")
+    return os.path.normpath(os.path.abspath(ref))
+
+
+_REF_REFUSAL = {
+    "lora": "LoRA adapters are not supported (mergekit pre-merges them); merge the adapter into a full checkpoint "
+            "first and reference that folder.",
+    "revision": "revisions are not supported; mergepipe reads local folders and s3:// URIs — check out the revision "
+                "and reference its folder.",
+    "override_architecture": "override_architecture is not supported; mergepipe merges tensors by name.",
+}
+
+
+def _pydantic_message(path: str, e: ValidationError) -> str:
+    msgs = []
+    for err in e.errors(include_url=False):
+        loc = ""
+        for p in err["loc"]:
+            loc += f"[{p}]" if isinstance(p, int) else (f".{p}" if loc else str(p))
+        t = err["type"]
+        if t == "extra_forbidden":
+            msg = "unknown key; mergepipe reads mergekit's models, base_model, merge_method, parameters, dtype, " \
+                  "out_dtype, tokenizer_source and its own budget, fidelity, seed"
+        elif t == "missing":
+            msg = "required key is missing"
+        else:
+            msg = err["msg"]
+        msgs.append(f"{path}: {loc or '<top>'}: {msg}.")
+    return " ".join(msgs[:3])
+
+
+def load_config(path: str | os.PathLike) -> LoadedConfig:
+    """Read and validate a mergekit YAML config.
+
+    Raises:
+        InputError: unreadable file, invalid YAML, an unsupported or unknown key, a bad model
+            reference, method, parameter, dtype or own key — the message starts with the
+            config path and the key path.
+    """
+    import yaml
+
+    p = str(path)
+    try:
+        text = Path(p).read_text()
+    except OSError as e:
+        raise InputError(f"{p}: cannot read the config ({e.strerror}).") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise InputError(f"{p}: not valid YAML{at} ({getattr(e, 'problem', None) or e}).") from None
+    if not isinstance(raw, dict):
+        raise InputError(f"{p}: a mergekit config is a mapping with models, base_model, merge_method, ...")
+    for k, why in REFUSED.items():
+        if raw.get(k) is not None:
+            raise InputError(f"{p}: {k}: {why}.")
+    ts = raw.get("tokenizer_source")
+    if ts is not None and ts != "base":
+        what = "union (a merged vocabulary)" if ts == "union" else f"{ts!r} (another model's tokenizer)"
+        raise InputError(f"{p}: tokenizer_source: {what} is not supported; mergepipe copies the base's tokenizer "
+                         "files — use tokenizer_source: base or omit the key.")
+    try:
+        cfg = _Config.model_validate(raw)
+    except ValidationError as e:
+        raise InputError(_pydantic_message(p, e)) from None
+    if not cfg.models:
+        raise InputError(f"{p}: models: required (a non-empty list of {{model: <folder or s3:// URI>, parameters}}).")
+    if cfg.base_model is None:
+        raise InputError(f"{p}: base_model: required; mergepipe merges task vectors (expert − base) against a base "
+                         "model, so give the experts' common base.")
+    base = _model_uri(cfg.base_model, f"{p}: base_model")
+    experts: list[tuple[str, str]] = []
+    expert_params: list[dict] = []
+    model_index: list[int] = []
+    for j, m in enumerate(cfg.models):
+        w = f"{p}: models[{j}]"
+        uri = _model_uri(m.model, f"{w}.model")
+        if uri == base:
+            if m.parameters:
+                raise InputError(f"{w}.parameters: parameters on the base model are not used by mergepipe (the base "
+                                 "is the reference the task vectors are taken from; mergekit ignores them too for "
+                                 "task-arithmetic methods) — remove them.")
+            continue
+        name = uri.rstrip("/").rsplit("/", 1)[-1] or uri
+        if any(name == n for n, _ in experts):
+            prev = next(i for i, (n, _) in zip(model_index, experts) if n == name)
+            raise InputError(f"{w}.model: {uri!r} has the same name {name!r} as models[{prev}]; experts are named by "
+                             "their folder's last component, so give them distinct folder names.")
+        experts.append((name, uri))
+        expert_params.append(dict(m.parameters or {}))
+        model_index.append(j)
+
+    from mergepipe.methods.registry import get_method, resolve_params
+
+    try:
+        get_method(cfg.merge_method)
+    except InputError as e:
+        raise InputError(f"{p}: merge_method: {e}") from None
+    resolved = resolve_params(
+        cfg.merge_method, dict(cfg.parameters or {}), expert_params,
+        where_global=lambda n: f"{p}: parameters.{n}",
+        where_expert=lambda i, n: f"{p}: models[{model_index[i]}].parameters.{n}",
+        where_models=f"{p}: models",
+    )
+    dtype = out = None
+    if cfg.dtype is not None:
+        dtype_code(cfg.dtype, f"{p}: dtype")
+        dtype = cfg.dtype[len("torch."):] if cfg.dtype.startswith("torch.") else cfg.dtype
+    if cfg.out_dtype is not None:
+        out = dtype_code(cfg.out_dtype, f"{p}: out_dtype")
+    elif dtype is not None:
+        out = DTYPE_NAMES[dtype]  # mergekit's results stay in dtype unless out_dtype says otherwise
+    if cfg.budget is not None:
+        from mergepipe.pipeline import parse_bytes
+
+        parse_bytes(cfg.budget, total=0, what=f"{p}: budget")
+    if cfg.fidelity is not None and not (0.0 < cfg.fidelity <= 1.0):
+        raise InputError(f"{p}: fidelity: {cfg.fidelity} is outside (0, 1]; e.g. fidelity: 0.99.")
+    if cfg.seed is not None and cfg.seed < 0:
+        raise InputError(f"{p}: seed: must be a non-negative integer, got {cfg.seed}.")
+    source = {"path": os.path.abspath(p), "sha256": hashlib.sha256(text.encode()).hexdigest(), "yaml": text}
+    return LoadedConfig(path=p, method=cfg.merge_method, base=base, experts=experts, resolved=resolved, dtype=dtype,
+                        out_dtype=out, budget=cfg.budget, fidelity=cfg.fidelity, seed=cfg.seed, source=source)
+
+
+def merge_from_config(path: str | os.PathLike, out: str, *, budget=None, fidelity=None, seed=None, **kw):
+    """Load ``path`` and run :func:`mergepipe.pipeline.merge`; ``budget``/``fidelity``/``seed``
+    given here override the config's own keys."""
+    from mergepipe.pipeline import merge
+
+    c = load_config(path)
+    return merge(c.base, c.experts, c.method, out, (),
+                 budget=budget if budget is not None else c.budget,
+                 fidelity=fidelity if fidelity is not None else c.fidelity,
+                 seed=seed if seed is not None else (c.seed or 0), **kw, **c.plan_options())

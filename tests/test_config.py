@@ -1,0 +1,239 @@
+"""mergekit YAML configs (`mergepipe merge --config`): parsing, every refusal (with the config
+path and key in the message, exit 2, nothing written, no tensor byte read), out_dtype end to end."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mergepipe import cli
+from mergepipe.catalog.catalog import Catalog
+from mergepipe.config import load_config, merge_from_config
+from mergepipe.errors import InputError
+from mergepipe.methods.reference import merge_checkpoint_dense
+from mergepipe.storage.base import IOCounters
+from mergepipe.storage.local import LocalStorage
+from tests.conftest import merged_tensors, same_bits
+
+
+def write(tmp_path, cfg, name="merge.yml") -> Path:
+    p = tmp_path / name
+    p.write_text(cfg if isinstance(cfg, str) else yaml.safe_dump(cfg, sort_keys=False))
+    return p
+
+
+def base_cfg(family, **kw):
+    base, experts = family
+    cfg = {
+        "models": [{"model": str(base)}] + [{"model": str(e), "parameters": {"weight": 1.0}} for e in experts],
+        "merge_method": "ties",
+        "base_model": str(base),
+        "parameters": {"density": 0.5},
+    }
+    cfg.update(kw)
+    return cfg
+
+
+def test_parses_mergekit_config_with_own_keys(family, tmp_path):
+    base, experts = family
+    cfg = base_cfg(family, dtype="bfloat16", out_dtype="float16", tokenizer_source="base", budget="40%",
+                   fidelity=0.9, seed=5)
+    cfg["models"][1]["parameters"] = {"weight": 0.7, "density": [0.3, 0.9]}
+    cfg["models"][2]["parameters"] = {"weight": [{"filter": "mlp", "value": 0.2}, {"value": 0.5}]}
+    cfg["parameters"].update({"normalize": True, "int8_mask": True, "lambda": 1.1})
+    c = load_config(write(tmp_path, cfg))
+    assert c.base == str(base) and c.method == "ties"
+    assert c.experts == [(e.name, str(e)) for e in experts]  # the base entry is the base, not an expert
+    assert c.dtype == "bfloat16" and c.out_dtype == "F16"
+    assert (c.budget, c.fidelity, c.seed) == ("40%", 0.9, 5)
+    r = c.resolved
+    assert r.experts[0]["density"] == [0.3, 0.9] and r.experts[1]["density"] == 0.5
+    assert r.globals["lambda"] == 1.1
+    assert c.source["sha256"] and "merge_method: ties" in c.source["yaml"]
+    # dtype alone is also the output dtype (mergekit keeps results in dtype)
+    c = load_config(write(tmp_path, base_cfg(family, dtype="torch.float32")))
+    assert c.dtype == "float32" and c.out_dtype == "F32"
+
+
+REFUSALS = [
+    ({"slices": [{"sources": []}]}, r"slices: mergekit slices .* not supported"),
+    ({"modules": {"text": {}}}, r"modules: mergekit modules .* not supported"),
+    ({"tokenizer_source": "union"}, r"tokenizer_source: union \(a merged vocabulary\) is not supported"),
+    ({"tokenizer_source": "some/model"}, r"tokenizer_source: 'some/model' \(another model's tokenizer\)"),
+    ({"tokenizer": {"source": "base"}}, r"tokenizer: a tokenizer: block"),
+    ({"chat_template": "chatml"}, r"chat_template: chat_template is not supported"),
+    ({"merge_method": "frankenmerge"}, r"merge_method: unknown merge method 'frankenmerge'; allowed: linear"),
+    ({"dtype": "int8"}, r"dtype: 'int8' is not a dtype mergepipe writes; use one of bfloat16"),
+    ({"out_dtype": "fp8"}, r"out_dtype: 'fp8' is not a dtype"),
+    ({"budget": "lots"}, r"budget 'lots': not a byte quantity"),
+    ({"fidelity": 1.5}, r"fidelity: 1.5 is outside \(0, 1\]"),
+    ({"seed": -1}, r"seed: must be a non-negative integer"),
+    ({"random_key": 1}, r"random_key: unknown key"),
+    ({"parameters": {"density": 0}}, r"parameters.density: density=0 is outside \(0, 1\]"),
+    ({"parameters": {"density": [0.5]}}, r"parameters.density: a gradient needs at least two values"),
+    ({"parameters": {"gamma": 0.1}}, r"parameters.gamma: method 'ties' takes no parameter 'gamma'; allowed:"),
+    ({"merge_method": "slerp", "parameters": {"t": 0.5}}, r"models: slerp takes exactly 1 expert\(s\)"),
+    ({"merge_method": "slerp", "parameters": {"t": 2}}, r"models: slerp takes exactly 1"),
+]
+
+
+@pytest.mark.parametrize("patch,match", REFUSALS, ids=[next(iter(p)) + str(i) for i, (p, _) in enumerate(REFUSALS)])
+def test_refusals_name_config_and_key(family, tmp_path, patch, match):
+    p = write(tmp_path, base_cfg(family, **patch))
+    with pytest.raises(InputError, match=match) as ei:
+        load_config(p)
+    assert str(ei.value).startswith(f"{p}: ")
+
+
+def test_model_reference_refusals(family, tmp_path):
+    base, experts = family
+    cases = [
+        (f"{experts[0]}+{experts[1]}", r"models\[1\].model: .* mergekit model\+LoRA reference; LoRA adapters are not supported"),
+        (f"{experts[0]}@main", r"models\[1\].model: .* model@revision reference; revisions are not supported"),
+        ({"model": {"path": str(experts[0]), "revision": "v1"}}, r"models\[1\].model.model.revision: revisions"),
+        ({"model": str(experts[0]), "lora": "adapter"}, r"models\[1\].model.lora: LoRA adapters"),
+        ("mistralai/Mistral-7B-v0.1", r"models\[1\].model: 'mistralai/Mistral-7B-v0.1' is not a folder .* Hugging Face Hub"),
+    ]
+    for ref, match in cases:
+        cfg = base_cfg(family)
+        cfg["models"][1]["model"] = ref
+        p = write(tmp_path, cfg)
+        with pytest.raises(InputError, match=match) as ei:
+            load_config(p)
+        assert str(ei.value).startswith(f"{p}: ")
+    cfg = base_cfg(family)
+    del cfg["base_model"]
+    with pytest.raises(InputError, match=r"merge.yml: base_model: required"):
+        load_config(write(tmp_path, cfg))
+    cfg = base_cfg(family)
+    cfg["models"][0]["parameters"] = {"weight": 0.5}
+    with pytest.raises(InputError, match=r"models\[0\].parameters: parameters on the base model"):
+        load_config(write(tmp_path, cfg))
+    cfg = base_cfg(family)
+    cfg["models"][1]["parameters"] = {"weight": 1, "densty": 0.5}
+    with pytest.raises(InputError, match=r"merge.yml: models\[1\].parameters.densty: method 'ties' takes no parameter"):
+        load_config(write(tmp_path, cfg))
+    cfg = base_cfg(family)
+    cfg["models"][1]["extra"] = 1
+    with pytest.raises(InputError, match=r"merge.yml: models\[1\].extra: unknown key"):
+        load_config(write(tmp_path, cfg))
+    for text, match in (("models: [\n", r"not valid YAML at line"), ("- a\n- b\n", r"a mergekit config is a mapping"),
+                        ("merge_method: ties\nbase_model: x\n", r"models: required")):
+        with pytest.raises(InputError, match=match):
+            load_config(write(tmp_path, text))
+    with pytest.raises(InputError, match=r"nope.yml: cannot read the config"):
+        load_config(tmp_path / "nope.yml")
+
+
+def test_layerwise_problem_found_before_any_tensor_byte(family, tmp_path):
+    """A layer-wise value invalid for some tensors (della's density ± epsilon) is refused after
+    reading only headers: no base or expert tensor byte, nothing written."""
+    cfg = base_cfg(family, merge_method="della", parameters={"density": [0.5, 0.9]})
+    p = write(tmp_path, cfg)
+    st = LocalStorage(IOCounters())
+    with pytest.raises(InputError, match=r"models\[1\].parameters.density / .*epsilon: for tensor 'model.layers.1"):
+        merge_from_config(p, str(tmp_path / "out"), catalog=Catalog(tmp_path / "c.sqlite"), storage=st)
+    rd = st.counters.snapshot()["read"]
+    assert rd.get("base", 0) == 0 and rd.get("expert", 0) == 0
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_out_dtype_end_to_end(family, tmp_path):
+    """out_dtype float32 from bf16 inputs: data equals the dense reference cast to float32, shard
+    headers and index say F32 (including tensors copied from the base), config.json too, and the
+    snapshot verifies. slerp with t = 0 at layer 0 leaves those tensors equal to the base."""
+    from mergepipe.commit.manifest import verify_snapshot
+    from mergepipe.formats.safetensors import load_layout
+
+    base, experts = family
+    cfg = {"models": [{"model": str(base)}, {"model": str(experts[0])}], "merge_method": "slerp",
+           "base_model": str(base), "parameters": {"t": [0.0, 0.6]}, "dtype": "bfloat16", "out_dtype": "float32"}
+    res = merge_from_config(write(tmp_path, cfg), str(tmp_path / "out"), catalog=Catalog(tmp_path / "c.sqlite"))
+    assert any(t.copy_base for t in res.plan.tensors) and res.plan.out_dtype == "F32"
+    got = merged_tensors(res.out)
+    c = load_config(tmp_path / "merge.yml")
+    ref = merge_checkpoint_dense(str(base), [str(experts[0])], c.resolved, out_dtype=torch.float32)
+    assert set(got) == set(ref)
+    assert all(got[n].dtype == torch.float32 and same_bits(got[n], ref[n]) for n in ref)
+    b = merged_tensors(base)
+    assert same_bits(got["model.layers.0.mlp.up_proj.weight"], b["model.layers.0.mlp.up_proj.weight"].float())
+    lay = load_layout(LocalStorage(IOCounters()), res.out)
+    assert {t.dtype for t in lay.tensors.values()} == {"F32"}
+    idx = json.loads((Path(res.out) / "model.safetensors.index.json").read_text())
+    assert idx["metadata"]["total_size"] == sum(t.nbytes for t in lay.tensors.values())
+    assert json.loads((Path(res.out) / "config.json").read_text())["torch_dtype"] == "float32"
+    m = res.manifest
+    assert m["dtype"] == {"compute": "float32", "requested": "bfloat16", "out": "F32"}
+    assert m["config"]["sha256"] and m["io"]["estimated"]["output_write_bytes"] > 0
+    assert verify_snapshot(res.out)["ok"]
+
+
+def test_out_dtype_equal_to_input_plans_like_cli(family, tmp_path):
+    from mergepipe.pipeline import build_plan
+
+    base, experts = family
+    cat = Catalog(tmp_path / "c.sqlite")
+    st = LocalStorage(IOCounters())
+    c = load_config(write(tmp_path, base_cfg(family, out_dtype="bfloat16")))
+    p1 = build_plan(cat, st, c.base, c.experts, c.method, budget="50%", **c.plan_options())
+    p2 = build_plan(cat, st, str(base), [(e.name, str(e)) for e in experts], "ties", ["density=0.5", "weight=1.0"],
+                    budget="50%")
+    assert p1.out_dtype is None and p1.digest == p2.digest
+
+
+def run_cli(args, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["mergepipe", *args])
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as e:
+        code = e.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_merge_config(family, tmp_path, monkeypatch, capsys):
+    base, experts = family
+    cfg = base_cfg(family, budget="30%", seed=2)
+    cfg["parameters"]["density"] = [0.3, 0.8]
+    p = write(tmp_path, cfg)
+    code, out, err = run_cli(["merge", "--config", str(p), "--out", str(tmp_path / "out"), "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["io"]["expert_budget_bytes"] == int(0.3 * sum(
+        f.stat().st_size for e in experts for f in Path(e).glob("*.safetensors")))
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert m["seed"] == 2 and m["config"]["path"] == str(p)
+    # CLI --budget overrides the config's budget
+    code, out, err = run_cli(["merge", "--config", str(p), "--out", str(tmp_path / "out2"), "--budget", "unlimited",
+                              "--json"], monkeypatch, capsys)
+    assert code == 0 and json.loads(out)["io"]["expert_budget_bytes"] is None
+    # models/method/parameters come from the config only
+    code, _, err = run_cli(["merge", "--config", str(p), "--out", str(tmp_path / "o3"), "--method", "linear"],
+                           monkeypatch, capsys)
+    assert code == 2 and "drop --method" in err and not (tmp_path / "o3").exists()
+    code, _, err = run_cli(["merge", "--out", str(tmp_path / "o4")], monkeypatch, capsys)
+    assert code == 2 and "--base and --expert are required" in err
+
+
+@pytest.mark.parametrize("patch,match", [({"slices": [{"sources": []}]}, "slices"),
+                                         ({"parameters": {"density": 2}}, "parameters.density"),
+                                         ({"merge_method": "model_stock", "parameters": {}}, None)])
+def test_cli_config_bad_input_exit_2_nothing_written(family, tmp_path, monkeypatch, capsys, patch, match):
+    base, experts = family
+    cfg = base_cfg(family, **patch)
+    if match is None:  # model_stock with one expert (2 models incl. the base)
+        cfg["models"] = cfg["models"][:2]
+        match = r"models: model_stock takes at least 2 expert\(s\) besides the base \(3 models including the base\)"
+    p = write(tmp_path, cfg)
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(["merge", "--config", str(p), "--out", str(out)], monkeypatch, capsys)
+    assert code == 2
+    assert str(p) in err
+    import re
+
+    assert re.search(match, err.replace("\n", "")), err
+    assert not out.exists() and stdout == ""
