@@ -136,3 +136,66 @@ def test_execute_saved_plan_is_deterministic(family, tmp_path):
     r3 = merge(str(base), [(e.name, str(e)) for e in experts], "dare_ties", str(tmp_path / "c"), ["density=0.3"],
                budget="40%", catalog=cat, seed=4)
     assert r3.manifest["outputs"] != r1.manifest["outputs"]
+
+
+NEW = st.sampled_from([("breadcrumbs", {}), ("breadcrumbs_ties", {"gamma": 0.05}), ("della", {}),
+                       ("della_linear", {"rescale": False}), ("model_stock", {}), ("model_stock", {"filter_wise": True}),
+                       ("nuslerp", {}), ("nuslerp", {"nuslerp_flatten": False}), ("slerp", {"t": 0.4})])
+
+
+@pytest.fixture(scope="module")
+def analyzed_pairs(family, tmp_path_factory):
+    base, experts = family
+    cat = Catalog(tmp_path_factory.mktemp("catp") / "c.sqlite")
+    st_ = LocalStorage(IOCounters())
+    b = cat.register(st_, str(base))
+    es = [cat.register(st_, str(e)) for e in experts]
+    an = cat.analyze(st_, b, es, block_bytes=4096, pairs=True)
+    return b, es, an, cat.pair_dots(b, es, an)
+
+
+def _new_method_args(m, extra, density, analyzed_pairs):
+    b, es, an, gram = analyzed_pairs
+    k = {"slerp": 1, "nuslerp": 2}.get(m, 3)
+    gp = dict(extra)
+    if m.startswith(("breadcrumbs", "della")):
+        gp["density"] = density
+        if m.startswith("della"):
+            gp["epsilon"] = min(0.15, density / 2, (1 - density) / 2)
+    g = {(i, j): v for (i, j), v in gram.items() if j < k}
+    return b, es[:k], an[:k], gp, g
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frac=st.floats(0, 1.2), m=NEW, density=st.floats(0.05, 1.0), gap=st.sampled_from([0, 5000]))
+def test_new_methods_never_exceed_budget(analyzed_pairs, frac, m, density, gap):
+    method, extra = m
+    b, es, an, gp, gram = _new_method_args(method, extra, density, analyzed_pairs)
+    budget = int(frac * sum(e.total_bytes for e in es))
+    plan = make_plan(b, es, an, method, gp, None, budget_bytes=budget, coalesce_gap=gap, gram=gram)
+    assert plan.io.expert_read_bytes <= budget
+    assert 0.0 <= plan.retained_energy <= 1.0 + 1e-9
+    full = make_plan(b, es, an, method, gp, None, gram=gram)
+    assert full.retained_energy == pytest.approx(1.0)
+    # unlimited budget reads every block with a non-zero task vector (kept value or a row-local statistic)
+    if method.startswith(("della", "model_stock", "nuslerp")) or (method == "slerp"):
+        for tp in full.tensors:
+            for te in tp.experts:
+                assert sum(b1 - b0 for b0, b1 in te.blocks) == int((an[te.expert].tensors[tp.name].sq_norm > 0).sum())
+
+
+@pytest.mark.parametrize("method,params,n", [("breadcrumbs_ties", ["density=0.5", "rescale=true"], 3),
+                                             ("della", ["density=0.5"], 3), ("model_stock", ["filter_wise=true"], 3),
+                                             ("slerp", ["t=0.5"], 1), ("nuslerp", ["nuslerp_flatten=false"], 2)])
+def test_new_methods_realized_within_planned(family, tmp_path, method, params, n):
+    base, experts = family
+    experts = experts[:n]
+    total = sum(sum(f.stat().st_size for f in e.iterdir()) for e in experts)
+    for frac in (0.1, 0.45):
+        st_ = LocalStorage(IOCounters())
+        res = merge(str(base), [(e.name, str(e)) for e in experts], method, str(tmp_path / f"out{frac}"), params,
+                    budget=int(frac * total), catalog=Catalog(tmp_path / "c.sqlite"), storage=st_, block_bytes=4096,
+                    work_bytes=64 * 1024)
+        io = res.manifest["io"]
+        assert io["realized"]["expert_read_bytes"] == io["estimated"]["expert_read_bytes"] <= int(frac * total)
+        assert 0.0 < res.plan.retained_energy < 1.0
