@@ -13,10 +13,11 @@ COPY pyproject.toml README.md ./
 COPY mergepipe ./mergepipe
 COPY operator ./operator
 
-# Plain pip: the core (with its S3 extra, no torch) and the operator distribution. Both are
-# local paths, so the name `mergepipe` resolves to this checkout, never to an index.
-RUN pip install "./[s3]" ./operator \
-    && python -c "import mergepipe_operator.main, kopf" \
+# Plain pip: the one distribution (core + operator packages) with its operator extra (kopf,
+# kubernetes, boto3, prometheus-client; no torch). A local path, so the name `mergepipe`
+# resolves to this checkout, never to an index.
+RUN pip install "./[operator]" \
+    && python -c "import mergepipe_operator.main, mergepipe.pipeline, kopf" \
     && ! python -c "import torch" 2>/dev/null \
     && rm -rf /src
 
