@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, Catalog, CheckpointRecord
+from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, Catalog, CheckpointRecord, check_compatible
 from mergepipe.errors import InputError
 from mergepipe.planner.plan import Plan
 from mergepipe.planner.planner import DEFAULT_WORK_BYTES, EXTRA_FILES, make_plan
@@ -138,10 +138,20 @@ class MergeResult:
 
 
 class MissingAnalysis(InputError):
-    """Planning without analysis: the catalog lacks statistics for ``uris`` (run analyze)."""
+    """Planning without analysis: the catalog lacks statistics for ``uris`` (run analyze).
 
-    def __init__(self, uris: Sequence[str]) -> None:
+    Attributes:
+        uris: the experts whose statistics (or pair statistics) are missing.
+        base_identity: identity digest of the base they are relative to ("" if unknown).
+        identities: identity digest of each of ``uris`` (same order; empty if unknown), so a
+            caller can name the missing analysis by content, not by URI.
+    """
+
+    def __init__(self, uris: Sequence[str], *, base_identity: str = "",
+                 identities: Sequence[str] = ()) -> None:
         self.uris = list(uris)
+        self.base_identity = base_identity
+        self.identities = list(identities)
         super().__init__(
             "the catalog has no analysis of " + ", ".join(self.uris) + "; run `mergepipe analyze` for them first."
         )
@@ -190,9 +200,15 @@ def build_plan(
     out_dtype: str | None = None,
     requested_dtype: str | None = None,
     source: dict | None = None,
+    analyze: bool = True,
 ) -> Plan:
     """Register, analyze and plan. ``experts`` are (name, uri) pairs; ``budget`` a byte quantity
     string (see :func:`parse_bytes`), an int, or None for unlimited.
+
+    With ``analyze=False`` no tensor byte is read: only shard headers (none for checkpoints the
+    catalog knows unchanged) and the catalog; when the catalog lacks an expert's statistics (or,
+    for methods that need them, the pair statistics of two experts) :class:`MissingAnalysis`
+    names those experts. This is how the operator plans in-process (numpy only, no torch).
 
     ``resolved`` (validated settings, e.g. from a mergekit config) replaces ``params``;
     ``out_dtype`` is a safetensors dtype for the floating outputs; ``requested_dtype`` and
@@ -220,6 +236,9 @@ def build_plan(
     from mergepipe.formats.safetensors import FLOAT_DTYPES
 
     resolved.check_tensors([n for n, t in base.layout.tensors.items() if t.dtype in FLOAT_DTYPES and t.numel > 0])
+    if not analyze:
+        check_compatible(base, recs)  # headers only; the analysis would refuse them later
+        _require_analysis(catalog, base, recs, block_bytes, spec.needs_gram)
     analyses = catalog.analyze(storage, base, recs, block_bytes=block_bytes, progress=progress,
                                pairs=spec.needs_gram)
     gram = catalog.pair_dots(base, recs, analyses) if spec.needs_gram else None
@@ -233,6 +252,30 @@ def build_plan(
         gram=gram, resolved=resolved, out_dtype=out_dtype, requested_dtype=requested_dtype, source=source,
     )
     return plan
+
+
+def _require_analysis(catalog: Catalog, base: CheckpointRecord, recs: Sequence[CheckpointRecord],
+                      block_bytes: int, pairs: bool) -> None:
+    """Raise :class:`MissingAnalysis` unless every expert (and, with ``pairs``, every two distinct
+    experts) has its statistics in the catalog."""
+    missing: list[CheckpointRecord] = []
+
+    def add(r: CheckpointRecord) -> None:
+        if all(m.identity != r.identity for m in missing):
+            missing.append(r)
+
+    for r in recs:
+        if not catalog.has_analysis(base.identity, r.identity, block_bytes):
+            add(r)
+    if pairs:
+        for i, a in enumerate(recs):
+            for b in recs[i + 1:]:
+                if a.identity != b.identity and catalog._find_pair(base.identity, *sorted((a.identity, b.identity))) is None:
+                    add(a)
+                    add(b)
+    if missing:
+        raise MissingAnalysis([r.uri for r in missing], base_identity=base.identity,
+                              identities=[r.identity for r in missing])
 
 
 def _build_manifest(plan: Plan, res, before: dict, after: dict, started: float, device: str,

@@ -8,7 +8,9 @@ From the core it uses only the manifest format of :mod:`mergepipe.commit.manifes
 - :func:`validate_merge_spec`: everything about a ModelMerge spec the CRD schema cannot check.
 - :func:`admit`, :func:`settle`, :func:`release`, :func:`quota_status`: MergeQuota accounting.
 - :func:`set_condition`, :func:`get_condition`: conditions per the Kubernetes API conventions.
+- :func:`merge_experts`, :func:`merge_params`: a ModelMerge spec in the core planner's terms.
 - :func:`job_name`, :func:`build_job`, :func:`job_outcome`: the merge Job.
+- :func:`analysis_id`, :func:`analyze_job_name`, :func:`build_analyze_job`: the analyze Job.
 - :func:`manifest_facts`, :func:`snapshot_ready`: verification of a committed snapshot.
 """
 
@@ -289,6 +291,8 @@ def check_param_value(name: str, p: Param, value: Any, path: str) -> list[Issue]
         out.append((path, f"{name} is an empty list; give a number, a gradient [v0, v1, ...] or [{{filter, value}}, ...]."))
         return out
     if all(not isinstance(x, dict) for x in value):
+        if len(value) < 2:
+            out.append((path, f"{name} gradient needs at least two values (first layer … last layer), got {value!r}; use a scalar for one value."))
         for i, x in enumerate(value):
             _check_number(p, name, x, f"{path}[{i}]", out)
         return out
@@ -314,8 +318,8 @@ def check_param_value(name: str, p: Param, value: Any, path: str) -> list[Issue]
             continue
         v = entry["value"]
         if isinstance(v, list):
-            if not v:
-                out.append((f"{epath}.value", f"{name} gradient is empty."))
+            if len(v) < 2:
+                out.append((f"{epath}.value", f"{name} gradient needs at least two values (first layer … last layer), got {v!r}."))
             for j, x in enumerate(v):
                 _check_number(p, name, x, f"{epath}.value[{j}]", out)
         else:
@@ -865,35 +869,117 @@ def owner_reference(obj: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def build_job(
+#: The catalog's block size the operator plans with (the core's default; the analyze Job uses it too).
+ANALYZE_BLOCK_BYTES = 128 * 1024
+ANN_ANALYSIS = f"{GROUP}/analysis-id"
+
+
+def expert_names(spec: Mapping[str, Any]) -> list[str]:
+    """Names of the experts as plans, manifests and status show them: ``name``, else
+    ``expert-<index>`` (0-based, as :func:`validate_merge_spec` reports them)."""
+    return [(ex.get("name") or f"expert-{i}") for i, ex in enumerate(spec.get("experts") or [])]
+
+
+def merge_experts(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(name, uri)`` of every expert, URIs without the trailing slash (as the catalog keys them)."""
+    return [(n, ex["uri"].rstrip("/")) for n, ex in zip(expert_names(spec), spec.get("experts") or [])]
+
+
+def _param_value(v: Any) -> str:
+    # JSON for everything: numbers and booleans as the core's scalar parser reads them, layer-wise
+    # lists (gradients, [{filter, value}]) as the JSON lists it parses from strings starting with "["
+    return json.dumps(v, separators=(",", ":"), allow_nan=False)
+
+
+def merge_params(spec: Mapping[str, Any]) -> list[str]:
+    """The ModelMerge's parameters in the core's ``--param`` syntax: ``NAME=VALUE`` for
+    ``spec.parameters`` and ``POSITION:NAME=VALUE`` (1-based) for each expert's ``weight`` and
+    ``parameters``. Values are JSON (lists for layer-wise settings). Positions, not names,
+    address experts: a DNS-label name may be all digits, which the core reads as a position."""
+    out = [f"{k}={_param_value(v)}" for k, v in (spec.get("parameters") or {}).items()]
+    for i, ex in enumerate(spec.get("experts") or [], start=1):
+        if ex.get("weight") is not None:
+            out.append(f"{i}:weight={_param_value(ex['weight'])}")
+        out += [f"{i}:{k}={_param_value(v)}" for k, v in (ex.get("parameters") or {}).items()]
+    return out
+
+
+def needs_pair_statistics(method: str | None) -> bool:
+    """Methods (model_stock, nuslerp) whose plan needs the experts' pairwise task-vector dot
+    products, which ``mergepipe analyze`` does not compute (``mergepipe plan`` does)."""
+    from mergepipe.methods.registry import METHODS as CORE_METHODS
+
+    m = CORE_METHODS.get(method or "")
+    return bool(m is not None and m.needs_gram)
+
+
+def analysis_id(base_identity: str, expert_identities: Iterable[str], catalog_uri: str | None, method: str | None) -> str:
+    """Content address of one analysis run: the base's and the missing experts' identity digests,
+    the catalog, the block size, and (for methods that need pair statistics) the method. A changed
+    checkpoint has a new identity, so it gets a new analyze Job rather than the finished one."""
+    key = {
+        "base": base_identity,
+        "experts": sorted(set(expert_identities)),
+        "catalog": (catalog_uri or "").rstrip("/"),
+        "block_bytes": ANALYZE_BLOCK_BYTES,
+        "pairs": method if needs_pair_statistics(method) else None,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def analyze_job_name(merge_name: str, analysis: str) -> str:
+    """Deterministic analyze Job name: ModelMerge name + ``analyze-`` + 10 hex of the analysis id."""
+    if not _DIGEST_RE.match(analysis or ""):
+        raise ValueError(f"analysis id must be 64 lowercase hex characters, got {analysis!r}")
+    return dns_label(merge_name, f"analyze-{analysis[:10]}")
+
+
+def analyze_args(spec: Mapping[str, Any], missing_uris: Iterable[str], catalog_uri: str) -> list[str]:
+    """Arguments of the analyze Job's ``mergepipe`` command.
+
+    ``mergepipe analyze --base B --expert E... --catalog C --json`` for the experts the catalog
+    lacks. For model_stock and nuslerp the plan also needs the pair statistics of every two experts,
+    which only planning computes: ``mergepipe plan --base B --expert E... --method M --param ...
+    --catalog C --json`` over all experts (it analyzes what is missing and prints a summary)."""
+    base = spec["base"]["uri"].rstrip("/")
+    if needs_pair_statistics(spec.get("method")):
+        args = ["plan", "--base", base]
+        for _, uri in merge_experts(spec):
+            args += ["--expert", uri]
+        args += ["--method", spec["method"]]
+        for p in merge_params(spec):
+            args += ["--param", p]
+        if spec.get("seed") is not None:
+            args += ["--seed", str(int(spec["seed"]))]
+    else:
+        args = ["analyze", "--base", base]
+        for uri in missing_uris:
+            args += ["--expert", uri.rstrip("/")]
+    return args + ["--catalog", catalog_uri, "--json"]
+
+
+def _worker_job(
     mm: Mapping[str, Any],
-    plan_uri: str,
-    plan_digest: str,
+    name: str,
+    component: Literal["merge", "analyze"],
+    args: list[str],
     settings: Settings,
     *,
+    gpu: bool,
+    labels: Mapping[str, str],
+    annotations: Mapping[str, str],
+    env_extra: list[dict[str, Any]],
     owner: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The batch/v1 Job that runs ``mergepipe execute <plan-uri> --out <output-uri> --json``
-    (plus ``--device cuda`` when it has GPUs).
-
-    ``mm`` is the ModelMerge object; its metadata (name, namespace, uid) gives the owner reference
-    unless ``owner`` (an ownerReference dict) is passed. Per-merge overrides come from
-    ``mm.spec`` (image, resources, s3), the rest from ``settings``. Security: non-root, read-only
-    root filesystem with an emptyDir at /tmp, all capabilities dropped, no privilege escalation,
-    seccomp RuntimeDefault, no service-account token; credentials only through ``secretKeyRef``.
-    """
+    """A Job running the merger image's ``mergepipe`` CLI with the operator's security settings
+    (shared by the merge and the analyze Job)."""
     meta = mm.get("metadata") or {}
     spec = mm.get("spec") or {}
-    name = meta["name"]
     namespace = meta.get("namespace")
-    jname = job_name(name, plan_digest)
-    out_uri = (spec.get("output") or {}).get("uri")
-    if not out_uri:
-        raise ValueError("spec.output.uri is required")
     res = spec.get("resources") or {}
-    gpu = res.get("gpu") or {}
-    gpu_count = settings.gpu_count if gpu.get("count") is None else int(gpu["count"])
-    gpu_name = gpu.get("resourceName") or settings.gpu_resource_name
+    gpu_spec = res.get("gpu") or {}
+    gpu_count = (settings.gpu_count if gpu_spec.get("count") is None else int(gpu_spec["count"])) if gpu else 0
+    gpu_name = gpu_spec.get("resourceName") or settings.gpu_resource_name
     s3 = spec.get("s3") or {}
     secret = s3.get("credentialsSecretRef") or (
         {
@@ -929,8 +1015,8 @@ def build_job(
         {"name": "TMPDIR", "value": "/tmp"},
         {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
-        {"name": "MERGEPIPE_PLAN_DIGEST", "value": plan_digest},
     ]
+    env += [dict(e) for e in env_extra]
     if gpu_count == 0:
         env.append({"name": "CUDA_VISIBLE_DEVICES", "value": ""})
 
@@ -950,29 +1036,16 @@ def build_job(
     if limits:
         resources["limits"] = limits
 
-    labels = {
-        LABEL_NAME: "mergepipe-merger",
-        LABEL_COMPONENT: "merge",
-        LABEL_MANAGED_BY: MANAGER,
-        LABEL_MERGE: label_value(name),
-        LABEL_PLAN: plan_digest[:16],
-    }
-    annotations = {
-        ANN_PLAN_DIGEST: plan_digest,
-        ANN_PLAN_URI: plan_uri,
-        ANN_MERGE: name,
-        ANN_GENERATION: str(meta.get("generation") or 0),
-    }
     tmp_volume: dict[str, Any] = {"name": "tmp", "emptyDir": {}}
     if settings.tmp_size_limit:
         tmp_volume["emptyDir"]["sizeLimit"] = settings.tmp_size_limit
     container = {
-        "name": "merge",
+        "name": component,
         "image": spec.get("image") or settings.merger_image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": ["mergepipe"],
         # `mergepipe execute` computes on --device (default cpu): use the GPU the pod gets
-        "args": ["execute", plan_uri, "--out", out_uri, "--json"] + (["--device", "cuda"] if gpu_count > 0 else []),
+        "args": list(args) + (["--device", "cuda"] if gpu_count > 0 else []),
         "env": env,
         "resources": resources,
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
@@ -1009,7 +1082,7 @@ def build_job(
     if settings.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in settings.tolerations]
     job_meta: dict[str, Any] = {
-        "name": jname,
+        "name": name,
         "labels": dict(labels),
         "annotations": dict(annotations),
         "ownerReferences": [dict(owner) if owner is not None else owner_reference(mm)],
@@ -1034,6 +1107,84 @@ def build_job(
             },
         },
     }
+
+
+def build_job(
+    mm: Mapping[str, Any],
+    plan_uri: str,
+    plan_digest: str,
+    settings: Settings,
+    *,
+    owner: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The batch/v1 Job that runs ``mergepipe execute <plan-uri> --out <output-uri> --json``
+    (plus ``--device cuda`` when it has GPUs).
+
+    ``mm`` is the ModelMerge object; its metadata (name, namespace, uid) gives the owner reference
+    unless ``owner`` (an ownerReference dict) is passed. Per-merge overrides come from
+    ``mm.spec`` (image, resources, s3), the rest from ``settings``. Security: non-root, read-only
+    root filesystem with an emptyDir at /tmp, all capabilities dropped, no privilege escalation,
+    seccomp RuntimeDefault, no service-account token; credentials only through ``secretKeyRef``.
+    """
+    meta = mm.get("metadata") or {}
+    name = meta["name"]
+    out_uri = ((mm.get("spec") or {}).get("output") or {}).get("uri")
+    if not out_uri:
+        raise ValueError("spec.output.uri is required")
+    jname = job_name(name, plan_digest)
+    labels = {
+        LABEL_NAME: "mergepipe-merger",
+        LABEL_COMPONENT: "merge",
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_MERGE: label_value(name),
+        LABEL_PLAN: plan_digest[:16],
+    }
+    annotations = {
+        ANN_PLAN_DIGEST: plan_digest,
+        ANN_PLAN_URI: plan_uri,
+        ANN_MERGE: name,
+        ANN_GENERATION: str(meta.get("generation") or 0),
+    }
+    return _worker_job(
+        mm, jname, "merge", ["execute", plan_uri, "--out", out_uri, "--json"], settings, gpu=True,
+        labels=labels, annotations=annotations,
+        env_extra=[{"name": "MERGEPIPE_PLAN_DIGEST", "value": plan_digest}], owner=owner,
+    )
+
+
+def build_analyze_job(
+    mm: Mapping[str, Any],
+    missing_uris: Iterable[str],
+    analysis: str,
+    settings: Settings,
+    *,
+    owner: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The batch/v1 Job that records the missing experts' statistics in the catalog
+    (:func:`analyze_args`), before the operator plans. Same image, security settings,
+    Secret-only credentials, CPU and memory as the merge Job; never a GPU (analysis is numpy).
+    Its name is deterministic (:func:`analyze_job_name`): a retry, a restarted operator or a
+    second reconciliation finds the Job already there (409) instead of starting another."""
+    if not settings.catalog_uri:
+        raise ValueError("the operator has no catalog (values: catalog.uri / MERGEPIPE_CATALOG_URI)")
+    meta = mm.get("metadata") or {}
+    name = meta["name"]
+    labels = {
+        LABEL_NAME: "mergepipe-analyzer",
+        LABEL_COMPONENT: "analyze",
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_MERGE: label_value(name),
+    }
+    annotations = {
+        ANN_ANALYSIS: analysis,
+        ANN_MERGE: name,
+        ANN_GENERATION: str(meta.get("generation") or 0),
+    }
+    args = analyze_args(mm.get("spec") or {}, missing_uris, settings.catalog_uri)
+    return _worker_job(
+        mm, analyze_job_name(name, analysis), "analyze", args, settings, gpu=False,
+        labels=labels, annotations=annotations, env_extra=[], owner=owner,
+    )
 
 
 @dataclass(frozen=True)

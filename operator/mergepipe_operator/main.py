@@ -10,7 +10,10 @@ plan with the admitted budget -> write the plan to object storage -> create the 
 name; 409 = already created) -> watch the Job -> on success verify the committed manifest, create
 the MergedSnapshot, charge the quotas with the realized bytes -> Ready=True (Committed).
 
-The one piece that needs the core library is :func:`plan_merge`.
+Planning is in-process (:func:`plan_merge`: ``mergepipe.pipeline.build_plan`` over the catalog's
+index objects, numpy only). When the catalog lacks an expert's statistics, an analyze Job
+(``mergepipe analyze ... --catalog <catalog>``) records them first and the merge waits in
+``Analyzing``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -38,6 +42,7 @@ try:
 
     ADMISSIONS = _prom.Counter("mergepipe_admissions_total", "Quota admissions of merges", ["result"])
     JOBS_CREATED = _prom.Counter("mergepipe_jobs_created_total", "Merge Jobs created")
+    ANALYZE_JOBS_CREATED = _prom.Counter("mergepipe_analyze_jobs_created_total", "Analyze Jobs created")
     VERIFICATIONS = _prom.Counter("mergepipe_snapshot_verifications_total", "Snapshot verifications", ["reason"])
 except ImportError:  # pragma: no cover - metrics are optional
     _prom = None
@@ -49,9 +54,9 @@ except ImportError:  # pragma: no cover - metrics are optional
         def inc(self, *a: Any) -> None:
             pass
 
-    ADMISSIONS = JOBS_CREATED = VERIFICATIONS = _Noop()  # type: ignore[assignment]
+    ADMISSIONS = JOBS_CREATED = ANALYZE_JOBS_CREATED = VERIFICATIONS = _Noop()  # type: ignore[assignment]
 
-# --- the planner (to be wired to mergepipe.planner) -------------------------------------------------
+# --- the planner: mergepipe.pipeline.build_plan, in-process ---------------------------------------
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class PlanSummary:
         budget_bytes: the budget the plan was made under (``None``: unbounded).
         estimated_fidelity: retained task-vector energy fraction of the plan.
         missing_experts: URIs the catalog has no statistics for (an analyze Job must run first).
+        analysis_id: content address of that missing analysis (``decisions.analysis_id``).
     """
 
     digest: str = ""
@@ -76,15 +82,81 @@ class PlanSummary:
     budget_bytes: int | None = None
     estimated_fidelity: float | None = None
     missing_experts: tuple[str, ...] = field(default_factory=tuple)
+    analysis_id: str = ""
 
 
-def plan_merge(spec: dict[str, Any], catalog_uri: str | None) -> PlanSummary:
+class PlanInputError(Exception):
+    """The core refused the merge's inputs (a checkpoint that is missing, unreadable or
+    incompatible with the base; a parameter that fits no tensor): ``field`` is the spec field it
+    names, the message the core's explanation with the fix."""
+
+    def __init__(self, message: str, field: str = "spec"):
+        super().__init__(message)
+        self.field = field
+
+
+def _field_of(message: str, spec: dict[str, Any]) -> str:
+    """The spec field whose URI a core error message names (the longest match), else ``spec``."""
+    best, where = "", "spec"
+    cands = [("spec.base.uri", (spec.get("base") or {}).get("uri"))]
+    cands += [(f"spec.experts[{i}].uri", ex.get("uri")) for i, ex in enumerate(spec.get("experts") or [])]
+    for path, uri in cands:
+        u = (uri or "").rstrip("/")
+        if u and u in message and len(u) > len(best):
+            best, where = u, path
+    return where
+
+
+def plan_merge(spec: dict[str, Any], catalog_uri: str | None, *, storage: Any = None) -> PlanSummary:
     """Plan a merge in-process from the catalog's index objects (numpy, no torch).
 
     ``spec`` is the ModelMerge spec with ``budget`` replaced by the admitted budget in bytes (or
-    absent for an unbounded/fidelity-driven plan).
+    absent for an unbounded/fidelity-driven plan). Calls
+    ``mergepipe.pipeline.build_plan(ObjectCatalog(storage, catalog_uri), storage, ...,
+    analyze=False)``: only shard headers and catalog objects are read, never a tensor.
+
+    Returns:
+        the plan, or (``missing_experts``, ``analysis_id``) when the catalog lacks statistics.
+
+    Raises:
+        PlanInputError: the core refused the inputs (names the field and the fix).
+        mergepipe.storage.base.StorageError: object storage failed (transient: retry).
     """
-    raise NotImplementedError("planner integration pending")
+    from mergepipe.catalog.objectstore import ObjectCatalog
+    from mergepipe.errors import InputError
+    from mergepipe.pipeline import MissingAnalysis, build_plan
+    from mergepipe.storage.base import IOCounters, open_storage
+
+    if not catalog_uri:
+        raise PlanInputError("the operator has no catalog; set values catalog.uri (MERGEPIPE_CATALOG_URI)")
+    storage = storage if storage is not None else open_storage(None, IOCounters())
+    budget = spec.get("budget")
+    if budget is not None and not isinstance(budget, int):
+        budget = d.parse_quantity(budget, field="spec.budget")
+    try:
+        plan = build_plan(
+            ObjectCatalog(storage, catalog_uri), storage, spec["base"]["uri"].rstrip("/"),
+            d.merge_experts(spec), spec["method"], d.merge_params(spec),
+            budget=budget, fidelity=spec.get("fidelity"), seed=int(spec.get("seed") or 0),
+            block_bytes=d.ANALYZE_BLOCK_BYTES, analyze=False,
+        )
+    except MissingAnalysis as e:
+        return PlanSummary(
+            missing_experts=tuple(e.uris),
+            analysis_id=d.analysis_id(e.base_identity, e.identities, catalog_uri, spec.get("method")),
+        )
+    except InputError as e:
+        raise PlanInputError(str(e), _field_of(str(e), spec)) from None
+    fid = plan.retained_energy
+    return PlanSummary(
+        digest=plan.digest,
+        plan_json=plan.to_json().encode(),
+        base_read_bytes=int(plan.io.base_read_bytes),
+        expert_read_bytes=int(plan.io.expert_read_bytes),
+        output_write_bytes=int(plan.io.output_write_bytes),
+        budget_bytes=plan.budget_bytes,
+        estimated_fidelity=None if fid is None or fid != fid else min(1.0, max(0.0, float(fid))),
+    )
 
 
 # --- controller -------------------------------------------------------------------------------------
@@ -106,6 +178,14 @@ class RetryWithStatus(Retry):
         self.status = status
 
 
+class _Done(Exception):
+    """This generation's reconciliation ends here with ``status`` (a terminal Ready=False)."""
+
+    def __init__(self, status: dict[str, Any]):
+        super().__init__()
+        self.status = status
+
+
 def _now() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -124,8 +204,18 @@ class Controller:
         self.settings = settings
         self.kube = kube
         self.store = store
-        self.planner = planner or (lambda spec, catalog: plan_merge(spec, catalog))
+        self.planner = planner or (lambda spec, catalog: plan_merge(spec, catalog, storage=self.core_storage()))
         self.clock = clock
+        self._core_storage: Any = None
+
+    def core_storage(self) -> Any:
+        """The core's storage (reads shard headers and catalog objects while planning), created
+        once: it holds the S3 client and its connection pool."""
+        if self._core_storage is None:
+            from mergepipe.storage.base import IOCounters, open_storage
+
+            self._core_storage = open_storage(None, IOCounters(), endpoint_url=self.settings.s3_endpoint or None)
+        return self._core_storage
 
     # ModelMerge ---------------------------------------------------------------------------------
 
@@ -133,6 +223,12 @@ class Controller:
         """One reconciliation of a ModelMerge; returns the status fields to patch (``None``: no
         change). Raises :class:`Retry` when it must come back later; a :class:`RetryWithStatus`
         carries the status to write first (e.g. Ready=False, QuotaExceeded)."""
+        try:
+            return self._reconcile_merge(body)
+        except _Done as e:
+            return e.status
+
+    def _reconcile_merge(self, body: dict[str, Any]) -> dict[str, Any] | None:
         meta, spec = body["metadata"], body.get("spec") or {}
         status = body.get("status") or {}
         gen = meta.get("generation")
@@ -159,7 +255,9 @@ class Controller:
         requested = d.requested_budget(spec, self.settings)
         # Planning is in-process and cheap: plan first, so the quota is charged with what the
         # plan will read (<= the budget), not with the whole budget.
-        first = self._plan(spec, requested, out, conds, gen, now)
+        first = self._plan(body, requested, out, conds, gen, now)
+        conds = d.set_condition(conds, "Analyzed", "True", "Analyzed",
+                                f"the catalog has statistics for all {len(spec['experts'])} expert(s)", gen, now)
         if ready and ready.get("reason") == d.Reason.COMMITTED and status.get("planDigest") == first.digest:
             # the new generation plans to the same digest: its snapshot is already committed
             return finish("True", d.Reason.COMMITTED, f"plan unchanged; {ready.get('message', '')}".strip())
@@ -172,8 +270,8 @@ class Controller:
         conds = d.set_condition(conds, "QuotaAdmitted", "True", adm.reason if adm.reason != d.Reason.ALREADY_ADMITTED else d.Reason.ADMITTED, adm.message, gen, now)
         budget = adm.budget if adm.clamped else requested
         try:
-            plan = first if budget is None or first.expert_read_bytes <= budget else self._plan(spec, budget, out, conds, gen, now)
-        except RetryWithStatus:
+            plan = first if budget is None or first.expert_read_bytes <= budget else self._plan(body, budget, out, conds, gen, now)
+        except (RetryWithStatus, _Done):
             self.unreserve(ns, key, quotas, job_started=False)
             raise
         if self.store is None:
@@ -225,7 +323,11 @@ class Controller:
         except (ValueError, AttributeError):
             return ""
 
-    def _plan(self, spec: dict[str, Any], budget: int | None, out: dict[str, Any], conds: list, gen: Any, now: datetime) -> PlanSummary:
+    def _plan(self, body: dict[str, Any], budget: int | None, out: dict[str, Any], conds: list, gen: Any, now: datetime) -> PlanSummary:
+        """Plan under ``budget``; when the catalog lacks statistics, see to the analyze Job
+        (:meth:`_await_analysis`). Raises :class:`RetryWithStatus` (come back later) or
+        :class:`_Done` (Ready=False for good: invalid inputs, failed analysis)."""
+        spec = body.get("spec") or {}
         planned_spec = copy.deepcopy(spec)
         planned_spec.pop("budget", None)
         if budget is not None:
@@ -235,19 +337,82 @@ class Controller:
         except NotImplementedError as e:
             out["conditions"] = d.set_condition(conds, "Ready", "False", d.Reason.PLANNING, f"cannot plan yet: {e}", gen, now)
             raise RetryWithStatus(str(e), 300, out) from None
+        except PlanInputError as e:
+            msg = f"{e.field}: the planner refused the inputs: {e}"
+            out["conditions"] = d.set_condition(conds, "Ready", "False", d.Reason.INVALID_SPEC, msg, gen, now)
+            raise _Done(out) from None
+        except Exception as e:  # object storage unreachable, throttled, ...: transient
+            msg = f"cannot plan yet ({type(e).__name__}): {e}"
+            log.warning("%s/%s: %s", body["metadata"].get("namespace"), body["metadata"].get("name"), msg)
+            out["conditions"] = d.set_condition(conds, "Ready", "False", d.Reason.PLANNING, msg, gen, now)
+            raise RetryWithStatus(msg, 30, out) from None
         if plan.missing_experts:
-            msg = "the catalog has no statistics for " + ", ".join(plan.missing_experts) + "; analysis pending"
-            out["conditions"] = d.set_condition(conds, "Ready", "False", d.Reason.ANALYZING, msg, gen, now)
-            raise RetryWithStatus(msg, 30, out)
+            self._await_analysis(body, plan, out, conds, gen, now)
         if budget is not None and plan.expert_read_bytes > budget:
             raise RuntimeError(f"planner broke the budget: {plan.expert_read_bytes} > {budget}")
         return plan
+
+    def _await_analysis(self, body: dict[str, Any], plan: PlanSummary, out: dict[str, Any], conds: list, gen: Any, now: datetime) -> None:
+        """The catalog lacks statistics for ``plan.missing_experts``: create the analyze Job
+        (deterministic name: a retry or a restarted operator finds it), then come back every
+        ``analyze_poll_seconds`` until it finished. Always raises: :class:`RetryWithStatus`
+        (Analyzing, or QuotaExceeded when the namespace's quota could not admit any merge, so no
+        expert bytes are read for a merge that cannot run) or :class:`_Done` (JobFailed)."""
+        meta, spec = body["metadata"], body.get("spec") or {}
+        ns, name = meta["namespace"], meta["name"]
+        if not plan.analysis_id:
+            raise RuntimeError("the planner reported missing statistics without an analysis id")
+        jname = d.analyze_job_name(name, plan.analysis_id)
+        what = f"{len(plan.missing_experts)} expert(s) ({', '.join(plan.missing_experts)})"
+        job = self.kube.get(JOBS, ns, jname)
+        if job is None:
+            refusal = self._quota_precheck(ns, d.admission_key(meta["uid"], gen), now)
+            if refusal:
+                c = d.set_condition(conds, "QuotaAdmitted", "False", d.Reason.QUOTA_EXCEEDED, refusal, gen, now)
+                out["conditions"] = d.set_condition(c, "Ready", "False", d.Reason.QUOTA_EXCEEDED, refusal, gen, now)
+                raise RetryWithStatus(refusal, self.settings.quota_retry_seconds, out)
+            try:
+                job = self.kube.create(JOBS, ns, d.build_analyze_job(body, plan.missing_experts, plan.analysis_id, self.settings))
+                ANALYZE_JOBS_CREATED.inc()
+                log.info("%s/%s: analyze Job %s created for %s", ns, name, jname, what)
+            except Conflict:  # created by an earlier attempt
+                job = self.kube.get(JOBS, ns, jname)
+        outcome = d.job_outcome(job) if job is not None else d.JobOutcome("Running", d.Reason.JOB_RUNNING, "")
+        if outcome.state != "Running":
+            if outcome.state == "Failed":
+                msg = f"analyze Job {jname} failed ({outcome.reason}): {outcome.message}"
+            else:
+                msg = (f"analyze Job {jname} completed, but the catalog {self.settings.catalog_uri} still has no "
+                       f"statistics for {what}; check that the Job and the operator use the same catalog and S3 endpoint")
+            msg += "; fix the cause, then change the spec (or delete and re-create the ModelMerge) to retry"
+            c = d.set_condition(conds, "Analyzed", "False", d.Reason.JOB_FAILED, msg, gen, now)
+            out["conditions"] = d.set_condition(c, "Ready", "False", d.Reason.JOB_FAILED, msg, gen, now)
+            raise _Done(out)
+        msg = f"analyze Job {jname} is recording the catalog statistics of {what}"
+        c = d.set_condition(conds, "Analyzed", "False", d.Reason.ANALYZING, msg, gen, now)
+        out["conditions"] = d.set_condition(c, "Ready", "False", d.Reason.ANALYZING, msg, gen, now)
+        raise RetryWithStatus(msg, self.settings.analyze_poll_seconds, out)
+
+    def _quota_precheck(self, ns: str, key: str, now: datetime) -> str | None:
+        """Why no MergeQuota of ``ns`` could admit any merge now (no merge left in the window, or
+        no expert byte left under Reject or Clamp), or ``None``. Nothing is written: the real
+        admission, with the plan's bytes, comes after planning."""
+        for q in self.kube.list(QUOTAS, ns):
+            try:
+                a = d.admit(q, 1, now, key=key)
+            except d.QuantityError as e:
+                return f"invalid MergeQuota: {e}"
+            if not a.allowed:
+                return f"{a.message} (not analyzing the experts of a merge that cannot be admitted)"
+        return None
 
     def _supersede(self, ns: str, name: str, old: dict[str, Any], digest: str, key: str, now: datetime) -> None:
         """Retire the previous generation's run: delete Jobs of other plans; its reservation is
         released when the same Job carries on (same plan digest: the new reservation covers it),
         else charged (it may have read, and how much is unknown without a manifest)."""
         for job in self.kube.list(JOBS, ns, f"{d.LABEL_MERGE}={d.label_value(name)}"):
+            if (job["metadata"].get("labels") or {}).get(d.LABEL_COMPONENT, "merge") != "merge":
+                continue  # analyze Jobs are not superseded: their statistics serve any plan
             if (job["metadata"].get("annotations") or {}).get(d.ANN_PLAN_DIGEST) != digest:
                 self.kube.delete(JOBS, ns, job["metadata"]["name"])
         adm = old.get("admission") or {}
@@ -472,6 +637,9 @@ def controller() -> Controller:
     global _controller
     if _controller is None:
         settings = Settings.from_env()
+        if settings.s3_region:  # the core's S3 client takes the region from the environment
+            os.environ.setdefault("AWS_REGION", settings.s3_region)
+            os.environ.setdefault("AWS_DEFAULT_REGION", settings.s3_region)
         Kube.load_config()
         _controller = Controller(settings, Kube(), ObjectStore(settings.s3_endpoint, settings.s3_region))
     return _controller
@@ -536,6 +704,8 @@ def merge_job_poll(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
 def job_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
     if event.get("type") == "DELETED":
         return
+    if (body["metadata"].get("labels") or {}).get(d.LABEL_COMPONENT) == "analyze":
+        return  # the merge's handler polls its analyze Job (kopf cannot wake a delayed handler)
     c = controller()
     ns = body["metadata"]["namespace"]
     mm_name = (body["metadata"].get("annotations") or {}).get(d.ANN_MERGE)

@@ -73,6 +73,8 @@ class Settings:
     # operator behaviour
     watch_namespaces: tuple[str, ...] = ()
     quota_retry_seconds: int = 300
+    #: seconds between checks of a running analyze Job (the merge is planned when it finished)
+    analyze_poll_seconds: int = 15
     metrics_port: int | None = None
 
     @classmethod
@@ -110,5 +112,6 @@ class Settings:
             tolerations=_json(env, "JOB_TOLERATIONS", []),
             watch_namespaces=tuple(n.strip() for n in ns.split(",") if n.strip()) if ns else (),
             quota_retry_seconds=_int(env, "QUOTA_RETRY_SECONDS", d.quota_retry_seconds),
+            analyze_poll_seconds=_int(env, "ANALYZE_POLL_SECONDS", d.analyze_poll_seconds),
             metrics_port=int(metrics) if metrics else None,
         )

@@ -11,6 +11,7 @@ import itertools
 import sys
 import threading
 import uuid
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -224,3 +225,39 @@ def make_settings() -> Settings:
         catalog_uri="s3://mergepipe/catalog/",
         plan_prefix="s3://mergepipe/plans/",
     )
+
+
+# --- object storage (SeaweedFS) ------------------------------------------------------------------
+
+
+@dataclass
+class S3Models:
+    bucket: str
+    base: str
+    experts: list[str]
+    catalog: str
+    client: Any = None
+
+
+def upload_dir(client: Any, bucket: str, folder: Path, prefix: str) -> str:
+    """Upload a checkpoint folder; returns its ``s3://`` URI (no trailing slash)."""
+    for f in sorted(Path(folder).iterdir()):
+        if f.is_file():
+            client.upload_file(str(f), bucket, f"{prefix}/{f.name}")
+    return f"s3://{bucket}/{prefix}"
+
+
+def core_storage(seaweed: Any) -> Any:
+    """The core's storage on SeaweedFS with explicit credentials (no environment needed)."""
+    from mergepipe.storage.base import IOCounters, open_storage
+
+    return open_storage(None, IOCounters(), client=seaweed.client())
+
+
+def analyze_into(seaweed: Any, catalog_uri: str, base: str, experts: list[str]) -> None:
+    """Record the experts' statistics in an object catalog, in-process (what the analyze Job does)."""
+    from mergepipe.catalog.objectstore import ObjectCatalog
+    from mergepipe.pipeline import register_and_analyze
+
+    st = core_storage(seaweed)
+    register_and_analyze(ObjectCatalog(st, catalog_uri), st, base, experts)

@@ -1,5 +1,6 @@
 """The reconciliation in mergepipe_operator.main, driven with in-memory fakes of the API server and
-of object storage (no kopf runtime, no kmock: those integration tests come later)."""
+of object storage (no kopf runtime; test_operator_kmock.py runs the real operator against kmock and
+SeaweedFS, test_operator_planning.py the real planner)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ class Planner:
 
     def __call__(self, spec, catalog_uri):
         self.calls.append((spec.get("budget"), catalog_uri))
+        if self.missing:
+            return main.PlanSummary(missing_experts=self.missing,
+                                    analysis_id=d.analysis_id("b" * 64, ["e" * 64], catalog_uri, spec["method"]))
         budget = spec.get("budget")
         read = self.full if budget is None else min(self.full, budget)
         digest = hashlib.sha256(f"{read}".encode()).hexdigest()
@@ -75,20 +79,36 @@ def commit(store, out, plan_digest, realized, files_prefix="runs/r1"):
     return raw
 
 
-def test_plan_merge_is_the_pending_integration_point():
-    with pytest.raises(NotImplementedError, match="planner integration pending"):
-        main.plan_merge(make_merge()["spec"], "s3://mergepipe/catalog/")
+def test_plan_merge_needs_a_catalog():
+    with pytest.raises(main.PlanInputError, match="no catalog"):
+        main.plan_merge(make_merge()["spec"], None)
 
 
-def test_without_a_planner_the_merge_waits_in_planning(settings):
-    c, kube, store, mm = setup(settings, make_quota(), planner=main.plan_merge)
+def test_storage_trouble_while_planning_waits_in_planning(settings):
+    def planner(spec, catalog):
+        raise ConnectionError("s3 endpoint unreachable")
+
+    c, kube, store, mm = setup(settings, make_quota(), planner=planner)
     with pytest.raises(main.RetryWithStatus) as e:
         c.reconcile_merge(mm)
-    st = e.value.status
-    r = d.get_condition(st["conditions"], "Ready")
-    assert (r["status"], r["reason"]) == ("False", "Planning") and "planner integration pending" in r["message"]
+    r = d.get_condition(e.value.status["conditions"], "Ready")
+    assert (r["status"], r["reason"]) == ("False", "Planning") and "s3 endpoint unreachable" in r["message"]
     assert kube.list(JOBS, "ns1") == []
     assert kube.get(QUOTAS, "ns1", "q").get("status") is None  # nothing reserved before a plan exists
+
+
+def test_inputs_the_core_refuses_are_an_invalid_spec_naming_the_field(settings):
+    def planner(spec, catalog):
+        msg = "s3://models/math/model.safetensors: tensor 'lm_head.weight' is BF16[256, 64] but the base has F32"
+        raise main.PlanInputError(msg, main._field_of(msg, spec))
+
+    c, kube, store, mm = setup(settings, make_quota(), planner=planner)
+    st = c.reconcile_merge(mm)
+    r = d.get_condition(st["conditions"], "Ready")
+    assert (r["status"], r["reason"]) == ("False", "InvalidSpec")
+    assert r["message"].startswith("spec.experts[1].uri: the planner refused the inputs: s3://models/math/")
+    assert kube.list(JOBS, "ns1") == [] and kube.get(QUOTAS, "ns1", "q").get("status") is None
+    assert c.reconcile_merge(apply(kube, mm, st)) is None  # terminal for this generation
 
 
 def test_happy_path_budget_mode(settings):
@@ -179,11 +199,86 @@ def test_quota_clamp_in_fidelity_mode_replans_under_the_lower_budget(settings):
     assert kube.get(QUOTAS, "ns1", "q")["status"]["used"]["expertReadBytes"] == 3 * GI
 
 
-def test_analysis_pending(settings):
-    c, kube, store, mm = setup(settings, planner=Planner(missing=["s3://models/math/"]))
+def test_missing_statistics_start_one_analyze_job_then_the_merge_is_planned(settings):
+    planner = Planner(missing=["s3://models/math"])
+    c, kube, store, mm = setup(settings, make_quota(), planner=planner)
+    for _ in range(2):  # retries (and a restarted operator) find the Job instead of creating another
+        with pytest.raises(main.RetryWithStatus) as e:
+            c.reconcile_merge(mm)
+        assert e.value.delay == settings.analyze_poll_seconds
+        r = d.get_condition(e.value.status["conditions"], "Ready")
+        assert (r["status"], r["reason"]) == ("False", "Analyzing") and "s3://models/math" in r["message"]
+        assert d.get_condition(e.value.status["conditions"], "Analyzed")["reason"] == "Analyzing"
+    (job,) = kube.list(JOBS, "ns1")
+    assert job["metadata"]["name"] == d.analyze_job_name(
+        "mm1", d.analysis_id("b" * 64, ["e" * 64], settings.catalog_uri, "ties"))
+    assert job["metadata"]["labels"][d.LABEL_COMPONENT] == "analyze"
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"] == [
+        "analyze", "--base", "s3://models/base", "--expert", "s3://models/math",
+        "--catalog", settings.catalog_uri, "--json"]
+    assert kube.get(QUOTAS, "ns1", "q").get("status") is None  # nothing reserved while analyzing
+    # the Job finished and wrote the statistics: the next retry plans and starts the merge Job
+    planner.missing = ()
+    st = c.reconcile_merge(mm)
+    assert d.get_condition(st["conditions"], "Ready")["reason"] == "JobRunning"
+    assert d.get_condition(st["conditions"], "Analyzed")["status"] == "True"
+    assert sorted(j["metadata"]["labels"][d.LABEL_COMPONENT] for j in kube.list(JOBS, "ns1")) == ["analyze", "merge"]
+
+
+@pytest.mark.parametrize("outcome", ["Failed", "Complete"])
+def test_a_failed_or_useless_analyze_job_fails_the_merge(settings, outcome):
+    planner = Planner(missing=["s3://models/math"])
+    c, kube, store, mm = setup(settings, make_quota(), planner=planner)
+    with pytest.raises(main.RetryWithStatus):
+        c.reconcile_merge(mm)
+    (job,) = kube.list(JOBS, "ns1")
+    kube.objects[("jobs", "ns1", job["metadata"]["name"])]["status"] = {
+        "conditions": [{"type": outcome, "status": "True", "reason": "BackoffLimitExceeded", "message": "exit 2"}]}
+    st = c.reconcile_merge(mm)
+    r = d.get_condition(st["conditions"], "Ready")
+    assert (r["status"], r["reason"]) == ("False", "JobFailed") and job["metadata"]["name"] in r["message"]
+    assert ("exit 2" in r["message"]) if outcome == "Failed" else ("still has no statistics" in r["message"])
+    assert len(kube.list(JOBS, "ns1")) == 1 and kube.get(QUOTAS, "ns1", "q").get("status") is None
+    assert c.reconcile_merge(apply(kube, mm, st)) is None  # terminal for this generation
+
+
+def test_no_analysis_for_a_merge_the_quota_cannot_admit(settings):
+    used = {"ledger": [{"key": "other.1", "merge": "other", "bytes": 0, "state": "Reserved", "time": "2026-11-22T11:00:00Z"}]}
+    c, kube, store, mm = setup(settings, make_quota(merges=1, status=used), planner=Planner(missing=["s3://models/math"]))
     with pytest.raises(main.RetryWithStatus) as e:
         c.reconcile_merge(mm)
-    assert d.get_condition(e.value.status["conditions"], "Ready")["reason"] == "Analyzing"
+    assert e.value.delay == settings.quota_retry_seconds
+    r = d.get_condition(e.value.status["conditions"], "Ready")
+    assert r["reason"] == "QuotaExceeded" and "1 of 1 merges" in r["message"]
+    assert kube.list(JOBS, "ns1") == []
+
+
+def test_pair_statistics_methods_analyze_by_planning(settings):
+    mm = make_merge(method="nuslerp", parameters={"nuslerp_flatten": False}, seed=3,
+                    experts=[{"uri": "s3://models/code/", "weight": 0.3},
+                             {"name": "7", "uri": "s3://models/math/", "parameters": {"weight": [0.2, 0.8]}}])
+    c, kube, store, mm = setup(settings, make_quota(), planner=Planner(missing=["s3://models/math"]), mm=mm)
+    with pytest.raises(main.RetryWithStatus):
+        c.reconcile_merge(mm)
+    (job,) = kube.list(JOBS, "ns1")
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"] == [
+        "plan", "--base", "s3://models/base", "--expert", "s3://models/code", "--expert", "s3://models/math",
+        "--method", "nuslerp", "--param", "nuslerp_flatten=false", "--param", "1:weight=0.3",
+        "--param", "2:weight=[0.2,0.8]", "--seed", "3", "--catalog", settings.catalog_uri, "--json"]
+
+
+def test_superseding_keeps_the_analyze_job(settings):
+    planner = Planner(missing=["s3://models/math"])
+    c, kube, store, mm = setup(settings, make_quota(), planner=planner)
+    with pytest.raises(main.RetryWithStatus):
+        c.reconcile_merge(mm)
+    planner.missing = ()
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    kube.objects[("modelmerges", "ns1", "mm1")]["spec"]["budget"] = "4Gi"
+    kube.objects[("modelmerges", "ns1", "mm1")]["metadata"]["generation"] = 2
+    mm = apply(kube, kube.get(MERGES, "ns1", "mm1"), c.reconcile_merge(kube.get(MERGES, "ns1", "mm1")))
+    comps = sorted((j["metadata"]["labels"][d.LABEL_COMPONENT], j["metadata"]["name"]) for j in kube.list(JOBS, "ns1"))
+    assert [k for k, _ in comps] == ["analyze", "merge"] and comps[1][1] == mm["status"]["jobName"]
 
 
 def test_job_failure_charges_the_reservation(settings):

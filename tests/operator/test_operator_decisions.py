@@ -545,3 +545,72 @@ def test_snapshot_ready_refuses(raw, plan, mhash, sizes, reason):
     ok, got, msg = d.snapshot_ready(raw, plan, mhash, object_sizes=sizes)
     assert (ok, got) == (False, reason), msg
     assert msg
+
+
+# --- the spec in the core planner's terms; the analyze Job ---------------------------------------
+
+ANALYSIS = "cd" * 32
+
+
+def test_merge_params_and_experts_in_core_syntax():
+    mm = make_merge(parameters={"normalize": True, "lambda": 1.0}, experts=[
+        {"name": "code", "uri": "s3://models/code/", "weight": 0.5, "parameters": {"density": [0.2, 0.8]}},
+        {"uri": "s3://models/math", "parameters": {"density": [{"filter": "mlp", "value": 0.4}, {"value": 0.6}]}},
+        {"name": "12", "uri": "s3://models/chat/", "weight": 1},
+    ])
+    spec = mm["spec"]
+    assert d.merge_experts(spec) == [("code", "s3://models/code"), ("expert-1", "s3://models/math"), ("12", "s3://models/chat")]
+    assert d.merge_params(spec) == [
+        "normalize=true", "lambda=1.0",
+        "1:weight=0.5", "1:density=[0.2,0.8]",
+        '2:density=[{"filter":"mlp","value":0.4},{"value":0.6}]',
+        "3:weight=1",  # by position: the name "12" would read as a position
+    ]
+    from mergepipe.pipeline import parse_params
+
+    glob, per = parse_params(d.merge_params(spec), [n for n, _ in d.merge_experts(spec)])
+    assert glob == {"normalize": "true", "lambda": "1.0"} and per[2] == {"weight": "1"}
+    assert per[1]["density"].startswith("[{")
+
+
+def test_analysis_id_is_a_content_address():
+    a = d.analysis_id("b" * 64, ["e1", "e2"], "s3://c/cat/", "ties")
+    assert a == d.analysis_id("b" * 64, ["e2", "e1", "e1"], "s3://c/cat", "linear")  # order, duplicates, slash
+    assert a != d.analysis_id("b" * 64, ["e1", "e3"], "s3://c/cat/", "ties")  # a changed checkpoint
+    assert a != d.analysis_id("b" * 64, ["e1", "e2"], "s3://c/cat/", "model_stock")  # pair statistics too
+    name = d.analyze_job_name("m" * 80, a)
+    assert len(name) <= 63 and name.endswith("-analyze-" + a[:10])
+    with pytest.raises(ValueError):
+        d.analyze_job_name("mm1", "not-hex")
+
+
+def test_analyze_job_matches_the_merge_job_security_and_credentials(settings):
+    mm = make_merge(resources={"gpu": {"count": 2}, "cpu": "2", "memory": "8Gi"})
+    merge = d.build_job(mm, PLAN_URI, DIGEST, settings)
+    job = d.build_analyze_job(mm, ["s3://models/math/", "s3://models/code"], ANALYSIS, settings)
+    assert job["metadata"]["name"] == d.analyze_job_name("mm1", ANALYSIS)
+    assert job["metadata"]["ownerReferences"] == merge["metadata"]["ownerReferences"]
+    assert job["metadata"]["labels"][d.LABEL_COMPONENT] == "analyze" and job["metadata"]["annotations"][d.ANN_ANALYSIS] == ANALYSIS
+    pod, mpod = job["spec"]["template"]["spec"], merge["spec"]["template"]["spec"]
+    (c,), (mc,) = pod["containers"], mpod["containers"]
+    assert c["command"] == ["mergepipe"] and c["args"] == [
+        "analyze", "--base", "s3://models/base", "--expert", "s3://models/math", "--expert", "s3://models/code",
+        "--catalog", "s3://mergepipe/catalog/", "--json"]
+    assert c["securityContext"] == mc["securityContext"] and pod["securityContext"] == mpod["securityContext"]
+    for k in ("automountServiceAccountToken", "enableServiceLinks", "restartPolicy", "volumes"):
+        assert pod[k] == mpod[k]
+    assert c["image"] == mc["image"] and c["volumeMounts"] == mc["volumeMounts"]
+    assert c["resources"] == {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "8Gi"}}  # never a GPU
+    env = {e["name"]: e for e in c["env"]}
+    assert env["CUDA_VISIBLE_DEVICES"]["value"] == "" and "MERGEPIPE_PLAN_DIGEST" not in env
+    menv = {e["name"]: e for e in mc["env"]}
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_REGION"):
+        assert env[k] == menv[k]
+    for e in c["env"]:  # credentials never as literal values
+        if SECRETISH.search(e["name"]):
+            assert "value" not in e and "secretKeyRef" in e["valueFrom"], e
+    for k in ("backoffLimit", "activeDeadlineSeconds", "ttlSecondsAfterFinished", "podFailurePolicy"):
+        assert job["spec"][k] == merge["spec"][k]
+    k8s_validate(job)
+    with pytest.raises(ValueError, match="catalog"):
+        d.build_analyze_job(mm, ["s3://models/math"], ANALYSIS, dataclasses.replace(settings, catalog_uri=None))

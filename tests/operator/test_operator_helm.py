@@ -158,6 +158,7 @@ def test_values_reach_the_operator_settings(chart):
         "mergepipe-s3", "s3://mergepipe/catalog/", "s3://mergepipe/plans/", None)
     assert (s.backoff_limit, s.active_deadline_seconds, s.ttl_seconds_after_finished) == (2, 21600, 86400)
     assert s.metrics_port == 9090 and s.watch_namespaces == ()
+    assert (s.quota_retry_seconds, s.analyze_poll_seconds) == (300, 15)
 
     custom = settings_from(deployment(render(chart, values_of(CHART / "ci" / "custom-values.yaml"))))
     assert custom.merger_image == "registry.internal/mergepipe/merger:0.1.0-rocm"
@@ -173,6 +174,7 @@ def test_values_reach_the_operator_settings(chart):
     cpu = settings_from(deployment(render(chart, values_of(CHART / "ci" / "namespaced-cpu-values.yaml"))))
     assert cpu.gpu_count == 0 and cpu.watch_namespaces == ("team-a", "team-b") and cpu.metrics_port is None
     assert (cpu.cpu, cpu.memory, cpu.default_budget, cpu.quota_retry_seconds) == ("8", "64Gi", "10Gi", 120)
+    assert cpu.analyze_poll_seconds == 5
 
 
 def test_chart_ships_the_generated_crds(chart):

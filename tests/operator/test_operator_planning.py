@@ -1,0 +1,146 @@
+"""The operator's in-process planning (mergepipe_operator.main.plan_merge) with the real core
+planner over an object catalog on SeaweedFS: no tensor byte read, no torch imported, ModelMerge
+parameters (layer-wise lists included) reaching the plan, missing statistics reported with a
+content address, refused inputs naming the spec field."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from op_testlib import ROOT, analyze_into, core_storage, make_merge, upload_dir
+
+from mergepipe_operator import decisions as d
+
+pytest.importorskip("kopf", reason="kopf (the operator framework) is not installed")
+from mergepipe_operator import main  # noqa: E402
+
+pytestmark = pytest.mark.s3
+
+
+def merge_spec(m, *, experts=None, **over):
+    names = ["code", "math", "chat"]
+    spec = make_merge(**over)["spec"]
+    spec["base"] = {"uri": m.base + "/"}
+    spec["experts"] = experts if experts is not None else [
+        {"name": names[i], "uri": u + "/", "weight": 0.5} for i, u in enumerate(m.experts[:2])]
+    spec["output"] = {"uri": f"s3://{m.bucket}/snapshots/x/"}
+    return spec
+
+
+def test_plan_merge_reads_no_tensor_and_gives_the_worker_its_plan(s3_models, seaweed):
+    from mergepipe.planner.plan import Plan
+
+    st = core_storage(seaweed)
+    spec = merge_spec(s3_models, budget=None)
+    spec["budget"] = 20_000
+    p = main.plan_merge(spec, s3_models.catalog, storage=st)
+    assert p.missing_experts == () and len(p.digest) == 64
+    plan = Plan.from_json(p.plan_json.decode())
+    assert plan.digest == p.digest and plan.method == "ties"
+    assert [e.name for e in plan.experts] == ["code", "math"] and plan.base.uri == s3_models.base
+    assert 0 < p.expert_read_bytes <= 20_000 and p.budget_bytes == 20_000 == plan.budget_bytes
+    assert 0 < p.estimated_fidelity < 1
+    read = st.counters.snapshot()["read"]
+    assert read["base"] == 0 and read["expert"] == 0 and read["catalog"] > 0  # headers + catalog objects only
+    # deterministic: the same spec plans to the same digest (the Job name depends on it)
+    assert main.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed)).digest == p.digest
+    unbounded = main.plan_merge(merge_spec(s3_models, budget=None), s3_models.catalog, storage=st)
+    assert unbounded.budget_bytes is None and unbounded.estimated_fidelity == pytest.approx(1.0)
+
+
+def test_layer_wise_parameters_reach_the_plan(s3_models, seaweed):
+    from mergepipe.planner.plan import Plan
+
+    experts = [
+        {"name": "code", "uri": s3_models.experts[0], "weight": 0.5, "parameters": {"density": [0.2, 0.8]}},
+        {"name": "math", "uri": s3_models.experts[1],
+         "parameters": {"weight": [{"filter": "mlp", "value": 0.25}, {"value": 0.75}], "density": 0.5}},
+    ]
+    spec = merge_spec(s3_models, experts=experts, budget=None, parameters={"normalize": False, "lambda": 1.5})
+    assert d.validate_merge_spec(spec) == []
+    plan = Plan.from_json(main.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed)).plan_json.decode())
+    by = {t.name: t for t in plan.tensors}
+
+    def te(tensor, i):
+        return next(e for e in by[tensor].experts if e.expert == i)
+
+    q0, q1 = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"
+    assert (te(q0, 0).density, te(q1, 0).density) == pytest.approx((0.2, 0.8))  # gradient over 2 layers
+    assert te(q0, 0).weight == pytest.approx(0.5)
+    assert te("model.layers.0.mlp.up_proj.weight", 1).weight == pytest.approx(0.25)
+    assert te(q0, 1).weight == pytest.approx(0.75) and te(q0, 1).density == pytest.approx(0.5)
+    assert by[q0].params["lambda"] == pytest.approx(1.5) and by[q0].params["normalize"] is False
+
+
+def test_missing_statistics_are_named_and_content_addressed(s3_models, seaweed):
+    from mergepipe.catalog.objectstore import ObjectCatalog
+
+    st = core_storage(seaweed)
+    catalog = f"s3://{s3_models.bucket}/catalog-partial"
+    analyze_into(seaweed, catalog, s3_models.base, s3_models.experts[:1])
+    spec = merge_spec(s3_models, budget="10Gi")
+    before = st.counters.snapshot()["read"]
+    p = main.plan_merge(spec, catalog, storage=st)
+    after = st.counters.snapshot()["read"]
+    assert p.digest == "" and p.missing_experts == (s3_models.experts[1],)
+    cat = ObjectCatalog(st, catalog)
+    base_id = cat.register(st, s3_models.base).identity
+    math_id = cat.register(st, s3_models.experts[1]).identity
+    assert p.analysis_id == d.analysis_id(base_id, [math_id], catalog, "ties")
+    assert after["base"] == before["base"] and after["expert"] == before["expert"]  # nothing analyzed here
+    # model_stock also needs the pair statistics, which `mergepipe analyze` does not record
+    ms = merge_spec(s3_models, method="model_stock", parameters={}, budget=None,
+                    experts=[{"uri": u} for u in s3_models.experts[:2]])
+    ready = main.plan_merge(ms, s3_models.catalog, storage=st)
+    assert set(ready.missing_experts) == set(s3_models.experts[:2])
+
+
+def test_inputs_the_core_refuses_name_the_spec_field(s3_models, seaweed, tmp_path):
+    spec = merge_spec(s3_models, budget=None)
+    spec["experts"][1]["uri"] = f"s3://{s3_models.bucket}/llama/no-such-expert/"
+    with pytest.raises(main.PlanInputError) as e:
+        main.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed))
+    assert e.value.field == "spec.experts[1].uri" and "no-such-expert" in str(e.value)
+    # an expert of another architecture is refused from its headers, before any analysis
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    alien = tmp_path / "alien"
+    alien.mkdir()
+    save_file({"model.embed_tokens.weight": np.zeros((4, 4), np.float32)}, str(alien / "model.safetensors"))
+    spec = merge_spec(s3_models, budget=None)
+    spec["experts"][0]["uri"] = upload_dir(s3_models.client, s3_models.bucket, alien, "llama/alien")
+    with pytest.raises(main.PlanInputError) as e:
+        main.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed))
+    assert e.value.field == "spec.experts[0].uri" and "llama/alien" in str(e.value)
+    # a parameter the core refuses (a gradient needs two values)
+    spec = merge_spec(s3_models, budget=None)
+    spec["experts"][0]["parameters"] = {"density": [0.5]}
+    with pytest.raises(main.PlanInputError, match="at least two values") as e:
+        main.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed))
+    assert e.value.field == "spec"
+
+
+def test_planning_never_imports_torch(s3_models, seaweed, tmp_path):
+    """The operator image has no torch: plan in a fresh interpreter and check sys.modules."""
+    spec = merge_spec(s3_models, budget=None)
+    code = f"""
+import json, sys
+sys.path[:0] = {[str(ROOT), str(ROOT / "operator")]!r}
+from mergepipe_operator.main import plan_merge
+p = plan_merge(json.loads({json.dumps(json.dumps(spec))}), {s3_models.catalog!r})
+print(json.dumps({{"digest": p.digest, "torch": "torch" in sys.modules,
+                   "kopf": "kopf" in sys.modules, "numpy": "numpy" in sys.modules}}))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(seaweed.env(), AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+               AWS_EC2_METADATA_DISABLED="true")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["torch"] is False and out["numpy"] is True and out["kopf"] is True
+    assert out["digest"] == main.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed)).digest
