@@ -92,7 +92,7 @@ def get(seaweed, uri) -> bytes:
 def test_stat_size_etag_and_open_storage(s3_env, blob):
     uri, data = blob
     s = open_storage(uri, IOCounters())
-    assert isinstance(s, S3Storage)
+    assert isinstance(s.backend(uri), S3Storage) and s.backend(uri).counters is s.counters
     st_ = s.stat(uri)
     assert st_.size == len(data) and st_.version.strip('"')
     assert s.exists(uri)
