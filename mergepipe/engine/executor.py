@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import queue
 import threading
 import time
@@ -147,7 +148,32 @@ def _chunk_runs(te, rpb: int, r0: int, r1: int, rows: int) -> list[tuple[int, in
     return out
 
 
-def execute(
+def default_compute_threads() -> int:
+    """torch intra-op threads for the merge arithmetic: one core is left to the reader and
+    writer threads (decoding, hashing, syscalls). On 2 cores this is 1: measured, two OpenMP
+    threads spinning against the I/O threads made a 3-expert merge 2.6x slower
+    (docs/BENCHMARKS.md). ``MERGEPIPE_COMPUTE_THREADS`` overrides it."""
+    env = os.environ.get("MERGEPIPE_COMPUTE_THREADS")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, min(16, (os.cpu_count() or 2) - 1))
+
+
+def execute(plan: Plan, storage: Storage, out_storage: Storage, out_prefix: str, *,
+            compute_threads: int | None = None, **kw) -> ExecResult:
+    """Execute ``plan`` (see :func:`_execute` for the arguments) with ``compute_threads`` torch
+    intra-op threads (default :func:`default_compute_threads`), restoring the setting after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(compute_threads or default_compute_threads())
+    try:
+        return _execute(plan, storage, out_storage, out_prefix, **kw)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _execute(
     plan: Plan,
     storage: Storage,
     out_storage: Storage,
