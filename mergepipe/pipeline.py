@@ -250,6 +250,7 @@ def build_plan(
         fidelity=fidelity, seed=seed, work_bytes=work_bytes, extra_files=extra,
         coalesce_gap=(storage.gap_for([u for _, u in experts]) if hasattr(storage, "gap_for") else storage.max_gap),
         gram=gram, resolved=resolved, out_dtype=out_dtype, requested_dtype=requested_dtype, source=source,
+        base_digests=catalog.tensor_digests(base.identity),
     )
     return plan
 

@@ -167,7 +167,8 @@ def _new_method_args(m, extra, density, analyzed_pairs):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(frac=st.floats(0, 1.2), m=NEW, density=st.floats(0.05, 1.0), gap=st.sampled_from([0, 5000]))
+@given(frac=st.floats(0, 1.2), m=NEW, density=st.floats(0.05, 1.0).map(lambda x: round(x, 3)),
+       gap=st.sampled_from([0, 5000]))
 def test_new_methods_never_exceed_budget(analyzed_pairs, frac, m, density, gap):
     method, extra = m
     b, es, an, gp, gram = _new_method_args(method, extra, density, analyzed_pairs)

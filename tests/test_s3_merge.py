@@ -162,3 +162,32 @@ def test_cli_s3_merge_json_and_no_credentials_anywhere(s3_family, s3_env, tmp_pa
                          capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "no-such-bucket-x" in bad.stderr
     assert s3_env.secret_key not in bad.stderr
+
+
+def test_unchanged_tensors_are_copied_server_side(s3_env, tmp_path):
+    """Tensors the plan leaves unchanged (>= 16 MiB) are written with UploadPartCopy from the base:
+    neither read nor uploaded by the worker; the snapshot's content (tree digests) equals the
+    local merge's."""
+    from tests.synth import llama_like_shapes, make_family
+
+    base, experts = make_family(tmp_path / "m", 2, seed=4, shapes=llama_like_shapes(512, 1024, 2, 20480), n_shards=2)
+    c = s3_env.client()
+    bucket = s3_env.make_bucket("cow")
+    b = _upload(c, bucket, base, "models/base")
+    es = [_upload(c, bucket, e, f"models/{e.name}") for e in experts]
+    # weight 0 on the embeddings and the LM head: they stay the base's, byte for byte
+    params = ["density=0.5", 'weight=[{"filter": "embed_tokens", "value": 0}, {"filter": "lm_head", "value": 0}, {"value": 1}]']
+    local = merge(str(base), [(e.name, str(e)) for e in experts], "ties", str(tmp_path / "local"), params,
+                  catalog=Catalog(tmp_path / "l.sqlite"))
+    st = open_storage(None, IOCounters())
+    remote = merge(b, _names(es), "ties", f"s3://{bucket}/snap/cow", params, catalog=Catalog(tmp_path / "r.sqlite"),
+                   storage=st)
+    big = 20480 * 512 * 2
+    io = remote.manifest["io"]["realized"]
+    # each copy may first top up a pending part to S3's 5 MiB minimum with bytes read from the base
+    assert io["output_copied_bytes"] >= 2 * (big - 5 * 2**20)
+    assert io["base_read_bytes"] <= local.manifest["io"]["realized"]["base_read_bytes"] - io["output_copied_bytes"]
+    for name, info in remote.manifest["outputs"].items():
+        assert info.get("tree_sha256", info.get("sha256")) == local.manifest["outputs"][name].get(
+            "tree_sha256", local.manifest["outputs"][name].get("sha256"))
+    assert verify_obj(st, f"s3://{bucket}/snap/cow")["ok"]

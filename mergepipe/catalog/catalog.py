@@ -81,6 +81,12 @@ CREATE TABLE IF NOT EXISTS tensor_stats (
     stats BLOB NOT NULL,
     PRIMARY KEY (analysis_id, tensor)
 );
+CREATE TABLE IF NOT EXISTS tensor_digests (
+    identity TEXT NOT NULL,
+    tensor TEXT NOT NULL,
+    sha256 TEXT NOT NULL,
+    PRIMARY KEY (identity, tensor)
+);
 CREATE TABLE IF NOT EXISTS pair_stats (
     base_identity TEXT NOT NULL,
     expert_a TEXT NOT NULL,
@@ -326,8 +332,8 @@ class Catalog:
             check_compatible(base, readers)
             t0 = time.perf_counter()
             before = storage.counters.snapshot()["read"]
-            results, dots = _analyze_stream(storage, base, readers, {e.identity for e in todo}, block_bytes,
-                                            chunk_bytes, progress, missing_pairs)
+            results, dots, bdig = _analyze_stream(storage, base, readers, {e.identity for e in todo}, block_bytes,
+                                                  chunk_bytes, progress, missing_pairs)
             after = storage.counters.snapshot()["read"]
             secs = time.perf_counter() - t0
             nread = sum(after.values()) - sum(before.values())
@@ -335,12 +341,29 @@ class Catalog:
                 self._store(base.identity, e.identity, block_bytes, results[e.identity], secs, nread)
             for (a, b), d in dots.items():
                 self._store_pair(base.identity, a, b, d)
+            if not self.tensor_digests(base.identity):
+                bdig.update(_hash_tensors(storage, base, [n for n in base.layout.tensors if n not in bdig]))
+                self._store_digests(base.identity, bdig)
+        if not self.tensor_digests(base.identity):
+            self._store_digests(base.identity, _hash_tensors(storage, base, list(base.layout.tensors)))
         out = []
         for e in experts:
             a = self.find_analysis(base.identity, e.identity, block_bytes)
             assert a is not None
             out.append(a)
         return out
+
+    def tensor_digests(self, identity: str) -> dict[str, str]:
+        """``{tensor: SHA-256 of its raw bytes}`` of a checkpoint (recorded for bases at analyze
+        time, when every base byte is read anyway); ``{}`` when unknown."""
+        with self._lock:
+            rows = self.db.execute("SELECT tensor, sha256 FROM tensor_digests WHERE identity=?", (identity,)).fetchall()
+        return dict(rows)
+
+    def _store_digests(self, identity: str, digests: dict[str, str]) -> None:
+        with self._lock, self.db:
+            self.db.executemany("INSERT OR REPLACE INTO tensor_digests VALUES (?,?,?)",
+                                [(identity, n, h) for n, h in digests.items()])
 
     def pair_dots(self, base: CheckpointRecord, experts: Sequence[CheckpointRecord],
                   analyses: Sequence[Analysis] | None = None) -> dict[tuple[int, int], dict[str, float]]:
@@ -417,6 +440,7 @@ def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, 
     dots: dict[tuple[str, str], dict[str, float]] = {p: {} for p in pair_ids}
     held = {i for p in pair_ids for i in p}
     stat_readers = [e for e in readers if e.identity in stat_ids]
+    base_digests: dict[str, str] = {}
     for name, bt in base.layout.tensors.items():
         if bt.dtype not in FLOAT_DTYPES or bt.numel == 0:
             continue
@@ -427,10 +451,13 @@ def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, 
         bs = {e.identity: TensorStatsBuilder(name, bt.rows, row_numel, rpb) for e in stat_readers}
         hashes = {e.identity: hashlib.sha256() for e in stat_readers}
         prow: dict[tuple[str, str], list[np.ndarray]] = {p: [] for p in pair_ids}
+        bh = hashlib.sha256()
         for r0 in range(0, bt.rows, chunk_rows):
             r1 = min(bt.rows, r0 + chunk_rows)
             s, t = bt.row_range(r0, r1)
-            b = decode(storage.read_range(storage.join(base.uri, bt.file), s, t, "base"), bt.dtype)
+            braw = storage.read_range(storage.join(base.uri, bt.file), s, t, "base")
+            bh.update(braw)
+            b = decode(braw, bt.dtype)
             b64 = b.astype(np.float64) if stat_readers else None
             bsq = (b64 * b64).reshape(-1, row_numel).sum(axis=1) if stat_readers else None
             deltas = {}
@@ -449,8 +476,22 @@ def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, 
                 prow[p].append(segment_dots(deltas[p[0]], deltas[p[1]], row_numel))
             if progress:
                 progress((t - s) * (1 + len(readers)))
+        base_digests[name] = bh.hexdigest()
         for e in stat_readers:
             builders[e.identity][name] = bs[e.identity].finish(hashes[e.identity].hexdigest())
         for p in pair_ids:
             dots[p][name] = exact_total(np.concatenate(prow[p])) if prow[p] else 0.0
-    return builders, dots
+    return builders, dots, base_digests
+
+
+def _hash_tensors(storage, rec: CheckpointRecord, names: Sequence[str], step: int = 16 << 20) -> dict[str, str]:
+    """SHA-256 of the raw bytes of ``names`` (read in pieces of ``step`` bytes, role base)."""
+    out = {}
+    for n in names:
+        t = rec.layout.tensors[n]
+        h = hashlib.sha256()
+        uri = storage.join(rec.uri, t.file)
+        for s in range(t.start, t.end, step):
+            h.update(storage.read_range(uri, s, min(t.end, s + step), "base"))
+        out[n] = h.hexdigest()
+    return out

@@ -72,6 +72,22 @@ class ObjectCatalog(Catalog):
                         d["registered_at"]))
         return sorted(out, key=lambda r: r[3])
 
+    def _digests_uri(self, identity: str) -> str:
+        return self.storage.join(self.prefix, "digests", identity + ".json")
+
+    def tensor_digests(self, identity: str) -> dict[str, str]:
+        try:
+            return json.loads(self.storage.read_object(self._digests_uri(identity), "catalog"))
+        except NotFoundError:
+            return {}
+
+    def _store_digests(self, identity: str, digests: dict[str, str]) -> None:
+        try:
+            self.storage.put_object(self._digests_uri(identity), json.dumps(digests, sort_keys=True).encode(),
+                                    "catalog", if_none_match=True)
+        except PreconditionFailed:
+            pass  # identity-keyed: the same content
+
     def has_analysis(self, base_identity: str, expert_identity: str, block_bytes: int) -> bool:
         return self.storage.exists(self._analysis_uri(base_identity, expert_identity, block_bytes))
 

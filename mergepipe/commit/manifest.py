@@ -35,10 +35,37 @@ def canonical(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
+def content_key(info: dict) -> str:
+    """What identifies an output file's content: its tree digest (shards) or its SHA-256."""
+    return info.get("tree_sha256") or info["sha256"]
+
+
 def snapshot_id(plan_digest: str, outputs: dict) -> str:
     """Content-addressed snapshot id: ``snap-`` + 16 hex of SHA-256 over the plan digest and
-    the output files' hashes."""
-    return "snap-" + hashlib.sha256(canonical({"plan": plan_digest, "outputs": outputs})).hexdigest()[:16]
+    each output file's size and content key (:func:`content_key`), so a snapshot written with
+    server-side copies has the same id as the same bytes written locally."""
+    keyed = {n: {"size": i["size"], "digest": content_key(i)} for n, i in outputs.items()}
+    return "snap-" + hashlib.sha256(canonical({"plan": plan_digest, "outputs": keyed})).hexdigest()[:16]
+
+
+def shard_tree_digest(read_range, size: int, name: str) -> str:
+    """Recompute a safetensors shard's tree digest (see :func:`mergepipe.engine.executor.tree_digest`)
+    from ``read_range(start, end) -> bytes``."""
+    import struct
+
+    from mergepipe.formats.safetensors import parse_header
+
+    n = struct.unpack("<Q", read_range(0, 8))[0]
+    raw = read_range(0, 8 + n)
+    hdr = parse_header(raw, name, size)
+    tensors = []
+    for t in sorted(hdr.tensors.values(), key=lambda t: t.start):
+        h = hashlib.sha256()
+        for s in range(t.start, t.end, 16 << 20):
+            h.update(read_range(s, min(t.end, s + (16 << 20))))
+        tensors.append([t.name, h.hexdigest()])
+    tree = {"header_sha256": hashlib.sha256(raw).hexdigest(), "tensors": tensors}
+    return hashlib.sha256(json.dumps(tree, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def manifest_bytes(manifest: dict) -> bytes:
@@ -196,8 +223,19 @@ def verify_snapshot(folder: str | Path) -> dict:
                 h.update(chunk)
         if p.stat().st_size != info["size"]:
             problems.append(f"{name}: size {p.stat().st_size} != {info['size']}")
-        elif h.hexdigest() != info["sha256"]:
+        elif "sha256" in info and h.hexdigest() != info["sha256"]:
             problems.append(f"{name}: sha256 mismatch")
+        elif "tree_sha256" in info:
+            with open(p, "rb") as f:
+                def rr(a, b, f=f):
+                    f.seek(a)
+                    return f.read(b - a)
+                try:
+                    ok = shard_tree_digest(rr, info["size"], name) == info["tree_sha256"]
+                except Exception:
+                    ok = False
+            if not ok:
+                problems.append(f"{name}: tree digest mismatch")
     for p in folder.rglob("*"):
         rel = p.relative_to(folder).as_posix()
         if p.is_file() and rel != MANIFEST_NAME and rel not in listed:

@@ -124,6 +124,40 @@ def _encode(t, dtype: str) -> bytes:
     return out.view(torch.uint8).numpy().tobytes()
 
 
+#: tensors at least this large are copied server-side when input and output share an object store;
+COW_MIN_BYTES = 16 * 1024 * 1024  # S3 parts are >= 5 MiB: a smaller copy would mostly be re-read to top up a part
+
+
+class _KnownHash:
+    """A finished hash known in advance (a base tensor's SHA-256 from the catalog)."""
+
+    def __init__(self, hexdigest: str) -> None:
+        self._h = hexdigest
+
+    def hexdigest(self) -> str:
+        return self._h
+
+
+def tree_digest(tree: dict) -> str:
+    """The *tree digest* of a safetensors shard: SHA-256 of the canonical JSON
+    ``{"header_sha256": …, "tensors": [[name, sha256 of its bytes], …]}`` in file order. Unlike a
+    whole-file SHA-256 it can be computed for shards whose unchanged tensors were copied
+    server-side (from the base tensors' digests), and it identifies the same bytes."""
+    return hashlib.sha256(json.dumps(tree, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def server_side_copy(storage: Storage, out_storage: Storage, base_uri: str, out_prefix: str) -> bool:
+    """True when unchanged base bytes can be copied by the store itself (S3 UploadPartCopy):
+    base and output on the same S3 endpoint."""
+    from mergepipe.storage.base import is_s3
+
+    if not (is_s3(base_uri) and is_s3(out_prefix)):
+        return False
+    src = storage.backend(base_uri) if hasattr(storage, "backend") else storage
+    dst = out_storage.backend(out_prefix) if hasattr(out_storage, "backend") else out_storage
+    return src is dst or getattr(src, "endpoint_url", 0) == getattr(dst, "endpoint_url", 1)
+
+
 class _Item:
     """One unit of work: a row chunk of a tensor (``kind`` merge or stats) or a copy range."""
 
@@ -216,6 +250,7 @@ def _execute(
     # ---- work list ------------------------------------------------------------------------
     from mergepipe.formats.safetensors import DTYPES
 
+    cow = server_side_copy(storage, out_storage, plan.base.uri, out_prefix)
     items: list[_Item] = []
     for tp in plan.tensors:
         itemsize = DTYPES[tp.dtype][0]
@@ -225,6 +260,9 @@ def _execute(
             for r0 in range(0, rows, tp.chunk_rows):  # same values, another dtype: decode + encode
                 r1 = min(rows, r0 + tp.chunk_rows)
                 items.append(_Item("convert", tp, r0, r1, (r1 - r0) * rb))
+            continue
+        if tp.copy_base and cow and tp.base_sha256 and rows * rb >= COW_MIN_BYTES:
+            items.append(_Item("cow", tp, 0, rows, 0))  # server-side copy: nothing read here
             continue
         if tp.copy_base:
             nbytes = rows * rb
@@ -241,6 +279,8 @@ def _execute(
                 items.append(_Item(kind, tp, r0, r1, (r1 - r0) * rb * (1 + len(tp.experts))))
 
     def fetch(it: _Item):
+        if it.kind == "cow":
+            return b"", None
         tp = it.tp
         itemsize = DTYPES[tp.dtype][0]
         rb = _row_bytes(tp, itemsize)
@@ -277,10 +317,19 @@ def _execute(
                     writers[arg] = cur
                 elif op == "data":
                     cur.write(arg)
+                elif op == "copy":
+                    src, s0, s1 = arg
+                    cur.inner.copy_range(src, s0, s1)
+                    cur.size += s1 - s0
+                    cur.copied = True
                 elif op == "close":
-                    w = writers[arg]
+                    name, tree = arg
+                    w = writers[name]
                     size = w.inner.close()
-                    res.files[arg] = {"size": size, "sha256": w.sha.hexdigest()}
+                    info = {"size": size, "tree_sha256": tree}
+                    if not getattr(w, "copied", False):
+                        info["sha256"] = w.sha.hexdigest()
+                    res.files[name] = info
         except BaseException as e:  # surfaced to the main thread
             werr.append(e)
             while True:  # drain so the producer never blocks
@@ -317,6 +366,8 @@ def _execute(
     l1_all: dict[tuple[str, int], list[float]] = {}
     l1_kept: dict[tuple[str, int], list[float]] = {}
     base_sha: dict[str, hashlib._Hash] = {}
+    out_sha: dict[str, object] = {}
+    tree: dict[str, dict] = {}
     pool = ThreadPoolExecutor(read_threads, thread_name_prefix="mergepipe-fetch")
     pending: deque[_Item] = deque()
     nxt = 0
@@ -333,7 +384,7 @@ def _execute(
             inflight -= it.nbytes
             it.future = None
             tp = it.tp
-            if it.kind != "stats":
+            if it.kind not in ("stats", "cow"):
                 base_sha.setdefault(tp.name, hashlib.sha256()).update(base_raw)
             if i == first_item_of_shard.get(tp.file):
                 put(("open", tp.file))
@@ -341,19 +392,37 @@ def _execute(
                     [(t.name, t.out_dtype or t.dtype, tuple(t.shape)) for t in shard_tensors[tp.file]],
                     plan.shard_metadata.get(tp.file, {}),
                 )
+                tree[tp.file] = {"header_sha256": hashlib.sha256(hdr).hexdigest(), "tensors": []}
                 put(("data", hdr))
-            if it.kind == "copy":
+            if it.kind == "cow":
+                rb = _row_bytes(tp, DTYPES[tp.dtype][0])
+                rows = tp.shape[0] if tp.shape else 1
+                put(("copy", (storage.join(plan.base.uri, tp.file), tp.start, tp.start + rows * rb)))
+                out_sha[tp.name] = _KnownHash(tp.base_sha256)
+                if progress:
+                    progress(rows * rb)
+            elif it.kind == "copy":
+                out_sha.setdefault(tp.name, hashlib.sha256()).update(base_raw)
                 put(("data", base_raw))
                 if progress:
                     progress(len(base_raw))
             else:
                 out = _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept)
                 if out is not None:
+                    out_sha.setdefault(tp.name, hashlib.sha256()).update(out)
                     put(("data", out))
                     if progress:
                         progress(len(out))
+            last_of_tensor = i + 1 == len(items) or items[i + 1].tp is not tp
+            if last_of_tensor:
+                if tp.base_sha256 and tp.name in base_sha and base_sha[tp.name].hexdigest() != tp.base_sha256:
+                    raise InputError(
+                        f"{storage.join(plan.base.uri, tp.file)}: tensor {tp.name!r} of the base changed since it "
+                        "was analyzed (content hash differs); re-run the merge to re-analyze it."
+                    )
+                tree[tp.file]["tensors"].append([tp.name, out_sha[tp.name].hexdigest()])
             if i == last_item_of_shard.get(tp.file):
-                put(("close", tp.file))
+                put(("close", (tp.file, tree_digest(tree[tp.file]))))
         put(None)
         wt.join()
         if werr:
@@ -416,6 +485,9 @@ def _execute(
             nm = plan.experts[te.expert].name
             res.touched_blocks[nm] = res.touched_blocks.get(nm, 0) + sum(b - a for a, b in te.blocks)
     res.base_tensor_sha256 = {k: v.hexdigest() for k, v in base_sha.items()}
+    for it in items:
+        if it.kind == "cow":
+            res.base_tensor_sha256[it.tp.name] = it.tp.base_sha256
     res.wall_s = time.perf_counter() - t0
     return res
 

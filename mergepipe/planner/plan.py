@@ -107,6 +107,7 @@ class TensorPlan(BaseModel):
     out_dtype: str | None = None
     experts: list[TensorExpert] = Field(default_factory=list)
     copy_base: bool = False
+    base_sha256: str = ""
     explain: str = ""
 
 

@@ -133,11 +133,14 @@ def make_plan(
     out_dtype: str | None = None,
     requested_dtype: str | None = None,
     source: dict | None = None,
+    base_digests: dict[str, str] | None = None,
 ) -> Plan:
     """Plan a merge of ``experts`` into ``base``.
 
     Args:
         analyses: the catalog's analysis of each expert (same order), same block size.
+        base_digests: SHA-256 of each base tensor's bytes (from the catalog); lets the engine
+            copy unchanged tensors server-side and still account for their content.
         budget_bytes: expert-I/O budget in bytes (None: unlimited).
         fidelity: fraction of the full-budget retained energy to reach, in (0, 1] (None: off).
             With both, the plan stops at whichever comes first.
@@ -192,6 +195,7 @@ def make_plan(
             name=name, dtype=bt.dtype, shape=list(bt.shape), file=bt.file, start=bt.start, rows_per_block=rpb,
             n_blocks=n_blocks(bt, block_bytes), chunk_rows=cr, params=g, weight_sum=float(sum(weights)),
             out_dtype=(out_dtype if floating and out_dtype and out_dtype != bt.dtype else None),
+            base_sha256=(base_digests or {}).get(name, ""),
         )
         rescale = spec.kind == "gta" and bool(g.get("rescale")) and spec.sparsify != "none"
         passes = 2 if rescale and cr < bt.rows and any(e.get("density", 1.0) < 1.0 for e in eps) else 1
