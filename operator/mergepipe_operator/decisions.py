@@ -1231,7 +1231,7 @@ class ManifestFacts:
 
         {"format": "mergepipe.manifest/v1", "snapshot_id": "snap-<16 hex>", "plan_digest": "<64 hex>",
          "files_prefix": "runs/<id>",                      # outputs live under <out>/<files_prefix>/
-         "outputs": {"model.safetensors": {"size": int, "sha256": "<hex>"}, ...},
+         "outputs": {"model.safetensors": {"size": int, "sha256": "<hex>"}, ...},   # or "tree_sha256"
          "io": {"expert_budget_bytes": int | null, "fidelity": float | null,
                 "estimated": {"base_read_bytes", "expert_read_bytes", "output_write_bytes"},
                 "realized":  {"base_read_bytes", "expert_read_bytes", "output_write_bytes", ...}},
@@ -1269,8 +1269,10 @@ def manifest_facts(doc: Mapping[str, Any]) -> ManifestFacts:
     if not isinstance(outputs, dict) or not outputs:
         raise ValueError("the manifest lists no outputs")
     for path, o in outputs.items():
-        if not isinstance(o, dict) or not _DIGEST_RE.match(str(o.get("sha256", ""))):
-            raise ValueError(f"output {path} has no SHA-256")
+        # the content key: SHA-256 of the file, or (shards partly written by server-side copy)
+        # the tree digest over its header and per-tensor SHA-256s (mergepipe.commit.manifest)
+        if not isinstance(o, dict) or not any(_DIGEST_RE.match(str(o.get(k, ""))) for k in ("sha256", "tree_sha256")):
+            raise ValueError(f"output {path} has no SHA-256 or tree digest")
         if not _is_number(o.get("size")) or o["size"] < 0:
             raise ValueError(f"output {path} has no size")
     io = doc.get("io") if isinstance(doc.get("io"), dict) else {}

@@ -484,11 +484,20 @@ def manifest(**over):
                             "output_copied_bytes": 0, "catalog_read_bytes": 5}},
     }
     m.update(over)
-    m.setdefault("snapshot_id", snapshot_id(str(m.get("plan_digest") or ""), m.get("outputs") or {}))
+    try:
+        m.setdefault("snapshot_id", snapshot_id(str(m.get("plan_digest") or ""), m.get("outputs") or {}))
+    except KeyError:  # an output without size or digest: the core cannot compute an id either
+        m.setdefault("snapshot_id", "snap-" + "0" * 16)
     return manifest_bytes(m)
 
 
 SIZES = {"runs/0123456789abcdef/model.safetensors": 1000, "runs/0123456789abcdef/config.json": 10}
+
+
+def test_snapshot_ready_accepts_tree_digests_of_copied_shards():
+    outputs = {"model.safetensors": {"size": 1000, "tree_sha256": "ab" * 32}, "config.json": {"size": 10, "sha256": "ef" * 32}}
+    ok, reason, _ = d.snapshot_ready(manifest(outputs=outputs), DIGEST, None, object_sizes=SIZES)
+    assert (ok, reason) == (True, Reason.VERIFIED)
 
 
 def test_snapshot_ready_accepts_a_consistent_manifest():
@@ -532,6 +541,7 @@ def _edit(raw, **over):
         (manifest(outputs={}), DIGEST, None, None, Reason.MANIFEST_INVALID),
         (manifest(outputs={"a": {"size": 1, "sha256": "zz"}}), DIGEST, None, None, Reason.MANIFEST_INVALID),
         (manifest(outputs={"a": {"sha256": "ab" * 32}}), DIGEST, None, None, Reason.MANIFEST_INVALID),
+        (manifest(outputs={"a": {"size": 5}}), DIGEST, None, None, Reason.MANIFEST_INVALID),
         (manifest(files_prefix="../elsewhere"), DIGEST, None, None, Reason.MANIFEST_INVALID),
         (manifest(format="other/v9"), DIGEST, None, None, Reason.MANIFEST_INVALID),
         (manifest(io={"expert_budget_bytes": 2 * GI, "realized": {"expert_read_bytes": 3 * GI}}), DIGEST, None, None, Reason.BUDGET_EXCEEDED),
