@@ -32,3 +32,7 @@ def s3_models(seaweed, family):
     )
     analyze_into(seaweed, m.catalog, m.base, m.experts)
     return m
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fresh_catalog: the cluster fixture gives the operator an empty catalog prefix")

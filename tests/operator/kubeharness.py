@@ -1,0 +1,286 @@
+"""Harness of the API-level operator tests: a fake API server (kmock + RealisticEmulator) in a
+background thread, the real operator under ``kopf.testing.KopfRunner``, and a player that runs a
+Job's container command locally the way the pod would.
+
+Everything here is synchronous from the test's point of view: the API server has its own event
+loop thread and kopf runs in KopfRunner's thread, so tests may block (``time.sleep`` polling,
+the sync kubernetes client, subprocesses) without stalling either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import copy
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kmock._internal import apps
+from kmock._internal.references import ResourceInfo
+from kmock_realistic import RealisticEmulator
+from op_testlib import ROOT
+
+from mergepipe_operator.crd import GROUP, RESOURCES, VERSION
+
+
+class KubeServer:
+    """kmock's :class:`RealisticEmulator` on 127.0.0.1 in its own event-loop thread, with the
+    bundled built-in resources (namespaces, events, Jobs, Secrets, CRDs, ...) and the three
+    mergepipe custom resources (namespaced, with a status subresource)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="kmock", daemon=True)
+        self.kmock: RealisticEmulator | None = None
+        self.server: apps.Server | None = None
+
+    def _run(self, coro, timeout: float = 30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _start(self) -> None:
+        self.kmock = RealisticEmulator()
+        await self.kmock.__aenter__()
+        with warnings.catch_warnings():  # kmock 0.8 reads its bundle with a deprecated importlib call
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.kmock.resources.load_bundled()
+        for kind, r in RESOURCES.items():
+            self.kmock.resources[f"{GROUP}/{VERSION}/{r['plural']}"] = ResourceInfo(
+                kind=kind, singular=r["singular"], shortnames=set(r["short_names"]), namespaced=True,
+                subresources={"status"},
+                verbs={"list", "watch", "get", "create", "patch", "update", "delete", "deletecollection"},
+            )
+        self.server = apps.Server(self.kmock)
+        await self.server.__aenter__()
+
+    async def _stop(self) -> None:
+        if self.server is not None:
+            await self.server.__aexit__(None, None, None)
+        if self.kmock is not None:
+            await self.kmock.__aexit__(None, None, None)
+
+    def __enter__(self) -> KubeServer:
+        self.thread.start()
+        self._run(self._start())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._run(self._stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return str(self.server.url).rstrip("/")
+
+    def kubeconfig(self, path: Path) -> Path:
+        cfg = {
+            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+            "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
+            "users": [{"name": "test", "user": {"token": "test-token"}}],
+            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "test"}}],
+        }
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+
+
+class Api:
+    """The test's own API client: plain JSON over HTTP to the fake server (like kubectl would),
+    independent of the kubernetes client the operator uses."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    @staticmethod
+    def _res(kind: str) -> tuple[str, str, str]:
+        if kind in RESOURCES:
+            return GROUP, VERSION, RESOURCES[kind]["plural"]
+        return {"Job": ("batch", "v1", "jobs"), "Secret": ("", "v1", "secrets"),
+                "Namespace": ("", "v1", "namespaces"), "Event": ("", "v1", "events")}[kind]
+
+    def _path(self, kind: str, ns: str | None, name: str | None = None, sub: str | None = None) -> str:
+        g, v, plural = self._res(kind)
+        p = f"/api/{v}" if not g else f"/apis/{g}/{v}"
+        if ns is not None:
+            p += f"/namespaces/{ns}"
+        p += f"/{plural}"
+        if name:
+            p += f"/{name}"
+        if sub:
+            p += f"/{sub}"
+        return p
+
+    def _call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        import urllib.error
+        import urllib.request
+
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": content_type, "Accept": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as e:
+            if e.code == 404 and method == "GET":
+                return None
+            raise AssertionError(f"{method} {path}: HTTP {e.code}: {e.read()[:1000]!r}") from None
+
+    def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", self._path(obj["kind"], obj["metadata"].get("namespace")), obj)
+
+    def get(self, kind: str, ns: str | None, name: str) -> dict[str, Any] | None:
+        return self._call("GET", self._path(kind, ns, name))
+
+    def list(self, kind: str, ns: str | None, labels: str | None = None) -> list[dict[str, Any]]:
+        import urllib.parse
+
+        q = "?" + urllib.parse.urlencode({"labelSelector": labels}) if labels else ""
+        return sorted(self._call("GET", self._path(kind, ns) + q)["items"], key=lambda o: o["metadata"]["name"])
+
+    def patch(self, kind: str, ns: str, name: str, patch: dict[str, Any], sub: str | None = None) -> dict[str, Any]:
+        return self._call("PATCH", self._path(kind, ns, name, sub), patch, "application/merge-patch+json")
+
+    def delete(self, kind: str, ns: str, name: str) -> dict[str, Any]:
+        return self._call("DELETE", self._path(kind, ns, name), {"propagationPolicy": "Background"})
+
+
+def ready(obj: dict[str, Any] | None) -> dict[str, Any]:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Ready":
+            return c
+    return {}
+
+
+def wait_for(what: str, fn: Callable[[], Any], timeout: float = 60.0, interval: float = 0.1) -> Any:
+    """Poll ``fn`` until it returns something truthy; fail with ``what`` and the last value."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {json.dumps(last, default=str)[:2000]}")
+
+
+@contextlib.contextmanager
+def operator(timeout: float = 30.0) -> Iterator[Any]:
+    """The real operator (``kopf run --standalone -A -m mergepipe_operator.main``) in a thread,
+    with short watch/batching timeouts; fails the test if it exits with an error."""
+    import kopf
+    from kopf.testing import KopfRunner
+
+    settings = kopf.OperatorSettings()
+    settings.watching.server_timeout = 10
+    settings.watching.client_timeout = 20
+    settings.watching.reconnect_backoff = 0.1
+    settings.queueing.idle_timeout = 1.0
+    settings.queueing.exit_timeout = 1.0
+    with KopfRunner(["run", "--standalone", "--all-namespaces", "-m", "mergepipe_operator.main"],
+                    settings=settings, timeout=timeout) as runner:
+        yield runner
+    assert runner.exception is None, runner.output[-5000:]
+    assert runner.exit_code == 0, runner.output[-5000:]
+
+
+# --- Jobs: the test plays the kubelet ---------------------------------------------------------------
+
+
+def _secret_value(api: Api, ns: str, ref: dict[str, Any]) -> str | None:
+    s = api.get("Secret", ns, ref["name"])
+    data = (s or {}).get("data") or {}
+    if ref["key"] not in data:
+        if ref.get("optional"):
+            return None
+        raise AssertionError(f"Secret {ns}/{ref['name']} has no key {ref['key']!r} (the pod would not start)")
+    return base64.b64decode(data[ref["key"]]).decode()
+
+
+def job_command(api: Api, job: dict[str, Any], workdir: Path) -> tuple[list[str], dict[str, str]]:
+    """The Job's container command and environment, as its pod would run them: ``mergepipe`` is
+    this checkout's CLI, secretKeyRef values come from the Secret in the Job's namespace, and the
+    pod's emptyDir /tmp is a fresh folder."""
+    ns = job["metadata"]["namespace"]
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    cmd = list(c["command"]) + list(c.get("args") or [])
+    assert cmd[0] == "mergepipe", cmd
+    cmd = [sys.executable, "-m", "mergepipe.cli"] + cmd[1:]
+    tmp = workdir / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "operator")]),
+        # the pod has no AWS config files and no instance metadata
+        "AWS_CONFIG_FILE": str(workdir / "no-aws-config"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(workdir / "no-aws-credentials"),
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    for e in c.get("env") or []:
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        else:
+            v = _secret_value(api, ns, e["valueFrom"]["secretKeyRef"])
+            if v is not None:
+                env[e["name"]] = v
+    for k in ("HOME", "TMPDIR"):  # /tmp in the pod: the emptyDir
+        env[k] = str(tmp)
+    env["XDG_CACHE_HOME"] = str(tmp / ".cache")
+    return cmd, env
+
+
+def run_job(api: Api, job: dict[str, Any], workdir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd, env = job_command(api, job, workdir)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(workdir))
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def mark_job(api: Api, job: dict[str, Any], state: str, message: str = "") -> None:
+    """Write the Job status the Job controller would: Running, Succeeded or Failed."""
+    ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+    t = _now()
+    if state == "Running":
+        st: dict[str, Any] = {"active": 1, "ready": 1, "startTime": t}
+    elif state == "Succeeded":
+        st = {"active": 0, "succeeded": 1, "ready": 0, "completionTime": t, "conditions": [
+            {"type": "SuccessCriteriaMet", "status": "True", "reason": "CompletionsReached", "lastTransitionTime": t,
+             "message": "Reached expected number of succeeded pods"},
+            {"type": "Complete", "status": "True", "reason": "CompletionsReached", "lastTransitionTime": t,
+             "message": "Reached expected number of succeeded pods"}]}
+    else:
+        st = {"active": 0, "failed": 1, "ready": 0, "conditions": [
+            {"type": "FailureTarget", "status": "True", "reason": "BackoffLimitExceeded", "lastTransitionTime": t,
+             "message": message or "Job has reached the specified backoff limit"},
+            {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "lastTransitionTime": t,
+             "message": message or "Job has reached the specified backoff limit"}]}
+    api.patch("Job", ns, name, {"status": st}, sub="status")
+
+
+def play_job(api: Api, job: dict[str, Any], workdir: Path) -> subprocess.CompletedProcess:
+    """Run the Job's command locally and report its outcome on the Job, like a pod and the Job
+    controller would."""
+    mark_job(api, job, "Running")
+    r = run_job(api, job, workdir)
+    if r.returncode == 0:
+        mark_job(api, job, "Succeeded")
+    else:
+        mark_job(api, job, "Failed", f"exit code {r.returncode}: {r.stderr[-500:]}")
+    return r
+
+
+def quota_ledger(api: Api, ns: str, name: str) -> list[dict[str, Any]]:
+    return copy.deepcopy(((api.get("MergeQuota", ns, name) or {}).get("status") or {}).get("ledger") or [])

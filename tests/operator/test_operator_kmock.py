@@ -1,0 +1,350 @@
+"""The real operator (kopf.testing.KopfRunner running ``mergepipe_operator.main``) against a fake
+Kubernetes API (kmock + RealisticEmulator: uid, resourceVersion, generation, status subresource,
+label selectors, finalizers, garbage collection) and a real S3 server (SeaweedFS) holding a tiny
+model family. Nothing runs Jobs here, so the tests play them: they run each Job's container
+command locally (this checkout's ``mergepipe`` CLI, with the environment its pod would get from
+the Job spec and the Secret it references) and then write the Job status the Job controller would.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("kopf", reason="kopf (the operator framework) is not installed")
+pytest.importorskip("kmock", reason="kmock (fake Kubernetes API) is not installed")
+
+from kubeharness import Api, KubeServer, mark_job, operator, play_job, quota_ledger, ready, wait_for  # noqa: E402
+from op_testlib import S3Models  # noqa: E402
+
+from mergepipe_operator import decisions as d  # noqa: E402
+from mergepipe_operator import main  # noqa: E402
+
+pytestmark = pytest.mark.s3
+
+NS = "team-llm"
+SECRET = "mergepipe-s3"
+
+
+@dataclasses.dataclass
+class Cluster:
+    api: Api
+    models: S3Models
+    catalog: str
+    plans: str
+    tmp: Path
+    seaweed: Any
+
+    def merge(self, name: str, ns: str = NS, *, experts: int = 2, out: str | None = None, **spec: Any) -> dict[str, Any]:
+        body = {
+            "base": {"uri": self.models.base + "/"},
+            "experts": [{"name": n, "uri": u + "/", "weight": 0.5, "parameters": {"density": 0.5}}
+                        for n, u in zip(("code", "math", "chat"), self.models.experts[:experts])],
+            "method": "ties",
+            "parameters": {"normalize": True},
+            "output": {"uri": out or f"s3://{self.models.bucket}/snapshots/{ns}/{name}/"},
+        }
+        body.update(spec)
+        return self.api.create({"apiVersion": "mergepipe.io/v1alpha1", "kind": "ModelMerge",
+                                "metadata": {"name": name, "namespace": ns}, "spec": body})
+
+    def quota(self, name: str, ns: str = NS, *, bytes_: Any = None, merges: int | None = None,
+              enforcement: str = "Reject") -> dict[str, Any]:
+        hard = {k: v for k, v in (("expertReadBytes", bytes_), ("merges", merges)) if v is not None}
+        return self.api.create({"apiVersion": "mergepipe.io/v1alpha1", "kind": "MergeQuota",
+                                "metadata": {"name": name, "namespace": ns},
+                                "spec": {"hard": hard, "window": "24h", "enforcement": enforcement}})
+
+    def mm(self, name: str, ns: str = NS) -> dict[str, Any] | None:
+        return self.api.get("ModelMerge", ns, name)
+
+    def wait_reason(self, name: str, reasons: str | tuple[str, ...], ns: str = NS, timeout: float = 60) -> dict[str, Any]:
+        reasons = (reasons,) if isinstance(reasons, str) else reasons
+        return wait_for(f"ModelMerge {ns}/{name} Ready reason in {reasons}",
+                        lambda: (o := self.mm(name, ns)) and ready(o).get("reason") in reasons and o, timeout)
+
+    def jobs(self, ns: str = NS, component: str | None = None) -> list[dict[str, Any]]:
+        sel = f"{d.LABEL_MANAGED_BY}={d.MANAGER}" + (f",{d.LABEL_COMPONENT}={component}" if component else "")
+        return self.api.list("Job", ns, sel)
+
+    def job(self, component: str, ns: str = NS, name: str | None = None) -> dict[str, Any]:
+        def one():
+            js = [j for j in self.jobs(ns, component) if name is None or j["metadata"]["name"] == name]
+            return js[0] if len(js) == 1 else None
+        return wait_for(f"one {component} Job in {ns}", one)
+
+    def manifest(self, out_uri: str) -> tuple[dict[str, Any], bytes]:
+        bucket, key = out_uri[5:].split("/", 1)
+        raw = self.models.client.get_object(Bucket=bucket, Key=key.rstrip("/") + "/manifest.json")["Body"].read()
+        return json.loads(raw), raw
+
+
+@pytest.fixture
+def cluster(tmp_path, monkeypatch, s3_env, s3_models, seaweed, request):
+    """A fresh fake API server with namespaces, the S3 Secret, and the operator's environment (as
+    the chart's Deployment sets it). The catalog is fully analyzed unless the test is marked
+    ``fresh_catalog``."""
+    import kubernetes.config.kube_config as kcm
+
+    tag = request.node.name.replace("_", "-")[:40].strip("-")
+    fresh = request.node.get_closest_marker("fresh_catalog") is not None
+    catalog = f"s3://{s3_models.bucket}/catalog-{tag}/" if fresh else s3_models.catalog + "/"
+    plans = f"s3://{s3_models.bucket}/plans-{tag}/"
+    with KubeServer() as ks:
+        monkeypatch.setattr(kcm, "KUBE_CONFIG_DEFAULT_LOCATION", str(ks.kubeconfig(tmp_path / "kubeconfig")))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        monkeypatch.setattr(main, "_controller", None)
+        monkeypatch.setenv("AWS_REGION", seaweed.region)
+        for k, v in {
+            "MERGER_IMAGE": "ghcr.io/mergepipe/merger:test",
+            "S3_ENDPOINT": seaweed.endpoint_url,
+            "S3_REGION": seaweed.region,
+            "S3_SECRET_NAME": SECRET,
+            "CATALOG_URI": catalog,
+            "PLAN_PREFIX": plans,
+            "GPU_COUNT": "0",
+            "ANALYZE_POLL_SECONDS": "1",
+            "QUOTA_RETRY_SECONDS": "300",
+        }.items():
+            monkeypatch.setenv(f"MERGEPIPE_{k}", v)
+        api = Api(ks.url)
+        for ns in (NS, "team-b"):
+            api.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+            api.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": SECRET, "namespace": ns}, "type": "Opaque",
+                        "data": {"AWS_ACCESS_KEY_ID": base64.b64encode(seaweed.access_key.encode()).decode(),
+                                 "AWS_SECRET_ACCESS_KEY": base64.b64encode(seaweed.secret_key.encode()).decode()}})
+        yield Cluster(api=api, models=s3_models, catalog=catalog, plans=plans, tmp=tmp_path, seaweed=seaweed)
+
+
+def planned_expert_bytes(c: Cluster, **spec: Any) -> int:
+    """What the operator's planner will plan for the default two-expert merge (deterministic)."""
+    from op_testlib import core_storage
+
+    s = {
+        "base": {"uri": c.models.base}, "method": "ties", "parameters": {"normalize": True},
+        "experts": [{"name": n, "uri": u, "weight": 0.5, "parameters": {"density": 0.5}}
+                    for n, u in zip(("code", "math"), c.models.experts[:2])],
+    }
+    s.update(spec)
+    return main.plan_merge(s, c.catalog, storage=core_storage(c.seaweed)).expert_read_bytes
+
+
+# --- tests ------------------------------------------------------------------------------------------
+
+
+def test_invalid_spec_names_the_field_then_a_fix_proceeds(cluster):
+    c = cluster
+    with operator():
+        bad = c.merge("bad", experts=2, budget="10Gi")
+        c.api.patch("ModelMerge", NS, "bad", {"spec": {"experts": [
+            dict(bad["spec"]["experts"][0], parameters={"density": 1.5}), bad["spec"]["experts"][1]]}})
+        o = c.wait_reason("bad", "InvalidSpec")
+        r = ready(o)
+        assert r["status"] == "False" and "spec.experts[0].parameters.density" in r["message"] and "1.5" in r["message"]
+        assert o["status"]["observedGeneration"] == o["metadata"]["generation"] == r["observedGeneration"] == 2
+        assert c.jobs() == []
+        # fixing the spec is a new generation: reconciled again, now planned and running
+        c.api.patch("ModelMerge", NS, "bad", {"spec": {"experts": [
+            dict(bad["spec"]["experts"][0], parameters={"density": 0.5}), bad["spec"]["experts"][1]]}})
+        o = c.wait_reason("bad", "JobRunning")
+        assert o["status"]["observedGeneration"] == 3 and ready(o)["observedGeneration"] == 3
+        assert d.FINALIZER in o["metadata"]["finalizers"]
+        (job,) = c.jobs(component="merge")
+        assert job["metadata"]["name"] == o["status"]["jobName"] == d.job_name("bad", o["status"]["planDigest"])
+
+
+@pytest.mark.slow
+@pytest.mark.fresh_catalog
+def test_merge_end_to_end_analyze_plan_merge_commit_charge_delete(cluster):
+    """ModelMerge -> analyze Job -> plan in status -> merge Job -> real snapshot in S3 ->
+    MergedSnapshot Ready -> quota charged from the manifest; an operator restart while the analyze
+    Job runs starts no second Job; deleting the merge stops its running Job and keeps the snapshot."""
+    from mergepipe.planner.plan import Plan
+
+    c = cluster
+    c.quota("daily", bytes_="1Gi", merges=10, enforcement="Clamp")
+    out = f"s3://{c.models.bucket}/snapshots/e2e/"
+    with operator():
+        mm = c.merge("e2e", out=out, budget="1Mi", seed=7)
+        uid = mm["metadata"]["uid"]
+        o = c.wait_reason("e2e", "Analyzing")
+        an = c.job("analyze")
+        assert an["metadata"]["name"] in ready(o)["message"]
+        analyzed = {x["type"]: x for x in o["status"]["conditions"]}["Analyzed"]
+        assert (analyzed["status"], analyzed["reason"]) == ("False", "Analyzing")
+        assert c.jobs(component="merge") == []
+    # the operator restarts while the analyze Job runs: it finds the Job instead of starting another
+    with operator():
+        time.sleep(2.5)  # > 2 analyze polls
+        assert [j["metadata"]["name"] for j in c.jobs()] == [an["metadata"]["name"]]
+        assert ready(c.mm("e2e"))["reason"] == "Analyzing"
+        (ac,) = an["spec"]["template"]["spec"]["containers"]
+        assert ac["args"] == ["analyze", "--base", c.models.base, "--expert", c.models.experts[0], "--expert",
+                              c.models.experts[1], "--catalog", c.catalog, "--json"]
+        assert an["metadata"]["ownerReferences"][0]["uid"] == uid
+        assert "nvidia.com/gpu" not in ac["resources"].get("limits", {})  # analysis is numpy: no GPU
+        r = play_job(c.api, an, c.tmp / "analyze")
+        assert r.returncode == 0, r.stderr
+        assert len(json.loads(r.stdout)["experts"]) == 2
+
+        o = c.wait_reason("e2e", "JobRunning")
+        st = o["status"]
+        assert {x["type"]: x for x in st["conditions"]}["Analyzed"]["status"] == "True"
+        assert st["planURI"] == f"{c.plans}{NS}/e2e/{st['planDigest']}.json"
+        bucket, key = st["planURI"][5:].split("/", 1)
+        plan = Plan.from_json(c.models.client.get_object(Bucket=bucket, Key=key)["Body"].read().decode())
+        assert plan.digest == st["planDigest"] and plan.budget_bytes == st["budgetBytes"] == 1024**2 and plan.seed == 7
+        assert st["estimated"]["expertReadBytes"] == plan.io.expert_read_bytes <= 1024**2
+        assert (st["budget"], st["expertCount"], st["method"]) == ("1Mi", 2, "ties")
+        job = c.job("merge")
+        (mc,) = job["spec"]["template"]["spec"]["containers"]
+        assert job["metadata"]["name"] == st["jobName"] == d.job_name("e2e", st["planDigest"])
+        assert job["metadata"]["ownerReferences"] == [{"apiVersion": "mergepipe.io/v1alpha1", "kind": "ModelMerge",
+                                                       "name": "e2e", "uid": uid, "controller": True, "blockOwnerDeletion": True}]
+        assert mc["args"] == ["execute", st["planURI"], "--out", out, "--json"]  # GPU count 0: CPU
+        env = {e["name"]: e for e in mc["env"]}
+        assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": SECRET, "key": "AWS_SECRET_ACCESS_KEY"}
+        assert env["AWS_ENDPOINT_URL"]["value"] == c.seaweed.endpoint_url
+        (entry,) = quota_ledger(c.api, NS, "daily")
+        assert (entry["state"], entry["bytes"], entry["merge"]) == ("Reserved", plan.io.expert_read_bytes, "e2e")
+
+        r = play_job(c.api, job, c.tmp / "merge")
+        assert r.returncode == 0, r.stderr
+        result = json.loads(r.stdout)
+        o = c.wait_reason("e2e", "Committed")
+        st = o["status"]
+        manifest, raw = c.manifest(out)
+        assert result["manifest_hash"] == d.manifest_hash(raw) and manifest["plan_digest"] == st["planDigest"]
+        realized = manifest["io"]["realized"]["expert_read_bytes"]
+        assert 0 < realized <= plan.io.expert_read_bytes <= 1024**2
+        assert st["realized"]["expertReadBytes"] == realized and ready(o)["status"] == "True"
+        snap = wait_for("MergedSnapshot Ready", lambda: (s := c.api.get("MergedSnapshot", NS, st["snapshot"])) and
+                        ready(s).get("status") == "True" and s)
+        assert snap["spec"]["manifestHash"] == d.manifest_hash(raw) and snap["spec"]["uri"] == out
+        assert ready(snap)["reason"] == "Verified" and snap["status"]["sizes"]["files"] == len(manifest["outputs"])
+        assert "ownerReferences" not in snap["metadata"]
+        (entry,) = quota_ledger(c.api, NS, "daily")
+        assert (entry["state"], entry["bytes"]) == ("Charged", realized)  # from the manifest, not the plan
+        assert c.api.get("MergeQuota", NS, "daily")["status"]["used"] == {"expertReadBytes": realized, "merges": 1}
+
+        # a new generation (new output, lower budget) starts a new merge Job; then the merge is deleted
+        out2 = f"s3://{c.models.bucket}/snapshots/e2e-2/"
+        c.api.patch("ModelMerge", NS, "e2e", {"spec": {"output": {"uri": out2}, "budget": "200Ki"}})
+        o = wait_for("generation 2 running", lambda: (x := c.mm("e2e")) and x["status"].get("observedGeneration") == 2
+                     and ready(x).get("reason") == "JobRunning" and x)
+        job2 = c.job("merge", name=o["status"]["jobName"])
+        assert job2["metadata"]["name"] != job["metadata"]["name"]
+        assert [j["metadata"]["name"] for j in c.jobs(component="merge")] == [job2["metadata"]["name"]]  # old one retired
+        mark_job(c.api, job2, "Running")
+        c.api.delete("ModelMerge", NS, "e2e")
+        wait_for("the ModelMerge is gone", lambda: c.mm("e2e") is None)
+        assert c.jobs() == []  # the running merge Job (and the analyze Job) deleted
+    snap = c.api.get("MergedSnapshot", NS, st["snapshot"])
+    assert snap is not None and ready(snap)["status"] == "True"  # not owned: kept
+    assert c.manifest(out)[1] == raw  # and so is the committed snapshot
+    ledger = {e["key"]: e for e in quota_ledger(c.api, NS, "daily")}
+    assert ledger[f"{uid}.1"]["bytes"] == realized and ledger[f"{uid}.2"]["state"] == "Charged"  # settled
+
+
+def test_quota_reject_and_clamp(cluster):
+    c = cluster
+    full = planned_expert_bytes(c)
+    c.quota("tight", NS, bytes_=1000, enforcement="Reject")
+    c.quota("half", "team-b", bytes_=full // 2, enforcement="Clamp")
+    with operator():
+        c.merge("rejected", NS, budget="1Mi")
+        c.merge("clamped", "team-b")  # no budget: unbounded, lowered to what is left
+        o = c.wait_reason("rejected", "QuotaExceeded")
+        r = ready(o)
+        assert r["status"] == "False" and "MergeQuota tight (Reject)" in r["message"] and "only 1000B is left" in r["message"]
+        assert {x["type"]: x for x in o["status"]["conditions"]}["QuotaAdmitted"]["status"] == "False"
+        assert c.jobs(NS) == [] and quota_ledger(c.api, NS, "tight") == []
+
+        o = c.wait_reason("clamped", "JobRunning", ns="team-b")
+        st = o["status"]
+        assert st["admission"]["clamped"] is True and st["budgetBytes"] == full // 2
+        assert {x["type"]: x for x in st["conditions"]}["QuotaAdmitted"]["reason"] == "Clamped"
+        assert 0 < st["estimated"]["expertReadBytes"] <= full // 2 < full
+        (entry,) = quota_ledger(c.api, "team-b", "half")
+        assert (entry["state"], entry["bytes"]) == ("Reserved", full // 2)
+        assert c.job("merge", "team-b")["metadata"]["name"] == st["jobName"]
+
+
+def test_two_concurrent_merges_against_one_quota(cluster):
+    c = cluster
+    full = planned_expert_bytes(c)
+    c.quota("shared", NS, bytes_=full * 3 // 2, enforcement="Reject")
+    c.quota("shared", "team-b", bytes_=full * 3 // 2, enforcement="Clamp")
+    with operator():
+        for ns in (NS, "team-b"):
+            c.merge("m1", ns)
+            c.merge("m2", ns)
+        # Reject: one is admitted, the other waits
+        got = {n: ready(c.wait_reason(n, ("JobRunning", "QuotaExceeded"))).get("reason") for n in ("m1", "m2")}
+        assert sorted(got.values()) == ["JobRunning", "QuotaExceeded"], got
+        (entry,) = quota_ledger(c.api, NS, "shared")
+        assert entry["bytes"] == full and len(c.jobs(NS, "merge")) == 1
+        # Clamp: both run, the second with what the first left
+        sts = [c.wait_reason(n, "JobRunning", ns="team-b")["status"] for n in ("m1", "m2")]
+        assert sorted(s.get("budgetBytes") or s["estimated"]["expertReadBytes"] for s in sts) == [full * 3 // 2 - full, full]
+        ledger = quota_ledger(c.api, "team-b", "shared")
+        assert len(ledger) == 2 and sum(e["bytes"] for e in ledger) <= full * 3 // 2
+        assert len(c.jobs("team-b", "merge")) == 2
+
+
+def test_failed_merge_job_is_job_failed(cluster):
+    c = cluster
+    c.quota("q", bytes_="1Gi")
+    with operator():
+        c.merge("fails", budget="1Mi")
+        o = c.wait_reason("fails", "JobRunning")
+        job = c.job("merge")
+        mark_job(c.api, job, "Failed", "OOMKilled: the pod ran out of memory")
+        o = c.wait_reason("fails", "JobFailed")
+        r = ready(o)
+        assert r["status"] == "False" and "OOMKilled" in r["message"]
+        (entry,) = quota_ledger(c.api, NS, "q")
+        assert (entry["state"], entry["bytes"]) == ("Charged", o["status"]["estimated"]["expertReadBytes"])
+        assert c.api.list("MergedSnapshot", NS) == [] and c.api.get("Job", NS, job["metadata"]["name"]) is not None
+
+
+@pytest.mark.fresh_catalog
+def test_failed_analyze_job_is_job_failed(cluster):
+    c = cluster
+    with operator():
+        c.merge("noanalysis")
+        c.wait_reason("noanalysis", "Analyzing")
+        an = c.job("analyze")
+        mark_job(c.api, an, "Failed", "exit code 2: s3://... is not a safetensors checkpoint")
+        o = c.wait_reason("noanalysis", "JobFailed")
+        assert an["metadata"]["name"] in ready(o)["message"] and "not a safetensors checkpoint" in ready(o)["message"]
+        assert c.jobs(component="merge") == []
+
+
+@pytest.mark.slow
+def test_operator_restart_mid_merge_creates_no_duplicate_job(cluster):
+    c = cluster
+    with operator():
+        c.merge("restart", budget="1Mi")
+        st = c.wait_reason("restart", "JobRunning")["status"]
+        job = c.job("merge")
+    mark_job(c.api, job, "Running")  # the pod starts while no operator runs
+    with operator():
+        # the new operator sees the Job (its replayed event updates the condition) ...
+        wait_for("the restarted operator to see the running Job",
+                 lambda: "1 active pod" in ready(c.mm("restart")).get("message", ""))
+        time.sleep(1.0)
+        # ... and resumes the merge without a second Job or a new plan
+        assert [j["metadata"]["name"] for j in c.jobs()] == [job["metadata"]["name"]]
+        o = c.mm("restart")
+        assert (o["status"]["jobName"], o["status"]["planDigest"]) == (st["jobName"], st["planDigest"])
+        r = play_job(c.api, job, c.tmp / "merge")
+        assert r.returncode == 0, r.stderr
+        o = c.wait_reason("restart", "Committed")
+        assert o["status"]["snapshot"] and len(c.jobs()) == 1
