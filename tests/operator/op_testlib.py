@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT / "operator") not in sys.path:  # works without `pip install ./operator`
+if str(ROOT / "operator") not in sys.path:  # this checkout first, installed or not
     sys.path.insert(0, str(ROOT / "operator"))
 
 from mergepipe_operator.crd import RESOURCES  # noqa: E402
