@@ -8,6 +8,7 @@ model on every domain beside the base and each expert.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,10 +38,23 @@ def run_demo(zoo_root: Path | None = None, out_root: Path | None = None, *, tiny
     log(f"zoo ready in {time.perf_counter() - t0:.1f} s at {zoo.root}")
     out_root = Path(out_root) if out_root else default_home() / "demo" / zoo.config.key()
     cat = Catalog(out_root / "catalog.sqlite")
+    cache_file = out_root / "evals.json"
+    cache = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+
+    def losses(key: str, path: Path) -> dict:
+        """Per-domain eval loss, cached by model identity (zoo key + name, or snapshot id)."""
+        if key not in cache:
+            cache[key] = evaluate(path, zoo)
+            tmp = cache_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+            tmp.replace(cache_file)
+        return cache[key]
+
     rows: list[dict] = []
-    rows.append({"model": "base", **{f"loss.{d}": v for d, v in evaluate(zoo.base, zoo).items()}})
+    rows.append({"model": "base", **{f"loss.{d}": v for d, v in losses(f"zoo:{zoo.config.key()}:base", zoo.base).items()}})
     for name, p in zoo.experts.items():
-        rows.append({"model": f"expert {name}", **{f"loss.{d}": v for d, v in evaluate(p, zoo).items()}})
+        rows.append({"model": f"expert {name}",
+                     **{f"loss.{d}": v for d, v in losses(f"zoo:{zoo.config.key()}:{name}", p).items()}})
     experts = [(n, str(p)) for n, p in zoo.experts.items()]
     for b in DEMO_BUDGETS:
         tag = "full" if b == "unlimited" else b.replace("%", "pct")
@@ -50,13 +64,13 @@ def run_demo(zoo_root: Path | None = None, out_root: Path | None = None, *, tiny
         res = merge(str(zoo.base), experts, method, str(out), list(params), budget=b, catalog=cat, storage=st)
         wall = time.perf_counter() - t
         s = res.summary()
-        losses = evaluate(Path(res.out), zoo)
+        ev = losses(s["snapshot_id"], Path(res.out))
         rows.append({
             "model": f"{method} budget {b}", "budget": s["io"]["expert_budget_bytes"],
             "expert_read_bytes": s["io"]["expert_read_bytes"], "expert_bytes_total": s["io"]["expert_bytes_total"],
-            "wall_s": round(wall, 2), "analyze_s": round(res.analyze_s, 2), "retained_energy": s["retained_energy"],
+            "wall_s": round(s["wall_s"] if res.already_committed else wall, 2), "analyze_s": round(res.analyze_s, 2), "retained_energy": s["retained_energy"],
             "snapshot_id": s["snapshot_id"], "already_committed": s["already_committed"],
-            **{f"loss.{d}": v for d, v in losses.items()},
+            **{f"loss.{d}": v for d, v in ev.items()},
         })
     domains = list(zoo.eval_sets)
     t = Table("model", "expert budget", "expert bytes read", "merge wall s", "retained energy",
@@ -66,10 +80,10 @@ def run_demo(zoo_root: Path | None = None, out_root: Path | None = None, *, tiny
             r["model"],
             "-" if "expert_read_bytes" not in r else ("unlimited" if r["budget"] is None else f"{r['budget'] / 2**20:.1f} MiB"),
             "-" if "expert_read_bytes" not in r else f"{r['expert_read_bytes'] / 2**20:.1f} MiB of {r['expert_bytes_total'] / 2**20:.1f}",
-            "-" if "wall_s" not in r else f"{r['wall_s']:.2f}" + (" (cached)" if r["already_committed"] else ""),
+            "-" if "wall_s" not in r else f"{r['wall_s']:.2f}" + (" (committed earlier)" if r["already_committed"] else ""),
             "-" if "retained_energy" not in r else f"{r['retained_energy']:.1%}",
             *[f"{r[f'loss.{d}']:.3f}" for d in domains],
         )
-    Console().print(t)
+    Console(width=max(150, Console().width)).print(t)
     log(f"demo finished in {time.perf_counter() - t0:.1f} s; snapshots under {out_root}")
     return rows
