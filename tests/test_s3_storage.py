@@ -446,7 +446,7 @@ def test_probe_conditional_writes_false_when_store_ignores_header(s3_env, bucket
     import boto3
     from botocore.config import Config
 
-    client = boto3.client("s3", config=Config(request_checksum_calculation="when_required",
+    client = boto3.session.Session().client("s3", config=Config(request_checksum_calculation="when_required",
                                               response_checksum_validation="when_required"))
 
     def strip_if_none_match(request, **_):

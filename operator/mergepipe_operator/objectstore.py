@@ -34,7 +34,7 @@ class ObjectStore:
         if client is None:
             import boto3
 
-            client = boto3.client("s3", endpoint_url=endpoint or None, region_name=region or None)
+            client = boto3.session.Session().client("s3", endpoint_url=endpoint or None, region_name=region or None)
         self.s3 = client
 
     @staticmethod
