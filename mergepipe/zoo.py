@@ -1,0 +1,946 @@
+"""A deterministic, offline "model zoo" of small *real trained* Llama models.
+
+The zoo is a base model pretrained on a mixture of four text domains plus one (or more) full
+fine-tunes of it per domain ("experts"). Everything is built locally from data that exists on any
+Python install, so demos, tests and benchmarks get genuine fine-tuning task vectors and a
+measurable merge trade-off without network access:
+
+* ``python``     -- source files of the Python standard library (tests excluded);
+* ``prose``      -- English prose: ``pydoc_data.topics`` and docstrings of stdlib modules;
+* ``arithmetic`` -- generated column additions such as ``37 + 58 : ... ; 37 + 58 = 95`` (seeded RNG);
+* ``json``       -- generated JSON records, one per line (seeded RNG).
+
+Each domain has a held-out evaluation set that no model saw in training. :func:`evaluate` returns
+the mean per-token cross-entropy (nats/token) of any HF causal-LM checkpoint on those sets, so a
+merged model can be scored against the base and the experts.
+
+Layout of a built zoo (``root/<config.key()>/``)::
+
+    zoo.json                  manifest (config, relative paths, sha256 of every file)
+    tokenizer/                byte-level BPE tokenizer (PreTrainedTokenizerFast files)
+    base/                     HF checkpoint: config.json, generation_config.json, tokenizer,
+                              model-0000i-of-0000n.safetensors (bf16), model.safetensors.index.json
+    experts/<name>/           one HF checkpoint per expert (name = domain, or domain-2, ...)
+    eval/<domain>.jsonl       held-out documents, one ``{"text": ...}`` object per line
+
+Builds are cached, atomic (a temp dir beside the cache entry is renamed into place at the end)
+and serialised between processes with an ``fcntl`` lock. On one machine (same Python, torch,
+transformers and tokenizers versions) the same config gives byte-identical checkpoints.
+
+``import mergepipe.zoo`` is cheap: torch, transformers and tokenizers are imported inside the
+functions that need them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["DOMAINS", "ZooConfig", "Zoo", "default_zoo_root", "build_zoo", "evaluate"]
+
+DOMAINS: tuple[str, ...] = ("python", "prose", "arithmetic", "json")
+"""The text domains of the zoo; every build has one expert (or more) per domain."""
+
+ZOO_FORMAT = 1  # bump when the data, training recipe or layout changes (invalidates the cache)
+_MANIFEST = "zoo.json"
+_PAD, _BOS, _EOS = "<pad>", "<s>", "</s>"  # token ids 0, 1, 2
+_NUM_THREADS = 2  # fixed so that results do not depend on the machine's core count
+
+
+# --------------------------------------------------------------------------------------------
+# configuration and result types
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ZooConfig:
+    """Sizes and training recipe of a zoo. The defaults are the demo size (~5.3 M parameters,
+    every 2-D weight >= 128 KiB in bf16, whole zoo in < 5 min on 2 CPU cores);
+    :meth:`tiny` is a seconds-scale variant for tests.
+
+    Attributes:
+        hidden_size: model width ``d``. Must be divisible by ``num_heads`` with an even head dim.
+        intermediate_size: MLP width (``gate_proj``/``up_proj`` are ``[intermediate, d]``).
+        num_layers: number of decoder layers.
+        num_heads: attention heads (no GQA: ``num_key_value_heads == num_heads``).
+        vocab_size: BPE vocabulary size (incl. 3 special tokens); embedding and the untied
+            ``lm_head`` are ``[vocab_size, d]``.
+        seq_len: training/eval window length in tokens (also ``max_position_embeddings``).
+        base_steps: optimizer steps of base pretraining on the domain mixture.
+        expert_steps: optimizer steps of each expert's full fine-tune on its own domain.
+        batch_size: sequences per step (training) and per batch (evaluation).
+        lr: peak AdamW learning rate of base pretraining.
+        expert_lr: peak AdamW learning rate of the expert fine-tunes.
+        seed: master seed; every other seed is derived from it.
+        n_experts_per_domain: experts per domain; replica ``r >= 2`` is named ``"<domain>-<r>"``.
+            Every replica starts from the base and trains on the same domain text, but with its
+            own seed, i.e. its own random sample of training windows and their order.
+        max_shard_size: ``save_pretrained`` shard limit (e.g. ``"4MB"``); it must be small
+            enough that every checkpoint has >= 2 shards (checked at build time).
+        corpus_chars: training text per domain, in characters (also feeds the tokenizer).
+        eval_sequences: held-out windows of ``seq_len`` tokens per domain used by
+            :func:`evaluate`.
+    """
+
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_layers: int = 4
+    num_heads: int = 4
+    vocab_size: int = 4096
+    seq_len: int = 128
+    base_steps: int = 120
+    expert_steps: int = 100
+    batch_size: int = 16
+    lr: float = 2e-3
+    expert_lr: float = 1e-3
+    seed: int = 0
+    n_experts_per_domain: int = 1
+    max_shard_size: str = "4MB"
+    corpus_chars: int = 1_000_000
+    eval_sequences: int = 64
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("lr", "expert_lr"):
+                if not (isinstance(v, (int, float)) and v > 0):
+                    raise ValueError(f"ZooConfig.{f.name} must be a positive number, got {v!r}")
+            elif f.name == "max_shard_size":
+                if not isinstance(v, (str, int)) or not str(v):
+                    raise ValueError(f"ZooConfig.max_shard_size must be like '4MB', got {v!r}")
+            elif f.name == "seed":
+                if not isinstance(v, int) or v < 0:
+                    raise ValueError(f"ZooConfig.seed must be an int >= 0, got {v!r}")
+            elif f.name in ("base_steps", "expert_steps"):
+                if not isinstance(v, int) or v < 0:
+                    raise ValueError(f"ZooConfig.{f.name} must be an int >= 0, got {v!r}")
+            elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"ZooConfig.{f.name} must be an int >= 1, got {v!r}")
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(
+                f"ZooConfig: hidden_size={self.hidden_size} must be a multiple of num_heads="
+                f"{self.num_heads} with an even head dim (RoPE)"
+            )
+        if self.vocab_size < 300:
+            raise ValueError(f"ZooConfig.vocab_size must be >= 300 (256 bytes + specials), got {self.vocab_size}")
+        if self.seq_len < 8:
+            raise ValueError(f"ZooConfig.seq_len must be >= 8, got {self.seq_len}")
+
+    @classmethod
+    def tiny(cls, **overrides) -> "ZooConfig":
+        """A small config for tests: ~0.2 M parameters, builds in well under 60 s on 2 cores and
+        still writes >= 2 shards per checkpoint. Keyword arguments override fields."""
+        base = dict(
+            hidden_size=64,
+            intermediate_size=176,
+            num_layers=2,
+            num_heads=2,
+            vocab_size=1024,
+            seq_len=64,
+            base_steps=150,
+            expert_steps=60,
+            batch_size=16,
+            lr=3e-3,
+            expert_lr=2e-3,
+            max_shard_size="200KB",
+            corpus_chars=200_000,
+            eval_sequences=32,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    def key(self) -> str:
+        """Short stable hash (16 hex chars) of the config and the zoo format version; names the
+        cache directory ``root/<key>``."""
+        blob = json.dumps({"format": ZOO_FORMAT, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def expert_names(self) -> list[str]:
+        """Expert names in build order: ``python, prose, ..., python-2, prose-2, ...``."""
+        return [
+            d if r == 1 else f"{d}-{r}" for r in range(1, self.n_experts_per_domain + 1) for d in DOMAINS
+        ]
+
+
+@dataclass(frozen=True)
+class Zoo:
+    """A built zoo (all paths absolute).
+
+    Attributes:
+        root: the cache entry ``<root>/<config.key()>``.
+        base: HF checkpoint folder of the base model.
+        experts: expert name -> HF checkpoint folder (name = domain, or ``domain-2`` ...).
+        eval_sets: domain -> held-out ``.jsonl`` file (one ``{"text": ...}`` document a line).
+        config: the config the zoo was built with.
+    """
+
+    root: Path
+    base: Path
+    experts: dict[str, Path]
+    eval_sets: dict[str, Path]
+    config: ZooConfig
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        """Folder with the zoo's tokenizer (same files as in every checkpoint folder)."""
+        return self.root / "tokenizer"
+
+    def expert_domain(self, name: str) -> str:
+        """Domain of expert ``name`` (``"python-2"`` -> ``"python"``). Raises KeyError if unknown."""
+        if name not in self.experts:
+            raise KeyError(f"no expert {name!r} in zoo; have {sorted(self.experts)}")
+        return name.rsplit("-", 1)[0] if name not in DOMAINS else name
+
+
+def default_zoo_root() -> Path:
+    """``$MERGEPIPE_HOME/zoo`` if ``MERGEPIPE_HOME`` is set, else ``~/.mergepipe/zoo``."""
+    home = os.environ.get("MERGEPIPE_HOME")
+    return (Path(home) if home else Path.home() / ".mergepipe") / "zoo"
+
+
+# --------------------------------------------------------------------------------------------
+# data (pure Python, deterministic)
+# --------------------------------------------------------------------------------------------
+
+
+def _stable_order(items: list[str], salt: str) -> list[str]:
+    """A deterministic pseudo-random permutation (by sha256 of salt + item)."""
+    return sorted(items, key=lambda s: hashlib.sha256(f"{salt}/{s}".encode()).digest())
+
+
+def _stdlib_sources() -> list[tuple[str, Path]]:
+    """(relative path, path) of stdlib ``.py`` files, tests/site-packages/generated data excluded."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    skip_dirs = {
+        "site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test",
+        "pydoc_data",  # prose domain source
+        "encodings",  # generated codec tables
+    }
+    out = []
+    for dirpath, dirnames, filenames in os.walk(stdlib):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs)  # prune, don't descend
+        for name in sorted(filenames):
+            if name.endswith(".py") and not name.startswith("test_"):
+                p = Path(dirpath, name)
+                out.append((p.relative_to(stdlib).as_posix(), p))
+    out.sort()
+    if not out:
+        raise RuntimeError(f"no Python standard library sources found under {stdlib}")
+    return out
+
+
+def _read_text(p: Path) -> str | None:
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if 200 <= len(text) <= 400_000 else None
+
+
+def _docstrings(source: str) -> list[str]:
+    """Module/class/function docstrings of ``source``, doctest lines removed, >= 80 chars."""
+    import ast
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=True)
+            if not doc:
+                continue
+            lines = [ln for ln in doc.splitlines() if not ln.lstrip().startswith((">>>", "... "))]
+            doc = "\n".join(lines).strip()
+            if len(doc) >= 80:
+                out.append(doc)
+    return out
+
+
+def _head(text: str, n: int = 3000, middle: bool = False) -> str:
+    """At most ``n`` chars of ``text`` cut at line boundaries: its beginning, or (``middle``) a
+    piece from its middle (the body of a source file rather than its license and docstring).
+    Held-out documents are capped like this so that the eval set spans many files/topics."""
+    if len(text) <= n:
+        return text
+    start = 0
+    if middle:
+        nl = text.find("\n", (len(text) - n) // 2)
+        start = nl + 1 if 0 <= nl < len(text) - n // 2 else (len(text) - n) // 2
+    cut = text.rfind("\n", start, start + n)
+    return text[start : cut if cut > start + n // 2 else start + n]
+
+
+def _fill(docs, budget: int) -> list[str]:
+    out, n = [], 0
+    for d in docs:
+        if n >= budget:
+            break
+        out.append(d)
+        n += len(d) + 1
+    return out
+
+
+def _python_and_prose(cfg: ZooConfig, eval_chars: int) -> dict[str, tuple[list[str], list[str]]]:
+    """Python and prose documents. Stdlib files are taken in a seeded pseudo-random order: the
+    first ``eval_chars`` worth are held out (neither their code nor their docstrings train),
+    the rest feed the python training set and the docstrings of the prose training set."""
+    files = dict(_stdlib_sources())
+    order = _stable_order(list(files), f"zoo-python-{cfg.seed}")
+    texts = (t for t in map(_read_text, (files[rel] for rel in order)) if t is not None)
+    py_eval, n_eval = [], 0
+    for text in texts:
+        py_eval.append(_head(text, middle=True))
+        n_eval += len(py_eval[-1])
+        if n_eval >= eval_chars:
+            break
+    pool: list[str] = []  # non-held-out files, read lazily
+
+    def train_files():
+        yield from list(pool)
+        for t in texts:
+            pool.append(t)
+            yield t
+
+    py_train = _fill(train_files(), cfg.corpus_chars)
+
+    from pydoc_data.topics import topics
+
+    keys = _stable_order(sorted(topics), f"zoo-prose-{cfg.seed}")
+    prose_eval, prose_train, n_eval = [], [], 0
+    for k in keys:
+        text = topics[k].strip()
+        if n_eval < eval_chars:
+            prose_eval.append(_head(text))
+            n_eval += len(prose_eval[-1])
+        else:
+            prose_train.append(text)
+    need = cfg.corpus_chars - sum(len(t) + 1 for t in prose_train)
+    if need > 0:
+        extra: list[str] = []
+        n_extra = 0
+        for text in train_files():
+            if n_extra >= need:
+                break
+            for doc in _docstrings(text):
+                extra.append(doc)
+                n_extra += len(doc) + 1
+        prose_train = prose_train + _fill(extra, need)
+    else:
+        prose_train = _fill(prose_train, cfg.corpus_chars)
+    return {"python": (py_train, py_eval), "prose": (prose_train, prose_eval)}
+
+
+def _arith_line(rng: random.Random) -> tuple[str, bool]:
+    """One worked column addition and whether it is held out, e.g.
+    ``864 + 394 : 4 + 4 = 8 , 6 + 9 = 15 , 8 + 3 + 1 = 12 ; 864 + 394 = 1258 ; 1258 - 394 = 864``.
+
+    The digit-by-digit working makes most tokens learnable (single-digit facts, carries, copies)
+    while the problems themselves are partitioned: a pair ``(a, b)`` is either always held out
+    or never, so eval problems never occur in training."""
+    a, b = rng.randint(0, 999), rng.randint(0, 999)
+    n = max(len(str(a)), len(str(b)))
+    da, db = str(a).zfill(n), str(b).zfill(n)
+    steps, carry = [], 0
+    for i in range(n - 1, -1, -1):
+        x, y = int(da[i]), int(db[i])
+        s = x + y + carry
+        steps.append(f"{x} + {y} + 1 = {s}" if carry else f"{x} + {y} = {s}")
+        carry = s // 10
+    line = f"{a} + {b} : " + " , ".join(steps) + f" ; {a} + {b} = {a + b} ; {a + b} - {b} = {a}"
+    h = ((a * 1000 + b) * 2654435761) & 0xFFFFFFFF
+    return line, (h >> 7) % 10 == 0
+
+
+def _arithmetic(cfg: ZooConfig, eval_chars: int) -> tuple[list[str], list[str]]:
+    """Documents of 8 worked problems (see :func:`_arith_line`); train/held-out by problem."""
+    lines: dict[bool, list[str]] = {False: [], True: []}
+    budget = {False: cfg.corpus_chars, True: eval_chars}
+    size = {False: 0, True: 0}
+    rng = random.Random(f"zoo-arithmetic-{cfg.seed}")
+    while size[False] < budget[False] or size[True] < budget[True]:
+        line, held = _arith_line(rng)
+        if size[held] < budget[held]:
+            lines[held].append(line)
+            size[held] += len(line) + 1
+    docs = {k: ["\n".join(v[i : i + 8]) for i in range(0, len(v), 8)] for k, v in lines.items()}
+    return docs[False], docs[True]
+
+
+_FIRST = (
+    "Alice Bob Carol David Emma Frank Grace Henry Irene Jack Karen Liam Maria Noah Olivia Peter "
+    "Quinn Rachel Samuel Tina Umar Victor Wendy Xavier Yara Zoe Ahmed Bianca Chen Dmitri Elena "
+    "Fatima Giorgio Hana Ivan Jun Kofi Lucia Mateo Nadia Oscar Priya Rosa Sven Tariq Ursula Wei"
+).split()
+_LAST = (
+    "Smith Johnson Garcia Brown Miller Davis Lopez Wilson Anderson Thomas Taylor Moore Martin Lee "
+    "Walker Hall Young King Wright Scott Green Baker Adams Nelson Hill Campbell Mitchell Roberts "
+    "Carter Phillips Evans Turner Torres Parker Collins Edwards Stewart Morris Nguyen Murphy Rivera"
+).split()
+_CITIES = (
+    "Berlin Paris London Madrid Rome Vienna Prague Lisbon Dublin Oslo Stockholm Helsinki Warsaw "
+    "Athens Boston Chicago Denver Austin Seattle Toronto Montreal Sydney Melbourne Tokyo Osaka Seoul"
+).split()
+_MAIL = ("example.com", "mail.org", "inbox.net", "corp.io", "post.de")
+_TAGS = "new sale premium eco vintage limited bulk gift imported local organic refurbished".split()
+_ADJ = "red blue green small large light heavy smart classic modern compact wireless steel wooden".split()
+_NOUN = "lamp chair desk phone kettle backpack bottle speaker keyboard monitor jacket blender".split()
+_EVENTS = "login logout purchase refund signup click view search share download".split()
+_STATUS = "pending paid shipped delivered cancelled returned".split()
+
+
+def _json_record(rng: random.Random) -> str:
+    kind = rng.choice(("user", "product", "event", "order"))
+    if kind == "user":
+        first, last = rng.choice(_FIRST), rng.choice(_LAST)
+        rec = {
+            "type": "user",
+            "id": rng.randint(1, 99999),
+            "name": f"{first} {last}",
+            "email": f"{first.lower()}.{last.lower()}@{rng.choice(_MAIL)}",
+            "age": rng.randint(18, 90),
+            "active": rng.random() < 0.7,
+            "city": rng.choice(_CITIES),
+            "tags": rng.sample(_TAGS, rng.randint(0, 3)),
+        }
+    elif kind == "product":
+        adj, noun = rng.choice(_ADJ), rng.choice(_NOUN)
+        rec = {
+            "type": "product",
+            "sku": f"{noun[:3].upper()}-{rng.randint(1000, 9999)}",
+            "name": f"{adj} {noun}",
+            "price": round(rng.uniform(1, 500), 2),
+            "stock": rng.randint(0, 1000),
+            "tags": rng.sample(_TAGS, rng.randint(1, 3)),
+        }
+    elif kind == "event":
+        rec = {
+            "type": "event",
+            "event": rng.choice(_EVENTS),
+            "user_id": rng.randint(1, 99999),
+            "ts": f"2024-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}T{rng.randint(0, 23):02d}:"
+            f"{rng.randint(0, 59):02d}:{rng.randint(0, 59):02d}Z",
+            "ok": rng.random() < 0.9,
+        }
+    else:
+        n = rng.randint(1, 3)
+        items = [
+            {"sku": f"{rng.choice(_NOUN)[:3].upper()}-{rng.randint(1000, 9999)}", "qty": rng.randint(1, 5)}
+            for _ in range(n)
+        ]
+        rec = {
+            "type": "order",
+            "order_id": rng.randint(100000, 999999),
+            "status": rng.choice(_STATUS),
+            "items": items,
+            "total": round(rng.uniform(5, 2000), 2),
+            "shipping": {"city": rng.choice(_CITIES), "express": rng.random() < 0.3},
+        }
+    return json.dumps(rec)
+
+
+def _json_docs(cfg: ZooConfig, eval_chars: int) -> tuple[list[str], list[str]]:
+    """Documents of 8 JSON lines; train and eval come from independent RNG streams."""
+    out = []
+    for split, budget in (("train", cfg.corpus_chars), ("eval", eval_chars)):
+        rng = random.Random(f"zoo-json-{split}-{cfg.seed}")
+        docs, n = [], 0
+        while n < budget:
+            doc = "\n".join(_json_record(rng) for _ in range(8))
+            docs.append(doc)
+            n += len(doc) + 1
+        out.append(docs)
+    return out[0], out[1]
+
+
+def _corpora(cfg: ZooConfig) -> dict[str, tuple[list[str], list[str]]]:
+    """domain -> (train documents, held-out documents). Held-out text is generous (~8 chars per
+    eval token); it is trimmed to what the eval windows need once the tokenizer exists."""
+    eval_chars = cfg.eval_sequences * cfg.seq_len * 8
+    out = _python_and_prose(cfg, eval_chars)
+    out["arithmetic"] = _arithmetic(cfg, eval_chars)
+    out["json"] = _json_docs(cfg, eval_chars)
+    return {d: out[d] for d in DOMAINS}
+
+
+# --------------------------------------------------------------------------------------------
+# tokenizer
+# --------------------------------------------------------------------------------------------
+
+
+def _train_tokenizer(cfg: ZooConfig, corpora: dict[str, tuple[list[str], list[str]]]):
+    """Byte-level BPE (digits split individually) trained on the training documents."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        min_frequency=2,
+        special_tokens=[_PAD, _BOS, _EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    per_domain = min(cfg.corpus_chars, 400_000)
+    texts = [doc for d in DOMAINS for doc in _fill(corpora[d][0], per_domain)]
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return tok
+
+
+def _wrap_tokenizer(tok, cfg: ZooConfig):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=_BOS,
+        eos_token=_EOS,
+        pad_token=_PAD,
+        model_max_length=cfg.seq_len,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _save_tokenizer(hf_tok, out: Path) -> None:
+    """``save_pretrained`` the tokenizer, naming its class ``PreTrainedTokenizerFast`` (what
+    transformers 4.x knows; transformers 5 aliases it to its ``TokenizersBackend``)."""
+    hf_tok.save_pretrained(out)
+    p = out / "tokenizer_config.json"
+    conf = json.loads(p.read_text(encoding="utf-8"))
+    conf["tokenizer_class"] = "PreTrainedTokenizerFast"
+    p.write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _token_stream(tok, docs: list[str], eos_id: int):
+    """1-D int64 tensor: the documents' tokens, each followed by EOS."""
+    import numpy as np
+    import torch
+
+    ids: list[int] = []
+    for enc in tok.encode_batch(docs, add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(eos_id)
+    return torch.from_numpy(np.asarray(ids, dtype=np.int64))
+
+
+def _load_eval_windows(zoo: Zoo) -> dict[str, "object"]:
+    """domain -> LongTensor [n_windows, seq_len] of held-out tokens (n_windows <= eval_sequences)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(zoo.tokenizer_dir / "tokenizer.json"))
+    eos = tok.token_to_id(_EOS)
+    out = {}
+    for d in DOMAINS:
+        path = zoo.eval_sets[d]
+        docs = [json.loads(ln)["text"] for ln in path.read_text(encoding="utf-8").splitlines() if ln]
+        stream = _token_stream(tok, docs, eos)
+        L = zoo.config.seq_len
+        n = min(len(stream) // L, zoo.config.eval_sequences)
+        if n == 0:
+            raise RuntimeError(f"held-out set {path} has fewer than seq_len={L} tokens")
+        out[d] = stream[: n * L].view(n, L)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# training
+# --------------------------------------------------------------------------------------------
+
+
+def _derive_seed(*parts) -> int:
+    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:4], "little")
+
+
+def _llama_config(cfg: ZooConfig):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=cfg.seq_len,
+        initializer_range=0.02,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        use_cache=True,
+    )
+
+
+def _train(model, streams: list, steps: int, lr: float, weight_decay: float, seed: int,
+           cfg: ZooConfig, log: Callable[[str], None], label: str) -> None:
+    """AdamW (float32), linear warmup (10 %) + cosine decay to 10 % of ``lr``, grad clip 1.0.
+    Batch row ``j`` of step ``s`` is a random window of ``streams[(s * B + j) % len(streams)]``."""
+    import math
+
+    import torch
+
+    if steps == 0:
+        return
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=weight_decay, foreach=False)
+    warm = max(1, steps // 10)
+
+    def factor(s: int) -> float:
+        if s < warm:
+            return (s + 1) / warm
+        t = (s - warm) / max(1, steps - warm)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    L, B = cfg.seq_len, cfg.batch_size
+    offs = torch.arange(L)
+    model.train()
+    t0, ema = time.perf_counter(), None
+    for s in range(steps):
+        rows = []
+        for j in range(B):
+            st = streams[(s * B + j) % len(streams)]
+            start = int(torch.randint(0, len(st) - L + 1, (1,), generator=g))
+            rows.append(st[start + offs])
+        batch = torch.stack(rows)
+        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        v = loss.detach().item()
+        ema = v if ema is None else 0.9 * ema + 0.1 * v
+        if (s + 1) % max(1, steps // 5) == 0 or s + 1 == steps:
+            log(f"  {label}: step {s + 1}/{steps} loss {ema:.3f} ({time.perf_counter() - t0:.1f}s)")
+    model.eval()
+
+
+def _save_checkpoint(model, hf_tok, out: Path, cfg: ZooConfig) -> None:
+    """Save ``model`` (float32) as a bf16 sharded safetensors HF checkpoint + tokenizer."""
+    import copy
+
+    import torch
+
+    m16 = copy.deepcopy(model).to(torch.bfloat16)
+    m16.save_pretrained(out, max_shard_size=cfg.max_shard_size)
+    _save_tokenizer(hf_tok, out)
+    mode = (out / "config.json").stat().st_mode & 0o777
+    for p in out.glob("*.safetensors"):  # safetensors writes 0600; use the umask like the rest
+        os.chmod(p, mode)
+    shards = sorted(out.glob("*.safetensors"))
+    if len(shards) < 2 or not (out / "model.safetensors.index.json").is_file():
+        raise ValueError(
+            f"checkpoint {out.name} has {len(shards)} safetensors shard(s); lower "
+            f"ZooConfig.max_shard_size (now {cfg.max_shard_size!r}) so that it has >= 2"
+        )
+
+
+def _bf16_round_trip(model) -> dict:
+    import torch
+
+    return {k: v.detach().to(torch.bfloat16).to(torch.float32) for k, v in model.state_dict().items()}
+
+
+def _build_into(tmp: Path, cfg: ZooConfig, log: Callable[[str], None]) -> dict:
+    """Build every artifact into ``tmp``; return the manifest (without file hashes)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    t0 = time.perf_counter()
+    corpora = _corpora(cfg)
+    log("data: " + ", ".join(f"{d} {sum(map(len, corpora[d][0])) / 1e6:.2f}M chars" for d in DOMAINS)
+        + f" ({time.perf_counter() - t0:.1f}s)")
+
+    tok = _train_tokenizer(cfg, corpora)
+    hf_tok = _wrap_tokenizer(tok, cfg)
+    _save_tokenizer(hf_tok, tmp / "tokenizer")
+    eos = tok.token_to_id(_EOS)
+    log(f"tokenizer: vocab {tok.get_vocab_size()} ({time.perf_counter() - t0:.1f}s)")
+
+    # held-out sets: just enough documents to fill eval_sequences windows (+ one spare doc)
+    (tmp / "eval").mkdir()
+    need = cfg.eval_sequences * cfg.seq_len
+    eval_files = {}
+    for d in DOMAINS:
+        docs, n = [], 0
+        for doc, enc in zip(corpora[d][1], tok.encode_batch(corpora[d][1], add_special_tokens=False)):
+            docs.append(doc)
+            n += len(enc.ids) + 1
+            if n >= need + cfg.seq_len:
+                break
+        if n < need:
+            log(f"warning: held-out {d} text gives only {n // cfg.seq_len} windows")
+        rel = f"eval/{d}.jsonl"
+        (tmp / rel).write_text("".join(json.dumps({"text": t}) + "\n" for t in docs), encoding="utf-8")
+        eval_files[d] = rel
+
+    streams = {d: _token_stream(tok, corpora[d][0], eos) for d in DOMAINS}
+    for d, st in streams.items():
+        if len(st) < cfg.seq_len + 1:
+            raise ValueError(f"ZooConfig.corpus_chars={cfg.corpus_chars} gives too little {d} text")
+    log("tokens: " + ", ".join(f"{d} {len(streams[d]) / 1e3:.0f}k" for d in DOMAINS)
+        + f" ({time.perf_counter() - t0:.1f}s)")
+    del corpora
+
+    lcfg = _llama_config(cfg)
+    torch.manual_seed(cfg.seed)
+    model = LlamaForCausalLM(lcfg)
+    model.generation_config.pad_token_id = 0
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"base: {n_params / 1e6:.2f}M params, {cfg.base_steps} steps on the domain mixture")
+    _train(model, [streams[d] for d in DOMAINS], cfg.base_steps, cfg.lr, 0.1,
+           _derive_seed(cfg.seed, "base-data"), cfg, log, "base")
+    _save_checkpoint(model, hf_tok, tmp / "base", cfg)
+    base_sd = _bf16_round_trip(model)  # experts start from the released (bf16) base
+    del model
+
+    experts = {}
+    for name in cfg.expert_names():
+        domain, r = (name, 1) if name in DOMAINS else (name.rsplit("-", 1)[0], int(name.rsplit("-", 1)[1]))
+        torch.manual_seed(_derive_seed(cfg.seed, "expert-init", domain, r))
+        model = LlamaForCausalLM(lcfg)
+        model.load_state_dict(base_sd)
+        model.generation_config.pad_token_id = 0
+        _train(model, [streams[domain]], cfg.expert_steps, cfg.expert_lr, 0.0,
+               _derive_seed(cfg.seed, "expert-data", domain, r), cfg, log, f"expert {name}")
+        rel = f"experts/{name}"
+        _save_checkpoint(model, hf_tok, tmp / rel, cfg)
+        experts[name] = rel
+        del model
+    log(f"trained base + {len(experts)} experts ({time.perf_counter() - t0:.1f}s)")
+
+    import tokenizers
+    import transformers
+
+    return {
+        "format": ZOO_FORMAT,
+        "key": cfg.key(),
+        "config": asdict(cfg),
+        "domains": list(DOMAINS),
+        "base": "base",
+        "experts": experts,
+        "eval_sets": eval_files,
+        "tokenizer": "tokenizer",
+        "n_params": n_params,
+        "built_with": {
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__,
+        },
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+
+
+def _sha256(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_tree(d: Path) -> None:
+    for p in sorted(d.rglob("*")):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _zoo_from_manifest(entry: Path, cfg: ZooConfig) -> Zoo:
+    try:
+        man = json.loads((entry / _MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"zoo cache entry {entry} is unreadable ({e}); delete it to rebuild") from e
+    if man.get("format") != ZOO_FORMAT or man.get("key") != cfg.key() or man.get("config") != asdict(cfg):
+        raise RuntimeError(f"zoo cache entry {entry} does not match the requested config; delete it to rebuild")
+    return Zoo(
+        root=entry,
+        base=entry / man["base"],
+        experts={k: entry / v for k, v in man["experts"].items()},
+        eval_sets={k: entry / v for k, v in man["eval_sets"].items()},
+        config=cfg,
+    )
+
+
+def build_zoo(root: Path | None = None, config: ZooConfig | None = None,
+              log: Callable[[str], None] | None = None) -> Zoo:
+    """Build (once) and return the zoo for ``config`` under ``root/<config.key()>``.
+
+    If the cache entry exists it is returned immediately (a manifest read; torch is not even
+    imported). Otherwise, under an exclusive ``fcntl`` lock on ``root/.<key>.lock`` (so concurrent
+    callers wait and then reuse one build), this trains the tokenizer, the base model and
+    ``len(DOMAINS) * n_experts_per_domain`` experts into ``root/.<key>.tmp-<pid>`` and renames it
+    to ``root/<key>`` at the end: a killed build never leaves a complete-looking entry (its temp
+    dir is removed by the next build). Uses 2 torch threads and deterministic algorithms during
+    the build (previous settings are restored).
+
+    Args:
+        root: cache root; default :func:`default_zoo_root`.
+        config: sizes/recipe; default ``ZooConfig()`` (demo size, < 5 min on 2 cores).
+        log: optional progress callback (one human-readable line per call).
+
+    Returns:
+        The :class:`Zoo` with absolute paths.
+
+    Raises:
+        ValueError: the config is unusable (e.g. ``max_shard_size`` too large for >= 2 shards).
+        RuntimeError: an existing cache entry is corrupt or does not match ``config``.
+        OSError: ``root`` is not writable.
+    """
+    cfg = config if config is not None else ZooConfig()
+    root = Path(root if root is not None else default_zoo_root()).expanduser().absolute()
+    key = cfg.key()
+    entry = root / key
+    if (entry / _MANIFEST).is_file():
+        return _zoo_from_manifest(entry, cfg)
+    say = log or (lambda msg: None)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{key}.lock", "a+") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            if (entry / _MANIFEST).is_file():  # another process built it while we waited
+                return _zoo_from_manifest(entry, cfg)
+            if entry.exists():
+                raise RuntimeError(f"{entry} exists but has no {_MANIFEST}; delete it to rebuild")
+            for stale in root.glob(f".{key}.tmp-*"):  # left by killed builds (we hold the lock)
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp = root / f".{key}.tmp-{os.getpid()}"
+            tmp.mkdir()
+            try:
+                t0 = time.perf_counter()
+                say(f"building zoo {key} in {root}")
+                man = _with_torch_settings(lambda: _build_into(tmp, cfg, say))
+                files = sorted(p for p in tmp.rglob("*") if p.is_file())
+                man["files"] = {p.relative_to(tmp).as_posix(): _sha256(p) for p in files}
+                (tmp / _MANIFEST).write_text(json.dumps(man, indent=1) + "\n")
+                _fsync_tree(tmp)
+                os.rename(tmp, entry)
+                fd = os.open(root, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                say(f"zoo {key} built in {time.perf_counter() - t0:.1f}s")
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+    return _zoo_from_manifest(entry, cfg)
+
+
+def _with_torch_settings(fn):
+    """Run ``fn`` with 2 intra-op threads, deterministic algorithms and no HF progress bars,
+    then restore the previous settings."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    threads = torch.get_num_threads()
+    det, det_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    bars = hf_logging.is_progress_bar_enabled()
+    torch.set_num_threads(_NUM_THREADS)
+    torch.use_deterministic_algorithms(True)
+    hf_logging.disable_progress_bar()
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(det, warn_only=det_warn)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def evaluate(model_dir: Path, zoo: Zoo, max_batches: int | None = None) -> dict[str, float]:
+    """Mean per-token cross-entropy (nats/token) of a checkpoint on each domain's held-out set.
+
+    The held-out documents are tokenized with the zoo's tokenizer (the checkpoint need not ship
+    one), joined with EOS and cut into ``zoo.config.eval_sequences`` windows of
+    ``zoo.config.seq_len`` tokens; the loss averages over the ``seq_len - 1`` next-token
+    predictions of every window. Weights (bf16 or any dtype) are loaded as float32 and run on
+    CPU with 2 threads, so the result is deterministic.
+
+    Args:
+        model_dir: HF causal-LM checkpoint folder (``config.json`` + safetensors), e.g. a
+            zoo checkpoint or a merge of them.
+        zoo: the zoo whose tokenizer and held-out sets to use.
+        max_batches: if given, only the first ``max_batches`` batches of ``batch_size`` windows
+            per domain are scored (faster, noisier).
+
+    Returns:
+        ``{domain: loss}`` for every domain in :data:`DOMAINS` (may be ``inf``/``nan`` for a
+        broken model).
+
+    Raises:
+        FileNotFoundError: ``model_dir`` has no ``config.json``.
+        ValueError: the model's vocabulary is smaller than the zoo tokenizer's, or
+            ``max_batches < 1``.
+    """
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} is not a HF checkpoint folder (no config.json)")
+    if max_batches is not None and max_batches < 1:
+        raise ValueError(f"max_batches must be >= 1 or None, got {max_batches}")
+
+    def run() -> dict[str, float]:
+        import torch
+        import torch.nn.functional as F
+        from transformers import AutoModelForCausalLM
+
+        windows = _load_eval_windows(zoo)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+        model.eval()
+        vocab = model.config.vocab_size
+        max_id = max(int(w.max()) for w in windows.values())
+        if max_id >= vocab:
+            raise ValueError(f"model vocab_size={vocab} is too small for the zoo tokenizer (token id {max_id})")
+        B = zoo.config.batch_size
+        out = {}
+        with torch.inference_mode():
+            for d in DOMAINS:
+                w = windows[d]
+                total, count = 0.0, 0
+                for i, start in enumerate(range(0, len(w), B)):
+                    if max_batches is not None and i >= max_batches:
+                        break
+                    batch = w[start : start + B]
+                    logits = model(input_ids=batch, use_cache=False).logits.float()
+                    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                           batch[:, 1:].reshape(-1), reduction="sum")
+                    total += float(loss.double())
+                    count += batch[:, 1:].numel()
+                out[d] = total / count
+        return out
+
+    return _with_torch_settings(run)
