@@ -49,7 +49,7 @@ from mergepipe.planner.plan import Plan, TensorPlan
 from mergepipe.storage.base import NotFoundError, Storage, Writer
 
 DEFAULT_PREFETCH_BYTES = 256 * 1024 * 1024
-COPY_CHUNK = 64 * 1024 * 1024
+COPY_CHUNK = 16 * 1024 * 1024
 
 
 @dataclass
@@ -300,7 +300,7 @@ def _execute(
         return base_raw, exp
 
     # ---- writer thread ---------------------------------------------------------------------
-    wq: queue.Queue = queue.Queue(maxsize=8)
+    wq: queue.Queue = queue.Queue(maxsize=4)  # with 16 MiB copy pieces: <= ~64 MiB queued for the writer
     werr: list[BaseException] = []
     writers: dict[str, HashingWriter] = {}
 
