@@ -49,13 +49,22 @@ def test_sigkill_at_any_moment_leaves_nothing_and_rerun_succeeds(medium_family, 
     rng = random.Random(0)
     kills = 0
     staged_seen = 0
-    for delay in [0.05, 0.4, 0.8] + [rng.uniform(0.2, 2.5) for _ in range(4)]:
+    # ("time", t): kill t seconds after start (imports, analysis); ("staged", t): kill t seconds after the
+    # staging folder appears (while shards are being written), whatever the machine's speed
+    moments = [("time", 0.05), ("time", 0.8), ("staged", 0.0), ("staged", 0.05), ("staged", 0.2),
+               ("staged", rng.uniform(0.0, 0.5)), ("staged", rng.uniform(0.0, 1.0))]
+    for mode, delay in moments:
         p = subprocess.Popen(_cmd(base, experts, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         t0 = time.time()
         staged = False
-        while time.time() - t0 < delay and p.poll() is None:
+        while p.poll() is None and time.time() - t0 < 120:
             staged = staged or any(x.name.startswith(".snap.staging-") for x in outdir.iterdir())
-            time.sleep(0.005)
+            if mode == "time" and time.time() - t0 >= delay:
+                break
+            if mode == "staged" and staged:
+                time.sleep(delay)
+                break
+            time.sleep(0.002)
         if p.poll() is None:
             p.send_signal(signal.SIGKILL)
             kills += 1
@@ -63,7 +72,7 @@ def test_sigkill_at_any_moment_leaves_nothing_and_rerun_succeeds(medium_family, 
         p.communicate()
         if p.returncode == 0:
             break  # finished before the kill: the snapshot is complete and committed
-        assert not out.exists(), f"killed after {delay:.2f}s left {out}"
+        assert not out.exists(), f"killed ({mode}, {delay:.2f}s) left {out}"
         assert _visible(outdir, "snap") == [], "only hidden staging folders may remain"
     assert kills >= 2 and staged_seen >= 1, "the kills must land during analysis and during writing"
     done = subprocess.run(_cmd(base, experts, out), capture_output=True, text=True, env=env)
