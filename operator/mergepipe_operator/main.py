@@ -44,6 +44,11 @@ try:
     JOBS_CREATED = _prom.Counter("mergepipe_jobs_created_total", "Merge Jobs created")
     ANALYZE_JOBS_CREATED = _prom.Counter("mergepipe_analyze_jobs_created_total", "Analyze Jobs created")
     VERIFICATIONS = _prom.Counter("mergepipe_snapshot_verifications_total", "Snapshot verifications", ["reason"])
+    COMMITTED = _prom.Counter("mergepipe_merges_committed_total", "Merges committed and verified (MergedSnapshot created)")
+    REALIZED_BYTES = _prom.Counter("mergepipe_realized_bytes_total",
+                                   "Bytes moved by committed merges, per role, from their manifests", ["role"])
+    MERGE_SECONDS = _prom.Histogram("mergepipe_merge_duration_seconds", "Wall time of committed merges (manifest)",
+                                    buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200))
 except ImportError:  # pragma: no cover - metrics are optional
     _prom = None
 
@@ -54,7 +59,24 @@ except ImportError:  # pragma: no cover - metrics are optional
         def inc(self, *a: Any) -> None:
             pass
 
+        def observe(self, *a: Any) -> None:
+            pass
+
     ADMISSIONS = JOBS_CREATED = ANALYZE_JOBS_CREATED = VERIFICATIONS = _Noop()  # type: ignore[assignment]
+    COMMITTED = REALIZED_BYTES = MERGE_SECONDS = _Noop()  # type: ignore[assignment]
+
+def _count_commit(facts: Any, raw: bytes) -> None:
+    """Prometheus: one more committed merge, its realized bytes per role and its wall time."""
+    COMMITTED.inc()
+    for role, n in facts.realized.items():
+        if n:
+            REALIZED_BYTES.labels(role).inc(n)
+    try:
+        wall = float(json.loads(raw)["time"]["wall_s"])
+    except (KeyError, TypeError, ValueError):
+        return
+    MERGE_SECONDS.observe(wall)
+
 
 # --- the planner: mergepipe.pipeline.build_plan, in-process ---------------------------------------
 
@@ -560,6 +582,7 @@ class Controller:
                     "source": {"name": name, "uid": mm["metadata"]["uid"], "generation": gen},
                 },
             })
+            _count_commit(facts, raw)  # once: a replayed reconcile gets the 409 below
         except Conflict:
             pass
         rx = facts.realized.get("expertReadBytes")

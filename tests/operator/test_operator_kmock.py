@@ -167,7 +167,10 @@ def test_merge_end_to_end_analyze_plan_merge_commit_charge_delete(cluster):
     Job runs starts no second Job; deleting the merge stops its running Job and keeps the snapshot."""
     from mergepipe.planner.plan import Plan
 
+    from prometheus_client import REGISTRY
+
     c = cluster
+    before = REGISTRY.get_sample_value("mergepipe_merges_committed_total") or 0.0
     c.quota("daily", bytes_="1Gi", merges=10, enforcement="Clamp")
     out = f"s3://{c.models.bucket}/snapshots/e2e/"
     with operator():
@@ -218,6 +221,9 @@ def test_merge_end_to_end_analyze_plan_merge_commit_charge_delete(cluster):
         assert r.returncode == 0, r.stderr
         result = json.loads(r.stdout)
         o = c.wait_reason("e2e", "Committed")
+        assert (REGISTRY.get_sample_value("mergepipe_merges_committed_total") or 0.0) == before + 1
+        assert REGISTRY.get_sample_value("mergepipe_realized_bytes_total", {"role": "expertReadBytes"}) > 0
+        assert REGISTRY.get_sample_value("mergepipe_merge_duration_seconds_count") >= 1
         st = o["status"]
         manifest, raw = c.manifest(out)
         assert result["manifest_hash"] == d.manifest_hash(raw) and manifest["plan_digest"] == st["planDigest"]
