@@ -287,7 +287,8 @@ def _build_manifest(plan: Plan, res, before: dict, after: dict, started: float, 
     delta = {k: after["read"].get(k, 0) - before["read"].get(k, 0) for k in after["read"]}
     written = {k: after["written"].get(k, 0) - before["written"].get(k, 0) for k in after["written"]}
     copied = {k: after["copied"].get(k, 0) - before["copied"].get(k, 0) for k in after["copied"]}
-    floating = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+    from mergepipe.formats.safetensors import FLOAT_DTYPES as floating
+
     return {
         "format": "mergepipe.manifest/v1",
         "snapshot_id": snapshot_id(plan.digest, res.files),

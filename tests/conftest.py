@@ -25,6 +25,21 @@ def family(tmp_path_factory):
     return base, experts
 
 
+def run_cli(args, monkeypatch, capsys):
+    """Run ``mergepipe ARGS`` in-process through the console entry point (exit-code mapping
+    included); returns (exit code, stdout, stderr)."""
+    from mergepipe import cli
+
+    monkeypatch.setattr(sys, "argv", ["mergepipe", *args])
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as e:
+        code = e.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def merged_tensors(folder) -> dict:
     import glob
 

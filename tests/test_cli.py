@@ -10,19 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mergepipe import cli
+from tests.conftest import run_cli
 from tests.synth import make_family, save_checkpoint
-
-
-def run_cli(args, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["mergepipe", *args])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture()

@@ -2,21 +2,19 @@
 path and key in the message, exit 2, nothing written, no tensor byte read), out_dtype end to end."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from mergepipe import cli
 from mergepipe.catalog.catalog import Catalog
 from mergepipe.config import load_config, merge_from_config
 from mergepipe.errors import InputError
 from mergepipe.methods.reference import merge_checkpoint_dense
 from mergepipe.storage.base import IOCounters
 from mergepipe.storage.local import LocalStorage
-from tests.conftest import merged_tensors, same_bits
+from tests.conftest import merged_tensors, run_cli, same_bits
 
 
 def write(tmp_path, cfg, name="merge.yml") -> Path:
@@ -182,17 +180,6 @@ def test_out_dtype_equal_to_input_plans_like_cli(family, tmp_path):
     p2 = build_plan(cat, st, str(base), [(e.name, str(e)) for e in experts], "ties", ["density=0.5", "weight=1.0"],
                     budget="50%")
     assert p1.out_dtype is None and p1.digest == p2.digest
-
-
-def run_cli(args, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["mergepipe", *args])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_cli_merge_config(family, tmp_path, monkeypatch, capsys):
