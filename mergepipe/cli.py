@@ -203,45 +203,68 @@ def _work_bytes(text: str) -> int:
     return wb
 
 
-def _plan_args(base, expert, method, param, budget, fidelity, seed, block_size, catalog, progress=None,
-               work_memory="256MiB"):
-    from mergepipe.pipeline import build_plan, parse_bytes, parse_expert
+def _merge_inputs(config, base, expert, method, param, budget, fidelity, seed):
+    """Models, method, parameters, budget, fidelity, seed and plan options, from a mergekit config
+    (``--config``; ``--budget/--fidelity/--seed`` override its keys) or from the command line.
+    Exits 2 when both or neither are given."""
+    from mergepipe.pipeline import parse_expert
 
-    c = _catalog(catalog)
-    st = _storage_for(base)
-    bb = parse_bytes(block_size, what="--block-size")
-    experts = [parse_expert(e) for e in expert]
-    plan = build_plan(c, st, base, experts, method, param or [], budget=budget, fidelity=fidelity, seed=seed,
-                      block_bytes=bb, work_bytes=_work_bytes(work_memory), progress=progress)
-    return plan, st
+    if config is not None:
+        from mergepipe.config import load_config
+
+        given = [f for f, v in (("--base", base), ("--expert", expert), ("--method", method), ("--param", param)) if v]
+        if given:
+            _fail(f"--config {config} defines the models, method and parameters; drop {', '.join(given)} "
+                  "(--budget, --fidelity and --seed override the config's keys).")
+        c = load_config(config)
+        return dict(base=c.base, experts=c.experts, method=c.method, params=[],
+                    budget=budget if budget is not None else c.budget,
+                    fidelity=fidelity if fidelity is not None else c.fidelity,
+                    seed=seed if seed is not None else c.seed, opts=c.plan_options())
+    if not base or not expert:
+        _fail("--base and --expert are required (or give a mergekit config with --config merge.yml).")
+    return dict(base=base, experts=[parse_expert(e) for e in expert], method=method or "ties", params=param or [],
+                budget=budget, fidelity=fidelity, seed=seed or 0, opts={})
 
 
 MethodOpt = Annotated[str, typer.Option(
     "--method", "-m", help="linear, task_arithmetic, ties, dare_ties, dare_linear, breadcrumbs, breadcrumbs_ties, della, "
     "della_linear, model_stock, slerp, nuslerp (mergekit's names)")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the DARE random stream")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Seed of the DARE/DELLA random streams [default: 0]")]
+ConfigOpt = Annotated[Optional[Path], typer.Option(
+    "--config", help="A mergekit YAML config (models, base_model, merge_method, parameters, dtype, out_dtype; "
+    "plus budget, fidelity, seed) instead of --base/--expert/--method/--param")]
 BlockOpt = Annotated[str, typer.Option("--block-size", help="Catalog block size (whole rows)")]
 MemOpt = Annotated[str, typer.Option("--work-memory", help="Engine memory target: float32 working set per chunk, and bytes prefetched ahead")]
 
 
 @app.command()
 def plan(
-    base: Annotated[str, typer.Option("--base")],
-    expert: ExpertOpt,
-    method: MethodOpt = "ties",
+    base: Annotated[Optional[str], typer.Option("--base", help="Base checkpoint folder or s3:// prefix")] = None,
+    expert: Annotated[Optional[list[str]], typer.Option(
+        "--expert", "-e", help="Expert checkpoint: URI or NAME=URI (repeat). Name defaults to the last path component.")] = None,
+    config: ConfigOpt = None,
+    method: Annotated[Optional[str], typer.Option(
+        "--method", "-m", help="Merge method (mergekit's name) [default: ties]")] = None,
     param: ParamOpt = None,
     budget: BudgetOpt = None,
     fidelity: FidelityOpt = None,
-    seed: SeedOpt = 0,
+    seed: SeedOpt = None,
     block_size: BlockOpt = "128KiB",
     work_memory: MemOpt = "256MiB",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the plan JSON here")] = None,
     catalog: CatalogOpt = None,
     json_out: JsonOpt = False,
 ):
-    """Plan a merge (registers and analyzes as needed) and print its summary; --out saves the plan."""
-    p, _ = _plan_args(base, expert, method, param, budget, fidelity, seed, block_size, catalog,
-                      work_memory=work_memory)
+    """Plan a merge (registers and analyzes as needed) and print its summary; --out saves the plan.
+    Takes the same inputs as `merge`: --base/--expert/--method/--param or a mergekit --config."""
+    from mergepipe.pipeline import build_plan, parse_bytes
+
+    m = _merge_inputs(config, base, expert, method, param, budget, fidelity, seed)
+    bb = parse_bytes(block_size, what="--block-size")
+    p = build_plan(_catalog(catalog), _storage_for(m["base"]), m["base"], m["experts"], m["method"], m["params"],
+                   budget=m["budget"], fidelity=m["fidelity"], seed=m["seed"], block_bytes=bb,
+                   work_bytes=_work_bytes(work_memory), **m["opts"])
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".tmp")
@@ -322,15 +345,13 @@ def merge(
     base: Annotated[Optional[str], typer.Option("--base", help="Base checkpoint folder or s3:// prefix")] = None,
     expert: Annotated[Optional[list[str]], typer.Option(
         "--expert", "-e", help="Expert checkpoint: URI or NAME=URI (repeat). Name defaults to the last path component.")] = None,
-    config: Annotated[Optional[Path], typer.Option(
-        "--config", help="A mergekit YAML config (models, base_model, merge_method, parameters, dtype, out_dtype; "
-        "plus budget, fidelity, seed) instead of --base/--expert/--method/--param")] = None,
+    config: ConfigOpt = None,
     method: Annotated[Optional[str], typer.Option(
         "--method", "-m", help="Merge method (mergekit's name) [default: ties]")] = None,
     param: ParamOpt = None,
     budget: BudgetOpt = None,
     fidelity: FidelityOpt = None,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed of the DARE/DELLA random streams [default: 0]")] = None,
+    seed: SeedOpt = None,
     device: DeviceOpt = "cpu",
     block_size: BlockOpt = "128KiB",
     work_memory: MemOpt = "256MiB",
@@ -339,31 +360,15 @@ def merge(
 ):
     """register → analyze → plan → execute → commit, in one go (or from a mergekit config: --config)."""
     from mergepipe.pipeline import merge as run_merge
-    from mergepipe.pipeline import parse_bytes, parse_expert
+    from mergepipe.pipeline import parse_bytes
 
     bb = parse_bytes(block_size, what="--block-size")
-    opts = {}
-    if config is not None:
-        from mergepipe.config import load_config
-
-        given = [f for f, v in (("--base", base), ("--expert", expert), ("--method", method), ("--param", param)) if v]
-        if given:
-            _fail(f"--config {config} defines the models, method and parameters; drop {', '.join(given)} "
-                  "(--budget, --fidelity and --seed override the config's keys).")
-        c = load_config(config)
-        base, experts, method = c.base, c.experts, c.method
-        budget = budget if budget is not None else c.budget
-        fidelity = fidelity if fidelity is not None else c.fidelity
-        seed = seed if seed is not None else c.seed
-        opts = c.plan_options()
-    else:
-        if not base or not expert:
-            _fail("--base and --expert are required (or give a mergekit config with --config merge.yml).")
-        experts = [parse_expert(e) for e in expert]
+    m = _merge_inputs(config, base, expert, method, param, budget, fidelity, seed)
     with _Progress(True) as prog:
-        res = run_merge(base, experts, method or "ties", out, param or [], budget=budget, fidelity=fidelity,
-                        seed=seed or 0, device=device, catalog=_catalog(catalog), storage=_storage_for(base),
-                        block_bytes=bb, work_bytes=_work_bytes(work_memory), progress=prog, **opts)
+        res = run_merge(m["base"], m["experts"], m["method"], out, m["params"], budget=m["budget"],
+                        fidelity=m["fidelity"], seed=m["seed"], device=device, catalog=_catalog(catalog),
+                        storage=_storage_for(m["base"]), block_bytes=bb, work_bytes=_work_bytes(work_memory),
+                        progress=prog, **m["opts"])
     _emit_merge(res, json_out)
 
 

@@ -224,3 +224,32 @@ def test_cli_config_bad_input_exit_2_nothing_written(family, tmp_path, monkeypat
 
     assert re.search(match, err.replace("\n", "")), err
     assert not out.exists() and stdout == ""
+
+
+def test_cli_plan_config_same_plan_as_merge(family, tmp_path, monkeypatch, capsys):
+    """`plan --config` reads the same mergekit YAML as `merge --config` and plans the same merge:
+    the saved plan executes to the snapshot `merge --config` commits."""
+    cfg = base_cfg(family, budget="40%", seed=3)
+    cfg["parameters"]["density"] = [0.3, 0.8]
+    p = write(tmp_path, cfg)
+    code, out, err = run_cli(["plan", "--config", str(p), "--out", str(tmp_path / "plan.json"), "--json"],
+                             monkeypatch, capsys)
+    assert code == 0, err
+    planned = json.loads(out)
+    code, out, err = run_cli(["merge", "--config", str(p), "--out", str(tmp_path / "m"), "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    merged = json.loads(out)
+    assert planned["plan_digest"] == merged["plan_digest"]
+    assert planned["expert_budget_bytes"] == merged["io"]["expert_budget_bytes"]
+    code, out, err = run_cli(["execute", str(tmp_path / "plan.json"), "--out", str(tmp_path / "x"), "--json"],
+                             monkeypatch, capsys)
+    assert code == 0, err
+    assert json.loads(out)["snapshot_id"] == merged["snapshot_id"]
+    # the same refusals as merge: config and explicit models together, bad config keys
+    code, _, err = run_cli(["plan", "--config", str(p), "--param", "density=0.2"], monkeypatch, capsys)
+    assert code == 2 and "drop --param" in err
+    bad = write(tmp_path, {**cfg, "slices": [{"sources": []}]}, name="bad.yml")
+    code, _, err = run_cli(["plan", "--config", str(bad), "--out", str(tmp_path / "bad.json")], monkeypatch, capsys)
+    assert code == 2 and str(bad) in err and "slices" in err and not (tmp_path / "bad.json").exists()
+    code, _, err = run_cli(["plan"], monkeypatch, capsys)
+    assert code == 2 and "--base and --expert are required" in err
