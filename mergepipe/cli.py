@@ -164,10 +164,14 @@ def analyze(
     base: Annotated[str, typer.Option("--base", help="Base checkpoint (the experts' common ancestor)")],
     expert: ExpertOpt,
     block_size: Annotated[str, typer.Option("--block-size", help="Target block size (whole rows)")] = "128KiB",
+    pairs: Annotated[bool, typer.Option(
+        "--pairs", help="Also record the pair statistics <delta_i, delta_j> of every two experts, which model_stock "
+        "and nuslerp plan with (needs at least 2 experts; cached pairs are not recomputed).")] = False,
     catalog: CatalogOpt = None,
     json_out: JsonOpt = False,
 ):
-    """Analyze experts against the base once: per-block task-vector statistics (cached by identity)."""
+    """Analyze experts against the base once: per-block task-vector statistics (cached by identity);
+    with --pairs also the per-tensor dot products of every two experts' task vectors."""
     from mergepipe.pipeline import parse_bytes, parse_expert, register_and_analyze
 
     c = _catalog(catalog)
@@ -175,9 +179,12 @@ def analyze(
     bb = parse_bytes(block_size, what="--block-size")
     if not bb or bb < 1:
         _fail("--block-size must be a positive byte quantity, e.g. 128KiB.")
+    uris = [parse_expert(e)[1] for e in expert]
+    if pairs and len({u.rstrip("/") for u in uris}) < 2:
+        _fail("--pairs needs at least two distinct --expert checkpoints (pair statistics relate two experts).")
     with _Progress(True) as prog:
-        b, recs, ans = register_and_analyze(c, st, base, [parse_expert(e)[1] for e in expert], bb,
-                                            progress=lambda n: prog("analyze", n, None))
+        b, recs, ans = register_and_analyze(c, st, base, uris, bb,
+                                            progress=lambda n: prog("analyze", n, None), pairs=pairs)
     rd = st.counters.snapshot()["read"]
     res = {
         "base": {"uri": b.uri, "identity": b.identity},
@@ -187,10 +194,15 @@ def analyze(
         "bytes_read": {"base": rd["base"], "expert": rd["expert"], "catalog": rd["catalog"]},
         "block_bytes": bb,
     }
+    if pairs:
+        dots = c.pair_dots(b, recs, ans)
+        res["pairs"] = [{"experts": [recs[i].uri, recs[j].uri], "tensors": len(d)} for (i, j), d in sorted(dots.items())
+                        if recs[i].identity != recs[j].identity]
     if json_out:
         print(json.dumps(res))
     else:
-        _err_console().print(f"analyzed {len(recs)} expert(s); read base {_human(rd['base'])}, experts "
+        extra = f" and {len(res['pairs'])} pair(s)" if pairs else ""
+        _err_console().print(f"analyzed {len(recs)} expert(s){extra}; read base {_human(rd['base'])}, experts "
                              f"{_human(rd['expert'])} (0 means cached)")
 
 

@@ -165,8 +165,13 @@ def register_and_analyze(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     progress: Callable[[int], None] | None = None,
     analyze: bool = True,
+    pairs: bool = False,
 ) -> tuple[CheckpointRecord, list[CheckpointRecord], list[Analysis]]:
     """Register the base and experts and analyze the experts (cached).
+
+    With ``pairs`` the catalog also records the pair statistics (per tensor ``⟨δᵢ,δⱼ⟩``) of every
+    two distinct experts, which model_stock and nuslerp plan with (``mergepipe analyze --pairs``:
+    the operator's analyze Job for those methods); cached pairs are not recomputed.
 
     With ``analyze=False`` nothing but shard headers (and, for checkpoints the catalog already
     knows unchanged, not even those) is read, and :class:`MissingAnalysis` names the experts
@@ -178,7 +183,7 @@ def register_and_analyze(
         missing = [e.uri for e in experts if not catalog.has_analysis(base.identity, e.identity, block_bytes)]
         if missing:
             raise MissingAnalysis(missing)
-    analyses = catalog.analyze(storage, base, experts, block_bytes=block_bytes, progress=progress)
+    analyses = catalog.analyze(storage, base, experts, block_bytes=block_bytes, progress=progress, pairs=pairs)
     return base, experts, analyses
 
 

@@ -196,3 +196,63 @@ def test_help_is_fast_and_imports_no_torch():
                         "print('TORCH' if 'torch' in sys.modules else 'NOTORCH')"],
                        capture_output=True, text=True, env={**os.environ, "COLUMNS": "100"})
     assert "merge" in r.stdout and r.stdout.strip().endswith("NOTORCH")
+
+
+def test_analyze_pairs_records_what_model_stock_plans_with(fam, monkeypatch, capsys):
+    """`analyze` alone leaves model_stock unplannable without reading tensors (no pair statistics);
+    `analyze --pairs` records the per-tensor <delta_0, delta_1>, equal to the dot product of the
+    checkpoints' task vectors, and then planning reads nothing but the catalog."""
+    from mergepipe.catalog.catalog import Catalog
+    from mergepipe.pipeline import MissingAnalysis, build_plan
+    from mergepipe.storage.base import IOCounters
+    from mergepipe.storage.local import LocalStorage
+    from tests.conftest import merged_tensors
+
+    tmp, base, experts = fam
+    cat = tmp / "cat.sqlite"
+    ex = [a for e in experts for a in ("-e", str(e))]
+    code, out, err = run_cli(["analyze", "--base", str(base), *ex, "--catalog", str(cat), "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    assert "pairs" not in json.loads(out)
+
+    def plan_without_reading():
+        st = LocalStorage(IOCounters())
+        p = build_plan(Catalog(cat), st, str(base), [(f"x{i}", str(e)) for i, e in enumerate(experts)],
+                       "model_stock", analyze=False)
+        return p, st.counters.snapshot()["read"]
+
+    with pytest.raises(MissingAnalysis) as e:
+        plan_without_reading()
+    assert sorted(e.value.uris) == sorted(str(x) for x in experts)
+
+    code, out, err = run_cli(["analyze", "--base", str(base), *ex, "--pairs", "--catalog", str(cat), "--json"],
+                             monkeypatch, capsys)
+    assert code == 0, err
+    res = json.loads(out)
+    b = merged_tensors(base)
+    (pair,) = res["pairs"]
+    assert pair["experts"] == [str(x) for x in experts] and pair["tensors"] == len(b)
+    assert res["bytes_read"]["expert"] > 0  # the pair needed the experts streamed again
+
+    c = Catalog(cat)
+    brec, recs = c.register(LocalStorage(IOCounters()), str(base)), [c.register(LocalStorage(IOCounters()), str(x)) for x in experts]
+    dots = c.pair_dots(brec, recs)[(0, 1)]
+    e0, e1 = merged_tensors(experts[0]), merged_tensors(experts[1])
+    for name in ("model.layers.0.mlp.up_proj.weight", "model.norm.weight"):
+        want = float(((e0[name].double() - b[name].double()) * (e1[name].double() - b[name].double())).sum())
+        assert dots[name] == pytest.approx(want, rel=1e-6, abs=1e-12)
+
+    p, read = plan_without_reading()
+    assert p.method == "model_stock" and read["expert"] == 0 and read["base"] == 0
+
+    # cached: a second run reads no expert byte
+    code, out, _ = run_cli(["analyze", "--base", str(base), *ex, "--pairs", "--catalog", str(cat), "--json"],
+                           monkeypatch, capsys)
+    assert code == 0 and json.loads(out)["bytes_read"]["expert"] == 0
+
+
+def test_analyze_pairs_needs_two_experts(fam, monkeypatch, capsys):
+    tmp, base, experts = fam
+    code, out, err = run_cli(["analyze", "--base", str(base), "-e", str(experts[0]), "--pairs",
+                              "--catalog", str(tmp / "cat.sqlite"), "--json"], monkeypatch, capsys)
+    assert code == 2 and out == "" and "--pairs needs at least two" in err

@@ -906,7 +906,7 @@ def merge_params(spec: Mapping[str, Any]) -> list[str]:
 
 def needs_pair_statistics(method: str | None) -> bool:
     """Methods (model_stock, nuslerp) whose plan needs the experts' pairwise task-vector dot
-    products, which ``mergepipe analyze`` does not compute (``mergepipe plan`` does)."""
+    products (the catalog's pair statistics, recorded by ``mergepipe analyze --pairs``)."""
     from mergepipe.methods.registry import METHODS as CORE_METHODS
 
     m = CORE_METHODS.get(method or "")
@@ -935,26 +935,18 @@ def analyze_job_name(merge_name: str, analysis: str) -> str:
 
 
 def analyze_args(spec: Mapping[str, Any], missing_uris: Iterable[str], catalog_uri: str) -> list[str]:
-    """Arguments of the analyze Job's ``mergepipe`` command.
+    """Arguments of the analyze Job's ``mergepipe`` command:
+    ``mergepipe analyze --base B --expert E... [--pairs] --catalog C --json``.
 
-    ``mergepipe analyze --base B --expert E... --catalog C --json`` for the experts the catalog
-    lacks. For model_stock and nuslerp the plan also needs the pair statistics of every two experts,
-    which only planning computes: ``mergepipe plan --base B --expert E... --method M --param ...
-    --catalog C --json`` over all experts (it analyzes what is missing and prints a summary)."""
-    base = spec["base"]["uri"].rstrip("/")
+    ``missing_uris`` are the experts the planner named (``MissingAnalysis.uris``: those without
+    statistics and, for methods that need pair statistics, both experts of every missing pair).
+    For model_stock and nuslerp ``--pairs`` also records the pair statistics of every two of
+    them; pairs already in the catalog are not recomputed."""
+    args = ["analyze", "--base", spec["base"]["uri"].rstrip("/")]
+    for uri in missing_uris:
+        args += ["--expert", uri.rstrip("/")]
     if needs_pair_statistics(spec.get("method")):
-        args = ["plan", "--base", base]
-        for _, uri in merge_experts(spec):
-            args += ["--expert", uri]
-        args += ["--method", spec["method"]]
-        for p in merge_params(spec):
-            args += ["--param", p]
-        if spec.get("seed") is not None:
-            args += ["--seed", str(int(spec["seed"]))]
-    else:
-        args = ["analyze", "--base", base]
-        for uri in missing_uris:
-            args += ["--expert", uri.rstrip("/")]
+        args.append("--pairs")
     return args + ["--catalog", catalog_uri, "--json"]
 
 

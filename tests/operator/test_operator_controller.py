@@ -253,18 +253,21 @@ def test_no_analysis_for_a_merge_the_quota_cannot_admit(settings):
     assert kube.list(JOBS, "ns1") == []
 
 
-def test_pair_statistics_methods_analyze_by_planning(settings):
+def test_pair_statistics_methods_analyze_with_pairs(settings):
     mm = make_merge(method="nuslerp", parameters={"nuslerp_flatten": False}, seed=3,
                     experts=[{"uri": "s3://models/code/", "weight": 0.3},
                              {"name": "7", "uri": "s3://models/math/", "parameters": {"weight": [0.2, 0.8]}}])
-    c, kube, store, mm = setup(settings, make_quota(), planner=Planner(missing=["s3://models/math"]), mm=mm)
+    # a missing pair names both of its experts (MissingAnalysis.uris)
+    planner = Planner(missing=["s3://models/code", "s3://models/math/"])
+    c, kube, store, mm = setup(settings, make_quota(), planner=planner, mm=mm)
     with pytest.raises(main.RetryWithStatus):
         c.reconcile_merge(mm)
     (job,) = kube.list(JOBS, "ns1")
     assert job["spec"]["template"]["spec"]["containers"][0]["args"] == [
-        "plan", "--base", "s3://models/base", "--expert", "s3://models/code", "--expert", "s3://models/math",
-        "--method", "nuslerp", "--param", "nuslerp_flatten=false", "--param", "1:weight=0.3",
-        "--param", "2:weight=[0.2,0.8]", "--seed", "3", "--catalog", settings.catalog_uri, "--json"]
+        "analyze", "--base", "s3://models/base", "--expert", "s3://models/code", "--expert", "s3://models/math",
+        "--pairs", "--catalog", settings.catalog_uri, "--json"]
+    assert d.analyze_args({"base": {"uri": "s3://m/b/"}, "method": "ties"}, ["s3://m/e/"], "s3://c") == [
+        "analyze", "--base", "s3://m/b", "--expert", "s3://m/e", "--catalog", "s3://c", "--json"]  # no pairs for ties
 
 
 def test_superseding_keeps_the_analyze_job(settings):

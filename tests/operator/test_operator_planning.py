@@ -148,7 +148,7 @@ print(json.dumps({{"digest": p.digest, "torch": "torch" in sys.modules,
 
 def test_the_analyze_command_records_what_planning_needs(s3_models, seaweed, tmp_path):
     """The analyze Job's command (decisions.analyze_args) run with the real CLI fills the catalog:
-    per-expert statistics, and for model_stock the pair statistics too (through `mergepipe plan`)."""
+    per-expert statistics, and for model_stock the pair statistics too (`mergepipe analyze --pairs`)."""
     catalog = f"s3://{s3_models.bucket}/catalog-pairs"
     spec = merge_spec(s3_models, method="model_stock", parameters={"filter_wise": False}, budget=None,
                       experts=[{"uri": u + "/"} for u in s3_models.experts[:2]])
@@ -156,12 +156,13 @@ def test_the_analyze_command_records_what_planning_needs(s3_models, seaweed, tmp
     p = main.plan_merge(spec, catalog, storage=core_storage(seaweed))
     assert set(p.missing_experts) == set(s3_models.experts[:2])
     args = d.analyze_args(spec, p.missing_experts, catalog)
-    assert args[0] == "plan"
+    assert args[:2] == ["analyze", "--base"] and "--pairs" in args
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(seaweed.env(), AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
                AWS_EC2_METADATA_DISABLED="true", PYTHONPATH=str(ROOT), MERGEPIPE_HOME=str(tmp_path / "home"))
     r = subprocess.run([sys.executable, "-m", "mergepipe.cli", *args], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["method"] == "model_stock"
+    (pair,) = json.loads(r.stdout)["pairs"]
+    assert sorted(pair["experts"]) == sorted(s3_models.experts[:2]) and pair["tensors"] > 0
     done = main.plan_merge(spec, catalog, storage=core_storage(seaweed))
     assert done.missing_experts == () and len(done.digest) == 64
