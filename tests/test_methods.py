@@ -340,3 +340,50 @@ def test_pair_statistics_exact_and_cached(family, tmp_path):
     cat.db.commit()
     cat.analyze(st, b, es[:1], block_bytes=4096)
     assert st.counters.snapshot()["read"]["expert"] > after["expert"]
+
+
+def _mk_gta(base, experts, weights, *, consensus, normalize, lam=1.0):
+    """mergekit 0.1.5 ``GeneralizedTaskArithmeticMerge.merge_group`` (no sparsification), float32."""
+    deltas = torch.stack([e - base for e in experts])
+    w = torch.tensor(weights, dtype=torch.float32).reshape(-1, *([1] * base.dim()))
+    deltas = deltas * w
+    if consensus:
+        maj = (deltas.sum(dim=0) >= 0).to(torch.float32) * 2 - 1
+        mask = deltas.sign() == maj
+        mixed, div = (deltas * mask).sum(dim=0), (w * mask).sum(dim=0)
+        div[div == 0] = 1
+    else:
+        mixed, div = deltas.sum(dim=0), w.sum(dim=0)
+        div[div.abs() < 1e-8] = 1
+    if normalize:
+        mixed = mixed / div
+    return base + mixed * lam
+
+
+@pytest.mark.parametrize("weights", [[1e-9, 2e-9, 3e-9], [1.0, -1.0, 0.5], [0.4, 0.3, 0.2]])
+def test_ties_divisor_and_rescale_thresholds_follow_mergekit(weights):
+    """mergekit 0.1.5 replaces the TIES divisor by 1 only where it is exactly 0 (tiny positive
+    weights still divide), and skips the L1 rescale when a norm is below 1e-7; the kernels and
+    the dense reference agree with it."""
+    from mergepipe.methods.kernels import combine, rescale_factor
+    from mergepipe.methods.params import TensorParams
+    from mergepipe.methods.reference import merge_tensor_dense
+    from mergepipe.methods.registry import get_method
+
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(8, 64, generator=g)
+    experts = [base + 0.01 * torch.randn(8, 64, generator=g) for _ in weights]
+    experts[1][0, :8] = base[0, :8] - 2 * (experts[0][0, :8] - base[0, :8])  # opposite signs: divisor 1 + (-1) = 0
+    expect = _mk_gta(base, experts, weights, consensus=True, normalize=True)
+    eps = tuple({"weight": w, "density": 1.0} for w in weights)
+    ref = merge_tensor_dense("w", base, experts, TensorParams({"normalize": True, "lambda": 1.0, "rescale": False}, eps),
+                             method="ties")
+    ker = combine(base.flatten(), [(e - base).flatten() for e in experts], list(weights), get_method("ties"),
+                  {"normalize": True, "lambda": 1.0}).reshape(base.shape)
+    assert same_bits(ref, ker)
+    torch.testing.assert_close(ref, expect, rtol=0, atol=2e-7 * float(base.abs().max()))
+    if weights[0] == 1e-9:  # the old |divisor| < 1e-8 rule would have returned base + ~1e-9·δ
+        assert (ref - base).abs().max() > 1e-3
+    # rescale: mergekit's eps is 1e-7
+    assert rescale_factor(5e-8, 1.0) == 1.0 and rescale_factor(1.0, 5e-8) == 1.0
+    assert rescale_factor(4e-7, 2e-7) == 2.0

@@ -129,9 +129,15 @@ def l1_rows(x, row_numel: int) -> float:
     return math.fsum(l1_row_sums(x, row_numel))
 
 
+RESCALE_EPS = 1e-7
+"""mergekit 0.1.5 ``sparsify.rescaled_masked_tensor``'s ``eps``: no rescale when either L1 norm
+is below it."""
+
+
 def rescale_factor(l1_all: float, l1_kept: float) -> float:
-    """mergekit's ``rescale_sum``: ``‖δ‖₁ / ‖mask ⊙ δ‖₁`` (1 when either is ~0)."""
-    if l1_all < 1e-8 or l1_kept < 1e-8:
+    """mergekit's L1 rescale: ``‖δ‖₁ / ‖mask ⊙ δ‖₁``, or 1 when either norm is below
+    :data:`RESCALE_EPS` (``sparsify.rescaled_masked_tensor``)."""
+    if l1_all < RESCALE_EPS or l1_kept < RESCALE_EPS:
         return 1.0
     return l1_all / l1_kept
 
@@ -154,7 +160,8 @@ def combine(base, deltas: list, weights: list[float], spec: MethodSpec, globals_
     Follows mergekit 0.1.5 ``GeneralizedTaskArithmeticMerge``: weighted task vectors; with
     consensus ``sum``, the elected sign is ``sign(Σ wᵢδᵢ)`` with 0 counted as +, and only
     entries agreeing with it (zeros never agree) are summed and counted in the divisor; the
-    divisor is replaced by 1 where ``|divisor| < 1e-8``.
+    divisor is replaced by 1 where it is exactly 0 (without consensus: where the weight sum is
+    below 1e-8 in magnitude), as mergekit does.
     """
     import torch
 
@@ -188,7 +195,7 @@ def combine(base, deltas: list, weights: list[float], spec: MethodSpec, globals_
             mixed = m if mixed is None else mixed + m
             div = dw if div is None else div + dw
         if normalize:
-            div = torch.where(div.abs() < 1e-8, torch.ones((), dtype=div.dtype, device=div.device), div)
+            div = torch.where(div == 0, torch.ones((), dtype=div.dtype, device=div.device), div)
             mixed = mixed / div
     else:
         mixed = None

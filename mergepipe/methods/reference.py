@@ -201,7 +201,7 @@ def merge_tensor_dense(name: str, base, experts: list, params: ResolvedParams | 
         if g.get("rescale") and spec.sparsify != "none" and dens < 1.0:
             a = math.fsum(d.reshape(-1, row_numel).abs().sum(1, dtype=torch.float64).tolist())
             bsum = math.fsum(kept.reshape(-1, row_numel).abs().sum(1, dtype=torch.float64).tolist())
-            if a >= 1e-8 and bsum >= 1e-8:
+            if a >= 1e-7 and bsum >= 1e-7:  # mergekit's rescale eps
                 kept = kept * (a / bsum)
         deltas.append(kept)
     w = [ep["weight"] for ep in eps]
@@ -221,7 +221,7 @@ def merge_tensor_dense(name: str, base, experts: list, params: ResolvedParams | 
             mixed = sum_in_order([torch.where(a, t, torch.zeros(())) for a, t in zip(agree, weighted)])
             div = sum_in_order([a.float() * wi for a, wi in zip(agree, w)])
             if g.get("normalize"):
-                div = torch.where(div.abs() < 1e-8, torch.ones(()), div)
+                div = torch.where(div == 0, torch.ones(()), div)  # mergekit: divisor == 0 -> 1
                 mixed = mixed / div
         else:
             mixed = sum_in_order(weighted)
