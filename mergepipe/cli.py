@@ -232,7 +232,7 @@ def _merge_inputs(config, base, expert, method, param, budget, fidelity, seed):
         return dict(base=c.base, experts=c.experts, method=c.method, params=[],
                     budget=budget if budget is not None else c.budget,
                     fidelity=fidelity if fidelity is not None else c.fidelity,
-                    seed=seed if seed is not None else c.seed, opts=c.plan_options())
+                    seed=seed if seed is not None else (c.seed or 0), opts=c.plan_options())
     if not base or not expert:
         _fail("--base and --expert are required (or give a mergekit config with --config merge.yml).")
     return dict(base=base, experts=[parse_expert(e) for e in expert], method=method or "ties", params=param or [],

@@ -204,6 +204,11 @@ def test_cli_merge_config(family, tmp_path, monkeypatch, capsys):
     assert code == 2 and "drop --method" in err and not (tmp_path / "o3").exists()
     code, _, err = run_cli(["merge", "--out", str(tmp_path / "o4")], monkeypatch, capsys)
     assert code == 2 and "--base and --expert are required" in err
+    # a config without mergepipe's own keys (a plain mergekit config) merges with seed 0
+    p5 = write(tmp_path, base_cfg(family), name="plain.yml")
+    code, out, err = run_cli(["merge", "--config", str(p5), "--out", str(tmp_path / "o5"), "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "o5" / "manifest.json").read_text())["seed"] == 0
 
 
 @pytest.mark.parametrize("patch,match", [({"slices": [{"sources": []}]}, "slices"),
