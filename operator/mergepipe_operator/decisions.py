@@ -7,9 +7,12 @@ From the core it uses only the manifest format of :mod:`mergepipe.commit.manifes
 - :func:`parse_quantity`, :func:`human_bytes`, :func:`parse_duration`: units.
 - :func:`validate_merge_spec`: everything about a ModelMerge spec the CRD schema cannot check.
 - :func:`admit`, :func:`settle`, :func:`release`, :func:`quota_status`: MergeQuota accounting.
-- :func:`set_condition`, :func:`get_condition`: conditions per the Kubernetes API conventions.
+- :func:`set_condition`, :func:`get_condition`: conditions per the Kubernetes API conventions;
+  :func:`transition_events`: the Kubernetes Events for their transitions;
+  :func:`generation_settled`: whether a generation needs reconciling at all.
 - :func:`merge_experts`, :func:`merge_params`: a ModelMerge spec in the core planner's terms.
-- :func:`job_name`, :func:`build_job`, :func:`job_outcome`: the merge Job.
+- :func:`job_name`, :func:`build_job`, :func:`job_outcome`: the merge Job; :func:`choose_job`:
+  follow an existing Job or create one (a retry after an earlier generation's failure).
 - :func:`analysis_id`, :func:`analyze_job_name`, :func:`build_analyze_job`: the analyze Job.
 - :func:`manifest_facts`, :func:`snapshot_ready`: verification of a committed snapshot.
 """
@@ -542,6 +545,50 @@ def set_condition(
     return out
 
 
+#: Reasons whose transition is posted as a Warning Event (the rest are Normal).
+WARNING_REASONS = frozenset({Reason.INVALID_SPEC, Reason.JOB_FAILED, Reason.QUOTA_EXCEEDED}) | frozenset(
+    {Reason.MANIFEST_INVALID, Reason.MANIFEST_HASH_MISMATCH, Reason.PLAN_DIGEST_MISMATCH, Reason.OUTPUT_MISMATCH,
+     Reason.BUDGET_EXCEEDED}
+)
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    """A Kubernetes Event to post on the object: ``type`` Normal or Warning, a CamelCase
+    ``reason`` (the condition's), and the condition's ``message``."""
+
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+def transition_events(
+    old: Iterable[Mapping[str, Any]] | None, new: Iterable[Mapping[str, Any]] | None
+) -> list[EventSpec]:
+    """The Events for the condition changes from ``old`` to ``new`` (two condition lists).
+
+    A condition *transitions* when it is new or its ``status``, ``reason`` or
+    ``observedGeneration`` changed (a message-only update, such as a running Job's pod count, is
+    not an Event; a new generation reaching the same reason is). One Event per distinct reason,
+    other conditions first and the summary ``Ready`` last (``QuotaAdmitted=False`` and
+    ``Ready=False`` both saying ``QuotaExceeded`` give one Event, with Ready's message). Warning
+    for ``status=False`` with a reason in :data:`WARNING_REASONS`, else Normal.
+    """
+    def key(c: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+        return c.get("status"), c.get("reason"), c.get("observedGeneration")
+
+    before = {c.get("type"): c for c in old or []}
+    changed = [c for c in new or [] if c.get("type") not in before or key(before[c.get("type")]) != key(c)]
+    changed.sort(key=lambda c: c.get("type") == "Ready")
+    by_reason: dict[str, EventSpec] = {}
+    for c in changed:
+        reason = str(c.get("reason") or "")
+        warn = c.get("status") == "False" and reason in WARNING_REASONS
+        by_reason.pop(reason, None)  # Ready (last) wins, and goes last
+        by_reason[reason] = EventSpec("Warning" if warn else "Normal", reason, str(c.get("message") or "")[:1024])
+    return list(by_reason.values())
+
+
 def condition_current(cond: Mapping[str, Any] | None, generation: int | None) -> bool:
     """True when ``cond`` exists and was computed for ``generation``."""
     if not cond:
@@ -824,12 +871,100 @@ def dns_label(prefix: str, suffix: str, limit: int = 63) -> str:
     return name
 
 
-def job_name(merge_name: str, plan_digest: str) -> str:
+def _retry_suffix(retry_generation: int | None) -> str:
+    if retry_generation is None:
+        return ""
+    if isinstance(retry_generation, bool) or not isinstance(retry_generation, int) or retry_generation < 1:
+        raise ValueError(f"retry generation must be a positive integer, got {retry_generation!r}")
+    return f"-g{retry_generation}"
+
+
+def job_name(merge_name: str, plan_digest: str, retry_generation: int | None = None) -> str:
     """Deterministic Job name: ModelMerge name + the first 10 hex of the plan digest, a DNS-1123
-    label of at most 63 chars. A retry with the same plan gets the same name (409 = already there)."""
+    label of at most 63 chars. A retry with the same plan gets the same name (409 = already there).
+    ``retry_generation``: the generation that runs this plan again after an earlier generation's
+    Job of it failed (:func:`choose_job`); the name gets ``-g<generation>`` so it is a new Job."""
     if not _DIGEST_RE.match(plan_digest or ""):
         raise ValueError(f"plan digest must be 64 lowercase hex characters, got {plan_digest!r}")
-    return dns_label(merge_name, plan_digest[:10])
+    return dns_label(merge_name, plan_digest[:10] + _retry_suffix(retry_generation))
+
+
+@dataclass(frozen=True)
+class JobChoice:
+    """The outcome of :func:`choose_job`.
+
+    Attributes:
+        follow: the existing Job that runs this work for the generation (``None``: create one).
+        retry_generation: when creating, the generation that retries work an earlier generation's
+            Job failed at (the new Job's name gets ``-g<generation>``); ``None`` for a first Job.
+    """
+
+    follow: dict[str, Any] | None
+    retry_generation: int | None = None
+
+
+def _job_generation(job: Mapping[str, Any]) -> int:
+    try:
+        return int(((job.get("metadata") or {}).get("annotations") or {}).get(ANN_GENERATION) or 0)
+    except ValueError:
+        return 0
+
+
+def choose_job(
+    jobs: Iterable[Mapping[str, Any]],
+    annotation: str,
+    value: str,
+    generation: int | None,
+    *,
+    usable: frozenset[str] = frozenset({"Running", "Succeeded"}),
+) -> JobChoice:
+    """Which Job does ``value`` (a plan digest, or an analysis id, in the Jobs' ``annotation``)
+    for ``generation`` of a ModelMerge: follow an existing Job, or create one.
+
+    - A Job of ``value`` whose :func:`job_outcome` state is in ``usable`` (running or complete, of
+      any generation) is followed: the same plan is the same work, so a spec change that plans the
+      same keeps its Job (an operator restart finds it too).
+    - A Job of ``value`` that ended otherwise (failed) *for this generation or a later one* is
+      followed too: its failure is this generation's outcome, until the spec changes.
+    - Otherwise a Job is created; when only earlier generations' Jobs of ``value`` failed, with
+      ``retry_generation=generation`` so it gets a new name (:func:`job_name`): a spec change
+      after ``JobFailed`` retries instead of finding the failed Job again.
+
+    Jobs of other values and Jobs being deleted (``metadata.deletionTimestamp``) are ignored;
+    among several candidates the newest generation wins (then the name, for determinism).
+    """
+    gen = int(generation or 0)
+    mine = [
+        j for j in jobs
+        if ((j.get("metadata") or {}).get("annotations") or {}).get(annotation) == value
+        and not (j.get("metadata") or {}).get("deletionTimestamp")
+    ]
+    mine.sort(key=lambda j: (_job_generation(j), j["metadata"].get("name", "")), reverse=True)
+    for j in mine:
+        if job_outcome(j).state in usable:
+            return JobChoice(dict(j))
+    for j in mine:
+        if _job_generation(j) >= gen:
+            return JobChoice(dict(j))
+    return JobChoice(None, gen if mine and gen >= 1 else None)
+
+
+def generation_settled(status: Mapping[str, Any] | None, generation: int | None) -> bool:
+    """Has ``generation`` of a ModelMerge already gone as far as reconciling takes it?
+
+    True when ``status.observedGeneration`` is ``generation`` and the ``Ready`` reason is one only
+    the Job or a spec change moves on from: ``JobRunning`` (the Job's events take over),
+    ``Committed``, ``JobFailed`` and ``InvalidSpec`` (terminal *for this generation*). Any other
+    generation, in particular the next one after a failure, is reconciled again: a new plan, and a
+    new Job when the old one failed (:func:`choose_job`). ``QuotaExceeded``, ``Analyzing`` and
+    ``Planning`` are retried within the generation."""
+    status = status or {}
+    ready = get_condition(status.get("conditions"), "Ready")
+    return bool(
+        ready is not None
+        and status.get("observedGeneration") == generation
+        and ready.get("reason") in (Reason.COMMITTED, Reason.JOB_RUNNING, Reason.JOB_FAILED, Reason.INVALID_SPEC)
+    )
 
 
 def snapshot_name(merge_name: str, manifest_hash: str) -> str:
@@ -927,11 +1062,13 @@ def analysis_id(base_identity: str, expert_identities: Iterable[str], catalog_ur
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def analyze_job_name(merge_name: str, analysis: str) -> str:
-    """Deterministic analyze Job name: ModelMerge name + ``analyze-`` + 10 hex of the analysis id."""
+def analyze_job_name(merge_name: str, analysis: str, retry_generation: int | None = None) -> str:
+    """Deterministic analyze Job name: ModelMerge name + ``analyze-`` + 10 hex of the analysis id
+    (+ ``-g<generation>`` for a retry after an earlier generation's analyze Job failed, as
+    :func:`job_name`)."""
     if not _DIGEST_RE.match(analysis or ""):
         raise ValueError(f"analysis id must be 64 lowercase hex characters, got {analysis!r}")
-    return dns_label(merge_name, f"analyze-{analysis[:10]}")
+    return dns_label(merge_name, f"analyze-{analysis[:10]}{_retry_suffix(retry_generation)}")
 
 
 def analyze_args(spec: Mapping[str, Any], missing_uris: Iterable[str], catalog_uri: str) -> list[str]:
@@ -1108,6 +1245,7 @@ def build_job(
     settings: Settings,
     *,
     owner: Mapping[str, Any] | None = None,
+    retry_generation: int | None = None,
 ) -> dict[str, Any]:
     """The batch/v1 Job that runs ``mergepipe execute <plan-uri> --out <output-uri> --json``
     (plus ``--device cuda`` when it has GPUs).
@@ -1123,7 +1261,7 @@ def build_job(
     out_uri = ((mm.get("spec") or {}).get("output") or {}).get("uri")
     if not out_uri:
         raise ValueError("spec.output.uri is required")
-    jname = job_name(name, plan_digest)
+    jname = job_name(name, plan_digest, retry_generation)
     labels = {
         LABEL_NAME: "mergepipe-merger",
         LABEL_COMPONENT: "merge",
@@ -1151,6 +1289,7 @@ def build_analyze_job(
     settings: Settings,
     *,
     owner: Mapping[str, Any] | None = None,
+    retry_generation: int | None = None,
 ) -> dict[str, Any]:
     """The batch/v1 Job that records the missing experts' statistics in the catalog
     (:func:`analyze_args`), before the operator plans. Same image, security settings,
@@ -1174,7 +1313,7 @@ def build_analyze_job(
     }
     args = analyze_args(mm.get("spec") or {}, missing_uris, settings.catalog_uri)
     return _worker_job(
-        mm, analyze_job_name(name, analysis), "analyze", args, settings, gpu=False,
+        mm, analyze_job_name(name, analysis, retry_generation), "analyze", args, settings, gpu=False,
         labels=labels, annotations=annotations, env_extra=[], owner=owner,
     )
 

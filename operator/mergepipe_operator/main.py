@@ -49,6 +49,10 @@ try:
                                    "Bytes moved by committed merges, per role, from their manifests", ["role"])
     MERGE_SECONDS = _prom.Histogram("mergepipe_merge_duration_seconds", "Wall time of committed merges (manifest)",
                                     buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200))
+    QUOTA_USED = _prom.Gauge("mergepipe_quota_used", "MergeQuota use in its current window (status.used)",
+                             ["namespace", "quota", "resource"])
+    QUOTA_HARD = _prom.Gauge("mergepipe_quota_hard", "MergeQuota limits (status.hard; unset limits have no sample)",
+                             ["namespace", "quota", "resource"])
 except ImportError:  # pragma: no cover - metrics are optional
     _prom = None
 
@@ -62,8 +66,39 @@ except ImportError:  # pragma: no cover - metrics are optional
         def observe(self, *a: Any) -> None:
             pass
 
+        def set(self, *a: Any) -> None:
+            pass
+
+        def remove(self, *a: Any) -> None:
+            pass
+
     ADMISSIONS = JOBS_CREATED = ANALYZE_JOBS_CREATED = VERIFICATIONS = _Noop()  # type: ignore[assignment]
-    COMMITTED = REALIZED_BYTES = MERGE_SECONDS = _Noop()  # type: ignore[assignment]
+    COMMITTED = REALIZED_BYTES = MERGE_SECONDS = QUOTA_USED = QUOTA_HARD = _Noop()  # type: ignore[assignment]
+
+#: The MergeQuota resources the quota gauges report (the ``resource`` label).
+QUOTA_RESOURCES = ("expertReadBytes", "merges")
+
+
+def _observe_quota(ns: str, name: str, status: dict[str, Any] | None) -> None:
+    """Prometheus: a quota's used and hard amounts as written to its status (one sample per
+    resource; a limit the quota does not set has no ``mergepipe_quota_hard`` sample)."""
+    status = status or {}
+    for res in QUOTA_RESOURCES:
+        used = (status.get("used") or {}).get(res)
+        if used is not None:
+            QUOTA_USED.labels(ns, name, res).set(used)
+        hard = (status.get("hard") or {}).get(res)
+        if hard is not None:
+            QUOTA_HARD.labels(ns, name, res).set(hard)
+        else:
+            _forget(QUOTA_HARD, ns, name, res)
+
+
+def _forget(metric: Any, *labels: str) -> None:
+    try:
+        metric.remove(*labels)
+    except KeyError:
+        pass
 
 def _count_commit(facts: Any, raw: bytes) -> None:
     """Prometheus: one more committed merge, its realized bytes per role and its wall time."""
@@ -255,9 +290,7 @@ class Controller:
         status = body.get("status") or {}
         gen = meta.get("generation")
         ready = d.get_condition(status.get("conditions"), "Ready")
-        if status.get("observedGeneration") == gen and ready and ready.get("reason") in (
-            d.Reason.COMMITTED, d.Reason.JOB_RUNNING, d.Reason.JOB_FAILED, d.Reason.INVALID_SPEC,
-        ):
+        if d.generation_settled(status, gen):
             return None  # this generation already went as far as reconcile takes it
         now = self.clock()
         conds = status.get("conditions") or []
@@ -308,12 +341,17 @@ class Controller:
                           f"({other[:12]}); snapshots are immutable, choose a new output.uri")
         uri = d.plan_uri(self.settings, ns, name, plan.digest)
         self.store.put(uri, plan.plan_json)
-        job = d.build_job(body, uri, plan.digest, self.settings)
-        try:
-            self.kube.create(JOBS, ns, job)
-            JOBS_CREATED.inc()
-        except Conflict:
-            pass  # same name = same merge and plan: created by an earlier attempt
+        merge_jobs = [j for j in self.kube.list(JOBS, ns, f"{d.LABEL_MERGE}={d.label_value(name)}")
+                      if (j["metadata"].get("labels") or {}).get(d.LABEL_COMPONENT, "merge") == "merge"]
+        choice = d.choose_job(merge_jobs, d.ANN_PLAN_DIGEST, plan.digest, gen)
+        job = choice.follow
+        if job is None:
+            job = d.build_job(body, uri, plan.digest, self.settings, retry_generation=choice.retry_generation)
+            try:
+                self.kube.create(JOBS, ns, job)
+                JOBS_CREATED.inc()
+            except Conflict:
+                pass  # same name = same merge, plan and attempt: created by an earlier attempt
         self._supersede(ns, name, status, plan.digest, key, now)
         out.update(
             budget=d.human_bytes(budget) if budget is not None else "unbounded",
@@ -333,7 +371,8 @@ class Controller:
             admission={"key": key, "budgetBytes": budget, "clamped": adm.clamped, "quotas": quotas},
         )
         conds = d.set_condition(conds, "Planned", "True", "Planned", f"plan {plan.digest[:12]}: {d.human_bytes(plan.expert_read_bytes)} expert reads", gen, now)
-        return finish("False", d.Reason.JOB_RUNNING, f"merge Job {job['metadata']['name']} created")
+        verb = "created" if choice.follow is None else "carries on (same plan)"
+        return finish("False", d.Reason.JOB_RUNNING, f"merge Job {job['metadata']['name']} {verb}")
 
     def _committed_plan(self, out_uri: str) -> str | None:
         """Plan digest of the snapshot already committed at ``out_uri`` ("" if unreadable)."""
@@ -384,9 +423,12 @@ class Controller:
         ns, name = meta["namespace"], meta["name"]
         if not plan.analysis_id:
             raise RuntimeError("the planner reported missing statistics without an analysis id")
-        jname = d.analyze_job_name(name, plan.analysis_id)
         what = f"{len(plan.missing_experts)} expert(s) ({', '.join(plan.missing_experts)})"
-        job = self.kube.get(JOBS, ns, jname)
+        analyze_jobs = self.kube.list(JOBS, ns, f"{d.LABEL_MERGE}={d.label_value(name)},{d.LABEL_COMPONENT}=analyze")
+        # a complete analyze Job whose statistics are still missing is as good as failed
+        choice = d.choose_job(analyze_jobs, d.ANN_ANALYSIS, plan.analysis_id, gen, usable=frozenset({"Running"}))
+        job = choice.follow
+        jname = job["metadata"]["name"] if job else d.analyze_job_name(name, plan.analysis_id, choice.retry_generation)
         if job is None:
             refusal = self._quota_precheck(ns, d.admission_key(meta["uid"], gen), now)
             if refusal:
@@ -394,7 +436,8 @@ class Controller:
                 out["conditions"] = d.set_condition(c, "Ready", "False", d.Reason.QUOTA_EXCEEDED, refusal, gen, now)
                 raise RetryWithStatus(refusal, self.settings.quota_retry_seconds, out)
             try:
-                job = self.kube.create(JOBS, ns, d.build_analyze_job(body, plan.missing_experts, plan.analysis_id, self.settings))
+                job = self.kube.create(JOBS, ns, d.build_analyze_job(body, plan.missing_experts, plan.analysis_id, self.settings,
+                                                                     retry_generation=choice.retry_generation))
                 ANALYZE_JOBS_CREATED.inc()
                 log.info("%s/%s: analyze Job %s created for %s", ns, name, jname, what)
             except Conflict:  # created by an earlier attempt
@@ -461,9 +504,10 @@ class Controller:
                 return False
             try:
                 self.kube.replace_status(QUOTAS, q, new)
-                return True
             except Conflict:
                 continue
+            _observe_quota(ns, name, new)
+            return True
         raise Retry(f"MergeQuota {name}: too much contention", 5)
 
     def reserve(self, ns: str, merge: str, key: str, requested: int | None, now: datetime) -> tuple[d.Admission, list[str]]:
@@ -499,6 +543,7 @@ class Controller:
                         lost = True
                         break
                     written.append(q["metadata"]["name"])
+                    _observe_quota(ns, q["metadata"]["name"], a.new_status)
             if lost:
                 for qn in written:
                     self.update_quota(ns, qn, lambda quota: d.release(quota, key, now))
@@ -530,9 +575,19 @@ class Controller:
                 new = dict(q.get("status") or {})
                 cond = ("False", d.Reason.INVALID_SPEC, str(e))
             new["conditions"] = d.set_condition(new.get("conditions"), "Ready", *cond, gen, now)
-            return None if new == (q.get("status") or {}) else new
+            if new == (q.get("status") or {}):
+                _observe_quota(meta["namespace"], meta["name"], new)  # unchanged: a restarted operator still reports it
+                return None
+            return new
 
         self.update_quota(meta["namespace"], meta["name"], change)
+
+    @staticmethod
+    def forget_quota(ns: str, name: str) -> None:
+        """The quota is gone: drop its gauge samples."""
+        for res in QUOTA_RESOURCES:
+            _forget(QUOTA_USED, ns, name, res)
+            _forget(QUOTA_HARD, ns, name, res)
 
     # Job watching -----------------------------------------------------------------------------------
 
@@ -543,8 +598,11 @@ class Controller:
         ready = d.get_condition(status.get("conditions"), "Ready")
         if not ready or ready.get("reason") != d.Reason.JOB_RUNNING or not status.get("planDigest"):
             return None
-        if job is not None and (job["metadata"].get("annotations") or {}).get(d.ANN_PLAN_DIGEST) != status["planDigest"]:
-            return None  # a Job of an earlier plan
+        if job is not None and (
+            (job["metadata"].get("annotations") or {}).get(d.ANN_PLAN_DIGEST) != status["planDigest"]
+            or (status.get("jobName") and job["metadata"].get("name") != status["jobName"])
+        ):
+            return None  # a Job of an earlier plan, or an earlier (failed) run of this plan
         now = self.clock()
         conds = status.get("conditions") or []
         ns, name = mm["metadata"]["namespace"], mm["metadata"]["name"]
@@ -668,16 +726,28 @@ def controller() -> Controller:
     return _controller
 
 
-def _run(fn: Callable[[], dict[str, Any] | None], patch: kopf.Patch) -> None:
+def post_events(obj: Any, old_status: dict[str, Any] | None, new_status: dict[str, Any] | None) -> None:
+    """Post a Kubernetes Event on ``obj`` for each condition transition between the two statuses
+    (:func:`decisions.transition_events`), through kopf's event poster (never blocks)."""
+    if not new_status or "conditions" not in new_status:
+        return
+    for ev in d.transition_events((old_status or {}).get("conditions"), new_status["conditions"]):
+        kopf.event(obj, type=ev.type, reason=ev.reason, message=ev.message)
+
+
+def _run(fn: Callable[[], dict[str, Any] | None], patch: kopf.Patch, body: kopf.Body) -> None:
+    old = copy.deepcopy(dict(body.get("status") or {}))
     try:
         result = fn()
     except RetryWithStatus as e:
         patch.status.update(e.status)
+        post_events(body, old, e.status)
         raise kopf.TemporaryError(str(e), delay=e.delay) from None
     except Retry as e:
         raise kopf.TemporaryError(str(e), delay=e.delay) from None
     if result:
         patch.status.update(result)
+        post_events(body, old, result)
 
 
 @kopf.on.startup()
@@ -698,7 +768,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 @kopf.on.create(*MERGES)
 @kopf.on.update(*MERGES, field="spec")
 def merge_changed(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
-    _run(lambda: controller().reconcile_merge(dict(body)), patch)
+    _run(lambda: controller().reconcile_merge(dict(body)), patch, body)
 
 
 @kopf.on.delete(*MERGES)
@@ -720,7 +790,7 @@ def merge_job_poll(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
     c = controller()
     st = body.get("status") or {}
     job = c.kube.get(JOBS, body["metadata"]["namespace"], st.get("jobName", "")) if st.get("jobName") else None
-    _run(lambda: c.sync_job(dict(body), job), patch)
+    _run(lambda: c.sync_job(dict(body), job), patch, body)
 
 
 @kopf.on.event(*JOBS, labels={d.LABEL_MANAGED_BY: d.MANAGER})
@@ -742,13 +812,14 @@ def job_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
         return
     if result:
         c.kube.patch_status(MERGES, ns, mm_name, result)
+        post_events(mm, mm.get("status"), result)
 
 
 @kopf.on.resume(*SNAPSHOTS)
 @kopf.on.create(*SNAPSHOTS)
 @kopf.on.update(*SNAPSHOTS, field="spec")
 def snapshot_changed(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
-    _run(lambda: controller().verify_snapshot(dict(body)), patch)
+    _run(lambda: controller().verify_snapshot(dict(body)), patch, body)
 
 
 @kopf.on.resume(*QUOTAS)
@@ -760,3 +831,9 @@ def quota_changed(body: kopf.Body, **_: Any) -> None:
         controller().refresh_quota(dict(body))
     except Retry as e:
         raise kopf.TemporaryError(str(e), delay=e.delay) from None
+
+
+@kopf.on.delete(*QUOTAS, optional=True)
+def quota_deleted(body: kopf.Body, **_: Any) -> None:
+    """No finalizer (optional): when seen, drop the deleted quota's gauge samples."""
+    Controller.forget_quota(body["metadata"]["namespace"], body["metadata"]["name"])

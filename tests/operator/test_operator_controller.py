@@ -296,6 +296,55 @@ def test_job_failure_charges_the_reservation(settings):
     assert c.reconcile_merge(mm) is None  # a failed generation waits for a spec change
 
 
+def _fail_job(kube, job, message="OOMKilled"):
+    kube.objects[("jobs", "ns1", job["metadata"]["name"])]["status"] = {
+        "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": message}]}
+    return kube.get(JOBS, "ns1", job["metadata"]["name"])
+
+
+def test_spec_change_after_job_failed_retries_with_a_new_job(settings):
+    c, kube, store, mm = setup(settings, make_quota())
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    (job,) = kube.list(JOBS, "ns1")
+    mm = apply(kube, mm, c.sync_job(mm, _fail_job(kube, job)))
+    assert ready(mm)["reason"] == "JobFailed" and c.reconcile_merge(mm) is None
+    # more memory: the same plan (same digest), but this generation gets a Job of its own
+    mm = bump(kube, resources={"memory": "64Gi"})
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    assert ready(mm)["reason"] == "JobRunning" and mm["status"]["observedGeneration"] == 2
+    assert mm["status"]["planDigest"] == job["metadata"]["annotations"][d.ANN_PLAN_DIGEST]
+    new = kube.get(JOBS, "ns1", mm["status"]["jobName"])
+    assert new["metadata"]["name"] == d.job_name("mm1", mm["status"]["planDigest"], 2) != job["metadata"]["name"]
+    assert new["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] == "64Gi"
+    # the failed Job's (replayed) events no longer fail the merge; the new Job's do count
+    assert c.sync_job(mm, kube.get(JOBS, "ns1", job["metadata"]["name"])) is None
+    # a restarted operator reconciling generation 2 again finds the retry Job
+    again = c.reconcile_merge(dict(mm, status={}))
+    assert again["jobName"] == new["metadata"]["name"] and len(kube.list(JOBS, "ns1")) == 2
+    ledger = {e["key"]: e for e in kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]}
+    uid = mm["metadata"]["uid"]
+    assert ledger[f"{uid}.1"]["state"] == "Charged" and ledger[f"{uid}.2"]["state"] == "Reserved"
+
+
+def test_spec_change_after_a_failed_analysis_retries_it(settings):
+    planner = Planner(missing=["s3://models/math"])
+    c, kube, store, mm = setup(settings, make_quota(), planner=planner)
+    with pytest.raises(main.RetryWithStatus):
+        c.reconcile_merge(mm)
+    (an,) = kube.list(JOBS, "ns1")
+    _fail_job(kube, an, "exit code 1: s3 access denied")
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    assert ready(mm)["reason"] == "JobFailed"
+    mm = bump(kube, image="registry.local/merger:fixed")
+    with pytest.raises(main.RetryWithStatus) as e:
+        c.reconcile_merge(mm)
+    assert d.get_condition(e.value.status["conditions"], "Ready")["reason"] == "Analyzing"
+    names = sorted(j["metadata"]["name"] for j in kube.list(JOBS, "ns1"))
+    retry = d.analyze_job_name("mm1", an["metadata"]["annotations"][d.ANN_ANALYSIS], 2)
+    assert names == sorted([an["metadata"]["name"], retry])
+    assert kube.get(JOBS, "ns1", retry)["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.local/merger:fixed"
+
+
 def test_job_success_without_manifest_retries_then_bad_manifest_fails(settings):
     c, kube, store, mm = setup(settings)
     mm = apply(kube, mm, c.reconcile_merge(mm))
@@ -460,8 +509,34 @@ def test_kopf_handlers_are_registered():
 def test_run_maps_retries_to_kopf_errors():
     patch = kopf.Patch()
     with pytest.raises(kopf.TemporaryError):
-        main._run(lambda: (_ for _ in ()).throw(main.RetryWithStatus("wait", 7, {"observedGeneration": 3})), patch)
+        main._run(lambda: (_ for _ in ()).throw(main.RetryWithStatus("wait", 7, {"observedGeneration": 3})), patch, {})
     assert patch["status"] == {"observedGeneration": 3}
     patch = kopf.Patch()
-    main._run(lambda: {"x": 1}, patch)
+    main._run(lambda: {"x": 1}, patch, {})
     assert patch["status"] == {"x": 1}
+
+
+def test_quota_gauges_follow_the_quota_status(settings):
+    """mergepipe_quota_used / mergepipe_quota_hard per namespace, quota and resource, from what
+    the operator writes: the reservation at admission, the charge from the manifest, a refresh."""
+    from prometheus_client import REGISTRY
+
+    def sample(metric, res, quota="q"):
+        return REGISTRY.get_sample_value(metric, {"namespace": "ns1", "quota": quota, "resource": res})
+
+    c, kube, store, mm = setup(settings, make_quota(bytes_="100Gi", merges=5))
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    assert sample("mergepipe_quota_used", "expertReadBytes") == 8 * GI  # reserved: the plan's bytes
+    assert sample("mergepipe_quota_used", "merges") == 1
+    assert sample("mergepipe_quota_hard", "expertReadBytes") == 100 * GI and sample("mergepipe_quota_hard", "merges") == 5
+    commit(store, "s3://snapshots/mm1/", mm["status"]["planDigest"], realized=3 * GI)
+    job = kube.get(JOBS, "ns1", mm["status"]["jobName"])
+    apply(kube, mm, c.sync_job(mm, dict(job, status={"conditions": [{"type": "Complete", "status": "True"}]})))
+    assert sample("mergepipe_quota_used", "expertReadBytes") == 3 * GI  # charged: the realized bytes
+    # the limit on merges is dropped: its hard sample goes, used stays
+    q = kube.objects[("mergequotas", "ns1", "q")]
+    del q["spec"]["hard"]["merges"]
+    c.refresh_quota(kube.get(QUOTAS, "ns1", "q"))
+    assert sample("mergepipe_quota_hard", "merges") is None and sample("mergepipe_quota_used", "merges") == 1
+    main.Controller.forget_quota("ns1", "q")
+    assert sample("mergepipe_quota_used", "expertReadBytes") is None and sample("mergepipe_quota_hard", "expertReadBytes") is None

@@ -342,6 +342,75 @@ def test_job_name_is_deterministic_and_valid():
     with pytest.raises(ValueError):
         d.job_name("mm1", "XYZ")
     assert d.snapshot_name("mm1", "sha256:" + DIGEST) == "mm1-" + DIGEST[:12]
+    # a retry after a failed generation is a Job of its own, still a valid label
+    assert d.job_name("mm1", DIGEST, 3) == f"mm1-{DIGEST[:10]}-g3" != d.job_name("mm1", DIGEST, 4)
+    assert DNS1123_LABEL.match(d.job_name("a" * 253, DIGEST, 12345)) and len(d.job_name("a" * 253, DIGEST, 12345)) <= 63
+    assert d.analyze_job_name("mm1", "cd" * 32, 2) == "mm1-analyze-" + "cd" * 5 + "-g2"
+    for bad in (0, -1, True, "2"):
+        with pytest.raises(ValueError):
+            d.job_name("mm1", DIGEST, bad)
+
+
+def _job(name, gen, state=None, value=DIGEST, deleting=False):
+    j = {"metadata": {"name": name, "annotations": {d.ANN_PLAN_DIGEST: value, d.ANN_GENERATION: str(gen)}}, "status": {}}
+    if state in ("Complete", "Failed"):
+        j["status"]["conditions"] = [{"type": state, "status": "True", "reason": "BackoffLimitExceeded"}]
+    if deleting:
+        j["metadata"]["deletionTimestamp"] = "2026-11-22T00:00:00Z"
+    return j
+
+
+@pytest.mark.parametrize(
+    "jobs, gen, follow, retry",
+    [
+        ([], 1, None, None),  # first Job of the plan
+        ([_job("a", 1)], 1, "a", None),  # retry / restart: the running Job is found
+        ([_job("a", 1)], 2, "a", None),  # spec change, same plan: the running Job carries on
+        ([_job("a", 1, "Complete")], 2, "a", None),
+        ([_job("a", 2, "Failed")], 2, "a", None),  # failed for this generation: the outcome stands
+        ([_job("a", 1, "Failed")], 2, None, 2),  # failed for an earlier generation: retry, new name
+        ([_job("a", 1, "Failed"), _job("a-g2", 2, "Failed")], 3, None, 3),
+        ([_job("a", 1, "Failed"), _job("a-g3", 3)], 3, "a-g3", None),  # the retry, found again
+        ([_job("a", 1, "Failed"), _job("a-g3", 3, "Failed")], 3, "a-g3", None),
+        ([_job("other", 1, value="ef" * 32)], 2, None, None),  # another plan's Job is not ours
+        ([_job("a", 1, deleting=True)], 1, None, None),  # being deleted (superseded): create
+    ],
+)
+def test_choose_job(jobs, gen, follow, retry):
+    c = d.choose_job(jobs, d.ANN_PLAN_DIGEST, DIGEST, gen)
+    assert (c.follow["metadata"]["name"] if c.follow else None, c.retry_generation) == (follow, retry)
+
+
+def test_choose_job_for_analysis_treats_a_complete_job_as_spent():
+    # in _await_analysis the statistics are still missing, so a complete analyze Job did not help
+    jobs = [_job("an", 1, "Complete")]
+    only_running = frozenset({"Running"})
+    assert d.choose_job(jobs, d.ANN_PLAN_DIGEST, DIGEST, 1, usable=only_running).follow["metadata"]["name"] == "an"
+    assert d.choose_job(jobs, d.ANN_PLAN_DIGEST, DIGEST, 2, usable=only_running) == d.JobChoice(None, 2)
+
+
+@pytest.mark.parametrize(
+    "observed, reason, gen, settled",
+    [
+        (2, "JobRunning", 2, True),
+        (2, "Committed", 2, True),
+        (2, "JobFailed", 2, True),
+        (2, "InvalidSpec", 2, True),
+        (2, "JobFailed", 3, False),  # a spec change after a failure is reconciled again
+        (2, "InvalidSpec", 3, False),
+        (2, "Committed", 3, False),
+        (2, "QuotaExceeded", 2, False),  # retried within the generation
+        (2, "Analyzing", 2, False),
+        (2, "Planning", 2, False),
+        (None, None, 1, False),
+    ],
+)
+def test_generation_settled(observed, reason, gen, settled):
+    st = {} if reason is None else {
+        "observedGeneration": observed,
+        "conditions": d.set_condition([], "Ready", "False", reason, "m", observed, NOW),
+    }
+    assert d.generation_settled(st, gen) is settled
 
 
 def test_label_value():
@@ -624,3 +693,44 @@ def test_analyze_job_matches_the_merge_job_security_and_credentials(settings):
     k8s_validate(job)
     with pytest.raises(ValueError, match="catalog"):
         d.build_analyze_job(mm, ["s3://models/math"], ANALYSIS, dataclasses.replace(settings, catalog_uri=None))
+
+
+# --- events --------------------------------------------------------------------------------------------
+
+
+def _conds(*items, gen=1):
+    out = []
+    for typ, status, reason, msg in items:
+        out = d.set_condition(out, typ, status, reason, msg, gen, NOW)
+    return out
+
+
+def test_transition_events_one_per_reason_ready_last():
+    old = []
+    new = _conds(("Analyzed", "True", "Analyzed", "all stats"), ("QuotaAdmitted", "True", "Admitted", "ok"),
+                 ("Planned", "True", "Planned", "plan ab"), ("Ready", "False", "JobRunning", "merge Job x created"))
+    evs = d.transition_events(old, new)
+    assert [(e.type, e.reason) for e in evs] == [("Normal", "Analyzed"), ("Normal", "Admitted"), ("Normal", "Planned"),
+                                                  ("Normal", "JobRunning")]
+    assert evs[-1].message == "merge Job x created"
+    # a message-only update (the running Job's pods) is no Event; Committed is
+    running = _conds(("Ready", "False", "JobRunning", "1 active pod"))
+    assert d.transition_events(new, d.set_condition(new, "Ready", "False", "JobRunning", "1 active pod", 1, NOW)) == []
+    (ev,) = d.transition_events(running, _conds(("Ready", "True", "Committed", "snapshot s1")))
+    assert (ev.type, ev.reason, ev.message) == ("Normal", "Committed", "snapshot s1")
+
+
+@pytest.mark.parametrize("reason", ["QuotaExceeded", "JobFailed", "InvalidSpec", "ManifestHashMismatch"])
+def test_transition_events_warn_on_failures(reason):
+    old = _conds(("Ready", "False", "Planning", "planning"))
+    new = _conds(("QuotaAdmitted", "False", reason, "short"), ("Ready", "False", reason, "the full story"))
+    (ev,) = d.transition_events(old, new)  # QuotaAdmitted and Ready say the same: one Event, Ready's message
+    assert (ev.type, ev.reason, ev.message) == ("Warning", reason, "the full story")
+
+
+def test_transition_events_new_generation_same_reason_is_an_event():
+    old = _conds(("Ready", "False", "InvalidSpec", "spec.budget: bad"), gen=2)
+    new = _conds(("Ready", "False", "InvalidSpec", "spec.fidelity: bad"), gen=3)
+    (ev,) = d.transition_events(old, new)
+    assert (ev.type, ev.reason, ev.message) == ("Warning", "InvalidSpec", "spec.fidelity: bad")
+    assert d.transition_events(new, new) == [] and d.transition_events(None, None) == []

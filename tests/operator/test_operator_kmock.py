@@ -79,6 +79,28 @@ class Cluster:
             return js[0] if len(js) == 1 else None
         return wait_for(f"one {component} Job in {ns}", one)
 
+    def events(self, name: str, ns: str = NS, kind: str = "ModelMerge") -> list[tuple[str, str, str]]:
+        """``(type, reason, message)`` of the Events posted on ``kind`` ``name`` with a condition
+        reason (kopf's own handler-log Events left out), oldest first."""
+        reasons = {v for k, v in vars(d.Reason).items() if k.isupper()} | {"Analyzed", "Planned"}
+        evs = [e for e in self.api.list("Event", ns)
+               if e["involvedObject"].get("name") == name and e["involvedObject"].get("kind") == kind
+               and e["reason"] in reasons]
+        return [(e["type"], e["reason"], e["message"]) for e in sorted(evs, key=lambda e: e["eventTime"])]
+
+    def wait_events(self, name: str, reasons: list[str], ns: str = NS, kind: str = "ModelMerge",
+                    timeout: float = 30, tail: bool = False) -> list[tuple[str, str, str]]:
+        """Wait until the Events of ``name`` have exactly these reasons, in this order (with
+        ``tail``: the last Events have them); returns those Events."""
+        def got():
+            e = self.events(name, ns, kind)
+            e = e[-len(reasons):] if tail else e
+            return [r for _, r, _ in e] == reasons and e
+        try:
+            return wait_for(f"Events {reasons} on {kind} {ns}/{name}", got, timeout)
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the Events: {self.events(name, ns, kind)}") from None
+
     def manifest(self, out_uri: str) -> tuple[dict[str, Any], bytes]:
         bucket, key = out_uri[5:].split("/", 1)
         raw = self.models.client.get_object(Bucket=bucket, Key=key.rstrip("/") + "/manifest.json")["Body"].read()
@@ -149,6 +171,8 @@ def test_invalid_spec_names_the_field_then_a_fix_proceeds(cluster):
         assert r["status"] == "False" and "spec.experts[0].parameters.density" in r["message"] and "1.5" in r["message"]
         assert o["status"]["observedGeneration"] == o["metadata"]["generation"] == r["observedGeneration"] == 2
         assert c.jobs() == []
+        ev = c.wait_events("bad", ["InvalidSpec"], tail=True)  # the valid generation 1 may have been seen first
+        assert ev[-1][0] == "Warning" and "spec.experts[0].parameters.density" in ev[-1][2]
         # fixing the spec is a new generation: reconciled again, now planned and running
         c.api.patch("ModelMerge", NS, "bad", {"spec": {"experts": [
             dict(bad["spec"]["experts"][0], parameters={"density": 0.5}), bad["spec"]["experts"][1]]}})
@@ -157,6 +181,8 @@ def test_invalid_spec_names_the_field_then_a_fix_proceeds(cluster):
         assert d.FINALIZER in o["metadata"]["finalizers"]
         (job,) = c.jobs(component="merge")
         assert job["metadata"]["name"] == o["status"]["jobName"] == d.job_name("bad", o["status"]["planDigest"])
+        ev = c.wait_events("bad", ["InvalidSpec", "Analyzed", "Admitted", "Planned", "JobRunning"], tail=True)
+        assert {t for t, *_ in ev[1:]} == {"Normal"} and job["metadata"]["name"] in ev[-1][2]
 
 
 @pytest.mark.slow
@@ -221,6 +247,9 @@ def test_merge_end_to_end_analyze_plan_merge_commit_charge_delete(cluster):
         assert r.returncode == 0, r.stderr
         result = json.loads(r.stdout)
         o = c.wait_reason("e2e", "Committed")
+        ev = c.wait_events("e2e", ["Analyzing", "Analyzed", "Admitted", "Planned", "JobRunning", "Committed"])
+        assert {t for t, *_ in ev} == {"Normal"} and an["metadata"]["name"] in ev[0][2] and o["status"]["snapshot"] in ev[-1][2]
+        c.wait_events(o["status"]["snapshot"], ["Verified"], kind="MergedSnapshot")
         assert (REGISTRY.get_sample_value("mergepipe_merges_committed_total") or 0.0) == before + 1
         assert REGISTRY.get_sample_value("mergepipe_realized_bytes_total", {"role": "expertReadBytes"}) > 0
         assert REGISTRY.get_sample_value("mergepipe_merge_duration_seconds_count") >= 1
@@ -238,6 +267,10 @@ def test_merge_end_to_end_analyze_plan_merge_commit_charge_delete(cluster):
         (entry,) = quota_ledger(c.api, NS, "daily")
         assert (entry["state"], entry["bytes"]) == ("Charged", realized)  # from the manifest, not the plan
         assert c.api.get("MergeQuota", NS, "daily")["status"]["used"] == {"expertReadBytes": realized, "merges": 1}
+        gauge = {(m, r): REGISTRY.get_sample_value(m, {"namespace": NS, "quota": "daily", "resource": r})
+                 for m in ("mergepipe_quota_used", "mergepipe_quota_hard") for r in ("expertReadBytes", "merges")}
+        assert gauge == {("mergepipe_quota_used", "expertReadBytes"): realized, ("mergepipe_quota_used", "merges"): 1,
+                         ("mergepipe_quota_hard", "expertReadBytes"): 1024**3, ("mergepipe_quota_hard", "merges"): 10}
 
         # a new generation (new output, lower budget) starts a new merge Job; then the merge is deleted
         out2 = f"s3://{c.models.bucket}/snapshots/e2e-2/"
@@ -271,6 +304,8 @@ def test_quota_reject_and_clamp(cluster):
         assert r["status"] == "False" and "MergeQuota tight (Reject)" in r["message"] and "only 1000B is left" in r["message"]
         assert {x["type"]: x for x in o["status"]["conditions"]}["QuotaAdmitted"]["status"] == "False"
         assert c.jobs(NS) == [] and quota_ledger(c.api, NS, "tight") == []
+        ev = c.wait_events("rejected", ["Analyzed", "QuotaExceeded"])
+        assert ev[-1][0] == "Warning" and "MergeQuota tight (Reject)" in ev[-1][2]
 
         o = c.wait_reason("clamped", "JobRunning", ns="team-b")
         st = o["status"]
@@ -304,11 +339,12 @@ def test_two_concurrent_merges_against_one_quota(cluster):
         assert len(c.jobs("team-b", "merge")) == 2
 
 
-def test_failed_merge_job_is_job_failed(cluster):
+@pytest.mark.slow
+def test_failed_merge_job_is_job_failed_then_a_spec_change_retries(cluster):
     c = cluster
     c.quota("q", bytes_="1Gi")
     with operator():
-        c.merge("fails", budget="1Mi")
+        mm = c.merge("fails", budget="1Mi")
         o = c.wait_reason("fails", "JobRunning")
         job = c.job("merge")
         mark_job(c.api, job, "Failed", "OOMKilled: the pod ran out of memory")
@@ -318,6 +354,27 @@ def test_failed_merge_job_is_job_failed(cluster):
         (entry,) = quota_ledger(c.api, NS, "q")
         assert (entry["state"], entry["bytes"]) == ("Charged", o["status"]["estimated"]["expertReadBytes"])
         assert c.api.list("MergedSnapshot", NS) == [] and c.api.get("Job", NS, job["metadata"]["name"]) is not None
+        ev = c.wait_events("fails", ["Analyzed", "Admitted", "Planned", "JobRunning", "JobFailed"])
+        assert ev[-1][0] == "Warning" and "OOMKilled" in ev[-1][2]
+        # more memory: a new generation with the same plan runs again, in a Job of its own
+        c.api.patch("ModelMerge", NS, "fails", {"spec": {"resources": {"memory": "2Gi"}}})
+        o = wait_for("generation 2 running", lambda: (x := c.mm("fails")) and x["status"].get("observedGeneration") == 2
+                     and ready(x).get("reason") == "JobRunning" and x)
+        st = o["status"]
+        assert st["planDigest"] == job["metadata"]["annotations"][d.ANN_PLAN_DIGEST]
+        assert st["jobName"] == d.job_name("fails", st["planDigest"], 2) != job["metadata"]["name"]
+        retry = c.job("merge", name=st["jobName"])
+        assert retry["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] == "2Gi"
+        r = play_job(c.api, retry, c.tmp / "retry")
+        assert r.returncode == 0, r.stderr
+        o = c.wait_reason("fails", "Committed")
+        ev = c.wait_events("fails", ["Analyzed", "Admitted", "Planned", "JobRunning", "JobFailed",
+                                     "Analyzed", "Admitted", "Planned", "JobRunning", "Committed"])
+        assert ev[-1][0] == "Normal"
+        ledger = {e["key"]: e for e in quota_ledger(c.api, NS, "q")}
+        uid = mm["metadata"]["uid"]
+        assert ledger[f"{uid}.1"]["state"] == ledger[f"{uid}.2"]["state"] == "Charged"
+        assert ledger[f"{uid}.2"]["bytes"] == o["status"]["realized"]["expertReadBytes"]
 
 
 @pytest.mark.fresh_catalog
@@ -331,6 +388,16 @@ def test_failed_analyze_job_is_job_failed(cluster):
         o = c.wait_reason("noanalysis", "JobFailed")
         assert an["metadata"]["name"] in ready(o)["message"] and "not a safetensors checkpoint" in ready(o)["message"]
         assert c.jobs(component="merge") == []
+        ev = c.wait_events("noanalysis", ["Analyzing", "JobFailed"])
+        assert ev[-1][0] == "Warning"
+        # a spec change retries the analysis in a new Job (the failed one stays for its logs)
+        c.api.patch("ModelMerge", NS, "noanalysis", {"spec": {"image": "ghcr.io/mergepipe/merger:fixed"}})
+        wait_for("generation 2 analyzing", lambda: (x := c.mm("noanalysis")) and x["status"].get("observedGeneration") == 2
+                 and ready(x).get("reason") == "Analyzing" and x)
+        retry = c.job("analyze", name=d.analyze_job_name("noanalysis", an["metadata"]["annotations"][d.ANN_ANALYSIS], 2))
+        assert retry["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/mergepipe/merger:fixed"
+        assert sorted(j["metadata"]["name"] for j in c.jobs(component="analyze")) == sorted(
+            [an["metadata"]["name"], retry["metadata"]["name"]])
 
 
 @pytest.mark.slow
