@@ -107,6 +107,31 @@ def test_non_terminal_reasons_are_progressing():
     assert d.Reason.MANIFEST_MISSING not in d.TERMINAL_SNAPSHOT_REASONS
 
 
+def test_checked_in_scripts_are_generated_from_one_template():
+    for kind, name in crdgen.ARGOCD_SCRIPTS.items():
+        assert (ARGOCD / name).read_text() == crdgen.health_script(kind), "run: python -m mergepipe_operator.crdgen"
+    mm, snap = crdgen.health_script("ModelMerge"), crdgen.health_script("MergedSnapshot")
+    assert "mergepipe.io/ModelMerge" in mm and "mergepipe.io/MergedSnapshot" in snap
+    for reason in d.TERMINAL_MERGE_REASONS:
+        assert f"  {reason} = true," in mm and reason not in snap
+    for reason in d.TERMINAL_SNAPSHOT_REASONS:
+        assert f"  {reason} = true," in snap and f"{reason} = true" not in mm
+
+
+def test_crdgen_check_detects_a_stale_health_check(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(crdgen, "argocd_dir", lambda: tmp_path)
+    assert crdgen.main(["--check"]) == 1  # nothing generated there yet
+    assert crdgen.main([]) == 0  # writes the scripts and the patch (the CRDs are current)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*crdgen.ARGOCD_SCRIPTS.values(), crdgen.ARGOCD_PATCH])
+    assert crdgen.main(["--check"]) == 0
+    lua = tmp_path / crdgen.ARGOCD_SCRIPTS["ModelMerge"]
+    lua.write_text(lua.read_text().replace("  JobFailed = true,\n", ""))
+    capsys.readouterr()
+    assert crdgen.main(["--check"]) == 1
+    out = capsys.readouterr().out
+    assert "+  JobFailed = true," in out and out.count("+++ generated") == 1  # only the edited script
+
+
 def test_argocd_cm_patch_ships_the_scripts():
     text = (ARGOCD / crdgen.ARGOCD_PATCH).read_text()
     assert text == crdgen.argocd_patch(), "run: python -m mergepipe_operator.crdgen"
