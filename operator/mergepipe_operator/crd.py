@@ -164,8 +164,12 @@ class Condition(K8sModel):
     )
 
 
-def _conditions_field() -> Any:
-    return Field(
+class ObservedStatus(K8sModel):
+    """Base of the three kinds' statuses: the generation observed and the conditions (the summary
+    condition is Ready), first in every status, as the API conventions name them."""
+
+    observed_generation: NonNegInt | None = None
+    conditions: list[Condition] = Field(
         default_factory=list,
         json_schema_extra={
             "x-kubernetes-list-type": "map",
@@ -323,11 +327,9 @@ class AdmissionStatus(K8sModel):
     quotas: list[Annotated[str, StringConstraints(max_length=253)]] = Field(default_factory=list, max_length=32)
 
 
-class ModelMergeStatus(K8sModel):
+class ModelMergeStatus(ObservedStatus):
     """Observed state of a ModelMerge."""
 
-    observed_generation: NonNegInt | None = None
-    conditions: list[Condition] = _conditions_field()
     expert_count: NonNegInt | None = None
     method: Annotated[str, StringConstraints(max_length=64)] | None = None
     budget: Annotated[str, StringConstraints(max_length=32)] | None = Field(
@@ -374,11 +376,9 @@ class MergedSnapshotSpec(K8sModel):
     source: SourceRef | None = None
 
 
-class MergedSnapshotStatus(K8sModel):
+class MergedSnapshotStatus(ObservedStatus):
     """Observed state of a MergedSnapshot: what the operator verified in its manifest."""
 
-    observed_generation: NonNegInt | None = None
-    conditions: list[Condition] = _conditions_field()
     verified_time: Timestamp | None = None
     plan_digest: Sha256 | None = None
     sizes: SnapshotSizes | None = None
@@ -444,11 +444,9 @@ class QuotaCarry(K8sModel):
     expires: Timestamp | None = None
 
 
-class MergeQuotaStatus(K8sModel):
+class MergeQuotaStatus(ObservedStatus):
     """Observed state of a MergeQuota: limits as bytes, usage in the current window, the ledger."""
 
-    observed_generation: NonNegInt | None = None
-    conditions: list[Condition] = _conditions_field()
     hard: QuotaAmounts | None = None
     used: QuotaAmounts | None = None
     ledger: list[LedgerEntry] = Field(
