@@ -393,8 +393,21 @@ class Controller:
         planned_spec.pop("budget", None)
         if budget is not None:
             planned_spec["budget"] = budget
+        plan = self._call_planner(body, planned_spec, out, conds, gen, now)
+        if plan.missing_experts and self._await_analysis(body, plan, out, conds, gen, now, final=False):
+            # the analyze Job completed, possibly after the planner read the catalog: plan again
+            plan = self._call_planner(body, planned_spec, out, conds, gen, now)
+            if plan.missing_experts:
+                self._await_analysis(body, plan, out, conds, gen, now, final=True)
+        if budget is not None and plan.expert_read_bytes > budget:
+            raise RuntimeError(f"planner broke the budget: {plan.expert_read_bytes} > {budget}")
+        return plan
+
+    def _call_planner(self, body: dict[str, Any], planned_spec: dict[str, Any], out: dict[str, Any], conds: list, gen: Any,
+                      now: datetime) -> PlanSummary:
+        """``self.planner`` with its errors mapped to statuses (see :meth:`_plan`)."""
         try:
-            plan = self.planner(planned_spec, self.settings.catalog_uri)
+            return self.planner(planned_spec, self.settings.catalog_uri)
         except NotImplementedError as e:
             out["conditions"] = d.set_condition(conds, "Ready", "False", d.Reason.PLANNING, f"cannot plan yet: {e}", gen, now)
             raise RetryWithStatus(str(e), 300, out) from None
@@ -407,18 +420,17 @@ class Controller:
             log.warning("%s/%s: %s", body["metadata"].get("namespace"), body["metadata"].get("name"), msg)
             out["conditions"] = d.set_condition(conds, "Ready", "False", d.Reason.PLANNING, msg, gen, now)
             raise RetryWithStatus(msg, 30, out) from None
-        if plan.missing_experts:
-            self._await_analysis(body, plan, out, conds, gen, now)
-        if budget is not None and plan.expert_read_bytes > budget:
-            raise RuntimeError(f"planner broke the budget: {plan.expert_read_bytes} > {budget}")
-        return plan
 
-    def _await_analysis(self, body: dict[str, Any], plan: PlanSummary, out: dict[str, Any], conds: list, gen: Any, now: datetime) -> None:
+    def _await_analysis(self, body: dict[str, Any], plan: PlanSummary, out: dict[str, Any], conds: list, gen: Any,
+                        now: datetime, *, final: bool) -> bool:
         """The catalog lacks statistics for ``plan.missing_experts``: create the analyze Job
         (deterministic name: a retry or a restarted operator finds it), then come back every
-        ``analyze_poll_seconds`` until it finished. Always raises: :class:`RetryWithStatus`
+        ``analyze_poll_seconds`` until it finished. Returns ``True`` when the Job has completed
+        and ``final`` is false (the caller plans again: the Job may have written the statistics
+        after the planner read the catalog). Otherwise raises: :class:`RetryWithStatus`
         (Analyzing, or QuotaExceeded when the namespace's quota could not admit any merge, so no
-        expert bytes are read for a merge that cannot run) or :class:`_Done` (JobFailed)."""
+        expert bytes are read for a merge that cannot run) or :class:`_Done` (JobFailed; with
+        ``final``, a completed Job whose statistics are still missing)."""
         meta, spec = body["metadata"], body.get("spec") or {}
         ns, name = meta["namespace"], meta["name"]
         if not plan.analysis_id:
@@ -443,6 +455,8 @@ class Controller:
             except Conflict:  # created by an earlier attempt
                 job = self.kube.get(JOBS, ns, jname)
         outcome = d.job_outcome(job) if job is not None else d.JobOutcome("Running", d.Reason.JOB_RUNNING, "")
+        if outcome.state == "Succeeded" and not final:
+            return True
         if outcome.state != "Running":
             if outcome.state == "Failed":
                 msg = f"analyze Job {jname} failed ({outcome.reason}): {outcome.message}"

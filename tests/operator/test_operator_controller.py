@@ -242,6 +242,27 @@ def test_a_failed_or_useless_analyze_job_fails_the_merge(settings, outcome):
     assert c.reconcile_merge(apply(kube, mm, st)) is None  # terminal for this generation
 
 
+def test_an_analysis_that_completes_while_planning_is_not_a_failure(settings):
+    """The planner read the catalog just before the analyze Job wrote the statistics, and the Job
+    is complete by the time the operator looks: it plans again instead of failing the merge."""
+    planner = Planner(missing=["s3://models/math"])
+    c, kube, store, mm = setup(settings, make_quota(), planner=planner)
+    with pytest.raises(main.RetryWithStatus):
+        c.reconcile_merge(mm)
+    (job,) = kube.list(JOBS, "ns1")
+    kube.objects[("jobs", "ns1", job["metadata"]["name"])]["status"] = {
+        "conditions": [{"type": "Complete", "status": "True"}]}
+
+    def racing(spec, catalog):  # missing on the first read, there on the next
+        plan = planner(spec, catalog)
+        planner.missing = ()
+        return plan
+
+    c.planner = racing
+    st = c.reconcile_merge(mm)
+    assert ready({"status": st})["reason"] == "JobRunning" and len(planner.calls) == 3
+
+
 def test_no_analysis_for_a_merge_the_quota_cannot_admit(settings):
     used = {"ledger": [{"key": "other.1", "merge": "other", "bytes": 0, "state": "Reserved", "time": "2026-11-22T11:00:00Z"}]}
     c, kube, store, mm = setup(settings, make_quota(merges=1, status=used), planner=Planner(missing=["s3://models/math"]))
