@@ -452,6 +452,113 @@ def demo(
         print(json.dumps(rows))
 
 
+# --- mergepipe search (layer-wise multi-objective merge search; mergepipe.search) -----------------
+@app.command()
+def search(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Search folder: state.json, snapshots/, results.json")],
+    base: Annotated[Optional[str], typer.Option("--base", help="Base checkpoint folder")] = None,
+    expert: Annotated[Optional[list[str]], typer.Option(
+        "--expert", "-e", help="Expert checkpoint: URI or NAME=URI (repeat).")] = None,
+    method: Annotated[str, typer.Option("--method", "-m", help="Merge method (mergekit's name)")] = "task_arithmetic",
+    param: ParamOpt = None,
+    vary: Annotated[Optional[list[str]], typer.Option(
+        "--vary", help="[EXPERT:]NAME=LO:HI: a parameter that takes one value per layer block in [LO, HI] "
+        "(per expert unless EXPERT is given; e.g. --vary weight=0:1). Repeat for several.")] = None,
+    layer_blocks: Annotated[int, typer.Option("--layer-blocks", help="Contiguous blocks of decoder layers; one "
+                                              "value per block and varied parameter")] = 4,
+    objective: Annotated[Optional[list[str]], typer.Option(
+        "--objective", help="Metric to optimise (repeat): NAME (minimised), NAME@max. The zoo evaluator gives "
+        "loss:python, loss:prose, loss:arithmetic, loss:json.")] = None,
+    eval_command: Annotated[Optional[str], typer.Option(
+        "--eval-command", help="Evaluate each candidate with this command ({checkpoint} = the snapshot folder, "
+        "else appended); it prints a JSON object of metrics on stdout. Default: the demo zoo's eval losses.")] = None,
+    eval_timeout: Annotated[Optional[float], typer.Option("--eval-timeout", help="Seconds per evaluation; "
+                                                          "slower candidates are recorded failed")] = None,
+    zoo_tiny: Annotated[bool, typer.Option("--zoo-tiny", help="Zoo evaluator: the tiny zoo (tests)")] = False,
+    eval_batches: Annotated[Optional[int], typer.Option("--eval-batches", help="Zoo evaluator: score only "
+                                                         "the first N batches per domain (faster)")] = None,
+    evaluations: Annotated[Optional[int], typer.Option("--evaluations", "-n", help="Candidates in total "
+                                                       "(merge + evaluation each) [default: 24]")] = None,
+    initial: Annotated[int, typer.Option("--initial", help="Sobol design points before the optimizer")] = 8,
+    workers: Annotated[Optional[int], typer.Option("--workers", "-w", help="Parallel workers [default: 1]")] = None,
+    budget: BudgetOpt = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the design, proposals and merges")] = 0,
+    strategy: Annotated[str, typer.Option("--strategy", help="async (prior-guided, pending-aware), sync "
+                                          "(batch qNEHVI, no prior) or random")] = "async",
+    no_prior: Annotated[bool, typer.Option("--no-prior", help="No discrepancy prior, no reranking")] = False,
+    probe: Annotated[Optional[Path], typer.Option(
+        "--probe", help="Text file (or .jsonl with a text field) run through base and experts for the "
+        "activation part of the prior; default: parameter discrepancy from the catalog only")] = None,
+    ref_point: Annotated[Optional[str], typer.Option(
+        "--ref-point", help="Hypervolume reference point, one value per objective (comma-separated, in the "
+        "metric's own units) [default: from the first observations]")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the search in --out (its state holds the "
+                                         "configuration; --workers and --evaluations may change)")] = False,
+    catalog: CatalogOpt = None,
+    json_out: JsonOpt = False,
+):
+    """Search layer-wise merge parameters with multi-objective Bayesian optimisation (asynchronous,
+    prior-guided; after AP-BMM). Every candidate is a committed merge followed by an evaluation; the
+    result is a Pareto set of snapshots (results.json)."""
+    from mergepipe.pipeline import parse_expert
+    from mergepipe.search.evaluators import CommandEvaluator, Objective, ZooEvaluator
+    from mergepipe.search.runner import SearchConfig, run_search
+
+    log = lambda m: _err_console().print(m, highlight=False)  # noqa: E731
+    if resume:
+        given = [f for f, v in (("--base", base), ("--expert", expert), ("--vary", vary), ("--param", param),
+                                ("--objective", objective), ("--eval-command", eval_command)) if v]
+        if given:
+            _fail(f"--resume continues the search recorded in {out}/state.json; drop {', '.join(given)}.")
+        res = run_search(out, resume=True, workers=workers, evaluations=evaluations, log=log)
+    else:
+        if not base or not expert or not vary or not objective:
+            _fail("a search needs --base, --expert (one or more), --vary and --objective "
+                  "(e.g. --vary weight=0:1 --objective loss:python --objective loss:json).")
+        objs = [Objective.parse(o) for o in objective]
+        refs = None
+        if ref_point is not None:
+            try:
+                refs = [o.to_min(float(v)) for o, v in zip(objs, ref_point.split(","), strict=True)]
+            except ValueError:
+                _fail(f"--ref-point {ref_point!r}: give one number per objective ({len(objs)}), comma-separated.")
+        texts = None
+        if probe is not None:
+            try:
+                raw = probe.read_text()
+            except OSError as e:
+                _fail(f"--probe {probe}: cannot read ({e.strerror}).")
+            if probe.suffix == ".jsonl":
+                texts = [json.loads(ln)["text"] for ln in raw.splitlines() if ln.strip()]
+            else:
+                texts = [raw]
+        if eval_command:
+            ev = CommandEvaluator(eval_command, eval_timeout)
+        else:
+            domains = sorted({o.metric.split(":", 1)[1] for o in objs if o.metric.startswith("loss:")})
+            ev = ZooEvaluator(domains or None, tiny=zoo_tiny, max_batches=eval_batches, timeout=eval_timeout)
+        cfg = SearchConfig(base=base, experts=[list(parse_expert(e)) for e in expert], method=method,
+                           vary=list(vary), objectives=list(objective), evaluations=evaluations or 24,
+                           initial=initial, workers=workers or 1, fixed=list(param or []),
+                           layer_blocks=layer_blocks, budget=budget, seed=seed, strategy=strategy,
+                           prior=not no_prior, probe=texts, ref_point=refs, catalog=catalog)
+        res = run_search(out, cfg, ev, log=log)
+    if json_out:
+        print(json.dumps({k: v for k, v in res.items() if k != "trace"}))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table("candidate", *res["objectives"], "snapshot", title=f"Pareto set ({len(res['pareto'])} of "
+              f"{res['evaluations']} evaluated, {res['failed']} failed)")
+    for p in res["pareto"]:
+        t.add_row(str(p["id"]), *[f"{v:.4f}" for v in p["objectives"].values()], p["snapshot"])
+    Console().print(t)
+    hv = res["hypervolume"][-1]["hv"] if res["hypervolume"] else 0.0
+    log(f"hypervolume {hv:.5g} (reference {res['ref_point']}); wall {res['wall_s']:.1f} s; results in "
+        f"{out}/results.json")
+
+
 def main() -> None:
     """Console entry point: maps user errors to exit code 2."""
     from mergepipe.errors import CommitConflict, InputError

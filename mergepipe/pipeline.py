@@ -285,8 +285,10 @@ def _require_analysis(catalog: Catalog, base: CheckpointRecord, recs: Sequence[C
 
 
 def _build_manifest(plan: Plan, res, before: dict, after: dict, started: float, device: str,
-                    files_prefix: str = "") -> dict:
-    """The manifest of a finished execution (see :mod:`mergepipe.commit.manifest`)."""
+                    files_prefix: str = "", lineage: dict | None = None) -> dict:
+    """The manifest of a finished execution (see :mod:`mergepipe.commit.manifest`); ``lineage``
+    (e.g. ``{"search": {...}}`` for a candidate of ``mergepipe search``) is merged in as
+    top-level keys."""
     from mergepipe.commit.manifest import snapshot_id
 
     delta = {k: after["read"].get(k, 0) - before["read"].get(k, 0) for k in after["read"]}
@@ -294,7 +296,7 @@ def _build_manifest(plan: Plan, res, before: dict, after: dict, started: float, 
     copied = {k: after["copied"].get(k, 0) - before["copied"].get(k, 0) for k in after["copied"]}
     from mergepipe.formats.safetensors import FLOAT_DTYPES as floating
 
-    return {
+    out = {
         "format": "mergepipe.manifest/v1",
         "snapshot_id": snapshot_id(plan.digest, res.files),
         "plan_digest": plan.digest,
@@ -334,6 +336,12 @@ def _build_manifest(plan: Plan, res, before: dict, after: dict, started: float, 
         "device": device,
         "versions": versions(),
     }
+    if lineage:
+        clash = set(lineage) & set(out)
+        if clash:
+            raise ValueError(f"lineage keys {sorted(clash)} would overwrite manifest fields")
+        out.update(lineage)
+    return out
 
 
 def execute_and_commit(
@@ -347,6 +355,7 @@ def execute_and_commit(
     out_storage: Storage | None = None,
     object_mode: bool | None = None,
     unsafe_single_writer: bool = False,
+    lineage: dict | None = None,
 ) -> MergeResult:
     """Execute ``plan`` and publish the snapshot at ``out`` atomically.
 
@@ -357,6 +366,8 @@ def execute_and_commit(
     Args:
         out_storage: storage for ``out`` (default: derived from ``out``, sharing ``storage``'s
             byte counters).
+        lineage: extra top-level manifest keys recording where the merge came from, e.g.
+            ``{"search": {"search_id", "candidate", "point", ...}}`` (``mergepipe search``).
 
     Raises:
         InputError: output path unusable or holding another snapshot; inputs changed; the store
@@ -390,7 +401,7 @@ def execute_and_commit(
             before = storage.counters.snapshot()
             res = execute(plan, storage, out_storage, run, device=device, progress=progress, prefetch_bytes=pf)
             manifest = _build_manifest(plan, res, before, storage.counters.snapshot(), started, device,
-                                       files_prefix=f"runs/{rid}")
+                                       files_prefix=f"runs/{rid}", lineage=lineage)
             manifest, mh, won = obj.publish_obj(out_storage, out, run, manifest)
         except BaseException:
             try:
@@ -409,7 +420,8 @@ def execute_and_commit(
     try:
         before = storage.counters.snapshot()
         res = execute(plan, storage, out_storage, str(staging), device=device, progress=progress, prefetch_bytes=pf)
-        manifest = _build_manifest(plan, res, before, storage.counters.snapshot(), started, device)
+        manifest = _build_manifest(plan, res, before, storage.counters.snapshot(), started, device,
+                                   lineage=lineage)
         mh = publish_local(staging, out, manifest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

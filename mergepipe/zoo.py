@@ -882,7 +882,8 @@ def _with_torch_settings(fn):
             hf_logging.enable_progress_bar()
 
 
-def evaluate(model_dir: Path, zoo: Zoo, max_batches: int | None = None) -> dict[str, float]:
+def evaluate(model_dir: Path, zoo: Zoo, max_batches: int | None = None,
+             domains: tuple[str, ...] | list[str] | None = None) -> dict[str, float]:
     """Mean per-token cross-entropy (nats/token) of a checkpoint on each domain's held-out set.
 
     The held-out documents are tokenized with the zoo's tokenizer (the checkpoint need not ship
@@ -897,21 +898,25 @@ def evaluate(model_dir: Path, zoo: Zoo, max_batches: int | None = None) -> dict[
         zoo: the zoo whose tokenizer and held-out sets to use.
         max_batches: if given, only the first ``max_batches`` batches of ``batch_size`` windows
             per domain are scored (faster, noisier).
+        domains: score only these domains (default: every domain in :data:`DOMAINS`).
 
     Returns:
-        ``{domain: loss}`` for every domain in :data:`DOMAINS` (may be ``inf``/``nan`` for a
-        broken model).
+        ``{domain: loss}`` for every requested domain (may be ``inf``/``nan`` for a broken
+        model).
 
     Raises:
         FileNotFoundError: ``model_dir`` has no ``config.json``.
-        ValueError: the model's vocabulary is smaller than the zoo tokenizer's, or
-            ``max_batches < 1``.
+        ValueError: the model's vocabulary is smaller than the zoo tokenizer's,
+            ``max_batches < 1``, or an unknown domain.
     """
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a HF checkpoint folder (no config.json)")
     if max_batches is not None and max_batches < 1:
         raise ValueError(f"max_batches must be >= 1 or None, got {max_batches}")
+    todo = tuple(DOMAINS if domains is None else domains)
+    if any(d not in DOMAINS for d in todo):
+        raise ValueError(f"unknown domain(s) {sorted(set(todo) - set(DOMAINS))}; the zoo's domains are {list(DOMAINS)}")
 
     def run() -> dict[str, float]:
         import torch
@@ -928,7 +933,7 @@ def evaluate(model_dir: Path, zoo: Zoo, max_batches: int | None = None) -> dict[
         B = zoo.config.batch_size
         out = {}
         with torch.inference_mode():
-            for d in DOMAINS:
+            for d in todo:
                 w = windows[d]
                 total, count = 0.0, 0
                 for i, start in enumerate(range(0, len(w), B)):

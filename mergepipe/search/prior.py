@@ -1,0 +1,192 @@
+"""The search prior: how much each coordinate of the search space is expected to matter.
+
+AP-BMM (Asynchronous Prior-Guided Bayesian Model Merging, MiLab-HITSZ/AP-BMM) guides the
+surrogate with discrepancies between the source models: where experts differ more from the base
+(and from each other), the merge parameters of that layer move the merged model more, so the
+surrogate should treat that coordinate as more relevant (a shorter lengthscale). mergepipe
+measures two discrepancies per layer block:
+
+* **parameter discrepancy** (free: read from the catalog, no expert byte is read): for expert
+  ``e`` and layer block ``b``, the relative task-vector energy
+  ``Σ_{tensors t in b} ‖δ_e,t‖² / Σ_t ‖θ_base,t‖²`` from the catalog's per-tensor statistics
+  (``TensorStats.delta_sq``, ``base_sq``). A global parameter's coordinate sums over experts.
+* **activation discrepancy** (optional; runs the models once on a small probe set): with the
+  decoder's hidden states ``h^ℓ`` (output of layer ℓ), ``r_e(ℓ) = mean_tokens ‖h_e^ℓ − h_base^ℓ‖ /
+  ‖h_base^ℓ‖`` and the layer's own share ``|r_e(ℓ) − r_e(ℓ−1)|`` (``r_e(−1)`` from the
+  embeddings), summed over the block's layers.
+
+Each discrepancy is normalised to geometric mean 1 over the coordinates; the relevance of a
+coordinate is the geometric mean of the available ones, and its lengthscale multiplier
+``m = clip(relevance^(−1/2), 1/4, 4)`` (renormalised to geometric mean 1). The optimizer
+centres the log-normal lengthscale prior of each ARD dimension at botorch's default times
+``m`` and starts the fit there (:mod:`mergepipe.search.optimizer`): a prior, not a constraint —
+the marginal-likelihood fit may move any lengthscale.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mergepipe.search.space import SearchSpace
+
+_CLIP = 4.0
+
+
+@dataclass
+class Prior:
+    """Per-coordinate discrepancies and the resulting lengthscale multipliers.
+
+    Attributes:
+        labels: coordinate labels (:attr:`mergepipe.search.space.Dim.label`), length ``d``.
+        param: parameter discrepancy per coordinate (relative task-vector energy, unitless).
+        activation: activation discrepancy per coordinate, or None when not measured.
+        multipliers: lengthscale multiplier per coordinate (geometric mean 1; < 1 = more relevant).
+    """
+
+    labels: list[str]
+    param: list[float]
+    activation: list[float] | None = None
+    multipliers: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.multipliers:
+            self.multipliers = lengthscale_multipliers(self.param, self.activation)
+
+    def to_json(self) -> dict:
+        return {"labels": self.labels, "param": self.param, "activation": self.activation,
+                "multipliers": self.multipliers}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Prior:
+        return cls(d["labels"], d["param"], d.get("activation"), d.get("multipliers") or [])
+
+
+def _gnorm(v: Sequence[float]) -> list[float]:
+    """Normalise positive values to geometric mean 1 (zeros are floored at 1e-12 first)."""
+    v = [max(float(x), 1e-12) for x in v]
+    g = math.exp(sum(math.log(x) for x in v) / len(v))
+    return [x / g for x in v]
+
+
+def lengthscale_multipliers(param: Sequence[float], activation: Sequence[float] | None = None) -> list[float]:
+    """Lengthscale multiplier per coordinate from its discrepancies (see the module docstring):
+    relevance = geometric mean of the normalised discrepancies; ``m = clip(relevance^-1/2, 1/4, 4)``,
+    renormalised to geometric mean 1."""
+    parts = [_gnorm(param)]
+    if activation is not None:
+        parts.append(_gnorm(activation))
+    rel = [math.exp(sum(math.log(p[i]) for p in parts) / len(parts)) for i in range(len(param))]
+    m = [min(_CLIP, max(1 / _CLIP, r ** -0.5)) for r in rel]
+    return [round(x, 6) for x in _gnorm(m)]
+
+
+def parameter_discrepancy(space: SearchSpace, tensor_stats: Sequence[dict]) -> list[float]:
+    """Per coordinate, the relative task-vector energy of its expert(s) in its layer block.
+
+    Args:
+        space: the search space.
+        tensor_stats: per expert (order of ``space.experts``), ``{tensor name: TensorStats}``
+            (``Analysis.tensors`` from the catalog).
+
+    Returns:
+        float per coordinate of ``space.dims``: ``Σ‖δ‖² / Σ‖θ_base‖²`` over the block's tensors.
+    """
+    from mergepipe.methods.params import layer_index
+
+    def block_energy(stats: dict, layers: tuple[int, ...]) -> float:
+        num = den = 0.0
+        for name, s in stats.items():
+            li = layer_index(name)
+            if li is not None and li in layers:
+                num += s.delta_sq if s.sums is not None else s.energy
+                den += s.base_sq if s.sums is not None else 0.0
+        return num / den if den > 0 else num
+
+    out = []
+    for dm in space.dims:
+        idx = [space.experts.index(dm.expert)] if dm.expert else range(len(space.experts))
+        out.append(sum(block_energy(tensor_stats[i], dm.layers) for i in idx))
+    return out
+
+
+def hidden_state_discrepancy(base_dir: str | Path, expert_dirs: Sequence[str | Path], input_ids) -> list[list[float]]:
+    """Per expert and decoder layer, the layer's share of the hidden-state discrepancy from the
+    base on a probe batch (see the module docstring).
+
+    Args:
+        base_dir, expert_dirs: Hugging Face causal-LM checkpoint folders (loaded as float32 on CPU,
+            one expert at a time).
+        input_ids: int64 tensor ``[batch, seq]`` of probe token ids.
+
+    Returns:
+        ``[expert][layer]`` floats (unitless).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    def hidden(path):
+        m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True)
+        m.eval()
+        with torch.inference_mode():
+            hs = m(input_ids=input_ids, output_hidden_states=True, use_cache=False).hidden_states
+        # hidden_states: embeddings, then each layer's output (the last one after the final norm
+        # in transformers' Llama; its relative difference is still the last layer's).
+        return [h.float() for h in hs]
+
+    hb = hidden(base_dir)
+    out = []
+    for ed in expert_dirs:
+        he = hidden(ed)
+        r = [float(((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12)).mean()) for a, b in zip(he, hb)]
+        out.append([abs(r[i + 1] - r[i]) for i in range(len(r) - 1)])
+    return out
+
+
+def activation_discrepancy(space: SearchSpace, per_layer: Sequence[Sequence[float]]) -> list[float]:
+    """Per coordinate, the sum over its block's layers of its expert(s)' per-layer activation
+    discrepancy (``per_layer[expert][layer]``, from :func:`hidden_state_discrepancy`)."""
+    out = []
+    for dm in space.dims:
+        idx = [space.experts.index(dm.expert)] if dm.expert else range(len(space.experts))
+        out.append(sum(per_layer[i][ell] for i in idx for ell in dm.layers if ell < len(per_layer[i])))
+    return out
+
+
+def probe_ids(tokenizer_dir: str | Path, texts: Sequence[str], n_seq: int = 4, seq_len: int = 64):
+    """Tokenize probe texts (joined) into ``[n_seq, seq_len]`` int64 windows with the tokenizer
+    in ``tokenizer_dir``.
+
+    Raises:
+        InputError: no tokenizer there, or the texts are too short for one window.
+    """
+    import torch
+
+    from mergepipe.errors import InputError
+
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any loading problem means "no usable tokenizer"
+        raise InputError(f"{tokenizer_dir}: no usable tokenizer for the activation prior ({type(e).__name__}); "
+                         "use --no-activation-prior or a base checkpoint with tokenizer files.") from None
+    ids = tok("\n".join(texts))["input_ids"]
+    n = min(n_seq, len(ids) // seq_len)
+    if n < 1:
+        raise InputError(f"--probe: the probe texts give {len(ids)} tokens, fewer than one window of {seq_len}.")
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def compute_prior(space: SearchSpace, tensor_stats: Sequence[dict], *, base_dir=None, expert_dirs=None,
+                  input_ids=None) -> Prior:
+    """The :class:`Prior` of ``space``: parameter discrepancy from the catalog statistics and,
+    when ``input_ids`` is given, activation discrepancy from running base and experts."""
+    param = parameter_discrepancy(space, tensor_stats)
+    act = None
+    if input_ids is not None:
+        act = activation_discrepancy(space, hidden_state_discrepancy(base_dir, expert_dirs, input_ids))
+    return Prior([d.label for d in space.dims], [round(p, 9) for p in param],
+                 None if act is None else [round(a, 9) for a in act])

@@ -1,0 +1,514 @@
+"""The search loop: a pool of workers, each candidate a real merge followed by an evaluation.
+
+Strategies (``SearchConfig.strategy``):
+
+* ``async`` (default; AP-BMM's loop): whenever a worker frees up it proposes one candidate —
+  conditioned on the in-flight ones as ``X_pending``, with the prior and the frontier-coverage
+  reranking of :func:`mergepipe.search.optimizer.propose` — and runs it. Proposals are serialised
+  (one proposer at a time; a worker waiting for it records a ``wait`` event); no worker waits for
+  another worker's evaluation.
+* ``sync`` (baseline): batches of ``workers`` candidates proposed jointly (qLogNEHVI, q = W,
+  botorch's default priors, no reranking); a worker that finishes early waits at a barrier until
+  the whole batch is evaluated (``barrier`` events).
+* ``random`` (baseline): uniform random points, asynchronous dispatch.
+
+The first ``initial`` candidates are a scrambled Sobol design (all strategies). A candidate is:
+points → ``--param`` strings (:class:`~mergepipe.search.space.SearchSpace`) →
+:func:`mergepipe.pipeline.build_plan` (optionally under an expert-I/O budget) →
+:func:`mergepipe.pipeline.execute_and_commit` into ``<out>/snapshots/c<id>`` with the search's
+lineage in the manifest (key ``search``) → evaluation. A failed merge or evaluation (crash,
+timeout, non-finite metric) marks the candidate failed and the search goes on; an evaluator that
+does not produce an objective stops the search with a clear error, as does a run where every one
+of the first ``max(3, 2·workers)`` candidates failed. The state is saved after every event
+(:mod:`mergepipe.search.state`); ``resume`` re-dispatches the candidates that were in flight.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from mergepipe.errors import InputError
+from mergepipe.search.evaluators import (
+    EvaluationFailed,
+    Evaluator,
+    MissingObjective,
+    Objective,
+    call_with_timeout,
+    evaluator_from_spec,
+    objective_values,
+)
+from mergepipe.search.space import SearchSpace, parse_vary, space_for_base
+from mergepipe.search.state import STATE_FORMAT, STATE_NAME, load_state, save_state
+
+STRATEGIES = ("async", "sync", "random")
+
+
+class SearchFailed(InputError):
+    """The search cannot go on (every early candidate failed); the message has the last error."""
+
+
+@dataclass
+class SearchConfig:
+    """Everything a search needs (recorded in its state).
+
+    Attributes:
+        base: base checkpoint; ``experts``: ``(name, uri)`` pairs; ``method``: merge method;
+        fixed: ``--param`` strings applied to every candidate; ``vary``: ``[EXPERT:]NAME=LO:HI``
+        items; ``layer_blocks``: layer blocks per varied parameter; ``objectives``: metric names
+        (``NAME``/``NAME@min``/``NAME@max``); ``evaluations``: candidates in total (the budget,
+        failed ones included); ``initial``: Sobol design points; ``workers``: parallel workers;
+        ``budget``: expert-I/O budget of every merge (None: unlimited); ``seed``: seed of the
+        design, the proposals and the merges; ``strategy``: ``async``/``sync``/``random``;
+        ``prior``: use the discrepancy prior (``async`` only); ``probe``: texts for the
+        activation part of the prior (None: parameter discrepancy only); ``ref_point``:
+        hypervolume reference point, minimised form (None: from the first proposals' data);
+        ``worker_delays``: seconds added to each worker's evaluations (simulates slower
+        devices; benchmarks); ``catalog``: catalog location; ``block_bytes``: catalog block size.
+    """
+
+    base: str
+    experts: list
+    method: str
+    vary: list[str]
+    objectives: list[str]
+    evaluations: int
+    initial: int
+    workers: int = 1
+    fixed: list[str] = field(default_factory=list)
+    layer_blocks: int = 4
+    budget: str | None = None
+    seed: int = 0
+    strategy: str = "async"
+    prior: bool = True
+    probe: list[str] | None = None
+    ref_point: list[float] | None = None
+    worker_delays: list[float] = field(default_factory=list)
+    catalog: str | None = None
+    block_bytes: int = 128 * 1024
+
+    def check(self) -> None:
+        """Raises InputError for counts and choices that cannot work (before anything is read)."""
+        if self.evaluations < 1:
+            raise InputError(f"--evaluations {self.evaluations}: must be at least 1.")
+        if self.initial < 1:
+            raise InputError(f"--initial {self.initial}: must be at least 1 (the Sobol design).")
+        if self.evaluations < self.initial:
+            raise InputError(f"--evaluations {self.evaluations} is fewer than --initial {self.initial} design points; "
+                             "raise --evaluations or lower --initial.")
+        if self.workers < 1:
+            raise InputError(f"--workers {self.workers}: must be at least 1.")
+        if self.strategy not in STRATEGIES:
+            raise InputError(f"strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}.")
+        if not self.objectives:
+            raise InputError("--objective: give at least one metric to optimise, e.g. --objective loss:python.")
+        objs = [Objective.parse(o) for o in self.objectives]
+        if len({o.metric for o in objs}) != len(objs):
+            raise InputError(f"--objective: a metric is named twice ({', '.join(self.objectives)}).")
+        if self.ref_point is not None and len(self.ref_point) != len(objs):
+            raise InputError(f"--ref-point: {len(self.ref_point)} value(s) for {len(objs)} objective(s).")
+
+
+class _Abort(Exception):
+    pass
+
+
+class _Search:
+    def __init__(self, out: Path, state: dict, evaluator: Evaluator, log: Callable[[str], None]) -> None:
+        self.out, self.state, self.ev, self.log = out, state, evaluator, log
+        self.cfg = SearchConfig(**state["config"])
+        self.space = SearchSpace.from_json(state["space"])
+        self.objectives = [Objective.parse(o) for o in self.cfg.objectives]
+        self.cv = threading.Condition()
+        self.propose_lock = threading.Lock()
+        self.error: BaseException | None = None
+        self.design = None
+        self._catalog = None
+        self.path = out / STATE_NAME
+
+    # -- helpers --------------------------------------------------------------------------------
+    @property
+    def cands(self) -> list[dict]:
+        return self.state["candidates"]
+
+    def save(self) -> None:
+        save_state(self.path, self.state)
+
+    def event(self, worker: int, kind: str, cand: int | None, t0: float, t1: float) -> None:
+        self.state["events"].append({"worker": worker, "kind": kind, "cand": cand, "t0": round(t0, 4),
+                                     "t1": round(t1, 4)})
+
+    def catalog(self):
+        if self._catalog is None:
+            from mergepipe.catalog.objectstore import open_catalog
+
+            self._catalog = open_catalog(self.cfg.catalog)
+        return self._catalog
+
+    def _new(self, x, phase: str, info: dict | None = None) -> dict:
+        c = {"id": len(self.cands), "x": [round(float(v), 8) for v in x], "params": self.space.to_params(x),
+             "values": self.space.describe(x), "phase": phase, "status": "queued", "worker": None,
+             "snapshot": None, "manifest_hash": None, "metrics": None, "objectives": None, "error": None,
+             "proposal": info or {}, "times": {"proposed": time.time()}}
+        self.cands.append(c)
+        return c
+
+    def _design_point(self, i: int) -> list[float]:
+        if self.design is None:
+            from mergepipe.search.optimizer import sobol
+
+            self.design = sobol(max(self.cfg.evaluations, 2), self.space.d, self.cfg.seed)
+        return self.design[i]
+
+    # -- proposing --------------------------------------------------------------------------------
+    def _propose(self, k: int) -> list[dict]:
+        """Propose ``k`` candidates (called with ``propose_lock`` held, ``cv`` not held)."""
+        with self.cv:
+            n = len(self.cands)
+            done = [c for c in self.cands if c["status"] == "done"]
+            X = [c["x"] for c in done]
+            Y = [c["objectives"] for c in done]
+            pending = [c["x"] for c in self.cands if c["status"] in ("queued", "running")]
+            failed = [c["x"] for c in self.cands if c["status"] == "failed"]
+        k = min(k, self.cfg.evaluations - n)
+        if k <= 0:
+            return []
+        if n < self.cfg.initial or self.cfg.strategy == "random" or len(X) < 2:
+            pts = []
+            for i in range(n, n + k):
+                if i < self.cfg.initial or len(X) < 2 and self.cfg.strategy != "random":
+                    pts.append((self._design_point(i), "initial" if i < self.cfg.initial else "design"))
+                else:
+                    rng = random.Random(self.cfg.seed * 1_000_003 + i)
+                    pts.append(([rng.random() for _ in range(self.space.d)], "random"))
+            return [self._new(x, ph) for x, ph in pts]
+        from mergepipe.search.optimizer import default_ref_point, propose
+
+        ref = self.cfg.ref_point or self.state.get("ref_point")
+        if ref is None:
+            ref = default_ref_point(Y)
+            self.state["ref_point"] = ref
+        if self.cfg.strategy == "sync":
+            xs, info = propose(X, Y, ref, avoid=failed, q=k, rerank=False, seed=self.cfg.seed * 7919 + n)
+            return [self._new(x, "bo-batch", info) for x in xs]
+        mult = self.state["prior"]["multipliers"] if (self.cfg.prior and self.state.get("prior")) else None
+        xs, info = propose(X, Y, ref, pending=pending, avoid=failed, multipliers=mult,
+                           rerank=self.cfg.prior, seed=self.cfg.seed * 7919 + n)
+        info["n_pending"] = len(pending)
+        info["n_observed"] = len(X)
+        return [self._new(xs[0], "bo", info)]
+
+    def next_job(self, w: int) -> dict | None:
+        """The next candidate for worker ``w`` (None: the budget is spent or the search aborts)."""
+        while True:
+            with self.cv:
+                if self.error is not None:
+                    return None
+                q = [c for c in self.cands if c["status"] == "queued"]
+                if q:
+                    return self._take(q[0], w)
+                if len(self.cands) >= self.cfg.evaluations:
+                    return None
+                if self.cfg.strategy == "sync" and any(c["status"] == "running" for c in self.cands):
+                    t0 = time.time()
+                    while any(c["status"] == "running" for c in self.cands) and self.error is None \
+                            and not any(c["status"] == "queued" for c in self.cands):
+                        self.cv.wait(0.5)
+                    self.event(w, "barrier", None, t0, time.time())
+                    continue
+            t0 = time.time()
+            with self.propose_lock:
+                t1 = time.time()
+                if t1 - t0 > 1e-3:
+                    self.event(w, "wait", None, t0, t1)
+                with self.cv:  # another worker may have proposed meanwhile
+                    if any(c["status"] == "queued" for c in self.cands) or len(self.cands) >= self.cfg.evaluations:
+                        continue
+                k = self.cfg.workers if self.cfg.strategy == "sync" else 1
+                try:
+                    new = self._propose(k)
+                except BaseException as e:  # noqa: BLE001 - surfaced by run_search
+                    with self.cv:
+                        self.error = e
+                        self.cv.notify_all()
+                    return None
+                with self.cv:
+                    self.event(w, "propose", new[0]["id"] if new else None, t1, time.time())
+                    self.save()
+                    self.cv.notify_all()
+
+    def _take(self, c: dict, w: int) -> dict:
+        c["status"] = "running"
+        c["worker"] = w
+        c["times"]["started"] = time.time()
+        self.save()
+        return c
+
+    # -- running ------------------------------------------------------------------------------------
+    def run_candidate(self, c: dict, w: int) -> None:
+        from mergepipe.pipeline import build_plan, execute_and_commit
+        from mergepipe.storage.base import IOCounters
+        from mergepipe.storage.local import LocalStorage
+
+        t0 = time.time()
+        snap = self.out / "snapshots" / f"c{c['id']:04d}"
+        try:
+            st = LocalStorage(IOCounters())
+            plan = build_plan(self.catalog(), st, self.cfg.base, [tuple(e) for e in self.cfg.experts],
+                              self.cfg.method, c["params"], budget=self.cfg.budget, seed=self.cfg.seed,
+                              block_bytes=self.cfg.block_bytes)
+            lineage = {"search": {"search_id": self.state["search_id"], "candidate": c["id"], "phase": c["phase"],
+                                  "point": c["x"], "values": c["values"], "state": str(self.path.resolve())}}
+            res = execute_and_commit(plan, st, str(snap), lineage=lineage)
+        except Exception as e:  # noqa: BLE001 - one candidate's failure must not stop the search
+            t1 = time.time()
+            with self.cv:
+                self.event(w, "merge", c["id"], t0, t1)
+                self._fail(c, f"merge failed: {type(e).__name__}: {e}")
+            return
+        t1 = time.time()
+        with self.cv:
+            c["snapshot"] = str(snap)
+            c["manifest_hash"] = res.manifest_hash
+            c["expert_read_bytes"] = res.manifest["io"]["realized"]["expert_read_bytes"]
+            c["times"]["merged"] = t1
+            self.event(w, "merge", c["id"], t0, t1)
+            self.save()
+        delay = self.cfg.worker_delays[w] if w < len(self.cfg.worker_delays) else 0.0
+        try:
+            if delay:
+                time.sleep(delay)
+            if self.ev.in_process:
+                metrics = call_with_timeout(lambda: self.ev.metrics(snap), self.ev.timeout)
+            else:
+                metrics = self.ev.metrics(snap)
+            objs = objective_values(self.objectives, metrics)
+        except MissingObjective as e:
+            with self.cv:
+                self.event(w, "eval", c["id"], t1, time.time())
+                self._fail(c, str(e))
+                self.error = e
+                self.cv.notify_all()
+            return
+        except (EvaluationFailed, Exception) as e:  # noqa: BLE001
+            with self.cv:
+                self.event(w, "eval", c["id"], t1, time.time())
+                msg = str(e) if isinstance(e, EvaluationFailed) else f"evaluator crashed: {type(e).__name__}: {e}"
+                self._fail(c, msg)
+            return
+        t2 = time.time()
+        with self.cv:
+            c["metrics"] = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
+            c["objectives"] = objs
+            c["status"] = "done"
+            c["times"]["ended"] = t2
+            self.event(w, "eval", c["id"], t1, t2)
+            self.save()
+            self.cv.notify_all()
+        self.log(f"[worker {w}] candidate {c['id']} ({c['phase']}): "
+                 + ", ".join(f"{o}={v:.4f}" for o, v in zip(self.cfg.objectives, objs)))
+
+    def _fail(self, c: dict, msg: str) -> None:
+        """Record a failed candidate (``cv`` held); abort when every early candidate failed."""
+        c["status"] = "failed"
+        c["error"] = msg
+        c["times"]["ended"] = time.time()
+        self.log(f"[worker {c['worker']}] candidate {c['id']} failed: {msg}")
+        finished = [x for x in self.cands if x["status"] in ("done", "failed")]
+        if not any(x["status"] == "done" for x in finished) and len(finished) >= max(3, 2 * self.cfg.workers):
+            self.error = SearchFailed(f"the first {len(finished)} candidates all failed; the last error: {msg}")
+        self.save()
+        self.cv.notify_all()
+
+    def worker(self, w: int) -> None:
+        try:
+            while True:
+                c = self.next_job(w)
+                if c is None:
+                    return
+                self.run_candidate(c, w)
+        except BaseException as e:  # noqa: BLE001 - e.g. KeyboardInterrupt raised in an evaluator
+            with self.cv:
+                if self.error is None:
+                    self.error = e
+                self.cv.notify_all()
+
+
+# ------------------------------------------------------------------------------------------------
+def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log) -> dict:
+    from mergepipe.pipeline import build_plan, register_and_analyze
+    from mergepipe.search.prior import compute_prior, probe_ids
+    from mergepipe.storage.base import IOCounters
+    from mergepipe.storage.local import LocalStorage
+
+    cfg.check()
+    vary = parse_vary(cfg.vary)
+    objs = [Objective.parse(o) for o in cfg.objectives]
+    known = evaluator.known_metrics()
+    if known is not None:
+        miss = [str(o) for o in objs if o.metric not in known]
+        if miss:
+            raise MissingObjective(f"--objective {', '.join(miss)}: the evaluator produces {known}; "
+                                   "name one of those.")
+    names = [n for n, _ in cfg.experts]
+    from mergepipe.catalog.objectstore import open_catalog
+
+    cat = open_catalog(cfg.catalog)
+    st = LocalStorage(IOCounters())
+    base = cat.register(st, cfg.base)
+    space = space_for_base(list(base.layout.tensors), cfg.method, names, vary, cfg.layer_blocks, cfg.fixed)
+    # Validate a candidate (the centre point) exactly as every candidate will be planned; this
+    # also analyzes the experts once (cached in the catalog), which the prior reads.
+    build_plan(cat, st, cfg.base, [tuple(e) for e in cfg.experts], cfg.method, space.to_params([0.5] * space.d),
+               budget=cfg.budget, seed=cfg.seed, block_bytes=cfg.block_bytes)
+    prior = None
+    if cfg.prior and cfg.strategy == "async":
+        _, recs, ans = register_and_analyze(cat, st, cfg.base, [u for _, u in cfg.experts], cfg.block_bytes)
+        ids = None
+        if cfg.probe:
+            ids = probe_ids(cfg.base, cfg.probe)
+        prior = compute_prior(space, [a.tensors for a in ans], base_dir=cfg.base,
+                              expert_dirs=[u for _, u in cfg.experts], input_ids=ids).to_json()
+        log("prior lengthscale multipliers: " + ", ".join(f"{lab}={m:.2f}" for lab, m in
+                                                          zip(prior["labels"], prior["multipliers"])))
+    return {"format": STATE_FORMAT, "search_id": uuid.uuid4().hex[:16], "config": asdict(cfg),
+            "space": space.to_json(), "prior": prior, "ref_point": cfg.ref_point, "evaluator": evaluator.spec(),
+            "candidates": [], "events": [], "sessions": []}
+
+
+def run_search(out: str | Path, config: SearchConfig | None = None, evaluator: Evaluator | None = None, *,
+               resume: bool = False, workers: int | None = None, evaluations: int | None = None,
+               log: Callable[[str], None] = lambda m: None) -> dict:
+    """Run (or resume) a search into folder ``out``; returns the results (also written to
+    ``<out>/results.json``, see :func:`results`).
+
+    Args:
+        config: the search (required unless ``resume``).
+        evaluator: the evaluator (on resume: rebuilt from the state when omitted).
+        resume: continue the search in ``out``: finished candidates are kept, in-flight ones
+            re-dispatched; ``workers``/``evaluations`` may be changed (``evaluations`` not below
+            the candidates already proposed).
+
+    Raises:
+        InputError: bad configuration (see :meth:`SearchConfig.check`, the space's validation,
+            :class:`MissingObjective`), a new search into a folder that already holds one, or
+            :class:`SearchFailed`.
+    """
+    out = Path(out)
+    path = out / STATE_NAME
+    if resume:
+        state = load_state(path)
+        if evaluator is None:
+            evaluator = evaluator_from_spec(state.get("evaluator"))
+        for c in state["candidates"]:
+            if c["status"] in ("running", "queued"):
+                c["status"] = "queued"
+                c["worker"] = None
+        if workers is not None:
+            state["config"]["workers"] = workers
+        if evaluations is not None:
+            if evaluations < len(state["candidates"]):
+                raise InputError(f"--evaluations {evaluations}: the search already proposed {len(state['candidates'])} "
+                                 "candidates.")
+            state["config"]["evaluations"] = evaluations
+    else:
+        if config is None or evaluator is None:
+            raise InputError("a new search needs its configuration and an evaluator.")
+        if path.exists():
+            raise InputError(f"--out {out}: already holds a search ({STATE_NAME}); add --resume to continue it, "
+                             "or choose another --out.")
+        state = _init_state(out, config, evaluator, log)
+        out.mkdir(parents=True, exist_ok=True)
+    sess = {"started": time.time(), "ended": None, "workers": state["config"]["workers"]}
+    state["sessions"].append(sess)
+    s = _Search(out, state, evaluator, log)
+    s.save()
+    threads = [threading.Thread(target=s.worker, args=(w,), name=f"search-worker-{w}", daemon=True)
+               for w in range(s.cfg.workers)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)
+    except KeyboardInterrupt:
+        with s.cv:
+            s.error = KeyboardInterrupt()
+            s.cv.notify_all()
+        raise
+    finally:
+        with s.cv:
+            sess["ended"] = time.time()
+            s.save()
+    if s.error is not None:
+        raise s.error
+    res = results(state)
+    save_state(out / "results.json", res)
+    return res
+
+
+def results(state: dict) -> dict:
+    """Results of a search state.
+
+    Returns:
+        ``{search_id, objectives, ref_point, evaluations, failed, pareto: [{id, values, params,
+        metrics, objectives, snapshot, manifest_hash}], hypervolume: [{evaluations, t, hv}]
+        (in completion order; ``t`` seconds since the search started, sessions concatenated),
+        workers: {w: {jobs, busy_s, wait_s, idle_fraction}}, wall_s, failures: [{id, error}],
+        trace: events (t relative to the search start)}``.
+    """
+    from mergepipe.search.optimizer import default_ref_point, hypervolume, pareto_mask
+
+    cfg = state["config"]
+    done = sorted((c for c in state["candidates"] if c["status"] == "done"), key=lambda c: c["times"]["ended"])
+    sessions = state["sessions"]
+    t_start = sessions[0]["started"] if sessions else 0.0
+
+    def rel(t: float) -> float:  # seconds of search time: gaps between sessions removed
+        acc = 0.0
+        for s in sessions:
+            end = s["ended"] or t
+            if t <= end:
+                return acc + max(0.0, t - s["started"])
+            acc += end - s["started"]
+        return acc
+
+    ref = cfg.get("ref_point") or state.get("ref_point") or (default_ref_point([c["objectives"] for c in done])
+                                                             if done else None)
+    hv = []
+    for k in range(1, len(done) + 1):
+        hv.append({"evaluations": k, "t": round(rel(done[k - 1]["times"]["ended"]), 3),
+                   "hv": hypervolume([c["objectives"] for c in done[:k]], ref)})
+    mask = pareto_mask([c["objectives"] for c in done]) if done else []
+    pareto = [{"id": c["id"], "values": c["values"], "params": c["params"], "metrics": c["metrics"],
+               "objectives": dict(zip(cfg["objectives"], c["objectives"])), "snapshot": c["snapshot"],
+               "manifest_hash": c["manifest_hash"]} for c, m in zip(done, mask) if m]
+    wall = sum((s["ended"] or s["started"]) - s["started"] for s in sessions)
+    workers: dict = {}
+    for e in state["events"]:
+        w = workers.setdefault(str(e["worker"]), {"jobs": 0, "busy_s": 0.0, "wait_s": 0.0, "propose_s": 0.0})
+        dt = e["t1"] - e["t0"]
+        if e["kind"] in ("merge", "eval"):
+            w["busy_s"] += dt
+            w["jobs"] += int(e["kind"] == "eval")
+        elif e["kind"] == "propose":
+            w["propose_s"] += dt
+        else:
+            w["wait_s"] += dt
+    for w in workers.values():
+        w["idle_fraction"] = round(1 - w["busy_s"] / wall, 4) if wall > 0 else None
+        for k in ("busy_s", "wait_s", "propose_s"):
+            w[k] = round(w[k], 3)
+    return {
+        "search_id": state["search_id"], "strategy": cfg["strategy"], "objectives": cfg["objectives"],
+        "ref_point": ref, "evaluations": len(done),
+        "failed": sum(c["status"] == "failed" for c in state["candidates"]),
+        "failures": [{"id": c["id"], "error": c["error"]} for c in state["candidates"] if c["status"] == "failed"],
+        "pareto": pareto, "hypervolume": hv, "workers": workers, "wall_s": round(wall, 3),
+        "trace": [{**e, "t0": round(rel(e["t0"]), 3), "t1": round(rel(e["t1"]), 3)} for e in state["events"]],
+    }

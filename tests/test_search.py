@@ -1,0 +1,350 @@
+"""mergepipe search: space, prior, asynchronous dispatch, failures, resume, CLI (issue 7).
+
+The candidates are real merges of the small synthetic family (tests/synth.py); the evaluators
+are fakes whose metrics come from the merged weights (distance to expert 0 and to expert 1: a
+genuine trade-off), with injected latencies, crashes and timeouts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from mergepipe.errors import InputError
+from tests.conftest import run_cli
+
+pytest.importorskip("botorch")
+
+
+def _distances(ckpt: Path, experts) -> dict:
+    """Mean squared distance of the merged float tensors to expert 0 and expert 1."""
+    import torch
+
+    from tests.conftest import merged_tensors
+
+    m = merged_tensors(ckpt)
+    out = {}
+    for k, e in enumerate(experts[:2]):
+        ex = merged_tensors(e)
+        num = sum(float(((m[n].float() - ex[n].float()) ** 2).sum()) for n in m if m[n].is_floating_point())
+        den = sum(m[n].numel() for n in m if m[n].is_floating_point())
+        out[f"dist{k}"] = num / den * 1e6
+    del torch
+    return out
+
+
+def _config(family, tmp_path, **kw):
+    from mergepipe.search.runner import SearchConfig
+
+    base, experts = family
+    d = dict(base=str(base), experts=[[f"e{i}", str(e)] for i, e in enumerate(experts[:2])],
+             method="task_arithmetic", vary=["weight=0:1"], objectives=["dist0", "dist1"], evaluations=6,
+             initial=3, workers=2, layer_blocks=2, catalog=str(tmp_path / "cat.sqlite"))
+    d.update(kw)
+    return SearchConfig(**d)
+
+
+# -- space ------------------------------------------------------------------------------------------
+def test_space_maps_points_to_layer_block_filter_lists():
+    from mergepipe.methods.params import layer_t
+    from mergepipe.methods.registry import resolve_params
+    from mergepipe.pipeline import parse_params
+    from mergepipe.search.space import SearchSpace, layer_blocks, parse_vary
+
+    assert layer_blocks(5, 2) == [(0, 1, 2), (3, 4)]
+    sp = SearchSpace("ties", ["a", "b"], parse_vary(["weight=0.2:1.2", "a:density=0.1:0.9"]), 4, 2, ["lambda=1"])
+    assert sp.d == 2 * 2 + 2  # weight for a and b per block, density for a per block
+    x = [0.0, 1.0, 0.5, 0.5, 0.25, 1.0]
+    params = sp.to_params(x)
+    glob, per = parse_params(params, ["a", "b"])
+    rp = resolve_params("ties", glob, per)
+    # layer 3 is in block 1 -> a's weight = 0.2 + 1.0 * 1.0; layer 0 -> 0.2; embeddings take the mean
+    assert rp.for_tensor("model.layers.3.mlp.up_proj.weight", layer_t("model.layers.3.x", 4)).experts[0]["weight"] == \
+        pytest.approx(1.2)
+    assert rp.for_tensor("model.layers.0.mlp.up_proj.weight", 0.0).experts[0]["weight"] == pytest.approx(0.2)
+    assert rp.for_tensor("model.embed_tokens.weight", 0.0).experts[0]["weight"] == pytest.approx(0.7)
+    assert rp.for_tensor("model.layers.1.self_attn.q_proj.weight", 0.0).experts[0]["density"] == pytest.approx(0.3)
+    assert rp.for_tensor("model.layers.1.self_attn.q_proj.weight", 0.0).experts[1]["density"] == 1.0  # default
+    assert [d.label for d in sp.dims][:2] == ["a:weight@L0-1", "a:weight@L2-3"]
+
+
+@pytest.mark.parametrize("vary, match", [
+    (["weight=1:0"], "reversed"),
+    (["weight=0.5:0.5"], "reversed"),
+    (["weight=a:b"], "must be numbers"),
+    (["weight"], "LO:HI"),
+    (["density=0:1"], r"outside \(0, 1\]"),
+    (["zeta=0:1"], "takes no parameter 'zeta'"),
+    (["c:weight=0:1"], "no expert named 'c'"),
+    (["weight=0:1", "a:weight=0:1"], "already varies"),
+])
+def test_bad_search_spaces_are_refused(vary, match):
+    from mergepipe.search.space import SearchSpace, parse_vary
+
+    with pytest.raises(InputError, match=match):
+        SearchSpace("ties", ["a", "b"], parse_vary(vary), 4, 2, [])
+
+
+def test_bad_counts_are_refused(family, tmp_path):
+    with pytest.raises(InputError, match="fewer than --initial"):
+        _config(family, tmp_path, evaluations=2, initial=3).check()
+    with pytest.raises(InputError, match="between 1 and the base's 2 layers"):
+        from mergepipe.search.evaluators import CallableEvaluator
+        from mergepipe.search.runner import run_search
+
+        run_search(tmp_path / "s", _config(family, tmp_path, layer_blocks=3), CallableEvaluator(lambda p: {}))
+    assert not (tmp_path / "s").exists()
+
+
+# -- prior ------------------------------------------------------------------------------------------
+def test_parameter_prior_from_catalog_statistics(family, tmp_path):
+    """The parameter discrepancy is each expert's relative task-vector energy per layer block,
+    read from the catalog (checked against the checkpoints), and more discrepancy gives a shorter
+    lengthscale."""
+    import torch
+
+    from mergepipe.catalog.catalog import Catalog
+    from mergepipe.methods.params import layer_index
+    from mergepipe.pipeline import register_and_analyze
+    from mergepipe.search.optimizer import _kernel
+    from mergepipe.search.prior import compute_prior
+    from mergepipe.search.space import SearchSpace, parse_vary
+    from mergepipe.storage.base import IOCounters
+    from mergepipe.storage.local import LocalStorage
+    from tests.conftest import merged_tensors
+
+    base, experts = family
+    cat = Catalog(tmp_path / "c.sqlite")
+    st = LocalStorage(IOCounters())
+    _, _, ans = register_and_analyze(cat, st, str(base), [str(e) for e in experts[:2]])
+    before = st.counters.snapshot()["read"]["expert"]
+    sp = SearchSpace("task_arithmetic", ["a", "b"], parse_vary(["weight=0:1"]), 2, 2, [])
+    pr = compute_prior(sp, [a.tensors for a in ans])
+    assert st.counters.snapshot()["read"]["expert"] == before  # no expert read: catalog only
+    bt = merged_tensors(base)
+    for i, dm in enumerate(sp.dims):
+        et = merged_tensors(experts[sp.experts.index(dm.expert)])
+        names = [n for n in bt if layer_index(n) in dm.layers]
+        want = sum(float(((et[n].float() - bt[n].float()) ** 2).sum()) for n in names) / \
+            sum(float((bt[n].float() ** 2).sum()) for n in names)
+        assert pr.param[i] == pytest.approx(want, rel=1e-4)
+    m = pr.multipliers
+    assert math.exp(sum(map(math.log, m)) / len(m)) == pytest.approx(1.0, abs=1e-4)
+    order_disc = sorted(range(len(m)), key=lambda i: pr.param[i])
+    order_len = sorted(range(len(m)), key=lambda i: -m[i])
+    assert order_disc == order_len  # more discrepancy -> shorter lengthscale
+    k = _kernel(len(m), m)
+    ls = k.lengthscale.detach().view(-1)
+    assert torch.argmin(ls) == max(range(len(m)), key=lambda i: pr.param[i])
+
+
+@pytest.mark.slow
+def test_activation_prior_locates_the_changed_layer(tmp_path):
+    """An expert that differs from the base only in decoder layer 1 has ~zero activation
+    discrepancy in layer 0 and a positive one in layer 1."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mergepipe.search.prior import hidden_state_discrepancy
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    m = LlamaForCausalLM(cfg)
+    m.save_pretrained(tmp_path / "base")
+    with torch.no_grad():
+        m.model.layers[1].mlp.up_proj.weight.add_(0.2 * torch.randn_like(m.model.layers[1].mlp.up_proj.weight))
+    m.save_pretrained(tmp_path / "exp")
+    ids = torch.randint(0, 300, (2, 16))
+    (d,) = hidden_state_discrepancy(tmp_path / "base", [tmp_path / "exp"], ids)
+    assert len(d) == 2
+    assert d[0] < 1e-6 < d[1]
+
+
+# -- dispatch ---------------------------------------------------------------------------------------
+def _jobs(res):
+    return {w: v["jobs"] for w, v in res["workers"].items()}
+
+
+def test_async_dispatch_keeps_workers_busy_sync_waits(family, tmp_path):
+    """Heterogeneous workers: asynchronously, a freed worker starts its next candidate without
+    waiting for the other's evaluation (no barrier), so the fast worker runs more candidates;
+    synchronously it waits at the batch barrier and both run the same number."""
+    from mergepipe.search.evaluators import CallableEvaluator
+    from mergepipe.search.runner import run_search
+
+    experts = family[1]
+    ev = CallableEvaluator(lambda p: _distances(p, experts))
+    ra = run_search(tmp_path / "a", _config(family, tmp_path, strategy="random", evaluations=10, initial=2,
+                                            worker_delays=[0.0, 1.0]), ev)
+    assert ra["evaluations"] == 10 and ra["failed"] == 0
+    assert not [e for e in ra["trace"] if e["kind"] == "barrier"]
+    for w in ("0", "1"):  # between two of a worker's candidates only proposing/queueing for the proposer
+        ev_w = sorted((e for e in ra["trace"] if e["worker"] == int(w)), key=lambda e: e["t0"])
+        assert {e["kind"] for e in ev_w} <= {"propose", "wait", "merge", "eval"}
+    assert _jobs(ra)["0"] > _jobs(ra)["1"]
+    rb = run_search(tmp_path / "b", _config(family, tmp_path, strategy="sync", evaluations=6, initial=6,
+                                            worker_delays=[0.0, 1.0]), ev)
+    assert [e for e in rb["trace"] if e["kind"] == "barrier" and e["worker"] == 0]
+    assert abs(_jobs(rb)["0"] - _jobs(rb)["1"]) <= 0
+    assert rb["workers"]["0"]["idle_fraction"] > ra["workers"]["0"]["idle_fraction"]
+
+
+def test_async_bo_conditions_on_pending_and_commits_lineage(family, tmp_path):
+    """Prior-guided asynchronous BO: proposals after the design see the in-flight candidate as
+    pending; every snapshot is a verified commit whose manifest names the search."""
+    from mergepipe.commit.manifest import read_manifest, verify_snapshot
+    from mergepipe.search.evaluators import CallableEvaluator
+    from mergepipe.search.runner import run_search
+
+    experts = family[1]
+    res = run_search(tmp_path / "bo", _config(family, tmp_path, evaluations=6, initial=3,
+                                              worker_delays=[0.0, 0.5]),
+                     CallableEvaluator(lambda p: _distances(p, experts)))
+    state = json.loads((tmp_path / "bo" / "state.json").read_text())
+    bo = [c for c in state["candidates"] if c["phase"] == "bo"]
+    assert bo and all(c["proposal"]["n_pending"] >= 1 for c in bo)
+    assert state["prior"] and len(state["prior"]["multipliers"]) == 4
+    assert res["pareto"]
+    for p in res["pareto"]:
+        assert verify_snapshot(p["snapshot"])["ok"]
+        m, _ = read_manifest(p["snapshot"])
+        assert m["search"]["search_id"] == state["search_id"] and m["search"]["candidate"] == p["id"]
+    hv = [h["hv"] for h in res["hypervolume"]]
+    assert hv == sorted(hv) and hv[-1] > 0
+
+
+# -- failures ---------------------------------------------------------------------------------------
+def test_evaluator_crash_and_timeout_are_recorded_and_the_search_goes_on(family, tmp_path):
+    import time
+
+    from mergepipe.search.evaluators import CallableEvaluator
+    from mergepipe.search.runner import run_search
+
+    experts = family[1]
+    calls = {"n": 0}
+    lock = threading.Lock()
+
+    def ev(p):
+        with lock:
+            calls["n"] += 1
+            n = calls["n"]
+        if n == 2:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        if n == 3:
+            time.sleep(3)
+        return _distances(p, experts)
+
+    res = run_search(tmp_path / "f", _config(family, tmp_path, strategy="random", evaluations=6, initial=2),
+                     CallableEvaluator(ev, timeout=1.5))
+    assert res["failed"] == 2 and res["evaluations"] == 4
+    errs = sorted(f["error"] for f in res["failures"])
+    assert "CUDA out of memory" in errs[0] and errs[1].startswith("timeout")
+
+
+def test_missing_objective_is_a_clear_error(family, tmp_path):
+    from mergepipe.search.evaluators import CallableEvaluator, MissingObjective
+    from mergepipe.search.runner import run_search
+
+    with pytest.raises(MissingObjective, match=r"did not produce metric 'dist1'; it printed \['accuracy', 'dist0'\]"):
+        run_search(tmp_path / "m", _config(family, tmp_path, strategy="random"),
+                   CallableEvaluator(lambda p: {"dist0": 1.0, "accuracy": 0.5}))
+    state = json.loads((tmp_path / "m" / "state.json").read_text())
+    assert any(c["status"] == "failed" and "dist1" in c["error"] for c in state["candidates"])
+    # known metrics: refused before anything is written
+    with pytest.raises(MissingObjective, match="produces"):
+        run_search(tmp_path / "m2", _config(family, tmp_path), CallableEvaluator(lambda p: {}, known=["dist0"]))
+    assert not (tmp_path / "m2").exists()
+
+
+def test_command_evaluator(tmp_path):
+    from mergepipe.search.evaluators import CommandEvaluator, EvaluationFailed
+
+    script = tmp_path / "ev.py"
+    script.write_text("import json, sys, time\nmode = sys.argv[1]\nprint('loading', sys.argv[2])\n"
+                      "if mode == 'crash': sys.exit('boom')\nif mode == 'slow': time.sleep(30)\n"
+                      "if mode == 'garbage': print('no json'); sys.exit(0)\n"
+                      "print(json.dumps({'acc': 0.5, 'path': sys.argv[2]}))\n")
+    ok = CommandEvaluator(f"{sys.executable} {script} ok {{checkpoint}}").metrics(tmp_path / "a b")
+    assert ok == {"acc": 0.5, "path": str(tmp_path / "a b")}
+    with pytest.raises(EvaluationFailed, match="exited with code 1: boom"):
+        CommandEvaluator(f"{sys.executable} {script} crash").metrics(tmp_path)
+    with pytest.raises(EvaluationFailed, match="no JSON object"):
+        CommandEvaluator(f"{sys.executable} {script} garbage").metrics(tmp_path)
+    with pytest.raises(EvaluationFailed, match="timeout"):
+        CommandEvaluator(f"{sys.executable} {script} slow", timeout=1).metrics(tmp_path)
+
+
+# -- resume -----------------------------------------------------------------------------------------
+def test_resume_after_interruption(family, tmp_path):
+    """Interrupted during an evaluation: finished candidates are kept as they were, the in-flight
+    one is re-dispatched with the same point, and the search completes its budget."""
+    from mergepipe.search.evaluators import CallableEvaluator
+    from mergepipe.search.runner import run_search
+
+    experts = family[1]
+    calls = {"n": 0}
+
+    def dying(p):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return _distances(p, experts)
+
+    cfg = _config(family, tmp_path, strategy="random", evaluations=5, initial=2, workers=1)
+    with pytest.raises(KeyboardInterrupt):
+        run_search(tmp_path / "r", cfg, CallableEvaluator(dying))
+    st1 = json.loads((tmp_path / "r" / "state.json").read_text())
+    done1 = {c["id"]: c for c in st1["candidates"] if c["status"] == "done"}
+    running = [c for c in st1["candidates"] if c["status"] == "running"]
+    assert len(done1) == 2 and len(running) == 1
+    with pytest.raises(InputError, match="--resume"):
+        run_search(tmp_path / "r", cfg, CallableEvaluator(dying))
+    res = run_search(tmp_path / "r", evaluator=CallableEvaluator(lambda p: _distances(p, experts)), resume=True)
+    st2 = json.loads((tmp_path / "r" / "state.json").read_text())
+    assert res["evaluations"] == 5 and len(st2["candidates"]) == 5 and len(st2["sessions"]) == 2
+    for i, c in done1.items():
+        assert st2["candidates"][i]["metrics"] == c["metrics"] and st2["candidates"][i]["x"] == c["x"]
+    again = st2["candidates"][running[0]["id"]]
+    assert again["status"] == "done" and again["x"] == running[0]["x"]
+
+
+# -- CLI --------------------------------------------------------------------------------------------
+def test_cli_search_end_to_end(family, tmp_path, monkeypatch, capsys):
+    base, experts = family
+    script = tmp_path / "ev.py"
+    script.write_text(
+        "import json, sys\nfrom safetensors.torch import load_file\nimport glob, os\n"
+        "def load(d):\n    out = {}\n    for f in glob.glob(os.path.join(d, '*.safetensors')):\n"
+        "        out.update({k: v.float() for k, v in load_file(f).items()})\n    return out\n"
+        "m = load(sys.argv[1])\n"
+        f"es = [load({str(experts[0])!r}), load({str(experts[1])!r})]\n"
+        "r = {f'dist{i}': float(sum(((m[k] - e[k]) ** 2).sum() for k in m) * 1e3) for i, e in enumerate(es)}\n"
+        "print(json.dumps(r))\n")
+    out = tmp_path / "search"
+    args = ["search", "--base", str(base), "-e", f"a={experts[0]}", "-e", f"b={experts[1]}", "--vary", "weight=0:1",
+            "--layer-blocks", "1", "--objective", "dist0", "--objective", "dist1", "--eval-command",
+            f"{sys.executable} {script} {{checkpoint}}", "--evaluations", "4", "--initial", "2", "--workers", "2",
+            "--budget", "50%", "--out", str(out), "--catalog", str(tmp_path / "c.sqlite"), "--json"]
+    code, stdout, err = run_cli(args, monkeypatch, capsys)
+    assert code == 0, err
+    res = json.loads(stdout)
+    assert res["evaluations"] == 4 and res["pareto"]
+    for p in res["pareto"]:
+        m = json.loads((Path(p["snapshot"]) / "manifest.json").read_text())
+        assert m["search"]["candidate"] == p["id"]
+        assert m["io"]["realized"]["expert_read_bytes"] <= m["io"]["expert_budget_bytes"]
+    code, _, err = run_cli(args[:-1], monkeypatch, capsys)
+    assert code == 2 and "--resume" in err
+    code, stdout, err = run_cli(["search", "--out", str(out), "--resume", "--evaluations", "5", "--json"],
+                                monkeypatch, capsys)
+    assert code == 0, err
+    assert json.loads(stdout)["evaluations"] == 5
+    code, _, err = run_cli(["search", "--base", str(base), "-e", str(experts[0]), "--vary", "weight=1:0",
+                            "--objective", "x", "--out", str(tmp_path / "bad")], monkeypatch, capsys)
+    assert code == 2 and "reversed" in err and not (tmp_path / "bad").exists()
