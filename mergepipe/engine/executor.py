@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import queue
 import threading
 import time
 from collections import deque
@@ -158,6 +157,49 @@ def server_side_copy(storage: Storage, out_storage: Storage, base_uri: str, out_
     return src is dst or getattr(src, "endpoint_url", 0) == getattr(dst, "endpoint_url", 1)
 
 
+class _ByteQueue:
+    """A FIFO of ``(message, nbytes)`` bounded by the bytes it holds (a message counts from
+    :meth:`put` until the consumer calls :meth:`done`). One message larger than the bound is
+    let through when the queue is empty. :meth:`fail` (consumer died or producer gave up)
+    releases every waiter: puts return at once, :meth:`get` returns ``(None, 0)``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.items: deque = deque()
+        self.cv = threading.Condition()
+        self.failed = False
+
+    def put(self, msg, nbytes: int = 0) -> None:
+        with self.cv:
+            while not self.failed and self.used > 0 and self.used + nbytes > self.limit:
+                self.cv.wait()
+            if self.failed:
+                return
+            self.used += nbytes
+            self.items.append((msg, nbytes))
+            self.cv.notify_all()
+
+    def get(self):
+        with self.cv:
+            while not self.items and not self.failed:
+                self.cv.wait()
+            if self.failed:
+                return None, 0
+            return self.items.popleft()
+
+    def done(self, nbytes: int) -> None:
+        with self.cv:
+            self.used -= nbytes
+            self.cv.notify_all()
+
+    def fail(self) -> None:
+        with self.cv:
+            self.failed = True
+            self.items.clear()
+            self.cv.notify_all()
+
+
 class _Item:
     """One unit of work: a row chunk of a tensor (``kind`` merge or stats) or a copy range."""
 
@@ -166,6 +208,10 @@ class _Item:
     def __init__(self, kind: str, tp: TensorPlan, r0: int, r1: int, nbytes: int) -> None:
         self.kind, self.tp, self.r0, self.r1, self.nbytes = kind, tp, r0, r1, nbytes
         self.future = None
+
+
+def _nbytes(buf) -> int:
+    return memoryview(buf).nbytes
 
 
 def _row_bytes(tp: TensorPlan, itemsize: int) -> int:
@@ -300,57 +346,77 @@ def _execute(
         return base_raw, exp
 
     # ---- writer thread ---------------------------------------------------------------------
-    wq: queue.Queue = queue.Queue(maxsize=4)  # with 16 MiB copy pieces: <= ~64 MiB queued for the writer
+    # The writer thread does all hashing (hashlib releases the GIL, so on a multi-core machine it
+    # runs beside the merge arithmetic): the base tensors' SHA-256 (checked against the catalog),
+    # each output tensor's SHA-256 (the shard's tree digest) and each output file's SHA-256. A
+    # copied tensor's bytes are hashed once for both its base and output digests.
+    wq = _ByteQueue(max(COPY_CHUNK, prefetch_bytes // 4))
     werr: list[BaseException] = []
     writers: dict[str, HashingWriter] = {}
+    base_sha: dict[str, hashlib._Hash] = {}
+    out_sha: dict[str, object] = {}
+    tree: dict[str, dict] = {}
 
     def writer_loop():
         cur = None
         try:
             while True:
-                msg = wq.get()
+                msg, nb = wq.get()
                 if msg is None:
                     break
                 op, arg = msg
                 if op == "open":
-                    cur = HashingWriter(out_storage.open_writer(out_storage.join(out_prefix, arg), "output"))
-                    writers[arg] = cur
+                    name, hdr = arg
+                    cur = HashingWriter(out_storage.open_writer(out_storage.join(out_prefix, name), "output"))
+                    writers[name] = cur
+                    tree[name] = {"header_sha256": hashlib.sha256(hdr).hexdigest(), "tensors": []}
+                    cur.write(hdr)
+                elif op == "base":
+                    name, data = arg
+                    base_sha.setdefault(name, hashlib.sha256()).update(data)
                 elif op == "data":
-                    cur.write(arg)
+                    name, data = arg
+                    out_sha.setdefault(name, hashlib.sha256()).update(data)
+                    cur.write(data)
                 elif op == "copy":
-                    src, s0, s1 = arg
+                    name, known, (src, s0, s1) = arg
+                    out_sha[name] = _KnownHash(known)
                     cur.inner.copy_range(src, s0, s1)
                     cur.size += s1 - s0
                     cur.copied = True
+                elif op == "tensor_end":
+                    tp, copied = arg
+                    h = out_sha[tp.name]
+                    if copied:  # the output bytes are the base bytes
+                        base_sha[tp.name] = h
+                    if tp.base_sha256 and tp.name in base_sha and base_sha[tp.name].hexdigest() != tp.base_sha256:
+                        raise InputError(
+                            f"{storage.join(plan.base.uri, tp.file)}: tensor {tp.name!r} of the base changed since it "
+                            "was analyzed (content hash differs); re-run the merge to re-analyze it."
+                        )
+                    tree[tp.file]["tensors"].append([tp.name, h.hexdigest()])
                 elif op == "close":
-                    name, tree = arg
+                    name = arg
                     w = writers[name]
                     size = w.inner.close()
-                    info = {"size": size, "tree_sha256": tree}
+                    info = {"size": size, "tree_sha256": tree_digest(tree[name])}
                     if not getattr(w, "copied", False):
                         info["sha256"] = w.sha.hexdigest()
                     res.files[name] = info
+                wq.done(nb)
         except BaseException as e:  # surfaced to the main thread
             werr.append(e)
-            while True:  # drain so the producer never blocks
-                try:
-                    if wq.get_nowait() is None:
-                        break
-                except queue.Empty:
-                    time.sleep(0.01)
+            wq.fail()  # the producer never blocks on a dead consumer
 
     wt = threading.Thread(target=writer_loop, name="mergepipe-writer", daemon=True)
     wt.start()
 
-    def put(msg):
-        while True:
-            if werr:
-                raise werr[0]
-            try:
-                wq.put(msg, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+    def put(msg, nbytes: int = 0):
+        if werr:
+            raise werr[0]
+        wq.put(msg, nbytes)
+        if werr:
+            raise werr[0]
 
     # ---- main loop -------------------------------------------------------------------------
     shard_tensors: dict[str, list[TensorPlan]] = {}
@@ -365,9 +431,6 @@ def _execute(
 
     l1_all: dict[tuple[str, int], list[float]] = {}
     l1_kept: dict[tuple[str, int], list[float]] = {}
-    base_sha: dict[str, hashlib._Hash] = {}
-    out_sha: dict[str, object] = {}
-    tree: dict[str, dict] = {}
     pool = ThreadPoolExecutor(read_threads, thread_name_prefix="mergepipe-fetch")
     pending: deque[_Item] = deque()
     nxt = 0
@@ -381,53 +444,50 @@ def _execute(
                 nxt += 1
             base_raw, exp = it.future.result()
             pending.popleft()
-            inflight -= it.nbytes
             it.future = None
             tp = it.tp
-            if it.kind not in ("stats", "cow"):
-                base_sha.setdefault(tp.name, hashlib.sha256()).update(base_raw)
             if i == first_item_of_shard.get(tp.file):
-                put(("open", tp.file))
                 hdr = build_header(
                     [(t.name, t.out_dtype or t.dtype, tuple(t.shape)) for t in shard_tensors[tp.file]],
                     plan.shard_metadata.get(tp.file, {}),
                 )
-                tree[tp.file] = {"header_sha256": hashlib.sha256(hdr).hexdigest(), "tensors": []}
-                put(("data", hdr))
+                put(("open", (tp.file, hdr)), len(hdr))
+            copied = it.kind in ("copy", "cow")
             if it.kind == "cow":
                 rb = _row_bytes(tp, DTYPES[tp.dtype][0])
                 rows = tp.shape[0] if tp.shape else 1
-                put(("copy", (storage.join(plan.base.uri, tp.file), tp.start, tp.start + rows * rb)))
-                out_sha[tp.name] = _KnownHash(tp.base_sha256)
+                put(("copy", (tp.name, tp.base_sha256, (storage.join(plan.base.uri, tp.file), tp.start,
+                                                         tp.start + rows * rb))))
                 if progress:
                     progress(rows * rb)
             elif it.kind == "copy":
-                out_sha.setdefault(tp.name, hashlib.sha256()).update(base_raw)
-                put(("data", base_raw))
+                put(("data", (tp.name, base_raw)), _nbytes(base_raw))
                 if progress:
-                    progress(len(base_raw))
+                    progress(_nbytes(base_raw))
             else:
+                if it.kind != "stats":
+                    put(("base", (tp.name, base_raw)), _nbytes(base_raw))
                 out = _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept)
                 if out is not None:
-                    out_sha.setdefault(tp.name, hashlib.sha256()).update(out)
-                    put(("data", out))
+                    put(("data", (tp.name, out)), _nbytes(out))
                     if progress:
-                        progress(len(out))
+                        progress(_nbytes(out))
+            # the chunk's input bytes are released now (not when its fetch finished), so inputs
+            # in memory, in flight or being merged, stay within prefetch_bytes
+            inflight -= it.nbytes
+            base_raw = exp = out = None
             last_of_tensor = i + 1 == len(items) or items[i + 1].tp is not tp
             if last_of_tensor:
-                if tp.base_sha256 and tp.name in base_sha and base_sha[tp.name].hexdigest() != tp.base_sha256:
-                    raise InputError(
-                        f"{storage.join(plan.base.uri, tp.file)}: tensor {tp.name!r} of the base changed since it "
-                        "was analyzed (content hash differs); re-run the merge to re-analyze it."
-                    )
-                tree[tp.file]["tensors"].append([tp.name, out_sha[tp.name].hexdigest()])
+                put(("tensor_end", (tp, copied)))
             if i == last_item_of_shard.get(tp.file):
-                put(("close", (tp.file, tree_digest(tree[tp.file]))))
+                put(("close", tp.file))
         put(None)
         wt.join()
         if werr:
             raise werr[0]
     except BaseException:
+        wq.fail()
+        wt.join(timeout=60)
         for f, w in writers.items():
             if f not in res.files:
                 w.inner.abort()
@@ -437,11 +497,6 @@ def _execute(
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-        if wt.is_alive():
-            try:
-                wq.put_nowait(None)
-            except queue.Full:
-                pass
 
     # ---- index ------------------------------------------------------------------------------
     if len(shard_tensors) > 1 or plan.index_metadata or any(f != "model.safetensors" for f in shard_tensors):

@@ -268,7 +268,7 @@ def _sum_consensus_arith(base, deltas: list, weights: list[float], normalize: bo
     total = ts[0].clone() if len(ts) > 1 else ts[0]
     for t in ts[1:]:
         total.add_(t)
-    if not math.isfinite(float(total.sum(dtype=torch.float64))):
+    if not math.isfinite(float(total.sum())):  # NaN or ±inf anywhere (or a float32 overflow: also safe)
         return None
     sgn = torch.copysign(torch.ones((), dtype=total.dtype, device=total.device).expand_as(total), total)
     acc = div = None
