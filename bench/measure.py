@@ -3,11 +3,16 @@
 How one run is measured (:func:`run_measured`, run inside a shim: ``python bench/measure.py
 --result R.json -- CMD...``; the harness starts the shim and reads ``R.json``):
 
-* Why a shim: Linux carries the peak RSS over ``fork`` and ``exec`` (the child's ``maxrss``
-  starts at the parent's resident size when it forked), so a child forked straight from the
-  harness (which has numpy, tokenizers and possibly a trained zoo in memory) would report at
-  least the harness's RSS. The shim is a fresh, small Python process (~10 MiB), so the
-  command's ``ru_maxrss`` is floored at that instead. Its own start-up is outside the timing.
+* Peak RSS is the command's own ``VmHWM`` (``/proc/<pid>/status``: the high-water mark of its
+  address space, which ``exec`` starts afresh), sampled every ``interval`` seconds while it runs;
+  ``VmHWM`` only grows, so the last sample before the exit is the peak up to the last
+  ``interval``. ``ru_maxrss`` from ``wait4`` is recorded too but not used: Linux carries it over
+  ``fork`` and ``exec`` (at ``exec`` the kernel folds the high-water mark of the address space
+  being replaced into the process's ``maxrss``), so a command started from a large process
+  (the harness holds numpy, tokenizers, possibly a trained zoo) reported at least that
+  process's size: the first Qwen3 run read 3610 MiB for every mergepipe row, the harness's own
+  size. The shim (``python bench/measure.py --result R.json -- CMD...``, a fresh small
+  process) is kept so the ``ru_maxrss`` figure stays comparable.
 
 * The harness starts the command itself (``subprocess.Popen``, no shell), so the wall time is
   the whole process: interpreter start-up, imports, work, exit. ``t0`` is taken just before the
@@ -68,7 +73,8 @@ def run_measured(cmd: list[str], *, env: dict | None = None, cwd: str | None = N
                  interval: float = 0.02, timeout: float | None = None) -> dict:
     """Run ``cmd`` as a child process and measure it (see the module docstring).
 
-    Returns a dict: ``cmd``, ``rc``, ``wall_s``, ``utime_s``, ``stime_s``, ``maxrss_kib``,
+    Returns a dict: ``cmd``, ``rc``, ``wall_s``, ``utime_s``, ``stime_s``, ``peak_rss_kib`` (sampled
+    ``VmHWM``), ``peak_rss_source``, ``maxrss_kib`` (``ru_maxrss``, see the module docstring),
     ``peak_rss_anon_kib``, ``peak_rss_file_kib``, ``io`` (final ``/proc/<pid>/io``),
     ``io_source`` ("zombie" or "last-sample"), ``samples``, ``stdout`` (text, also written to
     ``stdout_path``).
@@ -89,13 +95,14 @@ def run_measured(cmd: list[str], *, env: dict | None = None, cwd: str | None = N
         th = threading.Thread(target=waiter, daemon=True)
         th.start()
         last_io = None
-        peak_anon = peak_file = 0
+        peak_anon = peak_file = peak_hwm = 0
         n = 0
         deadline = None if timeout is None else t0 + timeout
         while not exited.wait(interval):
             st = _read_status(p.pid)
             peak_anon = max(peak_anon, st.get("RssAnon", 0))
             peak_file = max(peak_file, st.get("RssFile", 0))
+            peak_hwm = max(peak_hwm, st.get("VmHWM", 0))
             io = _read_io(p.pid)
             if io:
                 last_io = io
@@ -116,6 +123,8 @@ def run_measured(cmd: list[str], *, env: dict | None = None, cwd: str | None = N
         "wall_s": t_exit[0] - t0,
         "utime_s": ru.ru_utime,
         "stime_s": ru.ru_stime,
+        "peak_rss_kib": peak_hwm or ru.ru_maxrss,
+        "peak_rss_source": "VmHWM" if peak_hwm else "ru_maxrss",
         "maxrss_kib": ru.ru_maxrss,
         "peak_rss_anon_kib": peak_anon,
         "peak_rss_file_kib": peak_file,

@@ -25,6 +25,12 @@ COLORS = {"mergekit": "#d62728", "mp-full": "#1f77b4", "mp-50": "#2ca02c", "mp-2
 RSS_TARGET = 1.5e9
 
 
+def _rss_kib(r: dict) -> int:
+    """Peak RSS of a measured run (KiB): the sampled ``VmHWM`` (``peak_rss_kib``); results from
+    before it was recorded have only ``ru_maxrss``, which can carry the parent's size."""
+    return r.get("peak_rss_kib") or r["maxrss_kib"]
+
+
 def _med(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -87,7 +93,7 @@ def stats(runs: list[dict]) -> dict:
         "src": ro[0]["source"] if ro else "",
         "rb": _mmm([r["io"].get("read_bytes") for r in runs]),
         "wb": _mmm([r["io"].get("write_bytes") for r in runs]),
-        "rss": _mmm([r["maxrss_kib"] * 1024 for r in runs]),
+        "rss": _mmm([_rss_kib(r) * 1024 for r in runs]),
         "energy": _med([(r.get("result") or {}).get("retained_energy") for r in runs]),
     }
 
@@ -175,8 +181,8 @@ def targets(results: dict, g: dict) -> list[str]:
     # RSS
     mp = [r for r in results["runs"] if r.get("rc") == 0 and r["system"] != "mergekit"]
     if mp:
-        worst = max(mp, key=lambda r: r["maxrss_kib"])
-        v = worst["maxrss_kib"] * 1024
+        worst = max(mp, key=lambda r: _rss_kib(r))
+        v = _rss_kib(worst) * 1024
         models = sorted({r["model"] for r in mp})
         verdict = "NOT met" if v > RSS_TARGET else ("met" if "qwen3" in models else "met so far")
         out.append(f"| peak RSS ≤ 1.5 GB at every K and model size (mergepipe) | max {v / 1e9:.3f} GB "
@@ -259,7 +265,7 @@ def summary_md(results: dict) -> str:
         for a in results["analysis"]:
             br = ((a.get("result") or {}).get("bytes_read") or {})
             L.append(f"| {a['model']} | {a['k']} | {a['cache']} | {a['wall_s']:.2f} | {_fmt((br.get('base') or 0) / 1e6, 1)} | "
-                     f"{_fmt((br.get('expert') or 0) / 1e6, 1)} | {a['io'].get('read_bytes', 0) / 1e6:.1f} | {a['maxrss_kib'] / 1024:.0f} |")
+                     f"{_fmt((br.get('expert') or 0) / 1e6, 1)} | {a['io'].get('read_bytes', 0) / 1e6:.1f} | {_rss_kib(a) / 1024:.0f} |")
     if results.get("startup"):
         L += ["", "## Start-up alone (interpreter + imports, no merge)", "",
               "mergekit: `mergekit-yaml --help`; mergepipe: `python -c 'import torch, mergepipe.cli, mergepipe.pipeline, "
@@ -273,7 +279,7 @@ def summary_md(results: dict) -> str:
         for (model, cache, system), runs in sorted(sg.items()):
             L.append(f"| {model} | {cache} | {system} | {len(runs)} | {_fmt3(_mmm([r['wall_s'] for r in runs]))} | "
                      f"{_fmt3(_mmm([r['io'].get('read_bytes') for r in runs]), 1, 1e6)} | "
-                     f"{_fmt3(_mmm([r['maxrss_kib'] * 1024 for r in runs]), 0, 2**20)} |")
+                     f"{_fmt3(_mmm([_rss_kib(r) * 1024 for r in runs]), 0, 2**20)} |")
     L += ["", "## Merges", "",
           "wall = process wall time, start to exit, imports included; +sync = plus the `sync` after exit (mergekit does not "
           "fsync its output, mergepipe does); cpu = user + system; base/expert/output = bytes per role "
@@ -341,7 +347,7 @@ def summary_md(results: dict) -> str:
     hr = results.get("help") or []
     if hr:
         L.append(f"- `mergepipe --help`: process wall {_fmt3(_mmm([r['wall_s'] for r in hr]), 3)} s over {len(hr)} runs, "
-                 f"peak RSS {_med([r['maxrss_kib'] for r in hr]) / 1024:.0f} MiB.")
+                 f"peak RSS {_med([_rss_kib(r) for r in hr]) / 1024:.0f} MiB.")
     for p in results.get("plan") or []:
         for budget in ("unlimited", "10%"):
             cli = [r["wall_s"] for r in p["cli"] if r.get("rc") == 0 and r["budget"] == budget]

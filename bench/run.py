@@ -43,6 +43,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import measure  # noqa: E402
+from report import _rss_kib  # noqa: E402
 
 MERGEKIT_VERSION = "0.1.5"
 TORCH_VERSION = "2.13.0"
@@ -373,7 +374,7 @@ class Harness:
                     r.pop("stdout", None)
                     self.results["runs"].append(r)
                     self.save()
-                    log(f"  wall {r['wall_s']:.2f} s, maxrss {r['maxrss_kib'] / 1024:.0f} MiB, "
+                    log(f"  wall {r['wall_s']:.2f} s, peak RSS {_rss_kib(r) / 1024:.0f} MiB, "
                         f"read_bytes {r['io'].get('read_bytes', 0) / 1e6:.1f} MB, write_bytes "
                         f"{r['io'].get('write_bytes', 0) / 1e6:.1f} MB, rc {r['rc']}")
                     if keep_for_compare and system in ("mergekit", "mp-full") and system not in kept and r["rc"] == 0:

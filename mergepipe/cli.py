@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -182,6 +183,7 @@ def analyze(
     uris = [parse_expert(e)[1] for e in expert]
     if pairs and len({u.rstrip("/") for u in uris}) < 2:
         _fail("--pairs needs at least two distinct --expert checkpoints (pair statistics relate two experts).")
+    t0 = time.perf_counter()
     with _Progress(True) as prog:
         b, recs, ans = register_and_analyze(c, st, base, uris, bb,
                                             progress=lambda n: prog("analyze", n, None), pairs=pairs)
@@ -198,6 +200,7 @@ def analyze(
         dots = c.pair_dots(b, recs, ans)
         res["pairs"] = [{"experts": [recs[i].uri, recs[j].uri], "tensors": len(d)} for (i, j), d in sorted(dots.items())
                         if recs[i].identity != recs[j].identity]
+    res["wall_s"] = round(time.perf_counter() - t0, 3)
     if json_out:
         print(json.dumps(res))
     else:

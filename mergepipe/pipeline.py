@@ -113,6 +113,7 @@ class MergeResult:
     plan: Plan
     already_committed: bool = False
     analyze_s: float = 0.0
+    total_s: float | None = None
     extra: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
@@ -134,6 +135,8 @@ class MergeResult:
             },
             "retained_energy": m["retained_energy"],
             "wall_s": m["time"]["wall_s"],
+            **({"analyze_plan_s": round(self.analyze_s, 3), "total_s": round(self.total_s, 3)}
+               if self.total_s is not None else {}),
         }
 
 
@@ -471,4 +474,5 @@ def merge(
     res = execute_and_commit(plan, storage, out, device=device, prefetch_bytes=prefetch_bytes,
                              progress=(lambda n: progress("merge", n, None)) if progress else None)
     res.analyze_s = t_an
+    res.total_s = time.perf_counter() - t0
     return res
