@@ -74,15 +74,17 @@ class ExecResult:
 
 
 class HashingWriter:
-    """Wraps a :class:`Writer`, hashing (SHA-256) and counting what passes through."""
+    """Wraps a :class:`Writer`, hashing (SHA-256, unless ``hash=False``) and counting what passes
+    through."""
 
-    def __init__(self, inner: Writer) -> None:
+    def __init__(self, inner: Writer, hash: bool = True) -> None:
         self.inner = inner
-        self.sha = hashlib.sha256()
+        self.sha = hashlib.sha256() if hash else None
         self.size = 0
 
     def write(self, data) -> None:
-        self.sha.update(data)
+        if self.sha is not None:
+            self.sha.update(data)
         self.size += len(data) if not isinstance(data, memoryview) else data.nbytes
         self.inner.write(data)
 
@@ -347,9 +349,9 @@ def _execute(
 
     # ---- writer thread ---------------------------------------------------------------------
     # The writer thread does all hashing (hashlib releases the GIL, so on a multi-core machine it
-    # runs beside the merge arithmetic): the base tensors' SHA-256 (checked against the catalog),
-    # each output tensor's SHA-256 (the shard's tree digest) and each output file's SHA-256. A
-    # copied tensor's bytes are hashed once for both its base and output digests.
+    # runs beside the merge arithmetic): the base tensors' SHA-256 (checked against the catalog)
+    # and each output tensor's SHA-256 (the shard's tree digest). Every output byte is hashed
+    # once, and a copied tensor's bytes once for both its base and output digests.
     wq = _ByteQueue(max(COPY_CHUNK, prefetch_bytes // 4))
     werr: list[BaseException] = []
     writers: dict[str, HashingWriter] = {}
@@ -367,7 +369,9 @@ def _execute(
                 op, arg = msg
                 if op == "open":
                     name, hdr = arg
-                    cur = HashingWriter(out_storage.open_writer(out_storage.join(out_prefix, name), "output"))
+                    # shards are identified by their tree digest (header + per-tensor SHA-256s), which
+                    # hashes each output byte once; a whole-file SHA-256 would be a second pass
+                    cur = HashingWriter(out_storage.open_writer(out_storage.join(out_prefix, name), "output"), hash=False)
                     writers[name] = cur
                     tree[name] = {"header_sha256": hashlib.sha256(hdr).hexdigest(), "tensors": []}
                     cur.write(hdr)
@@ -399,10 +403,7 @@ def _execute(
                     name = arg
                     w = writers[name]
                     size = w.inner.close()
-                    info = {"size": size, "tree_sha256": tree_digest(tree[name])}
-                    if not getattr(w, "copied", False):
-                        info["sha256"] = w.sha.hexdigest()
-                    res.files[name] = info
+                    res.files[name] = {"size": size, "tree_sha256": tree_digest(tree[name])}
                 wq.done(nb)
         except BaseException as e:  # surfaced to the main thread
             werr.append(e)
