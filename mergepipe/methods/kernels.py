@@ -241,6 +241,9 @@ def combine(base, deltas: list, weights: list[float], spec: MethodSpec, globals_
     return _add(base, mixed)
 
 
+_F32_TRUE_MIN = float(np.array([1], dtype=np.uint32).view(np.float32)[0])  # 2**-149, smallest subnormal
+
+
 def _sum_consensus_arith(base, deltas: list, weights: list[float], normalize: bool, lam: float):
     """TIES sign election and disjoint mean (``consensus: sum``) with arithmetic only (no boolean
     masks, whose CPU kernels are ~10x slower than float ones); the value of :func:`combine`'s
@@ -252,17 +255,17 @@ def _sum_consensus_arith(base, deltas: list, weights: list[float], normalize: bo
     ``Σ agreeing tᵢ = s·Σpᵢ`` (round-to-nearest-even is symmetric under negation, so the sums
     are equal bit for bit up to the sign of zeros), and the divisor counts ``sign(pᵢ)·wᵢ``.
     ``copysign`` elects −1 where ``Σtᵢ = −0`` (mergekit: +1), which only happens where every
-    ``tᵢ`` is zero and nothing can agree. The divisor guard ``|div| < 1e-8 → 1`` becomes
-    ``clamp_min(div, 1e-8)``, exact when every weight is >= 1e-8 (then ``div`` is 0 or >= 1e-8,
-    and where it is 0 the numerator is 0 too). Zeros of the mixed delta take the base value
-    bit for bit (``base − (0 − mixed)``, as :func:`_add`).
+    ``tᵢ`` is zero and nothing can agree. The divisor guard ``div == 0 → 1`` becomes
+    ``clamp_min(div, 2⁻¹⁴⁹)``, exact when every weight is positive in float32 (then ``div`` is 0
+    or at least the smallest weight, and where it is 0 the numerator is 0 too). Zeros of the
+    mixed delta take the base value bit for bit (``base − (0 − mixed)``, as :func:`_add`).
 
-    Preconditions (else None): every weight >= 1e-8 when normalizing, and ``Σtᵢ`` finite
-    everywhere (NaN or ±inf task vectors take the masked path, which defines them).
+    Preconditions (else None): every weight positive in float32 when normalizing, and ``Σtᵢ``
+    finite everywhere (NaN or ±inf task vectors take the masked path, which defines them).
     """
     import torch
 
-    if normalize and not all(w >= 1e-8 for w in weights):
+    if normalize and not all(np.float32(w) > 0 for w in weights):
         return None
     ts = [d if w == 1.0 else d * w for d, w in zip(deltas, weights)]
     total = ts[0].clone() if len(ts) > 1 else ts[0]
@@ -282,7 +285,7 @@ def _sum_consensus_arith(base, deltas: list, weights: list[float], normalize: bo
         acc = p if acc is None else acc.add_(p)
     acc.mul_(sgn)
     if normalize:
-        acc.div_(div.clamp_min_(1e-8))
+        acc.div_(div.clamp_min_(_F32_TRUE_MIN))
     if lam != 1.0:
         acc.mul_(lam)
     return torch.sub(base, torch.rsub(acc, 0.0))
