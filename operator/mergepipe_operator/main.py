@@ -100,6 +100,7 @@ def _forget(metric: Any, *labels: str) -> None:
     except KeyError:
         pass
 
+
 def _count_commit(facts: Any, raw: bytes) -> None:
     """Prometheus: one more committed merge, its realized bytes per role and its wall time."""
     COMMITTED.inc()
