@@ -1,6 +1,6 @@
 """The custom resources of the operator, defined once as pydantic models.
 
-Three kinds in ``mergepipe.io/v1alpha1``:
+Four kinds in ``mergepipe.io/v1alpha1``:
 
 - :class:`ModelMerge` (``mm``): what to merge (base, experts, method and parameters), under which
   expert-I/O ``budget`` or ``fidelity`` target, where to write the snapshot, with which resources.
@@ -9,6 +9,9 @@ Three kinds in ``mergepipe.io/v1alpha1``:
   with) the ModelMerge that produced it.
 - :class:`MergeQuota` (``mq``): a ResourceQuota-like limit on expert-read bytes and merges per
   time window, enforced by ``Clamp`` (lower a merge's budget to what is left) or ``Reject``.
+- :class:`MergeSearch` (``msearch``): a layer-wise multi-objective merge search (``mergepipe
+  search``). Schema only for now: the operator does not reconcile it yet and the chart does not
+  install it (``crds/mergesearches.yaml`` only).
 
 ``crdgen`` turns these models into the CRD YAML (``crds/*.yaml``, copied into the Helm chart).
 Field names are the Kubernetes (camelCase) names; Python attribute names are snake_case.
@@ -29,7 +32,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "mergepipe.io"
@@ -456,6 +459,183 @@ class MergeQuotaStatus(ObservedStatus):
     carry: QuotaCarry | None = None
 
 
+# --- MergeSearch -------------------------------------------------------------------------------
+
+#: ``mergepipe search --strategy`` (mergepipe.search.runner.STRATEGIES).
+SEARCH_STRATEGIES: tuple[str, ...] = ("async", "sync", "random")
+PARAM_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+METRIC_PATTERN = r"^[A-Za-z0-9_.:/-]+$"
+
+_VARY_BOUNDS = "min must be below max"
+_EVALS_VS_INITIAL = "evaluations must be at least initial (the Sobol design points come first)"
+_REF_POINT_SIZE = "refPoint needs one value per objective"
+_VARY_EXPERT = "vary[].expert must name one of spec.experts"
+_ONE_EVALUATOR = "set at most one of command and zooBatches"
+
+
+class VarySpec(K8sModel):
+    """A parameter the search varies: one value per layer block, in [min, max] (the CLI's
+    mergepipe search --vary [EXPERT:]NAME=MIN:MAX)."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "self.min < self.max", "message": _VARY_BOUNDS}]})
+
+    name: Annotated[str, StringConstraints(pattern=PARAM_NAME_PATTERN, max_length=64)] = Field(
+        description="Merge parameter (mergekit name), e.g. weight or density."
+    )
+    expert: DnsLabel | None = Field(
+        default=None,
+        description="Name of the expert (spec.experts[].name) it varies for; unset: every expert (or the merge, for a global parameter).",
+    )
+    min: float = Field(description="Lower bound.")
+    max: float = Field(description="Upper bound (above min).")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> VarySpec:
+        if not self.min < self.max:
+            raise ValueError(f"{_VARY_BOUNDS}: min={self.min:g}, max={self.max:g}")
+        return self
+
+
+class ObjectiveSpec(K8sModel):
+    """A metric the evaluator reports, minimised or maximised."""
+
+    metric: Annotated[str, StringConstraints(pattern=METRIC_PATTERN, min_length=1, max_length=128)] = Field(
+        description="Metric name, e.g. loss:python (built-in evaluator: loss:<domain>) or a key of the command's JSON."
+    )
+    sense: Literal["min", "max"] = Field(default="min", description="min or max.")
+
+
+class EvaluatorSpec(K8sModel):
+    """How each candidate is scored; without command: the built-in eval losses on the demo zoo's
+    held-out sets."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "!(has(self.command) && has(self.zooBatches))", "message": _ONE_EVALUATOR}]})
+
+    command: Annotated[str, StringConstraints(min_length=1, max_length=4096)] | None = Field(
+        default=None,
+        description="Command run per candidate ({checkpoint} is replaced by the snapshot folder, else appended); it prints a JSON object of metrics.",
+    )
+    timeout_seconds: Annotated[int, Field(ge=1, le=7 * 86400)] | None = Field(
+        default=None, description="Seconds per evaluation; a slower candidate is recorded failed."
+    )
+    zoo_batches: Annotated[int, Field(ge=1, le=100_000)] | None = Field(
+        default=None, description="Built-in evaluator: score only the first N batches per domain."
+    )
+
+    @model_validator(mode="after")
+    def _one(self) -> EvaluatorSpec:
+        if self.command is not None and self.zoo_batches is not None:
+            raise ValueError(_ONE_EVALUATOR)
+        return self
+
+
+class MergeSearchSpec(K8sModel):
+    """A layer-wise multi-objective search over merge parameters: every candidate is a budgeted
+    merge followed by an evaluation; the result is a Pareto set of snapshots."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "self.evaluations >= self.initial", "message": _EVALS_VS_INITIAL},
+        {"rule": "!has(self.refPoint) || size(self.refPoint) == size(self.objectives)", "message": _REF_POINT_SIZE},
+        {"rule": "self.vary.all(v, !has(v.expert) || self.experts.exists(e, has(e.name) && e.name == v.expert))",
+         "message": _VARY_EXPERT},
+    ]})
+
+    base: CheckpointRef
+    experts: list[ExpertSpec] = Field(
+        min_length=1, max_length=64, description="The source models; their weight and parameters are fixed for every candidate."
+    )
+    method: Literal[METHODS] = Field(default="task_arithmetic", description="Merge method (mergekit name).")  # type: ignore[valid-type]
+    parameters: ParamMap = Field(default_factory=dict)
+    vary: list[VarySpec] = Field(min_length=1, max_length=16, description="The parameters searched, per layer block.")
+    layer_blocks: Annotated[int, Field(ge=1, le=512)] = Field(
+        default=4, description="Contiguous blocks of decoder layers; one value per block and varied parameter."
+    )
+    objectives: list[ObjectiveSpec] = Field(
+        min_length=1, max_length=8,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["metric"]},
+        description="Metrics to optimise (each metric once).",
+    )
+    evaluator: EvaluatorSpec | None = None
+    evaluations: Annotated[int, Field(ge=1, le=10_000)] = Field(
+        default=24, description="Candidates in total (a merge and an evaluation each, failed ones included)."
+    )
+    initial: Annotated[int, Field(ge=1, le=1_000)] = Field(default=8, description="Sobol design points before the optimizer.")
+    workers: Annotated[int, Field(ge=1, le=64)] = Field(default=1, description="Candidates merged and evaluated at once (worker Jobs).")
+    strategy: Literal[SEARCH_STRATEGIES] = Field(  # type: ignore[valid-type]
+        default="async",
+        description="async (prior-guided, pending-aware), sync (batch qNEHVI, no prior) or random.",
+    )
+    prior: bool = Field(default=True, description="Use the parameter-discrepancy prior and frontier reranking (async).")
+    ref_point: list[float] | None = Field(
+        default=None, max_length=8,
+        description="Hypervolume reference point, one value per objective in the metric's units (default: from the first observations).",
+    )
+    budget: ByteQuantity | None = Field(
+        default=None, description="Expert-I/O budget of every candidate merge (charged to MergeQuotas per candidate)."
+    )
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = Field(default=0, description="Seed of the design, proposals and merges.")
+    output: OutputSpec = Field(description="Prefix for the search state and the candidates' snapshots.")
+    resources: ResourcesSpec | None = None
+    image: Annotated[str, StringConstraints(pattern=IMAGE_PATTERN, max_length=512)] | None = Field(
+        default=None, description="Worker image override."
+    )
+    s3: S3Spec | None = None
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> MergeSearchSpec:
+        if self.evaluations < self.initial:
+            raise ValueError(f"{_EVALS_VS_INITIAL}: evaluations={self.evaluations}, initial={self.initial}")
+        if self.ref_point is not None and len(self.ref_point) != len(self.objectives):
+            raise ValueError(f"{_REF_POINT_SIZE}: {len(self.ref_point)} value(s) for {len(self.objectives)} objective(s)")
+        names = {e.name for e in self.experts if e.name}
+        for v in self.vary:
+            if v.expert is not None and v.expert not in names:
+                raise ValueError(f"{_VARY_EXPERT}: {v.expert!r} is not among {sorted(names)}")
+        metrics = [o.metric for o in self.objectives]
+        if len(set(metrics)) != len(metrics):
+            raise ValueError(f"objectives: a metric is listed twice ({', '.join(metrics)})")
+        return self
+
+
+class ParetoPoint(K8sModel):
+    """One candidate of the Pareto set."""
+
+    candidate: NonNegInt = Field(description="Candidate number.")
+    objectives: dict[str, float] = Field(
+        default_factory=dict, json_schema_extra={"maxProperties": 8}, description="Its metric values, by objective."
+    )
+    snapshot: DnsSubdomain | None = Field(default=None, description="Name of its MergedSnapshot.")
+    uri: Annotated[str, StringConstraints(max_length=2048)] | None = Field(default=None, description="Where its snapshot is.")
+
+
+class MergeSearchStatus(ObservedStatus):
+    """Observed state of a MergeSearch."""
+
+    search_id: Annotated[str, StringConstraints(max_length=64)] | None = Field(
+        default=None, alias="searchID", description="The search's id (recorded in its candidates' manifests)."
+    )
+    evaluations: NonNegInt | None = Field(default=None, description="Candidates finished (failed ones included).")
+    running: NonNegInt | None = Field(default=None, description="Candidates being merged or evaluated.")
+    failed: NonNegInt | None = None
+    hypervolume: Annotated[float, Field(ge=0)] | None = Field(
+        default=None, description="Hypervolume of the Pareto set (minimised objectives) against refPoint."
+    )
+    ref_point: list[float] = Field(default_factory=list, max_length=8)
+    pareto_size: NonNegInt | None = None
+    pareto: list[ParetoPoint] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["candidate"], "maxItems": 64},
+    )
+    state_uri: Annotated[str, StringConstraints(max_length=2048)] | None = Field(
+        default=None, alias="stateURI", description="The search state (resume)."
+    )
+    expert_read: Annotated[str, StringConstraints(max_length=32)] | None = Field(
+        default=None, description="Expert bytes read by all candidate merges (human-readable)."
+    )
+
+
 # --- resource table ----------------------------------------------------------------------------
 
 READY_STATUS = '.status.conditions[?(@.type=="Ready")].status'
@@ -515,6 +695,25 @@ RESOURCES: dict[str, dict[str, Any]] = {
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         ],
     },
+}
+
+RESOURCES["MergeSearch"] = {
+    "plural": "mergesearches",
+    "singular": "mergesearch",
+    "short_names": ["msearch"],
+    "spec": MergeSearchSpec,
+    "status": MergeSearchStatus,
+    "description": "A layer-wise multi-objective search over merge parameters (a Pareto set of merged snapshots).",
+    "chart": False,  # schema only: not reconciled yet, so the chart does not install it
+    "columns": [
+        {"name": "Ready", "type": "string", "jsonPath": READY_STATUS},
+        {"name": "Reason", "type": "string", "jsonPath": READY_REASON},
+        {"name": "Strategy", "type": "string", "jsonPath": ".spec.strategy"},
+        {"name": "Evaluated", "type": "integer", "jsonPath": ".status.evaluations"},
+        {"name": "Pareto", "type": "integer", "jsonPath": ".status.paretoSize"},
+        {"name": "Hypervolume", "type": "number", "jsonPath": ".status.hypervolume"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ],
 }
 
 PLURALS = {kind: r["plural"] for kind, r in RESOURCES.items()}

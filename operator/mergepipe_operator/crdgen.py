@@ -237,6 +237,11 @@ def default_out_dirs() -> list[Path]:
     return [root / "crds", root / "helm" / "mergepipe" / "crds"]
 
 
+def chart_kinds() -> list[str]:
+    """Kinds whose CRD the Helm chart installs (the ones the operator reconciles)."""
+    return [k for k, r in RESOURCES.items() if r.get("chart", True)]
+
+
 #: Argo CD health-check scripts shipped with the chart, by kind.
 ARGOCD_SCRIPTS = {"ModelMerge": "modelmerge-health.lua", "MergedSnapshot": "mergedsnapshot-health.lua"}
 ARGOCD_PATCH = "argocd-cm-patch.yaml"
@@ -365,9 +370,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on any difference")
     args = ap.parse_args(argv)
     targets: dict[Path, str] = {}
+    files = all_files()
     for d in args.out_dir or default_out_dirs():
-        for name, text in all_files().items():
+        for name, text in files.items():
             targets[d / name] = text
+    if not args.out_dir:  # the chart ships only the CRDs of kinds the operator reconciles
+        chart_dir = default_out_dirs()[1]
+        for kind in RESOURCES:
+            if kind not in chart_kinds():
+                del targets[chart_dir / file_name(kind)]
     if not args.out_dir:
         for name, text in argocd_files().items():
             targets[argocd_dir() / name] = text
