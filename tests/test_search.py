@@ -93,6 +93,10 @@ def test_bad_search_spaces_are_refused(vary, match):
 def test_bad_counts_are_refused(family, tmp_path):
     with pytest.raises(InputError, match="fewer than --initial"):
         _config(family, tmp_path, evaluations=2, initial=3).check()
+    with pytest.raises(InputError, match="design: 1 points but --initial 3"):
+        _config(family, tmp_path, design=[[0.5, 0.5, 0.5, 0.5]]).check()
+    with pytest.raises(InputError, match="named twice"):
+        _config(family, tmp_path, objectives=["dist0", "dist0@max"]).check()
     with pytest.raises(InputError, match="between 1 and the base's 2 layers"):
         from mergepipe.search.evaluators import CallableEvaluator
         from mergepipe.search.runner import run_search
@@ -204,11 +208,20 @@ def test_async_bo_conditions_on_pending_and_commits_lineage(family, tmp_path):
 
     experts = family[1]
     res = run_search(tmp_path / "bo", _config(family, tmp_path, evaluations=6, initial=3,
-                                              worker_delays=[0.0, 0.5]),
+                                              worker_delays=[1.0, 2.0]),
                      CallableEvaluator(lambda p: _distances(p, experts)))
     state = json.loads((tmp_path / "bo" / "state.json").read_text())
-    bo = [c for c in state["candidates"] if c["phase"] == "bo"]
-    assert bo and all(c["proposal"]["n_pending"] >= 1 for c in bo)
+    cands = state["candidates"]
+    bo = [c for c in cands if c["phase"] == "bo"]
+    assert bo
+    for c in bo:  # the pending set is exactly what was in flight while this candidate was proposed
+        ev = next(e for e in state["events"] if e["kind"] == "propose" and e["cand"] == c["id"])
+        inflight_at_start = {o["id"] for o in cands if o["id"] < c["id"] and o["times"]["proposed"] <= ev["t0"]
+                             and o["times"]["ended"] > ev["t1"]}
+        assert inflight_at_start <= set(c["proposal"]["pending_ids"])
+        for i in c["proposal"]["pending_ids"]:
+            assert cands[i]["times"]["ended"] >= ev["t0"]
+    assert any(c["proposal"]["pending_ids"] for c in bo)
     assert state["prior"] and len(state["prior"]["multipliers"]) == 4
     assert res["pareto"]
     for p in res["pareto"]:

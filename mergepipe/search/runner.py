@@ -2,11 +2,13 @@
 
 Strategies (``SearchConfig.strategy``):
 
-* ``async`` (default; AP-BMM's loop): whenever a worker frees up it proposes one candidate —
-  conditioned on the in-flight ones as ``X_pending``, with the prior and the frontier-coverage
-  reranking of :func:`mergepipe.search.optimizer.propose` — and runs it. Proposals are serialised
-  (one proposer at a time; a worker waiting for it records a ``wait`` event); no worker waits for
-  another worker's evaluation.
+* ``async`` (default; AP-BMM's loop): whenever a worker frees up it takes the next candidate —
+  proposed one at a time, conditioned on the in-flight ones as ``X_pending``, with the prior and
+  the frontier-coverage reranking of :func:`mergepipe.search.optimizer.propose` — and runs it.
+  With ``lookahead`` (default) a proposer thread keeps one candidate queued ahead, so the freed
+  worker starts at once; without it the freed worker proposes itself (serialised; a worker
+  waiting for the proposer records a ``wait`` event). No worker waits for another worker's
+  evaluation.
 * ``sync`` (baseline): batches of ``workers`` candidates proposed jointly (qLogNEHVI, q = W,
   botorch's default priors, no reranking); a worker that finishes early waits at a barrier until
   the whole batch is evaluated (``barrier`` events).
@@ -69,7 +71,12 @@ class SearchConfig:
         activation part of the prior (None: parameter discrepancy only); ``ref_point``:
         hypervolume reference point, minimised form (None: from the first proposals' data);
         ``worker_delays``: seconds added to each worker's evaluations (simulates slower
-        devices; benchmarks); ``catalog``: catalog location; ``block_bytes``: catalog block size.
+        devices; benchmarks); ``catalog``: catalog location; ``block_bytes``: catalog block size;
+        ``design``: explicit unit-cube points used instead of the Sobol design for the first
+        ``len(design)`` candidates (e.g. a grid; ``initial`` must equal ``len(design)``);
+        ``lookahead``: ``async``/``random`` only: a proposer thread keeps one candidate queued
+        ahead (proposed with every running one pending), so a freed worker starts at once instead
+        of proposing itself (False: the freed worker proposes, AP-BMM's plain loop).
     """
 
     base: str
@@ -91,6 +98,8 @@ class SearchConfig:
     worker_delays: list[float] = field(default_factory=list)
     catalog: str | None = None
     block_bytes: int = 128 * 1024
+    design: list[list[float]] | None = None
+    lookahead: bool = True
 
     def check(self) -> None:
         """Raises InputError for counts and choices that cannot work (before anything is read)."""
@@ -110,6 +119,8 @@ class SearchConfig:
         objs = [Objective.parse(o) for o in self.objectives]
         if len({o.metric for o in objs}) != len(objs):
             raise InputError(f"--objective: a metric is named twice ({', '.join(self.objectives)}).")
+        if self.design is not None and len(self.design) != self.initial:
+            raise InputError(f"design: {len(self.design)} points but --initial {self.initial}; they must agree.")
         if self.ref_point is not None and len(self.ref_point) != len(objs):
             raise InputError(f"--ref-point: {len(self.ref_point)} value(s) for {len(objs)} objective(s).")
 
@@ -159,6 +170,8 @@ class _Search:
         return c
 
     def _design_point(self, i: int) -> list[float]:
+        if self.cfg.design is not None and i < len(self.cfg.design):
+            return list(self.cfg.design[i])
         if self.design is None:
             from mergepipe.search.optimizer import sobol
 
@@ -173,7 +186,9 @@ class _Search:
             done = [c for c in self.cands if c["status"] == "done"]
             X = [c["x"] for c in done]
             Y = [c["objectives"] for c in done]
-            pending = [c["x"] for c in self.cands if c["status"] in ("queued", "running")]
+            inflight = [c for c in self.cands if c["status"] in ("queued", "running")]
+            pending = [c["x"] for c in inflight]
+            pending_ids = [c["id"] for c in inflight]
             failed = [c["x"] for c in self.cands if c["status"] == "failed"]
         k = min(k, self.cfg.evaluations - n)
         if k <= 0:
@@ -200,8 +215,35 @@ class _Search:
         xs, info = propose(X, Y, ref, pending=pending, avoid=failed, multipliers=mult,
                            rerank=self.cfg.prior, seed=self.cfg.seed * 7919 + n)
         info["n_pending"] = len(pending)
+        info["pending_ids"] = pending_ids
         info["n_observed"] = len(X)
         return [self._new(xs[0], "bo", info)]
+
+    @property
+    def lookahead(self) -> bool:
+        return self.cfg.lookahead and self.cfg.strategy != "sync"
+
+    def proposer(self) -> None:
+        """Lookahead proposer (thread): keeps one candidate queued while the budget lasts."""
+        try:
+            while True:
+                with self.cv:
+                    while self.error is None and len(self.cands) < self.cfg.evaluations and \
+                            any(c["status"] == "queued" for c in self.cands):
+                        self.cv.wait(0.5)
+                    if self.error is not None or len(self.cands) >= self.cfg.evaluations:
+                        return
+                t0 = time.time()
+                new = self._propose(1)
+                with self.cv:
+                    self.event(-1, "propose", new[0]["id"] if new else None, t0, time.time())
+                    self.save()
+                    self.cv.notify_all()
+        except BaseException as e:  # noqa: BLE001 - surfaced by run_search
+            with self.cv:
+                if self.error is None:
+                    self.error = e
+                self.cv.notify_all()
 
     def next_job(self, w: int) -> dict | None:
         """The next candidate for worker ``w`` (None: the budget is spent or the search aborts)."""
@@ -214,6 +256,13 @@ class _Search:
                     return self._take(q[0], w)
                 if len(self.cands) >= self.cfg.evaluations:
                     return None
+                if self.lookahead:  # the proposer is at work: wait for its candidate
+                    t0 = time.time()
+                    while self.error is None and len(self.cands) < self.cfg.evaluations and \
+                            not any(c["status"] == "queued" for c in self.cands):
+                        self.cv.wait(0.5)
+                    self.event(w, "wait", None, t0, time.time())
+                    continue
                 if self.cfg.strategy == "sync" and any(c["status"] == "running" for c in self.cands):
                     t0 = time.time()
                     while any(c["status"] == "running" for c in self.cands) and self.error is None \
@@ -430,6 +479,8 @@ def run_search(out: str | Path, config: SearchConfig | None = None, evaluator: E
     s.save()
     threads = [threading.Thread(target=s.worker, args=(w,), name=f"search-worker-{w}", daemon=True)
                for w in range(s.cfg.workers)]
+    if s.lookahead:
+        threads.append(threading.Thread(target=s.proposer, name="search-proposer", daemon=True))
     for t in threads:
         t.start()
     try:
@@ -456,11 +507,13 @@ def results(state: dict) -> dict:
     """Results of a search state.
 
     Returns:
-        ``{search_id, objectives, ref_point, evaluations, failed, pareto: [{id, values, params,
+        ``{search_id, objectives, ref_point, evaluations, failed, points (objective values in
+        completion order, minimised form), pareto: [{id, values, params,
         metrics, objectives, snapshot, manifest_hash}], hypervolume: [{evaluations, t, hv}]
         (in completion order; ``t`` seconds since the search started, sessions concatenated),
-        workers: {w: {jobs, busy_s, wait_s, idle_fraction}}, wall_s, failures: [{id, error}],
-        trace: events (t relative to the search start)}``.
+        workers: {w: {jobs, busy_s, wait_s, propose_s, idle_fraction}}, proposer_s (the lookahead
+        proposer thread's seconds), wall_s, failures: [{id, error}], trace: events (t relative to
+        the search start; worker -1 is the lookahead proposer)}``.
     """
     from mergepipe.search.optimizer import default_ref_point, hypervolume, pareto_mask
 
@@ -490,7 +543,11 @@ def results(state: dict) -> dict:
                "manifest_hash": c["manifest_hash"]} for c, m in zip(done, mask) if m]
     wall = sum((s["ended"] or s["started"]) - s["started"] for s in sessions)
     workers: dict = {}
+    proposer_s = 0.0
     for e in state["events"]:
+        if e["worker"] < 0:
+            proposer_s += e["t1"] - e["t0"]
+            continue
         w = workers.setdefault(str(e["worker"]), {"jobs": 0, "busy_s": 0.0, "wait_s": 0.0, "propose_s": 0.0})
         dt = e["t1"] - e["t0"]
         if e["kind"] in ("merge", "eval"):
@@ -509,6 +566,7 @@ def results(state: dict) -> dict:
         "ref_point": ref, "evaluations": len(done),
         "failed": sum(c["status"] == "failed" for c in state["candidates"]),
         "failures": [{"id": c["id"], "error": c["error"]} for c in state["candidates"] if c["status"] == "failed"],
-        "pareto": pareto, "hypervolume": hv, "workers": workers, "wall_s": round(wall, 3),
+        "points": [c["objectives"] for c in done], "pareto": pareto, "hypervolume": hv, "workers": workers, "proposer_s": round(proposer_s, 3),
+        "wall_s": round(wall, 3),
         "trace": [{**e, "t0": round(rel(e["t0"]), 3), "t1": round(rel(e["t1"]), 3)} for e in state["events"]],
     }
