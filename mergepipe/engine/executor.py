@@ -33,6 +33,7 @@ from mergepipe.formats.safetensors import INDEX_NAME, build_header
 from mergepipe.methods.kernels import (
     ExpertTensorParams,
     combine,
+    elementwise_merge,
     filter_width,
     l1_row_sums,
     l1_rows,
@@ -570,18 +571,9 @@ def _config_with_dtype(data: bytes, out_dtype: str) -> bytes:
 #: (~K + 6 arrays of 1 MiB) stay in the CPU caches, and each torch call is long enough that its
 #: dispatch overhead (~µs) is small next to its work.
 TILE_ELEMS = 1 << 18
-_TILE_DTYPES = ("BF16", "F16", "F32")
-
-
 def _elementwise(tp, spec) -> bool:
-    """The merge of this tensor is elementwise given the plan's parameters (no row statistics, no
-    rescale from per-tensor L1 sums), so it can run tile by tile inside a chunk."""
-    if spec.kind in ("model_stock", "slerp", "nuslerp") or spec.sparsify == "della":
-        return False
-    if tp.dtype not in _TILE_DTYPES:
-        return False
-    rescale = bool(tp.params.get("rescale")) and spec.kind == "gta" and spec.sparsify != "none"
-    return not (rescale and any(te.density < 1.0 for te in tp.experts))
+    """The merge of this tensor runs tile by tile (:func:`mergepipe.methods.kernels.elementwise_merge`)."""
+    return elementwise_merge(spec, tp.params, [te.density for te in tp.experts], tp.dtype)
 
 
 def _raw_tensor(raw, dtype: str):

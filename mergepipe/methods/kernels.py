@@ -124,6 +124,48 @@ def sparsify(delta, spec: MethodSpec, ep: ExpertTensorParams, offset: int, shape
     return torch.where(keep, delta, torch.zeros((), dtype=delta.dtype, device=delta.device))
 
 
+#: safetensors dtypes the tiled elementwise path reads in place (others are decoded per chunk)
+TILE_DTYPES = ("BF16", "F16", "F32")
+
+
+def elementwise_merge(spec: MethodSpec, params: dict, densities, dtype: str) -> bool:
+    """True when the engine merges a tensor tile by tile: every operation is elementwise given
+    the plan's parameters (no row statistics, no L1 rescale over whole rows) and the inputs can
+    be viewed in place (``dtype`` in :data:`TILE_DTYPES`).
+
+    Args:
+        params: the tensor's resolved global parameters.
+        densities: the experts' densities for this tensor.
+    """
+    if spec.kind in ("model_stock", "slerp", "nuslerp") or spec.sparsify == "della":
+        return False
+    if dtype not in TILE_DTYPES:
+        return False
+    rescale = bool(params.get("rescale")) and spec.kind == "gta" and spec.sparsify != "none"
+    return not (rescale and any(d < 1.0 for d in densities))
+
+
+def work_floats(spec: MethodSpec, n_experts: int, elementwise: bool) -> int:
+    """float32 arrays per tensor element the engine holds while merging one chunk (its working
+    set is ``work_floats · 4 · elements``; inputs in flight are bounded separately by the
+    prefetch bytes). Measured with ``bench/work_floats.py`` (peak RSS of one 16M-element chunk,
+    K = 2 and 4, minus the raw inputs and output; 2026-11-22):
+
+    * tiled elementwise path (:func:`elementwise_merge`): a tile's temporaries are constant and
+      the chunk holds only its output, so any count would do; ``K + 3`` keeps chunks small
+      enough that two are in flight within the prefetch bytes (measured total incl. inputs:
+      ``0.5·K + 2``);
+    * model_stock, slerp, nuslerp (whole-chunk float32, row statistics): ``K + 7``
+      (measured ``K + 6.3``);
+    * whole-chunk task-vector methods (L1 rescale, DELLA): ``2·K + 11`` (measured ``2·K + 10.3``).
+    """
+    if elementwise:
+        return n_experts + 3
+    if spec.kind in ("model_stock", "slerp", "nuslerp"):
+        return n_experts + 7
+    return 2 * n_experts + 11
+
+
 def row_numel_of(shape) -> int:
     return int(np.prod(shape[1:])) if len(shape) > 1 else 1
 

@@ -36,7 +36,7 @@ import numpy as np
 from mergepipe.catalog.catalog import Analysis, CheckpointRecord
 from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import FLOAT_DTYPES, TensorInfo, n_blocks, rows_per_block
-from mergepipe.methods.kernels import identity_on_zero_delta, needs_row_stats
+from mergepipe.methods.kernels import elementwise_merge, identity_on_zero_delta, needs_row_stats, work_floats
 from mergepipe.methods.params import ResolvedParams, layer_count, layer_t
 from mergepipe.methods.registry import get_method, resolve_params
 from mergepipe.numerics import (
@@ -72,13 +72,14 @@ EXTRA_FILES = (
 )
 
 
-def chunk_rows(info: TensorInfo, rpb: int, n_experts: int, work_bytes: int, extra_per_elem: int = 0) -> int:
+def chunk_rows(info: TensorInfo, rpb: int, n_experts: int, work_bytes: int, extra_per_elem: int = 0,
+               floats: int | None = None) -> int:
     """Rows the engine processes at once: a multiple of ``rpb`` such that the float32 working
-    set (base, K task vectors, output and one temporary: ``(K + 3) * rows * row_numel * 4``
-    bytes, plus ``extra_per_elem`` bytes per element for a method's temporaries) stays within
-    ``work_bytes``; at least one block."""
+    set (``floats`` arrays per element, :func:`mergepipe.methods.kernels.work_floats`; default
+    ``K + 3``: ``floats * rows * row_numel * 4`` bytes, plus ``extra_per_elem`` bytes per
+    element) stays within ``work_bytes``; at least one block."""
     row_numel = max(1, info.numel // max(1, info.rows))
-    per_row = ((n_experts + 3) * 4 + extra_per_elem) * row_numel
+    per_row = ((n_experts + 3 if floats is None else floats) * 4 + extra_per_elem) * row_numel
     rows = max(rpb, (work_bytes // max(1, per_row)) // rpb * rpb)
     return min(rows, max(rpb, -(-info.rows // rpb) * rpb))
 
@@ -187,7 +188,8 @@ def make_plan(
         g = dict(tpar.globals) if tpar else {}
         eps = tpar.experts if tpar else ()
         row_stats = floating and needs_row_stats(spec, g)
-        cr = chunk_rows(bt, rpb, K, work_bytes, 48 if spec.sparsify == "della" else 0)
+        ew = elementwise_merge(spec, g, [float(e.get("density", 1.0)) for e in eps], bt.dtype)
+        cr = chunk_rows(bt, rpb, K, work_bytes, floats=work_floats(spec, K, ew))
         if row_stats and len(bt.shape) < 2:
             cr = max(rpb, -(-bt.rows // rpb) * rpb)  # a 1-D tensor is one row: one chunk
         weights = [float(e.get("weight", 1.0)) for e in eps]
