@@ -20,7 +20,7 @@ the eval losses (keyed by snapshot id) are cached under ``--work``, so a rerun r
 re-evaluates only what is missing. Nothing is skipped: a point that fails is recorded with its
 error and the script exits with status 1 after writing the results.
 
-    python bench/quality.py                        # full sweep -> docs/quality/{quality.json,*.png}
+    python bench/quality.py     # full sweep -> docs/quality/{quality.json,*.png}, tables in docs/QUALITY.md
     python bench/quality.py --report-only docs/quality/quality.json   # tables + plots only
 
 Method parameters (mergekit names): ties ``density=0.5`` (weight 1, normalize true: the mean of
@@ -103,21 +103,47 @@ def sq_dist(a: dict, b: dict) -> float:
 
 
 class Evals:
-    """Per-domain eval losses cached in a JSON file by model identity (snapshot id or zoo name)."""
+    """Per-domain eval losses cached in JSON files by model identity (snapshot id or zoo name).
 
-    def __init__(self, path: Path, zoo) -> None:
-        self.path, self.zoo = path, zoo
-        self.cache = json.loads(path.read_text()) if path.exists() else {}
+    Safe for sweeps running as parallel processes (e.g. one per ``--methods``): a model is
+    evaluated under a per-key ``fcntl`` lock (a second process waits and reuses the result) and
+    each file is updated read-modify-write under its own lock. ``also`` are further cache files
+    consulted (read-only) before evaluating."""
+
+    runs = 0  # evaluations actually run by this process (not served from a cache)
+
+    def __init__(self, path: Path, zoo, also: tuple[Path, ...] = ()) -> None:
+        self.path, self.zoo, self.also = path, zoo, also
+        self.locks = path.parent / ".locks"
+        self.locks.mkdir(exist_ok=True)
+
+    def _load(self) -> dict:
+        out = {}
+        for p in (*self.also, self.path):
+            if p.exists():
+                out.update(json.loads(p.read_text()))
+        return out
 
     def __call__(self, key: str, folder: Path) -> dict:
+        import fcntl
+
         from mergepipe.zoo import evaluate
 
-        if key not in self.cache:
-            self.cache[key] = evaluate(folder, self.zoo)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.cache, indent=1, sort_keys=True))
-            tmp.replace(self.path)
-        return self.cache[key]
+        with open(self.locks / f"{key}.lock", "a+") as lk:
+            fcntl.flock(lk.fileno(), fcntl.LOCK_EX)
+            cached = self._load()
+            if key in cached:
+                return cached[key]
+            loss = evaluate(folder, self.zoo)
+            Evals.runs += 1
+            with open(self.locks / f"{self.path.name}.lock", "a+") as fl:
+                fcntl.flock(fl.fileno(), fcntl.LOCK_EX)
+                cur = json.loads(self.path.read_text()) if self.path.exists() else {}
+                cur[key] = loss
+                tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(json.dumps(cur, indent=1, sort_keys=True))
+                tmp.replace(self.path)
+            return loss
 
 
 def mean(d: dict) -> float:
@@ -152,6 +178,7 @@ def sweep_k(k: int, methods, budgets, fidelities, work: Path, zoo_root: Path | N
 
     for method in methods:
         params = method_params(method, k)
+        ev_m = Evals(wd / f"evals-{method}.json", zoo, also=(wd / "evals.json",))
 
         def run(tag: str, budget=None, fidelity=None) -> tuple[dict, Path]:
             out = wd / method / tag
@@ -182,7 +209,7 @@ def sweep_k(k: int, methods, budgets, fidelities, work: Path, zoo_root: Path | N
             continue
         full_t = load_floats(full_dir)
         den = sq_dist(full_t, base_t)
-        full["losses"] = ev(full["snapshot_id"], full_dir)
+        full["losses"] = ev_m(full["snapshot_id"], full_dir)
         full["mean_loss"] = mean(full["losses"])
         full["rel_distance"], full["predicted_distance"] = 0.0, 0.0
         full["task_vector_norm"] = math.sqrt(den)
@@ -194,7 +221,7 @@ def sweep_k(k: int, methods, budgets, fidelities, work: Path, zoo_root: Path | N
                 t = load_floats(d)
                 pt["rel_distance"] = math.sqrt(sq_dist(t, full_t) / den) if den > 0 else 0.0
                 pt["predicted_distance"] = math.sqrt(max(0.0, 1.0 - pt["retained_energy"]))
-                pt["losses"] = ev(pt["snapshot_id"], d)
+                pt["losses"] = ev_m(pt["snapshot_id"], d)
                 pt["mean_loss"] = mean(pt["losses"])
                 pt["mean_loss_rel_to_full"] = pt["mean_loss"] / full["mean_loss"] - 1.0
                 points.append(pt)
@@ -210,8 +237,27 @@ def sweep_k(k: int, methods, budgets, fidelities, work: Path, zoo_root: Path | N
 # report
 
 
+def summary_md(res: dict, at: str = "25%") -> str:
+    """One row per (K, method): the point at expert budget ``at`` against the full merge."""
+    lines = [f"| K | method | expert read at {at} budget | retained E | rel. distance | √(1−E) | "
+             "mean loss full | mean loss at budget | Δ vs full | within ±1% | at most +1% |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for k, rk in res["by_k"].items():
+        for method, rm in rk["methods"].items():
+            for p in rm["points"]:
+                if p["budget"] == at:
+                    d = p["mean_loss_rel_to_full"]
+                    lines.append(
+                        f"| {k} | {method} | {p['read_fraction']:.2%} | {p['retained_energy']:.4f} | "
+                        f"{p['rel_distance']:.4f} | {p['predicted_distance']:.4f} | {rm['full']['mean_loss']:.4f} | "
+                        f"{p['mean_loss']:.4f} | {d:+.2%} | {'yes' if abs(d) <= 0.01 else 'no'} | "
+                        f"{'yes' if d <= 0.01 else 'no'} |")
+    return "\n".join(lines)
+
+
 def tables_md(res: dict) -> str:
-    """Markdown tables of a results dict (one per K and method, plus the fidelity check)."""
+    """Markdown tables of a results dict: per K the base and experts, then per method every
+    budget and fidelity point."""
     lines = []
     for k, rk in res["by_k"].items():
         doms = list(rk["base"])
@@ -250,6 +296,14 @@ def plots(res: dict, out: Path) -> list[str]:
     colors = {"ties": "C0", "dare_ties": "C1", "task_arithmetic": "C2"}
     files = []
 
+    def xticks(ax):
+        from matplotlib.ticker import FixedLocator, NullLocator
+
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(FixedLocator([1, 2, 5, 10, 25, 50, 100]))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticklabels(["1", "2", "5", "10", "25", "50", "100"])
+
     def budget_points(rm):
         return [p for p in rm["points"] if p["budget"]]
 
@@ -262,13 +316,13 @@ def plots(res: dict, out: Path) -> list[str]:
             ax.plot([100 * p["read_fraction"] for p in pts], [p["mean_loss"] for p in pts], "o-", color=c,
                     label=f"{method}")
             ax.axhline(rm["full"]["mean_loss"], color=c, ls=":", lw=1)
-            ax.axhspan(rm["full"]["mean_loss"], rm["full"]["mean_loss"] * 1.01, color=c, alpha=0.08)
+            ax.axhspan(rm["full"]["mean_loss"] * 0.99, rm["full"]["mean_loss"] * 1.01, color=c, alpha=0.08)
         ax.axhline(mean(rk["base"]), color="gray", ls="--", lw=1, label="base model")
         ax.axvline(25, color="k", lw=0.5)
-        ax.set_xscale("log")
+        xticks(ax)
         ax.set_xlabel("expert bytes read (% of the experts' bytes)")
         ax.set_ylabel("mean per-domain eval loss (nats/token)")
-        ax.set_title(f"K = {k}: dotted = full-budget merge, band = +1%")
+        ax.set_title(f"K = {k}: dotted = full-budget merge, band = ±1%")
         ax.legend(fontsize=8)
     fig.tight_layout()
     p = out / "loss_vs_budget.png"
@@ -285,7 +339,7 @@ def plots(res: dict, out: Path) -> list[str]:
                     label=f"{method} measured")
             ax.plot([100 * p["read_fraction"] for p in pts], [p["predicted_distance"] for p in pts], "x--", color=c,
                     lw=1, label=f"{method} √(1−E)")
-        ax.set_xscale("log")
+        xticks(ax)
         ax.set_xlabel("expert bytes read (% of the experts' bytes)")
         ax.set_ylabel("‖θ_budget − θ_full‖ / ‖θ_full − θ_base‖")
         ax.set_title(f"K = {k}: relative distance to the full-budget merge")
@@ -319,11 +373,26 @@ def plots(res: dict, out: Path) -> list[str]:
     return files
 
 
-def report(res: dict, out: Path) -> None:
+BEGIN, END = "<!-- quality tables: begin (generated by bench/quality.py) -->", "<!-- quality tables: end -->"
+
+
+def report(res: dict, out: Path, doc: Path | None) -> None:
+    """Plots into ``out``; tables into ``doc`` between the BEGIN/END markers (or, without a
+    ``doc`` or markers in it, into ``out/tables.md``)."""
     files = plots(res, out)
-    (out / "tables.md").write_text(
-        "<!-- generated by bench/quality.py from quality.json; do not edit -->\n\n" + tables_md(res) + "\n")
-    log(f"wrote {out / 'tables.md'} and {', '.join(files)}")
+    cached = (f" ({res['merges_run']} of {res['merges_total']} merges and {res['evaluations_run']} evaluations run, "
+              "the rest served from the caches)") if "merges_run" in res else ""
+    text = (f"Sweep: `{res['command']}`, wall {res['wall_s']:.0f} s{cached}, load average "
+            f"{' '.join(res['machine']['loadavg_start'])} at start, {' '.join(res['loadavg_end'])} at end.\n\n"
+            + summary_md(res) + "\n\n" + tables_md(res))
+    if doc is not None and doc.exists() and BEGIN in (cur := doc.read_text()) and END in cur:
+        head, rest = cur.split(BEGIN, 1)
+        doc.write_text(head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1])
+        where = doc
+    else:
+        where = out / "tables.md"
+        where.write_text(BEGIN + "\n" + text + "\n" + END + "\n")
+    log(f"wrote tables to {where} and {', '.join(files)} to {out}")
 
 
 def main(argv=None) -> None:
@@ -336,14 +405,16 @@ def main(argv=None) -> None:
                     help="snapshots, catalog and eval cache (reused by reruns)")
     ap.add_argument("--zoo-root", type=Path, default=None, help="zoo cache [default: ~/.mergepipe/zoo]")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "quality",
-                    help="folder for quality.json, tables.md and the PNG plots")
+                    help="folder for quality.json and the PNG plots")
+    ap.add_argument("--doc", type=Path, default=REPO / "docs" / "QUALITY.md",
+                    help="markdown file whose generated-tables section is replaced (tables.md in --out otherwise)")
     ap.add_argument("--report-only", type=Path, default=None, metavar="RESULTS_JSON",
-                    help="only rebuild tables.md and the plots from a quality.json")
+                    help="only rebuild the tables and the plots from a quality.json")
     a = ap.parse_args(argv)
     if a.report_only:
         res = json.loads(a.report_only.read_text())
         a.out.mkdir(parents=True, exist_ok=True)
-        report(res, a.out)
+        report(res, a.out, a.doc)
         return
     import torch
 
@@ -357,11 +428,15 @@ def main(argv=None) -> None:
         res["by_k"][str(k)] = sweep_k(k, a.methods, [f"{b:g}" for b in a.budgets], a.fidelities, a.work,
                                       a.zoo_root, errors)
     res["wall_s"] = round(time.perf_counter() - t0, 1)
+    res["evaluations_run"] = Evals.runs
+    res["merges_run"] = sum(1 for rk in res["by_k"].values() for rm in rk["methods"].values()
+                            for p in [rm["full"], *rm["points"]] if not p["already_committed"])
+    res["merges_total"] = sum(1 + len(rm["points"]) for rk in res["by_k"].values() for rm in rk["methods"].values())
     res["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
     res["errors"] = errors
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "quality.json").write_text(json.dumps(res, indent=1) + "\n")
-    report(res, a.out)
+    report(res, a.out, a.doc)
     log(f"sweep done in {res['wall_s']:.1f} s")
     if errors:
         log(f"{len(errors)} point(s) FAILED:\n  " + "\n  ".join(errors))

@@ -68,6 +68,7 @@ def test_distance_matches_sqrt_missing_energy(fp32_family, tmp_path, n_experts, 
             assert res.manifest["io"]["realized"]["expert_read_bytes"] <= int(float(kw["budget"][:-1]) / 100 * total)
         assert 0.0 < e < 1.0  # a real partial merge, or the comparison below says nothing
         dist = math.sqrt(_sq(_floats(res.out), th_full) / den)
+        assert f"√(1 − E) = {math.sqrt(1.0 - e):.1%}" in res.plan.explain  # what `mergepipe explain` prints
         assert dist == pytest.approx(math.sqrt(1.0 - e), rel=rel_tol), (kw, e, dist)
         seen.append(e)
     assert len(set(seen)) == len(seen)  # four distinct operating points
