@@ -330,6 +330,22 @@ class AdmissionStatus(K8sModel):
     quotas: list[Annotated[str, StringConstraints(max_length=253)]] = Field(default_factory=list, max_length=32)
 
 
+class PlanStatus(K8sModel):
+    """The plan of the current generation (planned in-process by the operator from the catalog):
+    its digest, the I/O it will do per role, the task-vector energy it retains and where the full
+    plan object is (the merge Job executes that object)."""
+
+    digest: Sha256 = Field(description="Plan digest (SHA-256 hex of the canonical plan); also on the merge Job's annotation.")
+    uri: Annotated[str, StringConstraints(max_length=2048)] | None = Field(
+        default=None, description="Where the full plan object is: <plans.prefix>/<namespace>/<name>/<digest>.json."
+    )
+    estimated: IOBytes | None = Field(default=None, description="Bytes per role the plan will read and write.")
+    retained_energy: Annotated[float, Field(ge=0, le=1)] | None = Field(
+        default=None,
+        description="Fraction of the task-vector energy the selected blocks retain (1: every block of every expert is read).",
+    )
+
+
 class ModelMergeStatus(ObservedStatus):
     """Observed state of a ModelMerge."""
 
@@ -339,11 +355,8 @@ class ModelMergeStatus(ObservedStatus):
         default=None, description="Effective budget after quota admission (human-readable)."
     )
     budget_bytes: NonNegInt | None = None
-    plan_digest: Sha256 | None = None
-    plan_uri: Annotated[str, StringConstraints(max_length=2048)] | None = Field(default=None, alias="planURI")
-    estimated_fidelity: Annotated[float, Field(ge=0, le=1)] | None = None
-    estimated: IOBytes | None = None
-    realized: IOBytes | None = None
+    plan: PlanStatus | None = Field(default=None, description="The plan the merge Job executes.")
+    realized: IOBytes | None = Field(default=None, description="Bytes per role the committed merge read and wrote (its manifest).")
     expert_read: Annotated[str, StringConstraints(max_length=32)] | None = Field(
         default=None, description="Realized expert read (human-readable)."
     )
@@ -657,6 +670,8 @@ RESOURCES: dict[str, dict[str, Any]] = {
             {"name": "Experts", "type": "integer", "jsonPath": ".status.expertCount"},
             {"name": "Budget", "type": "string", "jsonPath": ".status.budget"},
             {"name": "ExpertRead", "type": "string", "jsonPath": ".status.expertRead"},
+            {"name": "Retained", "type": "number", "jsonPath": ".status.plan.retainedEnergy", "priority": 1},
+            {"name": "Plan", "type": "string", "jsonPath": ".status.plan.digest", "priority": 1},
             {"name": "Snapshot", "type": "string", "jsonPath": ".status.snapshot", "priority": 1},
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         ],

@@ -989,6 +989,36 @@ def plan_uri(settings: Settings, namespace: str, name: str, plan_digest: str) ->
     return f"{settings.plan_prefix.rstrip('/')}/{namespace}/{name}/{plan_digest}.json"
 
 
+def plan_status(digest: str, uri: str, base_read_bytes: int, expert_read_bytes: int, output_write_bytes: int,
+                retained_energy: float | None) -> dict[str, Any]:
+    """A ModelMerge's ``status.plan`` (crd.PlanStatus, camelCase): the plan's digest (64 hex), the
+    URI of the full plan object, its estimated bytes per role and the retained task-vector
+    energy fraction in [0, 1] (``None``: unknown). Every key is present (a merge patch replaces
+    each of them, so nothing of an earlier plan survives).
+
+    Raises:
+        ValueError: ``digest`` is not 64 lowercase hex characters, or a byte count is negative.
+    """
+    if not _DIGEST_RE.match(digest or ""):
+        raise ValueError(f"plan digest must be 64 lowercase hex characters, got {digest!r}")
+    sizes = {"baseReadBytes": base_read_bytes, "expertReadBytes": expert_read_bytes, "outputWriteBytes": output_write_bytes}
+    for k, v in sizes.items():
+        if v is None or int(v) < 0:
+            raise ValueError(f"plan {k} must be a byte count >= 0, got {v!r}")
+    return {
+        "digest": digest,
+        "uri": uri,
+        "estimated": {k: int(v) for k, v in sizes.items()},
+        "retainedEnergy": None if retained_energy is None else float(retained_energy),
+    }
+
+
+def status_plan_digest(status: Mapping[str, Any] | None) -> str | None:
+    """The plan digest a ModelMerge status records (``status.plan.digest``), or ``None``."""
+    plan = (status or {}).get("plan")
+    return plan.get("digest") if isinstance(plan, Mapping) else None
+
+
 def owner_reference(obj: Mapping[str, Any]) -> dict[str, Any]:
     """Controller ownerReference to a ModelMerge object (needs metadata.uid)."""
     meta = obj.get("metadata") or {}

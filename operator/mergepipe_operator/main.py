@@ -127,7 +127,7 @@ class PlanSummary:
             ``decisions.plan_uri(...)``.
         base_read_bytes, expert_read_bytes, output_write_bytes: the plan's I/O estimate.
         budget_bytes: the budget the plan was made under (``None``: unbounded).
-        estimated_fidelity: retained task-vector energy fraction of the plan.
+        retained_energy: fraction of the task-vector energy the plan retains (``status.plan.retainedEnergy``).
         missing_experts: URIs the catalog has no statistics for (an analyze Job must run first).
         analysis_id: content address of that missing analysis (``decisions.analysis_id``).
     """
@@ -138,7 +138,7 @@ class PlanSummary:
     expert_read_bytes: int = 0
     output_write_bytes: int = 0
     budget_bytes: int | None = None
-    estimated_fidelity: float | None = None
+    retained_energy: float | None = None
     missing_experts: tuple[str, ...] = field(default_factory=tuple)
     analysis_id: str = ""
 
@@ -213,7 +213,7 @@ def plan_merge(spec: dict[str, Any], catalog_uri: str | None, *, storage: Any = 
         expert_read_bytes=int(plan.io.expert_read_bytes),
         output_write_bytes=int(plan.io.output_write_bytes),
         budget_bytes=plan.budget_bytes,
-        estimated_fidelity=None if fid is None or fid != fid else min(1.0, max(0.0, float(fid))),
+        retained_energy=None if fid is None or fid != fid else min(1.0, max(0.0, float(fid))),
     )
 
 
@@ -314,7 +314,7 @@ class Controller:
         first = self._plan(body, requested, out, conds, gen, now)
         conds = d.set_condition(conds, "Analyzed", "True", "Analyzed",
                                 f"the catalog has statistics for all {len(spec['experts'])} expert(s)", gen, now)
-        if ready and ready.get("reason") == d.Reason.COMMITTED and status.get("planDigest") == first.digest:
+        if ready and ready.get("reason") == d.Reason.COMMITTED and d.status_plan_digest(status) == first.digest:
             # the new generation plans to the same digest: its snapshot is already committed
             return finish("True", d.Reason.COMMITTED, f"plan unchanged; {ready.get('message', '')}".strip())
         adm, quotas = self.reserve(ns, name, key, first.expert_read_bytes, now)
@@ -357,14 +357,8 @@ class Controller:
         out.update(
             budget=d.human_bytes(budget) if budget is not None else "unbounded",
             budgetBytes=budget,
-            planDigest=plan.digest,
-            planURI=uri,
-            estimatedFidelity=plan.estimated_fidelity,
-            estimated={
-                "baseReadBytes": plan.base_read_bytes,
-                "expertReadBytes": plan.expert_read_bytes,
-                "outputWriteBytes": plan.output_write_bytes,
-            },
+            plan=d.plan_status(plan.digest, uri, plan.base_read_bytes, plan.expert_read_bytes,
+                               plan.output_write_bytes, plan.retained_energy),
             realized=None,
             expertRead=None,
             snapshot=None,
@@ -499,7 +493,7 @@ class Controller:
         ready = d.get_condition(old.get("conditions"), "Ready") or {}
         if not adm.get("key") or adm["key"] == key or ready.get("reason") == d.Reason.COMMITTED:
             return
-        same_job = old.get("planDigest") == digest
+        same_job = d.status_plan_digest(old) == digest
         for q in adm.get("quotas") or []:
             if same_job:
                 self.update_quota(ns, q, lambda quota: d.release(quota, adm["key"], now))
@@ -611,10 +605,11 @@ class Controller:
         status = mm.get("status") or {}
         gen = mm["metadata"].get("generation")
         ready = d.get_condition(status.get("conditions"), "Ready")
-        if not ready or ready.get("reason") != d.Reason.JOB_RUNNING or not status.get("planDigest"):
+        digest = d.status_plan_digest(status)
+        if not ready or ready.get("reason") != d.Reason.JOB_RUNNING or not digest:
             return None
         if job is not None and (
-            (job["metadata"].get("annotations") or {}).get(d.ANN_PLAN_DIGEST) != status["planDigest"]
+            (job["metadata"].get("annotations") or {}).get(d.ANN_PLAN_DIGEST) != digest
             or (status.get("jobName") and job["metadata"].get("name") != status["jobName"])
         ):
             return None  # a Job of an earlier plan, or an earlier (failed) run of this plan
@@ -634,7 +629,7 @@ class Controller:
             return {"conditions": d.set_condition(conds, "Ready", "False", d.Reason.JOB_FAILED, outcome.message, gen, now)}
         # Succeeded (or the Job is gone but a manifest is there): verify what was committed
         sizes = self._output_sizes(out_uri, raw)
-        ok, reason, message = d.snapshot_ready(raw, status["planDigest"], None, object_sizes=sizes)
+        ok, reason, message = d.snapshot_ready(raw, digest, None, object_sizes=sizes)
         if not ok:
             if reason == d.Reason.MANIFEST_MISSING:
                 raise Retry(f"Job {outcome.reason}; waiting for the committed manifest", 30)
@@ -651,7 +646,7 @@ class Controller:
                 "spec": {
                     "uri": out_uri,
                     "manifestHash": mhash,
-                    "planDigest": status["planDigest"],
+                    "planDigest": digest,
                     "source": {"name": name, "uid": mm["metadata"]["uid"], "generation": gen},
                 },
             })

@@ -39,7 +39,7 @@ class Planner:
         return main.PlanSummary(
             digest=digest, plan_json=json.dumps({"digest": digest}).encode(), base_read_bytes=GI,
             expert_read_bytes=read, output_write_bytes=GI, budget_bytes=budget,
-            estimated_fidelity=read / self.full, missing_experts=self.missing,
+            retained_energy=read / self.full, missing_experts=self.missing,
         )
 
 
@@ -116,11 +116,11 @@ def test_happy_path_budget_mode(settings):
     st = c.reconcile_merge(mm)
     mm = apply(kube, mm, st)
     assert ready(mm)["reason"] == "JobRunning" and st["observedGeneration"] == 1
-    assert st["budget"] == "10Gi" and st["estimated"]["expertReadBytes"] == 8 * GI
+    assert st["budget"] == "10Gi" and st["plan"]["estimated"]["expertReadBytes"] == 8 * GI
     (job,) = kube.list(JOBS, "ns1")
-    assert job["metadata"]["name"] == st["jobName"] == d.job_name("mm1", st["planDigest"])
-    assert job["spec"]["template"]["spec"]["containers"][0]["args"][1] == st["planURI"]
-    assert store.get(st["planURI"]) is not None  # the operator wrote the plan
+    assert job["metadata"]["name"] == st["jobName"] == d.job_name("mm1", st["plan"]["digest"])
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"][1] == st["plan"]["uri"]
+    assert store.get(st["plan"]["uri"]) is not None  # the operator wrote the plan
     q = kube.get(QUOTAS, "ns1", "q")
     # the quota reserves what the plan reads (8Gi), not the whole 10Gi budget
     assert q["status"]["ledger"][0]["state"] == "Reserved" and q["status"]["used"]["expertReadBytes"] == 8 * GI
@@ -130,7 +130,7 @@ def test_happy_path_budget_mode(settings):
     running = dict(job, status={"active": 1})
     assert d.get_condition(c.sync_job(mm, running)["conditions"], "Ready")["message"].startswith("merge Job running")
     out = "s3://snapshots/mm1/"
-    manifest = commit(store, out, st["planDigest"], realized=7 * GI)
+    manifest = commit(store, out, st["plan"]["digest"], realized=7 * GI)
     done = dict(job, status={"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
     patch = c.sync_job(mm, done)
     mm = apply(kube, mm, patch)
@@ -333,9 +333,9 @@ def test_spec_change_after_job_failed_retries_with_a_new_job(settings):
     mm = bump(kube, resources={"memory": "64Gi"})
     mm = apply(kube, mm, c.reconcile_merge(mm))
     assert ready(mm)["reason"] == "JobRunning" and mm["status"]["observedGeneration"] == 2
-    assert mm["status"]["planDigest"] == job["metadata"]["annotations"][d.ANN_PLAN_DIGEST]
+    assert mm["status"]["plan"]["digest"] == job["metadata"]["annotations"][d.ANN_PLAN_DIGEST]
     new = kube.get(JOBS, "ns1", mm["status"]["jobName"])
-    assert new["metadata"]["name"] == d.job_name("mm1", mm["status"]["planDigest"], 2) != job["metadata"]["name"]
+    assert new["metadata"]["name"] == d.job_name("mm1", mm["status"]["plan"]["digest"], 2) != job["metadata"]["name"]
     assert new["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] == "64Gi"
     # the failed Job's (replayed) events no longer fail the merge; the new Job's do count
     assert c.sync_job(mm, kube.get(JOBS, "ns1", job["metadata"]["name"])) is None
@@ -550,7 +550,7 @@ def test_quota_gauges_follow_the_quota_status(settings):
     assert sample("mergepipe_quota_used", "expertReadBytes") == 8 * GI  # reserved: the plan's bytes
     assert sample("mergepipe_quota_used", "merges") == 1
     assert sample("mergepipe_quota_hard", "expertReadBytes") == 100 * GI and sample("mergepipe_quota_hard", "merges") == 5
-    commit(store, "s3://snapshots/mm1/", mm["status"]["planDigest"], realized=3 * GI)
+    commit(store, "s3://snapshots/mm1/", mm["status"]["plan"]["digest"], realized=3 * GI)
     job = kube.get(JOBS, "ns1", mm["status"]["jobName"])
     apply(kube, mm, c.sync_job(mm, dict(job, status={"conditions": [{"type": "Complete", "status": "True"}]})))
     assert sample("mergepipe_quota_used", "expertReadBytes") == 3 * GI  # charged: the realized bytes

@@ -216,7 +216,10 @@ def test_printer_columns_point_at_schema_fields(kind):
     names = [c["name"] for c in cols]
     assert names[-1] == "Age" and cols[-1]["jsonPath"] == ".metadata.creationTimestamp"
     if kind == "ModelMerge":
-        assert [n for n in names if n != "Snapshot"] == ["Ready", "Reason", "Method", "Experts", "Budget", "ExpertRead", "Age"]
+        # the columns by default; the plan and its snapshot with -o wide (priority 1)
+        assert [c["name"] for c in cols if not c.get("priority")] == ["Ready", "Reason", "Method", "Experts", "Budget", "ExpertRead", "Age"]
+        wide = {c["name"]: c["jsonPath"] for c in cols if c.get("priority") == 1}
+        assert wide == {"Retained": ".status.plan.retainedEnergy", "Plan": ".status.plan.digest", "Snapshot": ".status.snapshot"}
     if kind != "MergeQuota":
         assert names[:2] == ["Ready", "Reason"]
         assert cols[0]["jsonPath"] == '.status.conditions[?(@.type=="Ready")].status'

@@ -381,6 +381,21 @@ def test_choose_job(jobs, gen, follow, retry):
     assert (c.follow["metadata"]["name"] if c.follow else None, c.retry_generation) == (follow, retry)
 
 
+def test_plan_status_is_nested_and_complete():
+    st = d.plan_status(DIGEST, "s3://plans/ns/mm/x.json", 10, 20, 30, 0.5)
+    assert st == {"digest": DIGEST, "uri": "s3://plans/ns/mm/x.json",
+                  "estimated": {"baseReadBytes": 10, "expertReadBytes": 20, "outputWriteBytes": 30}, "retainedEnergy": 0.5}
+    # every key present, so a merge patch replaces an earlier plan's retained energy with "unknown"
+    assert d.plan_status(DIGEST, "s3://p/x.json", 0, 0, 0, None)["retainedEnergy"] is None
+    assert d.status_plan_digest({"plan": st}) == DIGEST
+    assert d.status_plan_digest({"planDigest": DIGEST}) is None  # the flat field of older operators is not read
+    assert d.status_plan_digest(None) is None and d.status_plan_digest({"plan": None}) is None
+    with pytest.raises(ValueError, match="64 lowercase hex"):
+        d.plan_status("ABC", "s3://p/x.json", 0, 0, 0, None)
+    with pytest.raises(ValueError, match="expertReadBytes"):
+        d.plan_status(DIGEST, "s3://p/x.json", 0, -1, 0, None)
+
+
 def test_choose_job_for_analysis_treats_a_complete_job_as_spent():
     # in _await_analysis the statistics are still missing, so a complete analyze Job did not help
     jobs = [_job("an", 1, "Complete")]

@@ -63,10 +63,16 @@ def test_example_snapshot_status_and_quota_status_validate():
     assert cr_errors(snap) == []
     mm = merges()[0]
     mm["status"] = {"observedGeneration": 1, "expertCount": 3, "budget": "10Gi", "budgetBytes": 10 * 1024**3,
-                    "planDigest": "cd" * 32, "planURI": "s3://p/x.json", "jobName": "llama-cdcdcdcdcd",
+                    "plan": d.plan_status("cd" * 32, "s3://p/x.json", 1, 2, 3, 0.75), "jobName": "llama-cdcdcdcdcd",
                     "admission": {"key": "uid.1", "budgetBytes": 1, "clamped": False, "quotas": ["q"]},
                     "conditions": d.set_condition(None, "Ready", "False", "JobRunning", "running", 1, now)}
     assert cr_errors(mm) == []
+    flat = copy.deepcopy(mm)  # the flat plan fields of earlier versions are gone from the schema
+    flat["status"]["planDigest"] = flat["status"].pop("plan")["digest"]
+    assert any("planDigest" in e for e in cr_errors(flat))
+    bad = copy.deepcopy(mm)
+    bad["status"]["plan"]["retainedEnergy"] = 1.5
+    assert any("retainedEnergy" in e for e in cr_errors(bad))
 
 
 def mutate(doc, path, value):

@@ -180,7 +180,7 @@ def test_invalid_spec_names_the_field_then_a_fix_proceeds(cluster):
         assert o["status"]["observedGeneration"] == 3 and ready(o)["observedGeneration"] == 3
         assert d.FINALIZER in o["metadata"]["finalizers"]
         (job,) = c.jobs(component="merge")
-        assert job["metadata"]["name"] == o["status"]["jobName"] == d.job_name("bad", o["status"]["planDigest"])
+        assert job["metadata"]["name"] == o["status"]["jobName"] == d.job_name("bad", o["status"]["plan"]["digest"])
         ev = c.wait_events("bad", ["InvalidSpec", "Analyzed", "Admitted", "Planned", "JobRunning"], tail=True)
         assert {t for t, *_ in ev[1:]} == {"Normal"} and job["metadata"]["name"] in ev[-1][2]
 
@@ -225,18 +225,18 @@ def test_merge_end_to_end_analyze_plan_merge_commit_charge_delete(cluster):
         o = c.wait_reason("e2e", "JobRunning")
         st = o["status"]
         assert {x["type"]: x for x in st["conditions"]}["Analyzed"]["status"] == "True"
-        assert st["planURI"] == f"{c.plans}{NS}/e2e/{st['planDigest']}.json"
-        bucket, key = st["planURI"][5:].split("/", 1)
+        assert st["plan"]["uri"] == f"{c.plans}{NS}/e2e/{st['plan']['digest']}.json"
+        bucket, key = st["plan"]["uri"][5:].split("/", 1)
         plan = Plan.from_json(c.models.client.get_object(Bucket=bucket, Key=key)["Body"].read().decode())
-        assert plan.digest == st["planDigest"] and plan.budget_bytes == st["budgetBytes"] == 1024**2 and plan.seed == 7
-        assert st["estimated"]["expertReadBytes"] == plan.io.expert_read_bytes <= 1024**2
+        assert plan.digest == st["plan"]["digest"] and plan.budget_bytes == st["budgetBytes"] == 1024**2 and plan.seed == 7
+        assert st["plan"]["estimated"]["expertReadBytes"] == plan.io.expert_read_bytes <= 1024**2
         assert (st["budget"], st["expertCount"], st["method"]) == ("1Mi", 2, "ties")
         job = c.job("merge")
         (mc,) = job["spec"]["template"]["spec"]["containers"]
-        assert job["metadata"]["name"] == st["jobName"] == d.job_name("e2e", st["planDigest"])
+        assert job["metadata"]["name"] == st["jobName"] == d.job_name("e2e", st["plan"]["digest"])
         assert job["metadata"]["ownerReferences"] == [{"apiVersion": "mergepipe.io/v1alpha1", "kind": "ModelMerge",
                                                        "name": "e2e", "uid": uid, "controller": True, "blockOwnerDeletion": True}]
-        assert mc["args"] == ["execute", st["planURI"], "--out", out, "--json"]  # GPU count 0: CPU
+        assert mc["args"] == ["execute", st["plan"]["uri"], "--out", out, "--json"]  # GPU count 0: CPU
         env = {e["name"]: e for e in mc["env"]}
         assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": SECRET, "key": "AWS_SECRET_ACCESS_KEY"}
         assert env["AWS_ENDPOINT_URL"]["value"] == c.seaweed.endpoint_url
@@ -255,7 +255,7 @@ def test_merge_end_to_end_analyze_plan_merge_commit_charge_delete(cluster):
         assert REGISTRY.get_sample_value("mergepipe_merge_duration_seconds_count") >= 1
         st = o["status"]
         manifest, raw = c.manifest(out)
-        assert result["manifest_hash"] == d.manifest_hash(raw) and manifest["plan_digest"] == st["planDigest"]
+        assert result["manifest_hash"] == d.manifest_hash(raw) and manifest["plan_digest"] == st["plan"]["digest"]
         realized = manifest["io"]["realized"]["expert_read_bytes"]
         assert 0 < realized <= plan.io.expert_read_bytes <= 1024**2
         assert st["realized"]["expertReadBytes"] == realized and ready(o)["status"] == "True"
@@ -311,7 +311,7 @@ def test_quota_reject_and_clamp(cluster):
         st = o["status"]
         assert st["admission"]["clamped"] is True and st["budgetBytes"] == full // 2
         assert {x["type"]: x for x in st["conditions"]}["QuotaAdmitted"]["reason"] == "Clamped"
-        assert 0 < st["estimated"]["expertReadBytes"] <= full // 2 < full
+        assert 0 < st["plan"]["estimated"]["expertReadBytes"] <= full // 2 < full
         (entry,) = quota_ledger(c.api, "team-b", "half")
         assert (entry["state"], entry["bytes"]) == ("Reserved", full // 2)
         assert c.job("merge", "team-b")["metadata"]["name"] == st["jobName"]
@@ -333,7 +333,7 @@ def test_two_concurrent_merges_against_one_quota(cluster):
         assert entry["bytes"] == full and len(c.jobs(NS, "merge")) == 1
         # Clamp: both run, the second with what the first left
         sts = [c.wait_reason(n, "JobRunning", ns="team-b")["status"] for n in ("m1", "m2")]
-        assert sorted(s.get("budgetBytes") or s["estimated"]["expertReadBytes"] for s in sts) == [full * 3 // 2 - full, full]
+        assert sorted(s.get("budgetBytes") or s["plan"]["estimated"]["expertReadBytes"] for s in sts) == [full * 3 // 2 - full, full]
         ledger = quota_ledger(c.api, "team-b", "shared")
         assert len(ledger) == 2 and sum(e["bytes"] for e in ledger) <= full * 3 // 2
         assert len(c.jobs("team-b", "merge")) == 2
@@ -352,7 +352,7 @@ def test_failed_merge_job_is_job_failed_then_a_spec_change_retries(cluster):
         r = ready(o)
         assert r["status"] == "False" and "OOMKilled" in r["message"]
         (entry,) = quota_ledger(c.api, NS, "q")
-        assert (entry["state"], entry["bytes"]) == ("Charged", o["status"]["estimated"]["expertReadBytes"])
+        assert (entry["state"], entry["bytes"]) == ("Charged", o["status"]["plan"]["estimated"]["expertReadBytes"])
         assert c.api.list("MergedSnapshot", NS) == [] and c.api.get("Job", NS, job["metadata"]["name"]) is not None
         ev = c.wait_events("fails", ["Analyzed", "Admitted", "Planned", "JobRunning", "JobFailed"])
         assert ev[-1][0] == "Warning" and "OOMKilled" in ev[-1][2]
@@ -361,8 +361,8 @@ def test_failed_merge_job_is_job_failed_then_a_spec_change_retries(cluster):
         o = wait_for("generation 2 running", lambda: (x := c.mm("fails")) and x["status"].get("observedGeneration") == 2
                      and ready(x).get("reason") == "JobRunning" and x)
         st = o["status"]
-        assert st["planDigest"] == job["metadata"]["annotations"][d.ANN_PLAN_DIGEST]
-        assert st["jobName"] == d.job_name("fails", st["planDigest"], 2) != job["metadata"]["name"]
+        assert st["plan"]["digest"] == job["metadata"]["annotations"][d.ANN_PLAN_DIGEST]
+        assert st["jobName"] == d.job_name("fails", st["plan"]["digest"], 2) != job["metadata"]["name"]
         retry = c.job("merge", name=st["jobName"])
         assert retry["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] == "2Gi"
         r = play_job(c.api, retry, c.tmp / "retry")
@@ -416,7 +416,7 @@ def test_operator_restart_mid_merge_creates_no_duplicate_job(cluster):
         # ... and resumes the merge without a second Job or a new plan
         assert [j["metadata"]["name"] for j in c.jobs()] == [job["metadata"]["name"]]
         o = c.mm("restart")
-        assert (o["status"]["jobName"], o["status"]["planDigest"]) == (st["jobName"], st["planDigest"])
+        assert (o["status"]["jobName"], o["status"]["plan"]["digest"]) == (st["jobName"], st["plan"]["digest"])
         r = play_job(c.api, job, c.tmp / "merge")
         assert r.returncode == 0, r.stderr
         o = c.wait_reason("restart", "Committed")

@@ -43,13 +43,13 @@ def test_plan_merge_reads_no_tensor_and_gives_the_worker_its_plan(s3_models, sea
     assert plan.digest == p.digest and plan.method == "ties"
     assert [e.name for e in plan.experts] == ["code", "math"] and plan.base.uri == s3_models.base
     assert 0 < p.expert_read_bytes <= 20_000 and p.budget_bytes == 20_000 == plan.budget_bytes
-    assert 0 < p.estimated_fidelity < 1
+    assert 0 < p.retained_energy < 1
     read = st.counters.snapshot()["read"]
     assert read["base"] == 0 and read["expert"] == 0 and read["catalog"] > 0  # headers + catalog objects only
     # deterministic: the same spec plans to the same digest (the Job name depends on it)
     assert main.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed)).digest == p.digest
     unbounded = main.plan_merge(merge_spec(s3_models, budget=None), s3_models.catalog, storage=st)
-    assert unbounded.budget_bytes is None and unbounded.estimated_fidelity == pytest.approx(1.0)
+    assert unbounded.budget_bytes is None and unbounded.retained_energy == pytest.approx(1.0)
 
 
 def test_layer_wise_parameters_reach_the_plan(s3_models, seaweed):
