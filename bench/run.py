@@ -313,9 +313,15 @@ class Harness:
             self.plan_bench(model)
 
     def run_k(self, model: str, base: Path, experts: list[Path], k: int) -> None:
-        home = self.work / "home" / f"{model}-K{k}"
-        shutil.rmtree(home, ignore_errors=True)
-        home.mkdir(parents=True)
+        if self.a.catalog:  # a catalog analyzed beforehand: kept; the analyze run below finds it cached
+            home = self.a.catalog.absolute()
+            home.mkdir(parents=True, exist_ok=True)
+            self.note(f"K={k}: catalog {home} reused (analysis done beforehand); the analysis row is the cached "
+                      "re-check, not the one-time cost")
+        else:
+            home = self.work / "home" / f"{model}-K{k}"
+            shutil.rmtree(home, ignore_errors=True)
+            home.mkdir(parents=True)
         env_mp = dict(self.env, MERGEPIPE_HOME=str(home))
         inputs = [base, *experts]
         mp_systems = [s for s in self.a.systems if s != "mergekit"]
@@ -492,6 +498,9 @@ def parse_args(argv=None):
     ap.add_argument("--compare-k", type=int, default=None, help="K of the mergekit vs mp-full equality check [8 if run, else the smallest K]")
     ap.add_argument("--attribute", action=argparse.BooleanOptionalAction, default=None,
                     help="attribute output differences (ties / arithmetic) [on for tiny and zoo]")
+    ap.add_argument("--catalog", type=Path, default=None,
+                    help="MERGEPIPE_HOME to reuse for every K (experts analyzed beforehand with `mergepipe analyze`) "
+                         "instead of a fresh catalog per K whose one-time analysis is measured")
     ap.add_argument("--plan-k", type=int, default=16, help="experts in the planning benchmark, 0 to skip [16]")
     ap.add_argument("--plan-model", default="tiny", help="family of the planning benchmark [tiny]")
     ap.add_argument("--plan-runs", type=int, default=5)
