@@ -90,9 +90,12 @@ def test_arithmetic_consensus_equals_masked(weights, normalize, lam):
         d[500:600] = -0.0
         d[600:700] = [1.0, -1.0][i % 2]  # exact cancellations: Σt = 0 elects +
         deltas.append(torch.from_numpy(d))
-    got = kernels.combine(base, deltas, weights, get_method("ties"), {"normalize": normalize, "lambda": lam})
+    g = {"normalize": normalize, "lambda": lam}
+    got = kernels.combine(base, deltas, weights, get_method("ties"), g)
+    consumed = kernels.combine(base, [d.clone() for d in deltas], weights, get_method("ties"), g, consume=True)
     want = _masked_consensus(base, deltas, weights, normalize, lam)
     assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(_bits(consumed), _bits(want))
 
 
 def test_consensus_with_non_finite_task_vectors_takes_the_masked_path():

@@ -621,15 +621,15 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev):
                 if hi <= lo:
                     continue
                 if lo == s and hi == e:
-                    d = x[lo - a:hi - a].to(torch.float32, copy=True).sub_(b)
+                    d = torch.sub(x[lo - a:hi - a], b)  # widened exactly to float32, then subtracted
                     break
                 if d is None:
                     d = torch.zeros_like(b)
-                d[lo - s:hi - s] = x[lo - a:hi - a].to(torch.float32, copy=True).sub_(b[lo - s:hi - s])
+                d[lo - s:hi - s] = torch.sub(x[lo - a:hi - a], b[lo - s:hi - s])
             if d is None:
                 d = torch.zeros_like(b)
             deltas.append(sparsify(d, spec, ep, offset + s, tp.shape))
-        out[s:e].copy_(combine(b, deltas, ws, spec, tp.params, weight_sum=tp.weight_sum))
+        out[s:e].copy_(combine(b, deltas, ws, spec, tp.params, weight_sum=tp.weight_sum, consume=True))
     return memoryview(out.cpu().view(torch.uint8).numpy()) if n else b""
 
 

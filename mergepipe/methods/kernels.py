@@ -211,7 +211,7 @@ def rescale_factor(l1_all: float, l1_kept: float) -> float:
 
 
 def combine(base, deltas: list, weights: list[float], spec: MethodSpec, globals_: dict,
-            weight_sum: float | None = None):  # noqa: C901 - one branch per mergekit mode
+            weight_sum: float | None = None, consume: bool = False):  # noqa: C901 - one branch per mergekit mode
     """Combine sparsified (and rescaled) task vectors with the base.
 
     Args:
@@ -221,6 +221,7 @@ def combine(base, deltas: list, weights: list[float], spec: MethodSpec, globals_
         globals_: resolved global parameters (``normalize``, ``lambda``).
         weight_sum: sum of the weights of *all* experts of the merge (experts with no block
             in this chunk count as ``δ = 0``); defaults to ``sum(weights)``.
+        consume: the caller hands ``deltas`` over: they may be overwritten (saves temporaries).
 
     Returns:
         float32 ``(n,)`` merged values.
@@ -249,7 +250,7 @@ def combine(base, deltas: list, weights: list[float], spec: MethodSpec, globals_
     if spec.consensus == "sum":
         if not deltas:
             return base
-        fast = _sum_consensus_arith(base, deltas, weights, normalize, lam)
+        fast = _sum_consensus_arith(base, deltas, weights, normalize, lam, consume)
         if fast is not None:
             return fast
         weighted = [d * w for d, w in zip(deltas, weights)]
@@ -286,7 +287,8 @@ def combine(base, deltas: list, weights: list[float], spec: MethodSpec, globals_
 _F32_TRUE_MIN = float(np.array([1], dtype=np.uint32).view(np.float32)[0])  # 2**-149, smallest subnormal
 
 
-def _sum_consensus_arith(base, deltas: list, weights: list[float], normalize: bool, lam: float):
+def _sum_consensus_arith(base, deltas: list, weights: list[float], normalize: bool, lam: float,
+                         consume: bool = False):
     """TIES sign election and disjoint mean (``consensus: sum``) with arithmetic only (no boolean
     masks, whose CPU kernels are ~10x slower than float ones); the value of :func:`combine`'s
     masked formulation bit for bit, or None when a precondition fails (then :func:`combine` runs
@@ -309,16 +311,18 @@ def _sum_consensus_arith(base, deltas: list, weights: list[float], normalize: bo
 
     if normalize and not all(np.float32(w) > 0 for w in weights):
         return None
+    owned = [consume or w != 1.0 for w in weights]  # may be overwritten
     ts = [d if w == 1.0 else d * w for d, w in zip(deltas, weights)]
-    total = ts[0].clone() if len(ts) > 1 else ts[0]
-    for t in ts[1:]:
+    total = ts[0] if len(ts) == 1 else torch.add(ts[0], ts[1])
+    for t in ts[2:]:
         total.add_(t)
     if not math.isfinite(float(total.sum())):  # NaN or ±inf anywhere (or a float32 overflow: also safe)
         return None
-    sgn = torch.copysign(torch.ones((), dtype=total.dtype, device=total.device).expand_as(total), total)
+    one = torch.ones((), dtype=total.dtype, device=total.device).expand_as(total)
+    sgn = torch.copysign(one, total, out=total) if len(ts) > 1 else torch.copysign(one, total)
     acc = div = None
-    for t, w in zip(ts, weights):
-        p = torch.mul(t, sgn).relu_()
+    for t, w, own in zip(ts, weights, owned):
+        p = (t.mul_(sgn) if own else torch.mul(t, sgn)).relu_()
         if normalize:
             ind = torch.sign(p)
             if w != 1.0:
