@@ -105,16 +105,19 @@ class LocalStorage(Storage):
             raise StorageError(f"{uri}: cannot open for reading ({e.strerror})") from None
         try:
             def one(req):
+                # os.pread fills a fresh bytes object (no zero-fill pass, unlike bytearray(n))
                 s, e = req
-                out = bytearray(e - s)
-                mv = memoryview(out)
-                pos = 0
-                while pos < e - s:
-                    n = os.preadv(fd, [mv[pos:]], s + pos)
-                    if n == 0:
+                data = os.pread(fd, e - s, s)
+                if len(data) == e - s or not data:
+                    return data
+                parts, pos = [data], s + len(data)
+                while pos < e:
+                    d = os.pread(fd, e - pos, pos)
+                    if not d:
                         break
-                    pos += n
-                return out if pos == e - s else out[:pos]
+                    parts.append(d)
+                    pos += len(d)
+                return b"".join(parts)
 
             if len(requests) == 1:
                 return [one(requests[0])]
