@@ -567,10 +567,14 @@ def _config_with_dtype(data: bytes, out_dtype: str) -> bytes:
     return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
 
 
-#: elements per tile of the tiled elementwise path: the float32 temporaries of one tile
-#: (~K + 6 arrays of 1 MiB) stay in the CPU caches, and each torch call is long enough that its
-#: dispatch overhead (~µs) is small next to its work.
-TILE_ELEMS = 1 << 18
+#: elements per tile of the tiled elementwise path: the float32 temporaries of one tile (~K + 6
+#: arrays of 256 KiB) stay in the CPU caches, and each torch call is still long enough that its
+#: dispatch overhead (~µs) is small next to its work. Measured on the 2-core Xeon (CPU time per
+#: element of a TIES chunk, docs/BENCHMARKS.md): 64Ki elements beat 32Ki, 128Ki and 256Ki at K = 2
+#: and 8 (K = 8: 27, 24, 34, 36 ns).
+TILE_ELEMS = 1 << 16
+
+
 def _elementwise(tp, spec) -> bool:
     """The merge of this tensor runs tile by tile (:func:`mergepipe.methods.kernels.elementwise_merge`)."""
     return elementwise_merge(spec, tp.params, [te.density for te in tp.experts], tp.dtype)
