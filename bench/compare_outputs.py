@@ -85,6 +85,104 @@ def _ulps(x, y):
     return torch.where(~(nx | ny), u, torch.zeros_like(u)), int((nx != ny).sum())
 
 
+def ulp_distance(x, y):
+    """Elementwise distance in units in the last place of the common dtype of ``x`` and ``y``
+    (bfloat16, float16, float32 or float64 torch tensors of one shape): how many representable
+    values lie between them, plus one (adjacent values are 1 apart, ``+0``/``-0`` are 0 apart;
+    values of opposite sign are as far apart as the representable values between them).
+
+    Returns:
+        int64 tensor of the shape of ``x``; NaN pairs count 0 (see :func:`tensor_metrics`).
+
+    Raises:
+        ValueError: the dtypes or shapes differ.
+    """
+    if x.dtype != y.dtype or x.shape != y.shape:
+        raise ValueError(f"ulp_distance: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}")
+    return _ulps(x, y)[0]
+
+
+_MANT_EMIN = {"bfloat16": (7, -126), "float16": (10, -14), "float32": (23, -126), "float64": (52, -1022)}
+
+
+def ulp_of(v, dtype):
+    """Spacing of the representable values of ``dtype`` (a torch floating dtype) at magnitude
+    ``|v|`` (float64 tensor): ``2**(max(floor(log2|v|), emin) − mantissa_bits)``; at 0 and in the
+    subnormal range, the subnormal spacing. Returns a float64 tensor of ``v``'s shape."""
+    import torch
+
+    mant, emin = _MANT_EMIN[str(dtype).replace("torch.", "")]
+    a = v.double().abs()
+    _, e = torch.frexp(a)  # a = m·2**e, m in [0.5, 1)
+    ex = torch.where(a == 0, torch.full_like(e, emin), torch.clamp(e - 1, min=emin))
+    return torch.ldexp(torch.ones_like(a), (ex - mant).to(torch.int64))
+
+
+def _cos(a, b) -> float:
+    """Cosine of two float tensors, in float64; 1 when both are zero, 0 when exactly one is."""
+    a, b = a.double().flatten(), b.double().flatten()
+    na, nb = float(a.norm()), float(b.norm())
+    if na == 0 and nb == 0:
+        return 1.0
+    if na == 0 or nb == 0:
+        return 0.0
+    return float(a @ b) / (na * nb)
+
+
+def tensor_metrics(x, y, base=None, exclude=None) -> dict:
+    """Compare two floating tensors of one dtype and shape (``x`` the reference).
+
+    Args:
+        x, y: torch tensors, same dtype (bfloat16 / float16 / float32 / float64) and shape.
+        base: optional tensor of the same shape (the merge's base model): adds the cosine and the
+            norm ratio of the task vectors ``y − base`` vs ``x − base``.
+        exclude: optional bool tensor of the same shape; elements where it is True are left out
+            of the ``*_outside`` figures (used for magnitude ties, see bench/parity.py).
+
+    Returns:
+        dict: ``elements``; ``differ`` (elements not bit-equal up to ±0) and ``frac_differ``;
+        ``over_1ulp``; ``max_ulps`` (in ulps of the dtype); ``max_abs_diff`` (float64);
+        ``nan_mismatch``; ``cosine`` of ``x`` and ``y`` (float64; 1 for two zero tensors);
+        ``max_ulps_at_scale``: ``|x − y|`` in ulps of the dtype at the magnitude of the largest of
+        ``|x|``, ``|y|`` (and ``|base|``), i.e. at the inputs' scale, so an output that cancels
+        to near 0 does not turn one rounding step of the inputs into thousands of ulps;
+        with ``base``: ``tv_cosine`` and ``tv_norm_ratio`` (‖y−base‖/‖x−base‖, 1 when both 0);
+        with ``exclude``: ``excluded``, ``excluded_differ``, ``max_ulps_outside``,
+        ``over_1ulp_outside``.
+    """
+    import torch
+
+    u, nan_mm = _ulps(x, y)
+    n = x.numel()
+    xf, yf = x.double(), y.double()
+    both = ~(torch.isnan(xf) | torch.isnan(yf))
+    diff = (xf - yf).abs()
+    r = {"elements": n, "differ": int((u > 0).sum()) + nan_mm, "over_1ulp": int((u > 1).sum()) + nan_mm,
+         "max_ulps": int(u.max()) if n else 0,
+         "max_abs_diff": float(diff[both].max()) if bool(both.any()) else 0.0,
+         "nan_mismatch": nan_mm, "cosine": _cos(xf[both], yf[both])}
+    r["frac_differ"] = r["differ"] / n if n else 0.0
+    scale = torch.maximum(xf.abs(), yf.abs())
+    if base is not None:
+        scale = torch.maximum(scale, base.double().abs())
+    su = diff / ulp_of(scale, x.dtype)
+    r["max_ulps_at_scale"] = float(su[both].max()) if bool(both.any()) else 0.0
+    if base is not None:
+        bf = base.double()
+        tx, ty = xf - bf, yf - bf
+        r["tv_cosine"] = _cos(tx, ty)
+        nx, ny = float(tx.norm()), float(ty.norm())
+        r["tv_norm_ratio"] = 1.0 if nx == 0 and ny == 0 else (ny / nx if nx else float("inf"))
+    if exclude is not None:
+        keep = ~exclude.reshape(u.shape)
+        r["excluded"] = int(exclude.sum())
+        r["excluded_differ"] = int(((u > 0) & exclude.reshape(u.shape)).sum())
+        r["max_ulps_outside"] = int(u[keep].max()) if bool(keep.any()) else 0
+        r["max_ulps_at_scale_outside"] = float(su[keep & both].max()) if bool((keep & both).any()) else 0.0
+        r["over_1ulp_outside"] = int((u[keep] > 1).sum())
+    return r
+
+
 def _ties_masks(d, density: float):
     """(argsort mask as mergekit 0.1.5 computes it, canonical mask, A, T, k) for one delta."""
     import torch
