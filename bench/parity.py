@@ -1,9 +1,10 @@
 """mergekit parity harness: the same mergekit YAML configs through mergekit and mergepipe, every
 output tensor compared.
 
-One command (a few minutes on 2 cores; see docs/PARITY.md for the results)::
+One command (about 20 minutes on the shared 2-core machine, half with ``--no-bf16``; results in
+docs/PARITY.md)::
 
-    /work/venv/bin/python bench/parity.py --out docs/parity_results.json --table docs/parity_table.md
+    /work/venv/bin/python bench/parity.py --out docs/parity_results.json
 
 Inputs: the mergepipe demo zoo (``mergepipe.zoo.build_zoo()`` with the default config, built
 once and cached; 4 real trained Llama experts, bf16). mergekit 0.1.5 from PyPI runs in its own
