@@ -62,13 +62,12 @@ RANDOM = ("dare_ties", "dare_linear", "della", "della_linear")
 ORACLE = ("linear", "task_arithmetic", "slerp", "nuslerp", "model_stock")  # see oracle()
 
 # name -> (method, per-expert parameters (one dict per expert used), global parameters, flags)
-# flags: "base_in_models" lists the base among the models (mergekit's slerp needs it);
-# "mk_without_base": mergekit's config has no base_model (in mergekit's linear, base_model makes
-# the base one of the averaged inputs; mergepipe's linear needs it as the task vectors' origin
-# and averages the experts only, so the mergepipe config keeps it).
+# flags: "base_in_models" lists the base among the models (mergekit's slerp needs it), with the
+# parameters "base_params" (linear: mergekit averages base_model in as an input with its weight,
+# and so does mergepipe's config loader).
 CASES: dict[str, dict] = {
     "linear": dict(method="linear", experts=[{"weight": w} for w in (0.4, 0.3, 0.2, 0.1)], params={},
-                   mk_without_base=True),
+                   base_in_models=True, base_params={"weight": 0.2}),
     "task_arithmetic": dict(method="task_arithmetic", experts=[{"weight": w} for w in (0.5, 0.3, 0.4, 0.2)],
                             params={"lambda": 0.8}),
     "task_arithmetic-gradient": dict(method="task_arithmetic",
@@ -109,7 +108,8 @@ def case_config(case: dict, base: Path, experts: dict[str, Path], arith: str, n_
     """The mergekit YAML (as a dict) of ``case`` with the ``arith`` dtypes; the first
     ``n_experts`` experts of :data:`EXPERTS` (all the case names by default)."""
     eps = case["experts"][:n_experts] if n_experts else case["experts"]
-    models = [{"model": str(base)}] if case.get("base_in_models") else []
+    models = [{"model": str(base), **({"parameters": dict(case["base_params"])} if case.get("base_params") else {})}
+              ] if case.get("base_in_models") else []
     for name, p in zip(EXPERTS, eps):
         models.append({"model": str(experts[name]), **({"parameters": dict(p)} if p else {})})
     cfg = {"merge_method": case["method"], "base_model": str(base), "models": models}
@@ -139,23 +139,18 @@ class Runner:
             raise SystemExit(f"{tag}: exit {p.returncode}:\n{tail}")
         return wall
 
-    def both(self, tag: str, cfg: dict, mp_seeds=(0,), mk_without_base: bool = False) -> dict:
-        """Write ``cfg`` once, run mergekit and mergepipe (one output per mergepipe seed) on it
-        (mergekit on a copy without ``base_model`` if ``mk_without_base``)."""
+    def both(self, tag: str, cfg: dict, mp_seeds=(0,)) -> dict:
+        """Write ``cfg`` once, run mergekit and mergepipe (one output per mergepipe seed) on it."""
         import yaml
 
         yml = self.work / "configs" / f"{tag}.yml"
         yml.parent.mkdir(parents=True, exist_ok=True)
         yml.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        mk_yml = yml
-        if mk_without_base:
-            mk_yml = self.work / "configs" / f"{tag}-mergekit.yml"
-            mk_yml.write_text(yaml.safe_dump({k: v for k, v in cfg.items() if k != "base_model"}, sort_keys=False))
-        outs = {"config": yml, "mk_config": mk_yml, "mk": self.work / "out" / f"{tag}-mergekit"}
+        outs = {"config": yml, "mk": self.work / "out" / f"{tag}-mergekit"}
         for o in [outs["mk"], *[self.work / "out" / f"{tag}-mergepipe-s{s}" for s in mp_seeds]]:
             shutil.rmtree(o, ignore_errors=True)
         log(f"{tag}: mergekit")
-        outs["mk_wall_s"] = self._run(f"{tag}-mergekit", [str(self.mk), str(mk_yml), str(outs["mk"]), "--random-seed", "0"],
+        outs["mk_wall_s"] = self._run(f"{tag}-mergekit", [str(self.mk), str(yml), str(outs["mk"]), "--random-seed", "0"],
                                       self.env_mk)
         for s in mp_seeds:
             o = self.work / "out" / f"{tag}-mergepipe-s{s}"
@@ -328,7 +323,10 @@ def compare_case(case: dict, cfg_path: Path, mk_out: Path, mp_out: Path, base: d
     from mergepipe.config import load_config
 
     mk, mp = load_all(mk_out), load_all(mp_out)
-    resolved = load_config(str(cfg_path)).resolved
+    loaded = load_config(str(cfg_path))
+    resolved = loaded.resolved
+    if case["method"] == "linear":  # the base is averaged in as an input, in the config's order
+        experts = [base if uri == loaded.base else load_all(Path(uri)) for _, uri in loaded.experts]
     lt = _layer_t_fn(base)
     spars = MAGNITUDE.get(case["method"])
     rows = []
@@ -593,13 +591,12 @@ def main(argv=None) -> None:
             continue
         for arith in (("f32",) if a.no_bf16 else ("f32", "bf16")):
             tag = f"{name}-{arith}"
-            outs = r.both(tag, case_config(case, base_dir, expert_dirs, arith),
-                          mk_without_base=bool(case.get("mk_without_base")))
+            outs = r.both(tag, case_config(case, base_dir, expert_dirs, arith))
             cmp = compare_case(case, outs["config"], outs["mk"], outs["mp"][0], base, used)
             r.cleanup(outs)
             c = {"case": name, "method": case["method"], "arith": arith, "kind": "deterministic",
                  "config": outs["config"].read_text(), "mk_wall_s": outs["mk_wall_s"], "mp_wall_s": outs["mp_wall_s"][0],
-                 **({"mk_config": outs["mk_config"].read_text()} if outs["mk_config"] != outs["config"] else {}), **cmp, "verdict": verdict(cmp["summary"], arith)}
+                 **cmp, "verdict": verdict(cmp["summary"], arith)}
             if cmp["problems"]:
                 c["verdict"] = "DIFFERS (tensor sets/shapes)"
             res["cases"].append(c)

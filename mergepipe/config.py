@@ -3,8 +3,15 @@
 Accepted (mergekit 0.1.5 ``MergeConfiguration`` keys):
 
 * ``models``: a list of ``{model: <folder or s3:// URI>, parameters: {...}}``; an entry naming
-  the ``base_model`` is the base (mergekit lists it there too) and must not carry parameters;
-* ``base_model`` (required: mergepipe merges task vectors against a base);
+  the ``base_model`` is the base (mergekit lists it there too) and carries no parameters (except with ``linear``);
+* ``base_model`` (required, except for ``linear``: mergepipe merges task vectors against a base);
+* ``merge_method: linear`` keeps mergekit's meaning, Σ wᵢθᵢ / Σ wᵢ over *every* input model:
+  mergekit adds ``base_model`` (when given) to the averaged inputs with its own ``weight``, and
+  without ``base_model`` averages the listed models. mergepipe computes the same average as task
+  vectors against ``base_model`` (or, without one, the first listed model), the origin taking part
+  as a zero task vector with its weight: θ₀ + Σ wᵢ(θᵢ − θ₀) / Σ wᵢ = Σ wᵢθᵢ / Σ wᵢ. The origin's
+  zero task vector is never read (the catalog shows it is zero). ``normalize: false`` (mergekit's
+  Σ wᵢθᵢ, not a task-vector merge) is refused: use ``task_arithmetic`` for θ_base + Σ wᵢδᵢ;
 * ``merge_method`` (mergekit's names, see :mod:`mergepipe.methods.registry`);
 * ``parameters``: merge-wide parameters; any parameter may be a scalar, a gradient or a filter
   list (:mod:`mergepipe.methods.params`);
@@ -200,22 +207,37 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
         raise InputError(_pydantic_message(p, e)) from None
     if not cfg.models:
         raise InputError(f"{p}: models: required (a non-empty list of {{model: <folder or s3:// URI>, parameters}}).")
-    if cfg.base_model is None:
+    linear = cfg.merge_method == "linear"
+    if cfg.base_model is None and not linear:
         raise InputError(f"{p}: base_model: required; mergepipe merges task vectors (expert − base) against a base "
                          "model, so give the experts' common base.")
-    base = _model_uri(cfg.base_model, f"{p}: base_model")
+    if linear:
+        norm = (cfg.parameters or {}).get("normalize", True)
+        if norm is not True:
+            raise InputError(f"{p}: parameters.normalize: mergekit's linear with normalize: false computes Σ wᵢθᵢ, "
+                             "which is not a merge of task vectors; use merge_method: task_arithmetic (θ_base + "
+                             "Σ wᵢ(θᵢ − θ_base)) or remove normalize.")
+    # linear: every input model is averaged (mergekit adds base_model to the inputs); the origin
+    # (base_model, or the first model) takes part as a zero task vector with its own weight.
+    base_ref = cfg.base_model if cfg.base_model is not None else cfg.models[0].model
+    base = _model_uri(base_ref, f"{p}: base_model" if cfg.base_model is not None else f"{p}: models[0].model")
     experts: list[tuple[str, str]] = []
     expert_params: list[dict] = []
     model_index: list[int] = []
+    base_listed = False
     for j, m in enumerate(cfg.models):
         w = f"{p}: models[{j}]"
         uri = _model_uri(m.model, f"{w}.model")
         if uri == base:
-            if m.parameters:
-                raise InputError(f"{w}.parameters: parameters on the base model are not used by mergepipe (the base "
-                                 "is the reference the task vectors are taken from; mergekit ignores them too for "
-                                 "task-arithmetic methods) — remove them.")
-            continue
+            if base_listed:
+                raise InputError(f"{w}.model: the base {uri!r} is listed twice; list it once.")
+            base_listed = True
+            if not linear:
+                if m.parameters:
+                    raise InputError(f"{w}.parameters: parameters on the base model are not used by mergepipe (the "
+                                     "base is the reference the task vectors are taken from; mergekit ignores them "
+                                     "too for task-arithmetic methods) — remove them.")
+                continue
         name = uri.rstrip("/").rsplit("/", 1)[-1] or uri
         if any(name == n for n, _ in experts):
             prev = next(i for i, (n, _) in zip(model_index, experts) if n == name)
@@ -224,6 +246,22 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
         experts.append((name, uri))
         expert_params.append(dict(m.parameters or {}))
         model_index.append(j)
+    if linear and not base_listed:  # mergekit: "Base model specified but not in input models - adding"
+        name = base.rstrip("/").rsplit("/", 1)[-1] or base
+        if any(name == n for n, _ in experts):
+            raise InputError(f"{p}: base_model: {base!r} has the same folder name {name!r} as an expert; experts are "
+                             "named by their folder's last component, so give them distinct folder names.")
+        experts.append((name, base))
+        expert_params.append({})
+        model_index.append(len(cfg.models))  # messages about it name models[<n>], i.e. the base_model entry
+    if linear:
+        gw = "weight" in (cfg.parameters or {})
+        missing = [model_index[i] for i, ep in enumerate(expert_params) if "weight" not in ep and not gw]
+        if missing:
+            which = ", ".join("base_model" if j == len(cfg.models) else f"models[{j}]" for j in missing)
+            raise InputError(f"{p}: {which}: parameters.weight: required by mergekit's linear for every input model "
+                             "(base_model included: mergekit averages it in); give each model a weight or set "
+                             "parameters.weight.")
 
     from mergepipe.methods.registry import get_method, resolve_params
 
@@ -234,7 +272,9 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
     resolved = resolve_params(
         cfg.merge_method, dict(cfg.parameters or {}), expert_params,
         where_global=lambda n: f"{p}: parameters.{n}",
-        where_expert=lambda i, n: f"{p}: models[{model_index[i]}].parameters.{n}",
+        where_expert=lambda i, n: (f"{p}: base_model (averaged in by linear): parameters.{n}"
+                                   if model_index[i] == len(cfg.models) else
+                                   f"{p}: models[{model_index[i]}].parameters.{n}"),
         where_models=f"{p}: models",
     )
     dtype = out = None

@@ -258,3 +258,69 @@ def test_cli_plan_config_same_plan_as_merge(family, tmp_path, monkeypatch, capsy
     assert code == 2 and str(bad) in err and "slices" in err and not (tmp_path / "bad.json").exists()
     code, _, err = run_cli(["plan"], monkeypatch, capsys)
     assert code == 2 and "--base and --expert are required" in err
+
+
+def _mergekit_linear(models_and_weights, name):
+    """mergekit 0.1.5's linear (merge_methods/linear.py) in float64: Σ wᵢθᵢ / Σ wᵢ."""
+    import torch
+
+    from tests.conftest import merged_tensors
+
+    num = den = 0
+    for folder, w in models_and_weights:
+        t = merged_tensors(folder)[name].double()
+        num = num + w * t
+        den = den + w
+    return num / den
+
+
+@pytest.mark.parametrize("with_base_model", [True, False])
+def test_linear_config_averages_every_input_like_mergekit(family, tmp_path, monkeypatch, capsys, with_base_model):
+    """mergekit's linear averages every input model, base_model included (added when not listed)
+    with its weight; mergepipe computes the same average as task vectors against that origin."""
+    import torch
+
+    from tests.conftest import merged_tensors
+
+    base, experts = family
+    ws = [0.4, 0.3, 0.2]
+    cfg = {"models": [{"model": str(e), "parameters": {"weight": w}} for e, w in zip(experts, ws)],
+           "merge_method": "linear", "dtype": "float32"}
+    inputs = list(zip(experts, ws))
+    if with_base_model:  # base not listed: mergekit adds it, weighted by the global weight
+        cfg["base_model"] = str(base)
+        cfg["parameters"] = {"weight": 0.1}
+        inputs.append((base, 0.1))
+    p = write(tmp_path, cfg)
+    code, out, err = run_cli(["merge", "--config", str(p), "--out", str(tmp_path / "out"), "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    got = merged_tensors(tmp_path / "out")
+    assert got
+    for name, t in got.items():
+        if not t.dtype.is_floating_point:
+            continue
+        want = _mergekit_linear(inputs, name)
+        # float32 output: the task-vector form rounds differently from mergekit's direct sum by a few ulps
+        assert t.dtype == torch.float32
+        torch.testing.assert_close(t.double(), want, rtol=1e-6, atol=1e-6), name
+
+
+def test_linear_config_refusals(family, tmp_path, monkeypatch, capsys):
+    base, experts = family
+    models = [{"model": str(e), "parameters": {"weight": 0.5}} for e in experts]
+    cases = [
+        ({"models": models, "merge_method": "linear", "base_model": str(base)},
+         "base_model: parameters.weight: required by mergekit's linear"),
+        ({"models": [{"model": str(base)}] + models, "merge_method": "linear", "base_model": str(base)},
+         "models[0]: parameters.weight: required by mergekit's linear"),
+        ({"models": models, "merge_method": "linear", "parameters": {"normalize": False}},
+         "parameters.normalize: mergekit's linear with normalize: false"),
+        ({"models": models, "merge_method": "ties"}, "base_model: required"),
+    ]
+    for i, (cfg, msg) in enumerate(cases):
+        p = write(tmp_path, cfg, name=f"c{i}.yml")
+        out = tmp_path / f"o{i}"
+        code, stdout, err = run_cli(["merge", "--config", str(p), "--out", str(out)], monkeypatch, capsys)
+        assert code == 2, (cfg, err)
+        assert str(p) in err and msg in " ".join(err.split()), err
+        assert not out.exists() and stdout == ""
