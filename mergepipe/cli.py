@@ -458,7 +458,8 @@ def demo(
 # --- mergepipe search (layer-wise multi-objective merge search; mergepipe.search) -----------------
 @app.command()
 def search(
-    out: Annotated[Path, typer.Option("--out", "-o", help="Search folder: state.json, snapshots/, results.json")],
+    out: Annotated[str, typer.Option("--out", "-o", help="Search folder: state.json, snapshots/, results.json; or an "
+                                     "s3:// prefix (state kept there too, so --resume works from any machine)")],
     base: Annotated[Optional[str], typer.Option("--base", help="Base checkpoint folder")] = None,
     expert: Annotated[Optional[list[str]], typer.Option(
         "--expert", "-e", help="Expert checkpoint: URI or NAME=URI (repeat).")] = None,
@@ -498,6 +499,16 @@ def search(
     resume: Annotated[bool, typer.Option("--resume", help="Continue the search in --out (its state holds the "
                                          "configuration; --workers and --evaluations may change)")] = False,
     catalog: CatalogOpt = None,
+    resume_existing: Annotated[bool, typer.Option(
+        "--resume-existing", help="Resume the search in --out if it holds one, else start it (a restarted "
+        "driver pod runs the same command)")] = False,
+    worker_backend: Annotated[str, typer.Option(
+        "--worker-backend", help="local (merge in this process) or kubernetes (each candidate a child ModelMerge "
+        "of the MergeSearch --search-name; needs an s3:// --out)")] = "local",
+    namespace: Annotated[Optional[str], typer.Option("--namespace", help="kubernetes backend: the search's namespace")] = None,
+    search_name: Annotated[Optional[str], typer.Option("--search-name", help="kubernetes backend: the MergeSearch")] = None,
+    search_uid: Annotated[Optional[str], typer.Option("--search-uid", help="kubernetes backend: its uid (owner "
+                                                      "of the candidates)")] = None,
     json_out: JsonOpt = False,
 ):
     """Search layer-wise merge parameters with multi-objective Bayesian optimisation (asynchronous,
@@ -507,13 +518,47 @@ def search(
     from mergepipe.search.evaluators import CommandEvaluator, Objective, ZooEvaluator
     from mergepipe.search.runner import SearchConfig, run_search
 
+    import hashlib
+    import os
+    import tempfile
+
+    from mergepipe.search.runner import StateMirror
+    from mergepipe.search.state import STATE_NAME
+
     log = lambda m: _err_console().print(m, highlight=False)  # noqa: E731
+    mirror = None
+    out_arg = out
+    if out.startswith("s3://"):
+        mirror = StateMirror(out)
+        out = Path(tempfile.gettempdir()) / "mergepipe-search" / hashlib.sha256(out_arg.encode()).hexdigest()[:16]
+    else:
+        out = Path(out)
+    if worker_backend not in ("local", "kubernetes"):
+        _fail(f"--worker-backend {worker_backend!r}: use local or kubernetes.")
+    merger = None
+    if worker_backend == "kubernetes":
+        if mirror is None or not (namespace and search_name and search_uid):
+            _fail("--worker-backend kubernetes needs an s3:// --out, --namespace, --search-name and --search-uid.")
+        from mergepipe.search.kube import KubernetesMerger, kube_api
+
+        try:
+            template = json.loads(os.environ.get("MERGEPIPE_CANDIDATE_TEMPLATE") or "{}")
+        except ValueError as e:
+            _fail(f"MERGEPIPE_CANDIDATE_TEMPLATE is not JSON ({e}).")
+        poll = float(os.environ.get("MERGEPIPE_SEARCH_POLL_SECONDS") or 10)
+        merger = KubernetesMerger(kube_api(), namespace, search_name, search_uid, out_arg, template=template,
+                                  poll_seconds=poll)
+    if (resume or resume_existing) and mirror is not None and not (out / STATE_NAME).exists():
+        mirror.fetch(out)
+    if resume_existing and (out / STATE_NAME).exists():
+        resume = True
     if resume:
         given = [f for f, v in (("--base", base), ("--expert", expert), ("--vary", vary), ("--param", param),
                                 ("--objective", objective), ("--eval-command", eval_command)) if v]
-        if given:
-            _fail(f"--resume continues the search recorded in {out}/state.json; drop {', '.join(given)}.")
-        res = run_search(out, resume=True, workers=workers, evaluations=evaluations, log=log)
+        if given and not resume_existing:
+            _fail(f"--resume continues the search recorded in {out_arg}/state.json; drop {', '.join(given)}.")
+        res = run_search(out, resume=True, workers=workers, evaluations=evaluations, log=log, merger=merger,
+                         mirror=mirror)
     else:
         if not base or not expert or not vary or not objective:
             _fail("a search needs --base, --expert (one or more), --vary and --objective "
@@ -545,7 +590,7 @@ def search(
                            initial=initial, workers=workers or 1, fixed=list(param or []),
                            layer_blocks=layer_blocks, budget=budget, seed=seed, strategy=strategy,
                            prior=not no_prior, probe=texts, ref_point=refs, catalog=catalog)
-        res = run_search(out, cfg, ev, log=log)
+        res = run_search(out, cfg, ev, log=log, merger=merger, mirror=mirror)
     if json_out:
         print(json.dumps({k: v for k, v in res.items() if k != "trace"}))
         return
@@ -559,7 +604,7 @@ def search(
     Console().print(t)
     hv = res["hypervolume"][-1]["hv"] if res["hypervolume"] else 0.0
     log(f"hypervolume {hv:.5g} (reference {res['ref_point']}); wall {res['wall_s']:.1f} s; results in "
-        f"{out}/results.json")
+        f"{out_arg.rstrip('/')}/results.json")
 
 
 def main() -> None:

@@ -125,13 +125,96 @@ class SearchConfig:
             raise InputError(f"--ref-point: {len(self.ref_point)} value(s) for {len(objs)} objective(s).")
 
 
+@dataclass(frozen=True)
+class Merged:
+    """A candidate's committed merge: ``snapshot`` (folder or URI the evaluator reads),
+    ``manifest_hash`` (SHA-256 hex of its manifest), ``expert_read_bytes`` (realized expert
+    reads; None: unknown)."""
+
+    snapshot: str
+    manifest_hash: str
+    expert_read_bytes: int | None = None
+
+
+class CandidateMerger:
+    """How a candidate's merge runs (the worker backend of a search). :meth:`merge` is called on a
+    worker thread, once per candidate, and returns the committed snapshot or raises (any
+    exception: the candidate is recorded failed with its message and the search goes on).
+
+    :class:`LocalMerger` (default) plans and executes in this process. A backend that runs each
+    merge elsewhere (e.g. as a Kubernetes ModelMerge, so quotas, planning and snapshots come from
+    the operator) implements the same method and blocks until the merge is committed or failed.
+    """
+
+    def merge(self, cfg: SearchConfig, cand: dict, out: Path, lineage: dict, catalog) -> Merged:  # pragma: no cover
+        """Merge candidate ``cand`` (``cand["params"]``: its ``--param`` strings, ``cand["id"]``)
+        of search ``cfg``; ``out`` is the search folder, ``lineage`` goes into the manifest,
+        ``catalog`` is the search's catalog."""
+        raise NotImplementedError
+
+
+class LocalMerger(CandidateMerger):
+    """In-process: :func:`mergepipe.pipeline.build_plan` (under ``cfg.budget``) then
+    :func:`mergepipe.pipeline.execute_and_commit` into ``<out>/snapshots/c<NNNN>``."""
+
+    def merge(self, cfg: SearchConfig, cand: dict, out: Path, lineage: dict, catalog) -> Merged:
+        from mergepipe.pipeline import build_plan, execute_and_commit
+        from mergepipe.storage.base import IOCounters, open_storage
+
+        snap = out / "snapshots" / f"c{cand['id']:04d}"
+        st = open_storage(None, IOCounters())  # local folders and s3:// inputs
+        plan = build_plan(catalog, st, cfg.base, [tuple(e) for e in cfg.experts], cfg.method, cand["params"],
+                          budget=cfg.budget, seed=cfg.seed, block_bytes=cfg.block_bytes)
+        res = execute_and_commit(plan, st, str(snap), lineage=lineage)
+        return Merged(str(snap), res.manifest_hash, res.manifest["io"]["realized"]["expert_read_bytes"])
+
+
+class StateMirror:
+    """Copies of the search's ``state.json`` and ``results.json`` under an object-storage prefix,
+    rewritten after every save, so a search survives the loss of its local folder (a driver pod
+    restarted on another node resumes from the copy, :meth:`fetch`) and observers can read it.
+
+    Args:
+        prefix: ``s3://bucket/prefix`` (or a local folder, for tests).
+        storage: a :class:`mergepipe.storage.base.Storage` (default: :func:`open_storage`).
+    """
+
+    def __init__(self, prefix: str, storage=None) -> None:
+        from mergepipe.storage.base import IOCounters, open_storage
+
+        self.prefix = prefix.rstrip("/")
+        self.storage = storage if storage is not None else open_storage(None, IOCounters())
+
+    def uri(self, name: str) -> str:
+        return f"{self.prefix}/{name}"
+
+    def put(self, name: str, data: bytes) -> None:
+        """Upload ``data`` as ``<prefix>/<name>`` (one PUT: readers see the old or the new copy)."""
+        self.storage.put_object(self.uri(name), data, role="other")
+
+    def fetch(self, out: Path) -> bool:
+        """Download the mirrored state into ``out`` (created); False when there is none."""
+        from mergepipe.storage.base import NotFoundError
+
+        try:
+            data = self.storage.read_object(self.uri(STATE_NAME), role="other")
+        except (NotFoundError, FileNotFoundError):
+            return False
+        out.mkdir(parents=True, exist_ok=True)
+        (out / STATE_NAME).write_bytes(data)
+        return True
+
+
 class _Abort(Exception):
     pass
 
 
 class _Search:
-    def __init__(self, out: Path, state: dict, evaluator: Evaluator, log: Callable[[str], None]) -> None:
+    def __init__(self, out: Path, state: dict, evaluator: Evaluator, log: Callable[[str], None],
+                 merger: CandidateMerger | None = None) -> None:
         self.out, self.state, self.ev, self.log = out, state, evaluator, log
+        self.merger = merger or LocalMerger()
+        self.mirror: StateMirror | None = None
         self.cfg = SearchConfig(**state["config"])
         self.space = SearchSpace.from_json(state["space"])
         self.objectives = [Objective.parse(o) for o in self.cfg.objectives]
@@ -149,6 +232,15 @@ class _Search:
 
     def save(self) -> None:
         save_state(self.path, self.state)
+        if self.mirror:
+            self.mirror.put(STATE_NAME, self.path.read_bytes())
+
+    def publish(self) -> None:
+        """Rewrite ``<out>/results.json`` (called with ``cv`` held when a candidate finished), so
+        an observer (the operator's MergeSearch status) follows a running search."""
+        save_state(self.out / "results.json", results(self.state))
+        if self.mirror:
+            self.mirror.put("results.json", (self.out / "results.json").read_bytes())
 
     def event(self, worker: int, kind: str, cand: int | None, t0: float, t1: float) -> None:
         self.state["events"].append({"worker": worker, "kind": kind, "cand": cand, "t0": round(t0, 4),
@@ -300,20 +392,11 @@ class _Search:
 
     # -- running ------------------------------------------------------------------------------------
     def run_candidate(self, c: dict, w: int) -> None:
-        from mergepipe.pipeline import build_plan, execute_and_commit
-        from mergepipe.storage.base import IOCounters
-        from mergepipe.storage.local import LocalStorage
-
         t0 = time.time()
-        snap = self.out / "snapshots" / f"c{c['id']:04d}"
         try:
-            st = LocalStorage(IOCounters())
-            plan = build_plan(self.catalog(), st, self.cfg.base, [tuple(e) for e in self.cfg.experts],
-                              self.cfg.method, c["params"], budget=self.cfg.budget, seed=self.cfg.seed,
-                              block_bytes=self.cfg.block_bytes)
             lineage = {"search": {"search_id": self.state["search_id"], "candidate": c["id"], "phase": c["phase"],
                                   "point": c["x"], "values": c["values"], "state": str(self.path.resolve())}}
-            res = execute_and_commit(plan, st, str(snap), lineage=lineage)
+            merged = self.merger.merge(self.cfg, c, self.out, lineage, self.catalog())
         except Exception as e:  # noqa: BLE001 - one candidate's failure must not stop the search
             t1 = time.time()
             with self.cv:
@@ -321,10 +404,11 @@ class _Search:
                 self._fail(c, f"merge failed: {type(e).__name__}: {e}")
             return
         t1 = time.time()
+        snap = merged.snapshot if "://" in merged.snapshot else Path(merged.snapshot)  # a URI stays a string
         with self.cv:
-            c["snapshot"] = str(snap)
-            c["manifest_hash"] = res.manifest_hash
-            c["expert_read_bytes"] = res.manifest["io"]["realized"]["expert_read_bytes"]
+            c["snapshot"] = merged.snapshot
+            c["manifest_hash"] = merged.manifest_hash
+            c["expert_read_bytes"] = merged.expert_read_bytes
             c["times"]["merged"] = t1
             self.event(w, "merge", c["id"], t0, t1)
             self.save()
@@ -358,6 +442,7 @@ class _Search:
             c["times"]["ended"] = t2
             self.event(w, "eval", c["id"], t1, t2)
             self.save()
+            self.publish()
             self.cv.notify_all()
         self.log(f"[worker {w}] candidate {c['id']} ({c['phase']}): "
                  + ", ".join(f"{o}={v:.4f}" for o, v in zip(self.cfg.objectives, objs)))
@@ -372,6 +457,7 @@ class _Search:
         if not any(x["status"] == "done" for x in finished) and len(finished) >= max(3, 2 * self.cfg.workers):
             self.error = SearchFailed(f"the first {len(finished)} candidates all failed; the last error: {msg}")
         self.save()
+        self.publish()
         self.cv.notify_all()
 
     def worker(self, w: int) -> None:
@@ -392,8 +478,7 @@ class _Search:
 def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log) -> dict:
     from mergepipe.pipeline import build_plan, register_and_analyze
     from mergepipe.search.prior import compute_prior, probe_ids
-    from mergepipe.storage.base import IOCounters
-    from mergepipe.storage.local import LocalStorage
+    from mergepipe.storage.base import IOCounters, open_storage
 
     cfg.check()
     vary = parse_vary(cfg.vary)
@@ -408,7 +493,7 @@ def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log) -> dict
     from mergepipe.catalog.objectstore import open_catalog
 
     cat = open_catalog(cfg.catalog)
-    st = LocalStorage(IOCounters())
+    st = open_storage(None, IOCounters())  # local folders and s3:// checkpoints
     base = cat.register(st, cfg.base)
     space = space_for_base(list(base.layout.tensors), cfg.method, names, vary, cfg.layer_blocks, cfg.fixed)
     # Validate a candidate (the centre point) exactly as every candidate will be planned; this
@@ -432,7 +517,8 @@ def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log) -> dict
 
 def run_search(out: str | Path, config: SearchConfig | None = None, evaluator: Evaluator | None = None, *,
                resume: bool = False, workers: int | None = None, evaluations: int | None = None,
-               log: Callable[[str], None] = lambda m: None) -> dict:
+               log: Callable[[str], None] = lambda m: None, merger: CandidateMerger | None = None,
+               mirror: StateMirror | None = None) -> dict:
     """Run (or resume) a search into folder ``out``; returns the results (also written to
     ``<out>/results.json``, see :func:`results`).
 
@@ -442,6 +528,9 @@ def run_search(out: str | Path, config: SearchConfig | None = None, evaluator: E
         resume: continue the search in ``out``: finished candidates are kept, in-flight ones
             re-dispatched; ``workers``/``evaluations`` may be changed (``evaluations`` not below
             the candidates already proposed).
+        merger: the worker backend that merges each candidate (default :class:`LocalMerger`).
+        mirror: also keep ``state.json``/``results.json`` under this object-storage prefix
+            (:class:`StateMirror`; fetch it into ``out`` before resuming elsewhere).
 
     Raises:
         InputError: bad configuration (see :meth:`SearchConfig.check`, the space's validation,
@@ -475,7 +564,8 @@ def run_search(out: str | Path, config: SearchConfig | None = None, evaluator: E
         out.mkdir(parents=True, exist_ok=True)
     sess = {"started": time.time(), "ended": None, "workers": state["config"]["workers"]}
     state["sessions"].append(sess)
-    s = _Search(out, state, evaluator, log)
+    s = _Search(out, state, evaluator, log, merger)
+    s.mirror = mirror
     s.save()
     threads = [threading.Thread(target=s.worker, args=(w,), name=f"search-worker-{w}", daemon=True)
                for w in range(s.cfg.workers)]
@@ -500,6 +590,8 @@ def run_search(out: str | Path, config: SearchConfig | None = None, evaluator: E
         raise s.error
     res = results(state)
     save_state(out / "results.json", res)
+    if mirror:
+        mirror.put("results.json", (out / "results.json").read_bytes())
     return res
 
 
@@ -507,7 +599,7 @@ def results(state: dict) -> dict:
     """Results of a search state.
 
     Returns:
-        ``{search_id, objectives, ref_point, evaluations, failed, points (objective values in
+        ``{search_id, objectives, ref_point, evaluations, failed, running, points (objective values in
         completion order, minimised form), pareto: [{id, values, params,
         metrics, objectives, snapshot, manifest_hash}], hypervolume: [{evaluations, t, hv}]
         (in completion order; ``t`` seconds since the search started, sessions concatenated),
@@ -565,6 +657,7 @@ def results(state: dict) -> dict:
         "search_id": state["search_id"], "strategy": cfg["strategy"], "objectives": cfg["objectives"],
         "ref_point": ref, "evaluations": len(done),
         "failed": sum(c["status"] == "failed" for c in state["candidates"]),
+        "running": sum(c["status"] == "running" for c in state["candidates"]),
         "failures": [{"id": c["id"], "error": c["error"]} for c in state["candidates"] if c["status"] == "failed"],
         "points": [c["objectives"] for c in done], "pareto": pareto, "hypervolume": hv, "workers": workers, "proposer_s": round(proposer_s, 3),
         "wall_s": round(wall, 3),
