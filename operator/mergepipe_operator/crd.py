@@ -10,8 +10,8 @@ Four kinds in ``mergepipe.io/v1alpha1``:
 - :class:`MergeQuota` (``mq``): a ResourceQuota-like limit on expert-read bytes and merges per
   time window, enforced by ``Clamp`` (lower a merge's budget to what is left) or ``Reject``.
 - :class:`MergeSearch` (``msearch``): a layer-wise multi-objective merge search (``mergepipe
-  search``). Schema only for now: the operator does not reconcile it yet and the chart does not
-  install it (``crds/mergesearches.yaml`` only).
+  search``): one driver Job per generation whose candidates are child ModelMerges
+  (:mod:`mergepipe_operator.search_decisions`); the status mirrors the driver's results.
 
 ``crdgen`` turns these models into the CRD YAML (``crds/*.yaml``, copied into the Helm chart).
 Field names are the Kubernetes (camelCase) names; Python attribute names are snake_case.
@@ -644,6 +644,7 @@ class MergeSearchStatus(ObservedStatus):
     state_uri: Annotated[str, StringConstraints(max_length=2048)] | None = Field(
         default=None, alias="stateURI", description="The search state (resume)."
     )
+    driver_job: DnsLabel | None = Field(default=None, description="The driver Job of this generation.")
     expert_read: Annotated[str, StringConstraints(max_length=32)] | None = Field(
         default=None, description="Expert bytes read by all candidate merges (human-readable)."
     )
@@ -719,7 +720,6 @@ RESOURCES["MergeSearch"] = {
     "spec": MergeSearchSpec,
     "status": MergeSearchStatus,
     "description": "A layer-wise multi-objective search over merge parameters (a Pareto set of merged snapshots).",
-    "chart": False,  # schema only: not reconciled yet, so the chart does not install it
     "columns": [
         {"name": "Ready", "type": "string", "jsonPath": READY_STATUS},
         {"name": "Reason", "type": "string", "jsonPath": READY_REASON},

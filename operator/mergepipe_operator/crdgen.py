@@ -243,7 +243,8 @@ def chart_kinds() -> list[str]:
 
 
 #: Argo CD health-check scripts shipped with the chart, by kind.
-ARGOCD_SCRIPTS = {"ModelMerge": "modelmerge-health.lua", "MergedSnapshot": "mergedsnapshot-health.lua"}
+ARGOCD_SCRIPTS = {"ModelMerge": "modelmerge-health.lua", "MergedSnapshot": "mergedsnapshot-health.lua",
+                  "MergeSearch": "mergesearch-health.lua"}
 ARGOCD_PATCH = "argocd-cm-patch.yaml"
 _ARGOCD_HEADER = """\
 # Argo CD health checks for the mergepipe custom resources.
@@ -320,6 +321,7 @@ return hs
 
 def _health_checks() -> dict[str, dict[str, Any]]:
     from .decisions import TERMINAL_MERGE_REASONS, TERMINAL_SNAPSHOT_REASONS
+    from .search_decisions import TERMINAL_SEARCH_REASONS
 
     return {
         "ModelMerge": {
@@ -333,6 +335,12 @@ def _health_checks() -> dict[str, dict[str, Any]]:
             "degraded": "Ready=False because the manifest is invalid or does not match (hash, plan, outputs, budget).",
             "progressing": "anything else (not yet observed, manifest not visible yet).",
             "terminal": TERMINAL_SNAPSHOT_REASONS,
+        },
+        "MergeSearch": {
+            "healthy": "Ready=True (Completed: every candidate evaluated, the Pareto set in the status).",
+            "degraded": "Ready=False with a reason that needs a change (" + ", ".join(sorted(TERMINAL_SEARCH_REASONS)) + ").",
+            "progressing": "anything else (not yet observed, Searching).",
+            "terminal": TERMINAL_SEARCH_REASONS,
         },
     }
 

@@ -76,6 +76,8 @@ class Reason:
     ADMITTED = "Admitted"
     CLAMPED = "Clamped"
     ALREADY_ADMITTED = "AlreadyAdmitted"
+    # MergeSearch (search_decisions.SearchReason; Completed is Ready=True)
+    SEARCH_FAILED = "Failed"
 
 
 #: Ready=False reasons that need a change (spec, quota or storage) rather than time.
@@ -548,7 +550,7 @@ def set_condition(
 #: Reasons whose transition is posted as a Warning Event (the rest are Normal).
 WARNING_REASONS = frozenset({Reason.INVALID_SPEC, Reason.JOB_FAILED, Reason.QUOTA_EXCEEDED}) | frozenset(
     {Reason.MANIFEST_INVALID, Reason.MANIFEST_HASH_MISMATCH, Reason.PLAN_DIGEST_MISMATCH, Reason.OUTPUT_MISMATCH,
-     Reason.BUDGET_EXCEEDED}
+     Reason.BUDGET_EXCEEDED, Reason.SEARCH_FAILED}
 )
 
 

@@ -23,6 +23,7 @@ class Conflict(Exception):
 MERGES = (GROUP, VERSION, "modelmerges")
 SNAPSHOTS = (GROUP, VERSION, "mergedsnapshots")
 QUOTAS = (GROUP, VERSION, "mergequotas")
+SEARCHES = (GROUP, VERSION, "mergesearches")
 JOBS = ("batch", "v1", "jobs")
 
 _MERGE_PATCH = "application/merge-patch+json"

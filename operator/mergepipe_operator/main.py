@@ -30,8 +30,9 @@ from typing import Any
 import kopf
 
 from . import decisions as d
+from . import search_decisions as sd
 from .crd import API_VERSION
-from .kube import JOBS, MERGES, QUOTAS, SNAPSHOTS, Conflict, Kube
+from .kube import JOBS, MERGES, QUOTAS, SEARCHES, SNAPSHOTS, Conflict, Kube
 from .objectstore import ObjectStore, join, manifest_uri
 from .settings import Settings
 
@@ -704,6 +705,56 @@ class Controller:
             raise RetryWithStatus(message, 60, out)
         return out
 
+    # MergeSearch ------------------------------------------------------------------------------------
+
+    def reconcile_search(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """One reconciliation of a MergeSearch (create/update/resume): validate, start this
+        generation's driver Job (409: it exists already, carry on), delete the driver Jobs of
+        earlier generations (their candidates and snapshots stay), then mirror the results.
+        Returns the status fields to patch (``None``: nothing changes)."""
+        meta, spec = body["metadata"], body.get("spec") or {}
+        status = body.get("status") or {}
+        gen = meta.get("generation")
+        ready = d.get_condition(status.get("conditions"), "Ready")
+        if status.get("observedGeneration") == gen and ready and ready.get("reason") in (
+                sd.SearchReason.COMPLETED, *sd.TERMINAL_SEARCH_REASONS):
+            return None
+        issues = sd.validate_search_spec(spec)
+        if issues:
+            now = self.clock()
+            return {"observedGeneration": gen, "conditions": d.set_condition(
+                status.get("conditions"), "Ready", "False", sd.SearchReason.INVALID_SPEC, d.format_issues(issues), gen, now)}
+        ns, name = meta["namespace"], meta["name"]
+        job = sd.build_driver_job(body, self.settings)
+        jname = job["metadata"]["name"]
+        for old in self.kube.list(JOBS, ns, f"{sd.LABEL_SEARCH}={d.label_value(name)}"):
+            if old["metadata"]["name"] != jname and (old["metadata"].get("annotations") or {}).get(sd.ANN_SEARCH) == name:
+                self.kube.delete(JOBS, ns, old["metadata"]["name"])  # an earlier generation's search stops
+        try:
+            self.kube.create(JOBS, ns, job)
+            JOBS_CREATED.inc()
+        except Conflict:
+            pass  # same generation: created by an earlier attempt (or before a restart)
+        return self.sync_search(body, self.kube.get(JOBS, ns, jname) or job)
+
+    def sync_search(self, body: dict[str, Any], job: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Mirror the driver's results and its Job's state into the MergeSearch status; returns the
+        fields to patch, or ``None`` when nothing changed (an unreadable results object is
+        logged and skipped: the driver rewrites it after the next candidate)."""
+        meta, spec = body["metadata"], body.get("spec") or {}
+        gen = meta.get("generation")
+        jname = sd.driver_job_name(meta["name"], gen)
+        if job is None:
+            job = self.kube.get(JOBS, meta["namespace"], jname)
+        raw = self.store.get(sd.results_uri(spec, gen)) if self.store else None
+        try:
+            results = sd.parse_results(raw)
+        except sd.ResultsError as e:
+            log.warning("MergeSearch %s/%s: %s", meta["namespace"], meta["name"], e)
+            results = None
+        new = sd.search_status(body, results, d.job_outcome(job), jname, self.clock())
+        return new if sd.status_changed(body.get("status"), new) else None
+
     # deletion ---------------------------------------------------------------------------------------
 
     def finalize_merge(self, body: dict[str, Any]) -> None:
@@ -807,8 +858,8 @@ def merge_job_poll(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
 def job_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
     if event.get("type") == "DELETED":
         return
-    if (body["metadata"].get("labels") or {}).get(d.LABEL_COMPONENT) == "analyze":
-        return  # the merge's handler polls its analyze Job (kopf cannot wake a delayed handler)
+    if (body["metadata"].get("labels") or {}).get(d.LABEL_COMPONENT) in ("analyze", "search"):
+        return  # the merge's handler polls its analyze Job (kopf cannot wake a delayed handler); search: below
     c = controller()
     ns = body["metadata"]["namespace"]
     mm_name = (body["metadata"].get("annotations") or {}).get(d.ANN_MERGE)
@@ -830,6 +881,47 @@ def job_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
 @kopf.on.update(*SNAPSHOTS, field="spec")
 def snapshot_changed(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
     _run(lambda: controller().verify_snapshot(dict(body)), patch, body)
+
+
+@kopf.on.resume(*SEARCHES)
+@kopf.on.create(*SEARCHES)
+@kopf.on.update(*SEARCHES, field="spec")
+def search_changed(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    _run(lambda: controller().reconcile_search(dict(body)), patch, body)
+
+
+def _searching(status: dict[str, Any], **_: Any) -> bool:
+    ready = d.get_condition((status or {}).get("conditions"), "Ready")
+    return bool(ready and ready.get("reason") == sd.SearchReason.SEARCHING)
+
+
+#: Seconds between reads of a running search's results (MERGEPIPE_SEARCH_POLL_SECONDS, read when
+#: the operator starts; kopf fixes a timer's interval when the handler is registered).
+SEARCH_POLL_SECONDS = float(os.environ.get("MERGEPIPE_SEARCH_POLL_SECONDS") or Settings.search_poll_seconds)
+
+
+@kopf.timer(*SEARCHES, interval=SEARCH_POLL_SECONDS, initial_delay=SEARCH_POLL_SECONDS, when=_searching)
+def search_poll(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    """Mirror the running search's results (the driver rewrites them after every candidate)."""
+    _run(lambda: controller().sync_search(dict(body)), patch, body)
+
+
+@kopf.on.event(*JOBS, labels={d.LABEL_MANAGED_BY: d.MANAGER, d.LABEL_COMPONENT: "search"})
+def search_job_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
+    """The driver Job changed (started, completed, failed): mirror at once."""
+    if event.get("type") == "DELETED":
+        return
+    c = controller()
+    ns = body["metadata"]["namespace"]
+    name = (body["metadata"].get("annotations") or {}).get(sd.ANN_SEARCH)
+    ms = c.kube.get(SEARCHES, ns, name) if name else None
+    gen = (ms or {}).get("metadata", {}).get("generation")
+    if ms is None or sd.job_generation(body) != gen or (ms.get("status") or {}).get("observedGeneration") != gen:
+        return  # owner gone, an earlier generation's driver, or the search handler has not written its status yet
+    result = c.sync_search(ms, dict(body))
+    if result:
+        c.kube.patch_status(SEARCHES, ns, name, result)
+        post_events(ms, ms.get("status"), result)
 
 
 @kopf.on.resume(*QUOTAS)

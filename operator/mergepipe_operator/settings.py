@@ -76,6 +76,13 @@ class Settings:
     #: seconds between checks of a running analyze Job (the merge is planned when it finished)
     analyze_poll_seconds: int = 15
     metrics_port: int | None = None
+    # merge searches: the driver Job's ServiceAccount (a Role lets it create ModelMerges and Jobs in
+    # its namespace) and its resources (botorch on CPU; the candidates' merge Jobs get the GPUs)
+    search_service_account: str = "mergepipe-search-driver"
+    search_driver_cpu: str = "2"
+    search_driver_memory: str = "8Gi"
+    #: seconds between reads of a running search's results (status mirroring)
+    search_poll_seconds: int = 30
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -114,4 +121,8 @@ class Settings:
             quota_retry_seconds=_int(env, "QUOTA_RETRY_SECONDS", d.quota_retry_seconds),
             analyze_poll_seconds=_int(env, "ANALYZE_POLL_SECONDS", d.analyze_poll_seconds),
             metrics_port=int(metrics) if metrics else None,
+            search_service_account=_opt(env, "SEARCH_SERVICE_ACCOUNT") or d.search_service_account,
+            search_driver_cpu=_opt(env, "SEARCH_DRIVER_CPU") or d.search_driver_cpu,
+            search_driver_memory=_opt(env, "SEARCH_DRIVER_MEMORY") or d.search_driver_memory,
+            search_poll_seconds=_int(env, "SEARCH_POLL_SECONDS", d.search_poll_seconds),
         )

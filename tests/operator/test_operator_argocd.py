@@ -101,6 +101,21 @@ def test_mergedsnapshot_health(o, health):
     assert run_health(script("MergedSnapshot"), o)["status"] == health
 
 
+@pytest.mark.parametrize(
+    "o, health",
+    [
+        (obj(status=False), "Progressing"),
+        (obj(ready=("False", "Searching", "3/32 candidates evaluated")), "Progressing"),
+        (obj(ready=("True", "Completed", "32/32 candidates evaluated")), "Healthy"),
+        (obj(observed=1, ready=("True", "Completed", "x")), "Progressing"),  # new generation: a new search
+        (obj(ready=("False", "Failed", "driver Job failed")), "Degraded"),
+        (obj(ready=("False", "InvalidSpec", "spec.vary[0].name: ...")), "Degraded"),
+    ],
+)
+def test_mergesearch_health(o, health):
+    assert run_health(script("MergeSearch"), o)["status"] == health
+
+
 def test_non_terminal_reasons_are_progressing():
     for r in ("Planning", "Analyzing", "JobRunning"):
         assert r not in d.TERMINAL_MERGE_REASONS
@@ -139,4 +154,5 @@ def test_argocd_cm_patch_ships_the_scripts():
     assert data == {
         "resource.customizations.health.mergepipe.io_ModelMerge": script("ModelMerge"),
         "resource.customizations.health.mergepipe.io_MergedSnapshot": script("MergedSnapshot"),
+        "resource.customizations.health.mergepipe.io_MergeSearch": script("MergeSearch"),
     }

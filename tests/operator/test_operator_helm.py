@@ -92,10 +92,11 @@ def test_watch_namespaces_and_rbac(chart):
     args = deployment(all_ns)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--all-namespaces" in args
     assert {o["kind"] for o in all_ns if "Role" in o["kind"]} == {"ClusterRole", "ClusterRoleBinding"}
+    assert [o["kind"] for o in all_ns if is_driver(o)] == ["ClusterRole"]  # to bind per namespace
     some = render(chart, {"watchNamespaces": ["team-a", "team-b"]})
     args = deployment(some)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args and "--all-namespaces" not in args
-    roles = [o for o in some if o["kind"] == "Role"]
+    roles = [o for o in some if o["kind"] == "Role" and not is_driver(o)]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     (cluster_role,) = [o for o in some if o["kind"] == "ClusterRole"]
     # with fixed namespaces, the only cluster-wide grants are reads kopf needs
@@ -109,6 +110,8 @@ EXPECTED_GRANTS = {
     ("mergepipe.io", "modelmerges"): {"get", "list", "watch", "patch"},
     ("mergepipe.io", "mergedsnapshots"): {"get", "list", "watch", "patch", "create"},
     ("mergepipe.io", "mergequotas"): {"get", "list", "watch", "patch"},
+    ("mergepipe.io", "mergesearches"): {"get", "list", "watch", "patch"},
+    ("mergepipe.io", "mergesearches/status"): {"get", "patch"},
     ("mergepipe.io", "modelmerges/status"): {"get", "patch"},
     ("mergepipe.io", "mergedsnapshots/status"): {"get", "patch"},
     ("mergepipe.io", "mergequotas/status"): {"get", "update"},
@@ -120,10 +123,22 @@ EXPECTED_GRANTS = {
 }
 
 
-def grants(objs):
+#: What a MergeSearch driver may do in its namespace: create its candidates and follow them. No
+#: Jobs: its token sits next to the user's evaluator command, which must not gain pod creation.
+EXPECTED_DRIVER_GRANTS = {
+    ("mergepipe.io", "modelmerges"): {"create", "get", "list", "watch"},
+    ("mergepipe.io", "mergedsnapshots"): {"get", "list"},
+}
+
+
+def is_driver(o) -> bool:
+    return o["kind"] in ("Role", "ClusterRole", "RoleBinding") and o["metadata"]["name"].endswith("-search-driver")
+
+
+def grants(objs, driver: bool = False):
     out: dict[tuple[str, str], set[str]] = {}
     for o in objs:
-        if o["kind"] not in ("Role", "ClusterRole"):
+        if o["kind"] not in ("Role", "ClusterRole") or is_driver(o) != driver:
             continue
         for rule in o["rules"]:
             for g in rule["apiGroups"]:
@@ -138,6 +153,28 @@ def test_rbac_is_least_privilege(chart, values):
     assert got == EXPECTED_GRANTS
     flat = json.dumps([o for o in render(chart, values) if "Role" in o["kind"]])
     assert '"*"' not in flat and "secrets" not in flat and "pods" not in flat
+
+
+@pytest.mark.parametrize("values", [{}, {"watchNamespaces": ["team-a"]}], ids=["cluster", "namespaced"])
+def test_search_driver_rbac_is_least_privilege(chart, values):
+    objs = render(chart, values)
+    assert grants(objs, driver=True) == EXPECTED_DRIVER_GRANTS
+    assert not [o for o in objs if o["kind"] == "ClusterRoleBinding" and "search-driver" in o["roleRef"]["name"]]
+
+
+def test_search_driver_service_account_per_watched_namespace(chart):
+    objs = render(chart, {"watchNamespaces": ["team-a", "team-b"]})
+    sas = sorted((o["metadata"]["namespace"], o["metadata"]["name"]) for o in objs
+                 if o["kind"] == "ServiceAccount" and o["metadata"].get("namespace") in ("team-a", "team-b"))
+    assert sas == [("team-a", "mergepipe-search-driver"), ("team-b", "mergepipe-search-driver")]
+    for b in (o for o in objs if o["kind"] == "RoleBinding" and is_driver(o)):
+        ns = b["metadata"]["namespace"]
+        assert b["roleRef"]["kind"] == "Role" and b["roleRef"]["name"].endswith("-search-driver")
+        assert b["subjects"] == [{"kind": "ServiceAccount", "name": "mergepipe-search-driver", "namespace": ns}]
+    s = settings_from(deployment(render(chart, {"search": {"driver": {"serviceAccountName": "searcher", "cpu": "1",
+                                                                      "memory": "2Gi"}, "pollSeconds": 5}})))
+    assert (s.search_service_account, s.search_driver_cpu, s.search_driver_memory, s.search_poll_seconds) == (
+        "searcher", "1", "2Gi", 5)
 
 
 def test_rbac_can_be_disabled(chart):
@@ -179,7 +216,8 @@ def test_values_reach_the_operator_settings(chart):
 
 def test_chart_ships_the_generated_crds(chart):
     crds = {c["filename"].removeprefix("mergepipe/"): c["data"] for c in chart.crds}
-    assert sorted(crds) == ["crds/mergedsnapshots.yaml", "crds/mergequotas.yaml", "crds/modelmerges.yaml"]
+    assert sorted(crds) == ["crds/mergedsnapshots.yaml", "crds/mergequotas.yaml", "crds/mergesearches.yaml",
+                            "crds/modelmerges.yaml"]
     for name, data in crds.items():
         assert data == (ROOT / name).read_text()
 

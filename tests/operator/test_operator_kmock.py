@@ -82,7 +82,10 @@ class Cluster:
     def events(self, name: str, ns: str = NS, kind: str = "ModelMerge") -> list[tuple[str, str, str]]:
         """``(type, reason, message)`` of the Events posted on ``kind`` ``name`` with a condition
         reason (kopf's own handler-log Events left out), oldest first."""
+        from mergepipe_operator.search_decisions import SearchReason
+
         reasons = {v for k, v in vars(d.Reason).items() if k.isupper()} | {"Analyzed", "Planned"}
+        reasons |= {v for k, v in vars(SearchReason).items() if k.isupper()}
         evs = [e for e in self.api.list("Event", ns)
                if e["involvedObject"].get("name") == name and e["involvedObject"].get("kind") == kind
                and e["reason"] in reasons]
@@ -421,3 +424,140 @@ def test_operator_restart_mid_merge_creates_no_duplicate_job(cluster):
         assert r.returncode == 0, r.stderr
         o = c.wait_reason("restart", "Committed")
         assert o["status"]["snapshot"] and len(c.jobs()) == 1
+
+
+def test_search_driver_job_and_status_mirroring(cluster):
+    """MergeSearch -> one driver Job (owned by the search, the driver's ServiceAccount, the spec as
+    `mergepipe search` options) -> the driver's results in S3 mirrored into the status at the
+    Job's events -> Completed when the driver succeeds; an operator restart creates no second
+    driver. (The driver itself cannot run here: the core has no Kubernetes worker backend yet.)"""
+    from test_operator_search import core_results
+
+    from mergepipe_operator import search_decisions as sd
+
+    c = cluster
+    out = f"s3://{c.models.bucket}/searches/{NS}/front/"
+    spec = {"base": {"uri": c.models.base + "/"},
+            "experts": [{"name": n, "uri": u + "/"} for n, u in zip(("code", "math"), c.models.experts[:2])],
+            "method": "task_arithmetic", "vary": [{"name": "weight", "min": 0.0, "max": 1.0}], "layerBlocks": 2,
+            "objectives": [{"metric": "loss:python"}, {"metric": "loss:arithmetic"}],
+            "evaluator": {"command": "python -m evalpkg {checkpoint}"}, "evaluations": 6, "initial": 2, "workers": 2,
+            "output": {"uri": out}}
+
+    def search_obj():
+        return c.api.get("MergeSearch", NS, "front")
+
+    def wait_search(pred, what):
+        return wait_for(f"MergeSearch front {what}", lambda: (o := search_obj()) and pred(o) and o, 30)
+
+    with operator():
+        ms = c.api.create({"apiVersion": "mergepipe.io/v1alpha1", "kind": "MergeSearch",
+                           "metadata": {"name": "front", "namespace": NS}, "spec": spec})
+        job = c.job("search")
+        assert job["metadata"]["name"] == "front-search-g1"
+        assert job["metadata"]["ownerReferences"][0]["uid"] == ms["metadata"]["uid"]
+        assert job["metadata"]["ownerReferences"][0]["kind"] == "MergeSearch"
+        pod = job["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == "mergepipe-search-driver" and pod["automountServiceAccountToken"]
+        args = pod["containers"][0]["args"]
+        assert args[:3] == ["search", "--out", out + "g1/"] and args[args.index("--search-uid") + 1] == ms["metadata"]["uid"]
+        o = wait_search(lambda o: ready(o).get("reason") == "Searching", "Searching")
+        assert o["status"]["stateURI"] == out + "g1/state.json" and o["status"]["driverJob"] == "front-search-g1"
+        # the driver has finished 3 candidates (1 failed) and rewrites its results; its pod runs
+        bucket, key = sd.results_uri(spec, 1)[5:].split("/", 1)
+        c.models.client.put_object(Bucket=bucket, Key=key, Body=json.dumps(core_results()).encode())
+        mark_job(c.api, job, "Running")
+        o = wait_search(lambda o: o["status"].get("evaluations") == 4, "4 evaluations mirrored")
+        assert o["status"]["paretoSize"] == 2 and o["status"]["hypervolume"] == pytest.approx(8.0)
+        assert [p["candidate"] for p in o["status"]["pareto"]] == [0, 1]
+        assert o["status"]["pareto"][0]["snapshot"].startswith("front-c0000-")
+        assert ready(o)["status"] == "False" and "4/6 candidates evaluated (1 failed)" in ready(o)["message"]
+    with operator():  # restart: the same driver carries on
+        time.sleep(1.0)
+        assert [j["metadata"]["name"] for j in c.jobs(component="search")] == ["front-search-g1"]
+        mark_job(c.api, job, "Succeeded")
+        o = wait_search(lambda o: ready(o).get("reason") == "Completed", "Completed")
+        assert ready(o)["status"] == "True" and "Pareto set of 2" in ready(o)["message"]
+        c.wait_events("front", ["Searching", "Completed"], kind="MergeSearch")
+
+
+@pytest.mark.slow
+def test_search_end_to_end_driver_candidates_as_modelmerges(cluster, monkeypatch):
+    """The real thing, played: MergeSearch -> driver Job, whose command (`mergepipe search
+    --worker-backend kubernetes`) the test runs locally against the fake API server -> each
+    candidate a child ModelMerge (owned by the search) that the operator plans and admits under
+    the namespace's quota -> the test plays the merge Jobs -> MergedSnapshots -> the driver
+    evaluates the snapshot URIs with the command evaluator -> results in S3 -> status mirrored;
+    Completed when the driver exits 0."""
+    import sys
+    import threading
+
+    from kubeharness import run_job
+
+    c = cluster
+    monkeypatch.setenv("MERGEPIPE_SEARCH_POLL_SECONDS", "1")
+    c.quota("daily", merges=10, enforcement="Reject")
+    script = c.tmp / "score.py"
+    script.write_text("import hashlib, json, sys\nh = hashlib.sha256(sys.argv[1].encode()).digest()\n"
+                      "print(json.dumps({'a': h[0] / 255, 'b': h[1] / 255}))\n")
+    out = f"s3://{c.models.bucket}/searches/{NS}/e2e/"
+    spec = {"base": {"uri": c.models.base + "/"},
+            "experts": [{"name": n, "uri": u + "/"} for n, u in zip(("code", "math"), c.models.experts[:2])],
+            "method": "task_arithmetic", "vary": [{"name": "weight", "min": 0.0, "max": 1.0}], "layerBlocks": 1,
+            "objectives": [{"metric": "a"}, {"metric": "b"}],
+            "evaluator": {"command": f"{sys.executable} {script} {{checkpoint}}"},
+            "evaluations": 3, "initial": 3, "workers": 2, "strategy": "random", "output": {"uri": out},
+            "resources": {"gpu": {"count": 0}}}
+    played: set[str] = set()
+    with operator(timeout=120):
+        ms = c.api.create({"apiVersion": "mergepipe.io/v1alpha1", "kind": "MergeSearch",
+                           "metadata": {"name": "e2e", "namespace": NS}, "spec": spec})
+        driver = c.job("search")
+        cmd_env: dict[str, Any] = {}
+        result: dict[str, Any] = {}
+
+        def run_driver():
+            mark_job(c.api, driver, "Running")
+            import kubeharness
+
+            orig = kubeharness.job_command
+
+            def with_kubeconfig(api, job, workdir):
+                cmd, env = orig(api, job, workdir)
+                env["KUBECONFIG"] = str(c.tmp / "kubeconfig")
+                cmd_env["env"] = env
+                return cmd, env
+
+            monkeypatch.setattr(kubeharness, "job_command", with_kubeconfig)
+            result["r"] = run_job(c.api, driver, c.tmp / "driver", timeout=600)
+
+        t = threading.Thread(target=run_driver, daemon=True)
+        t.start()
+        deadline = time.monotonic() + 600
+        while t.is_alive() and time.monotonic() < deadline:
+            for job in c.jobs():
+                comp = job["metadata"]["labels"].get(d.LABEL_COMPONENT)
+                if comp in ("merge", "analyze") and job["metadata"]["name"] not in played:
+                    played.add(job["metadata"]["name"])
+                    r = play_job(c.api, job, c.tmp / job["metadata"]["name"])
+                    assert r.returncode == 0, r.stderr[-2000:]
+            time.sleep(0.2)
+        t.join(5)
+        r = result["r"]
+        assert r.returncode == 0, r.stderr[-3000:]
+        mark_job(c.api, driver, "Succeeded")
+        o = wait_for("MergeSearch e2e Completed",
+                     lambda: (x := c.api.get("MergeSearch", NS, "e2e")) and ready(x).get("reason") == "Completed" and x, 60)
+    st = o["status"]
+    assert st["evaluations"] == 3 and st["failed"] == 0 and st["paretoSize"] == len(st["pareto"]) >= 1
+    children = c.api.list("ModelMerge", NS, "mergepipe.io/merge-search=e2e")
+    assert sorted(m["metadata"]["name"] for m in children) == ["e2e-c0000", "e2e-c0001", "e2e-c0002"]
+    for m in children:
+        assert m["metadata"]["ownerReferences"][0]["uid"] == ms["metadata"]["uid"]
+        assert ready(m)["reason"] == "Committed"
+    for p in st["pareto"]:
+        snap = c.api.get("MergedSnapshot", NS, p["snapshot"])
+        assert snap is not None and snap["spec"]["uri"] == p["uri"] == f"{out}g1/c{p['candidate']:04d}/"
+    ledger = quota_ledger(c.api, NS, "daily")
+    assert sorted(e["merge"] for e in ledger) == ["e2e-c0000", "e2e-c0001", "e2e-c0002"]
+    assert {e["state"] for e in ledger} == {"Charged"}

@@ -45,13 +45,13 @@ annotations, events).
 */}}
 {{- define "mergepipe.namespacedRules" -}}
 - apiGroups: ["mergepipe.io"]
-  resources: ["modelmerges", "mergedsnapshots", "mergequotas"]
+  resources: ["modelmerges", "mergedsnapshots", "mergequotas", "mergesearches"]
   verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["mergepipe.io"]
   resources: ["mergedsnapshots"]
   verbs: ["create"]
 - apiGroups: ["mergepipe.io"]
-  resources: ["modelmerges/status", "mergedsnapshots/status"]
+  resources: ["modelmerges/status", "mergedsnapshots/status", "mergesearches/status"]
   verbs: ["get", "patch"]
 - apiGroups: ["mergepipe.io"]
   resources: ["mergequotas/status"]
@@ -62,4 +62,19 @@ annotations, events).
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create"]
+{{- end -}}
+
+
+{{/*
+What a MergeSearch's driver may do in its namespace: create its candidates (ModelMerges) and follow
+them to their MergedSnapshots. Nothing else: no Jobs or Pods (the evaluator command runs in the
+driver's pod, next to this token), no Secrets, no status writes.
+*/}}
+{{- define "mergepipe.searchDriverRules" -}}
+- apiGroups: ["mergepipe.io"]
+  resources: ["modelmerges"]
+  verbs: ["create", "get", "list", "watch"]
+- apiGroups: ["mergepipe.io"]
+  resources: ["mergedsnapshots"]
+  verbs: ["get", "list"]
 {{- end -}}

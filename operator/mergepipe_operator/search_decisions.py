@@ -1,0 +1,373 @@
+"""Pure decisions of the MergeSearch reconciler (issue 7 item 5): validation, the driver Job, and
+the status mirrored from the search's results.
+
+Design. A MergeSearch runs as one *driver* Job per generation, ``<name>-search-g<generation>``
+(deterministic: a second reconciliation or a restarted operator gets 409 and carries on). The
+driver runs ``mergepipe search`` (the merger image: botorch proposes on CPU) with its state under
+``<spec.output.uri>/g<generation>/`` in object storage, so a restarted driver pod resumes the
+search from its state. Its workers are Kubernetes objects, not threads: each candidate is a child
+``ModelMerge`` ``<name>-c<NNNN>`` (ownerReference to the MergeSearch, labels naming the search and
+the candidate) whose layer-wise parameters are the candidate's point, so quota admission and
+charging, planning, the merge Job and the MergedSnapshot all come from the ModelMerge path;
+then the driver runs the evaluator command on the committed snapshot URI in its own pod (no GPU
+there; a GPU evaluation Job per candidate is future work). The driver rewrites
+``results.json`` (the core's :func:`mergepipe.search.runner.results`, without the trace) under
+the state prefix after every finished candidate; the operator mirrors it into the status. The
+operator never computes the hypervolume itself: that needs torch, which the operator image lacks.
+
+Everything here is a pure function of its arguments (unit-tested without a cluster).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from .crd import MergeSearchSpec
+from .decisions import (
+    GROUP,
+    LABEL_COMPONENT,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    MANAGER,
+    METHOD_PARAMS,
+    Reason,
+    Issue,
+    JobOutcome,
+    _pydantic_issues,
+    _worker_job,
+    dns_label,
+    label_value,
+    merge_params,
+    owner_reference,
+    set_condition,
+    snapshot_name,
+    validate_merge_spec,
+)
+from .settings import Settings
+
+LABEL_SEARCH = f"{GROUP}/merge-search"
+LABEL_CANDIDATE = f"{GROUP}/search-candidate"
+ANN_SEARCH = f"{GROUP}/merge-search"
+ANN_GENERATION = f"{GROUP}/generation"
+RESULTS_NAME = "results.json"
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+STATE_NAME = "state.json"
+
+
+class SearchReason:
+    """Reasons of a MergeSearch's ``Ready`` condition."""
+
+    SEARCHING = "Searching"
+    COMPLETED = "Completed"
+    FAILED = Reason.SEARCH_FAILED
+    INVALID_SPEC = "InvalidSpec"
+
+
+#: Ready=False reasons that only a spec change ends.
+TERMINAL_SEARCH_REASONS = frozenset({SearchReason.FAILED, SearchReason.INVALID_SPEC})
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+
+def validate_search_spec(spec: Mapping[str, Any]) -> list[Issue]:
+    """Problems in a MergeSearch spec, as ``(field path, message)``; empty when valid.
+
+    The schema checks (pydantic model = the CRD's schema and CEL rules), then what every candidate
+    merge would be refused for (the ModelMerge checks of :func:`decisions.validate_merge_spec` on
+    base, experts, method, fixed parameters, budget and output), then the varied parameters:
+    each must be a parameter of the method, a global one cannot be varied per expert, and it
+    cannot also be fixed in the same scope.
+    """
+    if not isinstance(spec, Mapping):
+        return [("spec", "spec must be an object.")]
+    out: list[Issue] = []
+    try:
+        MergeSearchSpec.model_validate(dict(spec))
+    except ValidationError as e:
+        out.extend((p, m.replace("modelmerge.spec", "mergesearch.spec")) for p, m in _pydantic_issues(e))
+    merge_like = {k: spec[k] for k in ("base", "experts", "method", "parameters", "budget", "output") if k in spec}
+    merge_like.setdefault("method", "task_arithmetic")
+    out.extend(validate_merge_spec(merge_like))  # same paths; duplicates of the schema issues are dropped below
+    method = merge_like["method"]
+    table = METHOD_PARAMS.get(method, {})
+    experts = [e for e in spec.get("experts") or [] if isinstance(e, Mapping)]
+    names = {e.get("name") for e in experts if e.get("name")}
+    for i, v in enumerate(spec.get("vary") or []):
+        if not isinstance(v, Mapping):
+            continue
+        path, name, expert = f"spec.vary[{i}]", v.get("name"), v.get("expert")
+        p = table.get(name)
+        if p is None:
+            out.append((f"{path}.name", f"method {method} takes no parameter {name!r}; allowed: {', '.join(table) or 'none'}."))
+            continue
+        if expert is not None and p.scope == "global":
+            out.append((f"{path}.expert", f"{name} is a global parameter of {method}; vary it without expert."))
+        if expert is not None and expert not in names:
+            out.append((f"{path}.expert", f"{expert!r} is not the name of an expert in spec.experts."))
+        if p.scope == "global" and name in (spec.get("parameters") or {}):
+            out.append((f"{path}.name", f"{name} is also fixed in spec.parameters; drop one of them."))
+        for j, e in enumerate(experts):
+            if p.scope != "global" and (expert is None or e.get("name") == expert):
+                if name in (e.get("parameters") or {}) or (name == "weight" and e.get("weight") is not None):
+                    out.append((f"spec.experts[{j}].parameters.{name}", f"{name} is varied by {path}; do not fix it here."))
+    if not ((spec.get("evaluator") or {}).get("command")):
+        out.append(("spec.evaluator.command", "a MergeSearch needs an evaluator command: it runs in the driver pod "
+                    "with {checkpoint} = the candidate's snapshot URI (s3://...) and prints a JSON object of "
+                    "metrics (the built-in zoo evaluator reads local folders only)."))
+    seen: set[Issue] = set()
+    return [i for i in out if not (i in seen or seen.add(i))]
+
+
+# --- names, locations, the driver Job -----------------------------------------------------------
+
+
+def state_prefix(spec: Mapping[str, Any], generation: int | None) -> str:
+    """Where generation ``generation`` of the search keeps its state, results and candidates'
+    snapshots: ``<spec.output.uri>/g<generation>`` (a spec change starts a new search beside the
+    old one; snapshots are immutable)."""
+    return f"{spec['output']['uri'].rstrip('/')}/g{int(generation or 0)}"
+
+
+def results_uri(spec: Mapping[str, Any], generation: int | None) -> str:
+    """The results object the driver rewrites after every finished candidate."""
+    return f"{state_prefix(spec, generation)}/{RESULTS_NAME}"
+
+
+def driver_job_name(search_name: str, generation: int | None) -> str:
+    """``<name>-search-g<generation>`` (a DNS label; long names are shortened with a hash)."""
+    return dns_label(search_name, f"search-g{int(generation or 0)}")
+
+
+def candidate_merge_name(search_name: str, candidate: int) -> str:
+    """Name of the child ModelMerge of candidate ``candidate``: ``<name>-c<NNNN>``."""
+    if candidate < 0:
+        raise ValueError(f"candidate must be >= 0, got {candidate}")
+    return dns_label(search_name, f"c{candidate:04d}")
+
+
+def _objective_arg(o: Mapping[str, Any]) -> str:
+    return o["metric"] + ("@max" if o.get("sense") == "max" else "")
+
+
+def driver_args(ms: Mapping[str, Any], settings: Settings) -> list[str]:
+    """The driver's ``mergepipe`` arguments: the spec as ``mergepipe search`` options (fixed
+    parameters in the core's ``--param`` syntax, varied ones as ``--vary [EXPERT:]NAME=MIN:MAX``)
+    plus the Kubernetes worker backend (``--worker-backend kubernetes``: candidates are child
+    ModelMerges in the search's namespace, owned by the search whose uid is
+    given) and ``--resume-existing`` (a restarted pod continues the state it finds)."""
+    meta, spec = ms["metadata"], ms["spec"]
+    gen = meta.get("generation")
+    names = [e.get("name") or f"expert-{i}" for i, e in enumerate(spec["experts"])]
+    args = ["search", "--out", state_prefix(spec, gen) + "/", "--base", spec["base"]["uri"].rstrip("/")]
+    for n, e in zip(names, spec["experts"]):
+        args += ["--expert", f"{n}={e['uri'].rstrip('/')}"]
+    args += ["--method", spec.get("method") or "task_arithmetic"]
+    for p in merge_params(spec):
+        args += ["--param", p]
+    for v in spec["vary"]:
+        args += ["--vary", f"{v['expert'] + ':' if v.get('expert') else ''}{v['name']}={v['min']!r}:{v['max']!r}"]
+    args += ["--layer-blocks", str(spec.get("layerBlocks", 4))]
+    for o in spec["objectives"]:
+        args += ["--objective", _objective_arg(o)]
+    ev = spec.get("evaluator") or {}
+    if ev.get("command"):
+        args += ["--eval-command", ev["command"]]
+    if ev.get("timeoutSeconds"):
+        args += ["--eval-timeout", str(ev["timeoutSeconds"])]
+    if ev.get("zooBatches"):
+        args += ["--eval-batches", str(ev["zooBatches"])]
+    args += ["--evaluations", str(spec.get("evaluations", 24)), "--initial", str(spec.get("initial", 8)),
+             "--workers", str(spec.get("workers", 1)), "--strategy", spec.get("strategy", "async"),
+             "--seed", str(spec.get("seed", 0))]
+    if spec.get("prior") is False:
+        args.append("--no-prior")
+    if spec.get("refPoint"):
+        args += ["--ref-point", ",".join(repr(float(x)) for x in spec["refPoint"])]
+    if spec.get("budget") is not None:
+        args += ["--budget", str(spec["budget"])]
+    if settings.catalog_uri:
+        args += ["--catalog", settings.catalog_uri]
+    args += ["--worker-backend", "kubernetes", "--namespace", meta["namespace"], "--search-name", meta["name"],
+             "--search-uid", meta["uid"], "--resume-existing", "--json"]
+    return args
+
+
+def build_driver_job(ms: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
+    """The batch/v1 Job of the search driver of ``ms``'s generation.
+
+    Same image, security settings (non-root, read-only root filesystem, no capabilities, seccomp
+    RuntimeDefault) and Secret-only S3 credentials as the merge Job; no GPU (the candidates' merge
+    Jobs get them) and the driver's resources from the settings (``search_driver_cpu``/``_memory``;
+    ``spec.resources`` are the candidates'). Unlike the merge Job it runs as
+    ``settings.search_service_account`` with its token mounted: it creates ModelMerges in its
+    namespace and reads MergedSnapshots (the chart's Role allows exactly that). Owned by the
+    MergeSearch (deleted with it).
+
+    Raises:
+        ValueError: ``ms`` lacks metadata.name/uid/namespace or spec.output.uri.
+    """
+    meta = ms.get("metadata") or {}
+    if not meta.get("namespace"):
+        raise ValueError("the MergeSearch needs metadata.namespace")
+    name, gen = meta["name"], meta.get("generation")
+    driver = {"metadata": meta, "spec": {**(ms.get("spec") or {}),
+                                         "resources": {"cpu": settings.search_driver_cpu,
+                                                       "memory": settings.search_driver_memory}}}
+    labels = {LABEL_NAME: "mergepipe-search-driver", LABEL_COMPONENT: "search", LABEL_MANAGED_BY: MANAGER,
+              LABEL_SEARCH: label_value(name)}
+    annotations = {ANN_SEARCH: name, ANN_GENERATION: str(int(gen or 0))}
+    spec = ms.get("spec") or {}
+    template = {k: spec[k] for k in ("resources", "image", "s3") if spec.get(k) is not None}
+    env = [{"name": "MERGEPIPE_CANDIDATE_TEMPLATE", "value": json.dumps(template, sort_keys=True, separators=(",", ":"))},
+           {"name": "MERGEPIPE_SEARCH_POLL_SECONDS", "value": str(settings.search_poll_seconds)}]
+    job = _worker_job(driver, driver_job_name(name, gen), "search", driver_args(ms, settings), settings, gpu=False,
+                      labels=labels, annotations=annotations, env_extra=env, owner=owner_reference(ms))
+    pod = job["spec"]["template"]["spec"]
+    pod["serviceAccountName"] = settings.search_service_account
+    pod["automountServiceAccountToken"] = True
+    # the driver resumes from its state: a pod restart is not a failure of the search
+    job["spec"]["backoffLimit"] = max(settings.backoff_limit, 6)
+    return job
+
+
+def job_generation(job: Mapping[str, Any]) -> int | None:
+    """The MergeSearch generation a driver Job belongs to (its annotation), else ``None``."""
+    try:
+        return int((job.get("metadata", {}).get("annotations") or {}).get(ANN_GENERATION))
+    except (TypeError, ValueError):
+        return None
+
+
+# --- status ------------------------------------------------------------------------------------
+
+
+class ResultsError(ValueError):
+    """The results object is not what the driver writes (names the problem)."""
+
+
+def parse_results(raw: bytes | str | None) -> dict[str, Any] | None:
+    """The driver's results document, or ``None`` when there is none yet.
+
+    Raises:
+        ResultsError: not a JSON object with ``search_id``, ``objectives``, ``evaluations``,
+            ``failed`` and ``pareto``.
+    """
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise ResultsError(f"results are not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ResultsError("results are not a JSON object")
+    missing = [k for k in ("search_id", "objectives", "evaluations", "failed", "pareto") if k not in doc]
+    if missing:
+        raise ResultsError(f"results lack {', '.join(missing)}")
+    return doc
+
+
+def _user_value(objective: str, v: float) -> float:
+    """A minimised objective value back in the metric's own units (negated for ``NAME@max``)."""
+    return -float(v) if objective.endswith("@max") else float(v)
+
+
+def _finite(x: Any) -> float | None:
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def search_status(
+    ms: Mapping[str, Any],
+    results: Mapping[str, Any] | None,
+    outcome: JobOutcome,
+    job_name: str,
+    now: datetime,
+    *,
+    max_pareto: int = 64,
+) -> dict[str, Any]:
+    """The status of a MergeSearch from its driver Job's outcome and the driver's results.
+
+    Counts: ``evaluations`` = candidates finished (done + failed), ``failed``, ``running``
+    (``results.running`` when the driver reports it). ``hypervolume`` is the last point of the
+    driver's hypervolume curve (minimised objectives, against ``refPoint``); ``refPoint`` and the
+    Pareto points' objective values are in the metrics' own units (``@max`` objectives negated
+    back). Each Pareto point links its MergedSnapshot by name: the child ModelMerge
+    ``candidate_merge_name(search, id)`` commits ``snapshot_name(merge, manifest_hash)``. At most
+    ``max_pareto`` points are listed (lowest candidate numbers); ``paretoSize`` counts all.
+
+    Ready: ``Searching`` (False) while the driver runs; ``Completed`` (True) when it succeeded
+    and its results are there; ``Failed`` (False) when it failed, or succeeded without results.
+    """
+    meta, spec = ms["metadata"], ms.get("spec") or {}
+    gen = meta.get("generation")
+    status = ms.get("status") or {}
+    out: dict[str, Any] = {"observedGeneration": gen, "stateURI": f"{state_prefix(spec, gen)}/{STATE_NAME}",
+                           "driverJob": job_name}
+    total = int(spec.get("evaluations", 24))
+    summary = f"0/{total} candidates evaluated"
+    if results is not None:
+        objs = list(results["objectives"])
+        done, failed = int(results["evaluations"]), int(results["failed"])
+        pareto = []
+        for p in sorted(results["pareto"], key=lambda p: int(p["id"])):
+            point: dict[str, Any] = {"candidate": int(p["id"]),
+                                     "objectives": {o.split("@")[0]: _user_value(o, p["objectives"][o])
+                                                    for o in objs if o in (p.get("objectives") or {})}}
+            if _SHA256.match(str(p.get("manifest_hash") or "")):
+                point["snapshot"] = snapshot_name(candidate_merge_name(meta["name"], int(p["id"])), p["manifest_hash"])
+            if p.get("snapshot"):
+                point["uri"] = str(p["snapshot"])
+            pareto.append(point)
+        hv = (results.get("hypervolume") or [{}])[-1].get("hv")
+        ref = results.get("ref_point")
+        out.update(
+            searchID=str(results["search_id"]),
+            evaluations=done + failed,
+            failed=failed,
+            running=int(results.get("running") or 0),
+            hypervolume=None if _finite(hv) is None else max(0.0, _finite(hv)),
+            refPoint=[_user_value(o, r) for o, r in zip(objs, ref)] if ref else [],
+            paretoSize=len(pareto),
+            pareto=pareto[:max_pareto],
+        )
+        summary = f"{done + failed}/{total} candidates evaluated ({failed} failed), Pareto set of {len(pareto)}"
+        if out["hypervolume"] is not None:
+            summary += f", hypervolume {out['hypervolume']:.6g}"
+    if outcome.state == "Running":
+        ready = ("False", SearchReason.SEARCHING, f"driver Job {job_name}: {summary}")
+    elif outcome.state == "Succeeded" and results is not None:
+        ready = ("True", SearchReason.COMPLETED, summary)
+    elif outcome.state == "Succeeded":
+        ready = ("False", SearchReason.FAILED, f"driver Job {job_name} completed but wrote no results at "
+                 f"{results_uri(spec, gen)}")
+    else:
+        ready = ("False", SearchReason.FAILED, f"driver Job {job_name}: {outcome.message} ({summary})")
+    out["conditions"] = set_condition(status.get("conditions"), "Ready", *ready, gen, now)
+    return out
+
+
+def status_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
+    """Whether patching ``new`` would change ``old`` (conditions compared without their times)."""
+    old = old or {}
+
+    def strip(conds: Any) -> list:
+        return [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in conds or []]
+
+    for k, v in new.items():
+        if k == "conditions":
+            if strip(v) != strip(old.get("conditions")):
+                return True
+        elif old.get(k) != v:
+            return True
+    return False

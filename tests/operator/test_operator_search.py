@@ -1,0 +1,291 @@
+"""The MergeSearch reconciler (issue 7 item 5): pure decisions (validation, the driver Job, the
+status mirrored from the driver's results) and the controller against FakeKube/FakeStore."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+from datetime import datetime, timezone
+
+import pytest
+from op_testlib import ROOT, FakeKube, FakeStore, cr_errors, k8s_validate, load_docs, make_settings
+
+from mergepipe_operator import main
+from mergepipe_operator import search_decisions as sd
+from mergepipe_operator.decisions import JobOutcome, get_condition, snapshot_name
+from mergepipe_operator.kube import JOBS, SEARCHES
+
+NOW = datetime(2026, 11, 22, 12, 0, tzinfo=timezone.utc)
+UID = "5e5e5e5e-0000-4000-8000-000000000001"
+
+
+def search(gen: int = 1, **spec_changes) -> dict:
+    (doc,) = load_docs(ROOT / "examples" / "search.yaml")
+    doc["metadata"].update(uid=UID, generation=gen)
+    for k, v in spec_changes.items():
+        if v is None:
+            doc["spec"].pop(k, None)
+        else:
+            doc["spec"][k] = v
+    return doc
+
+
+def core_results(objectives=("loss:python", "loss:arithmetic"), points=((1.0, 2.0), (2.0, 1.0), (3.0, 3.0)),
+                 failed: int = 1) -> dict:
+    """Results as the driver writes them: the core's own ``results()`` of a search state."""
+    from mergepipe.search.runner import results
+
+    t = time.time()
+    cands = []
+    for i, y in enumerate(points):
+        cands.append({"id": i, "x": [0.1 * i], "params": [f"weight={i}"], "values": {}, "phase": "initial",
+                      "status": "done", "worker": 0, "snapshot": f"s3://snapshots/x/g1/c{i:04d}",
+                      "manifest_hash": hashlib.sha256(str(i).encode()).hexdigest(), "metrics": {}, "objectives": list(y), "error": None,
+                      "proposal": {}, "times": {"proposed": t, "ended": t + i + 1}})
+    for j in range(failed):
+        cands.append({"id": len(cands), "x": [0.9], "params": [], "values": {}, "phase": "bo", "status": "failed",
+                      "worker": 0, "snapshot": None, "manifest_hash": None, "metrics": None, "objectives": None,
+                      "error": "merge failed: boom", "proposal": {}, "times": {"proposed": t, "ended": t + 9}})
+    state = {"search_id": "abcdef0123456789", "config": {"objectives": list(objectives), "strategy": "async",
+                                                         "ref_point": None},
+             "ref_point": [4.0, 4.0], "candidates": cands, "events": [], "sessions": [{"started": t, "ended": t + 10}]}
+    res = results(state)
+    res.pop("trace")
+    return res
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+
+def test_the_example_is_valid():
+    assert sd.validate_search_spec(search()["spec"]) == []
+
+
+@pytest.mark.parametrize("changes, field, needle", [
+    ({"vary": [{"name": "density", "min": 0.1, "max": 0.9}]}, "spec.vary[0].name", "takes no parameter 'density'"),
+    ({"method": "ties", "vary": [{"name": "lambda", "expert": "code", "min": 0.5, "max": 1.5}]}, "spec.vary[0].expert",
+     "global parameter"),
+    ({"method": "ties", "parameters": {"lambda": 1.0}, "vary": [{"name": "lambda", "min": 0.5, "max": 1.5}]},
+     "spec.vary[0].name", "also fixed"),
+    ({"vary": [{"name": "weight", "min": 1.0, "max": 0.0}]}, "spec.vary[0]", "min must be below max"),
+    ({"evaluations": 4, "initial": 8}, "spec", "evaluations must be at least initial"),
+    ({"budget": "lots"}, "spec.budget", ""),
+    ({"base": {"uri": "/local/base"}}, "spec.base.uri", "s3://"),
+])
+def test_invalid_specs_name_the_field(changes, field, needle):
+    issues = sd.validate_search_spec(search(**changes)["spec"])
+    assert any(p == field and needle in m for p, m in issues), issues
+
+
+def test_a_varied_weight_cannot_also_be_fixed_per_expert():
+    spec = search()["spec"]
+    spec["experts"][1]["weight"] = 0.5
+    assert ("spec.experts[1].parameters.weight", "weight is varied by spec.vary[0]; do not fix it here.") in \
+        sd.validate_search_spec(spec)
+
+
+# --- the driver Job -----------------------------------------------------------------------------
+
+
+def test_driver_job_is_deterministic_owned_and_secure():
+    s = make_settings()
+    ms = search(gen=3)
+    job = sd.build_driver_job(ms, s)
+    assert job == sd.build_driver_job(copy.deepcopy(ms), s)
+    meta = job["metadata"]
+    assert meta["name"] == "llama-code-math-front-search-g3" == sd.driver_job_name("llama-code-math-front", 3)
+    assert meta["ownerReferences"] == [{"apiVersion": "mergepipe.io/v1alpha1", "kind": "MergeSearch",
+                                        "name": "llama-code-math-front", "uid": UID, "controller": True,
+                                        "blockOwnerDeletion": True}]
+    assert meta["labels"][sd.LABEL_SEARCH] == "llama-code-math-front" and meta["labels"]["app.kubernetes.io/component"] == "search"
+    assert sd.job_generation(job) == 3
+    pod = job["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "mergepipe-search-driver" and pod["automountServiceAccountToken"] is True
+    (c,) = pod["containers"]
+    assert c["command"] == ["mergepipe"] and c["image"] == s.merger_image
+    assert c["resources"] == {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "8Gi"}}  # no GPU
+    assert c["securityContext"]["readOnlyRootFilesystem"] and c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    env = {e["name"]: e for e in c["env"]}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == s.s3_secret_name
+    k8s_validate(job)
+
+
+def test_driver_args_are_the_spec_as_mergepipe_search_options():
+    """The options the core's CLI already has parse back to the spec (typer/click parsing of
+    ``mergepipe search``); the Kubernetes worker backend's options come last."""
+    import typer.main
+
+    from mergepipe.cli import app
+
+    ms = search(gen=2, evaluator={"command": "python eval.py {checkpoint}", "timeoutSeconds": 600},
+                refPoint=[3.0, 3.5], prior=False)
+    ms["spec"]["objectives"][1]["sense"] = "max"
+    args = sd.driver_args(ms, make_settings())
+    k = args.index("--worker-backend")
+    assert args[k:] == ["--worker-backend", "kubernetes", "--namespace", "team-llm", "--search-name",
+                        "llama-code-math-front", "--search-uid", UID, "--resume-existing", "--json"]
+    cmd = typer.main.get_command(app).commands["search"]
+    p = cmd.make_context("search", args[1:k] + ["--json"]).params
+    assert str(p["out"]).startswith("s3:") and args[2] == "s3://snapshots/team-llm/llama-code-math-front/g2/"
+    assert p["base"] == "s3://models/llama-3-8b"
+    assert p["expert"] == ["code=s3://models/llama-3-8b-code", "math=s3://models/llama-3-8b-math"]
+    assert p["vary"] == ["weight=0.0:1.0"] and p["layer_blocks"] == 4
+    assert p["objective"] == ["loss:python", "loss:arithmetic@max"]
+    assert p["eval_command"] == "python eval.py {checkpoint}" and p["eval_timeout"] == 600
+    assert (p["evaluations"], p["initial"], p["workers"], p["strategy"], p["seed"]) == (32, 8, 4, "async", 7)
+    assert p["no_prior"] is True and p["ref_point"] == "3.0,3.5" and p["catalog"] == "s3://mergepipe/catalog/"
+
+
+# --- status -------------------------------------------------------------------------------------
+
+
+def test_status_mirrors_the_core_results():
+    ms = search()
+    res = core_results()
+    st = sd.search_status(ms, res, JobOutcome("Running", "JobRunning", "running"), "llama-code-math-front-search-g1", NOW)
+    assert (st["evaluations"], st["failed"], st["paretoSize"]) == (4, 1, 2)
+    assert [p["candidate"] for p in st["pareto"]] == [0, 1]
+    assert st["pareto"][0]["objectives"] == {"loss:python": 1.0, "loss:arithmetic": 2.0}
+    assert st["pareto"][1]["snapshot"] == snapshot_name(sd.candidate_merge_name("llama-code-math-front", 1),
+                                                 hashlib.sha256(b"1").hexdigest())
+    assert st["pareto"][1]["uri"] == "s3://snapshots/x/g1/c0001"
+    # exact hypervolume of {(1,2), (2,1)} against (4,4): 3*2 + 2*3 - 2*2 = 8
+    assert st["hypervolume"] == pytest.approx(8.0) and st["refPoint"] == [4.0, 4.0]
+    assert st["stateURI"] == "s3://snapshots/team-llm/llama-code-math-front/g1/state.json"
+    r = get_condition(st["conditions"], "Ready")
+    assert (r["status"], r["reason"]) == ("False", "Searching") and "4/32 candidates evaluated (1 failed)" in r["message"]
+    ms["status"] = st
+    assert cr_errors(ms) == []
+
+
+def test_maximised_objectives_are_reported_in_their_own_units():
+    res = core_results(objectives=("loss:python", "accuracy@max"), points=((1.0, -0.9), (2.0, -0.95)), failed=0)
+    st = sd.search_status(search(), res, JobOutcome("Running", "JobRunning", ""), "j", NOW)
+    assert {p["candidate"]: p["objectives"]["accuracy"] for p in st["pareto"]} == {0: 0.9, 1: 0.95}
+    assert st["refPoint"][1] == -4.0
+
+
+@pytest.mark.parametrize("outcome, results, want", [
+    (JobOutcome("Succeeded", "Complete", "done"), True, ("True", "Completed")),
+    (JobOutcome("Succeeded", "Complete", "done"), False, ("False", "Failed")),
+    (JobOutcome("Failed", "BackoffLimitExceeded", "the merge Job failed (BackoffLimitExceeded)"), True, ("False", "Failed")),
+    (JobOutcome("Running", "JobRunning", "running"), False, ("False", "Searching")),
+])
+def test_ready_follows_the_driver_job(outcome, results, want):
+    st = sd.search_status(search(), core_results() if results else None, outcome, "j", NOW)
+    r = get_condition(st["conditions"], "Ready")
+    assert (r["status"], r["reason"]) == want
+    if want[1] == "Failed" and results:
+        assert "BackoffLimitExceeded" in r["message"]
+
+
+def test_pareto_list_is_bounded_but_counted():
+    pts = tuple((float(i), float(-i)) for i in range(70))
+    st = sd.search_status(search(), core_results(points=pts, failed=0), JobOutcome("Running", "", ""), "j", NOW)
+    assert st["paretoSize"] == 70 and len(st["pareto"]) == 64 and st["pareto"][-1]["candidate"] == 63
+
+
+def test_a_malformed_manifest_hash_links_no_snapshot():
+    res = core_results(failed=0)
+    res["pareto"][0]["manifest_hash"] = "not-a-hash"
+    st = sd.search_status(search(), res, JobOutcome("Running", "", ""), "j", NOW)
+    assert "snapshot" not in st["pareto"][0] and "snapshot" in st["pareto"][1]
+
+
+def test_parse_results_refuses_what_the_driver_does_not_write():
+    assert sd.parse_results(None) is None
+    with pytest.raises(sd.ResultsError, match="not JSON"):
+        sd.parse_results(b"{")
+    with pytest.raises(sd.ResultsError, match="lack pareto"):
+        sd.parse_results(json.dumps({"search_id": "x", "objectives": [], "evaluations": 0, "failed": 0}))
+
+
+def test_status_changed_ignores_condition_times():
+    st = sd.search_status(search(), None, JobOutcome("Running", "", "r"), "j", NOW)
+    later = sd.search_status({**search(), "status": st}, None, JobOutcome("Running", "", "r"), "j", NOW.replace(hour=13))
+    assert not sd.status_changed(st, later)
+    assert sd.status_changed(st, {**later, "failed": 1})
+
+
+# --- the controller -----------------------------------------------------------------------------
+
+
+def setup(ms=None):
+    kube, store = FakeKube(), FakeStore()
+    ms = kube.put(SEARCHES, ms or search())
+    return main.Controller(make_settings(), kube, store, planner=lambda *a: None, clock=lambda: NOW), kube, store, ms
+
+
+def test_reconcile_creates_one_driver_job_and_mirrors_results():
+    c, kube, store, ms = setup()
+    st = c.reconcile_search(ms)
+    jobs = kube.list(JOBS, "team-llm")
+    assert [j["metadata"]["name"] for j in jobs] == ["llama-code-math-front-search-g1"]
+    assert get_condition(st["conditions"], "Ready")["reason"] == "Searching"
+    kube.patch_status(SEARCHES, "team-llm", "llama-code-math-front", st)
+    ms = kube.get(SEARCHES, "team-llm", "llama-code-math-front")
+    assert c.reconcile_search(ms) is None  # again (restart, resume): 409 on the Job, nothing new
+    assert len(kube.list(JOBS, "team-llm")) == 1
+    assert c.sync_search(ms) is None
+    store.put(sd.results_uri(ms["spec"], 1), json.dumps(core_results()).encode())
+    st = c.sync_search(ms)
+    assert st["evaluations"] == 4 and st["paretoSize"] == 2
+    kube.patch_status(SEARCHES, "team-llm", "llama-code-math-front", st)
+    job = kube.get(JOBS, "team-llm", "llama-code-math-front-search-g1")
+    job["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
+    st = c.sync_search(kube.get(SEARCHES, "team-llm", "llama-code-math-front"), job)
+    assert get_condition(st["conditions"], "Ready")["reason"] == "Completed"
+
+
+def test_a_new_generation_starts_a_new_driver_and_stops_the_old_one():
+    c, kube, store, ms = setup()
+    c.reconcile_search(ms)
+    ms2 = copy.deepcopy(ms)
+    ms2["metadata"]["generation"] = 2
+    ms2["spec"]["evaluations"] = 40
+    st = c.reconcile_search(ms2)
+    assert [j["metadata"]["name"] for j in kube.list(JOBS, "team-llm")] == ["llama-code-math-front-search-g2"]
+    assert st["stateURI"].endswith("/g2/state.json")
+
+
+def test_invalid_spec_starts_nothing():
+    c, kube, store, ms = setup(search(vary=[{"name": "density", "min": 0.1, "max": 0.5}]))
+    st = c.reconcile_search(ms)
+    r = get_condition(st["conditions"], "Ready")
+    assert (r["status"], r["reason"]) == ("False", "InvalidSpec") and "spec.vary[0].name" in r["message"]
+    assert kube.list(JOBS, "team-llm") == []
+
+
+# --- the driver's candidates (core: mergepipe.search.kube) ---------------------------------------
+
+
+@pytest.mark.parametrize("name", ["front", "llama-code-math-front", "a" * 80, "team.front", "x" * 56])
+def test_core_and_operator_name_candidates_alike(name):
+    from mergepipe.search.kube import candidate_name
+
+    for i in (0, 7, 12345):
+        assert candidate_name(name, i) == sd.candidate_merge_name(name, i)
+
+
+def test_a_candidate_of_the_example_is_a_valid_modelmerge():
+    """The driver's child ModelMerge for a candidate point of the example search passes the CRD
+    schema and the operator's checks (layer-wise weights as filter lists)."""
+    from mergepipe.search.kube import KubernetesMerger
+    from mergepipe.search.runner import SearchConfig
+
+    from mergepipe_operator.decisions import validate_merge_spec
+
+    ms = search()
+    spec = ms["spec"]
+    cfg = SearchConfig(base=spec["base"]["uri"], experts=[[e["name"], e["uri"]] for e in spec["experts"]],
+                       method=spec["method"], vary=["weight=0:1"], objectives=["loss:python", "loss:arithmetic"],
+                       evaluations=32, initial=8, budget=spec["budget"], seed=7)
+    params = ['weight=[{"filter":"layers.0.","value":0.2},{"filter":"layers.1.","value":0.8},{"value":0.5}]']
+    m = KubernetesMerger(None, "team-llm", ms["metadata"]["name"], UID, sd.state_prefix(spec, 1),
+                         template={k: spec[k] for k in ("resources",) if k in spec})
+    body = m.candidate_body(cfg, {"id": 3, "params": params})
+    assert cr_errors(body) == []
+    assert validate_merge_spec(body["spec"]) == []
+    assert body["metadata"]["name"] == sd.candidate_merge_name(ms["metadata"]["name"], 3)
