@@ -548,6 +548,10 @@ def search(
         poll = float(os.environ.get("MERGEPIPE_SEARCH_POLL_SECONDS") or 10)
         merger = KubernetesMerger(kube_api(), namespace, search_name, search_uid, out_arg, template=template,
                                   poll_seconds=poll)
+    elif mirror is not None:  # local merges of an s3:// search commit beside its state, not in /tmp
+        from mergepipe.search.runner import LocalMerger
+
+        merger = LocalMerger(out_arg.rstrip("/") + "/snapshots")
     if (resume or resume_existing) and mirror is not None and not (out / STATE_NAME).exists():
         mirror.fetch(out)
     if resume_existing and (out / STATE_NAME).exists():

@@ -90,3 +90,9 @@ def test_cli_search_into_s3_resumes_from_the_mirrored_state(family, s3_env, tmp_
     assert res["evaluations"] == 3 and res["search_id"] == state["search_id"]
     state = json.loads(c.get_object(Bucket=bucket, Key="searches/front/g1/state.json")["Body"].read())
     assert [x["id"] for x in state["candidates"]] == [0, 1, 2] and len(state["sessions"]) == 2
+    # the snapshots are committed beside the state, not in the (lost) local folder
+    assert [x["snapshot"] for x in state["candidates"]] == [f"{out}snapshots/c{i:04d}" for i in range(3)]
+    keys = {o["Key"] for o in c.list_objects_v2(Bucket=bucket, Prefix="searches/front/g1/snapshots/")["Contents"]}
+    assert {f"searches/front/g1/snapshots/c{i:04d}/manifest.json" for i in range(3)} <= keys
+    manifest = json.loads(c.get_object(Bucket=bucket, Key="searches/front/g1/snapshots/c0002/manifest.json")["Body"].read())
+    assert manifest["search"]["state"] == f"{out}state.json" and manifest["search"]["candidate"] == 2

@@ -155,13 +155,18 @@ class CandidateMerger:
 
 class LocalMerger(CandidateMerger):
     """In-process: :func:`mergepipe.pipeline.build_plan` (under ``cfg.budget``) then
-    :func:`mergepipe.pipeline.execute_and_commit` into ``<out>/snapshots/c<NNNN>``."""
+    :func:`mergepipe.pipeline.execute_and_commit` into ``<root>/c<NNNN>`` (``root``: a folder or
+    an ``s3://`` prefix; default ``<out>/snapshots``)."""
+
+    def __init__(self, root: str | None = None) -> None:
+        self.root = root.rstrip("/") if root else None
 
     def merge(self, cfg: SearchConfig, cand: dict, out: Path, lineage: dict, catalog) -> Merged:
         from mergepipe.pipeline import build_plan, execute_and_commit
         from mergepipe.storage.base import IOCounters, open_storage
 
-        snap = out / "snapshots" / f"c{cand['id']:04d}"
+        name = f"c{cand['id']:04d}"
+        snap = f"{self.root}/{name}" if self.root else out / "snapshots" / name
         st = open_storage(None, IOCounters())  # local folders and s3:// inputs
         plan = build_plan(catalog, st, cfg.base, [tuple(e) for e in cfg.experts], cfg.method, cand["params"],
                           budget=cfg.budget, seed=cfg.seed, block_bytes=cfg.block_bytes)
@@ -395,7 +400,8 @@ class _Search:
         t0 = time.time()
         try:
             lineage = {"search": {"search_id": self.state["search_id"], "candidate": c["id"], "phase": c["phase"],
-                                  "point": c["x"], "values": c["values"], "state": str(self.path.resolve())}}
+                                  "point": c["x"], "values": c["values"],
+                                  "state": self.mirror.uri(STATE_NAME) if self.mirror else str(self.path.resolve())}}
             merged = self.merger.merge(self.cfg, c, self.out, lineage, self.catalog())
         except Exception as e:  # noqa: BLE001 - one candidate's failure must not stop the search
             t1 = time.time()
