@@ -1357,22 +1357,23 @@ class JobOutcome:
     message: str
 
 
-def job_outcome(job: Mapping[str, Any] | None) -> JobOutcome:
-    """Summarize a Job's status. Only the terminal ``Complete``/``Failed`` conditions end it (in
-    Kubernetes >= 1.31 ``SuccessCriteriaMet``/``FailureTarget`` come first, while pods still stop)."""
+def job_outcome(job: Mapping[str, Any] | None, what: str = "merge Job") -> JobOutcome:
+    """Summarize a Job's status (messages name it ``what``). Only the terminal ``Complete``/``Failed``
+    conditions end it (in Kubernetes >= 1.31 ``SuccessCriteriaMet``/``FailureTarget`` come first,
+    while pods still stop)."""
     if not job:
-        return JobOutcome("Failed", "JobMissing", "the merge Job no longer exists")
+        return JobOutcome("Failed", "JobMissing", f"the {what} no longer exists")
     st = job.get("status") or {}
     for c in st.get("conditions") or []:
         if c.get("status") != "True":
             continue
         if c.get("type") == "Complete":
-            return JobOutcome("Succeeded", "Complete", c.get("message") or "the merge Job completed")
+            return JobOutcome("Succeeded", "Complete", c.get("message") or f"the {what} completed")
         if c.get("type") == "Failed":
             why = c.get("reason") or "Failed"
-            return JobOutcome("Failed", why, c.get("message") or f"the merge Job failed ({why})")
+            return JobOutcome("Failed", why, c.get("message") or f"the {what} failed ({why})")
     active, failed = int(st.get("active") or 0), int(st.get("failed") or 0)
-    msg = f"merge Job running ({active} active pod(s)"
+    msg = f"{what} running ({active} active pod(s)"
     msg += f", {failed} failed attempt(s))" if failed else ")"
     return JobOutcome("Running", Reason.JOB_RUNNING, msg)
 

@@ -752,7 +752,7 @@ class Controller:
         except sd.ResultsError as e:
             log.warning("MergeSearch %s/%s: %s", meta["namespace"], meta["name"], e)
             results = None
-        new = sd.search_status(body, results, d.job_outcome(job), jname, self.clock())
+        new = sd.search_status(body, results, d.job_outcome(job, "driver Job"), jname, self.clock())
         return new if sd.status_changed(body.get("status"), new) else None
 
     # deletion ---------------------------------------------------------------------------------------

@@ -352,7 +352,8 @@ def search_status(
         ready = ("False", SearchReason.FAILED, f"driver Job {job_name} completed but wrote no results at "
                  f"{results_uri(spec, gen)}")
     else:
-        ready = ("False", SearchReason.FAILED, f"driver Job {job_name}: {outcome.message} ({summary})")
+        ready = ("False", SearchReason.FAILED, f"driver Job {job_name} failed ({outcome.reason}): {outcome.message}; "
+                 f"{summary}")
     out["conditions"] = set_condition(status.get("conditions"), "Ready", *ready, gen, now)
     return out
 

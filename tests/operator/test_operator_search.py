@@ -178,7 +178,16 @@ def test_ready_follows_the_driver_job(outcome, results, want):
     r = get_condition(st["conditions"], "Ready")
     assert (r["status"], r["reason"]) == want
     if want[1] == "Failed" and results:
-        assert "BackoffLimitExceeded" in r["message"]
+        assert r["message"].startswith("driver Job j failed (BackoffLimitExceeded)") and "4/32" in r["message"]
+
+
+def test_a_vanished_driver_fails_the_search_naming_the_driver():
+    from mergepipe_operator.decisions import job_outcome
+
+    st = sd.search_status(search(), None, job_outcome(None, "driver Job"), "j", NOW)
+    r = get_condition(st["conditions"], "Ready")
+    assert (r["reason"], r["message"]) == ("Failed", "driver Job j failed (JobMissing): the driver Job no longer exists; "
+                                                     "0/32 candidates evaluated")
 
 
 def test_pareto_list_is_bounded_but_counted():
