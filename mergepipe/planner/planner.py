@@ -470,7 +470,7 @@ def _explain_plan(plan: Plan, seconds: float) -> str:
     if plan.out_dtype:
         dt += f" Floating outputs written as {plan.out_dtype}."
     dist = ""
-    if plan.retained_energy < 1.0:
+    if plan.retained_energy < 1.0 - 1e-9:  # (a full selection can sum to 1 - 1 ulp)
         dist = (f" Estimated distance to the full-budget merge: √(1 − E) = "
                 f"{math.sqrt(max(0.0, 1.0 - plan.retained_energy)):.1%} of its task vector's norm (exact for one "
                 "expert under a linear method; cross terms between experts' task vectors and TIES's "
