@@ -548,6 +548,10 @@ def search(
         poll = float(os.environ.get("MERGEPIPE_SEARCH_POLL_SECONDS") or 10)
         merger = KubernetesMerger(kube_api(), namespace, search_name, search_uid, out_arg, template=template,
                                   poll_seconds=poll)
+        try:
+            eval_template = json.loads(os.environ.get("MERGEPIPE_EVAL_JOB_TEMPLATE") or "null")
+        except ValueError as e:
+            _fail(f"MERGEPIPE_EVAL_JOB_TEMPLATE is not JSON ({e}).")
     elif mirror is not None:  # local merges of an s3:// search commit beside its state, not in /tmp
         from mergepipe.search.runner import LocalMerger
 
@@ -556,13 +560,28 @@ def search(
         mirror.fetch(out)
     if resume_existing and (out / STATE_NAME).exists():
         resume = True
+    job_evaluator = None
+    if worker_backend == "kubernetes" and eval_template:
+        # each evaluation in its own Job (the operator's template: image, GPU, Secret-only credentials)
+        from mergepipe.search.kube import KubernetesJobEvaluator, kube_batch_api
+        from mergepipe.search.state import load_state
+        from mergepipe.storage.base import IOCounters, open_storage
+
+        spec = load_state(out / STATE_NAME).get("evaluator") if resume else {
+            "command": eval_command, "timeout": eval_timeout}
+        if not spec or not spec.get("command"):
+            _fail("--worker-backend kubernetes evaluates in Jobs: give --eval-command (a command that reads the "
+                  "snapshot URI {checkpoint}).")
+        job_evaluator = KubernetesJobEvaluator(kube_batch_api(), namespace, search_name, search_uid, eval_template,
+                                               spec["command"], out_arg, open_storage(None, IOCounters()),
+                                               timeout=spec.get("timeout"), poll_seconds=poll)
     if resume:
         given = [f for f, v in (("--base", base), ("--expert", expert), ("--vary", vary), ("--param", param),
                                 ("--objective", objective), ("--eval-command", eval_command)) if v]
         if given and not resume_existing:
             _fail(f"--resume continues the search recorded in {out_arg}/state.json; drop {', '.join(given)}.")
-        res = run_search(out, resume=True, workers=workers, evaluations=evaluations, log=log, merger=merger,
-                         mirror=mirror)
+        res = run_search(out, evaluator=job_evaluator, resume=True, workers=workers, evaluations=evaluations,
+                         log=log, merger=merger, mirror=mirror)
     else:
         if not base or not expert or not vary or not objective:
             _fail("a search needs --base, --expert (one or more), --vary and --objective "
@@ -584,7 +603,9 @@ def search(
                 texts = [json.loads(ln)["text"] for ln in raw.splitlines() if ln.strip()]
             else:
                 texts = [raw]
-        if eval_command:
+        if job_evaluator is not None:
+            ev = job_evaluator
+        elif eval_command:
             ev = CommandEvaluator(eval_command, eval_timeout)
         else:
             domains = sorted({o.metric.split(":", 1)[1] for o in objs if o.metric.startswith("loss:")})
@@ -609,6 +630,30 @@ def search(
     hv = res["hypervolume"][-1]["hv"] if res["hypervolume"] else 0.0
     log(f"hypervolume {hv:.5g} (reference {res['ref_point']}); wall {res['wall_s']:.1f} s; results in "
         f"{out_arg.rstrip('/')}/results.json")
+
+
+@app.command("search-eval")
+def search_eval(
+    command: Annotated[str, typer.Option("--command", help="Evaluator command ({checkpoint} = --checkpoint, else "
+                                         "appended); prints a JSON object of metrics on stdout")],
+    checkpoint: Annotated[str, typer.Option("--checkpoint", help="The candidate's snapshot (folder or s3:// URI)")],
+    metrics_out: Annotated[str, typer.Option("--metrics-out", help="Where to write the outcome (s3:// URI or file)")],
+    timeout: Annotated[Optional[float], typer.Option("--timeout", help="Seconds before the command is killed")] = None,
+):
+    """Evaluate one search candidate (the evaluation Job of a MergeSearch): run the command and
+    write {"metrics": {...}} or, when it crashed, timed out or printed no metrics, {"error": "..."}
+    to --metrics-out (exit 0 either way: a failed evaluation is the candidate's result, not a reason
+    to retry the Job)."""
+    from mergepipe.search.evaluators import CommandEvaluator, EvaluationFailed
+    from mergepipe.storage.base import IOCounters, open_storage
+
+    ev = CommandEvaluator(command, timeout)
+    try:
+        doc = {"metrics": ev.metrics(checkpoint)}
+    except EvaluationFailed as e:
+        doc = {"error": str(e)}
+    open_storage(None, IOCounters()).put_object(metrics_out, json.dumps(doc).encode(), role="other")
+    print(json.dumps(doc))
 
 
 def main() -> None:

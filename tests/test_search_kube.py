@@ -129,3 +129,101 @@ def test_candidate_names_are_dns_labels():
     assert candidate_name("team.front", 0).endswith("-c0000") and "." not in candidate_name("team.front", 0)
     with pytest.raises(ValueError):
         candidate_name("x", -1)
+
+
+# --- evaluation Jobs ---------------------------------------------------------------------------
+
+
+class FakeBatch:
+    """BatchV1Api's two calls; ``states`` are the Job conditions on successive reads; ``on_done``
+    plays the Job's pod (writes the metrics object) when it completes."""
+
+    def __init__(self, states, on_done=None):
+        self.jobs, self.states, self.reads, self.on_done = {}, list(states), 0, on_done
+
+    def create_namespaced_job(self, ns, body):
+        if body["metadata"]["name"] in self.jobs:
+            raise ApiError(409)
+        self.jobs[body["metadata"]["name"]] = copy.deepcopy(body)
+
+    def read_namespaced_job(self, name, ns):
+        state = self.states[min(self.reads, len(self.states) - 1)]
+        self.reads += 1
+        job = copy.deepcopy(self.jobs[name])
+        if state in ("Complete", "Failed"):
+            if state == "Complete" and self.on_done:
+                self.on_done(job)
+            job["status"] = {"conditions": [{"type": state, "status": "True", "reason": "R", "message": "m"}]}
+        return job
+
+
+TEMPLATE = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x-e0000", "labels": {"a": "b"}},
+            "spec": {"template": {"metadata": {"labels": {"a": "b"}}, "spec": {"containers": [
+                {"name": "evaluate", "image": "m:1", "command": ["mergepipe"], "args": ["--device", "cuda"]}]}}}}
+
+
+def evaluator(batch, tmp_path, **kw):
+    from mergepipe.search.kube import KubernetesJobEvaluator
+    from mergepipe.storage.base import IOCounters, open_storage
+
+    return KubernetesJobEvaluator(batch, "team", "front", UID, TEMPLATE, "python score.py {checkpoint}",
+                                  str(tmp_path / "state"), open_storage(None, IOCounters()), poll_seconds=0,
+                                  sleep=lambda s: None, **kw)
+
+
+def play_eval(job):
+    """What the Job's pod does: `mergepipe search-eval` with the Job's args, here a fixed outcome."""
+    import json as _json
+    from pathlib import Path
+
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    out = Path(args[args.index("--metrics-out") + 1])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cid = int(job["metadata"]["labels"]["mergepipe.io/search-candidate"])
+    out.write_text(_json.dumps({"metrics": {"a": cid, "b": -cid}} if cid != 9 else {"error": "the evaluator exited 1"}))
+
+
+def test_evaluation_job_is_built_from_the_template_and_returns_the_metrics(tmp_path):
+    b = FakeBatch(["Running", "Running", "Complete"], on_done=play_eval)
+    ev = evaluator(b, tmp_path, timeout=60)
+    assert ev.metrics("s3://snaps/front/g1/c0003/") == {"a": 3, "b": -3}
+    job = b.jobs["front-e0003"]
+    assert job["metadata"]["ownerReferences"][0]["kind"] == "MergeSearch" and job["metadata"]["labels"]["a"] == "b"
+    assert job["spec"]["template"]["metadata"]["labels"]["mergepipe.io/search-candidate"] == "3"
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"] == [
+        "search-eval", "--command", "python score.py {checkpoint}", "--checkpoint", "s3://snaps/front/g1/c0003/",
+        "--metrics-out", f"{tmp_path / 'state'}/evals/c0003.json", "--timeout", "60"]
+    assert TEMPLATE["metadata"]["name"] == "x-e0000"  # the template is not modified
+    assert ev.metrics("s3://snaps/front/g1/c0003/") == {"a": 3, "b": -3}  # resumed: 409, same Job, same metrics
+
+
+def test_failed_evaluations_fail_the_candidate(tmp_path):
+    from mergepipe.search.evaluators import EvaluationFailed
+
+    with pytest.raises(EvaluationFailed, match="the evaluator exited 1"):
+        evaluator(FakeBatch(["Complete"], on_done=play_eval), tmp_path).metrics("s3://s/front/g1/c0009/")
+    with pytest.raises(EvaluationFailed, match="front-e0004 failed .R: m"):
+        evaluator(FakeBatch(["Failed"]), tmp_path).metrics("s3://s/front/g1/c0004/")
+    with pytest.raises(EvaluationFailed, match="without metrics"):
+        evaluator(FakeBatch(["Complete"]), tmp_path).metrics("s3://s/front/g1/c0005/")
+    with pytest.raises(ValueError, match="not a search candidate"):
+        evaluator(FakeBatch(["Complete"]), tmp_path).metrics("s3://s/front/g1/other/")
+
+
+def test_search_eval_cli_writes_metrics_or_the_error(tmp_path, monkeypatch, capsys):
+    import json as _json
+    import sys
+
+    from tests.conftest import run_cli
+
+    ok = tmp_path / "ok.py"
+    ok.write_text("import json, sys\nprint(json.dumps({'a': len(sys.argv[1])}))\n")
+    out = tmp_path / "m" / "c0001.json"
+    code, _, err = run_cli(["search-eval", "--command", f"{sys.executable} {ok} {{checkpoint}}", "--checkpoint",
+                            "s3://b/front/c0001/", "--metrics-out", str(out)], monkeypatch, capsys)
+    assert code == 0, err
+    assert _json.loads(out.read_text()) == {"metrics": {"a": len("s3://b/front/c0001/")}}
+    code, _, err = run_cli(["search-eval", "--command", f"{sys.executable} -c 'import sys; sys.exit(3)'",
+                            "--checkpoint", "x", "--metrics-out", str(out)], monkeypatch, capsys)
+    assert code == 0, err
+    assert "exited with code 3" in _json.loads(out.read_text())["error"]

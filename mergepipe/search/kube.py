@@ -15,11 +15,16 @@ from the operator's ModelMerge path:
   or a terminal ``Ready=False`` (``InvalidSpec``, ``JobFailed``: the candidate fails, the search
   goes on). ``QuotaExceeded`` is waited out (the operator retries admission).
 
-The API client is injected (``kubernetes.client.CustomObjectsApi`` in a pod; a fake in tests).
+Each evaluation is a Job too (:class:`KubernetesJobEvaluator`): ``<search>-e<NNNN>`` from the
+operator's template (image, GPUs, Secret-only credentials, no ServiceAccount token) running
+``mergepipe search-eval`` on the snapshot URI; its metrics come back through object storage.
+
+The API clients are injected (``kubernetes.client`` APIs in a pod; fakes in tests).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import re
@@ -29,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from mergepipe.pipeline import parse_params
+from mergepipe.search.evaluators import EvaluationFailed, Evaluator
 from mergepipe.search.runner import CandidateMerger, Merged, SearchConfig
 
 GROUP = "mergepipe.io"
@@ -61,6 +67,13 @@ def kube_api() -> Any:
     return client.CustomObjectsApi()
 
 
+def kube_batch_api() -> Any:
+    """A ``BatchV1Api`` (call after :func:`kube_api`, which loads the configuration)."""
+    from kubernetes import client
+
+    return client.BatchV1Api()
+
+
 class CandidateFailed(RuntimeError):
     """The candidate's ModelMerge ended without a snapshot (its Ready reason and message)."""
 
@@ -71,17 +84,18 @@ def _sanitize(name: str) -> str:
     return s or "merge"
 
 
-def candidate_name(search: str, candidate: int, limit: int = 63) -> str:
-    """``<search>-c<NNNN>`` as a DNS-1123 label (<= 63 chars): a search name that had to be
-    changed or shortened is tagged with 8 hex of its SHA-256 (the operator's ``dns_label`` rule,
-    so both sides name a candidate alike).
+def candidate_name(search: str, candidate: int, limit: int = 63, kind: str = "c") -> str:
+    """``<search>-c<NNNN>`` (the candidate's ModelMerge; ``kind="e"``: ``<search>-e<NNNN>``, its
+    evaluation Job) as a DNS-1123 label (<= 63 chars): a search name that had to be changed or
+    shortened is tagged with 8 hex of its SHA-256 (the operator's ``dns_label`` rule, so both
+    sides name a candidate alike).
 
     Raises:
         ValueError: ``candidate`` < 0.
     """
     if candidate < 0:
         raise ValueError(f"candidate must be >= 0, got {candidate}")
-    suffix = f"c{candidate:04d}"
+    suffix = f"{kind}{candidate:04d}"
     room = limit - len(suffix) - 1
     base = _sanitize(search)
     if base != search or len(base) > room:
@@ -204,3 +218,107 @@ class KubernetesMerger(CandidateMerger):
                 why = f"{ready.get('reason')}: {ready.get('message', '')}" if ready else "not reconciled"
                 raise CandidateFailed(f"ModelMerge {name}: no snapshot after {self.timeout_seconds:g} s ({why})")
             self.sleep(self.poll_seconds)
+
+
+class KubernetesJobEvaluator(Evaluator):
+    """Evaluates each candidate in its own Job (the search's GPU and image, never the driver's
+    pod, so the user's command never runs next to the driver's API token).
+
+    The Job is ``template`` (a batch/v1 Job the operator built with the merge Jobs' security
+    settings, credentials and the search's ``spec.resources``) named ``<search>-e<NNNN>``, owned by
+    the MergeSearch, running ``mergepipe search-eval --command CMD --checkpoint <snapshot URI>
+    --metrics-out <prefix>/evals/c<NNNN>.json``; the driver waits for it and reads that object:
+    ``{"metrics": {...}}`` or ``{"error": ...}`` (the candidate fails). A Job that fails or
+    exceeds ``timeout`` (seconds) fails the candidate too. 409 on create: a resumed driver finds
+    the Job of an earlier attempt and waits for it.
+
+    Args:
+        batch: a ``kubernetes.client.BatchV1Api`` (or a fake with ``create_namespaced_job`` and
+            ``read_namespaced_job``, returning dicts or client objects).
+        storage: a :class:`mergepipe.storage.base.Storage` that reads the metrics object.
+    """
+
+    in_process = False
+
+    def __init__(self, batch: Any, namespace: str, search_name: str, search_uid: str, template: dict, command: str,
+                 metrics_prefix: str, storage: Any, *, timeout: float | None = None, poll_seconds: float = 10.0,
+                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> None:
+        self.batch, self.namespace, self.search_name, self.search_uid = batch, namespace, search_name, search_uid
+        self.template, self.command, self.storage = template, command, storage
+        self.metrics_prefix = metrics_prefix.rstrip("/")
+        self.timeout, self.poll_seconds, self.sleep, self.clock = timeout, poll_seconds, sleep, clock
+
+    @staticmethod
+    def candidate_of(checkpoint: str) -> int:
+        """The candidate number of a snapshot URI ``…/c<NNNN>/``.
+
+        Raises:
+            ValueError: the URI does not end with a candidate folder.
+        """
+        m = re.search(r"/c([0-9]{4,})/?$", str(checkpoint))
+        if not m:
+            raise ValueError(f"{checkpoint}: not a search candidate's snapshot (…/c<NNNN>/)")
+        return int(m.group(1))
+
+    def job_body(self, checkpoint: str) -> tuple[dict, str]:
+        """The evaluation Job of ``checkpoint`` and the URI of its metrics object (pure)."""
+        cid = self.candidate_of(checkpoint)
+        metrics_uri = f"{self.metrics_prefix}/evals/c{cid:04d}.json"
+        job = copy.deepcopy(self.template)
+        meta = job.setdefault("metadata", {})
+        meta["name"] = candidate_name(self.search_name, cid, kind="e")
+        meta["namespace"] = self.namespace
+        labels = {**(meta.get("labels") or {}), LABEL_SEARCH: _label_value(self.search_name), LABEL_CANDIDATE: str(cid)}
+        meta["labels"] = labels
+        meta["ownerReferences"] = [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "MergeSearch", "name": self.search_name,
+                                    "uid": self.search_uid, "controller": True, "blockOwnerDeletion": True}]
+        tmpl = job.setdefault("spec", {}).setdefault("template", {})
+        tmpl.setdefault("metadata", {})["labels"] = {**(tmpl.get("metadata", {}).get("labels") or {}), **labels}
+        (c,) = tmpl["spec"]["containers"]
+        args = ["search-eval", "--command", self.command, "--checkpoint", str(checkpoint), "--metrics-out", metrics_uri]
+        if self.timeout is not None:
+            args += ["--timeout", f"{self.timeout:g}"]
+        c["args"] = args
+        return job, metrics_uri
+
+    def _outcome(self, name: str) -> tuple[str, str]:
+        job = self.batch.read_namespaced_job(name, self.namespace)
+        if not isinstance(job, dict):
+            job = self.batch.api_client.sanitize_for_serialization(job)
+        for c in (job.get("status") or {}).get("conditions") or []:
+            if c.get("status") == "True" and c.get("type") in ("Complete", "Failed"):
+                return c["type"], f"{c.get('reason') or c['type']}: {c.get('message') or ''}".strip()
+        return "Running", ""
+
+    def metrics(self, checkpoint) -> dict[str, float]:
+        """Run (or find) the candidate's evaluation Job and return its metrics.
+
+        Raises:
+            EvaluationFailed: the command failed (its message), the Job failed, or the timeout passed.
+        """
+        job, metrics_uri = self.job_body(str(checkpoint))
+        name = job["metadata"]["name"]
+        try:
+            self.batch.create_namespaced_job(self.namespace, job)
+        except Exception as e:  # noqa: BLE001 - ApiException without importing kubernetes here
+            if getattr(e, "status", None) != 409:
+                raise
+        t0 = self.clock()
+        while True:
+            state, why = self._outcome(name)
+            if state == "Complete":
+                try:
+                    doc = json.loads(self.storage.read_object(metrics_uri, role="other"))
+                except Exception as e:  # noqa: BLE001 - missing or unreadable object
+                    raise EvaluationFailed(f"evaluation Job {name} completed without metrics at {metrics_uri} ({e})") from None
+                if "error" in doc:
+                    raise EvaluationFailed(str(doc["error"]))
+                return doc["metrics"]
+            if state == "Failed":
+                raise EvaluationFailed(f"evaluation Job {name} failed ({why})")
+            if self.timeout is not None and self.clock() - t0 > 2 * self.timeout + 600:
+                raise EvaluationFailed(f"evaluation Job {name} did not finish in {2 * self.timeout + 600:g} s")
+            self.sleep(self.poll_seconds)
+
+    def spec(self) -> dict:
+        return {"kind": "command", "command": self.command, "timeout": self.timeout}

@@ -1122,7 +1122,7 @@ def analyze_args(spec: Mapping[str, Any], missing_uris: Iterable[str], catalog_u
 def _worker_job(
     mm: Mapping[str, Any],
     name: str,
-    component: Literal["merge", "analyze"],
+    component: Literal["merge", "analyze", "search", "evaluate"],
     args: list[str],
     settings: Settings,
     *,

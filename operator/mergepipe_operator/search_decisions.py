@@ -9,8 +9,9 @@ search from its state. Its workers are Kubernetes objects, not threads: each can
 ``ModelMerge`` ``<name>-c<NNNN>`` (ownerReference to the MergeSearch, labels naming the search and
 the candidate) whose layer-wise parameters are the candidate's point, so quota admission and
 charging, planning, the merge Job and the MergedSnapshot all come from the ModelMerge path;
-then the driver runs the evaluator command on the committed snapshot URI in its own pod (no GPU
-there; a GPU evaluation Job per candidate is future work). The driver rewrites
+then an evaluation Job ``<name>-e<NNNN>`` (:func:`eval_job_template`: the search's resources,
+GPUs included) runs ``mergepipe search-eval`` with the evaluator command on the committed
+snapshot URI and writes the metrics under the state prefix for the driver. The driver rewrites
 ``results.json`` (the core's :func:`mergepipe.search.runner.results`, without the trace) under
 the state prefix after every finished candidate; the operator mirrors it into the status. The
 operator never computes the hypervolume itself: that needs torch, which the operator image lacks.
@@ -119,9 +120,9 @@ def validate_search_spec(spec: Mapping[str, Any]) -> list[Issue]:
                 if name in (e.get("parameters") or {}) or (name == "weight" and e.get("weight") is not None):
                     out.append((f"spec.experts[{j}].parameters.{name}", f"{name} is varied by {path}; do not fix it here."))
     if not ((spec.get("evaluator") or {}).get("command")):
-        out.append(("spec.evaluator.command", "a MergeSearch needs an evaluator command: it runs in the driver pod "
-                    "with {checkpoint} = the candidate's snapshot URI (s3://...) and prints a JSON object of "
-                    "metrics (the built-in zoo evaluator reads local folders only)."))
+        out.append(("spec.evaluator.command", "a MergeSearch needs an evaluator command: it runs in an evaluation "
+                    "Job per candidate with {checkpoint} = the candidate's snapshot URI (s3://...) and prints a JSON "
+                    "object of metrics (the built-in zoo evaluator reads local folders only)."))
     seen: set[Issue] = set()
     return [i for i in out if not (i in seen or seen.add(i))]
 
@@ -207,9 +208,10 @@ def build_driver_job(ms: Mapping[str, Any], settings: Settings) -> dict[str, Any
     RuntimeDefault) and Secret-only S3 credentials as the merge Job; no GPU (the candidates' merge
     Jobs get them) and the driver's resources from the settings (``search_driver_cpu``/``_memory``;
     ``spec.resources`` are the candidates'). Unlike the merge Job it runs as
-    ``settings.search_service_account`` with its token mounted: it creates ModelMerges in its
-    namespace and reads MergedSnapshots (the chart's Role allows exactly that). Owned by the
-    MergeSearch (deleted with it).
+    ``settings.search_service_account`` with its token mounted: it creates ModelMerges and the
+    evaluation Jobs (:func:`eval_job_template`, passed as ``MERGEPIPE_EVAL_JOB_TEMPLATE``) in its
+    namespace and reads MergedSnapshots (the chart's Role allows exactly that); no user code runs
+    in its pod. Owned by the MergeSearch (deleted with it).
 
     Raises:
         ValueError: ``ms`` lacks metadata.name/uid/namespace or spec.output.uri.
@@ -227,6 +229,8 @@ def build_driver_job(ms: Mapping[str, Any], settings: Settings) -> dict[str, Any
     spec = ms.get("spec") or {}
     template = {k: spec[k] for k in ("resources", "image", "s3") if spec.get(k) is not None}
     env = [{"name": "MERGEPIPE_CANDIDATE_TEMPLATE", "value": json.dumps(template, sort_keys=True, separators=(",", ":"))},
+           {"name": "MERGEPIPE_EVAL_JOB_TEMPLATE",
+            "value": json.dumps(eval_job_template(ms, settings), sort_keys=True, separators=(",", ":"))},
            {"name": "MERGEPIPE_SEARCH_POLL_SECONDS", "value": str(settings.search_poll_seconds)}]
     job = _worker_job(driver, driver_job_name(name, gen), "search", driver_args(ms, settings), settings, gpu=False,
                       labels=labels, annotations=annotations, env_extra=env, owner=owner_reference(ms))
@@ -236,6 +240,21 @@ def build_driver_job(ms: Mapping[str, Any], settings: Settings) -> dict[str, Any
     # the driver resumes from its state: a pod restart is not a failure of the search
     job["spec"]["backoffLimit"] = max(settings.backoff_limit, 6)
     return job
+
+
+def eval_job_template(ms: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
+    """The evaluation Job template the driver fills per candidate (name ``<name>-e<NNNN>``, args
+    ``mergepipe search-eval ...``; :class:`mergepipe.search.kube.KubernetesJobEvaluator`): the
+    merge Job's image, security settings and Secret-only credentials, the search's
+    ``spec.resources`` (GPUs as the candidates' merge Jobs get them), no ServiceAccount token
+    (the user's command runs here), owned by the MergeSearch."""
+    meta = ms.get("metadata") or {}
+    name = meta["name"]
+    labels = {LABEL_NAME: "mergepipe-search-evaluator", LABEL_COMPONENT: "evaluate", LABEL_MANAGED_BY: MANAGER,
+              LABEL_SEARCH: label_value(name)}
+    annotations = {ANN_SEARCH: name, ANN_GENERATION: str(int(meta.get("generation") or 0))}
+    return _worker_job(ms, dns_label(name, "e0000"), "evaluate", [], settings, gpu=True, labels=labels,
+                       annotations=annotations, env_extra=[], owner=owner_reference(ms))
 
 
 def job_generation(job: Mapping[str, Any]) -> int | None:

@@ -123,11 +123,11 @@ EXPECTED_GRANTS = {
 }
 
 
-#: What a MergeSearch driver may do in its namespace: create its candidates and follow them. No
-#: Jobs: its token sits next to the user's evaluator command, which must not gain pod creation.
+#: What a MergeSearch driver may do in its namespace: its candidates and their evaluation Jobs.
 EXPECTED_DRIVER_GRANTS = {
     ("mergepipe.io", "modelmerges"): {"create", "get", "list", "watch"},
     ("mergepipe.io", "mergedsnapshots"): {"get", "list"},
+    ("batch", "jobs"): {"create", "get", "list", "watch", "delete"},
 }
 
 

@@ -486,9 +486,9 @@ def test_search_end_to_end_driver_candidates_as_modelmerges(cluster, monkeypatch
     """The real thing, played: MergeSearch -> driver Job, whose command (`mergepipe search
     --worker-backend kubernetes`) the test runs locally against the fake API server -> each
     candidate a child ModelMerge (owned by the search) that the operator plans and admits under
-    the namespace's quota -> the test plays the merge Jobs -> MergedSnapshots -> the driver
-    evaluates the snapshot URIs with the command evaluator -> results in S3 -> status mirrored;
-    Completed when the driver exits 0."""
+    the namespace's quota -> the test plays the merge Jobs -> MergedSnapshots -> an evaluation Job
+    per candidate (played: `mergepipe search-eval` runs the command on the snapshot URI) -> results
+    in S3 -> status mirrored; Completed when the driver exits 0."""
     import sys
     import threading
 
@@ -537,7 +537,7 @@ def test_search_end_to_end_driver_candidates_as_modelmerges(cluster, monkeypatch
         while t.is_alive() and time.monotonic() < deadline:
             for job in c.jobs():
                 comp = job["metadata"]["labels"].get(d.LABEL_COMPONENT)
-                if comp in ("merge", "analyze") and job["metadata"]["name"] not in played:
+                if comp in ("merge", "analyze", "evaluate") and job["metadata"]["name"] not in played:
                     played.add(job["metadata"]["name"])
                     r = play_job(c.api, job, c.tmp / job["metadata"]["name"])
                     assert r.returncode == 0, r.stderr[-2000:]
@@ -558,6 +558,12 @@ def test_search_end_to_end_driver_candidates_as_modelmerges(cluster, monkeypatch
     for p in st["pareto"]:
         snap = c.api.get("MergedSnapshot", NS, p["snapshot"])
         assert snap is not None and snap["spec"]["uri"] == p["uri"] == f"{out}g1/c{p['candidate']:04d}/"
+    evals = c.jobs(component="evaluate")
+    assert sorted(j["metadata"]["name"] for j in evals) == ["e2e-e0000", "e2e-e0001", "e2e-e0002"]
+    for j in evals:  # the user's command runs here, without a token, owned by the search
+        assert j["metadata"]["ownerReferences"][0]["uid"] == ms["metadata"]["uid"]
+        assert j["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+        assert j["spec"]["template"]["spec"]["containers"][0]["args"][:2] == ["search-eval", "--command"]
     ledger = quota_ledger(c.api, NS, "daily")
     assert sorted(e["merge"] for e in ledger) == ["e2e-c0000", "e2e-c0001", "e2e-c0002"]
     assert {e["state"] for e in ledger} == {"Charged"}

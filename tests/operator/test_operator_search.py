@@ -112,6 +112,23 @@ def test_driver_job_is_deterministic_owned_and_secure():
     k8s_validate(job)
 
 
+def test_evaluation_job_template_gets_the_gpu_and_no_token():
+    s = make_settings()
+    ms = search(gen=2)
+    job = sd.build_driver_job(ms, s)
+    env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    tmpl = json.loads(env["MERGEPIPE_EVAL_JOB_TEMPLATE"])
+    assert tmpl == json.loads(json.dumps(sd.eval_job_template(ms, s)))
+    assert json.loads(env["MERGEPIPE_CANDIDATE_TEMPLATE"]) == {"resources": {"gpu": {"count": 1}}}
+    pod = tmpl["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
+    (c,) = pod["containers"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and c["securityContext"]["runAsNonRoot"]
+    assert tmpl["metadata"]["labels"]["app.kubernetes.io/component"] == "evaluate"
+    assert tmpl["metadata"]["ownerReferences"][0]["uid"] == UID
+    k8s_validate(tmpl)
+
+
 def test_driver_args_are_the_spec_as_mergepipe_search_options():
     """The options the core's CLI already has parse back to the spec (typer/click parsing of
     ``mergepipe search``); the Kubernetes worker backend's options come last."""

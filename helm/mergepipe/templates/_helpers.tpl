@@ -66,9 +66,10 @@ annotations, events).
 
 
 {{/*
-What a MergeSearch's driver may do in its namespace: create its candidates (ModelMerges) and follow
-them to their MergedSnapshots. Nothing else: no Jobs or Pods (the evaluator command runs in the
-driver's pod, next to this token), no Secrets, no status writes.
+What a MergeSearch's driver may do in its namespace: create its candidates (ModelMerges) and their
+evaluation Jobs, follow them (MergedSnapshots read). Nothing else: no Pods, no Secrets, no status
+writes. No user code runs in the driver's pod (the evaluator command runs in the evaluation Jobs,
+which get no token).
 */}}
 {{- define "mergepipe.searchDriverRules" -}}
 - apiGroups: ["mergepipe.io"]
@@ -77,4 +78,7 @@ driver's pod, next to this token), no Secrets, no status writes.
 - apiGroups: ["mergepipe.io"]
   resources: ["mergedsnapshots"]
   verbs: ["get", "list"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["create", "get", "list", "watch", "delete"]
 {{- end -}}
