@@ -58,6 +58,8 @@ LABEL_CANDIDATE = f"{GROUP}/search-candidate"
 ANN_SEARCH = f"{GROUP}/merge-search"
 ANN_GENERATION = f"{GROUP}/generation"
 RESULTS_NAME = "results.json"
+#: activeDeadlineSeconds of a driver Job (7 days; at least the merge Jobs' deadline).
+DRIVER_DEADLINE_SECONDS = 7 * 86400
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 STATE_NAME = "state.json"
 
@@ -237,8 +239,10 @@ def build_driver_job(ms: Mapping[str, Any], settings: Settings) -> dict[str, Any
     pod = job["spec"]["template"]["spec"]
     pod["serviceAccountName"] = settings.search_service_account
     pod["automountServiceAccountToken"] = True
-    # the driver resumes from its state: a pod restart is not a failure of the search
+    # the driver resumes from its state: a pod restart is not a failure of the search, and a search
+    # of many candidates outlives a merge's deadline
     job["spec"]["backoffLimit"] = max(settings.backoff_limit, 6)
+    job["spec"]["activeDeadlineSeconds"] = max(settings.active_deadline_seconds, DRIVER_DEADLINE_SECONDS)
     return job
 
 

@@ -101,6 +101,7 @@ def test_driver_job_is_deterministic_owned_and_secure():
                                         "blockOwnerDeletion": True}]
     assert meta["labels"][sd.LABEL_SEARCH] == "llama-code-math-front" and meta["labels"]["app.kubernetes.io/component"] == "search"
     assert sd.job_generation(job) == 3
+    assert job["spec"]["activeDeadlineSeconds"] == 7 * 86400 and job["spec"]["backoffLimit"] >= 6
     pod = job["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "mergepipe-search-driver" and pod["automountServiceAccountToken"] is True
     (c,) = pod["containers"]
