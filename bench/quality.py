@@ -35,7 +35,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -60,18 +59,12 @@ def method_params(method: str, k: int) -> list[str]:
 
 
 def machine_info() -> dict:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    """bench.run's machine description plus the torch version."""
     import torch
 
-    return {"nproc": os.cpu_count(), "cpu_model": cpu, "python": platform.python_version(),
-            "torch": torch.__version__, "loadavg_start": Path("/proc/loadavg").read_text().split()[:3]}
+    from bench.run import machine_info as _machine
+
+    return {**_machine(), "torch": torch.__version__}
 
 
 # ------------------------------------------------------------------------------------------

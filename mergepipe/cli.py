@@ -246,6 +246,11 @@ MethodOpt = Annotated[str, typer.Option(
     "--method", "-m", help="linear, task_arithmetic, ties, dare_ties, dare_linear, breadcrumbs, breadcrumbs_ties, della, "
     "della_linear, model_stock, slerp, nuslerp (mergekit's names)")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Seed of the DARE/DELLA random streams [default: 0]")]
+# plan and merge: models and method from the command line, or from --config
+OptBaseOpt = Annotated[Optional[str], typer.Option("--base", help="Base checkpoint folder or s3:// prefix")]
+OptExpertOpt = Annotated[Optional[list[str]], typer.Option(
+    "--expert", "-e", help="Expert checkpoint: URI or NAME=URI (repeat). Name defaults to the last path component.")]
+OptMethodOpt = Annotated[Optional[str], typer.Option("--method", "-m", help="Merge method (mergekit's name) [default: ties]")]
 ConfigOpt = Annotated[Optional[Path], typer.Option(
     "--config", help="A mergekit YAML config (models, base_model, merge_method, parameters, dtype, out_dtype; "
     "plus budget, fidelity, seed) instead of --base/--expert/--method/--param")]
@@ -255,12 +260,10 @@ MemOpt = Annotated[str, typer.Option("--work-memory", help="Engine memory target
 
 @app.command()
 def plan(
-    base: Annotated[Optional[str], typer.Option("--base", help="Base checkpoint folder or s3:// prefix")] = None,
-    expert: Annotated[Optional[list[str]], typer.Option(
-        "--expert", "-e", help="Expert checkpoint: URI or NAME=URI (repeat). Name defaults to the last path component.")] = None,
+    base: OptBaseOpt = None,
+    expert: OptExpertOpt = None,
     config: ConfigOpt = None,
-    method: Annotated[Optional[str], typer.Option(
-        "--method", "-m", help="Merge method (mergekit's name) [default: ties]")] = None,
+    method: OptMethodOpt = None,
     param: ParamOpt = None,
     budget: BudgetOpt = None,
     fidelity: FidelityOpt = None,
@@ -357,12 +360,10 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="torch device for the m
 @app.command()
 def merge(
     out: Annotated[str, typer.Option("--out", "-o", help="Snapshot folder to create (must not exist or be empty)")],
-    base: Annotated[Optional[str], typer.Option("--base", help="Base checkpoint folder or s3:// prefix")] = None,
-    expert: Annotated[Optional[list[str]], typer.Option(
-        "--expert", "-e", help="Expert checkpoint: URI or NAME=URI (repeat). Name defaults to the last path component.")] = None,
+    base: OptBaseOpt = None,
+    expert: OptExpertOpt = None,
     config: ConfigOpt = None,
-    method: Annotated[Optional[str], typer.Option(
-        "--method", "-m", help="Merge method (mergekit's name) [default: ties]")] = None,
+    method: OptMethodOpt = None,
     param: ParamOpt = None,
     budget: BudgetOpt = None,
     fidelity: FidelityOpt = None,
