@@ -227,3 +227,16 @@ def test_search_eval_cli_writes_metrics_or_the_error(tmp_path, monkeypatch, caps
                             "--checkpoint", "x", "--metrics-out", str(out)], monkeypatch, capsys)
     assert code == 0, err
     assert "exited with code 3" in _json.loads(out.read_text())["error"]
+
+
+def test_driver_and_operator_share_one_naming_rule():
+    """The driver labels and names candidates exactly as the operator selects them, also for
+    names that must be shortened or sanitized (they once used two copies that differed there)."""
+    from mergepipe.k8s_names import label_value
+    from mergepipe.search import kube
+
+    for name in ("front", "a" * 57, "a" * 58, "a" * 80, "Team.Front_search", "x" * 63, "x" * 64):
+        lv = label_value(name)
+        assert len(lv) <= 63 and lv[0].isalnum() and lv[-1].isalnum()
+        assert kube.label_value is label_value
+    assert label_value("a" * 64) != label_value("a" * 65)

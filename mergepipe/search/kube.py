@@ -25,7 +25,6 @@ The API clients are injected (``kubernetes.client`` APIs in a pod; fakes in test
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import re
 import time
@@ -33,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mergepipe.k8s_names import dns_label, label_value
 from mergepipe.pipeline import parse_params
 from mergepipe.search.evaluators import EvaluationFailed, Evaluator
 from mergepipe.search.runner import CandidateMerger, Merged, SearchConfig
@@ -45,7 +45,6 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 #: Ready=False reasons of a ModelMerge that no waiting ends (a spec change would).
 FAILED_REASONS = frozenset({"InvalidSpec", "JobFailed"})
 
-_DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 def kube_api() -> Any:
@@ -78,12 +77,6 @@ class CandidateFailed(RuntimeError):
     """The candidate's ModelMerge ended without a snapshot (its Ready reason and message)."""
 
 
-def _sanitize(name: str) -> str:
-    s = re.sub(r"[^a-z0-9-]+", "-", name.lower())
-    s = re.sub(r"-{2,}", "-", s).strip("-")
-    return s or "merge"
-
-
 def candidate_name(search: str, candidate: int, limit: int = 63, kind: str = "c") -> str:
     """``<search>-c<NNNN>`` (the candidate's ModelMerge; ``kind="e"``: ``<search>-e<NNNN>``, its
     evaluation Job) as a DNS-1123 label (<= 63 chars): a search name that had to be changed or
@@ -95,22 +88,7 @@ def candidate_name(search: str, candidate: int, limit: int = 63, kind: str = "c"
     """
     if candidate < 0:
         raise ValueError(f"candidate must be >= 0, got {candidate}")
-    suffix = f"{kind}{candidate:04d}"
-    room = limit - len(suffix) - 1
-    base = _sanitize(search)
-    if base != search or len(base) > room:
-        tag = hashlib.sha256(search.encode()).hexdigest()[:8]
-        head = base[: room - 9].rstrip("-")
-        base = f"{head}-{tag}" if head else tag
-    name = f"{base}-{suffix}"
-    assert len(name) <= limit and _DNS_LABEL_RE.match(name), name
-    return name
-
-
-def _label_value(value: str) -> str:
-    if len(value) <= 63 and re.match(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$", value):
-        return value
-    return candidate_name(value, 0)[:-6] + "-" + hashlib.sha256(value.encode()).hexdigest()[:6]
+    return dns_label(search, f"{kind}{candidate:04d}", limit)
 
 
 def _typed(value: str) -> Any:
@@ -175,7 +153,7 @@ class KubernetesMerger(CandidateMerger):
             "metadata": {
                 "name": name,
                 "namespace": self.namespace,
-                "labels": {LABEL_SEARCH: _label_value(self.search_name), LABEL_CANDIDATE: str(int(cand["id"])),
+                "labels": {LABEL_SEARCH: label_value(self.search_name), LABEL_CANDIDATE: str(int(cand["id"])),
                            LABEL_MANAGED_BY: "mergepipe-search"},
                 "ownerReferences": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "MergeSearch",
                                      "name": self.search_name, "uid": self.search_uid, "controller": True,
@@ -268,7 +246,7 @@ class KubernetesJobEvaluator(Evaluator):
         meta = job.setdefault("metadata", {})
         meta["name"] = candidate_name(self.search_name, cid, kind="e")
         meta["namespace"] = self.namespace
-        labels = {**(meta.get("labels") or {}), LABEL_SEARCH: _label_value(self.search_name), LABEL_CANDIDATE: str(cid)}
+        labels = {**(meta.get("labels") or {}), LABEL_SEARCH: label_value(self.search_name), LABEL_CANDIDATE: str(cid)}
         meta["labels"] = labels
         meta["ownerReferences"] = [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "MergeSearch", "name": self.search_name,
                                     "uid": self.search_uid, "controller": True, "blockOwnerDeletion": True}]

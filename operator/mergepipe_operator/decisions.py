@@ -29,6 +29,8 @@ from datetime import datetime, timedelta, timezone
 from fractions import Fraction
 from typing import Any, Literal
 
+from mergepipe.k8s_names import dns_label, label_value  # noqa: F401  (one naming rule for operator and driver)
+
 from pydantic import ValidationError
 
 from mergepipe.commit.manifest import MANIFEST_FORMAT, snapshot_id
@@ -847,30 +849,6 @@ def admission_key(uid: str, generation: int | None) -> str:
 # --- names and the Job --------------------------------------------------------------------------
 
 _DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
-_DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-
-
-def _sanitize(name: str) -> str:
-    s = re.sub(r"[^a-z0-9-]+", "-", name.lower())
-    s = re.sub(r"-{2,}", "-", s).strip("-")
-    return s or "merge"
-
-
-def dns_label(prefix: str, suffix: str, limit: int = 63) -> str:
-    """``<prefix>-<suffix>`` as a DNS-1123 label of at most ``limit`` chars. A prefix that had to
-    be changed (invalid characters) or truncated is tagged with 8 hex of its SHA-256, so distinct
-    prefixes give distinct names."""
-    room = limit - len(suffix) - 1
-    if room < 10:
-        raise ValueError(f"suffix {suffix!r} leaves no room for a name")
-    base = _sanitize(prefix)
-    if base != prefix or len(base) > room:
-        tag = hashlib.sha256(prefix.encode()).hexdigest()[:8]
-        head = base[: room - 9].rstrip("-")
-        base = f"{head}-{tag}" if head else tag
-    name = f"{base}-{suffix}"
-    assert len(name) <= limit and _DNS_LABEL_RE.match(name), name
-    return name
 
 
 def _retry_suffix(retry_generation: int | None) -> str:
@@ -975,13 +953,6 @@ def snapshot_name(merge_name: str, manifest_hash: str) -> str:
     if not _DIGEST_RE.match(h):
         raise ValueError(f"manifest hash must be 64 lowercase hex characters, got {manifest_hash!r}")
     return dns_label(merge_name, h[:12])
-
-
-def label_value(value: str) -> str:
-    """A label value (<= 63 chars, alphanumeric at both ends) standing for ``value``."""
-    if len(value) <= 63 and re.match(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$", value):
-        return value
-    return dns_label(value, hashlib.sha256(value.encode()).hexdigest()[:6])
 
 
 def plan_uri(settings: Settings, namespace: str, name: str, plan_digest: str) -> str:
