@@ -185,11 +185,11 @@ def load_all(folder: Path) -> dict:
 
 
 def magnitude_keys(delta):
-    """mergepipe's magnitude keys: bf16-rounded ``|δ|`` bit patterns (int32), as in
-    :func:`mergepipe.methods.kernels.magnitude_key_torch`."""
-    import torch
+    """mergepipe's magnitude keys of ``delta`` (any float dtype), flattened: the engine's own
+    :func:`mergepipe.methods.kernels.magnitude_key_torch` on float32."""
+    from mergepipe.methods.kernels import magnitude_key_torch
 
-    return delta.float().abs().to(torch.bfloat16).view(torch.int16).to(torch.int32).flatten()
+    return magnitude_key_torch(delta.float()).flatten()
 
 
 def tie_flags(delta, sparsify: str, density: float, gamma: float = 0.0):

@@ -297,6 +297,12 @@ def plots(res: dict, out: Path) -> list[str]:
         ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xticklabels(["1", "2", "5", "10", "25", "50", "100"])
 
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        files.append(name)
+
     def budget_points(rm):
         return [p for p in rm["points"] if p["budget"]]
 
@@ -317,11 +323,7 @@ def plots(res: dict, out: Path) -> list[str]:
         ax.set_ylabel("mean per-domain eval loss (nats/token)")
         ax.set_title(f"K = {k}: dotted = full-budget merge, band = ±1%")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    p = out / "loss_vs_budget.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    files.append(p.name)
+    save(fig, "loss_vs_budget.png")
 
     fig, axes = plt.subplots(1, len(ks), figsize=(6 * len(ks), 4.2), squeeze=False)
     for ax, k in zip(axes[0], ks):
@@ -337,11 +339,7 @@ def plots(res: dict, out: Path) -> list[str]:
         ax.set_ylabel("‖θ_budget − θ_full‖ / ‖θ_full − θ_base‖")
         ax.set_title(f"K = {k}: relative distance to the full-budget merge")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    p = out / "distance_vs_budget.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    files.append(p.name)
+    save(fig, "distance_vs_budget.png")
 
     fig, ax = plt.subplots(figsize=(5.5, 5))
     hi = 0.0
@@ -358,11 +356,7 @@ def plots(res: dict, out: Path) -> list[str]:
     ax.set_ylabel("measured relative distance to the full merge")
     ax.set_title("planner estimate vs measurement (budget + fidelity points)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    p = out / "distance_vs_energy.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    files.append(p.name)
+    save(fig, "distance_vs_energy.png")
     return files
 
 

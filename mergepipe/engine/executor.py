@@ -40,6 +40,7 @@ from mergepipe.methods.kernels import (
     model_stock_merge,
     nuslerp_merge,
     rescale_factor,
+    row_numel_of,
     slerp_merge,
     sparsify,
 )
@@ -218,7 +219,7 @@ def _nbytes(buf) -> int:
 
 
 def _row_bytes(tp: TensorPlan, itemsize: int) -> int:
-    return (int(np.prod(tp.shape[1:])) if len(tp.shape) > 1 else 1) * itemsize
+    return row_numel_of(tp.shape) * itemsize
 
 
 def _chunk_runs(te, rpb: int, r0: int, r1: int, rows: int) -> list[tuple[int, int]]:
@@ -601,8 +602,10 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev):
     import torch
 
     tp = it.tp
-    n = memoryview(base_raw).nbytes // DTYPES_ITEMSIZE[tp.dtype]
-    row_numel = int(np.prod(tp.shape[1:])) if len(tp.shape) > 1 else 1
+    from mergepipe.formats.safetensors import DTYPES
+
+    n = memoryview(base_raw).nbytes // DTYPES[tp.dtype][0]
+    row_numel = row_numel_of(tp.shape)
     offset = it.r0 * row_numel
     base_t = _raw_tensor(base_raw, tp.dtype).to(dev)
     eparts = []  # per expert: (params, [(elem0, elem1, raw view)])
@@ -637,8 +640,6 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev):
     return memoryview(out.cpu().view(torch.uint8).numpy()) if n else b""
 
 
-DTYPES_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
-
 
 def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept):
     """Merge one row chunk; for ``stats`` items only accumulate L1 sums and return None. Uses
@@ -656,7 +657,7 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept):
     out_dtype = tp.out_dtype or tp.dtype
     if it.kind == "convert":
         return _encode(b, out_dtype)
-    row_numel = int(np.prod(tp.shape[1:])) if len(tp.shape) > 1 else 1
+    row_numel = row_numel_of(tp.shape)
     offset = it.r0 * row_numel
     keep_x = spec.kind == "slerp"
     present = {}
