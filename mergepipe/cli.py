@@ -60,6 +60,21 @@ def _err_console():
     return Console(stderr=True)
 
 
+def _worker_backend(name: str):
+    """The module of ``mergepipe search --worker-backend NAME`` from the entry-point group
+    ``mergepipe.worker_backends`` (``kubernetes``: :mod:`mergepipe_kube.search`, outside the core so
+    the core never imports the kubernetes client). Exits 2 naming the fix when it is not installed."""
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group="mergepipe.worker_backends") if ep.name == name]
+    try:
+        if not found:
+            raise ImportError(name)
+        return found[0].load()
+    except ImportError:
+        _fail(f"--worker-backend {name} is not installed: pip install 'mergepipe[kube]'.")
+
+
 def _fail(msg: str, code: int = 2):
     _err_console().print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
@@ -540,14 +555,13 @@ def search(
     if worker_backend == "kubernetes":
         if mirror is None or not (namespace and search_name and search_uid):
             _fail("--worker-backend kubernetes needs an s3:// --out, --namespace, --search-name and --search-uid.")
-        from mergepipe.search.kube import KubernetesMerger, kube_api
-
+        kube = _worker_backend("kubernetes")
         try:
             template = json.loads(os.environ.get("MERGEPIPE_CANDIDATE_TEMPLATE") or "{}")
         except ValueError as e:
             _fail(f"MERGEPIPE_CANDIDATE_TEMPLATE is not JSON ({e}).")
         poll = float(os.environ.get("MERGEPIPE_SEARCH_POLL_SECONDS") or 10)
-        merger = KubernetesMerger(kube_api(), namespace, search_name, search_uid, out_arg, template=template,
+        merger = kube.KubernetesMerger(kube.kube_api(), namespace, search_name, search_uid, out_arg, template=template,
                                   poll_seconds=poll)
         try:
             eval_template = json.loads(os.environ.get("MERGEPIPE_EVAL_JOB_TEMPLATE") or "null")
@@ -564,7 +578,6 @@ def search(
     job_evaluator = None
     if worker_backend == "kubernetes" and eval_template:
         # each evaluation in its own Job (the operator's template: image, GPU, Secret-only credentials)
-        from mergepipe.search.kube import KubernetesJobEvaluator, kube_batch_api
         from mergepipe.search.state import load_state
         from mergepipe.storage.base import IOCounters, open_storage
 
@@ -573,7 +586,7 @@ def search(
         if not spec or not spec.get("command"):
             _fail("--worker-backend kubernetes evaluates in Jobs: give --eval-command (a command that reads the "
                   "snapshot URI {checkpoint}).")
-        job_evaluator = KubernetesJobEvaluator(kube_batch_api(), namespace, search_name, search_uid, eval_template,
+        job_evaluator = kube.KubernetesJobEvaluator(kube.kube_batch_api(), namespace, search_name, search_uid, eval_template,
                                                spec["command"], out_arg, open_storage(None, IOCounters()),
                                                timeout=spec.get("timeout"), poll_seconds=poll)
     if resume:

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 
-from mergepipe.search.kube import CandidateFailed, KubernetesMerger, candidate_name
+from mergepipe_kube.search import CandidateFailed, KubernetesMerger, candidate_name
 from mergepipe.search.runner import SearchConfig
 
 UID = "11111111-2222-4333-8444-555555555555"
@@ -163,7 +163,7 @@ TEMPLATE = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x-e00
 
 
 def evaluator(batch, tmp_path, **kw):
-    from mergepipe.search.kube import KubernetesJobEvaluator
+    from mergepipe_kube.search import KubernetesJobEvaluator
     from mergepipe.storage.base import IOCounters, open_storage
 
     return KubernetesJobEvaluator(batch, "team", "front", UID, TEMPLATE, "python score.py {checkpoint}",
@@ -232,8 +232,8 @@ def test_search_eval_cli_writes_metrics_or_the_error(tmp_path, monkeypatch, caps
 def test_driver_and_operator_share_one_naming_rule():
     """The driver labels and names candidates exactly as the operator selects them, also for
     names that must be shortened or sanitized (they once used two copies that differed there)."""
-    from mergepipe.k8s_names import label_value
-    from mergepipe.search import kube
+    from mergepipe_kube.names import label_value
+    from mergepipe_kube import search as kube
 
     for name in ("front", "a" * 57, "a" * 58, "a" * 80, "Team.Front_search", "x" * 63, "x" * 64):
         lv = label_value(name)

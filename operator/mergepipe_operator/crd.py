@@ -11,7 +11,7 @@ Four kinds in ``mergepipe.io/v1alpha1``:
   time window, enforced by ``Clamp`` (lower a merge's budget to what is left) or ``Reject``.
 - :class:`MergeSearch` (``msearch``): a layer-wise multi-objective merge search (``mergepipe
   search``): one driver Job per generation whose candidates are child ModelMerges
-  (:mod:`mergepipe_operator.search_decisions`); the status mirrors the driver's results.
+  (:mod:`mergepipe_operator.search.decisions`); the status mirrors the driver's results.
 
 ``crdgen`` turns these models into the CRD YAML (``crds/*.yaml``, copied into the Helm chart).
 Field names are the Kubernetes (camelCase) names; Python attribute names are snake_case.
@@ -23,7 +23,7 @@ entries. A structural schema must give every node one ``type`` and forbids ``typ
 CRD. The parameter *maps* are typed (``type: object`` with ``maxProperties``), and each *value*
 is the one node marked ``x-kubernetes-preserve-unknown-fields: true`` without a ``type``
 (allowed for such nodes). The operator checks names, shapes and ranges of these values in
-:func:`mergepipe_operator.decisions.validate_merge_spec` and reports ``Ready=False`` with reason
+:func:`mergepipe_operator.modelmerge.spec.validate_merge_spec` and reports ``Ready=False`` with reason
 ``InvalidSpec`` naming the field. Everything else in the schemas is fully typed.
 """
 
@@ -35,25 +35,41 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
+from mergepipe.methods.registry import METHODS as CORE_METHODS
+
 GROUP = "mergepipe.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-#: mergekit's names of the merge methods the CRD accepts.
-METHODS: tuple[str, ...] = (
-    "linear",
-    "task_arithmetic",
-    "ties",
-    "dare_ties",
-    "dare_linear",
-    "breadcrumbs",
-    "breadcrumbs_ties",
-    "della",
-    "della_linear",
-    "model_stock",
-    "slerp",
-    "nuslerp",
-)
+#: mergekit's names of the merge methods the CRD accepts: the core's registry
+#: (:data:`mergepipe.methods.registry.METHODS`), in its order.
+METHODS: tuple[str, ...] = tuple(CORE_METHODS)
+
+
+def expert_count_message(method: str) -> str:
+    """Why a ``method`` merge has the wrong number of experts, from the core's registry
+    (``min_experts``/``max_experts``), e.g. ``slerp takes exactly 1 expert (besides the base)``."""
+    m = CORE_METHODS[method]
+    many = m.max_experts != 1
+    return f"{method} takes {m.experts_text} expert{'s' if many else ''} (besides the base)"
+
+
+def expert_count_rules() -> list[dict[str, str]]:
+    """The CRD's CEL rules on ``size(self.experts)`` per method, generated from the core's
+    registry: one ``{rule, message}`` per method whose expert count is bounded beyond "at least 1"."""
+    out = []
+    for name, m in CORE_METHODS.items():
+        if m.max_experts is not None and m.max_experts == m.min_experts:
+            cond = f"size(self.experts) == {m.min_experts}"
+        else:
+            parts = [f"size(self.experts) >= {m.min_experts}"] if m.min_experts > 1 else []
+            parts += [f"size(self.experts) <= {m.max_experts}"] if m.max_experts is not None else []
+            if not parts:
+                continue
+            cond = " && ".join(parts)
+        out.append({"rule": f"self.method != '{name}' || {cond}", "message": expert_count_message(name)})
+    return out
+
 
 # --- patterns (Go RE2 syntax: no look-around; also valid Python `re`) -------------------------
 
@@ -276,18 +292,7 @@ class ModelMergeSpec(K8sModel):
                     "rule": "!(has(self.budget) && has(self.fidelity))",
                     "message": "set at most one of budget and fidelity",
                 },
-                {
-                    "rule": "self.method != 'slerp' || size(self.experts) == 1",
-                    "message": "slerp merges exactly 2 models: the base and one expert",
-                },
-                {
-                    "rule": "self.method != 'nuslerp' || size(self.experts) == 2",
-                    "message": "nuslerp merges exactly 2 experts (relative to the base)",
-                },
-                {
-                    "rule": "self.method != 'model_stock' || size(self.experts) >= 2",
-                    "message": "model_stock needs at least 3 models: the base and 2 experts",
-                },
+                *expert_count_rules(),
             ]
         }
     )

@@ -320,8 +320,9 @@ return hs
 
 
 def _health_checks() -> dict[str, dict[str, Any]]:
-    from .decisions import TERMINAL_MERGE_REASONS, TERMINAL_SNAPSHOT_REASONS
-    from .search_decisions import TERMINAL_SEARCH_REASONS
+    from .modelmerge.decisions import TERMINAL_MERGE_REASONS
+    from .snapshot.decisions import TERMINAL_SNAPSHOT_REASONS
+    from .search.decisions import TERMINAL_SEARCH_REASONS
 
     return {
         "ModelMerge": {

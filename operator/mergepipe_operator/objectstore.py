@@ -1,65 +1,56 @@
-"""The operator's object-storage calls: write a plan, read a manifest, HEAD the outputs.
-
-A thin boto3 wrapper with the operator's own credentials (``AWS_*`` from its Secret) and the
-endpoint/region from :class:`~mergepipe_operator.settings.Settings`. Kept separate from the core's
-storage layer on purpose: the operator needs four calls and no torch/numpy.
-"""
+"""The operator's object-storage calls (write a plan, read a manifest, HEAD the outputs) over the
+core's storage layer (:mod:`mergepipe.storage`): one S3 client, with the core's retries, error
+mapping and endpoint/credential handling, serves both these calls and planning."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from mergepipe.commit.manifest import MANIFEST_NAME  # "manifest.json" under the snapshot URI
-
-
-def split_s3(uri: str) -> tuple[str, str]:
-    if not uri.startswith("s3://"):
-        raise ValueError(f"not an s3:// URI: {uri!r}")
-    bucket, _, key = uri[5:].partition("/")
-    if not bucket:
-        raise ValueError(f"no bucket in {uri!r}")
-    return bucket, key
+from mergepipe.commit.manifest import (
+    MANIFEST_NAME,  # "manifest.json" under the snapshot URI
+)
+from mergepipe.storage.base import IOCounters, NotFoundError, Storage, open_storage
 
 
 def join(prefix: str, name: str) -> str:
+    """``prefix`` + ``/`` + ``name`` with exactly one slash between them."""
     return prefix.rstrip("/") + "/" + name.lstrip("/")
 
 
 def manifest_uri(snapshot_uri: str) -> str:
+    """The URI of a snapshot's ``manifest.json``."""
     return join(snapshot_uri, MANIFEST_NAME)
 
 
 class ObjectStore:
-    def __init__(self, endpoint: str | None = None, region: str | None = None, client: Any = None):
-        if client is None:
-            import boto3
+    """Whole-object reads and writes through a core :class:`~mergepipe.storage.base.Storage`.
 
-            client = boto3.session.Session().client("s3", endpoint_url=endpoint or None, region_name=region or None)
-        self.s3 = client
+    Args:
+        storage: the core storage to use; default: ``open_storage`` with ``endpoint`` (the region
+            and credentials come from the environment, ``AWS_*``, as for every core S3 client).
+        endpoint: S3 endpoint URL (``None``: AWS).
 
-    @staticmethod
-    def _missing(e: Exception) -> bool:
-        code = str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
-        return code in ("404", "NoSuchKey", "NotFound")
+    Errors: :class:`mergepipe.storage.base.StorageError` (e.g. ``S3Error`` after the core's
+    retries) for anything but a missing object.
+    """
+
+    def __init__(self, storage: Storage | None = None, *, endpoint: str | None = None):
+        self.storage: Any = storage if storage is not None else open_storage(None, IOCounters(), endpoint_url=endpoint or None)
 
     def get(self, uri: str) -> bytes | None:
-        bucket, key = split_s3(uri)
+        """The object's bytes, or ``None`` when there is no such object."""
         try:
-            return self.s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-        except Exception as e:  # botocore ClientError
-            if self._missing(e):
-                return None
-            raise
+            return self.storage.read_object(uri, "other")
+        except NotFoundError:
+            return None
 
     def head_size(self, uri: str) -> int | None:
-        bucket, key = split_s3(uri)
+        """The object's size in bytes, or ``None`` when there is no such object."""
         try:
-            return int(self.s3.head_object(Bucket=bucket, Key=key)["ContentLength"])
-        except Exception as e:
-            if self._missing(e):
-                return None
-            raise
+            return int(self.storage.stat(uri).size)
+        except NotFoundError:
+            return None
 
-    def put(self, uri: str, data: bytes, content_type: str = "application/json") -> None:
-        bucket, key = split_s3(uri)
-        self.s3.put_object(Bucket=bucket, Key=key, Body=data, ContentType=content_type)
+    def put(self, uri: str, data: bytes) -> None:
+        """Write ``data`` as the object at ``uri`` (replacing it)."""
+        self.storage.put_object(uri, data, "other")

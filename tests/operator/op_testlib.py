@@ -24,7 +24,7 @@ if str(ROOT / "operator") not in sys.path:  # this checkout first, installed or 
     sys.path.insert(0, str(ROOT / "operator"))
 
 from mergepipe_operator.crd import RESOURCES  # noqa: E402
-from mergepipe_operator.kube import Conflict  # noqa: E402
+from mergepipe_operator.k8s.api import Conflict  # noqa: E402
 from mergepipe_operator.settings import Settings  # noqa: E402
 
 NOW = datetime(2026, 11, 22, 12, 0, 0, tzinfo=timezone.utc)
@@ -81,7 +81,7 @@ def k8s_validate(obj: dict[str, Any], versions: tuple[str, ...] = K8S_VERSIONS) 
 
 
 class FakeKube:
-    """In-memory stand-in for :class:`mergepipe_operator.kube.Kube` with resourceVersion
+    """In-memory stand-in for :class:`mergepipe_operator.k8s.api.Kube` with resourceVersion
     conflicts, uid/generation, equality label selectors, and a hook before status writes."""
 
     def __init__(self) -> None:

@@ -10,7 +10,9 @@ import yaml
 from op_testlib import ROOT
 
 from mergepipe_operator import crdgen
-from mergepipe_operator import decisions as d
+from mergepipe_operator.k8s import conditions as cond  # noqa: E402
+from mergepipe_operator.modelmerge import decisions as mmd  # noqa: E402
+from mergepipe_operator.snapshot import decisions as snapd  # noqa: E402
 
 lua51 = pytest.importorskip("lupa.lua51", reason="lupa (Lua runtime) is not installed")
 
@@ -38,7 +40,7 @@ def obj(generation=2, observed=2, ready=None, cond_gen=None, status=True):
         return o
     st = {"observedGeneration": observed} if observed is not None else {}
     if ready is not None:
-        st["conditions"] = d.set_condition(
+        st["conditions"] = cond.set_condition(
             [{"type": "QuotaAdmitted", "status": "True", "reason": "Admitted", "message": "", "lastTransitionTime": "2026-11-22T00:00:00Z"}],
             "Ready", ready[0], ready[1], ready[2], cond_gen if cond_gen is not None else observed, NOW)
     o["status"] = st
@@ -76,12 +78,12 @@ def test_modelmerge_degraded_message_names_reason_and_detail():
     assert got == {"status": "Healthy", "message": "snapshot s1 verified"}
 
 
-@pytest.mark.parametrize("reason", sorted(d.TERMINAL_MERGE_REASONS))
+@pytest.mark.parametrize("reason", sorted(mmd.TERMINAL_MERGE_REASONS))
 def test_every_terminal_merge_reason_is_degraded(reason):
     assert run_health(script("ModelMerge"), obj(ready=("False", reason, "x")))["status"] == "Degraded"
 
 
-@pytest.mark.parametrize("reason", sorted(d.TERMINAL_SNAPSHOT_REASONS))
+@pytest.mark.parametrize("reason", sorted(snapd.TERMINAL_SNAPSHOT_REASONS))
 def test_every_terminal_snapshot_reason_is_degraded(reason):
     assert run_health(script("MergedSnapshot"), obj(ready=("False", reason, "x")))["status"] == "Degraded"
 
@@ -118,8 +120,8 @@ def test_mergesearch_health(o, health):
 
 def test_non_terminal_reasons_are_progressing():
     for r in ("Planning", "Analyzing", "JobRunning"):
-        assert r not in d.TERMINAL_MERGE_REASONS
-    assert d.Reason.MANIFEST_MISSING not in d.TERMINAL_SNAPSHOT_REASONS
+        assert r not in mmd.TERMINAL_MERGE_REASONS
+    assert cond.Reason.MANIFEST_MISSING not in snapd.TERMINAL_SNAPSHOT_REASONS
 
 
 def test_checked_in_scripts_are_generated_from_one_template():
@@ -127,9 +129,9 @@ def test_checked_in_scripts_are_generated_from_one_template():
         assert (ARGOCD / name).read_text() == crdgen.health_script(kind), "run: python -m mergepipe_operator.crdgen"
     mm, snap = crdgen.health_script("ModelMerge"), crdgen.health_script("MergedSnapshot")
     assert "mergepipe.io/ModelMerge" in mm and "mergepipe.io/MergedSnapshot" in snap
-    for reason in d.TERMINAL_MERGE_REASONS:
+    for reason in mmd.TERMINAL_MERGE_REASONS:
         assert f"  {reason} = true," in mm and reason not in snap
-    for reason in d.TERMINAL_SNAPSHOT_REASONS:
+    for reason in snapd.TERMINAL_SNAPSHOT_REASONS:
         assert f"  {reason} = true," in snap and f"{reason} = true" not in mm
 
 

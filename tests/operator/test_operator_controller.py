@@ -1,4 +1,4 @@
-"""The reconciliation in mergepipe_operator.main, driven with in-memory fakes of the API server and
+"""The reconciliation (mergepipe_operator.controller.Controller), driven with in-memory fakes of the API server and
 of object storage (no kopf runtime; test_operator_kmock.py runs the real operator against kmock and
 SeaweedFS, test_operator_planning.py the real planner)."""
 
@@ -13,11 +13,17 @@ from datetime import timedelta
 import pytest
 from op_testlib import DIGEST, NOW, FakeKube, FakeStore, make_merge, make_quota
 
-from mergepipe_operator import decisions as d
+from mergepipe_operator.k8s import conditions as cond  # noqa: E402
+from mergepipe_operator import controller as ctl  # noqa: E402
+from mergepipe_operator.modelmerge import decisions as mmd  # noqa: E402
+from mergepipe_operator.k8s import names  # noqa: E402
+from mergepipe_operator.modelmerge import planning  # noqa: E402
+from mergepipe_operator.k8s import quantities as qty  # noqa: E402
+from mergepipe_operator import reconcile  # noqa: E402
+from mergepipe_operator.snapshot import decisions as snapd  # noqa: E402
 
 kopf = pytest.importorskip("kopf", reason="kopf (the operator framework) is not installed")
-from mergepipe_operator import main  # noqa: E402
-from mergepipe_operator.kube import JOBS, MERGES, QUOTAS, SNAPSHOTS  # noqa: E402
+from mergepipe_operator.k8s.api import JOBS, MERGES, QUOTAS, SNAPSHOTS  # noqa: E402
 
 GI = 1024**3
 
@@ -31,12 +37,12 @@ class Planner:
     def __call__(self, spec, catalog_uri):
         self.calls.append((spec.get("budget"), catalog_uri))
         if self.missing:
-            return main.PlanSummary(missing_experts=self.missing,
-                                    analysis_id=d.analysis_id("b" * 64, ["e" * 64], catalog_uri, spec["method"]))
+            return planning.PlanSummary(missing_experts=self.missing,
+                                    analysis_id=mmd.analysis_id("b" * 64, ["e" * 64], catalog_uri, spec["method"]))
         budget = spec.get("budget")
         read = self.full if budget is None else min(self.full, budget)
         digest = hashlib.sha256(f"{read}".encode()).hexdigest()
-        return main.PlanSummary(
+        return planning.PlanSummary(
             digest=digest, plan_json=json.dumps({"digest": digest}).encode(), base_read_bytes=GI,
             expert_read_bytes=read, output_write_bytes=GI, budget_bytes=budget,
             retained_energy=read / self.full, missing_experts=self.missing,
@@ -48,7 +54,7 @@ def setup(settings, *quotas, planner=None, mm=None):
     for q in quotas:
         kube.put(QUOTAS, q)
     mm = kube.put(MERGES, mm or make_merge())
-    c = main.Controller(settings, kube, store, planner or Planner(), clock=lambda: NOW)
+    c = ctl.Controller(settings, kube, store, planner or Planner(), clock=lambda: NOW)
     return c, kube, store, mm
 
 
@@ -58,7 +64,7 @@ def apply(kube, mm, status):
 
 
 def ready(obj):
-    return d.get_condition((obj.get("status") or {}).get("conditions"), "Ready")
+    return cond.get_condition((obj.get("status") or {}).get("conditions"), "Ready")
 
 
 def commit(store, out, plan_digest, realized, files_prefix="runs/r1"):
@@ -80,8 +86,8 @@ def commit(store, out, plan_digest, realized, files_prefix="runs/r1"):
 
 
 def test_plan_merge_needs_a_catalog():
-    with pytest.raises(main.PlanInputError, match="no catalog"):
-        main.plan_merge(make_merge()["spec"], None)
+    with pytest.raises(planning.PlanInputError, match="no catalog"):
+        planning.plan_merge(make_merge()["spec"], None)
 
 
 def test_storage_trouble_while_planning_waits_in_planning(settings):
@@ -89,9 +95,9 @@ def test_storage_trouble_while_planning_waits_in_planning(settings):
         raise ConnectionError("s3 endpoint unreachable")
 
     c, kube, store, mm = setup(settings, make_quota(), planner=planner)
-    with pytest.raises(main.RetryWithStatus) as e:
+    with pytest.raises(reconcile.RetryWithStatus) as e:
         c.reconcile_merge(mm)
-    r = d.get_condition(e.value.status["conditions"], "Ready")
+    r = cond.get_condition(e.value.status["conditions"], "Ready")
     assert (r["status"], r["reason"]) == ("False", "Planning") and "s3 endpoint unreachable" in r["message"]
     assert kube.list(JOBS, "ns1") == []
     assert kube.get(QUOTAS, "ns1", "q").get("status") is None  # nothing reserved before a plan exists
@@ -100,11 +106,11 @@ def test_storage_trouble_while_planning_waits_in_planning(settings):
 def test_inputs_the_core_refuses_are_an_invalid_spec_naming_the_field(settings):
     def planner(spec, catalog):
         msg = "s3://models/math/model.safetensors: tensor 'lm_head.weight' is BF16[256, 64] but the base has F32"
-        raise main.PlanInputError(msg, main._field_of(msg, spec))
+        raise planning.PlanInputError(msg, planning._field_of(msg, spec))
 
     c, kube, store, mm = setup(settings, make_quota(), planner=planner)
     st = c.reconcile_merge(mm)
-    r = d.get_condition(st["conditions"], "Ready")
+    r = cond.get_condition(st["conditions"], "Ready")
     assert (r["status"], r["reason"]) == ("False", "InvalidSpec")
     assert r["message"].startswith("spec.experts[1].uri: the planner refused the inputs: s3://models/math/")
     assert kube.list(JOBS, "ns1") == [] and kube.get(QUOTAS, "ns1", "q").get("status") is None
@@ -118,7 +124,7 @@ def test_happy_path_budget_mode(settings):
     assert ready(mm)["reason"] == "JobRunning" and st["observedGeneration"] == 1
     assert st["budget"] == "10Gi" and st["plan"]["estimated"]["expertReadBytes"] == 8 * GI
     (job,) = kube.list(JOBS, "ns1")
-    assert job["metadata"]["name"] == st["jobName"] == d.job_name("mm1", st["plan"]["digest"])
+    assert job["metadata"]["name"] == st["jobName"] == mmd.job_name("mm1", st["plan"]["digest"])
     assert job["spec"]["template"]["spec"]["containers"][0]["args"][1] == st["plan"]["uri"]
     assert store.get(st["plan"]["uri"]) is not None  # the operator wrote the plan
     q = kube.get(QUOTAS, "ns1", "q")
@@ -128,7 +134,7 @@ def test_happy_path_budget_mode(settings):
 
     # the Job runs, then completes; the worker committed a manifest
     running = dict(job, status={"active": 1})
-    assert d.get_condition(c.sync_job(mm, running)["conditions"], "Ready")["message"].startswith("merge Job running")
+    assert cond.get_condition(c.sync_job(mm, running)["conditions"], "Ready")["message"].startswith("merge Job running")
     out = "s3://snapshots/mm1/"
     manifest = commit(store, out, st["plan"]["digest"], realized=7 * GI)
     done = dict(job, status={"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
@@ -140,13 +146,13 @@ def test_happy_path_budget_mode(settings):
     q = kube.get(QUOTAS, "ns1", "q")
     assert q["status"]["ledger"][0]["state"] == "Charged" and q["status"]["used"] == {"expertReadBytes": 7 * GI, "merges": 1}
     (snap,) = kube.list(SNAPSHOTS, "ns1")
-    assert snap["metadata"]["name"] == mm["status"]["snapshot"] == d.snapshot_name("mm1", d.manifest_hash(manifest))
+    assert snap["metadata"]["name"] == mm["status"]["snapshot"] == snapd.snapshot_name("mm1", snapd.manifest_hash(manifest))
     assert "ownerReferences" not in snap["metadata"]  # not garbage-collected with its ModelMerge
-    assert snap["spec"]["manifestHash"] == d.manifest_hash(manifest)
+    assert snap["spec"]["manifestHash"] == snapd.manifest_hash(manifest)
     # the snapshot becomes Ready only through verification
     assert ready(snap) is None
     sst = c.verify_snapshot(snap)
-    assert (d.get_condition(sst["conditions"], "Ready")["status"], sst["sizes"]) == ("True", {"totalBytes": 100, "files": 1})
+    assert (cond.get_condition(sst["conditions"], "Ready")["status"], sst["sizes"]) == ("True", {"totalBytes": 100, "files": 1})
     # replays are harmless
     assert c.sync_job(mm, done) is None
     assert kube.get(QUOTAS, "ns1", "q")["status"]["used"]["expertReadBytes"] == 7 * GI
@@ -155,7 +161,7 @@ def test_happy_path_budget_mode(settings):
 def test_invalid_spec_creates_nothing(settings):
     c, kube, store, mm = setup(settings, make_quota(), mm=make_merge(budget="10 GB"))
     st = c.reconcile_merge(mm)
-    r = d.get_condition(st["conditions"], "Ready")
+    r = cond.get_condition(st["conditions"], "Ready")
     assert (r["reason"], r["observedGeneration"]) == ("InvalidSpec", 1) and "spec.budget" in r["message"]
     assert kube.list(JOBS, "ns1") == [] and kube.writes == []
 
@@ -163,10 +169,10 @@ def test_invalid_spec_creates_nothing(settings):
 def test_quota_reject_keeps_the_merge_waiting(settings):
     q = make_quota(bytes_="5Gi")
     c, kube, store, mm = setup(settings, q)
-    with pytest.raises(main.RetryWithStatus) as e:
+    with pytest.raises(reconcile.RetryWithStatus) as e:
         c.reconcile_merge(mm)
     assert e.value.delay == settings.quota_retry_seconds
-    r = d.get_condition(e.value.status["conditions"], "Ready")
+    r = cond.get_condition(e.value.status["conditions"], "Ready")
     assert r["reason"] == "QuotaExceeded" and "requested 8Gi but only 5Gi is left" in r["message"]
     assert kube.list(JOBS, "ns1") == []
 
@@ -175,16 +181,16 @@ def test_an_output_holding_another_snapshot_is_refused_before_any_job(settings):
     c, kube, store, mm = setup(settings, make_quota())
     commit(store, "s3://snapshots/mm1/", "ef" * 32, realized=GI)
     st = c.reconcile_merge(mm)
-    r = d.get_condition(st["conditions"], "Ready")
+    r = cond.get_condition(st["conditions"], "Ready")
     assert r["reason"] == "InvalidSpec" and "already holds a committed snapshot" in r["message"]
     assert kube.list(JOBS, "ns1") == [] and kube.get(QUOTAS, "ns1", "q")["status"]["ledger"] == []
 
 
 def test_a_broken_quota_blocks_admission(settings):
     c, kube, store, mm = setup(settings, make_quota(bytes_="lots"))
-    with pytest.raises(main.RetryWithStatus) as e:
+    with pytest.raises(reconcile.RetryWithStatus) as e:
         c.reconcile_merge(mm)
-    r = d.get_condition(e.value.status["conditions"], "Ready")
+    r = cond.get_condition(e.value.status["conditions"], "Ready")
     assert r["reason"] == "QuotaExceeded" and "invalid MergeQuota" in r["message"] and "spec.hard.expertReadBytes" in r["message"]
 
 
@@ -195,7 +201,7 @@ def test_quota_clamp_in_fidelity_mode_replans_under_the_lower_budget(settings):
     st = c.reconcile_merge(mm)
     assert planner.calls == [(None, "s3://mergepipe/catalog/"), (3 * GI, "s3://mergepipe/catalog/")]
     assert st["budgetBytes"] == 3 * GI and st["admission"]["clamped"] is True
-    assert d.get_condition(st["conditions"], "QuotaAdmitted")["reason"] == "Clamped"
+    assert cond.get_condition(st["conditions"], "QuotaAdmitted")["reason"] == "Clamped"
     assert kube.get(QUOTAS, "ns1", "q")["status"]["used"]["expertReadBytes"] == 3 * GI
 
 
@@ -203,16 +209,16 @@ def test_missing_statistics_start_one_analyze_job_then_the_merge_is_planned(sett
     planner = Planner(missing=["s3://models/math"])
     c, kube, store, mm = setup(settings, make_quota(), planner=planner)
     for _ in range(2):  # retries (and a restarted operator) find the Job instead of creating another
-        with pytest.raises(main.RetryWithStatus) as e:
+        with pytest.raises(reconcile.RetryWithStatus) as e:
             c.reconcile_merge(mm)
         assert e.value.delay == settings.analyze_poll_seconds
-        r = d.get_condition(e.value.status["conditions"], "Ready")
+        r = cond.get_condition(e.value.status["conditions"], "Ready")
         assert (r["status"], r["reason"]) == ("False", "Analyzing") and "s3://models/math" in r["message"]
-        assert d.get_condition(e.value.status["conditions"], "Analyzed")["reason"] == "Analyzing"
+        assert cond.get_condition(e.value.status["conditions"], "Analyzed")["reason"] == "Analyzing"
     (job,) = kube.list(JOBS, "ns1")
-    assert job["metadata"]["name"] == d.analyze_job_name(
-        "mm1", d.analysis_id("b" * 64, ["e" * 64], settings.catalog_uri, "ties"))
-    assert job["metadata"]["labels"][d.LABEL_COMPONENT] == "analyze"
+    assert job["metadata"]["name"] == mmd.analyze_job_name(
+        "mm1", mmd.analysis_id("b" * 64, ["e" * 64], settings.catalog_uri, "ties"))
+    assert job["metadata"]["labels"][names.LABEL_COMPONENT] == "analyze"
     assert job["spec"]["template"]["spec"]["containers"][0]["args"] == [
         "analyze", "--base", "s3://models/base", "--expert", "s3://models/math",
         "--catalog", settings.catalog_uri, "--json"]
@@ -220,22 +226,22 @@ def test_missing_statistics_start_one_analyze_job_then_the_merge_is_planned(sett
     # the Job finished and wrote the statistics: the next retry plans and starts the merge Job
     planner.missing = ()
     st = c.reconcile_merge(mm)
-    assert d.get_condition(st["conditions"], "Ready")["reason"] == "JobRunning"
-    assert d.get_condition(st["conditions"], "Analyzed")["status"] == "True"
-    assert sorted(j["metadata"]["labels"][d.LABEL_COMPONENT] for j in kube.list(JOBS, "ns1")) == ["analyze", "merge"]
+    assert cond.get_condition(st["conditions"], "Ready")["reason"] == "JobRunning"
+    assert cond.get_condition(st["conditions"], "Analyzed")["status"] == "True"
+    assert sorted(j["metadata"]["labels"][names.LABEL_COMPONENT] for j in kube.list(JOBS, "ns1")) == ["analyze", "merge"]
 
 
 @pytest.mark.parametrize("outcome", ["Failed", "Complete"])
 def test_a_failed_or_useless_analyze_job_fails_the_merge(settings, outcome):
     planner = Planner(missing=["s3://models/math"])
     c, kube, store, mm = setup(settings, make_quota(), planner=planner)
-    with pytest.raises(main.RetryWithStatus):
+    with pytest.raises(reconcile.RetryWithStatus):
         c.reconcile_merge(mm)
     (job,) = kube.list(JOBS, "ns1")
     kube.objects[("jobs", "ns1", job["metadata"]["name"])]["status"] = {
         "conditions": [{"type": outcome, "status": "True", "reason": "BackoffLimitExceeded", "message": "exit 2"}]}
     st = c.reconcile_merge(mm)
-    r = d.get_condition(st["conditions"], "Ready")
+    r = cond.get_condition(st["conditions"], "Ready")
     assert (r["status"], r["reason"]) == ("False", "JobFailed") and job["metadata"]["name"] in r["message"]
     assert ("exit 2" in r["message"]) if outcome == "Failed" else ("still has no statistics" in r["message"])
     assert len(kube.list(JOBS, "ns1")) == 1 and kube.get(QUOTAS, "ns1", "q").get("status") is None
@@ -247,7 +253,7 @@ def test_an_analysis_that_completes_while_planning_is_not_a_failure(settings):
     is complete by the time the operator looks: it plans again instead of failing the merge."""
     planner = Planner(missing=["s3://models/math"])
     c, kube, store, mm = setup(settings, make_quota(), planner=planner)
-    with pytest.raises(main.RetryWithStatus):
+    with pytest.raises(reconcile.RetryWithStatus):
         c.reconcile_merge(mm)
     (job,) = kube.list(JOBS, "ns1")
     kube.objects[("jobs", "ns1", job["metadata"]["name"])]["status"] = {
@@ -266,10 +272,10 @@ def test_an_analysis_that_completes_while_planning_is_not_a_failure(settings):
 def test_no_analysis_for_a_merge_the_quota_cannot_admit(settings):
     used = {"ledger": [{"key": "other.1", "merge": "other", "bytes": 0, "state": "Reserved", "time": "2026-11-22T11:00:00Z"}]}
     c, kube, store, mm = setup(settings, make_quota(merges=1, status=used), planner=Planner(missing=["s3://models/math"]))
-    with pytest.raises(main.RetryWithStatus) as e:
+    with pytest.raises(reconcile.RetryWithStatus) as e:
         c.reconcile_merge(mm)
     assert e.value.delay == settings.quota_retry_seconds
-    r = d.get_condition(e.value.status["conditions"], "Ready")
+    r = cond.get_condition(e.value.status["conditions"], "Ready")
     assert r["reason"] == "QuotaExceeded" and "1 of 1 merges" in r["message"]
     assert kube.list(JOBS, "ns1") == []
 
@@ -281,27 +287,27 @@ def test_pair_statistics_methods_analyze_with_pairs(settings):
     # a missing pair names both of its experts (MissingAnalysis.uris)
     planner = Planner(missing=["s3://models/code", "s3://models/math/"])
     c, kube, store, mm = setup(settings, make_quota(), planner=planner, mm=mm)
-    with pytest.raises(main.RetryWithStatus):
+    with pytest.raises(reconcile.RetryWithStatus):
         c.reconcile_merge(mm)
     (job,) = kube.list(JOBS, "ns1")
     assert job["spec"]["template"]["spec"]["containers"][0]["args"] == [
         "analyze", "--base", "s3://models/base", "--expert", "s3://models/code", "--expert", "s3://models/math",
         "--pairs", "--catalog", settings.catalog_uri, "--json"]
-    assert d.analyze_args({"base": {"uri": "s3://m/b/"}, "method": "ties"}, ["s3://m/e/"], "s3://c") == [
+    assert mmd.analyze_args({"base": {"uri": "s3://m/b/"}, "method": "ties"}, ["s3://m/e/"], "s3://c") == [
         "analyze", "--base", "s3://m/b", "--expert", "s3://m/e", "--catalog", "s3://c", "--json"]  # no pairs for ties
 
 
 def test_superseding_keeps_the_analyze_job(settings):
     planner = Planner(missing=["s3://models/math"])
     c, kube, store, mm = setup(settings, make_quota(), planner=planner)
-    with pytest.raises(main.RetryWithStatus):
+    with pytest.raises(reconcile.RetryWithStatus):
         c.reconcile_merge(mm)
     planner.missing = ()
     mm = apply(kube, mm, c.reconcile_merge(mm))
     kube.objects[("modelmerges", "ns1", "mm1")]["spec"]["budget"] = "4Gi"
     kube.objects[("modelmerges", "ns1", "mm1")]["metadata"]["generation"] = 2
     mm = apply(kube, kube.get(MERGES, "ns1", "mm1"), c.reconcile_merge(kube.get(MERGES, "ns1", "mm1")))
-    comps = sorted((j["metadata"]["labels"][d.LABEL_COMPONENT], j["metadata"]["name"]) for j in kube.list(JOBS, "ns1"))
+    comps = sorted((j["metadata"]["labels"][names.LABEL_COMPONENT], j["metadata"]["name"]) for j in kube.list(JOBS, "ns1"))
     assert [k for k, _ in comps] == ["analyze", "merge"] and comps[1][1] == mm["status"]["jobName"]
 
 
@@ -333,9 +339,9 @@ def test_spec_change_after_job_failed_retries_with_a_new_job(settings):
     mm = bump(kube, resources={"memory": "64Gi"})
     mm = apply(kube, mm, c.reconcile_merge(mm))
     assert ready(mm)["reason"] == "JobRunning" and mm["status"]["observedGeneration"] == 2
-    assert mm["status"]["plan"]["digest"] == job["metadata"]["annotations"][d.ANN_PLAN_DIGEST]
+    assert mm["status"]["plan"]["digest"] == job["metadata"]["annotations"][names.ANN_PLAN_DIGEST]
     new = kube.get(JOBS, "ns1", mm["status"]["jobName"])
-    assert new["metadata"]["name"] == d.job_name("mm1", mm["status"]["plan"]["digest"], 2) != job["metadata"]["name"]
+    assert new["metadata"]["name"] == mmd.job_name("mm1", mm["status"]["plan"]["digest"], 2) != job["metadata"]["name"]
     assert new["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] == "64Gi"
     # the failed Job's (replayed) events no longer fail the merge; the new Job's do count
     assert c.sync_job(mm, kube.get(JOBS, "ns1", job["metadata"]["name"])) is None
@@ -350,18 +356,18 @@ def test_spec_change_after_job_failed_retries_with_a_new_job(settings):
 def test_spec_change_after_a_failed_analysis_retries_it(settings):
     planner = Planner(missing=["s3://models/math"])
     c, kube, store, mm = setup(settings, make_quota(), planner=planner)
-    with pytest.raises(main.RetryWithStatus):
+    with pytest.raises(reconcile.RetryWithStatus):
         c.reconcile_merge(mm)
     (an,) = kube.list(JOBS, "ns1")
     _fail_job(kube, an, "exit code 1: s3 access denied")
     mm = apply(kube, mm, c.reconcile_merge(mm))
     assert ready(mm)["reason"] == "JobFailed"
     mm = bump(kube, image="registry.local/merger:fixed")
-    with pytest.raises(main.RetryWithStatus) as e:
+    with pytest.raises(reconcile.RetryWithStatus) as e:
         c.reconcile_merge(mm)
-    assert d.get_condition(e.value.status["conditions"], "Ready")["reason"] == "Analyzing"
+    assert cond.get_condition(e.value.status["conditions"], "Ready")["reason"] == "Analyzing"
     names = sorted(j["metadata"]["name"] for j in kube.list(JOBS, "ns1"))
-    retry = d.analyze_job_name("mm1", an["metadata"]["annotations"][d.ANN_ANALYSIS], 2)
+    retry = mmd.analyze_job_name("mm1", an["metadata"]["annotations"][mmd.ANN_ANALYSIS], 2)
     assert names == sorted([an["metadata"]["name"], retry])
     assert kube.get(JOBS, "ns1", retry)["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.local/merger:fixed"
 
@@ -371,11 +377,11 @@ def test_job_success_without_manifest_retries_then_bad_manifest_fails(settings):
     mm = apply(kube, mm, c.reconcile_merge(mm))
     (job,) = kube.list(JOBS, "ns1")
     done = dict(job, status={"conditions": [{"type": "Complete", "status": "True"}]})
-    with pytest.raises(main.Retry):
+    with pytest.raises(reconcile.Retry):
         c.sync_job(mm, done)
     commit(store, "s3://snapshots/mm1/", DIGEST, realized=GI)  # a manifest of another plan
     st = c.sync_job(mm, done)
-    r = d.get_condition(st["conditions"], "Ready")
+    r = cond.get_condition(st["conditions"], "Ready")
     assert r["reason"] == "JobFailed" and "PlanDigestMismatch" in r["message"]
 
 
@@ -383,7 +389,7 @@ def test_stale_job_events_are_ignored(settings):
     c, kube, store, mm = setup(settings)
     mm = apply(kube, mm, c.reconcile_merge(mm))
     (job,) = kube.list(JOBS, "ns1")
-    job["metadata"]["annotations"][d.ANN_PLAN_DIGEST] = "ef" * 32
+    job["metadata"]["annotations"][names.ANN_PLAN_DIGEST] = "ef" * 32
     assert c.sync_job(mm, dict(job, status={"conditions": [{"type": "Failed", "status": "True"}]})) is None
 
 
@@ -421,12 +427,12 @@ def test_spec_change_with_the_same_plan_keeps_the_job_and_moves_the_reservation(
 def test_committed_merge_with_an_unchanged_plan_stays_committed(settings):
     c, kube, store, mm = setup(settings, make_quota())
     st = c.reconcile_merge(mm)
-    st["conditions"] = d.set_condition(st["conditions"], "Ready", "True", "Committed", "snapshot s1", 1, NOW)
+    st["conditions"] = cond.set_condition(st["conditions"], "Ready", "True", "Committed", "snapshot s1", 1, NOW)
     mm = apply(kube, mm, st)
     writes = len(kube.writes)
     mm = bump(kube, image="registry.local/merger:v2")
     st = c.reconcile_merge(mm)
-    r = d.get_condition(st["conditions"], "Ready")
+    r = cond.get_condition(st["conditions"], "Ready")
     assert (r["status"], r["reason"], r["observedGeneration"]) == ("True", "Committed", 2)
     assert len(kube.writes) == writes  # no new reservation, no Job
 
@@ -448,7 +454,7 @@ def test_concurrent_admission_never_overspends_a_quota(settings):
     sees the first reservation."""
     kube = FakeKube()
     kube.put(QUOTAS, make_quota(bytes_="15Gi"))
-    c = main.Controller(settings, kube, FakeStore(), Planner(), clock=lambda: NOW)
+    c = ctl.Controller(settings, kube, FakeStore(), Planner(), clock=lambda: NOW)
     results = {}
 
     def admit_b(_):
@@ -465,7 +471,7 @@ def test_concurrent_admission_never_overspends_a_quota(settings):
 def test_many_threads_never_overspend(settings, enforcement):
     kube = FakeKube()
     kube.put(QUOTAS, make_quota(bytes_="100Gi", enforcement=enforcement))
-    c = main.Controller(settings, kube, FakeStore(), Planner(), clock=lambda: NOW)
+    c = ctl.Controller(settings, kube, FakeStore(), Planner(), clock=lambda: NOW)
     orig_get = kube.get
 
     def slow_get(*a):  # widen the read-modify-write window
@@ -481,7 +487,7 @@ def test_many_threads_never_overspend(settings, enforcement):
     def worker(i):
         try:
             out.append(c.reserve("ns1", f"m{i}", f"uid{i}.1", 30 * GI, NOW)[0])
-        except main.Retry:
+        except reconcile.Retry:
             out.append(None)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
@@ -501,19 +507,19 @@ def test_many_threads_never_overspend(settings, enforcement):
 
 
 def test_quota_refresh_ages_the_window(settings):
-    old = d.rfc3339(NOW - timedelta(hours=30))
+    old = qty.rfc3339(NOW - timedelta(hours=30))
     q = make_quota(status={"ledger": [{"key": "k", "merge": "m", "bytes": 5, "state": "Charged", "time": old}]})
     c, kube, _, _ = setup(settings, q)
     c.refresh_quota(kube.get(QUOTAS, "ns1", "q"))
     st = kube.get(QUOTAS, "ns1", "q")["status"]
     assert st["ledger"] == [] and st["used"] == {"expertReadBytes": 0, "merges": 0}
-    assert d.get_condition(st["conditions"], "Ready")["status"] == "True"
+    assert cond.get_condition(st["conditions"], "Ready")["status"] == "True"
     writes = len(kube.writes)
     c.refresh_quota(kube.get(QUOTAS, "ns1", "q"))
     assert len(kube.writes) == writes  # nothing changed: no write
     kube.objects[("mergequotas", "ns1", "q")]["spec"]["window"] = "soon"
     c.refresh_quota(kube.get(QUOTAS, "ns1", "q"))
-    assert d.get_condition(kube.get(QUOTAS, "ns1", "q")["status"]["conditions"], "Ready")["reason"] == "InvalidSpec"
+    assert cond.get_condition(kube.get(QUOTAS, "ns1", "q")["status"]["conditions"], "Ready")["reason"] == "InvalidSpec"
 
 
 def test_kopf_handlers_are_registered():
@@ -530,10 +536,10 @@ def test_kopf_handlers_are_registered():
 def test_run_maps_retries_to_kopf_errors():
     patch = kopf.Patch()
     with pytest.raises(kopf.TemporaryError):
-        main._run(lambda: (_ for _ in ()).throw(main.RetryWithStatus("wait", 7, {"observedGeneration": 3})), patch, {})
+        ctl.run(lambda: (_ for _ in ()).throw(reconcile.RetryWithStatus("wait", 7, {"observedGeneration": 3})), patch, {})
     assert patch["status"] == {"observedGeneration": 3}
     patch = kopf.Patch()
-    main._run(lambda: {"x": 1}, patch, {})
+    ctl.run(lambda: {"x": 1}, patch, {})
     assert patch["status"] == {"x": 1}
 
 
@@ -559,5 +565,5 @@ def test_quota_gauges_follow_the_quota_status(settings):
     del q["spec"]["hard"]["merges"]
     c.refresh_quota(kube.get(QUOTAS, "ns1", "q"))
     assert sample("mergepipe_quota_hard", "merges") is None and sample("mergepipe_quota_used", "merges") == 1
-    main.Controller.forget_quota("ns1", "q")
+    ctl.Controller.forget_quota("ns1", "q")
     assert sample("mergepipe_quota_used", "expertReadBytes") is None and sample("mergepipe_quota_hard", "expertReadBytes") is None

@@ -10,7 +10,7 @@ from op_testlib import ROOT, crd_doc, k8s_validate, load_docs
 
 from mergepipe_operator import crdgen
 from mergepipe_operator.crd import GROUP, METHODS, RESOURCES, VERSION, ModelMergeSpec
-from mergepipe_operator.decisions import EXPERT_COUNT_RULES, METHOD_PARAMS
+from mergepipe_operator.modelmerge.params import EXPERT_COUNT_RULES, METHOD_PARAMS
 
 KINDS = sorted(RESOURCES)
 

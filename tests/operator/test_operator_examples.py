@@ -10,7 +10,10 @@ from datetime import datetime, timezone
 import pytest
 from op_testlib import ROOT, cr_errors, load_docs
 
-from mergepipe_operator import decisions as d
+from mergepipe_operator.k8s import conditions as cond  # noqa: E402
+from mergepipe_operator.modelmerge import decisions as mmd  # noqa: E402
+from mergepipe_operator.modelmerge import spec as mmspec  # noqa: E402
+from mergepipe_operator.quota import decisions as qd  # noqa: E402
 
 EXAMPLES = ROOT / "examples"
 
@@ -36,9 +39,9 @@ def test_examples_validate_against_the_crds(doc):
 
 def test_example_merges_pass_the_operator_checks():
     for doc in merges():
-        assert d.validate_merge_spec(doc["spec"]) == [], doc["metadata"]["name"]
+        assert mmspec.validate_merge_spec(doc["spec"]) == [], doc["metadata"]["name"]
     assert {m["spec"]["method"] for m in merges()} == {"ties", "slerp"}
-    limits = d.quota_limits(quota())
+    limits = qd.quota_limits(quota())
     assert limits.expert_read_bytes == 200 * 1024**3 and limits.enforcement == "Clamp"
 
 
@@ -46,9 +49,9 @@ def test_example_snapshot_status_and_quota_status_validate():
     """Objects as the operator writes them (status included) fit the schemas too."""
     now = datetime(2026, 11, 22, tzinfo=timezone.utc)
     q = quota()
-    adm = d.admit(q, 10 * 1024**3, now, key="uid.1", merge="llama-code-math-chat")
+    adm = qd.admit(q, 10 * 1024**3, now, key="uid.1", merge="llama-code-math-chat")
     q["status"] = adm.new_status
-    q["status"]["conditions"] = d.set_condition(None, "Ready", "True", "Active", "quota enforced", 1, now)
+    q["status"]["conditions"] = cond.set_condition(None, "Ready", "True", "Active", "quota enforced", 1, now)
     assert cr_errors(q) == []
     snap = {
         "apiVersion": "mergepipe.io/v1alpha1", "kind": "MergedSnapshot",
@@ -58,14 +61,14 @@ def test_example_snapshot_status_and_quota_status_validate():
         "status": {"observedGeneration": 1, "verifiedTime": "2026-11-22T00:00:00Z", "planDigest": "cd" * 32,
                    "sizes": {"totalBytes": 10, "files": 2}, "totalSize": "10B",
                    "realized": {"baseReadBytes": 1, "expertReadBytes": 2, "outputWriteBytes": 3}, "expertRead": "2B",
-                   "conditions": d.set_condition(None, "Ready", "True", "Verified", "ok", 1, now)},
+                   "conditions": cond.set_condition(None, "Ready", "True", "Verified", "ok", 1, now)},
     }
     assert cr_errors(snap) == []
     mm = merges()[0]
     mm["status"] = {"observedGeneration": 1, "expertCount": 3, "budget": "10Gi", "budgetBytes": 10 * 1024**3,
-                    "plan": d.plan_status("cd" * 32, "s3://p/x.json", 1, 2, 3, 0.75), "jobName": "llama-cdcdcdcdcd",
+                    "plan": mmd.plan_status("cd" * 32, "s3://p/x.json", 1, 2, 3, 0.75), "jobName": "llama-cdcdcdcdcd",
                     "admission": {"key": "uid.1", "budgetBytes": 1, "clamped": False, "quotas": ["q"]},
-                    "conditions": d.set_condition(None, "Ready", "False", "JobRunning", "running", 1, now)}
+                    "conditions": cond.set_condition(None, "Ready", "False", "JobRunning", "running", 1, now)}
     assert cr_errors(mm) == []
     flat = copy.deepcopy(mm)  # the flat plan fields of earlier versions are gone from the schema
     flat["status"]["planDigest"] = flat["status"].pop("plan")["digest"]
@@ -117,7 +120,7 @@ SCHEMA_REJECTS = [
 def test_schema_rejects_broken_merges(path, value):
     bad = mutate(merges()[0], path, value)
     assert cr_errors(bad), f"schema accepted {path}={value!r}"
-    assert d.validate_merge_spec(bad["spec"]), f"operator accepted {path}={value!r}"
+    assert mmspec.validate_merge_spec(bad["spec"]), f"operator accepted {path}={value!r}"
 
 
 FIDELITY_REJECTS = [0, -0.5, 1.5, "high"]
@@ -127,7 +130,7 @@ FIDELITY_REJECTS = [0, -0.5, 1.5, "high"]
 def test_schema_rejects_bad_fidelity(value):
     bad = mutate(merges()[1], ("spec", "fidelity"), value)
     assert cr_errors(bad)
-    assert any(p == "spec.fidelity" for p, _ in d.validate_merge_spec(bad["spec"]))
+    assert any(p == "spec.fidelity" for p, _ in mmspec.validate_merge_spec(bad["spec"]))
 
 
 OPERATOR_REJECTS = [  # a structural schema (or an unevaluated CEL rule) lets these through
@@ -146,14 +149,14 @@ OPERATOR_REJECTS = [  # a structural schema (or an unevaluated CEL rule) lets th
 def test_operator_rejects_what_the_schema_cannot(change, field):
     bad = mutate(merges()[0], *change)
     assert cr_errors(bad) == []
-    assert field in {p for p, _ in d.validate_merge_spec(bad["spec"])}
+    assert field in {p for p, _ in mmspec.validate_merge_spec(bad["spec"])}
 
 
 def test_slerp_with_two_experts_is_rejected_by_the_operator():
     bad = copy.deepcopy(merges()[1])
     bad["spec"]["experts"].append({"uri": "s3://models/other/"})
     assert cr_errors(bad) == []  # a CEL rule catches it on a real API server
-    assert "spec.experts" in {p for p, _ in d.validate_merge_spec(bad["spec"])}
+    assert "spec.experts" in {p for p, _ in mmspec.validate_merge_spec(bad["spec"])}
 
 
 @pytest.mark.parametrize(

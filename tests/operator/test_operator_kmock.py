@@ -23,8 +23,13 @@ pytest.importorskip("kmock", reason="kmock (fake Kubernetes API) is not installe
 from kubeharness import Api, KubeServer, mark_job, operator, play_job, quota_ledger, ready, wait_for  # noqa: E402
 from op_testlib import S3Models  # noqa: E402
 
-from mergepipe_operator import decisions as d  # noqa: E402
-from mergepipe_operator import main  # noqa: E402
+from mergepipe_operator.k8s import conditions as cond  # noqa: E402
+from mergepipe_operator.modelmerge import decisions as mmd  # noqa: E402
+from mergepipe_operator.k8s import names  # noqa: E402
+from mergepipe_operator.modelmerge import planning  # noqa: E402
+from mergepipe_operator.snapshot import decisions as snapd  # noqa: E402
+from mergepipe_operator import controller as ctl  # noqa: E402
+from mergepipe_operator import main  # noqa: E402,F401  (registers the kopf handlers)
 
 pytestmark = pytest.mark.s3
 
@@ -70,7 +75,7 @@ class Cluster:
                         lambda: (o := self.mm(name, ns)) and ready(o).get("reason") in reasons and o, timeout)
 
     def jobs(self, ns: str = NS, component: str | None = None) -> list[dict[str, Any]]:
-        sel = f"{d.LABEL_MANAGED_BY}={d.MANAGER}" + (f",{d.LABEL_COMPONENT}={component}" if component else "")
+        sel = f"{names.LABEL_MANAGED_BY}={names.MANAGER}" + (f",{names.LABEL_COMPONENT}={component}" if component else "")
         return self.api.list("Job", ns, sel)
 
     def job(self, component: str, ns: str = NS, name: str | None = None) -> dict[str, Any]:
@@ -82,9 +87,9 @@ class Cluster:
     def events(self, name: str, ns: str = NS, kind: str = "ModelMerge") -> list[tuple[str, str, str]]:
         """``(type, reason, message)`` of the Events posted on ``kind`` ``name`` with a condition
         reason (kopf's own handler-log Events left out), oldest first."""
-        from mergepipe_operator.search_decisions import SearchReason
+        from mergepipe_operator.search.decisions import SearchReason
 
-        reasons = {v for k, v in vars(d.Reason).items() if k.isupper()} | {"Analyzed", "Planned"}
+        reasons = {v for k, v in vars(cond.Reason).items() if k.isupper()} | {"Analyzed", "Planned"}
         reasons |= {v for k, v in vars(SearchReason).items() if k.isupper()}
         evs = [e for e in self.api.list("Event", ns)
                if e["involvedObject"].get("name") == name and e["involvedObject"].get("kind") == kind
@@ -124,7 +129,7 @@ def cluster(tmp_path, monkeypatch, s3_env, s3_models, seaweed, request):
     with KubeServer() as ks:
         monkeypatch.setattr(kcm, "KUBE_CONFIG_DEFAULT_LOCATION", str(ks.kubeconfig(tmp_path / "kubeconfig")))
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-        monkeypatch.setattr(main, "_controller", None)
+        monkeypatch.setattr(ctl, "_controller", None)
         monkeypatch.setenv("AWS_REGION", seaweed.region)
         for k, v in {
             "MERGER_IMAGE": "ghcr.io/mergepipe/merger:test",
@@ -157,7 +162,7 @@ def planned_expert_bytes(c: Cluster, **spec: Any) -> int:
                     for n, u in zip(("code", "math"), c.models.experts[:2])],
     }
     s.update(spec)
-    return main.plan_merge(s, c.catalog, storage=core_storage(c.seaweed)).expert_read_bytes
+    return planning.plan_merge(s, c.catalog, storage=core_storage(c.seaweed)).expert_read_bytes
 
 
 # --- tests ------------------------------------------------------------------------------------------
@@ -181,9 +186,9 @@ def test_invalid_spec_names_the_field_then_a_fix_proceeds(cluster):
             dict(bad["spec"]["experts"][0], parameters={"density": 0.5}), bad["spec"]["experts"][1]]}})
         o = c.wait_reason("bad", "JobRunning")
         assert o["status"]["observedGeneration"] == 3 and ready(o)["observedGeneration"] == 3
-        assert d.FINALIZER in o["metadata"]["finalizers"]
+        assert names.FINALIZER in o["metadata"]["finalizers"]
         (job,) = c.jobs(component="merge")
-        assert job["metadata"]["name"] == o["status"]["jobName"] == d.job_name("bad", o["status"]["plan"]["digest"])
+        assert job["metadata"]["name"] == o["status"]["jobName"] == mmd.job_name("bad", o["status"]["plan"]["digest"])
         ev = c.wait_events("bad", ["InvalidSpec", "Analyzed", "Admitted", "Planned", "JobRunning"], tail=True)
         assert {t for t, *_ in ev[1:]} == {"Normal"} and job["metadata"]["name"] in ev[-1][2]
 
@@ -236,7 +241,7 @@ def test_merge_end_to_end_analyze_plan_merge_commit_charge_delete(cluster):
         assert (st["budget"], st["expertCount"], st["method"]) == ("1Mi", 2, "ties")
         job = c.job("merge")
         (mc,) = job["spec"]["template"]["spec"]["containers"]
-        assert job["metadata"]["name"] == st["jobName"] == d.job_name("e2e", st["plan"]["digest"])
+        assert job["metadata"]["name"] == st["jobName"] == mmd.job_name("e2e", st["plan"]["digest"])
         assert job["metadata"]["ownerReferences"] == [{"apiVersion": "mergepipe.io/v1alpha1", "kind": "ModelMerge",
                                                        "name": "e2e", "uid": uid, "controller": True, "blockOwnerDeletion": True}]
         assert mc["args"] == ["execute", st["plan"]["uri"], "--out", out, "--json"]  # GPU count 0: CPU
@@ -258,13 +263,13 @@ def test_merge_end_to_end_analyze_plan_merge_commit_charge_delete(cluster):
         assert REGISTRY.get_sample_value("mergepipe_merge_duration_seconds_count") >= 1
         st = o["status"]
         manifest, raw = c.manifest(out)
-        assert result["manifest_hash"] == d.manifest_hash(raw) and manifest["plan_digest"] == st["plan"]["digest"]
+        assert result["manifest_hash"] == snapd.manifest_hash(raw) and manifest["plan_digest"] == st["plan"]["digest"]
         realized = manifest["io"]["realized"]["expert_read_bytes"]
         assert 0 < realized <= plan.io.expert_read_bytes <= 1024**2
         assert st["realized"]["expertReadBytes"] == realized and ready(o)["status"] == "True"
         snap = wait_for("MergedSnapshot Ready", lambda: (s := c.api.get("MergedSnapshot", NS, st["snapshot"])) and
                         ready(s).get("status") == "True" and s)
-        assert snap["spec"]["manifestHash"] == d.manifest_hash(raw) and snap["spec"]["uri"] == out
+        assert snap["spec"]["manifestHash"] == snapd.manifest_hash(raw) and snap["spec"]["uri"] == out
         assert ready(snap)["reason"] == "Verified" and snap["status"]["sizes"]["files"] == len(manifest["outputs"])
         assert "ownerReferences" not in snap["metadata"]
         (entry,) = quota_ledger(c.api, NS, "daily")
@@ -364,8 +369,8 @@ def test_failed_merge_job_is_job_failed_then_a_spec_change_retries(cluster):
         o = wait_for("generation 2 running", lambda: (x := c.mm("fails")) and x["status"].get("observedGeneration") == 2
                      and ready(x).get("reason") == "JobRunning" and x)
         st = o["status"]
-        assert st["plan"]["digest"] == job["metadata"]["annotations"][d.ANN_PLAN_DIGEST]
-        assert st["jobName"] == d.job_name("fails", st["plan"]["digest"], 2) != job["metadata"]["name"]
+        assert st["plan"]["digest"] == job["metadata"]["annotations"][names.ANN_PLAN_DIGEST]
+        assert st["jobName"] == mmd.job_name("fails", st["plan"]["digest"], 2) != job["metadata"]["name"]
         retry = c.job("merge", name=st["jobName"])
         assert retry["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] == "2Gi"
         r = play_job(c.api, retry, c.tmp / "retry")
@@ -397,7 +402,7 @@ def test_failed_analyze_job_is_job_failed(cluster):
         c.api.patch("ModelMerge", NS, "noanalysis", {"spec": {"image": "ghcr.io/mergepipe/merger:fixed"}})
         wait_for("generation 2 analyzing", lambda: (x := c.mm("noanalysis")) and x["status"].get("observedGeneration") == 2
                  and ready(x).get("reason") == "Analyzing" and x)
-        retry = c.job("analyze", name=d.analyze_job_name("noanalysis", an["metadata"]["annotations"][d.ANN_ANALYSIS], 2))
+        retry = c.job("analyze", name=mmd.analyze_job_name("noanalysis", an["metadata"]["annotations"][mmd.ANN_ANALYSIS], 2))
         assert retry["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/mergepipe/merger:fixed"
         assert sorted(j["metadata"]["name"] for j in c.jobs(component="analyze")) == sorted(
             [an["metadata"]["name"], retry["metadata"]["name"]])
@@ -433,7 +438,7 @@ def test_search_driver_job_and_status_mirroring(cluster):
     driver. (The driver itself cannot run here: the core has no Kubernetes worker backend yet.)"""
     from test_operator_search import core_results
 
-    from mergepipe_operator import search_decisions as sd
+    from mergepipe_operator.search import decisions as sd
 
     c = cluster
     out = f"s3://{c.models.bucket}/searches/{NS}/front/"
@@ -536,7 +541,7 @@ def test_search_end_to_end_driver_candidates_as_modelmerges(cluster, monkeypatch
         deadline = time.monotonic() + 600
         while t.is_alive() and time.monotonic() < deadline:
             for job in c.jobs():
-                comp = job["metadata"]["labels"].get(d.LABEL_COMPONENT)
+                comp = job["metadata"]["labels"].get(names.LABEL_COMPONENT)
                 if comp in ("merge", "analyze", "evaluate") and job["metadata"]["name"] not in played:
                     played.add(job["metadata"]["name"])
                     r = play_job(c.api, job, c.tmp / job["metadata"]["name"])

@@ -1,4 +1,4 @@
-"""The operator's in-process planning (mergepipe_operator.main.plan_merge) with the real core
+"""The operator's in-process planning (mergepipe_operator.modelmerge.planning.plan_merge) with the real core
 planner over an object catalog on SeaweedFS: no tensor byte read, no torch imported, ModelMerge
 parameters (layer-wise lists included) reaching the plan, missing statistics reported with a
 content address, refused inputs naming the spec field."""
@@ -13,10 +13,11 @@ import sys
 import pytest
 from op_testlib import ROOT, analyze_into, core_storage, make_merge, upload_dir
 
-from mergepipe_operator import decisions as d
+from mergepipe_operator.modelmerge import decisions as mmd  # noqa: E402
+from mergepipe_operator.modelmerge import spec as mmspec  # noqa: E402
+from mergepipe_operator.modelmerge import planning  # noqa: E402
 
 pytest.importorskip("kopf", reason="kopf (the operator framework) is not installed")
-from mergepipe_operator import main  # noqa: E402
 
 pytestmark = pytest.mark.s3
 
@@ -37,7 +38,7 @@ def test_plan_merge_reads_no_tensor_and_gives_the_worker_its_plan(s3_models, sea
     st = core_storage(seaweed)
     spec = merge_spec(s3_models, budget=None)
     spec["budget"] = 20_000
-    p = main.plan_merge(spec, s3_models.catalog, storage=st)
+    p = planning.plan_merge(spec, s3_models.catalog, storage=st)
     assert p.missing_experts == () and len(p.digest) == 64
     plan = Plan.from_json(p.plan_json.decode())
     assert plan.digest == p.digest and plan.method == "ties"
@@ -47,8 +48,8 @@ def test_plan_merge_reads_no_tensor_and_gives_the_worker_its_plan(s3_models, sea
     read = st.counters.snapshot()["read"]
     assert read["base"] == 0 and read["expert"] == 0 and read["catalog"] > 0  # headers + catalog objects only
     # deterministic: the same spec plans to the same digest (the Job name depends on it)
-    assert main.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed)).digest == p.digest
-    unbounded = main.plan_merge(merge_spec(s3_models, budget=None), s3_models.catalog, storage=st)
+    assert planning.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed)).digest == p.digest
+    unbounded = planning.plan_merge(merge_spec(s3_models, budget=None), s3_models.catalog, storage=st)
     assert unbounded.budget_bytes is None and unbounded.retained_energy == pytest.approx(1.0)
 
 
@@ -61,8 +62,8 @@ def test_layer_wise_parameters_reach_the_plan(s3_models, seaweed):
          "parameters": {"weight": [{"filter": "mlp", "value": 0.25}, {"value": 0.75}], "density": 0.5}},
     ]
     spec = merge_spec(s3_models, experts=experts, budget=None, parameters={"normalize": False, "lambda": 1.5})
-    assert d.validate_merge_spec(spec) == []
-    plan = Plan.from_json(main.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed)).plan_json.decode())
+    assert mmspec.validate_merge_spec(spec) == []
+    plan = Plan.from_json(planning.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed)).plan_json.decode())
     by = {t.name: t for t in plan.tensors}
 
     def te(tensor, i):
@@ -84,26 +85,26 @@ def test_missing_statistics_are_named_and_content_addressed(s3_models, seaweed):
     analyze_into(seaweed, catalog, s3_models.base, s3_models.experts[:1])
     spec = merge_spec(s3_models, budget="10Gi")
     before = st.counters.snapshot()["read"]
-    p = main.plan_merge(spec, catalog, storage=st)
+    p = planning.plan_merge(spec, catalog, storage=st)
     after = st.counters.snapshot()["read"]
     assert p.digest == "" and p.missing_experts == (s3_models.experts[1],)
     cat = ObjectCatalog(st, catalog)
     base_id = cat.register(st, s3_models.base).identity
     math_id = cat.register(st, s3_models.experts[1]).identity
-    assert p.analysis_id == d.analysis_id(base_id, [math_id], catalog, "ties")
+    assert p.analysis_id == mmd.analysis_id(base_id, [math_id], catalog, "ties")
     assert after["base"] == before["base"] and after["expert"] == before["expert"]  # nothing analyzed here
     # model_stock also needs the pair statistics, which `mergepipe analyze` does not record
     ms = merge_spec(s3_models, method="model_stock", parameters={}, budget=None,
                     experts=[{"uri": u} for u in s3_models.experts[:2]])
-    ready = main.plan_merge(ms, s3_models.catalog, storage=st)
+    ready = planning.plan_merge(ms, s3_models.catalog, storage=st)
     assert set(ready.missing_experts) == set(s3_models.experts[:2])
 
 
 def test_inputs_the_core_refuses_name_the_spec_field(s3_models, seaweed, tmp_path):
     spec = merge_spec(s3_models, budget=None)
     spec["experts"][1]["uri"] = f"s3://{s3_models.bucket}/llama/no-such-expert/"
-    with pytest.raises(main.PlanInputError) as e:
-        main.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed))
+    with pytest.raises(planning.PlanInputError) as e:
+        planning.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed))
     assert e.value.field == "spec.experts[1].uri" and "no-such-expert" in str(e.value)
     # an expert of another architecture is refused from its headers, before any analysis
     import numpy as np
@@ -114,14 +115,14 @@ def test_inputs_the_core_refuses_name_the_spec_field(s3_models, seaweed, tmp_pat
     save_file({"model.embed_tokens.weight": np.zeros((4, 4), np.float32)}, str(alien / "model.safetensors"))
     spec = merge_spec(s3_models, budget=None)
     spec["experts"][0]["uri"] = upload_dir(s3_models.client, s3_models.bucket, alien, "llama/alien")
-    with pytest.raises(main.PlanInputError) as e:
-        main.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed))
+    with pytest.raises(planning.PlanInputError) as e:
+        planning.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed))
     assert e.value.field == "spec.experts[0].uri" and "llama/alien" in str(e.value)
     # a parameter the core refuses (a gradient needs two values)
     spec = merge_spec(s3_models, budget=None)
     spec["experts"][0]["parameters"] = {"density": [0.5]}
-    with pytest.raises(main.PlanInputError, match="at least two values") as e:
-        main.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed))
+    with pytest.raises(planning.PlanInputError, match="at least two values") as e:
+        planning.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed))
     assert e.value.field == "spec"
 
 
@@ -131,7 +132,7 @@ def test_planning_never_imports_torch(s3_models, seaweed, tmp_path):
     code = f"""
 import json, sys
 sys.path[:0] = {[str(ROOT), str(ROOT / "operator")]!r}
-from mergepipe_operator.main import plan_merge
+from mergepipe_operator.modelmerge.planning import plan_merge
 p = plan_merge(json.loads({json.dumps(json.dumps(spec))}), {s3_models.catalog!r})
 print(json.dumps({{"digest": p.digest, "torch": "torch" in sys.modules,
                    "kopf": "kopf" in sys.modules, "numpy": "numpy" in sys.modules}}))
@@ -142,8 +143,9 @@ print(json.dumps({{"digest": p.digest, "torch": "torch" in sys.modules,
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["torch"] is False and out["numpy"] is True and out["kopf"] is True
-    assert out["digest"] == main.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed)).digest
+    # planning is no kopf handler: the module imports neither torch nor kopf
+    assert out["torch"] is False and out["numpy"] is True and out["kopf"] is False
+    assert out["digest"] == planning.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed)).digest
 
 
 def test_the_analyze_command_records_what_planning_needs(s3_models, seaweed, tmp_path):
@@ -152,10 +154,10 @@ def test_the_analyze_command_records_what_planning_needs(s3_models, seaweed, tmp
     catalog = f"s3://{s3_models.bucket}/catalog-pairs"
     spec = merge_spec(s3_models, method="model_stock", parameters={"filter_wise": False}, budget=None,
                       experts=[{"uri": u + "/"} for u in s3_models.experts[:2]])
-    assert d.validate_merge_spec(spec) == []
-    p = main.plan_merge(spec, catalog, storage=core_storage(seaweed))
+    assert mmspec.validate_merge_spec(spec) == []
+    p = planning.plan_merge(spec, catalog, storage=core_storage(seaweed))
     assert set(p.missing_experts) == set(s3_models.experts[:2])
-    args = d.analyze_args(spec, p.missing_experts, catalog)
+    args = mmd.analyze_args(spec, p.missing_experts, catalog)
     assert args[:2] == ["analyze", "--base"] and "--pairs" in args
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(seaweed.env(), AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
@@ -164,5 +166,5 @@ def test_the_analyze_command_records_what_planning_needs(s3_models, seaweed, tmp
     assert r.returncode == 0, r.stderr
     (pair,) = json.loads(r.stdout)["pairs"]
     assert sorted(pair["experts"]) == sorted(s3_models.experts[:2]) and pair["tensors"] > 0
-    done = main.plan_merge(spec, catalog, storage=core_storage(seaweed))
+    done = planning.plan_merge(spec, catalog, storage=core_storage(seaweed))
     assert done.missing_experts == () and len(done.digest) == 64

@@ -12,10 +12,12 @@ from datetime import datetime, timezone
 import pytest
 from op_testlib import ROOT, FakeKube, FakeStore, cr_errors, k8s_validate, load_docs, make_settings
 
-from mergepipe_operator import main
-from mergepipe_operator import search_decisions as sd
-from mergepipe_operator.decisions import JobOutcome, get_condition, snapshot_name
-from mergepipe_operator.kube import JOBS, SEARCHES
+from mergepipe_operator.search import decisions as sd
+from mergepipe_operator.k8s.conditions import get_condition
+from mergepipe_operator.k8s.jobs import JobOutcome
+from mergepipe_operator.snapshot.decisions import snapshot_name
+from mergepipe_operator.k8s.api import JOBS, SEARCHES
+from mergepipe_operator import controller as ctl  # noqa: E402
 
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=timezone.utc)
 UID = "5e5e5e5e-0000-4000-8000-000000000001"
@@ -200,7 +202,7 @@ def test_ready_follows_the_driver_job(outcome, results, want):
 
 
 def test_a_vanished_driver_fails_the_search_naming_the_driver():
-    from mergepipe_operator.decisions import job_outcome
+    from mergepipe_operator.k8s.jobs import job_outcome
 
     st = sd.search_status(search(), None, job_outcome(None, "driver Job"), "j", NOW)
     r = get_condition(st["conditions"], "Ready")
@@ -242,7 +244,7 @@ def test_status_changed_ignores_condition_times():
 def setup(ms=None):
     kube, store = FakeKube(), FakeStore()
     ms = kube.put(SEARCHES, ms or search())
-    return main.Controller(make_settings(), kube, store, planner=lambda *a: None, clock=lambda: NOW), kube, store, ms
+    return ctl.Controller(make_settings(), kube, store, planner=lambda *a: None, clock=lambda: NOW), kube, store, ms
 
 
 def test_reconcile_creates_one_driver_job_and_mirrors_results():
@@ -285,12 +287,12 @@ def test_invalid_spec_starts_nothing():
     assert kube.list(JOBS, "team-llm") == []
 
 
-# --- the driver's candidates (core: mergepipe.search.kube) ---------------------------------------
+# --- the driver's candidates (core: mergepipe_kube.search) ---------------------------------------
 
 
 @pytest.mark.parametrize("name", ["front", "llama-code-math-front", "a" * 80, "team.front", "x" * 56])
 def test_core_and_operator_name_candidates_alike(name):
-    from mergepipe.search.kube import candidate_name
+    from mergepipe_kube.search import candidate_name
 
     for i in (0, 7, 12345):
         assert candidate_name(name, i) == sd.candidate_merge_name(name, i)
@@ -299,10 +301,10 @@ def test_core_and_operator_name_candidates_alike(name):
 def test_a_candidate_of_the_example_is_a_valid_modelmerge():
     """The driver's child ModelMerge for a candidate point of the example search passes the CRD
     schema and the operator's checks (layer-wise weights as filter lists)."""
-    from mergepipe.search.kube import KubernetesMerger
+    from mergepipe_kube.search import KubernetesMerger
     from mergepipe.search.runner import SearchConfig
 
-    from mergepipe_operator.decisions import validate_merge_spec
+    from mergepipe_operator.modelmerge.spec import validate_merge_spec
 
     ms = search()
     spec = ms["spec"]

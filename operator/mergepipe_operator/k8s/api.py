@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .crd import GROUP, VERSION
+from ..crd import GROUP, VERSION
 
 
 class NotFound(Exception):

@@ -30,28 +30,21 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .crd import MergeSearchSpec
-from .decisions import (
-    GROUP,
+from ..crd import GROUP, MergeSearchSpec
+from ..k8s.conditions import Reason, set_condition
+from ..k8s.jobs import JobOutcome, owner_reference, worker_job
+from ..k8s.names import (
     LABEL_COMPONENT,
     LABEL_MANAGED_BY,
     LABEL_NAME,
     MANAGER,
-    METHOD_PARAMS,
-    Reason,
-    Issue,
-    JobOutcome,
-    _pydantic_issues,
-    _worker_job,
     dns_label,
     label_value,
-    merge_params,
-    owner_reference,
-    set_condition,
-    snapshot_name,
-    validate_merge_spec,
 )
-from .settings import Settings
+from ..modelmerge.params import METHOD_PARAMS, merge_params
+from ..modelmerge.spec import Issue, _pydantic_issues, validate_merge_spec
+from ..settings import Settings
+from ..snapshot.decisions import snapshot_name
 
 LABEL_SEARCH = f"{GROUP}/merge-search"
 LABEL_CANDIDATE = f"{GROUP}/search-candidate"
@@ -234,7 +227,7 @@ def build_driver_job(ms: Mapping[str, Any], settings: Settings) -> dict[str, Any
            {"name": "MERGEPIPE_EVAL_JOB_TEMPLATE",
             "value": json.dumps(eval_job_template(ms, settings), sort_keys=True, separators=(",", ":"))},
            {"name": "MERGEPIPE_SEARCH_POLL_SECONDS", "value": str(settings.search_poll_seconds)}]
-    job = _worker_job(driver, driver_job_name(name, gen), "search", driver_args(ms, settings), settings, gpu=False,
+    job = worker_job(driver, driver_job_name(name, gen), "search", driver_args(ms, settings), settings, gpu=False,
                       labels=labels, annotations=annotations, env_extra=env, owner=owner_reference(ms))
     pod = job["spec"]["template"]["spec"]
     pod["serviceAccountName"] = settings.search_service_account
@@ -248,7 +241,7 @@ def build_driver_job(ms: Mapping[str, Any], settings: Settings) -> dict[str, Any
 
 def eval_job_template(ms: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
     """The evaluation Job template the driver fills per candidate (name ``<name>-e<NNNN>``, args
-    ``mergepipe search-eval ...``; :class:`mergepipe.search.kube.KubernetesJobEvaluator`): the
+    ``mergepipe search-eval ...``; :class:`mergepipe_kube.search.KubernetesJobEvaluator`): the
     merge Job's image, security settings and Secret-only credentials, the search's
     ``spec.resources`` (GPUs as the candidates' merge Jobs get them), no ServiceAccount token
     (the user's command runs here), owned by the MergeSearch."""
@@ -257,7 +250,7 @@ def eval_job_template(ms: Mapping[str, Any], settings: Settings) -> dict[str, An
     labels = {LABEL_NAME: "mergepipe-search-evaluator", LABEL_COMPONENT: "evaluate", LABEL_MANAGED_BY: MANAGER,
               LABEL_SEARCH: label_value(name)}
     annotations = {ANN_SEARCH: name, ANN_GENERATION: str(int(meta.get("generation") or 0))}
-    return _worker_job(ms, dns_label(name, "e0000"), "evaluate", [], settings, gpu=True, labels=labels,
+    return worker_job(ms, dns_label(name, "e0000"), "evaluate", [], settings, gpu=True, labels=labels,
                        annotations=annotations, env_extra=[], owner=owner_reference(ms))
 
 

@@ -1,5 +1,5 @@
 """Kubernetes object names and label values, shared by the operator (``mergepipe_operator``) and
-the search driver's Kubernetes backend (:mod:`mergepipe.search.kube`), which must name the same
+the search driver's Kubernetes backend (:mod:`mergepipe_kube.search`), which must name the same
 objects alike (a candidate's ModelMerge, its evaluation Job, the search label on both).
 
 Rules: `DNS-1123 labels <https://kubernetes.io/docs/concepts/overview/working-with-objects/names/>`_

@@ -32,10 +32,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mergepipe.k8s_names import dns_label, label_value
 from mergepipe.pipeline import parse_params
 from mergepipe.search.evaluators import EvaluationFailed, Evaluator
 from mergepipe.search.runner import CandidateMerger, Merged, SearchConfig
+
+from .names import dns_label, label_value
 
 GROUP = "mergepipe.io"
 VERSION = "v1alpha1"

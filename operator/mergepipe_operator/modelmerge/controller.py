@@ -1,0 +1,389 @@
+"""The ModelMerge reconciler: validate the spec -> (fidelity mode: plan to get the estimate) ->
+admit under every MergeQuota of the namespace (reservation written with the quota's
+resourceVersion *before* any Job exists) -> plan with the admitted budget -> write the plan to
+object storage -> create the Job (deterministic name; 409 = already created) -> follow the Job ->
+on success verify the committed manifest, create the MergedSnapshot, charge the quotas with the
+realized bytes -> Ready=True (Committed). One pass per generation, idempotent under kopf's retries.
+
+When the catalog lacks an expert's statistics, an analyze Job (``mergepipe analyze ...
+--catalog <catalog>``) records them first and the merge waits in ``Analyzing``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from ..crd import API_VERSION
+from ..k8s.api import JOBS, QUOTAS, SNAPSHOTS, Conflict
+from ..k8s.conditions import Reason, get_condition, set_condition
+from ..k8s.jobs import JobOutcome, job_outcome
+from ..k8s.names import (
+    ANN_PLAN_DIGEST,
+    LABEL_COMPONENT,
+    LABEL_MANAGED_BY,
+    LABEL_MERGE,
+    MANAGER,
+    label_value,
+)
+from ..k8s.quantities import QuantityError, human_bytes
+from ..metrics import (
+    ADMISSIONS,
+    ANALYZE_JOBS_CREATED,
+    COMMITTED,
+    JOBS_CREATED,
+    MERGE_SECONDS,
+    REALIZED_BYTES,
+)
+from ..objectstore import manifest_uri
+from ..quota.controller import QuotaLedger
+from ..quota.decisions import admission_key, admit, release, settle
+from ..reconcile import Done, Retry, RetryWithStatus
+from ..snapshot.controller import SnapshotVerifier
+from ..snapshot.decisions import (
+    manifest_facts,
+    manifest_hash,
+    snapshot_name,
+    snapshot_ready,
+)
+from .decisions import (
+    ANN_ANALYSIS,
+    analyze_job_name,
+    build_analyze_job,
+    build_job,
+    choose_job,
+    generation_settled,
+    plan_status,
+    plan_uri,
+    status_plan_digest,
+)
+from .planning import PlanInputError, PlanSummary
+from .spec import format_issues, requested_budget, validate_merge_spec
+
+log = logging.getLogger("mergepipe.operator")
+
+def _count_commit(facts: Any, raw: bytes) -> None:
+    """Prometheus: one more committed merge, its realized bytes per role and its wall time."""
+    COMMITTED.inc()
+    for role, n in facts.realized.items():
+        if n:
+            REALIZED_BYTES.labels(role).inc(n)
+    try:
+        wall = float(json.loads(raw)["time"]["wall_s"])
+    except (KeyError, TypeError, ValueError):
+        return
+    MERGE_SECONDS.observe(wall)
+
+
+class MergeReconciler(QuotaLedger, SnapshotVerifier):
+    """ModelMerge reconciliation (uses the quota ledger and the snapshot verification of the same controller).
+
+    Attributes:
+        planner: ``(spec with the admitted budget in bytes, catalog URI) -> PlanSummary``
+            (:func:`~mergepipe_operator.modelmerge.planning.plan_merge` in production).
+    """
+
+    planner: Callable[[dict[str, Any], str | None], PlanSummary]
+
+    def reconcile_merge(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """One reconciliation of a ModelMerge; returns the status fields to patch (``None``: no
+        change). Raises :class:`Retry` when it must come back later; a :class:`RetryWithStatus`
+        carries the status to write first (e.g. Ready=False, QuotaExceeded)."""
+        try:
+            return self._reconcile_merge(body)
+        except Done as e:
+            return e.status
+
+    def _reconcile_merge(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        meta, spec = body["metadata"], body.get("spec") or {}
+        status = body.get("status") or {}
+        gen = meta.get("generation")
+        ready = get_condition(status.get("conditions"), "Ready")
+        if generation_settled(status, gen):
+            return None  # this generation already went as far as reconcile takes it
+        now = self.clock()
+        conds = status.get("conditions") or []
+        out: dict[str, Any] = {"observedGeneration": gen, "expertCount": len(spec.get("experts") or []), "method": spec.get("method")}
+
+        def finish(ready_status: str, reason: str, message: str, **extra: Any) -> dict[str, Any]:
+            out.update(extra)
+            out["conditions"] = set_condition(conds, "Ready", ready_status, reason, message, gen, now)
+            return out
+
+        issues = validate_merge_spec(spec)
+        if issues:
+            return finish("False", Reason.INVALID_SPEC, format_issues(issues))
+
+        ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
+        key = admission_key(uid, gen)
+        requested = requested_budget(spec, self.settings)
+        # Planning is in-process and cheap: plan first, so the quota is charged with what the
+        # plan will read (<= the budget), not with the whole budget.
+        first = self._plan(body, requested, out, conds, gen, now)
+        conds = set_condition(conds, "Analyzed", "True", "Analyzed",
+                                f"the catalog has statistics for all {len(spec['experts'])} expert(s)", gen, now)
+        if ready and ready.get("reason") == Reason.COMMITTED and status_plan_digest(status) == first.digest:
+            # the new generation plans to the same digest: its snapshot is already committed
+            return finish("True", Reason.COMMITTED, f"plan unchanged; {ready.get('message', '')}".strip())
+        adm, quotas = self.reserve(ns, name, key, first.expert_read_bytes, now)
+        ADMISSIONS.labels(adm.reason).inc()
+        if not adm.allowed:
+            conds = set_condition(conds, "QuotaAdmitted", "False", Reason.QUOTA_EXCEEDED, adm.message, gen, now)
+            status_out = finish("False", Reason.QUOTA_EXCEEDED, adm.message)
+            raise RetryWithStatus(adm.message, self.settings.quota_retry_seconds, status_out)
+        conds = set_condition(conds, "QuotaAdmitted", "True", adm.reason if adm.reason != Reason.ALREADY_ADMITTED else Reason.ADMITTED, adm.message, gen, now)
+        budget = adm.budget if adm.clamped else requested
+        try:
+            plan = first if budget is None or first.expert_read_bytes <= budget else self._plan(body, budget, out, conds, gen, now)
+        except (RetryWithStatus, Done):
+            self.unreserve(ns, key, quotas, job_started=False)
+            raise
+        if self.store is None:
+            raise RuntimeError("the operator has no object store configured")
+        out_uri = spec["output"]["uri"]
+        other = self._committed_plan(out_uri)
+        if other is not None and other != plan.digest:
+            # snapshots are immutable: the worker would refuse this output (and fail the Job)
+            self.unreserve(ns, key, quotas, job_started=False)
+            return finish("False", Reason.INVALID_SPEC,
+                          f"spec.output.uri: {out_uri} already holds a committed snapshot of another plan "
+                          f"({other[:12]}); snapshots are immutable, choose a new output.uri")
+        uri = plan_uri(self.settings, ns, name, plan.digest)
+        self.store.put(uri, plan.plan_json)
+        merge_jobs = [j for j in self.kube.list(JOBS, ns, f"{LABEL_MERGE}={label_value(name)}")
+                      if (j["metadata"].get("labels") or {}).get(LABEL_COMPONENT, "merge") == "merge"]
+        choice = choose_job(merge_jobs, ANN_PLAN_DIGEST, plan.digest, gen)
+        job = choice.follow
+        if job is None:
+            job = build_job(body, uri, plan.digest, self.settings, retry_generation=choice.retry_generation)
+            try:
+                self.kube.create(JOBS, ns, job)
+                JOBS_CREATED.inc()
+            except Conflict:
+                pass  # same name = same merge, plan and attempt: created by an earlier attempt
+        self._supersede(ns, name, status, plan.digest, key, now)
+        out.update(
+            budget=human_bytes(budget) if budget is not None else "unbounded",
+            budgetBytes=budget,
+            plan=plan_status(plan.digest, uri, plan.base_read_bytes, plan.expert_read_bytes,
+                               plan.output_write_bytes, plan.retained_energy),
+            realized=None,
+            expertRead=None,
+            snapshot=None,
+            jobName=job["metadata"]["name"],
+            admission={"key": key, "budgetBytes": budget, "clamped": adm.clamped, "quotas": quotas},
+        )
+        conds = set_condition(conds, "Planned", "True", "Planned", f"plan {plan.digest[:12]}: {human_bytes(plan.expert_read_bytes)} expert reads", gen, now)
+        verb = "created" if choice.follow is None else "carries on (same plan)"
+        return finish("False", Reason.JOB_RUNNING, f"merge Job {job['metadata']['name']} {verb}")
+
+    def _committed_plan(self, out_uri: str) -> str | None:
+        """Plan digest of the snapshot already committed at ``out_uri`` ("" if unreadable)."""
+        raw = self.store.get(manifest_uri(out_uri)) if self.store else None
+        if raw is None:
+            return None
+        try:
+            return str(json.loads(raw).get("plan_digest") or "")
+        except (ValueError, AttributeError):
+            return ""
+
+    def _plan(self, body: dict[str, Any], budget: int | None, out: dict[str, Any], conds: list, gen: Any, now: datetime) -> PlanSummary:
+        """Plan under ``budget``; when the catalog lacks statistics, see to the analyze Job
+        (:meth:`_await_analysis`). Raises :class:`RetryWithStatus` (come back later) or
+        :class:`Done` (Ready=False for good: invalid inputs, failed analysis)."""
+        spec = body.get("spec") or {}
+        planned_spec = copy.deepcopy(spec)
+        planned_spec.pop("budget", None)
+        if budget is not None:
+            planned_spec["budget"] = budget
+        plan = self._call_planner(body, planned_spec, out, conds, gen, now)
+        if plan.missing_experts and self._await_analysis(body, plan, out, conds, gen, now, final=False):
+            # the analyze Job completed, possibly after the planner read the catalog: plan again
+            plan = self._call_planner(body, planned_spec, out, conds, gen, now)
+            if plan.missing_experts:
+                self._await_analysis(body, plan, out, conds, gen, now, final=True)
+        if budget is not None and plan.expert_read_bytes > budget:
+            raise RuntimeError(f"planner broke the budget: {plan.expert_read_bytes} > {budget}")
+        return plan
+
+    def _call_planner(self, body: dict[str, Any], planned_spec: dict[str, Any], out: dict[str, Any], conds: list, gen: Any,
+                      now: datetime) -> PlanSummary:
+        """``self.planner`` with its errors mapped to statuses (see :meth:`_plan`)."""
+        try:
+            return self.planner(planned_spec, self.settings.catalog_uri)
+        except NotImplementedError as e:
+            out["conditions"] = set_condition(conds, "Ready", "False", Reason.PLANNING, f"cannot plan yet: {e}", gen, now)
+            raise RetryWithStatus(str(e), 300, out) from None
+        except PlanInputError as e:
+            msg = f"{e.field}: the planner refused the inputs: {e}"
+            out["conditions"] = set_condition(conds, "Ready", "False", Reason.INVALID_SPEC, msg, gen, now)
+            raise Done(out) from None
+        except Exception as e:  # object storage unreachable, throttled, ...: transient
+            msg = f"cannot plan yet ({type(e).__name__}): {e}"
+            log.warning("%s/%s: %s", body["metadata"].get("namespace"), body["metadata"].get("name"), msg)
+            out["conditions"] = set_condition(conds, "Ready", "False", Reason.PLANNING, msg, gen, now)
+            raise RetryWithStatus(msg, 30, out) from None
+
+    def _await_analysis(self, body: dict[str, Any], plan: PlanSummary, out: dict[str, Any], conds: list, gen: Any,
+                        now: datetime, *, final: bool) -> bool:
+        """The catalog lacks statistics for ``plan.missing_experts``: create the analyze Job
+        (deterministic name: a retry or a restarted operator finds it), then come back every
+        ``analyze_poll_seconds`` until it finished. Returns ``True`` when the Job has completed
+        and ``final`` is false (the caller plans again: the Job may have written the statistics
+        after the planner read the catalog). Otherwise raises: :class:`RetryWithStatus`
+        (Analyzing, or QuotaExceeded when the namespace's quota could not admit any merge, so no
+        expert bytes are read for a merge that cannot run) or :class:`Done` (JobFailed; with
+        ``final``, a completed Job whose statistics are still missing)."""
+        meta = body["metadata"]
+        ns, name = meta["namespace"], meta["name"]
+        if not plan.analysis_id:
+            raise RuntimeError("the planner reported missing statistics without an analysis id")
+        what = f"{len(plan.missing_experts)} expert(s) ({', '.join(plan.missing_experts)})"
+        analyze_jobs = self.kube.list(JOBS, ns, f"{LABEL_MERGE}={label_value(name)},{LABEL_COMPONENT}=analyze")
+        # a complete analyze Job whose statistics are still missing is as good as failed
+        choice = choose_job(analyze_jobs, ANN_ANALYSIS, plan.analysis_id, gen, usable=frozenset({"Running"}))
+        job = choice.follow
+        jname = job["metadata"]["name"] if job else analyze_job_name(name, plan.analysis_id, choice.retry_generation)
+        if job is None:
+            refusal = self._quota_precheck(ns, admission_key(meta["uid"], gen), now)
+            if refusal:
+                c = set_condition(conds, "QuotaAdmitted", "False", Reason.QUOTA_EXCEEDED, refusal, gen, now)
+                out["conditions"] = set_condition(c, "Ready", "False", Reason.QUOTA_EXCEEDED, refusal, gen, now)
+                raise RetryWithStatus(refusal, self.settings.quota_retry_seconds, out)
+            try:
+                job = self.kube.create(JOBS, ns, build_analyze_job(body, plan.missing_experts, plan.analysis_id, self.settings,
+                                                                     retry_generation=choice.retry_generation))
+                ANALYZE_JOBS_CREATED.inc()
+                log.info("%s/%s: analyze Job %s created for %s", ns, name, jname, what)
+            except Conflict:  # created by an earlier attempt
+                job = self.kube.get(JOBS, ns, jname)
+        outcome = job_outcome(job) if job is not None else JobOutcome("Running", Reason.JOB_RUNNING, "")
+        if outcome.state == "Succeeded" and not final:
+            return True
+        if outcome.state != "Running":
+            if outcome.state == "Failed":
+                msg = f"analyze Job {jname} failed ({outcome.reason}): {outcome.message}"
+            else:
+                msg = (f"analyze Job {jname} completed, but the catalog {self.settings.catalog_uri} still has no "
+                       f"statistics for {what}; check that the Job and the operator use the same catalog and S3 endpoint")
+            msg += "; fix the cause, then change the spec (or delete and re-create the ModelMerge) to retry"
+            c = set_condition(conds, "Analyzed", "False", Reason.JOB_FAILED, msg, gen, now)
+            out["conditions"] = set_condition(c, "Ready", "False", Reason.JOB_FAILED, msg, gen, now)
+            raise Done(out)
+        msg = f"analyze Job {jname} is recording the catalog statistics of {what}"
+        c = set_condition(conds, "Analyzed", "False", Reason.ANALYZING, msg, gen, now)
+        out["conditions"] = set_condition(c, "Ready", "False", Reason.ANALYZING, msg, gen, now)
+        raise RetryWithStatus(msg, self.settings.analyze_poll_seconds, out)
+
+    def _quota_precheck(self, ns: str, key: str, now: datetime) -> str | None:
+        """Why no MergeQuota of ``ns`` could admit any merge now (no merge left in the window, or
+        no expert byte left under Reject or Clamp), or ``None``. Nothing is written: the real
+        admission, with the plan's bytes, comes after planning."""
+        for q in self.kube.list(QUOTAS, ns):
+            try:
+                a = admit(q, 1, now, key=key)
+            except QuantityError as e:
+                return f"invalid MergeQuota: {e}"
+            if not a.allowed:
+                return f"{a.message} (not analyzing the experts of a merge that cannot be admitted)"
+        return None
+
+    def _supersede(self, ns: str, name: str, old: dict[str, Any], digest: str, key: str, now: datetime) -> None:
+        """Retire the previous generation's run: delete Jobs of other plans; its reservation is
+        released when the same Job carries on (same plan digest: the new reservation covers it),
+        else charged (it may have read, and how much is unknown without a manifest)."""
+        for job in self.kube.list(JOBS, ns, f"{LABEL_MERGE}={label_value(name)}"):
+            if (job["metadata"].get("labels") or {}).get(LABEL_COMPONENT, "merge") != "merge":
+                continue  # analyze Jobs are not superseded: their statistics serve any plan
+            if (job["metadata"].get("annotations") or {}).get(ANN_PLAN_DIGEST) != digest:
+                self.kube.delete(JOBS, ns, job["metadata"]["name"])
+        adm = old.get("admission") or {}
+        ready = get_condition(old.get("conditions"), "Ready") or {}
+        if not adm.get("key") or adm["key"] == key or ready.get("reason") == Reason.COMMITTED:
+            return
+        same_job = status_plan_digest(old) == digest
+        for q in adm.get("quotas") or []:
+            if same_job:
+                self.update_quota(ns, q, lambda quota: release(quota, adm["key"], now))
+            else:
+                self.update_quota(ns, q, lambda quota: settle(quota, adm["key"], None, now))
+
+    # quotas -----------------------------------------------------------------------------------------
+
+    def sync_job(self, mm: dict[str, Any], job: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Fold the merge Job's state into the ModelMerge; returns status fields to patch."""
+        status = mm.get("status") or {}
+        gen = mm["metadata"].get("generation")
+        ready = get_condition(status.get("conditions"), "Ready")
+        digest = status_plan_digest(status)
+        if not ready or ready.get("reason") != Reason.JOB_RUNNING or not digest:
+            return None
+        if job is not None and (
+            (job["metadata"].get("annotations") or {}).get(ANN_PLAN_DIGEST) != digest
+            or (status.get("jobName") and job["metadata"].get("name") != status["jobName"])
+        ):
+            return None  # a Job of an earlier plan, or an earlier (failed) run of this plan
+        now = self.clock()
+        conds = status.get("conditions") or []
+        ns, name = mm["metadata"]["namespace"], mm["metadata"]["name"]
+        adm = status.get("admission") or {}
+        outcome = job_outcome(job)
+        out_uri = (mm.get("spec") or {}).get("output", {}).get("uri")
+        if outcome.state == "Running":
+            if ready.get("message") == outcome.message:
+                return None
+            return {"conditions": set_condition(conds, "Ready", "False", Reason.JOB_RUNNING, outcome.message, gen, now)}
+        raw = self.store.get(manifest_uri(out_uri)) if out_uri and self.store else None
+        if outcome.state == "Failed" and raw is None:
+            self.unreserve(ns, adm.get("key", ""), adm.get("quotas") or [], job_started=True)
+            return {"conditions": set_condition(conds, "Ready", "False", Reason.JOB_FAILED, outcome.message, gen, now)}
+        # Succeeded (or the Job is gone but a manifest is there): verify what was committed
+        sizes = self._output_sizes(out_uri, raw)
+        ok, reason, message = snapshot_ready(raw, digest, None, object_sizes=sizes)
+        if not ok:
+            if reason == Reason.MANIFEST_MISSING:
+                raise Retry(f"Job {outcome.reason}; waiting for the committed manifest", 30)
+            self.unreserve(ns, adm.get("key", ""), adm.get("quotas") or [], job_started=True)
+            return {"conditions": set_condition(conds, "Ready", "False", Reason.JOB_FAILED, f"snapshot verification failed ({reason}): {message}", gen, now)}
+        mhash = manifest_hash(raw)
+        facts = manifest_facts(json.loads(raw))
+        snap = snapshot_name(name, mhash)
+        try:
+            self.kube.create(SNAPSHOTS, ns, {
+                "apiVersion": API_VERSION,
+                "kind": "MergedSnapshot",
+                "metadata": {"name": snap, "namespace": ns, "labels": {LABEL_MERGE: label_value(name), LABEL_MANAGED_BY: MANAGER}},
+                "spec": {
+                    "uri": out_uri,
+                    "manifestHash": mhash,
+                    "planDigest": digest,
+                    "source": {"name": name, "uid": mm["metadata"]["uid"], "generation": gen},
+                },
+            })
+            _count_commit(facts, raw)  # once: a replayed reconcile gets the 409 below
+        except Conflict:
+            pass
+        rx = facts.realized.get("expertReadBytes")
+        self.unreserve(ns, adm.get("key", ""), adm.get("quotas") or [], job_started=True, realized=rx)
+        return {
+            "realized": facts.realized,
+            "expertRead": human_bytes(rx),
+            "snapshot": snap,
+            "conditions": set_condition(conds, "Ready", "True", Reason.COMMITTED, f"snapshot {snap}: {message}", gen, now),
+        }
+
+    def finalize_merge(self, body: dict[str, Any]) -> None:
+        """Delete the merge's Jobs (a running merge stops) and settle its reservation."""
+        meta, status = body["metadata"], body.get("status") or {}
+        ns, name = meta["namespace"], meta["name"]
+        jobs = self.kube.list(JOBS, ns, f"{LABEL_MERGE}={label_value(name)}")
+        for job in jobs:
+            self.kube.delete(JOBS, ns, job["metadata"]["name"])
+        adm = status.get("admission") or {}
+        ready = get_condition(status.get("conditions"), "Ready") or {}
+        if adm.get("key") and ready.get("reason") != Reason.COMMITTED:
+            self.unreserve(ns, adm["key"], adm.get("quotas") or [], job_started=bool(jobs or status.get("jobName")))

@@ -1,0 +1,314 @@
+"""ModelMerge decisions as pure functions (no Kubernetes client, no object storage, no clock):
+the merge and analyze Jobs (:func:`job_name`, :func:`build_job`, :func:`choose_job`,
+:func:`analysis_id`, :func:`build_analyze_job`), the plan's status and object URI, and
+:func:`generation_settled` (whether a generation needs reconciling at all)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..crd import GROUP
+from ..k8s.conditions import Reason, get_condition
+from ..k8s.jobs import job_outcome, worker_job
+from ..k8s.names import (
+    ANN_GENERATION,
+    ANN_MERGE,
+    ANN_PLAN_DIGEST,
+    ANN_PLAN_URI,
+    DIGEST_RE,
+    LABEL_COMPONENT,
+    LABEL_MANAGED_BY,
+    LABEL_MERGE,
+    LABEL_NAME,
+    LABEL_PLAN,
+    MANAGER,
+    dns_label,
+    label_value,
+)
+from ..settings import Settings
+
+#: Ready=False reasons that need a change (spec, quota or storage) rather than time.
+TERMINAL_MERGE_REASONS = frozenset({Reason.INVALID_SPEC, Reason.JOB_FAILED, Reason.QUOTA_EXCEEDED})
+
+
+def _retry_suffix(retry_generation: int | None) -> str:
+    if retry_generation is None:
+        return ""
+    if isinstance(retry_generation, bool) or not isinstance(retry_generation, int) or retry_generation < 1:
+        raise ValueError(f"retry generation must be a positive integer, got {retry_generation!r}")
+    return f"-g{retry_generation}"
+
+
+def job_name(merge_name: str, plan_digest: str, retry_generation: int | None = None) -> str:
+    """Deterministic Job name: ModelMerge name + the first 10 hex of the plan digest, a DNS-1123
+    label of at most 63 chars. A retry with the same plan gets the same name (409 = already there).
+    ``retry_generation``: the generation that runs this plan again after an earlier generation's
+    Job of it failed (:func:`choose_job`); the name gets ``-g<generation>`` so it is a new Job."""
+    if not DIGEST_RE.match(plan_digest or ""):
+        raise ValueError(f"plan digest must be 64 lowercase hex characters, got {plan_digest!r}")
+    return dns_label(merge_name, plan_digest[:10] + _retry_suffix(retry_generation))
+
+
+@dataclass(frozen=True)
+class JobChoice:
+    """The outcome of :func:`choose_job`.
+
+    Attributes:
+        follow: the existing Job that runs this work for the generation (``None``: create one).
+        retry_generation: when creating, the generation that retries work an earlier generation's
+            Job failed at (the new Job's name gets ``-g<generation>``); ``None`` for a first Job.
+    """
+
+    follow: dict[str, Any] | None
+    retry_generation: int | None = None
+
+
+def _job_generation(job: Mapping[str, Any]) -> int:
+    try:
+        return int(((job.get("metadata") or {}).get("annotations") or {}).get(ANN_GENERATION) or 0)
+    except ValueError:
+        return 0
+
+
+def choose_job(
+    jobs: Iterable[Mapping[str, Any]],
+    annotation: str,
+    value: str,
+    generation: int | None,
+    *,
+    usable: frozenset[str] = frozenset({"Running", "Succeeded"}),
+) -> JobChoice:
+    """Which Job does ``value`` (a plan digest, or an analysis id, in the Jobs' ``annotation``)
+    for ``generation`` of a ModelMerge: follow an existing Job, or create one.
+
+    - A Job of ``value`` whose :func:`job_outcome` state is in ``usable`` (running or complete, of
+      any generation) is followed: the same plan is the same work, so a spec change that plans the
+      same keeps its Job (an operator restart finds it too).
+    - A Job of ``value`` that ended otherwise (failed) *for this generation or a later one* is
+      followed too: its failure is this generation's outcome, until the spec changes.
+    - Otherwise a Job is created; when only earlier generations' Jobs of ``value`` failed, with
+      ``retry_generation=generation`` so it gets a new name (:func:`job_name`): a spec change
+      after ``JobFailed`` retries instead of finding the failed Job again.
+
+    Jobs of other values and Jobs being deleted (``metadata.deletionTimestamp``) are ignored;
+    among several candidates the newest generation wins (then the name, for determinism).
+    """
+    gen = int(generation or 0)
+    mine = [
+        j for j in jobs
+        if ((j.get("metadata") or {}).get("annotations") or {}).get(annotation) == value
+        and not (j.get("metadata") or {}).get("deletionTimestamp")
+    ]
+    mine.sort(key=lambda j: (_job_generation(j), j["metadata"].get("name", "")), reverse=True)
+    for j in mine:
+        if job_outcome(j).state in usable:
+            return JobChoice(dict(j))
+    for j in mine:
+        if _job_generation(j) >= gen:
+            return JobChoice(dict(j))
+    return JobChoice(None, gen if mine and gen >= 1 else None)
+
+
+def generation_settled(status: Mapping[str, Any] | None, generation: int | None) -> bool:
+    """Has ``generation`` of a ModelMerge already gone as far as reconciling takes it?
+
+    True when ``status.observedGeneration`` is ``generation`` and the ``Ready`` reason is one only
+    the Job or a spec change moves on from: ``JobRunning`` (the Job's events take over),
+    ``Committed``, ``JobFailed`` and ``InvalidSpec`` (terminal *for this generation*). Any other
+    generation, in particular the next one after a failure, is reconciled again: a new plan, and a
+    new Job when the old one failed (:func:`choose_job`). ``QuotaExceeded``, ``Analyzing`` and
+    ``Planning`` are retried within the generation."""
+    status = status or {}
+    ready = get_condition(status.get("conditions"), "Ready")
+    return bool(
+        ready is not None
+        and status.get("observedGeneration") == generation
+        and ready.get("reason") in (Reason.COMMITTED, Reason.JOB_RUNNING, Reason.JOB_FAILED, Reason.INVALID_SPEC)
+    )
+
+
+def plan_uri(settings: Settings, namespace: str, name: str, plan_digest: str) -> str:
+    """Where the operator writes the full plan (content-addressed by its digest)."""
+    if not settings.plan_prefix:
+        raise ValueError("the operator has no plan prefix (values: plans.prefix / MERGEPIPE_PLAN_PREFIX)")
+    return f"{settings.plan_prefix.rstrip('/')}/{namespace}/{name}/{plan_digest}.json"
+
+
+def plan_status(digest: str, uri: str, base_read_bytes: int, expert_read_bytes: int, output_write_bytes: int,
+                retained_energy: float | None) -> dict[str, Any]:
+    """A ModelMerge's ``status.plan`` (crd.PlanStatus, camelCase): the plan's digest (64 hex), the
+    URI of the full plan object, its estimated bytes per role and the retained task-vector
+    energy fraction in [0, 1] (``None``: unknown). Every key is present (a merge patch replaces
+    each of them, so nothing of an earlier plan survives).
+
+    Raises:
+        ValueError: ``digest`` is not 64 lowercase hex characters, or a byte count is negative.
+    """
+    if not DIGEST_RE.match(digest or ""):
+        raise ValueError(f"plan digest must be 64 lowercase hex characters, got {digest!r}")
+    sizes = {"baseReadBytes": base_read_bytes, "expertReadBytes": expert_read_bytes, "outputWriteBytes": output_write_bytes}
+    for k, v in sizes.items():
+        if v is None or int(v) < 0:
+            raise ValueError(f"plan {k} must be a byte count >= 0, got {v!r}")
+    return {
+        "digest": digest,
+        "uri": uri,
+        "estimated": {k: int(v) for k, v in sizes.items()},
+        "retainedEnergy": None if retained_energy is None else float(retained_energy),
+    }
+
+
+def status_plan_digest(status: Mapping[str, Any] | None) -> str | None:
+    """The plan digest a ModelMerge status records (``status.plan.digest``), or ``None``."""
+    plan = (status or {}).get("plan")
+    return plan.get("digest") if isinstance(plan, Mapping) else None
+
+
+#: The catalog's block size the operator plans with (the core's default; the analyze Job uses it too).
+ANALYZE_BLOCK_BYTES = 128 * 1024
+ANN_ANALYSIS = f"{GROUP}/analysis-id"
+
+
+def expert_names(spec: Mapping[str, Any]) -> list[str]:
+    """Names of the experts as plans, manifests and status show them: ``name``, else
+    ``expert-<index>`` (0-based, as :func:`validate_merge_spec` reports them)."""
+    return [(ex.get("name") or f"expert-{i}") for i, ex in enumerate(spec.get("experts") or [])]
+
+
+def merge_experts(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(name, uri)`` of every expert, URIs without the trailing slash (as the catalog keys them)."""
+    return [(n, ex["uri"].rstrip("/")) for n, ex in zip(expert_names(spec), spec.get("experts") or [])]
+
+
+def needs_pair_statistics(method: str | None) -> bool:
+    """Methods (model_stock, nuslerp) whose plan needs the experts' pairwise task-vector dot
+    products (the catalog's pair statistics, recorded by ``mergepipe analyze --pairs``)."""
+    from mergepipe.methods.registry import METHODS as CORE_METHODS
+
+    m = CORE_METHODS.get(method or "")
+    return bool(m is not None and m.needs_gram)
+
+
+def analysis_id(base_identity: str, expert_identities: Iterable[str], catalog_uri: str | None, method: str | None) -> str:
+    """Content address of one analysis run: the base's and the missing experts' identity digests,
+    the catalog, the block size, and (for methods that need pair statistics) the method. A changed
+    checkpoint has a new identity, so it gets a new analyze Job rather than the finished one."""
+    key = {
+        "base": base_identity,
+        "experts": sorted(set(expert_identities)),
+        "catalog": (catalog_uri or "").rstrip("/"),
+        "block_bytes": ANALYZE_BLOCK_BYTES,
+        "pairs": method if needs_pair_statistics(method) else None,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def analyze_job_name(merge_name: str, analysis: str, retry_generation: int | None = None) -> str:
+    """Deterministic analyze Job name: ModelMerge name + ``analyze-`` + 10 hex of the analysis id
+    (+ ``-g<generation>`` for a retry after an earlier generation's analyze Job failed, as
+    :func:`job_name`)."""
+    if not DIGEST_RE.match(analysis or ""):
+        raise ValueError(f"analysis id must be 64 lowercase hex characters, got {analysis!r}")
+    return dns_label(merge_name, f"analyze-{analysis[:10]}{_retry_suffix(retry_generation)}")
+
+
+def analyze_args(spec: Mapping[str, Any], missing_uris: Iterable[str], catalog_uri: str) -> list[str]:
+    """Arguments of the analyze Job's ``mergepipe`` command:
+    ``mergepipe analyze --base B --expert E... [--pairs] --catalog C --json``.
+
+    ``missing_uris`` are the experts the planner named (``MissingAnalysis.uris``: those without
+    statistics and, for methods that need pair statistics, both experts of every missing pair).
+    For model_stock and nuslerp ``--pairs`` also records the pair statistics of every two of
+    them; pairs already in the catalog are not recomputed."""
+    args = ["analyze", "--base", spec["base"]["uri"].rstrip("/")]
+    for uri in missing_uris:
+        args += ["--expert", uri.rstrip("/")]
+    if needs_pair_statistics(spec.get("method")):
+        args.append("--pairs")
+    return args + ["--catalog", catalog_uri, "--json"]
+
+
+def build_job(
+    mm: Mapping[str, Any],
+    plan_uri: str,
+    plan_digest: str,
+    settings: Settings,
+    *,
+    owner: Mapping[str, Any] | None = None,
+    retry_generation: int | None = None,
+) -> dict[str, Any]:
+    """The batch/v1 Job that runs ``mergepipe execute <plan-uri> --out <output-uri> --json``
+    (plus ``--device cuda`` when it has GPUs).
+
+    ``mm`` is the ModelMerge object; its metadata (name, namespace, uid) gives the owner reference
+    unless ``owner`` (an ownerReference dict) is passed. Per-merge overrides come from
+    ``mm.spec`` (image, resources, s3), the rest from ``settings``. Security: non-root, read-only
+    root filesystem with an emptyDir at /tmp, all capabilities dropped, no privilege escalation,
+    seccomp RuntimeDefault, no service-account token; credentials only through ``secretKeyRef``.
+    """
+    meta = mm.get("metadata") or {}
+    name = meta["name"]
+    out_uri = ((mm.get("spec") or {}).get("output") or {}).get("uri")
+    if not out_uri:
+        raise ValueError("spec.output.uri is required")
+    jname = job_name(name, plan_digest, retry_generation)
+    labels = {
+        LABEL_NAME: "mergepipe-merger",
+        LABEL_COMPONENT: "merge",
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_MERGE: label_value(name),
+        LABEL_PLAN: plan_digest[:16],
+    }
+    annotations = {
+        ANN_PLAN_DIGEST: plan_digest,
+        ANN_PLAN_URI: plan_uri,
+        ANN_MERGE: name,
+        ANN_GENERATION: str(meta.get("generation") or 0),
+    }
+    return worker_job(
+        mm, jname, "merge", ["execute", plan_uri, "--out", out_uri, "--json"], settings, gpu=True,
+        labels=labels, annotations=annotations,
+        env_extra=[{"name": "MERGEPIPE_PLAN_DIGEST", "value": plan_digest}], owner=owner,
+    )
+
+
+def build_analyze_job(
+    mm: Mapping[str, Any],
+    missing_uris: Iterable[str],
+    analysis: str,
+    settings: Settings,
+    *,
+    owner: Mapping[str, Any] | None = None,
+    retry_generation: int | None = None,
+) -> dict[str, Any]:
+    """The batch/v1 Job that records the missing experts' statistics in the catalog
+    (:func:`analyze_args`), before the operator plans. Same image, security settings,
+    Secret-only credentials, CPU and memory as the merge Job; never a GPU (analysis is numpy).
+    Its name is deterministic (:func:`analyze_job_name`): a retry, a restarted operator or a
+    second reconciliation finds the Job already there (409) instead of starting another."""
+    if not settings.catalog_uri:
+        raise ValueError("the operator has no catalog (values: catalog.uri / MERGEPIPE_CATALOG_URI)")
+    meta = mm.get("metadata") or {}
+    name = meta["name"]
+    labels = {
+        LABEL_NAME: "mergepipe-analyzer",
+        LABEL_COMPONENT: "analyze",
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_MERGE: label_value(name),
+    }
+    annotations = {
+        ANN_ANALYSIS: analysis,
+        ANN_MERGE: name,
+        ANN_GENERATION: str(meta.get("generation") or 0),
+    }
+    args = analyze_args(mm.get("spec") or {}, missing_uris, settings.catalog_uri)
+    return worker_job(
+        mm, analyze_job_name(name, analysis, retry_generation), "analyze", args, settings, gpu=False,
+        labels=labels, annotations=annotations, env_extra=[], owner=owner,
+    )
+
+

@@ -1,0 +1,111 @@
+"""Planning a merge in-process: ``mergepipe.pipeline.build_plan`` over the catalog's index objects
+(numpy only: shard headers and catalog objects are read, never a tensor)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mergepipe.catalog.objectstore import ObjectCatalog
+from mergepipe.errors import InputError
+from mergepipe.pipeline import MissingAnalysis, build_plan
+from mergepipe.storage.base import IOCounters, open_storage
+
+from ..k8s.quantities import parse_quantity
+from .decisions import ANALYZE_BLOCK_BYTES, analysis_id, merge_experts
+from .params import merge_params
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """What the operator needs from planning a merge.
+
+    Attributes:
+        digest: plan digest (64 hex); empty when planning could not finish.
+        plan_json: the full plan (canonical JSON bytes) for the worker; the operator writes it to
+            ``decisions.plan_uri(...)``.
+        base_read_bytes, expert_read_bytes, output_write_bytes: the plan's I/O estimate.
+        budget_bytes: the budget the plan was made under (``None``: unbounded).
+        retained_energy: fraction of the task-vector energy the plan retains (``status.plan.retainedEnergy``).
+        missing_experts: URIs the catalog has no statistics for (an analyze Job must run first).
+        analysis_id: content address of that missing analysis (``decisions.analysis_id``).
+    """
+
+    digest: str = ""
+    plan_json: bytes = b""
+    base_read_bytes: int = 0
+    expert_read_bytes: int = 0
+    output_write_bytes: int = 0
+    budget_bytes: int | None = None
+    retained_energy: float | None = None
+    missing_experts: tuple[str, ...] = field(default_factory=tuple)
+    analysis_id: str = ""
+
+
+class PlanInputError(Exception):
+    """The core refused the merge's inputs (a checkpoint that is missing, unreadable or
+    incompatible with the base; a parameter that fits no tensor): ``field`` is the spec field it
+    names, the message the core's explanation with the fix."""
+
+    def __init__(self, message: str, field: str = "spec"):
+        super().__init__(message)
+        self.field = field
+
+
+def _field_of(message: str, spec: dict[str, Any]) -> str:
+    """The spec field whose URI a core error message names (the longest match), else ``spec``."""
+    best, where = "", "spec"
+    cands = [("spec.base.uri", (spec.get("base") or {}).get("uri"))]
+    cands += [(f"spec.experts[{i}].uri", ex.get("uri")) for i, ex in enumerate(spec.get("experts") or [])]
+    for path, uri in cands:
+        u = (uri or "").rstrip("/")
+        if u and u in message and len(u) > len(best):
+            best, where = u, path
+    return where
+
+
+def plan_merge(spec: dict[str, Any], catalog_uri: str | None, *, storage: Any = None) -> PlanSummary:
+    """Plan a merge in-process from the catalog's index objects (numpy, no torch).
+
+    ``spec`` is the ModelMerge spec with ``budget`` replaced by the admitted budget in bytes (or
+    absent for an unbounded/fidelity-driven plan). Calls
+    ``mergepipe.pipeline.build_plan(ObjectCatalog(storage, catalog_uri), storage, ...,
+    analyze=False)``: only shard headers and catalog objects are read, never a tensor.
+
+    Returns:
+        the plan, or (``missing_experts``, ``analysis_id``) when the catalog lacks statistics.
+
+    Raises:
+        PlanInputError: the core refused the inputs (names the field and the fix).
+        mergepipe.storage.base.StorageError: object storage failed (transient: retry).
+    """
+    if not catalog_uri:
+        raise PlanInputError("the operator has no catalog; set values catalog.uri (MERGEPIPE_CATALOG_URI)")
+    storage = storage if storage is not None else open_storage(None, IOCounters())
+    budget = spec.get("budget")
+    if budget is not None and not isinstance(budget, int):
+        budget = parse_quantity(budget, field="spec.budget")
+    try:
+        plan = build_plan(
+            ObjectCatalog(storage, catalog_uri), storage, spec["base"]["uri"].rstrip("/"),
+            merge_experts(spec), spec["method"], merge_params(spec),
+            budget=budget, fidelity=spec.get("fidelity"), seed=int(spec.get("seed") or 0),
+            block_bytes=ANALYZE_BLOCK_BYTES, analyze=False,
+        )
+    except MissingAnalysis as e:
+        return PlanSummary(
+            missing_experts=tuple(e.uris),
+            analysis_id=analysis_id(e.base_identity, e.identities, catalog_uri, spec.get("method")),
+        )
+    except InputError as e:
+        raise PlanInputError(str(e), _field_of(str(e), spec)) from None
+    fid = plan.retained_energy
+    return PlanSummary(
+        digest=plan.digest,
+        plan_json=plan.to_json().encode(),
+        base_read_bytes=int(plan.io.base_read_bytes),
+        expert_read_bytes=int(plan.io.expert_read_bytes),
+        output_write_bytes=int(plan.io.output_write_bytes),
+        budget_bytes=plan.budget_bytes,
+        retained_energy=None if fid is None or fid != fid else min(1.0, max(0.0, float(fid))),
+    )

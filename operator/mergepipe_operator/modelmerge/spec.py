@@ -1,0 +1,153 @@
+"""Validation of a ModelMerge spec beyond what the CRD schema checks (:func:`validate_merge_spec`),
+the issues' rendering (:func:`format_issues`) and the budget a merge asks for."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..crd import METHODS, ModelMergeSpec
+from ..k8s.conditions import Issue
+from ..k8s.quantities import QuantityError, is_number, parse_quantity
+from ..settings import Settings
+from .params import EXPERT_COUNT_RULES, METHOD_PARAMS, _params
+
+
+def _prefix(uri: str) -> str:
+    return uri.rstrip("/") + "/"
+
+
+def _pydantic_issues(err: ValidationError) -> list[Issue]:
+    out: list[Issue] = []
+    for e in err.errors(include_url=False):
+        loc = e["loc"]
+        if loc and loc[0] in ("budget", "fidelity"):  # checked below with better messages
+            continue
+        # drop the union-branch names pydantic inserts ("str", "int", "constrained-str", ...)
+        parts = [p for p in loc if not (isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p or p.startswith("constrained") or p.startswith("function")))]
+        path = "spec"
+        for p in parts:
+            path += f"[{p}]" if isinstance(p, int) else f".{p}"
+        t, msg = e["type"], e["msg"]
+        if t == "extra_forbidden":
+            msg = "unknown field; check the spelling (kubectl explain modelmerge.spec lists the fields)."
+        elif t == "missing":
+            msg = "required field is missing."
+        elif t == "string_pattern_mismatch" and path == "spec.output.uri":
+            msg = f"{e.get('input')!r} is not an s3:// prefix; write s3://bucket/prefix (not a bucket root)."
+        elif t == "string_pattern_mismatch" and path.endswith(".uri"):
+            msg = f"{e.get('input')!r} is not an s3:// URI; write s3://bucket/prefix."
+        elif t == "string_pattern_mismatch":
+            msg = f"{e.get('input')!r} does not match the pattern {e.get('ctx', {}).get('pattern')}."
+        else:
+            msg = msg.rstrip(".") + "."
+        out.append((path, msg))
+    # de-duplicate while keeping order
+    seen: set[Issue] = set()
+    return [i for i in out if not (i in seen or seen.add(i))]
+
+
+def validate_merge_spec(spec: Mapping[str, Any]) -> list[Issue]:
+    """Problems in a ModelMerge spec, as ``(field path, message)``; empty when valid.
+
+    Covers what the CRD schema cannot (or what a client that skipped the API server would miss):
+    at most one of budget/fidelity; budget syntax and positivity; fidelity in (0, 1]; the model
+    count each method needs (slerp 2, nuslerp 2 experts, model_stock >= 3 models); parameter names
+    per method, global-only parameters set per expert, and the shape and range of every (possibly
+    layer-wise) parameter value (density in (0, 1], gamma in [0, 1), t in [0, 1], ...); weight set
+    twice for one expert; duplicate expert names or URIs; an output prefix overlapping an input.
+    """
+    if not isinstance(spec, Mapping):
+        return [("spec", "spec must be an object.")]
+    spec = dict(spec)
+    out: list[Issue] = []
+    try:
+        ModelMergeSpec.model_validate(spec)
+    except ValidationError as e:
+        out.extend(_pydantic_issues(e))
+
+    if spec.get("budget") is not None and spec.get("fidelity") is not None:
+        out.append(("spec.fidelity", "set at most one of spec.budget and spec.fidelity (budget caps expert reads; fidelity targets retained task-vector energy)."))
+    if spec.get("budget") is not None:
+        try:
+            if parse_quantity(spec["budget"], field="spec.budget") < 1:
+                out.append(("spec.budget", "the budget must be at least 1 byte; omit it for the default budget."))
+        except QuantityError as e:
+            out.append(("spec.budget", str(e).split(": ", 1)[1]))
+    f = spec.get("fidelity")
+    if f is not None and (not is_number(f) or not math.isfinite(f) or not 0 < f <= 1):
+        out.append(("spec.fidelity", f"fidelity must be a number in (0, 1], got {f!r}."))
+
+    method = spec.get("method")
+    experts = spec.get("experts") if isinstance(spec.get("experts"), list) else []
+    if method in METHODS and method not in METHOD_PARAMS:
+        out.append(("spec.method", f"method {method} is not implemented by this mergepipe version; available: {', '.join(METHOD_PARAMS)}."))
+    if method in METHOD_PARAMS:
+        rule = EXPERT_COUNT_RULES.get(method)
+        if rule and not rule[0](len(experts)):
+            out.append(("spec.experts", f"{rule[1]}; got {len(experts)} expert(s)."))
+        out.extend(_params(method, spec.get("parameters"), "spec.parameters", per_expert=False))
+        table = METHOD_PARAMS[method]
+        names: dict[str, int] = {}
+        uris: dict[str, int] = {}
+        for i, ex in enumerate(experts):
+            if not isinstance(ex, dict):
+                continue
+            epath = f"spec.experts[{i}]"
+            eparams = ex.get("parameters") if isinstance(ex.get("parameters"), dict) else {}
+            out.extend(_params(method, ex.get("parameters"), f"{epath}.parameters", per_expert=True))
+            if ex.get("weight") is not None:
+                if "weight" not in table:
+                    out.append((f"{epath}.weight", f"method {method} takes no weight; remove it."))
+                elif "weight" in eparams:
+                    out.append((f"{epath}.weight", "weight is set twice (weight and parameters.weight); keep one."))
+                elif not is_number(ex["weight"]) or not math.isfinite(ex["weight"]):
+                    out.append((f"{epath}.weight", f"weight must be a finite number, got {ex['weight']!r}."))
+            name = ex.get("name") or f"expert-{i}"
+            if name in names:
+                out.append((f"{epath}.name", f"expert name {name!r} is already used by spec.experts[{names[name]}]."))
+            names.setdefault(name, i)
+            uri = ex.get("uri")
+            if isinstance(uri, str):
+                if _prefix(uri) in uris:
+                    out.append((f"{epath}.uri", f"{uri} is already listed as spec.experts[{uris[_prefix(uri)]}]."))
+                uris.setdefault(_prefix(uri), i)
+
+    base_uri = (spec.get("base") or {}).get("uri") if isinstance(spec.get("base"), dict) else None
+    out_uri = (spec.get("output") or {}).get("uri") if isinstance(spec.get("output"), dict) else None
+    inputs = [("spec.base.uri", base_uri)] + [
+        (f"spec.experts[{i}].uri", ex.get("uri")) for i, ex in enumerate(experts) if isinstance(ex, dict)
+    ]
+    for path, uri in inputs:
+        if isinstance(uri, str) and path != "spec.base.uri" and base_uri and _prefix(uri) == _prefix(base_uri):
+            out.append((path, "an expert cannot be the base checkpoint itself."))
+        if isinstance(uri, str) and isinstance(out_uri, str):
+            a, b = _prefix(uri), _prefix(out_uri)
+            if a.startswith(b) or b.startswith(a):
+                out.append(("spec.output.uri", f"the output prefix {out_uri} overlaps the input {path} ({uri}); write the snapshot elsewhere."))
+    seen: set[Issue] = set()
+    return [i for i in out if not (i in seen or seen.add(i))]
+
+
+def format_issues(issues: Iterable[Issue], limit: int = 10) -> str:
+    """One message for a condition: ``path: message; path: message`` (at most ``limit``)."""
+    issues = list(issues)
+    text = "; ".join(f"{p}: {m}" for p, m in issues[:limit])
+    if len(issues) > limit:
+        text += f"; and {len(issues) - limit} more"
+    return text
+
+
+def requested_budget(spec: Mapping[str, Any], settings: Settings) -> int | None:
+    """The budget a merge asks for: ``spec.budget``, else (without a fidelity target) the
+    operator's default budget, else ``None`` (unbounded / fidelity-driven)."""
+    if spec.get("budget") is not None:
+        return parse_quantity(spec["budget"], field="spec.budget")
+    if spec.get("fidelity") is None and settings.default_budget:
+        return parse_quantity(settings.default_budget, field="default budget")
+    return None
+
+

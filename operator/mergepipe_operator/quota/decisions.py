@@ -1,0 +1,263 @@
+"""MergeQuota accounting as pure functions: :func:`admit`, :func:`settle`, :func:`release`,
+:func:`quota_status` over the quota object's JSON and an explicit ``now``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from ..k8s.conditions import Reason
+from ..k8s.quantities import (
+    QuantityError,
+    human_bytes,
+    parse_duration,
+    parse_quantity,
+    parse_time,
+    rfc3339,
+)
+
+#: Ledger entries kept before the oldest charges are folded into ``status.carry``.
+MAX_LEDGER = 256
+
+
+@dataclass(frozen=True)
+class QuotaLimits:
+    expert_read_bytes: int | None
+    merges: int | None
+    window: timedelta | None
+    enforcement: Literal["Clamp", "Reject"]
+    window_text: str | None = None
+
+
+def quota_limits(quota: Mapping[str, Any]) -> QuotaLimits:
+    """Parsed ``spec`` of a MergeQuota (raises QuantityError on a bad spec)."""
+    spec = quota.get("spec") or {}
+    hard = spec.get("hard") or {}
+    name = (quota.get("metadata") or {}).get("name", "?")
+    b = hard.get("expertReadBytes")
+    m = hard.get("merges")
+    enforcement = spec.get("enforcement") or "Reject"
+    if enforcement not in ("Clamp", "Reject"):
+        raise QuantityError(f"MergeQuota {name}: spec.enforcement must be Clamp or Reject, got {enforcement!r}.")
+    if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 0):
+        raise QuantityError(f"MergeQuota {name}: spec.hard.merges must be an integer >= 0, got {m!r}.")
+    return QuotaLimits(
+        expert_read_bytes=None if b is None else parse_quantity(b, field=f"MergeQuota {name}: spec.hard.expertReadBytes"),
+        merges=m,
+        window=None if not spec.get("window") else parse_duration(spec["window"], field=f"MergeQuota {name}: spec.window"),
+        enforcement=enforcement,
+        window_text=spec.get("window") or None,
+    )
+
+
+def _counts(entry: Mapping[str, Any], limits: QuotaLimits, now: datetime) -> bool:
+    if entry.get("state") == "Reserved":
+        return True  # in flight: counts until settled or released
+    if limits.window is None:
+        return True
+    t = parse_time(entry.get("time"))
+    return t is not None and t > now - limits.window
+
+
+def _usage(status: Mapping[str, Any], limits: QuotaLimits, now: datetime) -> tuple[int, int]:
+    b = m = 0
+    for e in status.get("ledger") or []:
+        if _counts(e, limits, now):
+            b += int(e.get("bytes") or 0)
+            m += 1
+    carry = status.get("carry") or {}
+    exp = parse_time(carry.get("expires"))
+    if carry and (exp is None or exp > now):
+        b += int(carry.get("expertReadBytes") or 0)
+        m += int(carry.get("merges") or 0)
+    return b, m
+
+
+def quota_status(quota: Mapping[str, Any], now: datetime, ledger: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The quota's status recomputed at ``now``: hard (echo, in bytes), used, the ledger without
+    charges that left the window, the oldest charges folded into ``carry`` past ``MAX_LEDGER``.
+    Conditions and other status fields are kept."""
+    limits = quota_limits(quota)
+    old = dict(quota.get("status") or {})
+    entries = [dict(e) for e in (old.get("ledger") or [])] if ledger is None else [dict(e) for e in ledger]
+    carry = dict(old.get("carry") or {})
+    exp = parse_time(carry.get("expires"))
+    if carry and exp is not None and exp <= now:
+        carry = {}
+    kept = [e for e in entries if e.get("state") == "Reserved" or _counts(e, limits, now)]
+    charged = sorted((e for e in kept if e.get("state") == "Charged"), key=lambda e: str(e.get("time")))
+    excess = len(kept) - MAX_LEDGER
+    fold = charged[: max(0, excess)]
+    if fold:
+        fold_keys = {e["key"] for e in fold}
+        kept = [e for e in kept if e["key"] not in fold_keys]
+        carry["expertReadBytes"] = int(carry.get("expertReadBytes") or 0) + sum(int(e["bytes"]) for e in fold)
+        carry["merges"] = int(carry.get("merges") or 0) + len(fold)
+        if limits.window is None:
+            carry.pop("expires", None)
+        else:
+            last = max(parse_time(e["time"]) for e in fold) + limits.window
+            prev = parse_time(carry.get("expires"))
+            carry["expires"] = rfc3339(max(last, prev) if prev else last)
+    new = dict(old)
+    new["ledger"] = kept
+    if carry:
+        new["carry"] = carry
+    else:
+        new.pop("carry", None)
+    tmp = {"ledger": kept, "carry": carry}
+    b, m = _usage(tmp, limits, now)
+    new["used"] = {"expertReadBytes": b, "merges": m}
+    hard: dict[str, int] = {}
+    if limits.expert_read_bytes is not None:
+        hard["expertReadBytes"] = limits.expert_read_bytes
+    if limits.merges is not None:
+        hard["merges"] = limits.merges
+    new["hard"] = hard
+    gen = (quota.get("metadata") or {}).get("generation")
+    if gen is not None:
+        new["observedGeneration"] = gen
+    return new
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The outcome of :func:`admit`.
+
+    Attributes:
+        allowed: the merge may proceed.
+        budget: the budget it may use (``requested`` or lower when clamped; ``None`` = unbounded).
+        reason: Admitted | Clamped | AlreadyAdmitted | QuotaExceeded.
+        message: one line for the ModelMerge's condition.
+        new_used: ``{"expertReadBytes", "merges"}`` after the reservation.
+        new_status: the quota status to write (with the reservation in its ledger), or ``None``
+            when nothing must be written (rejected, idempotent repeat, or no ``key``).
+    """
+
+    allowed: bool
+    budget: int | None
+    reason: str
+    message: str
+    new_used: dict[str, int]
+    new_status: dict[str, Any] | None = None
+
+    @property
+    def clamped(self) -> bool:
+        return self.reason == Reason.CLAMPED
+
+
+def _window_text(limits: QuotaLimits) -> str:
+    return f"in the last {limits.window_text}" if limits.window else "in total"
+
+
+def admit(
+    quota: Mapping[str, Any],
+    requested_budget: int | None,
+    now: datetime,
+    *,
+    key: str | None = None,
+    merge: str = "",
+) -> Admission:
+    """Admit a merge asking for ``requested_budget`` expert bytes (``None``: unbounded) under
+    ``quota`` (a MergeQuota object) at ``now``.
+
+    Usage counts Reserved ledger entries (merges in flight) and Charged entries inside the rolling
+    window. ``merges`` must have room for one more. With a byte limit, a request that fits is
+    admitted as is; otherwise ``Clamp`` lowers the budget to what is left (refusing when nothing
+    is), and ``Reject`` refuses. An admitted merge with a ``key`` gets a Reserved ledger entry in
+    ``new_status``; admitting the same key again is an idempotent no-op (kopf retries handlers).
+
+    Race-freedom is the caller's part: write ``new_status`` with the quota's ``resourceVersion``
+    (a conflict means someone else changed the quota: re-read and call ``admit`` again).
+    """
+    limits = quota_limits(quota)
+    name = (quota.get("metadata") or {}).get("name", "?")
+    status = quota.get("status") or {}
+    used_b, used_m = _usage(status, limits, now)
+    used = {"expertReadBytes": used_b, "merges": used_m}
+    if key is not None:
+        for e in status.get("ledger") or []:
+            if e.get("key") == key:
+                budget = requested_budget
+                if limits.expert_read_bytes is not None:
+                    budget = int(e.get("bytes") or 0) if requested_budget is None else min(requested_budget, int(e.get("bytes") or 0))
+                return Admission(True, budget, Reason.ALREADY_ADMITTED, f"already admitted by MergeQuota {name}", used, None)
+    if limits.merges is not None and used_m + 1 > limits.merges:
+        return Admission(
+            False, None, Reason.QUOTA_EXCEEDED,
+            f"MergeQuota {name}: {used_m} of {limits.merges} merges used {_window_text(limits)}; wait or raise spec.hard.merges",
+            used,
+        )
+    reason, message = Reason.ADMITTED, f"admitted by MergeQuota {name}"
+    if limits.expert_read_bytes is None:
+        budget = requested_budget
+    else:
+        hard = limits.expert_read_bytes
+        left = max(0, hard - used_b)
+        used_text = f"{human_bytes(used_b)} of {human_bytes(hard)} expert reads used {_window_text(limits)}"
+        if requested_budget is not None and requested_budget <= left:
+            budget = requested_budget
+            message = f"admitted by MergeQuota {name} ({used_text}, reserving {human_bytes(budget)})"
+        elif limits.enforcement == "Clamp" and left >= 1:
+            budget = left
+            reason = Reason.CLAMPED
+            asked = "an unbounded read" if requested_budget is None else human_bytes(requested_budget)
+            message = f"budget lowered from {asked} to {human_bytes(left)} by MergeQuota {name} (Clamp; {used_text})"
+        else:
+            if requested_budget is None:
+                why = "the merge sets no budget (unbounded expert reads); set spec.budget"
+            else:
+                why = f"requested {human_bytes(requested_budget)} but only {human_bytes(left)} is left"
+            return Admission(
+                False, None, Reason.QUOTA_EXCEEDED,
+                f"MergeQuota {name} ({limits.enforcement}): {why}; {used_text}",
+                used,
+            )
+    reserve = budget or 0
+    new_used = {"expertReadBytes": used_b + reserve, "merges": used_m + 1}
+    new_status = None
+    if key is not None:
+        ledger = [dict(e) for e in status.get("ledger") or []]
+        ledger.append({"key": key, "merge": merge, "bytes": reserve, "state": "Reserved", "time": rfc3339(now)})
+        new_status = quota_status(quota, now, ledger)
+        new_used = dict(new_status["used"])
+    return Admission(True, budget, reason, message, new_used, new_status)
+
+
+def settle(quota: Mapping[str, Any], key: str, expert_read_bytes: int | None, now: datetime) -> dict[str, Any] | None:
+    """Turn the reservation ``key`` into a charge of ``expert_read_bytes`` (the realized bytes from
+    the manifest; ``None`` keeps the reserved amount, used when a Job failed and read an unknown
+    amount). Returns the new status, or ``None`` when there is nothing to change (unknown key,
+    or already charged: settling is idempotent)."""
+    status = quota.get("status") or {}
+    ledger = [dict(e) for e in status.get("ledger") or []]
+    for e in ledger:
+        if e.get("key") == key:
+            if e.get("state") == "Charged":
+                return None
+            e["state"] = "Charged"
+            if expert_read_bytes is not None:
+                e["bytes"] = int(expert_read_bytes)
+            e["time"] = rfc3339(now)
+            return quota_status(quota, now, ledger)
+    return None
+
+
+def release(quota: Mapping[str, Any], key: str, now: datetime) -> dict[str, Any] | None:
+    """Drop the reservation ``key`` (the merge never started a Job). ``None``: nothing to change
+    (unknown key, or already charged)."""
+    status = quota.get("status") or {}
+    ledger = [dict(e) for e in status.get("ledger") or []]
+    kept = [e for e in ledger if not (e.get("key") == key and e.get("state") == "Reserved")]
+    if len(kept) == len(ledger):
+        return None
+    return quota_status(quota, now, kept)
+
+
+def admission_key(uid: str, generation: int | None) -> str:
+    """Ledger key of one merge run: one per ModelMerge generation."""
+    return f"{uid}.{generation or 0}"
+
+

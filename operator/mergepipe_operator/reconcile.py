@@ -1,0 +1,59 @@
+"""What every resource's reconciler shares: the outcomes a reconciliation can end with besides a
+status to patch (:class:`Retry`, :class:`RetryWithStatus`, :class:`Done`) and the injected I/O
+(:class:`Reconciler`: settings, the Kubernetes adapter, object storage, the clock)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+from .k8s.api import Kube
+from .objectstore import ObjectStore
+from .settings import Settings
+
+
+class Retry(Exception):
+    """Try again after ``delay`` seconds (mapped to kopf.TemporaryError by the handlers)."""
+
+    def __init__(self, message: str, delay: float):
+        super().__init__(message)
+        self.delay = delay
+
+
+class RetryWithStatus(Retry):
+    """Retry later, but first write ``status`` (e.g. Ready=False with the reason)."""
+
+    def __init__(self, message: str, delay: float, status: dict[str, Any]):
+        super().__init__(message, delay)
+        self.status = status
+
+
+class Done(Exception):
+    """This generation's reconciliation ends here with ``status`` (a terminal Ready=False)."""
+
+    def __init__(self, status: dict[str, Any]):
+        super().__init__()
+        self.status = status
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware (UTC): the reconcilers' default clock."""
+    return datetime.now(timezone.utc)
+
+
+class Reconciler:
+    """Base of the per-resource reconcilers (:class:`~mergepipe_operator.controller.Controller`
+    combines them): their I/O, injected so tests pass fakes.
+
+    Attributes:
+        settings: the operator's configuration.
+        kube: the Kubernetes API adapter.
+        store: object storage (plans, manifests); ``None`` when none is configured.
+        clock: returns the current time (timezone-aware).
+    """
+
+    settings: Settings
+    kube: Kube
+    store: ObjectStore | None
+    clock: Callable[[], datetime]
