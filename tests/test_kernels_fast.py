@@ -117,16 +117,16 @@ TILED = [("ties", ["density=0.5"]), ("ties", ["density=0.3", "expert1:weight=0.4
 def test_tiled_execution_equals_whole_chunk(family, tmp_path, monkeypatch, method, params, budget):
     """Tiles that do not divide rows or blocks, at full and partial budget (partial: experts
     cover only some rows of a chunk), give the bytes of the whole-chunk path."""
-    from mergepipe.engine import executor
+    from mergepipe.engine import chunk
 
     base, experts = family
     ex = [(e.name, str(e)) for e in experts]
     cat = Catalog(tmp_path / "c.sqlite")
     kw = dict(catalog=cat, block_bytes=4096, seed=5, budget=budget)
-    monkeypatch.setattr(executor, "TILE_ELEMS", 1000)
+    monkeypatch.setattr(chunk, "TILE_ELEMS", 1000)
     tiled = merge(str(base), ex, method, str(tmp_path / "tiled"), params, **kw)
-    assert any(executor._elementwise(t, get_method(method)) for t in tiled.plan.tensors if not t.copy_base)
-    monkeypatch.setattr(executor, "_elementwise", lambda tp, spec: False)
+    assert any(chunk._elementwise(t, get_method(method)) for t in tiled.plan.tensors if not t.copy_base)
+    monkeypatch.setattr(chunk, "_elementwise", lambda tp, spec: False)
     whole = merge(str(base), ex, method, str(tmp_path / "whole"), params, **kw)
     a, b = merged_tensors(tiled.out), merged_tensors(whole.out)
     assert set(a) == set(b)

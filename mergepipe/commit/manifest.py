@@ -49,7 +49,7 @@ def snapshot_id(plan_digest: str, outputs: dict) -> str:
 
 
 def shard_tree_digest(read_range, size: int, name: str) -> str:
-    """Recompute a safetensors shard's tree digest (see :func:`mergepipe.engine.executor.tree_digest`)
+    """Recompute a safetensors shard's tree digest (see :func:`mergepipe.engine.writer.tree_digest`)
     from ``read_range(start, end) -> bytes``."""
     import struct
 

@@ -1,0 +1,98 @@
+"""The engine's reader: fetches the work list's input bytes ahead of the merge, bounded in bytes.
+
+A pool of ``threads`` fetches items in work-list order: the base rows of a chunk (role
+``base``) and, for merges, each contributing expert's selected rows (role ``expert``, with
+the plan's coalescing gap, so realized expert bytes equal the planned bytes). An item's bytes
+count against ``limit`` from its submission until the executor :meth:`Prefetcher.release`\\ s
+it after merging, so the inputs in memory (fetched, in flight or being merged) stay within
+``limit`` (one item larger than the bound still runs, alone).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from mergepipe.engine.worklist import WorkItem, base_byte_range, expert_runs, n_rows, row_bytes
+from mergepipe.planner.plan import Plan
+from mergepipe.storage.base import Storage
+
+Buffer = bytes | memoryview
+
+
+@dataclass(slots=True)
+class ChunkInputs:
+    """The input bytes of one work item.
+
+    Attributes:
+        base: the base's bytes of rows ``[r0, r1)`` (empty for server-side copies).
+        experts: for merges, per contributing expert (in ``tp.experts`` order) a list of
+            ``((row0, row1), bytes)`` runs of its selected rows; None for copies.
+    """
+
+    base: Buffer
+    experts: list[list[tuple[tuple[int, int], Buffer]]] | None
+
+
+def fetch_inputs(plan: Plan, storage: Storage, it: WorkItem) -> ChunkInputs:
+    """Read the input bytes of ``it`` (see :class:`ChunkInputs`), counted by role."""
+    if it.kind == "cow":
+        return ChunkInputs(b"", None)
+    tp = it.tp
+    rb = row_bytes(tp)
+    s, e = base_byte_range(tp, it.r0, it.r1)
+    base = storage.read_ranges(storage.join(plan.base.uri, tp.file), [(s, e)], "base")[0] if e > s else b""
+    if it.kind in ("copy", "convert"):
+        return ChunkInputs(base, None)
+    experts = []
+    for te in tp.experts:
+        runs = expert_runs(te, tp.rows_per_block, it.r0, it.r1, n_rows(tp))
+        rngs = [(te.start + a * rb, te.start + b * rb) for a, b in runs]
+        bufs = storage.read_ranges(
+            storage.join(plan.experts[te.expert].uri, te.file), rngs, "expert", max_gap=plan.coalesce_gap
+        )
+        experts.append(list(zip(runs, bufs, strict=True)))
+    return ChunkInputs(base, experts)
+
+
+class Prefetcher:
+    """Fetches ``items``' inputs in order on ``threads`` threads, at most ``limit`` bytes ahead.
+
+    Use: ``inputs = next_inputs()`` for each item in order, then ``release(item)`` once its
+    bytes are no longer needed; ``close()`` at the end (it cancels what was not fetched).
+    """
+
+    def __init__(self, plan: Plan, storage: Storage, items: list[WorkItem], limit: int, threads: int = 4) -> None:
+        self.plan, self.storage, self.items, self.limit = plan, storage, items, limit
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mergepipe-fetch")
+        self._pending: deque[Future] = deque()
+        self._next = 0  # next item to submit
+        self._taken = 0  # next item to hand out
+        self.inflight = 0  # bytes of submitted, not yet released items
+
+    def next_inputs(self) -> ChunkInputs:
+        """The inputs of the next item (waits for its fetch), after submitting every further item
+        that fits within the byte bound. Raises what the fetch raised (storage errors)."""
+        items = self.items
+        while self._next < len(items) and (
+            self._next <= self._taken or self.inflight + items[self._next].nbytes <= self.limit
+        ):
+            self._pending.append(self._pool.submit(fetch_inputs, self.plan, self.storage, items[self._next]))
+            self.inflight += items[self._next].nbytes
+            self._next += 1
+        self._taken += 1
+        fut = self._pending[0]
+        out = fut.result()
+        self._pending.popleft()
+        return out
+
+    def release(self, it: WorkItem) -> None:
+        """``it``'s input bytes are no longer held: later items may be fetched in their place."""
+        self.inflight -= it.nbytes
+
+    def close(self) -> None:
+        """Cancel fetches not started and wait for running ones."""
+        for f in self._pending:
+            f.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=True)
