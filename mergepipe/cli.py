@@ -75,8 +75,32 @@ def _worker_backend(name: str):
         _fail(f"--worker-backend {name} is not installed: pip install 'mergepipe[kube]'.")
 
 
+#: Environment variable naming a file that receives the one-line error of a failed run (the
+#: operator's Jobs set it to the container's terminationMessagePath, so the Kubernetes Job's
+#: failure explains itself).
+TERMINATION_LOG_ENV = "MERGEPIPE_TERMINATION_LOG"
+
+
+def _termination_message(msg: str) -> None:
+    """Write ``msg`` as one line (at most 4096 bytes, the kubelet's limit) to the file
+    ``$MERGEPIPE_TERMINATION_LOG`` names, if it is set; best effort (an unwritable path is ignored:
+    the message is on stderr anyway)."""
+    import os
+
+    path = os.environ.get(TERMINATION_LOG_ENV)
+    if not path:
+        return
+    line = " ".join(str(msg).split()).encode()[:4096].decode(errors="ignore")
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(line + "\n")
+    except OSError:
+        pass
+
+
 def _fail(msg: str, code: int = 2):
     _err_console().print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    _termination_message(f"error: {msg}")
     raise typer.Exit(code)
 
 
@@ -681,6 +705,7 @@ def main() -> None:
             sys.exit(rc)
     except (InputError, CommitConflict, StorageError) as e:
         _err_console().print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        _termination_message(f"error: {e}")
         sys.exit(2)
     except typer.Exit as e:
         sys.exit(e.exit_code)
@@ -692,9 +717,11 @@ def main() -> None:
 
         if isinstance(e, click.exceptions.ClickException):
             e.show()
+            _termination_message(f"error: {e.format_message()}")
             sys.exit(e.exit_code)
         if isinstance(e, click.exceptions.Abort):
             sys.exit(1)
+        _termination_message(f"{type(e).__name__}: {e}")
         raise
 
 

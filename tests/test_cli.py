@@ -256,3 +256,23 @@ def test_analyze_pairs_needs_two_experts(fam, monkeypatch, capsys):
     code, out, err = run_cli(["analyze", "--base", str(base), "-e", str(experts[0]), "--pairs",
                               "--catalog", str(tmp / "cat.sqlite"), "--json"], monkeypatch, capsys)
     assert code == 2 and out == "" and "--pairs needs at least two" in err
+
+
+def test_errors_go_to_the_termination_log_as_one_line(fam, monkeypatch, capsys):
+    """$MERGEPIPE_TERMINATION_LOG (the operator's Jobs point it at the container's
+    terminationMessagePath) receives the one-line error of a failed run, nothing on success."""
+    tmp, base, experts = fam
+    log = tmp / "termination-log"
+    monkeypatch.setenv("MERGEPIPE_TERMINATION_LOG", str(log))
+    name = _corrupt(experts[1], BAD_FILES[0])
+    code, _, err = run_cli(merge_args(base, experts, tmp / "out"), monkeypatch, capsys)
+    assert code == 2
+    text = log.read_text()
+    assert text.startswith("error: ") and text.endswith("\n") and text.count("\n") == 1
+    assert name in text or str(experts[1]) in text
+    log.unlink()
+    code, _, err = run_cli(merge_args(base, experts, tmp / "out2", "--method", "no_such_method"), monkeypatch, capsys)
+    assert code == 2 and log.read_text().startswith("error: ") and "no_such_method" in log.read_text()
+    log.unlink()
+    code, *_ = run_cli(merge_args(base, [experts[0]], tmp / "ok"), monkeypatch, capsys)
+    assert code == 0 and not log.exists()

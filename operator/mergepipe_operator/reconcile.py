@@ -4,13 +4,17 @@ status to patch (:class:`Retry`, :class:`RetryWithStatus`, :class:`Done`) and th
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
-from .k8s.api import Kube
+from .k8s.api import PODS, Kube
+from .k8s.jobs import JobOutcome, job_outcome, pod_failure_message, with_cause
 from .objectstore import ObjectStore
 from .settings import Settings
+
+log = logging.getLogger("mergepipe.operator")
 
 
 class Retry(Exception):
@@ -57,3 +61,19 @@ class Reconciler:
     kube: Kube
     store: ObjectStore | None
     clock: Callable[[], datetime]
+
+    def job_outcome(self, job: dict[str, Any] | None, what: str) -> JobOutcome:
+        """:func:`~mergepipe_operator.k8s.jobs.job_outcome`; for a failed Job with its pods' cause
+        (:func:`~mergepipe_operator.k8s.jobs.pod_failure_message`: the worker's one-line error),
+        read from the Job's pods (label ``job-name``). Pods that cannot be listed (gone with the
+        Job's TTL, or no RBAC) leave the message as the Job controller wrote it."""
+        outcome = job_outcome(job, what)
+        if outcome.state != "Failed" or not job:
+            return outcome
+        meta = job.get("metadata") or {}
+        try:
+            pods = self.kube.list(PODS, meta.get("namespace", ""), f"job-name={meta.get('name', '')}")
+        except Exception as e:  # noqa: BLE001 - the cause is a courtesy; never fail the reconcile on it
+            log.warning("cannot read the pods of Job %s/%s: %s", meta.get("namespace"), meta.get("name"), e)
+            return outcome
+        return with_cause(outcome, pod_failure_message(pods))

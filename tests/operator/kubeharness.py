@@ -107,7 +107,7 @@ class Api:
     def _res(kind: str) -> tuple[str, str, str]:
         if kind in RESOURCES:
             return GROUP, VERSION, RESOURCES[kind]["plural"]
-        return {"Job": ("batch", "v1", "jobs"), "Secret": ("", "v1", "secrets"),
+        return {"Job": ("batch", "v1", "jobs"), "Pod": ("", "v1", "pods"), "Secret": ("", "v1", "secrets"),
                 "Namespace": ("", "v1", "namespaces"), "Event": ("", "v1", "events")}[kind]
 
     def _path(self, kind: str, ns: str | None, name: str | None = None, sub: str | None = None) -> str:
@@ -241,8 +241,47 @@ def job_command(api: Api, job: dict[str, Any], workdir: Path) -> tuple[list[str]
 
 
 def run_job(api: Api, job: dict[str, Any], workdir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the Job's command as its container would. The container's ``terminationMessagePath``
+    is the local file ``workdir/termination-log`` (the kubelet mounts a file there); environment
+    values naming that path point to it."""
     cmd, env = job_command(api, job, workdir)
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    term = workdir / "termination-log"
+    term.unlink(missing_ok=True)
+    path = c.get("terminationMessagePath") or "/dev/termination-log"
+    for k, v in list(env.items()):
+        if v == path:
+            env[k] = str(term)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(workdir))
+
+
+def record_pod(api: Api, job: dict[str, Any], r: subprocess.CompletedProcess, workdir: Path) -> dict[str, Any]:
+    """Create the Job's pod with the status the kubelet reports after its container exited: the
+    container's termination message is the file it wrote at ``terminationMessagePath``, or with
+    ``FallbackToLogsOnError`` and a failure, the tail of its log (the last 80 lines, at most 2048
+    bytes), as Kubernetes does."""
+    ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    term = workdir / "termination-log"
+    message = term.read_text()[:4096] if term.exists() else ""
+    if not message and r.returncode != 0 and c.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+        log = (r.stdout or "") + (r.stderr or "")
+        message = "\n".join(log.splitlines()[-80:])[-2048:]
+    labels = {"job-name": name, "batch.kubernetes.io/job-name": name,
+              "controller-uid": job["metadata"].get("uid", ""), "batch.kubernetes.io/controller-uid": job["metadata"].get("uid", "")}
+    pod_name = f"{name[:57]}-{os.urandom(3).hex()[:5]}"
+    api.create({"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": pod_name, "namespace": ns, "labels": labels},
+                "spec": {"restartPolicy": "Never", "containers": [{"name": c["name"], "image": c["image"]}]}})
+    t = _now()
+    terminated = {"exitCode": r.returncode, "reason": "Completed" if r.returncode == 0 else "Error",
+                  "startedAt": t, "finishedAt": t, "containerID": "containerd://" + os.urandom(8).hex()}
+    if message:
+        terminated["message"] = message
+    return api.patch("Pod", ns, pod_name, {"status": {
+        "phase": "Succeeded" if r.returncode == 0 else "Failed",
+        "containerStatuses": [{"name": c["name"], "image": c["image"], "ready": False, "restartCount": 0,
+                               "state": {"terminated": terminated}}]}}, sub="status")
 
 
 def _now() -> str:
@@ -271,14 +310,13 @@ def mark_job(api: Api, job: dict[str, Any], state: str, message: str = "") -> No
 
 
 def play_job(api: Api, job: dict[str, Any], workdir: Path) -> subprocess.CompletedProcess:
-    """Run the Job's command locally and report its outcome on the Job, like a pod and the Job
-    controller would."""
+    """Run the Job's command locally and report its outcome like the kubelet (the pod's status,
+    :func:`record_pod`) and the Job controller (the Job's conditions) would."""
     mark_job(api, job, "Running")
     r = run_job(api, job, workdir)
-    if r.returncode == 0:
-        mark_job(api, job, "Succeeded")
-    else:
-        mark_job(api, job, "Failed", f"exit code {r.returncode}: {r.stderr[-500:]}")
+    record_pod(api, job, r, workdir)
+    # the Job controller's own words: the cause is only in the pod (as in a cluster)
+    mark_job(api, job, "Succeeded" if r.returncode == 0 else "Failed")
     return r
 
 

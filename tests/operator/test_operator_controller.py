@@ -23,7 +23,7 @@ from mergepipe_operator import reconcile  # noqa: E402
 from mergepipe_operator.snapshot import decisions as snapd  # noqa: E402
 
 kopf = pytest.importorskip("kopf", reason="kopf (the operator framework) is not installed")
-from mergepipe_operator.k8s.api import JOBS, MERGES, QUOTAS, SNAPSHOTS  # noqa: E402
+from mergepipe_operator.k8s.api import JOBS, MERGES, PODS, QUOTAS, SNAPSHOTS  # noqa: E402
 
 GI = 1024**3
 
@@ -323,6 +323,43 @@ def test_job_failure_charges_the_reservation(settings):
     assert c.reconcile_merge(mm) is None  # a failed generation waits for a spec change
 
 
+def _failed_pod(kube, job, message):
+    """The Job's pod as the kubelet leaves it: the worker's one-line error as the termination message."""
+    name = job["metadata"]["name"]
+    kube.put(PODS, {"metadata": {"name": name + "-x7k2p", "namespace": "ns1", "labels": {"job-name": name}},
+                    "status": {"phase": "Failed", "containerStatuses": [{"name": "merge", "state": {"terminated": {
+                        "exitCode": 2, "reason": "Error", "message": message + "\n"}}}]}})
+
+
+SHARD_GONE = "error: s3://models/math/model-00001.safetensors: missing; it was present when the plan was made. Restore it or re-plan."
+
+
+def test_job_failed_names_the_pods_cause(settings):
+    c, kube, store, mm = setup(settings, make_quota())
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    (job,) = kube.list(JOBS, "ns1")
+    _failed_pod(kube, job, SHARD_GONE)
+    kube.put(PODS, {"metadata": {"name": "other", "namespace": "ns1", "labels": {"job-name": "another-job"}},
+                    "status": {"containerStatuses": [_term_status(1, "not this one")]}})
+    mm = apply(kube, mm, c.sync_job(mm, _fail_job(kube, job, "Job has reached the specified backoff limit")))
+    assert (ready(mm)["reason"], ready(mm)["message"]) == ("JobFailed", SHARD_GONE + " (Job has reached the specified backoff limit)")
+
+
+def test_a_failed_analyze_job_names_the_pods_cause(settings):
+    c, kube, store, mm = setup(settings, make_quota(), planner=Planner(missing=["s3://models/math"]))
+    with pytest.raises(reconcile.RetryWithStatus):
+        c.reconcile_merge(mm)
+    (job,) = kube.list(JOBS, "ns1")
+    _failed_pod(kube, job, "error: s3://models/math: not a safetensors checkpoint (no *.safetensors under it).")
+    _fail_job(kube, job, "Job has reached the specified backoff limit")
+    r = cond.get_condition(c.reconcile_merge(mm)["conditions"], "Ready")
+    assert r["reason"] == "JobFailed" and "s3://models/math: not a safetensors checkpoint" in r["message"]
+
+
+def _term_status(code, message):
+    return {"name": "merge", "state": {"terminated": {"exitCode": code, "message": message}}}
+
+
 def _fail_job(kube, job, message="OOMKilled"):
     kube.objects[("jobs", "ns1", job["metadata"]["name"])]["status"] = {
         "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": message}]}
@@ -523,6 +560,8 @@ def test_quota_refresh_ages_the_window(settings):
 
 
 def test_kopf_handlers_are_registered():
+    from mergepipe_operator import main  # noqa: F401  (importing the entry point registers every handler)
+
     registry = kopf.get_default_registry()
     changing = {(h.id, h.reason) for h in registry._changing.get_all_handlers()}  # noqa: SLF001
     assert ("merge_changed", "create") in changing and ("merge_deleted", "delete") in changing

@@ -115,7 +115,10 @@ EXPECTED_GRANTS = {
     ("mergepipe.io", "modelmerges/status"): {"get", "patch"},
     ("mergepipe.io", "mergedsnapshots/status"): {"get", "patch"},
     ("mergepipe.io", "mergequotas/status"): {"get", "update"},
+    ("mergepipe.io", "modelmerges/finalizers"): {"update"},
+    ("mergepipe.io", "mergesearches/finalizers"): {"update"},
     ("batch", "jobs"): {"get", "list", "watch", "create", "delete"},
+    ("", "pods"): {"get", "list"},
     ("", "events"): {"create"},
     ("events.k8s.io", "events"): {"create"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
@@ -128,6 +131,7 @@ EXPECTED_DRIVER_GRANTS = {
     ("mergepipe.io", "modelmerges"): {"create", "get", "list", "watch"},
     ("mergepipe.io", "mergedsnapshots"): {"get", "list"},
     ("batch", "jobs"): {"create", "get", "list", "watch", "delete"},
+    ("mergepipe.io", "mergesearches/finalizers"): {"update"},
 }
 
 
@@ -152,7 +156,7 @@ def test_rbac_is_least_privilege(chart, values):
     got = grants(render(chart, values))
     assert got == EXPECTED_GRANTS
     flat = json.dumps([o for o in render(chart, values) if "Role" in o["kind"]])
-    assert '"*"' not in flat and "secrets" not in flat and "pods" not in flat
+    assert '"*"' not in flat and "secrets" not in flat and "pods/" not in flat  # pods: get/list only, no logs/exec
 
 
 @pytest.mark.parametrize("values", [{}, {"watchNamespaces": ["team-a"]}], ids=["cluster", "namespaced"])

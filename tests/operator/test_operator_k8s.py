@@ -254,3 +254,42 @@ def test_transition_events_new_generation_same_reason_is_an_event():
         cond.transition_events(new, new) == []
         and cond.transition_events(None, None) == []
     )
+
+
+# --- pod failure causes --------------------------------------------------------------------------
+
+
+def _pod(*statuses):
+    return {"metadata": {"name": "p"}, "status": {"containerStatuses": list(statuses)}}
+
+
+def _term(code, message=None, reason="Error", at="2026-11-22T12:00:00Z", last=False):
+    t = {"exitCode": code, "reason": reason, "finishedAt": at}
+    if message is not None:
+        t["message"] = message
+    return {"name": "merge", "lastState" if last else "state": {"terminated": t}}
+
+
+def test_pod_failure_message_is_the_latest_failed_containers_last_line():
+    assert kjobs.pod_failure_message([]) is None
+    assert kjobs.pod_failure_message([_pod(_term(0, "fine"))]) is None  # nothing failed
+    assert kjobs.pod_failure_message([_pod({"name": "merge", "state": {"running": {}}})]) is None
+    one = "error: s3://m/e/model-00001.safetensors: missing; it was present when the plan was made. Restore it or re-plan.\n"
+    assert kjobs.pod_failure_message([_pod(_term(2, one))]) == one.strip()
+    # FallbackToLogsOnError: a log tail; the last non-empty line is the exception
+    tail = "Traceback (most recent call last):\n  File x\nMemoryError: cannot allocate\n\n"
+    assert kjobs.pod_failure_message([_pod(_term(1, tail))]) == "MemoryError: cannot allocate"
+    # no message: the kubelet's reason and the exit code
+    assert kjobs.pod_failure_message([_pod(_term(137, reason="OOMKilled"))]) == "OOMKilled (exit code 137)"
+    # several attempts (pods): the latest; a restarted container's lastState counts too
+    early, late = _term(1, "first", at="2026-11-22T11:00:00Z"), _term(2, "second", at="2026-11-22T12:30:00Z", last=True)
+    assert kjobs.pod_failure_message([_pod(late), _pod(early)]) == "second"
+    assert len(kjobs.pod_failure_message([_pod(_term(1, "x" * 5000))])) == kjobs.MAX_CAUSE_CHARS
+
+
+def test_with_cause_puts_the_cause_first_only_for_failures():
+    failed = kjobs.JobOutcome("Failed", "BackoffLimitExceeded", "Job has reached the specified backoff limit")
+    assert kjobs.with_cause(failed, "error: boom").message == "error: boom (Job has reached the specified backoff limit)"
+    assert kjobs.with_cause(failed, None) == failed
+    running = kjobs.JobOutcome("Running", "JobRunning", "merge Job running (1 active pod(s))")
+    assert kjobs.with_cause(running, "error: boom") == running

@@ -408,6 +408,46 @@ def test_failed_analyze_job_is_job_failed(cluster):
             [an["metadata"]["name"], retry["metadata"]["name"]])
 
 
+@pytest.mark.fresh_catalog
+def test_deleted_shard_job_failed_names_the_shard_and_the_fix(cluster):
+    """An expert's shard deleted after planning: the worker's one-line error reaches JobFailed
+    through its container's termination message (the Job's own condition only says that the
+    backoff limit was reached)."""
+    c = cluster
+    client, bucket = c.models.client, c.models.bucket
+    src = c.models.experts[1][len(f"s3://{bucket}/"):]
+    dst = "llama/expert-shard-deleted"
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=src + "/")["Contents"]]
+    for k in keys:
+        client.copy_object(Bucket=bucket, Key=dst + k[len(src):], CopySource={"Bucket": bucket, "Key": k})
+    expert = f"s3://{bucket}/{dst}/"
+    with operator():
+        c.api.create({"apiVersion": "mergepipe.io/v1alpha1", "kind": "ModelMerge", "metadata": {"name": "gone", "namespace": NS},
+                      "spec": {"base": {"uri": c.models.base + "/"}, "method": "ties", "parameters": {"normalize": True},
+                               "experts": [{"name": "code", "uri": c.models.experts[0] + "/", "weight": 0.5},
+                                           {"name": "math", "uri": expert, "weight": 0.5}],
+                               "output": {"uri": f"s3://{bucket}/snapshots/{NS}/gone/"}}})
+        c.wait_reason("gone", "Analyzing")
+        r = play_job(c.api, c.job("analyze"), c.tmp / "analyze")
+        assert r.returncode == 0, r.stderr
+        c.wait_reason("gone", "JobRunning")
+        shard = sorted(k for k in keys if k.endswith(".safetensors"))[0]
+        client.delete_object(Bucket=bucket, Key=dst + shard[len(src):])
+        job = c.job("merge")
+        r = play_job(c.api, job, c.tmp / "merge")
+        assert r.returncode == 2
+        (pod,) = c.api.list("Pod", NS, f"job-name={job['metadata']['name']}")
+        missing = f"s3://{bucket}/{dst}{shard[len(src):]}"
+        (failed,) = [x for x in c.api.get("Job", NS, job["metadata"]["name"])["status"]["conditions"] if x["type"] == "Failed"]
+        assert missing not in failed["message"]  # the Job controller does not know the cause
+        msg = ready(c.wait_reason("gone", "JobFailed"))["message"]
+        assert missing in msg and "it was present when the plan was made. Restore it or re-plan." in msg, msg
+        assert "backoff limit" in msg  # the Job controller's words stay, after the cause
+        assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["message"].strip() in msg
+        ev = c.wait_events("gone", ["Analyzing", "Analyzed", "Admitted", "Planned", "JobRunning", "JobFailed"])
+        assert ev[-1][0] == "Warning" and missing in ev[-1][2]
+
+
 @pytest.mark.slow
 def test_operator_restart_mid_merge_creates_no_duplicate_job(cluster):
     c = cluster

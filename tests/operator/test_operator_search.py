@@ -16,7 +16,7 @@ from mergepipe_operator.search import decisions as sd
 from mergepipe_operator.k8s.conditions import get_condition
 from mergepipe_operator.k8s.jobs import JobOutcome
 from mergepipe_operator.snapshot.decisions import snapshot_name
-from mergepipe_operator.k8s.api import JOBS, SEARCHES
+from mergepipe_operator.k8s.api import JOBS, PODS, SEARCHES
 from mergepipe_operator import controller as ctl  # noqa: E402
 
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=timezone.utc)
@@ -266,6 +266,21 @@ def test_reconcile_creates_one_driver_job_and_mirrors_results():
     job["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
     st = c.sync_search(kube.get(SEARCHES, "team-llm", "llama-code-math-front"), job)
     assert get_condition(st["conditions"], "Ready")["reason"] == "Completed"
+
+
+def test_a_failed_driver_names_the_pods_cause():
+    c, kube, store, ms = setup()
+    c.reconcile_search(ms)
+    jname = "llama-code-math-front-search-g1"
+    kube.put(PODS, {"metadata": {"name": jname + "-abcde", "namespace": "team-llm", "labels": {"job-name": jname}},
+                    "status": {"containerStatuses": [{"name": "search", "state": {"terminated": {
+                        "exitCode": 2, "message": "error: --eval-command: the evaluator exited 127 (not found)"}}}]}})
+    job = kube.get(JOBS, "team-llm", jname)
+    job["status"] = {"conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+                                     "message": "Job has reached the specified backoff limit"}]}
+    st = c.sync_search(kube.get(SEARCHES, "team-llm", "llama-code-math-front"), job)
+    r = get_condition(st["conditions"], "Ready")
+    assert r["reason"] == "Failed" and "the evaluator exited 127 (not found)" in r["message"], r
 
 
 def test_a_new_generation_starts_a_new_driver_and_stops_the_old_one():

@@ -40,7 +40,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | 
 
 {{/*
 RBAC rules for the watched namespaces: exactly the calls the operator makes
-(mergepipe_operator/kube.py) plus what kopf needs (watch, patch for finalizers and its
+(mergepipe_operator/k8s/api.py) plus what kopf needs (watch, patch for finalizers and its
 annotations, events).
 */}}
 {{- define "mergepipe.namespacedRules" -}}
@@ -56,9 +56,18 @@ annotations, events).
 - apiGroups: ["mergepipe.io"]
   resources: ["mergequotas/status"]
   verbs: ["get", "update"]
+# the Jobs' ownerReferences block their owner's deletion (blockOwnerDeletion): clusters enforcing
+# OwnerReferencesPermissionEnforcement allow that only with update on the owner's finalizers
+- apiGroups: ["mergepipe.io"]
+  resources: ["modelmerges/finalizers", "mergesearches/finalizers"]
+  verbs: ["update"]
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "list", "watch", "create", "delete"]
+# a failed Job's cause: its pod's termination message (read only; no logs, no exec)
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create"]
@@ -81,4 +90,8 @@ which get no token).
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["create", "get", "list", "watch", "delete"]
+# its candidates and evaluation Jobs are owned by the MergeSearch with blockOwnerDeletion
+- apiGroups: ["mergepipe.io"]
+  resources: ["mergesearches/finalizers"]
+  verbs: ["update"]
 {{- end -}}

@@ -7,6 +7,7 @@ class. The RBAC in ``helm/mergepipe/templates/rbac.yaml`` grants exactly these v
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ..crd import GROUP, VERSION
@@ -25,6 +26,7 @@ SNAPSHOTS = (GROUP, VERSION, "mergedsnapshots")
 QUOTAS = (GROUP, VERSION, "mergequotas")
 SEARCHES = (GROUP, VERSION, "mergesearches")
 JOBS = ("batch", "v1", "jobs")
+PODS = ("", "v1", "pods")
 
 _MERGE_PATCH = "application/merge-patch+json"
 
@@ -36,6 +38,7 @@ class Kube:
     - mergedsnapshots: create; mergedsnapshots/status: patch
     - mergequotas: list, get; mergequotas/status: update (PUT with resourceVersion)
     - jobs (batch): create, get, list, delete
+    - pods: list (the failed pod's termination message, for JobFailed)
     (kopf itself also lists/watches/patches the watched kinds and creates events.)
     """
 
@@ -77,7 +80,14 @@ class Kube:
 
     def list(self, res: tuple[str, str, str], namespace: str, label_selector: str | None = None) -> list[dict[str, Any]]:
         kw = {"label_selector": label_selector} if label_selector else {}
-        out = self._call(self.api.list_namespaced_custom_object, *res[:2], namespace, res[2], **kw)
+        if res == PODS:  # the core group: not served by CustomObjectsApi
+            from kubernetes import client
+
+            resp = self._call(client.CoreV1Api(self.api.api_client).list_namespaced_pod, namespace,
+                              _preload_content=False, **kw)
+            out = json.loads(resp.data)
+        else:
+            out = self._call(self.api.list_namespaced_custom_object, *res[:2], namespace, res[2], **kw)
         return sorted(out.get("items") or [], key=lambda o: o["metadata"]["name"])
 
     def create(self, res: tuple[str, str, str], namespace: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -4,13 +4,17 @@ the outcome of a Job read from its status (:func:`job_outcome`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..crd import API_VERSION
 from ..settings import Settings
 from .conditions import Reason
+
+#: Where the worker container writes its one-line error (the Kubernetes default path; the kubelet
+#: makes it the container's termination message).
+TERMINATION_LOG = "/dev/termination-log"
 
 
 def owner_reference(obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -109,6 +113,7 @@ def worker_job(
     tmp_volume: dict[str, Any] = {"name": "tmp", "emptyDir": {}}
     if settings.tmp_size_limit:
         tmp_volume["emptyDir"]["sizeLimit"] = settings.tmp_size_limit
+    env = env + [{"name": "MERGEPIPE_TERMINATION_LOG", "value": TERMINATION_LOG}]
     container = {
         "name": component,
         "image": spec.get("image") or settings.merger_image,
@@ -129,6 +134,9 @@ def worker_job(
             "capabilities": {"drop": ["ALL"]},
             "seccompProfile": {"type": "RuntimeDefault"},
         },
+        # the worker writes its one-line error there (MERGEPIPE_TERMINATION_LOG); a pod that died
+        # without writing it (OOM, a crash) gets the tail of its log instead
+        "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     pod_spec: dict[str, Any] = {
@@ -181,6 +189,9 @@ def worker_job(
 
 @dataclass(frozen=True)
 class JobOutcome:
+    """A Job's state as the operator sees it: ``Running`` (not finished), ``Succeeded`` or
+    ``Failed``; ``reason`` and ``message`` from its terminal condition (or a summary)."""
+
     state: Literal["Running", "Succeeded", "Failed"]
     reason: str
     message: str
@@ -207,3 +218,50 @@ def job_outcome(job: Mapping[str, Any] | None, what: str = "merge Job") -> JobOu
     return JobOutcome("Running", Reason.JOB_RUNNING, msg)
 
 
+
+
+#: Longest pod failure message put into a condition (the kubelet keeps at most 4096 bytes).
+MAX_CAUSE_CHARS = 1024
+
+
+def pod_failure_message(pods: Iterable[Mapping[str, Any]]) -> str | None:
+    """Why a Job's pod failed, from the pods' container statuses (the kubelet's record of each
+    container's termination; pods are the Job's, e.g. listed by label ``job-name=<job>``).
+
+    Takes the most recently finished container termination with a non-zero exit code (from
+    ``state`` or ``lastState``). Its ``message`` is the worker's one-line error (written to
+    :data:`TERMINATION_LOG`) or, with ``FallbackToLogsOnError``, the tail of its log, of which the
+    last non-empty line is kept (a traceback's exception line). Without a message: the
+    termination reason and exit code (e.g. ``OOMKilled (exit code 137)``). At most
+    :data:`MAX_CAUSE_CHARS` characters.
+
+    Returns:
+        the cause, or ``None`` when no container of these pods failed (or there are no pods).
+    """
+    best: tuple[str, str] | None = None
+    for pod in pods:
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            for state in (cs.get("state") or {}, cs.get("lastState") or {}):
+                term = state.get("terminated") or {}
+                if not term or int(term.get("exitCode") or 0) == 0:
+                    continue
+                lines = [ln.strip() for ln in str(term.get("message") or "").splitlines() if ln.strip()]
+                if lines:
+                    text = lines[-1]
+                else:
+                    text = f"{term.get('reason') or 'Error'} (exit code {term.get('exitCode')})"
+                finished = str(term.get("finishedAt") or "")
+                if best is None or finished >= best[0]:
+                    best = (finished, text)
+    if best is None:
+        return None
+    text = best[1]
+    return text if len(text) <= MAX_CAUSE_CHARS else text[: MAX_CAUSE_CHARS - 1] + "…"
+
+
+def with_cause(outcome: JobOutcome, cause: str | None) -> JobOutcome:
+    """``outcome`` with the pod's failure cause (:func:`pod_failure_message`) in front of its
+    message: ``"<cause> (<Job condition message>)"``; unchanged without a cause or unless Failed."""
+    if outcome.state != "Failed" or not cause:
+        return outcome
+    return JobOutcome(outcome.state, outcome.reason, f"{cause} ({outcome.message})")

@@ -21,7 +21,7 @@ from typing import Any
 from ..crd import API_VERSION
 from ..k8s.api import JOBS, QUOTAS, SNAPSHOTS, Conflict
 from ..k8s.conditions import Reason, get_condition, set_condition
-from ..k8s.jobs import JobOutcome, job_outcome
+from ..k8s.jobs import JobOutcome
 from ..k8s.names import (
     ANN_PLAN_DIGEST,
     LABEL_COMPONENT,
@@ -261,7 +261,7 @@ class MergeReconciler(QuotaLedger, SnapshotVerifier):
                 log.info("%s/%s: analyze Job %s created for %s", ns, name, jname, what)
             except Conflict:  # created by an earlier attempt
                 job = self.kube.get(JOBS, ns, jname)
-        outcome = job_outcome(job) if job is not None else JobOutcome("Running", Reason.JOB_RUNNING, "")
+        outcome = self.job_outcome(job, "analyze Job") if job is not None else JobOutcome("Running", Reason.JOB_RUNNING, "")
         if outcome.state == "Succeeded" and not final:
             return True
         if outcome.state != "Running":
@@ -331,7 +331,7 @@ class MergeReconciler(QuotaLedger, SnapshotVerifier):
         conds = status.get("conditions") or []
         ns, name = mm["metadata"]["namespace"], mm["metadata"]["name"]
         adm = status.get("admission") or {}
-        outcome = job_outcome(job)
+        outcome = self.job_outcome(job, "merge Job")
         out_uri = (mm.get("spec") or {}).get("output", {}).get("uri")
         if outcome.state == "Running":
             if ready.get("message") == outcome.message:

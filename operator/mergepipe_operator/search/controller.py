@@ -8,7 +8,6 @@ from typing import Any
 
 from ..k8s.api import JOBS, Conflict
 from ..k8s.conditions import get_condition, set_condition
-from ..k8s.jobs import job_outcome
 from ..k8s.names import label_value
 from ..metrics import JOBS_CREATED
 from ..modelmerge.spec import format_issues
@@ -80,7 +79,7 @@ class SearchReconciler(Reconciler):
         except ResultsError as e:
             log.warning("MergeSearch %s/%s: %s", meta["namespace"], meta["name"], e)
             results = None
-        new = search_status(body, results, job_outcome(job, "driver Job"), jname, self.clock())
+        new = search_status(body, results, self.job_outcome(job, "driver Job"), jname, self.clock())
         return new if status_changed(body.get("status"), new) else None
 
     # deletion ---------------------------------------------------------------------------------------
