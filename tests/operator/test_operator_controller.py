@@ -434,6 +434,7 @@ def test_spec_change_supersedes_the_running_job(settings):
     c, kube, store, mm = setup(settings, make_quota())
     mm = apply(kube, mm, c.reconcile_merge(mm))
     (old_job,) = kube.list(JOBS, "ns1")
+    _pod_of(kube, old_job, {"phase": "Running", "containerStatuses": [{"name": "merge", "state": {"running": {}}}]})
     mm = bump(kube, budget="4Gi")
     mm = apply(kube, mm, c.reconcile_merge(mm))
     (new_job,) = kube.list(JOBS, "ns1")
@@ -441,6 +442,45 @@ def test_spec_change_supersedes_the_running_job(settings):
     ledger = {e["key"]: e for e in kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]}
     uid = mm["metadata"]["uid"]
     assert ledger[f"{uid}.1"]["state"] == "Charged" and ledger[f"{uid}.2"]["state"] == "Reserved"
+
+
+def _pod_of(kube, job, status):
+    name = job["metadata"]["name"]
+    kube.put(PODS, {"metadata": {"name": name + "-p0d01", "namespace": "ns1", "labels": {"job-name": name}}, "status": status})
+
+
+@pytest.mark.parametrize("pods", [
+    [],  # no pod yet (or a suspended Job)
+    [{"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]}],
+    [{"phase": "Pending", "containerStatuses": [{"name": "merge", "state": {"waiting": {"reason": "ImagePullBackOff"}}}]}],
+], ids=["no-pod", "unschedulable", "image-pull"])
+def test_a_superseded_job_that_never_started_is_released_not_charged(settings, pods):
+    c, kube, store, mm = setup(settings, make_quota())
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    (old_job,) = kube.list(JOBS, "ns1")
+    kube.objects[("jobs", "ns1", old_job["metadata"]["name"])]["status"] = {"active": 1, "startTime": "2026-11-22T12:00:00Z"}
+    for st in pods:
+        _pod_of(kube, old_job, st)
+    mm = bump(kube, budget="4Gi")
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    (new_job,) = kube.list(JOBS, "ns1")
+    assert new_job["metadata"]["name"] != old_job["metadata"]["name"]
+    uid = mm["metadata"]["uid"]
+    ledger = kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]
+    assert [(e["key"], e["state"]) for e in ledger] == [(f"{uid}.2", "Reserved")]  # generation 1: released
+
+
+def test_job_ever_started():
+    from mergepipe_operator.k8s.jobs import job_ever_started
+
+    assert not job_ever_started({"status": {"active": 1, "startTime": "t"}}, [])
+    assert job_ever_started({"status": {"ready": 1}}, [])
+    assert job_ever_started({"status": {"failed": 1}}, [])
+    assert job_ever_started({}, [{"status": {"phase": "Failed"}}])
+    assert job_ever_started({}, [{"status": {"phase": "Pending", "containerStatuses": [
+        {"name": "merge", "state": {"waiting": {}}, "lastState": {"terminated": {"exitCode": 1}}}]}}])
+    assert not job_ever_started({}, [{"status": {"phase": "Pending", "containerStatuses": [
+        {"name": "merge", "state": {"waiting": {"reason": "ContainerCreating"}}}]}}])
 
 
 def bump(kube, **spec):

@@ -265,3 +265,27 @@ def with_cause(outcome: JobOutcome, cause: str | None) -> JobOutcome:
     if outcome.state != "Failed" or not cause:
         return outcome
     return JobOutcome(outcome.state, outcome.reason, f"{cause} ({outcome.message})")
+
+
+def job_ever_started(job: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> bool:
+    """Did a container of this Job ever run (so it may have read its inputs)?
+
+    True when the Job counts a finished or ready pod (``status.succeeded``, ``failed``, ``ready``)
+    or any of ``pods`` (the Job's) is or was running: phase Running/Succeeded/Failed, or a
+    container status that is running or terminated now or before a restart. A Job whose pods are
+    all still pending (unschedulable, pulling its image, ContainerCreating), or that has no pods
+    (suspended, e.g. by Kueue) never started. ``status.active`` and ``startTime`` count pending
+    pods too, so they decide nothing.
+    """
+    st = job.get("status") or {}
+    if any(int(st.get(k) or 0) > 0 for k in ("succeeded", "failed", "ready")):
+        return True
+    for pod in pods:
+        ps = pod.get("status") or {}
+        if ps.get("phase") in ("Running", "Succeeded", "Failed"):
+            return True
+        for cs in ps.get("containerStatuses") or []:
+            state, last = cs.get("state") or {}, cs.get("lastState") or {}
+            if state.get("running") or state.get("terminated") or last.get("terminated"):
+                return True
+    return False

@@ -19,9 +19,9 @@ from datetime import datetime
 from typing import Any
 
 from ..crd import API_VERSION
-from ..k8s.api import JOBS, QUOTAS, SNAPSHOTS, Conflict
+from ..k8s.api import JOBS, PODS, QUOTAS, SNAPSHOTS, Conflict
 from ..k8s.conditions import Reason, get_condition, set_condition
-from ..k8s.jobs import JobOutcome
+from ..k8s.jobs import JobOutcome, job_ever_started
 from ..k8s.names import (
     ANN_PLAN_DIGEST,
     LABEL_COMPONENT,
@@ -293,24 +293,41 @@ class MergeReconciler(QuotaLedger, SnapshotVerifier):
         return None
 
     def _supersede(self, ns: str, name: str, old: dict[str, Any], digest: str, key: str, now: datetime) -> None:
-        """Retire the previous generation's run: delete Jobs of other plans; its reservation is
-        released when the same Job carries on (same plan digest: the new reservation covers it),
-        else charged (it may have read, and how much is unknown without a manifest)."""
+        """Retire the previous generation's run: delete Jobs of other plans. Its reservation is
+        released when the same Job carries on (same plan digest: the new reservation covers it) or
+        when its Job never started (no container of it ever ran: nothing was read, e.g. a pod
+        that was pending, unschedulable or suspended; :func:`job_ever_started`, checked before the
+        Job is deleted); else charged (it may have read, and how much is unknown without a
+        manifest). A Job that cannot be found is charged (it may have run)."""
+        old_job_name = old.get("jobName")
+        old_started = True
         for job in self.kube.list(JOBS, ns, f"{LABEL_MERGE}={label_value(name)}"):
             if (job["metadata"].get("labels") or {}).get(LABEL_COMPONENT, "merge") != "merge":
                 continue  # analyze Jobs are not superseded: their statistics serve any plan
             if (job["metadata"].get("annotations") or {}).get(ANN_PLAN_DIGEST) != digest:
+                if job["metadata"]["name"] == old_job_name:
+                    old_started = self._job_started(ns, job)
                 self.kube.delete(JOBS, ns, job["metadata"]["name"])
         adm = old.get("admission") or {}
         ready = get_condition(old.get("conditions"), "Ready") or {}
         if not adm.get("key") or adm["key"] == key or ready.get("reason") == Reason.COMMITTED:
             return
-        same_job = status_plan_digest(old) == digest
+        keep = status_plan_digest(old) == digest or not old_started
         for q in adm.get("quotas") or []:
-            if same_job:
+            if keep:
                 self.update_quota(ns, q, lambda quota: release(quota, adm["key"], now))
             else:
                 self.update_quota(ns, q, lambda quota: settle(quota, adm["key"], None, now))
+
+    def _job_started(self, ns: str, job: dict[str, Any]) -> bool:
+        """Did any container of ``job`` ever run? (Its pods, label ``job-name``; pods that cannot
+        be read count as started: charging is the safe side.)"""
+        try:
+            pods = self.kube.list(PODS, ns, f"job-name={job['metadata']['name']}")
+        except Exception as e:  # noqa: BLE001 - decide conservatively
+            log.warning("cannot read the pods of Job %s/%s: %s", ns, job["metadata"]["name"], e)
+            return True
+        return job_ever_started(job, pods)
 
     # quotas -----------------------------------------------------------------------------------------
 
