@@ -1,6 +1,7 @@
 """The operator's entry point: kopf settings and every resource's handlers.
 
-Run: ``kopf run --standalone -m mergepipe_operator.main --all-namespaces`` (the chart does).
+Run: ``kopf run --standalone -m mergepipe_operator.main --all-namespaces`` (the chart does; with
+``replicas > 1`` it runs ``--peering=<release>`` instead, see :func:`peering_priority`).
 
 Layout (by resource; each has pure ``decisions`` unit-tested without a cluster, a reconciler
 with its I/O injected, and thin kopf ``handlers``):
@@ -16,6 +17,7 @@ with its I/O injected, and thin kopf ``handlers``):
 from __future__ import annotations
 
 import logging
+import random
 from typing import Any
 
 import kopf
@@ -32,6 +34,16 @@ from .snapshot import handlers as _snapshot_handlers  # noqa: F401
 __all__ = ["Controller", "PlanInputError", "PlanSummary", "Retry", "RetryWithStatus", "controller", "plan_merge", "run"]
 
 
+def peering_priority() -> int:
+    """A random kopf peering priority in [1, 2**31) for this replica (chart ``replicas > 1``:
+    ``kopf run --peering``). Peering is not leader election: replicas of equal priority would all
+    pause, so each takes its own, and only the highest acts. Correctness does not rest on it
+    either: Job names are deterministic (a second create gets 409) and quota writes are
+    conditioned on the resourceVersion, so an overlap creates no second Job and charges nothing
+    twice."""
+    return random.SystemRandom().randrange(1, 2**31)
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.finalizer = FINALIZER
@@ -39,6 +51,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="mergepipe.io", key="last-handled-configuration")
     settings.posting.level = logging.WARNING
     settings.execution.max_workers = 8
+    if not settings.peering.standalone and settings.peering.priority == 0:
+        settings.peering.priority = peering_priority()
     c = controller()
     if c.settings.metrics_port:
         import prometheus_client

@@ -59,6 +59,13 @@ class KubeServer:
                 subresources={"status"},
                 verbs={"list", "watch", "get", "create", "patch", "update", "delete", "deletecollection"},
             )
+        # kopf's peering objects (chart replicas > 1): no status subresource, as kopf ships them
+        for kind, plural, namespaced in (("ClusterKopfPeering", "clusterkopfpeerings", False),
+                                         ("KopfPeering", "kopfpeerings", True)):
+            self.kmock.resources[f"kopf.dev/v1/{plural}"] = ResourceInfo(
+                kind=kind, singular=plural[:-1], namespaced=namespaced,
+                verbs={"list", "watch", "get", "create", "patch", "update", "delete"},
+            )
         self.server = apps.Server(self.kmock)
         await self.server.__aenter__()
 
@@ -108,6 +115,7 @@ class Api:
         if kind in RESOURCES:
             return GROUP, VERSION, RESOURCES[kind]["plural"]
         return {"Job": ("batch", "v1", "jobs"), "Pod": ("", "v1", "pods"), "Secret": ("", "v1", "secrets"),
+                "ClusterKopfPeering": ("kopf.dev", "v1", "clusterkopfpeerings"),
                 "Namespace": ("", "v1", "namespaces"), "Event": ("", "v1", "events")}[kind]
 
     def _path(self, kind: str, ns: str | None, name: str | None = None, sub: str | None = None) -> str:
@@ -193,6 +201,34 @@ def operator(timeout: float = 30.0) -> Iterator[Any]:
         yield runner
     assert runner.exception is None, runner.output[-5000:]
     assert runner.exit_code == 0, runner.output[-5000:]
+
+
+@contextlib.contextmanager
+def operator_process(name: str, kubeconfig: Path, log: Path, *args: str) -> Iterator[subprocess.Popen]:
+    """The real operator as its own OS process (``python -m kopf run ... -m
+    mergepipe_operator.main``) with kopf identity ``name`` (``POD_ID``, as the chart sets it) and
+    this process's environment; stopped with SIGTERM (kopf's clean shutdown) at the end."""
+    env = dict(os.environ, KUBECONFIG=str(kubeconfig), POD_ID=name,
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "operator")]))
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    with open(log, "wb") as out:
+        p = subprocess.Popen([sys.executable, "-m", "kopf", "run", "--verbose", "-m", "mergepipe_operator.main", *args],
+                             env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            yield p
+        finally:
+            stop_process(p)
+
+
+def stop_process(p: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM, then SIGKILL after ``timeout`` seconds."""
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
 
 
 # --- Jobs: the test plays the kubelet ---------------------------------------------------------------

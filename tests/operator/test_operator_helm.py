@@ -220,10 +220,39 @@ def test_values_reach_the_operator_settings(chart):
 
 def test_chart_ships_the_generated_crds(chart):
     crds = {c["filename"].removeprefix("mergepipe/"): c["data"] for c in chart.crds}
-    assert sorted(crds) == ["crds/mergedsnapshots.yaml", "crds/mergequotas.yaml", "crds/mergesearches.yaml",
-                            "crds/modelmerges.yaml"]
+    assert sorted(crds) == ["crds/kopf-peerings.yaml", "crds/mergedsnapshots.yaml", "crds/mergequotas.yaml",
+                            "crds/mergesearches.yaml", "crds/modelmerges.yaml"]
+    peering = crds.pop("crds/kopf-peerings.yaml")
     for name, data in crds.items():
         assert data == (ROOT / name).read_text()
+    docs = [d for d in yaml.safe_load_all(peering) if d]
+    assert sorted((d["spec"]["names"]["kind"], d["spec"]["scope"], d["spec"]["group"]) for d in docs) == [
+        ("ClusterKopfPeering", "Cluster", "kopf.dev"), ("KopfPeering", "Namespaced", "kopf.dev")]
+
+
+@pytest.mark.parametrize("watch", [[], ["team-a", "team-b"]], ids=["cluster", "namespaced"])
+def test_replicas_run_kopf_peering(chart, watch):
+    one = render(chart, {"watchNamespaces": watch})
+    assert not [o for o in one if o["apiVersion"] == "kopf.dev/v1"]
+    objs = render(chart, {"replicas": 3, "watchNamespaces": watch})
+    dep = deployment(objs)
+    k8s_validate(dep)
+    assert dep["spec"]["replicas"] == 3 and dep["spec"]["strategy"] == {"type": "RollingUpdate"}
+    c, env = operator_env(dep)
+    assert "--standalone" not in c["args"] and f"--peering={RELEASE}-mergepipe" in c["args"]
+    assert env["POD_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}  # kopf's peer identity
+    peerings = sorted((o["kind"], o["metadata"].get("namespace")) for o in objs if o["apiVersion"] == "kopf.dev/v1")
+    got = grants(objs)
+    if watch:
+        assert peerings == [("KopfPeering", "team-a"), ("KopfPeering", "team-b")]
+        assert got[("kopf.dev", "kopfpeerings")] == {"get", "list", "watch", "patch"}
+        assert ("kopf.dev", "clusterkopfpeerings") not in got
+    else:
+        assert peerings == [("ClusterKopfPeering", None)]
+        assert got[("kopf.dev", "clusterkopfpeerings")] == {"get", "list", "watch", "patch"}
+        assert ("kopf.dev", "kopfpeerings") not in got
+    assert {k: v for k, v in got.items() if k[0] != "kopf.dev"} == grants(one)  # nothing else changes
+
 
 
 @pytest.mark.parametrize(
@@ -236,7 +265,7 @@ def test_chart_ships_the_generated_crds(chart):
         {"merges": {"defaultBudget": "10 GB"}},
         {"catalog": {"uri": "/data/catalog"}},
         {"logLevel": "verbose"},
-        {"replicas": 3},
+        {"replicas": 0},  # (more than 1 runs kopf peering: test_replicas_run_kopf_peering)
         {"image": {"pullPolicy": "Sometimes"}},
     ],
     ids=str,

@@ -408,6 +408,69 @@ def test_failed_analyze_job_is_job_failed(cluster):
             [an["metadata"]["name"], retry["metadata"]["name"]])
 
 
+@pytest.mark.slow
+def test_two_operator_processes_with_peering_one_acts_no_duplicate_job_no_double_charge(cluster):
+    """Chart replicas > 1: two operator processes (kopf --peering, each its own random priority)
+    on one API server. Only the higher one acts: one merge Job, one reservation; stopped, it hands
+    over at once (kopf removes its keep-alive) and the other finishes the merge: one snapshot,
+    one charge."""
+    import signal
+
+    from kubeharness import operator_process
+
+    c = cluster
+    kubeconfig = c.tmp / "kubeconfig"
+    c.api.create({"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "mergepipe"}})
+    c.quota("q", bytes_="1Gi")
+    args = ("--peering=mergepipe", "--all-namespaces")
+    with operator_process("op-a", kubeconfig, c.tmp / "op-a.log", *args) as a, \
+            operator_process("op-b", kubeconfig, c.tmp / "op-b.log", *args) as b:
+        def peers():
+            st = (c.api.get("ClusterKopfPeering", None, "mergepipe") or {}).get("status") or {}
+            return len(st) == 2 and st
+        try:
+            st = wait_for("both operators in the peering", peers, timeout=90)
+        except AssertionError:
+            raise AssertionError((c.tmp / "op-a.log").read_text()[-3000:] + (c.tmp / "op-b.log").read_text()[-3000:])
+        assert st["op-a"]["priority"] != st["op-b"]["priority"] and min(p["priority"] for p in st.values()) >= 1
+        leader, follower = sorted(("op-a", "op-b"), key=lambda n: -st[n]["priority"])
+        procs = {"op-a": a, "op-b": b}
+        resumed = b"Resuming operations after the pause"  # kopf starts paused until it knows its peers
+
+        def log(n):
+            return (c.tmp / f"{n}.log").read_bytes()
+
+        def standing_by(n):  # paused at start and never resumed, or paused again in favour of a higher peer
+            text = log(n)
+            return text.rfind(resumed) < text.rfind(b"Pausing operations in favour of") or resumed not in text
+
+        wait_for(f"{leader} active", lambda: resumed in log(leader), timeout=60)
+        wait_for(f"{follower} standing by", lambda: standing_by(follower), timeout=60)
+
+        c.merge("ha")
+        o = c.wait_reason("ha", "JobRunning", timeout=90)
+        time.sleep(3)  # let a second actor, if there were one, do its damage
+        (job,) = c.jobs(component="merge")
+        assert job["metadata"]["name"] == o["status"]["jobName"]
+        (entry,) = quota_ledger(c.api, NS, "q")
+        assert entry["state"] == "Reserved"
+        assert standing_by(follower) and not standing_by(leader)
+
+        # the leader stops cleanly (a rollout, a drained node): the follower takes over
+        before = log(follower).count(resumed)
+        procs[leader].send_signal(signal.SIGTERM)
+        procs[leader].wait(60)
+        wait_for(f"{follower} resumed", lambda: log(follower).count(resumed) > before, timeout=60)
+        r = play_job(c.api, job, c.tmp / "merge")
+        assert r.returncode == 0, r.stderr
+        o = c.wait_reason("ha", "Committed", timeout=90)
+        assert [j["metadata"]["name"] for j in c.jobs(component="merge")] == [job["metadata"]["name"]]
+        (entry,) = quota_ledger(c.api, NS, "q")
+        assert (entry["state"], entry["bytes"]) == ("Charged", o["status"]["realized"]["expertReadBytes"])
+        assert [s["metadata"]["name"] for s in c.api.list("MergedSnapshot", NS)] == [o["status"]["snapshot"]]
+        assert procs[follower].poll() is None
+
+
 @pytest.mark.fresh_catalog
 def test_deleted_shard_job_failed_names_the_shard_and_the_fix(cluster):
     """An expert's shard deleted after planning: the worker's one-line error reaches JobFailed

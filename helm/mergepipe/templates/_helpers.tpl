@@ -71,6 +71,12 @@ annotations, events).
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create"]
+{{- if and (gt (int .Values.replicas) 1) .Values.watchNamespaces }}
+# kopf peering of the replicas (one KopfPeering per watched namespace)
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  verbs: ["get", "list", "watch", "patch"]
+{{- end }}
 {{- end -}}
 
 
