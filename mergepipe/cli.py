@@ -207,6 +207,9 @@ def analyze(
     pairs: Annotated[bool, typer.Option(
         "--pairs", help="Also record the pair statistics <delta_i, delta_j> of every two experts, which model_stock "
         "and nuslerp plan with (needs at least 2 experts; cached pairs are not recomputed).")] = False,
+    calibration: Annotated[Optional[str], typer.Option(
+        "--calibration", help="JSON-lines file of {\"text\": ...} documents: also record the base's per-block "
+        "Fisher sensitivity on it (for plans with --value fisher; cached by base and calibration identity)")] = None,
     catalog: CatalogOpt = None,
     json_out: JsonOpt = False,
 ):
@@ -225,7 +228,8 @@ def analyze(
     t0 = time.perf_counter()
     with _Progress(True) as prog:
         b, recs, ans = register_and_analyze(c, st, base, uris, bb,
-                                            progress=lambda n: prog("analyze", n, None), pairs=pairs)
+                                            progress=lambda n: prog("analyze", n, None), pairs=pairs,
+                                            calibration=calibration)
     rd = st.counters.snapshot()["read"]
     res = {
         "base": {"uri": b.uri, "identity": b.identity},
@@ -235,6 +239,10 @@ def analyze(
         "bytes_read": {"base": rd["base"], "expert": rd["expert"], "catalog": rd["catalog"]},
         "block_bytes": bb,
     }
+    if calibration:
+        from mergepipe.catalog.sensitivity import load_calibration
+
+        res["calibration"] = {"uri": calibration, "digest": load_calibration(st, calibration).digest}
     if pairs:
         dots = c.pair_dots(b, recs, ans)
         res["pairs"] = [{"experts": [recs[i].uri, recs[j].uri], "tensors": len(d)} for (i, j), d in sorted(dots.items())
@@ -294,6 +302,12 @@ ConfigOpt = Annotated[Optional[Path], typer.Option(
     "--config", help="A mergekit YAML config (models, base_model, merge_method, parameters, dtype, out_dtype; "
     "plus budget, fidelity, seed) instead of --base/--expert/--method/--param")]
 BlockOpt = Annotated[str, typer.Option("--block-size", help="Catalog block size (whole rows)")]
+ValueOpt = Annotated[str, typer.Option(
+    "--value", help="Block value the budgeted selection maximises per byte: energy (task-vector energy the method "
+    "keeps) or fisher (that energy weighted by the base's per-block Fisher on --calibration)")]
+CalibrationOpt = Annotated[Optional[str], typer.Option(
+    "--calibration", help="JSON-lines file of {\"text\": ...} documents (local or s3://): the base's per-block "
+    "Fisher sensitivity is measured on it once and kept in the catalog (causal LMs)")]
 MemOpt = Annotated[str, typer.Option("--work-memory", help="Engine memory target: float32 working set per chunk, and bytes prefetched ahead")]
 
 
@@ -309,6 +323,8 @@ def plan(
     seed: SeedOpt = None,
     block_size: BlockOpt = "128KiB",
     work_memory: MemOpt = "256MiB",
+    value: ValueOpt = "energy",
+    calibration: CalibrationOpt = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the plan JSON here")] = None,
     catalog: CatalogOpt = None,
     json_out: JsonOpt = False,
@@ -321,7 +337,7 @@ def plan(
     bb = parse_bytes(block_size, what="--block-size")
     p = build_plan(_catalog(catalog), _storage_for(m["base"]), m["base"], m["experts"], m["method"], m["params"],
                    budget=m["budget"], fidelity=m["fidelity"], seed=m["seed"], block_bytes=bb,
-                   work_bytes=_work_bytes(work_memory), **m["opts"])
+                   work_bytes=_work_bytes(work_memory), value=value, calibration=calibration, **m["opts"])
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".tmp")
@@ -410,6 +426,8 @@ def merge(
     device: DeviceOpt = "cpu",
     block_size: BlockOpt = "128KiB",
     work_memory: MemOpt = "256MiB",
+    value: ValueOpt = "energy",
+    calibration: CalibrationOpt = None,
     catalog: CatalogOpt = None,
     json_out: JsonOpt = False,
 ):
@@ -423,7 +441,7 @@ def merge(
         res = run_merge(m["base"], m["experts"], m["method"], out, m["params"], budget=m["budget"],
                         fidelity=m["fidelity"], seed=m["seed"], device=device, catalog=_catalog(catalog),
                         storage=_storage_for(m["base"]), block_bytes=bb, work_bytes=_work_bytes(work_memory),
-                        progress=prog, **m["opts"])
+                        progress=prog, value=value, calibration=calibration, **m["opts"])
     _emit_merge(res, json_out)
 
 
@@ -493,6 +511,25 @@ def demo(
     rows = run_demo(zoo_root, out_root, tiny=tiny, log=lambda m: _err_console().print(m, highlight=False))
     if json_out:
         print(json.dumps(rows))
+
+
+@app.command("eval")
+def eval_(
+    snapshot: Annotated[Path, typer.Argument(help="Checkpoint or snapshot folder to score (config.json + safetensors)")],
+    testbed: Annotated[Path, typer.Option("--testbed", help="Testbed folder with testbed.json: a built zoo "
+                                          "(mergepipe_zoo) or MiniLM testbed, or your own probe sets")],
+    tasks: Annotated[Optional[str], typer.Option("--tasks", help="Comma-separated task names [default: all]")] = None,
+    max_batches: Annotated[Optional[int], typer.Option("--max-batches", help="Score only the first N batches "
+                                                       "per task (faster, noisier)")] = None,
+):
+    """Per-task quality of a checkpoint on a testbed's probe sets, as JSON on stdout: causal-LM
+    loss (nats/token), or classification accuracy and loss with each task's own head."""
+    from mergepipe.evaluate import evaluate_checkpoint, load_testbed
+
+    tb = load_testbed(testbed)
+    names = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else None
+    res = evaluate_checkpoint(snapshot, tb, names, max_batches=max_batches)
+    print(json.dumps({"snapshot": str(snapshot), "testbed": str(testbed), "kind": tb.kind, "tasks": res}, indent=1))
 
 
 # --- mergepipe search (layer-wise multi-objective merge search; mergepipe.search) -----------------

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, Catalog, CheckpointRecord, check_compatible
+from mergepipe.catalog.sensitivity import load_calibration
 from mergepipe.errors import InputError
 from mergepipe.planner.plan import Plan
 from mergepipe.planner.planner import DEFAULT_WORK_BYTES, EXTRA_FILES, make_plan
@@ -169,6 +170,7 @@ def register_and_analyze(
     progress: Callable[[int], None] | None = None,
     analyze: bool = True,
     pairs: bool = False,
+    calibration: str | None = None,
 ) -> tuple[CheckpointRecord, list[CheckpointRecord], list[Analysis]]:
     """Register the base and experts and analyze the experts (cached).
 
@@ -179,14 +181,20 @@ def register_and_analyze(
     With ``analyze=False`` nothing but shard headers (and, for checkpoints the catalog already
     knows unchanged, not even those) is read, and :class:`MissingAnalysis` names the experts
     whose statistics are missing: this is how the operator plans in-process.
+
+    With ``calibration`` (a JSON-lines file of ``{"text": ...}``) the base's per-block Fisher
+    sensitivity on it is recorded too (once; :mod:`mergepipe.catalog.sensitivity`), for plans
+    with ``value="fisher"``.
     """
+    cal = load_calibration(storage, calibration) if calibration else None
     base = catalog.register(storage, base_uri)
     experts = [catalog.register(storage, u) for u in expert_uris]
     if not analyze:
         missing = [e.uri for e in experts if not catalog.has_analysis(base.identity, e.identity, block_bytes)]
         if missing:
             raise MissingAnalysis(missing)
-    analyses = catalog.analyze(storage, base, experts, block_bytes=block_bytes, progress=progress, pairs=pairs)
+    analyses = catalog.analyze(storage, base, experts, block_bytes=block_bytes, progress=progress, pairs=pairs,
+                               calibration=cal)
     return base, experts, analyses
 
 
@@ -209,6 +217,8 @@ def build_plan(
     requested_dtype: str | None = None,
     source: dict | None = None,
     analyze: bool = True,
+    value: str = "energy",
+    calibration: str | None = None,
 ) -> Plan:
     """Register, analyze and plan. ``experts`` are (name, uri) pairs; ``budget`` a byte quantity
     string (see :func:`parse_bytes`), an int, or None for unlimited.
@@ -222,8 +232,17 @@ def build_plan(
     ``out_dtype`` is a safetensors dtype for the floating outputs; ``requested_dtype`` and
     ``source`` are recorded (see :func:`mergepipe.planner.planner.make_plan`). Every parameter,
     including layer-wise settings per tensor, is checked after reading the checkpoints' headers
-    and before reading any tensor byte."""
+    and before reading any tensor byte.
+
+    ``value`` is the planner's block value (``"energy"``, or ``"fisher"`` with ``calibration``, a
+    JSON-lines calibration file: the base's per-block Fisher from the catalog, computed once at
+    analyze time; with ``analyze=False`` it must already be recorded)."""
     names = [n for n, _ in experts]
+    if value not in ("energy", "fisher"):
+        raise InputError(f"--value {value!r}: use 'energy' or 'fisher'.")
+    if value == "fisher" and not calibration:
+        raise InputError("--value fisher needs --calibration FILE.jsonl (text the base's sensitivity is measured on).")
+    cal = load_calibration(storage, calibration) if calibration else None
     if len(set(names)) != len(names):
         raise InputError(f"--expert: two experts share a name ({', '.join(names)}); name them as --expert NAME=URI.")
     from mergepipe.methods.registry import get_method
@@ -250,6 +269,13 @@ def build_plan(
     analyses = catalog.analyze(storage, base, recs, block_bytes=block_bytes, progress=progress,
                                pairs=spec.needs_gram)
     gram = catalog.pair_dots(base, recs, analyses) if spec.needs_gram else None
+    sens = None
+    if cal is not None:
+        sens = catalog.find_sensitivity(base.identity, cal.digest, block_bytes)
+        if sens is None:
+            if not analyze:
+                raise MissingAnalysis([base.uri])
+            sens = catalog.sensitivity(storage, base, cal, block_bytes)
     total = sum(r.total_bytes for r in recs)
     budget_bytes = parse_bytes(budget, total=total) if isinstance(budget, str) else budget
     extra = [f for f in EXTRA_FILES if storage.exists(storage.join(base.uri, f))]
@@ -259,6 +285,8 @@ def build_plan(
         coalesce_gap=(storage.gap_for([u for _, u in experts]) if hasattr(storage, "gap_for") else storage.max_gap),
         gram=gram, resolved=resolved, out_dtype=out_dtype, requested_dtype=requested_dtype, source=source,
         base_digests=catalog.tensor_digests(base.identity),
+        value=value, sensitivity=sens if value == "fisher" else None,
+        calibration=cal.digest if (cal is not None and value == "fisher") else None,
     )
     return plan
 

@@ -200,3 +200,42 @@ def test_new_methods_realized_within_planned(family, tmp_path, method, params, n
         io = res.manifest["io"]
         assert io["realized"]["expert_read_bytes"] == io["estimated"]["expert_read_bytes"] <= int(frac * total)
         assert 0.0 < res.plan.retained_energy < 1.0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frac=st.floats(0, 1.2), m=METHODS, density=st.floats(0.05, 1.0), gap=st.sampled_from([0, 100, 5000]),
+       bb=st.sampled_from([4096, 32768]), seed=st.integers(0, 2**31 - 1), zero=st.floats(0.0, 0.5))
+def test_fisher_valued_plans_stay_within_budget(analyzed, frac, m, density, gap, bb, seed, zero):
+    """The sensitivity-weighted block value (some blocks with zero Fisher) never breaks the budget;
+    at unlimited budget it reads exactly the blocks the energy plan reads (same output)."""
+    import numpy as np
+
+    b, es, an = analyzed[bb]
+    rng = np.random.default_rng(seed)
+    sens = {}
+    for name, s in an[0].tensors.items():
+        f = rng.lognormal(0.0, 2.0, s.n_blocks)
+        f[rng.random(s.n_blocks) < zero] = 0.0
+        sens[name] = f
+    method, sp = m
+    gp = {"density": density} if sp else {}
+    budget = int(frac * sum(e.total_bytes for e in es))
+    plan = make_plan(b, es, an, method, gp, budget_bytes=budget, coalesce_gap=gap, value="fisher",
+                     sensitivity=sens, calibration="c" * 64)
+    assert plan.io.expert_read_bytes <= budget
+    assert 0.0 <= plan.retained_energy <= 1.0 + 1e-9
+    assert plan.block_value == {"kind": "fisher", "calibration": "c" * 64}
+    full_f = make_plan(b, es, an, method, gp, coalesce_gap=gap, value="fisher", sensitivity=sens, calibration="c" * 64)
+    full_e = make_plan(b, es, an, method, gp, coalesce_gap=gap)
+    assert [[te.blocks for te in t.experts] for t in full_f.tensors] == [[te.blocks for te in t.experts] for t in full_e.tensors]
+    assert full_f.digest != full_e.digest and full_e.block_value is None
+
+
+def test_fisher_value_needs_its_statistic(analyzed):
+    b, es, an = analyzed[4096]
+    with pytest.raises(InputError, match="--calibration"):
+        make_plan(b, es, an, "ties", {"density": 0.5}, value="fisher")
+    with pytest.raises(InputError, match="--value"):
+        make_plan(b, es, an, "ties", {"density": 0.5}, value="curvature")
+    with pytest.raises(InputError, match="lacks tensor"):
+        make_plan(b, es, an, "ties", {"density": 0.5}, value="fisher", sensitivity={"x": [1.0]}, calibration="c")

@@ -16,6 +16,10 @@ Embedded default: one SQLite file, ``$MERGEPIPE_HOME/catalog.sqlite`` (``~/.merg
   so they are computed in the same streaming pass as the analyses of the experts that are new;
   when a pair involves an expert analyzed earlier, that expert is streamed again once (counted
   as expert bytes of the analysis) and the pair is cached from then on.
+* **sensitivity** (``analyze(..., calibration=...)``, :mod:`mergepipe.catalog.sensitivity`): per
+  tensor and block, the mean diagonal empirical Fisher of the *base* on a calibration set, keyed
+  by (base identity, calibration identity, block size, kind): computed once, then reused by every
+  plan whose block value is ``fisher``.
 """
 
 from __future__ import annotations
@@ -95,6 +99,16 @@ CREATE TABLE IF NOT EXISTS pair_stats (
     created_at REAL NOT NULL,
     dots TEXT NOT NULL,
     PRIMARY KEY (base_identity, expert_a, expert_b, stats_version)
+);
+CREATE TABLE IF NOT EXISTS sensitivity (
+    base_identity TEXT NOT NULL,
+    calibration TEXT NOT NULL,
+    block_bytes INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    seconds REAL NOT NULL,
+    data BLOB NOT NULL,
+    PRIMARY KEY (base_identity, calibration, block_bytes, kind)
 );
 """
 
@@ -292,6 +306,7 @@ class Catalog:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         progress: Callable[[int], None] | None = None,
         pairs: bool = False,
+        calibration=None,
     ) -> list[Analysis]:
         """Analyze each expert against ``base`` (cached ones are not read again).
 
@@ -303,6 +318,8 @@ class Catalog:
             progress: called with the number of bytes read after each chunk.
             pairs: also make sure the pair statistics ``⟨δᵢ,δⱼ⟩`` of every two experts exist
                 (see the module docstring; read them with :meth:`pair_dots`).
+            calibration: a :class:`~mergepipe.catalog.sensitivity.Calibration`: also make sure
+                the base's Fisher sensitivity on it exists (:meth:`sensitivity`).
 
         Raises:
             InputError: an expert lacks a base tensor, or shape/dtype differ (checked for all
@@ -346,6 +363,8 @@ class Catalog:
                 self._store_digests(base.identity, bdig)
         if not self.tensor_digests(base.identity):
             self._store_digests(base.identity, _hash_tensors(storage, base, list(base.layout.tensors)))
+        if calibration is not None:
+            self.sensitivity(storage, base, calibration, block_bytes)
         out = []
         for e in experts:
             a = self.find_analysis(base.identity, e.identity, block_bytes)
@@ -402,6 +421,45 @@ class Catalog:
                 "INSERT OR REPLACE INTO pair_stats VALUES (?,?,?,?,?,?)",
                 (base_identity, a, b, STATS_VERSION, time.time(), json.dumps(dots)),
             )
+
+
+    # --- sensitivity ------------------------------------------------------------------------
+    def find_sensitivity(self, base_identity: str, calibration: str, block_bytes: int,
+                         kind: str = "fisher") -> dict[str, np.ndarray] | None:
+        """``{tensor: float64[n_blocks]}`` recorded for (base, calibration digest, block size,
+        kind), or None."""
+        from mergepipe.catalog.sensitivity import fisher_from_bytes
+
+        with self._lock:
+            row = self.db.execute(
+                "SELECT data FROM sensitivity WHERE base_identity=? AND calibration=? AND block_bytes=? AND kind=?",
+                (base_identity, calibration, block_bytes, kind)).fetchone()
+        return None if row is None else fisher_from_bytes(row[0])
+
+    def sensitivity(self, storage: Storage, base: CheckpointRecord, calibration, block_bytes: int,
+                    kind: str = "fisher") -> dict[str, np.ndarray]:
+        """The base's per-block sensitivity on ``calibration`` (a
+        :class:`~mergepipe.catalog.sensitivity.Calibration`): from the catalog, or computed once
+        (:func:`~mergepipe.catalog.sensitivity.compute_fisher`, reads the base: torch and
+        transformers needed) and stored.
+
+        Raises:
+            InputError: unknown ``kind``, or the base is not a causal LM checkpoint.
+        """
+        from mergepipe.catalog.sensitivity import compute_fisher, fisher_to_bytes
+
+        if kind != "fisher":
+            raise InputError(f"sensitivity kind {kind!r}: only 'fisher' is recorded.")
+        got = self.find_sensitivity(base.identity, calibration.digest, block_bytes, kind)
+        if got is not None:
+            return got
+        t0 = time.perf_counter()
+        f = compute_fisher(storage, base, calibration, block_bytes)
+        with self._lock, self.db:
+            self.db.execute("INSERT OR REPLACE INTO sensitivity VALUES (?,?,?,?,?,?,?)",
+                            (base.identity, calibration.digest, block_bytes, kind, time.time(),
+                             time.perf_counter() - t0, fisher_to_bytes(f)))
+        return f
 
 
 def check_compatible(base: CheckpointRecord, experts: Sequence[CheckpointRecord]) -> None:

@@ -142,6 +142,9 @@ class Plan(BaseModel):
     index_metadata: dict = Field(default_factory=dict)
     out_dtype: str | None = None
     n_layers: int = 0
+    # the block value the selection maximised when it is not task-vector energy:
+    # {"kind": "fisher", "calibration": <calibration digest>} (None: energy; then not in the digest)
+    block_value: dict[str, str] | None = None
     # non-semantic
     requested_dtype: str | None = None
     source: dict = Field(default_factory=dict)
@@ -157,6 +160,8 @@ class Plan(BaseModel):
         d = self.model_dump(mode="json", exclude=set(self.NON_SEMANTIC))
         for t in d["tensors"]:
             t.pop("explain", None)
+        if d.get("block_value") is None:
+            d.pop("block_value", None)  # energy plans digest as before the field existed
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     def compute_digest(self) -> str:

@@ -136,6 +136,9 @@ def make_plan(
     requested_dtype: str | None = None,
     source: dict | None = None,
     base_digests: dict[str, str] | None = None,
+    value: str = "energy",
+    sensitivity: dict[str, np.ndarray] | None = None,
+    calibration: str | None = None,
 ) -> Plan:
     """Plan a merge of ``experts`` into ``base``.
 
@@ -157,6 +160,13 @@ def make_plan(
             asking for the dtype it already has plans (and digests) like one that does not ask.
         requested_dtype, source: recorded in the plan (not part of its digest): the compute dtype a
             mergekit config asked for (mergepipe always computes in float32) and the config file.
+        value: the block value the selection maximises per byte: ``"energy"`` (``w²`` times the
+            task-vector energy the method keeps in the block) or ``"fisher"`` (that energy times
+            the block's mean diagonal Fisher of the base, ``sensitivity``; see
+            :mod:`mergepipe.catalog.sensitivity`). With ``fisher``, ``retained_energy`` and
+            ``fidelity`` are shares of the Fisher-weighted energy.
+        sensitivity: ``{tensor: float64[n_blocks]}`` block-mean Fisher (for ``value="fisher"``).
+        calibration: the calibration set's digest, recorded in the plan (part of its digest).
 
     Raises:
         InputError: bad parameters, negative budget, fidelity outside (0, 1].
@@ -169,6 +179,16 @@ def make_plan(
         raise InputError(f"--budget {budget_bytes} is negative; give bytes like 512MiB or a percentage like 25%.")
     if fidelity is not None and not (0.0 < fidelity <= 1.0):
         raise InputError(f"--fidelity {fidelity} is outside (0, 1]; e.g. --fidelity 0.99.")
+    if value not in ("energy", "fisher"):
+        raise InputError(f"--value {value!r}: use 'energy' or 'fisher'.")
+    if value == "fisher" and (sensitivity is None or not calibration):
+        raise InputError("--value fisher needs the base's sensitivity on a calibration set; pass --calibration FILE.jsonl.")
+    f_floor = 0.0
+    if value == "fisher":
+        # blocks the calibration text never exercised (F = 0, e.g. unseen token rows) keep a
+        # tiny value: read last, and always at unlimited budget (the output must not change)
+        allf = np.concatenate([np.asarray(v, dtype=np.float64) for v in sensitivity.values()]) if sensitivity else np.zeros(1)
+        f_floor = 1e-6 * float(allf.mean()) if allf.size and allf.mean() > 0 else 1e-30
     spec = get_method(method)
     params = resolved or resolve_params(method, dict(global_params or {}),
                                         [dict(p) for p in (expert_params or [{}] * K)])
@@ -240,20 +260,26 @@ def make_plan(
                 if rescale and dens < 1.0:
                     # below-threshold blocks still count in the L1 norm the rescale matches
                     kept = np.where((kept <= 0) & (st.sq_norm > 0), 1e-12 * st.sq_norm, kept)
-                value = kept * w2
+                val = kept * w2
             else:
                 c2 = coefs[i] ** 2
                 if row_stats:
                     c2 = max(c2, 1e-12)  # an estimate: the engine computes the per-row coefficient
-                value = st.sq_norm * c2
+                val = st.sq_norm * c2
+            if value == "fisher":
+                fb = sensitivity.get(name) if sensitivity else None
+                if fb is None or len(fb) != len(val):
+                    raise InputError(f"catalog: the sensitivity statistic lacks tensor {name!r} on this block grid; "
+                                     "re-run `mergepipe analyze --calibration ...`.")
+                val = val * (np.asarray(fb, dtype=np.float64) + f_floor)
             et = e.layout.tensors[name]
             cost = (np.minimum((np.arange(st.n_blocks) + 1) * rpb, et.rows) - np.arange(st.n_blocks) * rpb) * et.row_bytes
-            cands.append(_Cand(ti, i, value, value.copy(), cost.astype(np.int64), passes))
+            cands.append(_Cand(ti, i, val, val.copy(), cost.astype(np.int64), passes))
             tp.experts.append(
                 TensorExpert(expert=i, file=et.file, start=et.start, weight=weights[i] if weights else 1.0,
                              density=dens, gamma=float(ep.get("gamma", 0.0)), epsilon=float(ep.get("epsilon", 0.0)),
                              min_key=int(mk), max_key=int(xk), stream_key=stream_key(seed, i, name), blocks=[],
-                             bytes=0, kept_energy=0.0, full_energy=float(value.sum()))
+                             bytes=0, kept_energy=0.0, full_energy=float(val.sum()))
             )
 
     # --- selection -------------------------------------------------------------------------
@@ -377,6 +403,7 @@ def make_plan(
         index_metadata=base.layout.index_metadata,
         out_dtype=out_dtype if any(tp.out_dtype for tp in tensors) else None,
         n_layers=n_layers,
+        block_value={"kind": "fisher", "calibration": calibration} if value == "fisher" else None,
         requested_dtype=requested_dtype,
         source=dict(source or {}),
         created_at=time.time(),

@@ -1,0 +1,186 @@
+"""The base's Fisher sensitivity in the catalog and the planner's ``fisher`` block value, on a
+real (tiny, randomly initialised) transformers Llama with a real BPE tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from mergepipe.catalog.catalog import Catalog  # noqa: E402
+from mergepipe.catalog.sensitivity import load_calibration  # noqa: E402
+from mergepipe.errors import InputError  # noqa: E402
+from mergepipe.formats.safetensors import rows_per_block  # noqa: E402
+from mergepipe.pipeline import build_plan, register_and_analyze  # noqa: E402
+from mergepipe.storage.base import IOCounters  # noqa: E402
+from mergepipe.storage.local import LocalStorage  # noqa: E402
+
+TEXT = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n# the value of f{i} grows with x" for i in range(200)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("sens")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(
+        TEXT,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<pad>", "<s>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        bos_token_id=1,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    paths = {}
+    for name, scale in (("base", 0.0), ("e1", 0.01), ("e2", 0.02)):
+        m = LlamaForCausalLM(cfg)
+        m.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(scale * torch.randn_like(p))
+        d = root / name
+        m.save_pretrained(d, max_shard_size="40KB")
+        tok.save(str(d / "tokenizer.json"))
+        paths[name] = d
+    cal = root / "cal.jsonl"
+    cal.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXT[:60]))
+    cal2 = root / "cal2.jsonl"
+    cal2.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXT[100:160]))
+    return paths, cal, cal2, model, tok
+
+
+def _direct_fisher(model, tok, texts, seq_len, max_seq, name):
+    ids = []
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
+        ids.extend(enc.ids + [2])
+    n = min(len(ids) // seq_len, max_seq)
+    x = torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+    p = dict(model.named_parameters())[name]
+    acc = torch.zeros_like(p, dtype=torch.float64)
+    for i in range(n):
+        model.zero_grad()
+        model(input_ids=x[i : i + 1], labels=x[i : i + 1]).loss.backward()
+        acc += p.grad.double() ** 2
+    return acc / n
+
+
+@pytest.mark.slow
+def test_fisher_recorded_once_and_matches_a_direct_computation(tiny, tmp_path, monkeypatch):
+    paths, cal, cal2, model, tok = tiny
+    st = LocalStorage(IOCounters())
+    cat = Catalog(tmp_path / "c.sqlite")
+    bb = 4096
+    base, _recs, _ = register_and_analyze(
+        cat, st, str(paths["base"]), [str(paths["e1"]), str(paths["e2"])], bb, calibration=str(cal)
+    )
+    c = load_calibration(st, str(cal))
+    f = cat.find_sensitivity(base.identity, c.digest, bb)
+    assert f is not None and set(f) == {n for n, _ in model.named_parameters()}
+    name = "model.layers.1.mlp.down_proj.weight"
+    bt = base.layout.tensors[name]
+    want = _direct_fisher(model, tok, TEXT[:60], c.seq_len, c.max_sequences, name).reshape(bt.rows, -1)
+    rpb = rows_per_block(bt, bb)
+    blocks = [want[i : i + rpb].mean().item() for i in range(0, bt.rows, rpb)]
+    np.testing.assert_allclose(f[name], blocks, rtol=1e-4)
+    assert (f[name] > 0).all()
+
+    # cached: a second analyze (and a plan) do not compute it again
+    import mergepipe.catalog.sensitivity as sens
+
+    monkeypatch.setattr(sens, "compute_fisher", lambda *a, **k: pytest.fail("Fisher recomputed"))
+    register_and_analyze(cat, st, str(paths["base"]), [str(paths["e1"])], bb, calibration=str(cal))
+    experts = [("e1", str(paths["e1"])), ("e2", str(paths["e2"]))]
+    pf = build_plan(
+        cat,
+        st,
+        str(paths["base"]),
+        experts,
+        "ties",
+        ["density=0.5"],
+        budget="30%",
+        block_bytes=bb,
+        value="fisher",
+        calibration=str(cal),
+    )
+    pe = build_plan(cat, st, str(paths["base"]), experts, "ties", ["density=0.5"], budget="30%", block_bytes=bb)
+    assert pf.block_value == {"kind": "fisher", "calibration": c.digest}
+    assert pe.block_value is None and pf.digest != pe.digest
+    assert pf.io.expert_read_bytes <= pf.budget_bytes
+    # the calibration set's identity is part of the key: other text, another statistic
+    monkeypatch.undo()
+    pf2 = build_plan(
+        cat,
+        st,
+        str(paths["base"]),
+        experts,
+        "ties",
+        ["density=0.5"],
+        budget="30%",
+        block_bytes=bb,
+        value="fisher",
+        calibration=str(cal2),
+    )
+    c2 = load_calibration(st, str(cal2))
+    assert c2.digest != c.digest and pf2.block_value["calibration"] == c2.digest
+    assert cat.find_sensitivity(base.identity, c2.digest, bb) is not None
+
+
+def test_calibration_errors(tiny, tmp_path):
+    paths, _, _, _, _ = tiny
+    st = LocalStorage(IOCounters())
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n[1, 2]\n')
+    with pytest.raises(InputError, match="line 2"):
+        load_calibration(st, str(bad))
+    with pytest.raises(InputError, match="cannot read"):
+        load_calibration(st, str(tmp_path / "missing.jsonl"))
+    cat = Catalog(tmp_path / "c.sqlite")
+    with pytest.raises(InputError, match="--calibration"):
+        build_plan(cat, st, str(paths["base"]), [("e1", str(paths["e1"]))], "ties", ["density=0.5"], value="fisher")
+
+
+def test_cli_value_fisher_without_calibration_exits_2(tiny, tmp_path, monkeypatch, capsys):
+    from tests.conftest import run_cli
+
+    paths, _, _, _, _ = tiny
+    code, out, err = run_cli(
+        [
+            "plan",
+            "--base",
+            str(paths["base"]),
+            "--expert",
+            str(paths["e1"]),
+            "--method",
+            "ties",
+            "--value",
+            "fisher",
+            "--catalog",
+            str(tmp_path / "c.sqlite"),
+        ],
+        monkeypatch,
+        capsys,
+    )
+    assert code == 2 and "--calibration" in err and out == ""
