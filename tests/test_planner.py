@@ -239,3 +239,43 @@ def test_fisher_value_needs_its_statistic(analyzed):
         make_plan(b, es, an, "ties", {"density": 0.5}, value="curvature")
     with pytest.raises(InputError, match="lacks tensor"):
         make_plan(b, es, an, "ties", {"density": 0.5}, value="fisher", sensitivity={"x": [1.0]}, calibration="c")
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), gap_blocks=st.sampled_from([0, 1, 3]), passes=st.lists(st.sampled_from([1, 2]), min_size=1,
+                                                                               max_size=4))
+def test_selection_is_gap_closed_exact_and_spends_the_budget(data, gap_blocks, passes):
+    """_select: the selection is closed under the storage's gap rule, so its coalesced cost (per
+    expert and tensor, as the engine reads) is exactly its blocks' bytes and within the budget;
+    and no unselected valuable block would still fit (with the gap blocks taking it bridges)."""
+    import numpy as np
+
+    from mergepipe.planner.planner import _gap_closure, _select
+    from mergepipe.storage.base import coalesce
+
+    block = 100
+    lens = [data.draw(st.integers(1, 12)) for _ in passes]
+    cost1 = np.concatenate([[block] * (n - 1) + [data.draw(st.integers(1, block))] for n in lens]).astype(np.int64)
+    costs = cost1 * np.repeat(passes, lens)
+    cand_of = np.repeat(np.arange(len(lens)), lens)
+    values = np.array(data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0, 7.0, 30.0]), min_size=len(cost1),
+                                         max_size=len(cost1))))
+    budget = data.draw(st.integers(0, int(costs.sum()) + 50))
+    gap = gap_blocks * block
+    sel = _select(values, costs, cost1, cand_of, gap, budget, None)
+    cum = np.concatenate([[0], np.cumsum(cost1)])
+    assert np.array_equal(_gap_closure(sel, cand_of, cum, gap), sel)
+    spent = int(costs[sel].sum())
+    assert spent <= budget
+    off = 0
+    coalesced = 0
+    for c, n in enumerate(lens):
+        s = sel[off:off + n]
+        rng = [(int(cum[off + i]), int(cum[off + i + 1])) for i in np.flatnonzero(s)]
+        coalesced += passes[c] * sum(e - a for a, e in coalesce(rng, gap))
+        off += n
+    assert coalesced == spent
+    for j in np.flatnonzero(~sel & (values > 0)):
+        more = sel.copy()
+        more[j] = True
+        assert int(costs[_gap_closure(more, cand_of, cum, gap)].sum()) > budget, "a valuable block still fits"

@@ -51,14 +51,15 @@ def test_s3_to_s3_merge_is_bit_identical_to_local(s3_family, tmp_path):
                        budget=budget, catalog=cat, storage=st)
         if budget is None:  # same selection: same bytes
             assert remote.manifest["outputs"] == local.manifest["outputs"]
-        # under a budget the S3 plan costs coalesced gaps (1 MiB), so it may select other blocks
+        # under a budget the S3 plan may close gaps (1 MiB rule) and so select other blocks
         assert remote.manifest["snapshot_id"] != "" and remote.manifest["files_prefix"].startswith("runs/")
         io = remote.manifest["io"]
         assert io["realized"]["expert_read_bytes"] <= io["estimated"]["expert_read_bytes"]
         if budget:
             assert io["estimated"]["expert_read_bytes"] <= io["expert_budget_bytes"]
         assert verify_obj(st, f"s3://{bucket}/snapshots/m-{budget}")["ok"]
-        assert remote.plan.coalesce_gap == st.s3.max_gap  # plan costs use S3's coalescing
+        assert 0 <= remote.plan.coalesce_gap <= st.s3.max_gap  # at most S3's coalescing gap
+        assert io["realized"]["expert_read_bytes"] == io["estimated"]["expert_read_bytes"]
 
 
 def test_merge_through_faulty_network_is_identical(s3_family, seaweed, tmp_path):

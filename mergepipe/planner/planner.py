@@ -7,8 +7,15 @@ needs) being at most the budget. This is a knapsack; blocks are small and near-u
 so the greedy order by value per byte (Dantzig's bound) is within one block of optimal.
 
 Guarantee: ``plan.io.expert_read_bytes`` is computed with :func:`mergepipe.storage.base.coalesce`
-over the exact byte ranges the engine requests, so realized expert bytes <= planned <= budget
-(the engine only ever issues subsets of these ranges, see :mod:`mergepipe.engine`).
+over the exact byte ranges the engine requests (per expert and tensor: the engine never coalesces
+across tensors), so realized expert bytes <= planned <= budget (the engine only ever issues
+subsets of these ranges, see :mod:`mergepipe.engine`). On object storage, ranges whose gap is at
+most the storage's ``max_gap`` are fetched in one request and the gap bytes are paid for; a
+selection is therefore *closed under the gap rule* (:func:`_gap_closure`: the blocks inside a
+bridged gap are selected and merged, not read and dropped), which makes its cost exactly its
+blocks' bytes and realized == planned on every storage. The plan uses the largest gap (the
+storage's, halved down to one block, or 0) whose selection keeps within ``GAP_TOLERANCE`` of the
+value and bytes of exact reads (:func:`_select_gap`), and records it as ``coalesce_gap``.
 
 Blocks whose every entry falls below the trim threshold (``max|δ|`` key below it) or whose
 task vector is zero carry no value and are never read, even at unlimited budget: the output is
@@ -151,7 +158,8 @@ def make_plan(
             With both, the plan stops at whichever comes first.
         work_bytes: engine working-memory target (bytes) that fixes chunking (semantic:
             it decides whether a tensor needs a second pass).
-        coalesce_gap: gap (bytes) under which the storage merges ranges; the cost model.
+        coalesce_gap: gap (bytes) under which the storage merges ranges (its ``max_gap``); the
+            plan records the gap it chose, at most this (see the module docstring).
         gram: ``{(i, j): {tensor: ⟨δᵢ,δⱼ⟩}}`` from :meth:`Catalog.pair_dots` (model_stock, nuslerp).
         resolved: already validated parameter settings (instead of ``global_params`` /
             ``expert_params``; the config loader passes these with its key paths for messages).
@@ -285,9 +293,12 @@ def make_plan(
     # --- selection -------------------------------------------------------------------------
     if cands:
         values = np.concatenate([c.value for c in cands])
-        costs = np.concatenate([c.cost * c.passes for c in cands])
+        cost1 = np.concatenate([c.cost for c in cands]).astype(np.int64)
+        costs = np.concatenate([c.cost * c.passes for c in cands]).astype(np.int64)
+        cand_of = np.repeat(np.arange(len(cands)), [len(c.value) for c in cands])
     else:
-        values = costs = np.zeros(0, dtype=np.int64)
+        values = np.zeros(0)
+        cost1 = costs = cand_of = np.zeros(0, dtype=np.int64)
     offs = np.cumsum([0] + [len(c.value) for c in cands])
 
     def picked(sel: np.ndarray, j: int) -> np.ndarray:
@@ -295,60 +306,27 @@ def make_plan(
         return np.nonzero(sel[offs[j] : offs[j + 1]])[0]
 
     total_value = float(values.sum())
-    useful = np.nonzero(values > 0)[0]
-    order = useful[np.lexsort((useful, -(values[useful] / np.maximum(costs[useful], 1))))]
-    selected = np.zeros(len(values), dtype=bool)
-    if budget_bytes is None and fidelity is None:
-        selected[order] = True
-    else:
-        take = order
-        if fidelity is not None and total_value > 0:
-            cumv = np.cumsum(values[order])
-            n = int(np.searchsorted(cumv, fidelity * total_value * (1 - 1e-12), side="left")) + 1
-            take = order[: min(n, len(order))]
-        if budget_bytes is not None:
-            cumc = np.cumsum(costs[take])
-            n = int(np.searchsorted(cumc, budget_bytes, side="right"))
-            chosen = list(take[:n])
-            room = budget_bytes - (int(cumc[n - 1]) if n else 0)
-            for j in take[n:]:  # fill the remainder with blocks that still fit (smaller ones)
-                if room <= 0:
-                    break
-                if costs[j] <= room:
-                    chosen.append(j)
-                    room -= int(costs[j])
-            take = np.array(chosen, dtype=np.int64)
-        selected[take] = True
+    selected, coalesce_gap = _select_gap(values, costs, cost1, cand_of, coalesce_gap, budget_bytes, fidelity)
 
-    def plan_cost(sel: np.ndarray) -> tuple[int, dict]:
-        """Coalesced expert bytes of a selection: per expert file, ranges of all passes."""
-        per_file: dict[tuple[int, str], list] = {}
-        twice: dict[tuple[int, str], list] = {}
+    def plan_cost(sel: np.ndarray) -> int:
+        """Expert bytes of a selection as the engine reads them: per expert and tensor, the
+        selected block runs coalesced under the plan's gap (the engine never coalesces across
+        tensors), times the tensor's passes."""
+        total = 0
         for j, c in enumerate(cands):
             idx = picked(sel, j)
             if len(idx) == 0:
                 continue
-            bt = infos[c.tensor]
-            et = experts[c.expert].layout.tensors[bt.name]
+            et = experts[c.expert].layout.tensors[infos[c.tensor].name]
             rng = block_byte_ranges(et, tensors[c.tensor].rows_per_block, _runs(idx))
-            per_file.setdefault((c.expert, et.file), []).extend(rng)
-            if c.passes == 2:
-                twice.setdefault((c.expert, et.file), []).extend(rng)
-        total = 0
-        for d in (per_file, twice):
-            for rngs in d.values():
-                total += sum(e - s for s, e in coalesce(rngs, coalesce_gap, DEFAULT_MAX_REQUEST))
-        return total, per_file
+            total += c.passes * sum(e - s for s, e in coalesce(rng, coalesce_gap, DEFAULT_MAX_REQUEST))
+        return total
 
-    cost, _ = plan_cost(selected)
-    if budget_bytes is not None and cost > budget_bytes:
-        # coalescing gaps cost bytes: drop the least valuable selected blocks until it fits
-        sel_order = [j for j in order if selected[j]][::-1]
-        for j in sel_order:
-            selected[j] = False
-            cost, _ = plan_cost(selected)
-            if cost <= budget_bytes:
-                break
+    expert_read = plan_cost(selected)
+    if expert_read != int(costs[selected].sum()) or (budget_bytes is not None and expert_read > budget_bytes):
+        raise RuntimeError(  # a defect in _select, never bad input
+            f"planner: selection costs {expert_read} B coalesced vs {int(costs[selected].sum())} B by blocks "
+            f"(budget {budget_bytes}); please report this.")
 
     # --- assemble --------------------------------------------------------------------------
     for j, c in enumerate(cands):
@@ -367,7 +345,6 @@ def make_plan(
         else:
             tp.copy_base = not tp.experts and identity_on_zero_delta(spec, tp.weight_sum, tp.params)
         tp.explain = _explain_tensor(tp, spec, [e for e in (expert_names or [])])
-    expert_read, _ = plan_cost(selected)
     retained = float(values[selected].sum()) / total_value if total_value > 0 else 1.0
 
     base_read = 0
@@ -413,6 +390,158 @@ def make_plan(
     plan.mergepipe_version = __version__
     plan.explain = _explain_plan(plan, time.perf_counter() - t0)
     return plan.seal()
+
+
+def _gap_closure(sel: np.ndarray, cand_of: np.ndarray, cum: np.ndarray, gap: int) -> np.ndarray:
+    """``sel`` plus every unselected block lying in a gap the storage bridges: between two
+    selected blocks ``a < b`` of the same candidate (expert, tensor) whose gap
+    ``cum[b] − cum[a+1]`` bytes is at most ``gap`` (:func:`mergepipe.storage.base.coalesce` reads
+    those bytes anyway, so the plan takes and uses the blocks in them). Idempotent; monotone
+    (a superset's closure contains the closure). ``cum`` is the exclusive prefix sum of one-pass
+    block bytes over the flattened blocks (a candidate's blocks are contiguous in its file)."""
+    if gap <= 0:  # a gap is at least one whole block of bytes
+        return sel
+    idx = np.flatnonzero(sel)
+    if len(idx) < 2:
+        return sel
+    a, b = idx[:-1], idx[1:]
+    br = (cand_of[a] == cand_of[b]) & (b - a > 1) & (cum[b] - cum[a + 1] <= gap)
+    if not br.any():
+        return sel
+    d = np.zeros(len(sel) + 1, dtype=np.int64)
+    d[a[br] + 1] += 1  # the bridged gaps [a+1, b) are disjoint: no index repeats within one side
+    d[b[br]] -= 1
+    return sel | (np.cumsum(d[:-1]) > 0)
+
+
+def _select(values: np.ndarray, costs: np.ndarray, cost1: np.ndarray, cand_of: np.ndarray, gap: int,
+            budget: int | None, fidelity: float | None) -> np.ndarray:
+    """Greedy knapsack over flattened (expert, tensor, block) candidates.
+
+    Args:
+        values: float64 ``(n,)`` block values (retained energy); costs: int64 ``(n,)`` bytes of a
+            block over all its passes; cost1: int64 ``(n,)`` bytes of one pass; cand_of: int
+            ``(n,)`` candidate (expert, tensor) of each block, blocks of one candidate
+            contiguous and in file order; gap: the storage's coalescing gap (bytes);
+            budget: expert-read bytes (None: unlimited); fidelity: share of the total value to
+            reach (None: off).
+
+    Returns:
+        bool ``(n,)``: the selection, closed under the gap rule (:func:`_gap_closure`), so its
+        coalesced read cost is exactly ``costs[sel].sum()`` (<= ``budget``) whatever reads the
+        engine groups the runs into, and no bridged byte is read without being merged.
+
+    Blocks are taken in order of value per byte (ties by position); under a budget the longest
+    prefix of that order whose closure fits is taken, then later blocks that still fit (with the
+    gap blocks their taking bridges) fill the remainder. With ``gap = 0`` (local storage) closure
+    is the identity and this is the plain greedy of Dantzig's bound.
+    """
+    n_all = len(values)
+    selected = np.zeros(n_all, dtype=bool)
+    useful = np.nonzero(values > 0)[0]
+    order = useful[np.lexsort((useful, -(values[useful] / np.maximum(costs[useful], 1))))]
+    if budget is None and fidelity is None:
+        selected[order] = True
+        return _gap_closure(selected, cand_of, np.concatenate([[0], np.cumsum(cost1)]), gap)
+    cum = np.concatenate([[0], np.cumsum(cost1)])
+    bridges = gap > 0 and n_all > 0 and int(cost1.min(initial=gap + 1)) <= gap
+
+    def prefix(take: np.ndarray, n: int) -> np.ndarray:
+        s = np.zeros(n_all, dtype=bool)
+        s[take[:n]] = True
+        return _gap_closure(s, cand_of, cum, gap)
+
+    def first_true(lo: int, hi: int, pred) -> int:
+        """Smallest n in [lo, hi] with pred(n) (pred monotone false→true; hi if none)."""
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if pred(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    take = order
+    total = float(values.sum())
+    if fidelity is not None and total > 0:
+        target = fidelity * total * (1 - 1e-12)
+        if bridges:
+            n = first_true(1, len(order), lambda m: float(values[prefix(order, m)].sum()) >= target)
+        else:
+            cumv = np.cumsum(values[order])
+            n = int(np.searchsorted(cumv, target, side="left")) + 1
+        take = order[: min(n, len(order))]
+    if budget is None:
+        return prefix(take, len(take))
+    if bridges:
+        n = first_true(0, len(take), lambda m: int(costs[prefix(take, m + 1)].sum()) > budget) if len(take) else 0
+    else:
+        n = int(np.searchsorted(np.cumsum(costs[take]), budget, side="right"))
+    selected = prefix(take, n)
+    room = budget - int(costs[selected].sum())
+    rest = take[n:]
+    min_cost = int(costs[rest].min()) if len(rest) else 0
+    for j in rest:  # fill the remainder with blocks that still fit (smaller ones, or fewer gap blocks)
+        if room < min_cost or room <= 0:
+            break
+        if selected[j]:
+            continue
+        lo = hi = j
+        if bridges:  # gap blocks to the nearest selected block of the same candidate on each side
+            k = j - 1
+            while k >= 0 and cand_of[k] == cand_of[j]:
+                if selected[k]:  # the gap [k+1, j) is within the rule (checked below)
+                    lo = k + 1
+                    break
+                if cum[j] - cum[k] > gap:  # block k joins the gap, which is now too long
+                    break
+                k -= 1
+            k = j + 1
+            while k < n_all and cand_of[k] == cand_of[j]:
+                if selected[k]:
+                    hi = k - 1
+                    break
+                if cum[k + 1] - cum[j + 1] > gap:
+                    break
+                k += 1
+        inc = int(costs[lo : hi + 1].sum())
+        if inc <= room:
+            selected[lo : hi + 1] = True
+            room -= inc
+    return selected
+
+
+
+#: A plan reads with the storage's coalescing gap (fewer, larger requests) only when closing
+#: gaps costs at most this share of the value (or adds at most this share of bytes) compared with
+#: exact reads (gap 0); otherwise with a smaller gap, down to 0.
+GAP_TOLERANCE = 0.01
+
+
+def _select_gap(values: np.ndarray, costs: np.ndarray, cost1: np.ndarray, cand_of: np.ndarray, gap: int,
+                budget: int | None, fidelity: float | None) -> tuple[np.ndarray, int]:
+    """:func:`_select` with the largest coalescing gap among ``gap, gap/2, gap/4, …`` (down to
+    one block) and 0 whose selection keeps at least ``1 − GAP_TOLERANCE`` of the value of the
+    exact-read selection (gap 0) and reads at most ``1 + GAP_TOLERANCE`` times its bytes.
+
+    Bridging a gap buys the blocks in it: worth it where they are nearly as valuable as the
+    blocks the budget would buy instead (smooth task vectors), not where value is scattered
+    block by block. Returns (selection, gap in bytes the plan records and the engine reads with).
+    """
+    sel0 = _select(values, costs, cost1, cand_of, 0, budget, fidelity)
+    if gap <= 0 or len(values) == 0:
+        return sel0, 0
+    v0, b0 = float(values[sel0].sum()), int(costs[sel0].sum())
+    inner = np.zeros(len(cost1), dtype=bool)  # a bridged gap holds blocks strictly inside a candidate
+    inner[1:-1] = (cand_of[:-2] == cand_of[1:-1]) & (cand_of[1:-1] == cand_of[2:])
+    smallest = int(cost1[inner].min(initial=gap + 1))  # a smaller gap bridges nothing: it is gap 0
+    g = gap
+    while g >= smallest:
+        sel = _select(values, costs, cost1, cand_of, g, budget, fidelity)
+        if float(values[sel].sum()) >= (1 - GAP_TOLERANCE) * v0 and int(costs[sel].sum()) <= (1 + GAP_TOLERANCE) * b0:
+            return sel, g
+        g //= 2
+    return sel0, 0
 
 
 def _content_digest(a: Analysis) -> str:
