@@ -11,7 +11,10 @@ Three definitions here are mergepipe's canonical, device-independent semantics:
   task vectors tie massively), mergekit's ``argsort`` keeps an unspecified subset. mergepipe
   keeps *all* tied entries when that lands nearer to ``k`` than keeping none, else none (a tie
   in distance keeps them). The decision needs only the key histogram, so the catalog fixes it
-  at analyze time and block-wise execution reproduces a dense whole-tensor merge exactly.
+  at analyze time and block-wise execution reproduces a dense whole-tensor merge exactly. This is
+  the rule for bf16 inputs; for float16/float32 inputs TIES keeps exact top-k of the float32
+  magnitudes (:func:`trim_rank` locates the threshold key group, :func:`exact_shrink` the float32
+  threshold inside it; the same tie rule applies to exactly equal values only).
 * **DARE random stream** (:func:`dare_keep_mask`): element ``j`` of expert ``i``'s task vector
   in tensor ``t`` is kept iff ``splitmix64(key(seed, i, t) + j) < density * 2**64`` — a
   counter-based stream, so any block can be drawn without drawing the ones before it.
@@ -106,6 +109,57 @@ def trim_min_key(keys: np.ndarray, counts: np.ndarray, numel: int, density: floa
         return 1  # zeros contribute nothing; keep all non-zero entries
     inclusive = (above + ties - k) <= (k - above)
     return tau if inclusive else tau + 1
+
+
+def trim_rank(keys: np.ndarray, counts: np.ndarray, numel: int, density: float) -> tuple[int, int, int]:
+    """Where the ``k = max(1, int(density * numel))`` largest magnitudes end, by key histogram.
+
+    Returns:
+        ``(tau, rank, ties)``: ``tau`` the key of the k-th largest entry, ``ties`` how many entries
+        have key ``tau`` and ``rank = k − (entries with key > tau)``, in ``[1, ties]``: how many of
+        the ``tau`` group exact top-k keeps. ``(0, 0, 0)`` when nothing is trimmed
+        (``density >= 1``, empty) and ``tau = 0`` when the k-th largest is 0.
+    """
+    if density >= 1.0 or numel == 0 or len(keys) == 0:
+        return 0, 0, 0
+    k = max(1, int(density * numel))
+    order = np.argsort(keys)[::-1]
+    ks = np.asarray(keys)[order]
+    cs = np.asarray(counts, dtype=np.int64)[order]
+    cum = np.cumsum(cs)
+    i = int(np.searchsorted(cum, k, side="left"))
+    if i >= len(ks):
+        return 0, 0, 0
+    return int(ks[i]), int(k - (cum[i] - cs[i])), int(cs[i])
+
+
+def exact_shrink(group: np.ndarray, rank: int) -> float | None:
+    """The float32 ``λ`` of an exact magnitude trim inside one key group: keep ``|δ| > λ``.
+
+    Args:
+        group: float32 ``|δ|`` of the entries of one task vector whose magnitude key is the
+            threshold key ``tau`` (any order), as read.
+        rank: how many of them exact top-k keeps (:func:`trim_rank`).
+
+    Returns:
+        With ``v`` the ``rank``-th largest of ``group``, ``a`` the count above ``v`` and ``t`` the
+        count equal to it: ``λ`` just below ``v`` (the equal values kept) when ``a + t − rank <=
+        rank − a`` (the canonical tie rule, on exactly equal values only), else ``v``. None when
+        ``group`` has at most ``rank`` entries (keep the whole group: the key rule).
+
+    Entries with a larger key are larger than every group value and entries with a smaller key
+    smaller, so ``|δ| > λ`` is exactly the top-k set of the whole task vector (ties broken as
+    above) when every entry of the group is present.
+    """
+    g = np.asarray(group, dtype=np.float32)
+    if len(g) <= rank:
+        return None
+    v = np.partition(g, len(g) - rank)[len(g) - rank]  # the rank-th largest
+    above = int((g > v).sum())
+    ties = int((g == v).sum())
+    if above + ties - rank <= rank - above:
+        return float(np.nextafter(v, np.float32(0)))
+    return float(v)
 
 
 def histogram(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

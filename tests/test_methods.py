@@ -75,16 +75,56 @@ def test_engine_equals_dense_reference(family, tmp_path, method, params, n):
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_other_dtypes_equal_reference(tmp_path, dtype):
+    """float16/float32 TIES trims by exact top-k of the stored magnitudes: the engine (threshold
+    group from the key histogram, float32 threshold inside it; in one chunk, or with a pre-pass
+    over many chunks, with and without the L1 rescale pre-pass) equals the dense sort."""
     from tests.synth import make_family
 
     base, experts = make_family(tmp_path / "m", 2, seed=3, dtype=dtype)
-    for method, params in [("ties", ["density=0.4"]), ("dare_ties", ["density=0.5"])]:
-        res = merge(str(base), [(e.name, str(e)) for e in experts], method, str(tmp_path / f"out-{method}"), params,
-                    catalog=Catalog(tmp_path / "c.sqlite"))
+    n_exact = 0
+    for i, (method, params, work) in enumerate([
+            ("ties", ["density=0.4"], None), ("dare_ties", ["density=0.5"], None),
+            ("ties", ["density=0.3", "expert1:density=0.6"], 16 * 1024),
+            ("ties", ["density=0.5", "rescale=true"], 16 * 1024), ("ties", ["density=0.5", "rescale=true"], None)]):
+        kw = {"work_bytes": work, "block_bytes": 1024} if work else {}
+        res = merge(str(base), [(e.name, str(e)) for e in experts], method, str(tmp_path / f"out-{i}"), params,
+                    catalog=Catalog(tmp_path / "c.sqlite"), **kw)
         got = merged_tensors(res.out)
         ref = merge_checkpoint_dense(str(base), [str(e) for e in experts],
                                      _resolved(method, params, [e.name for e in experts]))
-        assert all(same_bits(got[n], ref[n]) for n in ref)
+        bad = [n for n in ref if not same_bits(got[n], ref[n])]
+        assert not bad, (method, params, work, bad[:3])
+        exact = [te for tp in res.plan.tensors for te in tp.experts if te.exact_rank]
+        n_exact += len(exact)
+        if work and method == "ties":  # several chunks: the threshold pre-pass is planned and counted
+            assert any(tp.passes == (3 if "rescale=true" in params else 2) and tp.derived.get("threshold_pass")
+                       for tp in res.plan.tensors)
+    assert n_exact > 0  # the key rule would have cut threshold groups here
+
+
+def test_exact_trim_keeps_exactly_k_unless_values_are_equal():
+    """reference_topk_mask and the engine's rule: exactly k entries of float32 magnitudes without
+    equal values; equal values are kept or dropped together (canonical tie rule)."""
+    import numpy as np
+
+    from mergepipe.methods.reference import reference_topk_mask
+    from mergepipe.numerics import exact_shrink, histogram, magnitude_keys, trim_rank
+
+    g = torch.Generator().manual_seed(0)
+    d = torch.randn(100_000, generator=g) * 1e-3
+    for dens in (0.1, 0.37, 0.5, 0.9):
+        m = reference_topk_mask(d, dens)
+        assert int(m.sum()) == int(dens * d.numel())
+        keys = magnitude_keys(d.numpy())
+        tau, rank, ties = trim_rank(*histogram(keys), d.numel(), dens)
+        assert 1 <= rank < ties  # the key rule would keep or drop a whole group here
+        lam = exact_shrink(np.abs(d.numpy())[keys == tau], rank)
+        assert torch.equal(torch.nn.functional.hardshrink(d, lam) != 0, m)
+    # equal values: 4 entries of the same magnitude straddle k = 5 of 10 -> A = 3, T = 4: keep all 4 (7 kept)
+    # since |7 - 5| = 2 > |3 - 5| = 2 is false (a tie in distance keeps them)
+    v = torch.tensor([9.0, 8.0, 7.0, 5.0, -5.0, 5.0, 5.0, 1.0, 0.5, 0.25])
+    assert int(reference_topk_mask(v, 0.5).sum()) == 7
+    assert int(reference_topk_mask(v, 0.4).sum()) == 3  # k = 4: |7-4| = 3 > |3-4| = 1: drop the group
 
 
 CHUNKED = [("dare_ties", ["density=0.4"], 3), ("ties", ["density=0.5", "rescale=true"], 3),

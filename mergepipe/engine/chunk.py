@@ -24,6 +24,7 @@ from mergepipe.methods.kernels import (
     filter_width,
     l1_row_sums,
     l1_rows,
+    magnitude_key_torch,
     model_stock_merge,
     nuslerp_merge,
     rescale_factor,
@@ -31,7 +32,7 @@ from mergepipe.methods.kernels import (
     slerp_merge,
     sparsify,
 )
-from mergepipe.numerics import decode
+from mergepipe.numerics import decode, exact_shrink
 from mergepipe.planner.plan import Plan
 
 
@@ -73,7 +74,24 @@ def _raw_tensor(raw, dtype: str):
         return torch.frombuffer(raw, dtype=_torch_dtype(dtype))
 
 
-def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev):
+def _group_values(d, tau: int):
+    """float32 numpy ``|δ|`` of the entries of ``d`` (float32 torch) whose magnitude key is ``tau``."""
+    a = d.abs()
+    return a[magnitude_key_torch(d) == tau].cpu().numpy()
+
+
+def _concat(parts):
+    import numpy as np
+
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+
+
+def _shrink_from(groups, tp, te):
+    """The exact threshold of ``te`` in ``tp`` from the values its ``threshold`` pre-pass gathered."""
+    return exact_shrink(_concat(groups.get((tp.name, te.expert), [])), te.exact_rank)
+
+
+def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None):
     """Elementwise merge of one row chunk, ``TILE_ELEMS`` elements at a time (see
     :func:`_elementwise`). Inputs stay in their storage dtype until a tile is widened to
     float32, so the chunk holds its raw bytes, the output and one tile's temporaries instead of
@@ -89,6 +107,22 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev):
     base_t = _raw_tensor(base_raw, tp.dtype).to(dev)
     eparts = []  # per expert: (params, [(elem0, elem1, raw view)])
     for te, parts in zip(tp.experts, exp):
+        runs = [
+            ((a - it.r0) * row_numel, (z - it.r0) * row_numel, _raw_tensor(buf, tp.dtype).to(dev))
+            for (a, z), buf in parts
+            if z > a
+        ]
+        shrink = None
+        if te.exact_rank:
+            if tp.derived.get("threshold_pass"):
+                shrink = _shrink_from(groups, tp, te)
+            else:  # the whole tensor is this chunk: its threshold group, a tile at a time
+                vals = []
+                for a, z, x in runs:
+                    for s in range(a, z, TILE_ELEMS):
+                        e = min(z, s + TILE_ELEMS)
+                        vals.append(_group_values(torch.sub(x[s - a : e - a], base_t[s:e].float()), te.min_key))
+                shrink = exact_shrink(_concat(vals), te.exact_rank)
         ep = ExpertTensorParams(
             weight=te.weight,
             density=te.density,
@@ -96,12 +130,8 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev):
             stream_key=te.stream_key,
             max_key=te.max_key,
             epsilon=te.epsilon,
+            shrink=shrink,
         )
-        runs = [
-            ((a - it.r0) * row_numel, (z - it.r0) * row_numel, _raw_tensor(buf, tp.dtype).to(dev))
-            for (a, z), buf in parts
-            if z > a
-        ]
         eparts.append((ep, runs))
     out = torch.empty(n, dtype=_torch_dtype(tp.out_dtype or tp.dtype), device=dev)
     ws = [ep.weight for ep, _ in eparts]
@@ -136,10 +166,13 @@ class L1Sums:
 
     all: dict[tuple[str, int], list[float]] = field(default_factory=dict)
     kept: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    #: per (tensor, expert index): float32 ``|δ|`` of the threshold key group (exact float16/
+    #: float32 TIES), gathered by ``threshold`` pre-pass items
+    groups: dict[tuple[str, int], list] = field(default_factory=dict)
 
 
 def merge_chunk(it: WorkItem, inputs: ChunkInputs, plan: Plan, spec, dev, l1: L1Sums):
-    """Merge one work item (kinds ``merge``, ``stats`` or ``convert``).
+    """Merge one work item (kinds ``merge``, ``stats``, ``threshold`` or ``convert``).
 
     Args:
         it: the item (rows ``[it.r0, it.r1)`` of ``it.tp``).
@@ -150,19 +183,19 @@ def merge_chunk(it: WorkItem, inputs: ChunkInputs, plan: Plan, spec, dev, l1: L1
 
     Returns:
         The output bytes of the rows (``bytes`` or a ``memoryview``) in ``tp.out_dtype or
-        tp.dtype``; None for ``stats`` items.
+        tp.dtype``; None for ``stats`` and ``threshold`` items.
     """
-    return _merge_chunk(it, inputs.base, inputs.experts, plan, spec, dev, l1.all, l1.kept)
+    return _merge_chunk(it, inputs.base, inputs.experts, plan, spec, dev, l1.all, l1.kept, l1.groups)
 
 
-def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept):
+def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept, groups=None):
     """Merge one row chunk; for ``stats`` items only accumulate L1 sums and return None. Uses
     only the plan's per-tensor parameters (``tp.params``, ``TensorExpert`` fields, ``tp.derived``)."""
     import torch
 
     tp = it.tp
     if it.kind == "merge" and _elementwise(tp, spec) and len(base_raw):
-        return _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev)
+        return _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups)
     b = torch.from_numpy(decode(base_raw, tp.dtype)).to(dev)
     if b.dtype != torch.float32:
         b = b.float()
@@ -196,9 +229,18 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept):
         dv = tp.derived
         coef = (dv["a"], dv["b"], dv["s"]) if "a" in dv else None
         return _encode(nuslerp_merge(b, d0, d1, coef, filter_width(tp.shape), t=dv["t"]), out_dtype)
+    if it.kind == "threshold":
+        for te, d, _ in present.values():
+            if te.exact_rank:
+                groups.setdefault((tp.name, te.expert), []).append(_group_values(d, te.min_key))
+        return None
     rescale = bool(tp.params.get("rescale")) and spec.kind == "gta" and spec.sparsify != "none"
     deltas, ws = [], []
     for te, d, _ in present.values():
+        shrink = None
+        if te.exact_rank:
+            shrink = (_shrink_from(groups, tp, te) if tp.derived.get("threshold_pass")
+                      else exact_shrink(_group_values(d, te.min_key), te.exact_rank))
         ep = ExpertTensorParams(
             weight=te.weight,
             density=te.density,
@@ -206,6 +248,7 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept):
             stream_key=te.stream_key,
             max_key=te.max_key,
             epsilon=te.epsilon,
+            shrink=shrink,
         )
         kept = sparsify(d, spec, ep, offset, tp.shape)
         key = (tp.name, te.expert)
@@ -214,7 +257,7 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept):
                 l1_all.setdefault(key, []).extend(l1_row_sums(d, row_numel))
                 l1_kept.setdefault(key, []).extend(l1_row_sums(kept, row_numel))
                 continue
-            if tp.passes == 2:
+            if tp.passes - (1 if tp.derived.get("threshold_pass") else 0) == 2:  # an L1 pre-pass
                 f = rescale_factor(math.fsum(l1_all[key]), math.fsum(l1_kept[key]))
             else:
                 f = rescale_factor(l1_rows(d, row_numel), l1_rows(kept, row_numel))

@@ -237,7 +237,7 @@ def _write_shards(plan: Plan, items: list[WorkItem], storage: Storage, out_stora
                 if progress:
                     progress(_nbytes(inputs.base))
             else:
-                if it.kind != "stats":
+                if it.kind not in ("stats", "threshold"):
                     writer.send(BaseBytes(tp.name, inputs.base), _nbytes(inputs.base))
                 out = merge_chunk(it, inputs, plan, spec, dev, l1)
                 if out is not None:

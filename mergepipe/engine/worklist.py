@@ -25,10 +25,11 @@ COPY_CHUNK = 16 * 1024 * 1024
 #: object store; S3 parts are >= 5 MiB: a smaller copy would mostly be re-read to top up a part
 COW_MIN_BYTES = 16 * 1024 * 1024
 
-#: ``merge``: merge a row chunk; ``stats``: first pass of a two-pass tensor (L1 sums only, no
-#: output); ``convert``: decode base rows and encode them in the output dtype; ``copy``: base
+#: ``merge``: merge a row chunk; ``stats``: a pre-pass over a tensor (L1 sums only, no
+#: output); ``threshold``: a pre-pass gathering the threshold key group of float16/float32 TIES
+#: task vectors (no output); ``convert``: decode base rows and encode them in the output dtype; ``copy``: base
 #: bytes written unchanged; ``cow``: the whole tensor copied by the store (nothing read here).
-Kind = Literal["merge", "stats", "convert", "copy", "cow"]
+Kind = Literal["merge", "stats", "threshold", "convert", "copy", "cow"]
 
 
 @dataclass(eq=False, slots=True)
@@ -111,11 +112,21 @@ def _tensor_items(tp: TensorPlan, cow: bool) -> list[WorkItem]:
         if not tp.shape or rows * rb == 0:
             items[-1].r1 = rows
         return items
-    for kind in ("stats", "merge") if tp.passes == 2 else ("merge",):
+    for kind in pass_kinds(tp):
         for r0 in range(0, rows, tp.chunk_rows):
             r1 = min(rows, r0 + tp.chunk_rows)
             items.append(WorkItem(kind, tp, r0, r1, (r1 - r0) * rb * (1 + len(tp.experts))))
     return items
+
+
+def pass_kinds(tp: TensorPlan) -> tuple[str, ...]:
+    """The passes over a merged tensor, ``tp.passes`` of them: an exact-threshold pre-pass when
+    the plan asks for one (``derived["threshold_pass"]``: float16/float32 TIES over several
+    chunks), an
+    L1 pre-pass for a rescale over several chunks, then the merge."""
+    pre = ["threshold"] if tp.derived.get("threshold_pass") else []
+    pre += ["stats"] * (tp.passes - 1 - len(pre))
+    return (*pre, "merge")
 
 
 def build_work_list(plan: Plan, *, cow: bool = False, shards: Collection[str] | None = None) -> list[WorkItem]:

@@ -47,6 +47,9 @@ class ExpertTensorParams:
         max_key: breadcrumbs' outlier bound (keep ``key < max_key``; ``N_KEYS`` = none).
         stream_key: key of the DARE / DELLA random stream of this (expert, tensor).
         epsilon: DELLA's ``epsilon``.
+        shrink: exact magnitude trim for float16/float32 inputs (keep ``|δ| > shrink``, a
+            float32), found by the engine inside the threshold key group
+            (:func:`mergepipe.numerics.exact_shrink`); None: the key rule ``key >= min_key``.
     """
 
     weight: float
@@ -55,6 +58,7 @@ class ExpertTensorParams:
     stream_key: int = 0
     max_key: int = N_KEYS
     epsilon: float = 0.0
+    shrink: float | None = None
 
 
 def magnitude_key_torch(delta):
@@ -102,6 +106,8 @@ def sparsify(delta, spec: MethodSpec, ep: ExpertTensorParams, offset: int, shape
     if spec.sparsify == "none" or ep.density >= 1.0:
         return delta
     if spec.sparsify == "magnitude":
+        if ep.shrink is not None:  # exact top-k on float16/float32 values (one vectorized pass)
+            return torch.nn.functional.hardshrink(delta, ep.shrink)
         if ep.min_key <= 0:
             return delta
         lam = magnitude_shrink_lambda(ep.min_key)

@@ -1,7 +1,8 @@
 """Dense whole-tensor reference implementation of the registry's methods.
 
 Written independently of the block-wise path: it loads whole tensors, finds the magnitude
-thresholds (TIES trim, breadcrumbs window) by sorting (not from a histogram), ranks DELLA's
+thresholds (TIES trim: sorted keys for bf16 inputs, sorted float32 magnitudes for float16/float32
+inputs; breadcrumbs window) by sorting (not from a histogram), ranks DELLA's
 magnitudes with a whole-tensor torch sort, draws DARE/DELLA masks for the whole tensor at once,
 and computes the whole-tensor statistics of slerp, nuslerp and model_stock from the whole
 tensors (not from the catalog). It shares with the engine only the definitions: the random
@@ -116,8 +117,29 @@ def _row_total(a, b, width: int) -> float:
     return exact_total(segment_dots(a.numpy(), b.numpy(), width))
 
 
+def reference_topk_mask(delta, density: float):
+    """Exact top-k of ``|delta|`` (float32 torch, float16/float32 inputs), by a full descending
+    sort of the float32 magnitudes: ``k = max(1, int(density·n))``, ``v`` the k-th largest, ``A``
+    the count above it and ``T`` the count equal to it; keep ``|δ| > v`` and the entries equal to
+    ``v`` when ``A + T − k <= k − A`` (the canonical tie rule on exactly equal values). With
+    ``v = 0`` every non-zero entry is kept. Returns a bool mask of ``delta``'s shape."""
+    import torch
+
+    a = delta.abs()
+    n = a.numel()
+    if density >= 1.0 or n == 0:
+        return torch.ones_like(a, dtype=torch.bool)
+    k = max(1, int(density * n))
+    v = torch.sort(a.flatten(), descending=True).values[k - 1]
+    if float(v) == 0.0:
+        return a > 0
+    above = int((a > v).sum())
+    ties = int((a == v).sum())
+    return a >= v if above + ties - k <= k - above else a > v
+
+
 def merge_tensor_dense(name: str, base, experts: list, params: ResolvedParams | TensorParams, seed: int = 0,
-                       t: float = 0.0, method: str | None = None):
+                       t: float = 0.0, method: str | None = None, exact: bool = False):
     """Merge one whole tensor.
 
     Args:
@@ -127,6 +149,8 @@ def merge_tensor_dense(name: str, base, experts: list, params: ResolvedParams | 
         params: resolved settings (evaluated here for ``name`` at layer position ``t``) or the
             tensor's concrete values (then ``method`` names the method).
         seed: DARE / DELLA seed.
+        exact: the inputs are float16/float32: TIES trims by exact top-k of the float32
+            magnitudes (:func:`reference_topk_mask`) instead of by magnitude keys.
 
     Returns:
         float32 tensor of the base's shape.
@@ -183,7 +207,9 @@ def merge_tensor_dense(name: str, base, experts: list, params: ResolvedParams | 
     deltas = []
     for i, (d, ep) in enumerate(zip(ds, eps)):
         dens = ep.get("density", 1.0)
-        if spec.sparsify == "magnitude" and dens < 1.0:
+        if spec.sparsify == "magnitude" and dens < 1.0 and exact:
+            kept = torch.where(reference_topk_mask(d, dens), d, torch.zeros(()))
+        elif spec.sparsify == "magnitude" and dens < 1.0:
             mk = reference_min_key(d)(dens)
             kept = torch.where(_keys(d) >= mk, d, torch.zeros(()))
         elif spec.sparsify == "outliers" and dens < 1.0:
@@ -268,6 +294,9 @@ def merge_checkpoint_dense(base_dir: str, expert_dirs: list[str], params: Resolv
         if not t.is_floating_point():
             res[name] = t
             continue
-        m = merge_tensor_dense(name, t.float(), [e[name].float() for e in es], params, seed, t=layer_t(name, n_layers))
+        import torch
+
+        m = merge_tensor_dense(name, t.float(), [e[name].float() for e in es], params, seed, t=layer_t(name, n_layers),
+                               exact=t.dtype in (torch.float16, torch.float32))
         res[name] = m.to(out_dtype or t.dtype)
     return res

@@ -50,6 +50,9 @@ class TensorExpert(BaseModel):
         min_key: magnitude threshold key: keep ``key >= min_key`` (0 = keep all).
         max_key: breadcrumbs' outlier bound: keep ``key < max_key`` (0x8000 = no bound).
         stream_key: key of the DARE / DELLA random stream.
+        exact_rank: float16/float32 TIES: how many entries of the threshold key group
+            (``key == min_key``) exact top-k keeps; the engine finds their float32 threshold
+            among the group's read values (0: keep the whole group, the key rule).
         blocks: selected block runs ``[b0, b1)`` (block indices).
         bytes: expert bytes these blocks occupy (one pass).
         kept_energy: estimated ``w² Σ δ²`` kept from the selected blocks.
@@ -66,6 +69,7 @@ class TensorExpert(BaseModel):
     min_key: int = 0
     max_key: int = 0x8000
     stream_key: int = 0
+    exact_rank: int = 0
     blocks: list[tuple[int, int]]
     bytes: int
     kept_energy: float
@@ -160,6 +164,9 @@ class Plan(BaseModel):
         d = self.model_dump(mode="json", exclude=set(self.NON_SEMANTIC))
         for t in d["tensors"]:
             t.pop("explain", None)
+            for te in t["experts"]:
+                if not te.get("exact_rank"):  # (absent before exact thresholds: digests unchanged)
+                    te.pop("exact_rank", None)
         if d.get("block_value") is None:
             d.pop("block_value", None)  # energy plans digest as before the field existed
         return json.dumps(d, sort_keys=True, separators=(",", ":"))

@@ -54,6 +54,7 @@ from mergepipe.numerics import (
     outlier_window,
     slerp_coefficients,
     stream_key,
+    trim_rank,
 )
 from mergepipe.planner.plan import (
     ExpertRef,
@@ -66,6 +67,9 @@ from mergepipe.planner.plan import (
 from mergepipe.storage.base import DEFAULT_MAX_REQUEST, coalesce
 
 DEFAULT_WORK_BYTES = 256 * 1024 * 1024
+#: input dtypes whose magnitude trim is exact top-k on the stored values (bf16 task vectors'
+#: magnitudes are their keys, so the key rule is exact for them and kept bit for bit)
+EXACT_TRIM_DTYPES = ("F16", "F32")
 EXTRA_FILES = (
     "config.json",
     "generation_config.json",
@@ -245,6 +249,19 @@ def make_plan(
                 raise InputError(f"catalog: block grid of {name!r} differs from the plan's; re-run analyze.")
             stats.append(st)
         coefs = _coefficients(spec, g, tp, stats, weights, gram, name, K)
+        # float16/float32 TIES: exact top-k; the key histogram gives the threshold group and how
+        # many of it to keep, the engine the float32 threshold inside it (a pre-pass when the
+        # tensor spans several chunks)
+        ranks = [0] * K
+        if spec.sparsify == "magnitude" and bt.dtype in EXACT_TRIM_DTYPES:
+            for i, st in enumerate(stats):
+                tau, rank, ties = trim_rank(st.hist_keys, st.hist_counts, st.numel, float(eps[i].get("density", 1.0)))
+                if tau > 0 and rank < ties:
+                    ranks[i] = rank
+        if any(ranks) and cr < bt.rows:
+            passes += 1
+            tp.passes = passes
+            tp.derived = {**tp.derived, "threshold_pass": True}
         for i, (e, st) in enumerate(zip(experts, stats)):
             ep = eps[i]
             dens = float(ep.get("density", 1.0))
@@ -253,6 +270,8 @@ def make_plan(
                 w2 = weights[i] ** 2
                 if spec.sparsify == "magnitude" and dens < 1.0:
                     mk = st.min_key(dens)
+                    if ranks[i]:
+                        mk = trim_rank(st.hist_keys, st.hist_counts, st.numel, dens)[0]  # τ: part of its group kept
                     kept = st.kept_energy(mk)
                 elif spec.sparsify == "outliers" and dens < 1.0:
                     mk, xk = outlier_window(st.hist_keys, st.hist_counts, st.numel, dens, float(ep["gamma"]))
@@ -287,6 +306,7 @@ def make_plan(
                 TensorExpert(expert=i, file=et.file, start=et.start, weight=weights[i] if weights else 1.0,
                              density=dens, gamma=float(ep.get("gamma", 0.0)), epsilon=float(ep.get("epsilon", 0.0)),
                              min_key=int(mk), max_key=int(xk), stream_key=stream_key(seed, i, name), blocks=[],
+                             exact_rank=ranks[i] if spec.sparsify == "magnitude" else 0,
                              bytes=0, kept_energy=0.0, full_energy=float(val.sum()))
             )
 
@@ -612,7 +632,8 @@ def _explain_tensor(tp: TensorPlan, spec, names: list[str]) -> str:
         head = "della: per-row magnitude ranks computed by the engine from the rows it reads; "
     if not parts:
         return head + "no expert block selected"
-    extra = " (L1 rescale needs a pre-pass: expert blocks read twice)" if tp.passes == 2 else ""
+    extra = f" ({tp.passes - 1} pre-pass(es) over the tensor: L1 rescale or exact threshold; expert blocks read {tp.passes}x)" \
+        if tp.passes > 1 else ""
     return head + "; ".join(parts) + extra
 
 
