@@ -434,8 +434,15 @@ def _gap_closure(sel: np.ndarray, cand_of: np.ndarray, cum: np.ndarray, gap: int
     return sel | (np.cumsum(d[:-1]) > 0)
 
 
+def _greedy_order(values: np.ndarray, costs: np.ndarray) -> np.ndarray:
+    """Indices of the blocks with a positive value, by value per byte (descending; ties by index)."""
+    useful = np.nonzero(values > 0)[0]
+    return useful[np.lexsort((useful, -(values[useful] / np.maximum(costs[useful], 1))))]
+
+
 def _select(values: np.ndarray, costs: np.ndarray, cost1: np.ndarray, cand_of: np.ndarray, gap: int,
-            budget: int | None, fidelity: float | None) -> np.ndarray:
+            budget: int | None, fidelity: float | None, fill: bool = True,
+            order: np.ndarray | None = None) -> np.ndarray:
     """Greedy knapsack over flattened (expert, tensor, block) candidates.
 
     Args:
@@ -444,7 +451,8 @@ def _select(values: np.ndarray, costs: np.ndarray, cost1: np.ndarray, cand_of: n
             ``(n,)`` candidate (expert, tensor) of each block, blocks of one candidate
             contiguous and in file order; gap: the storage's coalescing gap (bytes);
             budget: expert-read bytes (None: unlimited); fidelity: share of the total value to
-            reach (None: off).
+            reach (None: off); fill: fill the budget's remainder after the greedy prefix;
+            order: :func:`_greedy_order` of ``values``/``costs`` when already computed.
 
     Returns:
         bool ``(n,)``: the selection, closed under the gap rule (:func:`_gap_closure`), so its
@@ -458,8 +466,7 @@ def _select(values: np.ndarray, costs: np.ndarray, cost1: np.ndarray, cand_of: n
     """
     n_all = len(values)
     selected = np.zeros(n_all, dtype=bool)
-    useful = np.nonzero(values > 0)[0]
-    order = useful[np.lexsort((useful, -(values[useful] / np.maximum(costs[useful], 1))))]
+    order = _greedy_order(values, costs) if order is None else order
     if budget is None and fidelity is None:
         selected[order] = True
         return _gap_closure(selected, cand_of, np.concatenate([[0], np.cumsum(cost1)]), gap)
@@ -498,6 +505,8 @@ def _select(values: np.ndarray, costs: np.ndarray, cost1: np.ndarray, cand_of: n
     else:
         n = int(np.searchsorted(np.cumsum(costs[take]), budget, side="right"))
     selected = prefix(take, n)
+    if not fill:
+        return selected
     room = budget - int(costs[selected].sum())
     rest = take[n:]
     min_cost = int(costs[rest].min()) if len(rest) else 0
@@ -548,7 +557,8 @@ def _select_gap(values: np.ndarray, costs: np.ndarray, cost1: np.ndarray, cand_o
     blocks the budget would buy instead (smooth task vectors), not where value is scattered
     block by block. Returns (selection, gap in bytes the plan records and the engine reads with).
     """
-    sel0 = _select(values, costs, cost1, cand_of, 0, budget, fidelity)
+    order = _greedy_order(values, costs)
+    sel0 = _select(values, costs, cost1, cand_of, 0, budget, fidelity, order=order)
     if gap <= 0 or len(values) == 0:
         return sel0, 0
     v0, b0 = float(values[sel0].sum()), int(costs[sel0].sum())
@@ -557,9 +567,10 @@ def _select_gap(values: np.ndarray, costs: np.ndarray, cost1: np.ndarray, cand_o
     smallest = int(cost1[inner].min(initial=gap + 1))  # a smaller gap bridges nothing: it is gap 0
     g = gap
     while g >= smallest:
-        sel = _select(values, costs, cost1, cand_of, g, budget, fidelity)
+        # judged without the final fill (a few blocks at most; the costly part to evaluate)
+        sel = _select(values, costs, cost1, cand_of, g, budget, fidelity, fill=False, order=order)
         if float(values[sel].sum()) >= (1 - GAP_TOLERANCE) * v0 and int(costs[sel].sum()) <= (1 + GAP_TOLERANCE) * b0:
-            return sel, g
+            return _select(values, costs, cost1, cand_of, g, budget, fidelity, order=order), g
         g //= 2
     return sel0, 0
 
