@@ -15,6 +15,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from mergepipe.methods.registry import method_names
+
 app = typer.Typer(
     name="mergepipe",
     help="Budget-aware LLM merging: catalog expert task vectors once, plan which blocks to read "
@@ -118,7 +120,8 @@ def _storage():
 
 
 def _storage_for(uri: str):
-    from mergepipe.storage.base import IOCounters, open_storage
+    from mergepipe.storage.base import IOCounters
+    from mergepipe.storage.routing import open_storage
 
     return open_storage(uri, IOCounters())
 
@@ -289,15 +292,14 @@ def _merge_inputs(config, base, expert, method, param, budget, fidelity, seed):
                 budget=budget, fidelity=fidelity, seed=seed or 0, opts={})
 
 
-MethodOpt = Annotated[str, typer.Option(
-    "--method", "-m", help="linear, task_arithmetic, ties, dare_ties, dare_linear, breadcrumbs, breadcrumbs_ties, della, "
-    "della_linear, model_stock, slerp, nuslerp (mergekit's names)")]
+METHODS_HELP = ", ".join(method_names())
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Seed of the DARE/DELLA random streams [default: 0]")]
 # plan and merge: models and method from the command line, or from --config
 OptBaseOpt = Annotated[Optional[str], typer.Option("--base", help="Base checkpoint folder or s3:// prefix")]
 OptExpertOpt = Annotated[Optional[list[str]], typer.Option(
     "--expert", "-e", help="Expert checkpoint: URI or NAME=URI (repeat). Name defaults to the last path component.")]
-OptMethodOpt = Annotated[Optional[str], typer.Option("--method", "-m", help="Merge method (mergekit's name) [default: ties]")]
+OptMethodOpt = Annotated[Optional[str], typer.Option(
+    "--method", "-m", help=f"Merge method, by mergekit's name: {METHODS_HELP} [default: ties]")]
 ConfigOpt = Annotated[Optional[Path], typer.Option(
     "--config", help="A mergekit YAML config (models, base_model, merge_method, parameters, dtype, out_dtype; "
     "plus budget, fidelity, seed) instead of --base/--expert/--method/--param")]
@@ -540,7 +542,7 @@ def search(
     base: Annotated[Optional[str], typer.Option("--base", help="Base checkpoint folder")] = None,
     expert: Annotated[Optional[list[str]], typer.Option(
         "--expert", "-e", help="Expert checkpoint: URI or NAME=URI (repeat).")] = None,
-    method: Annotated[str, typer.Option("--method", "-m", help="Merge method (mergekit's name)")] = "task_arithmetic",
+    method: Annotated[str, typer.Option("--method", "-m", help=f"Merge method, by mergekit's name: {METHODS_HELP}")] = "task_arithmetic",
     param: ParamOpt = None,
     vary: Annotated[Optional[list[str]], typer.Option(
         "--vary", help="[EXPERT:]NAME=LO:HI: a parameter that takes one value per layer block in [LO, HI] "
@@ -640,7 +642,8 @@ def search(
     if worker_backend == "kubernetes" and eval_template:
         # each evaluation in its own Job (the operator's template: image, GPU, Secret-only credentials)
         from mergepipe.search.state import load_state
-        from mergepipe.storage.base import IOCounters, open_storage
+        from mergepipe.storage.base import IOCounters
+        from mergepipe.storage.routing import open_storage
 
         spec = load_state(out / STATE_NAME).get("evaluator") if resume else {
             "command": eval_command, "timeout": eval_timeout}
@@ -720,7 +723,8 @@ def search_eval(
     to --metrics-out (exit 0 either way: a failed evaluation is the candidate's result, not a reason
     to retry the Job)."""
     from mergepipe.search.evaluators import CommandEvaluator, EvaluationFailed
-    from mergepipe.storage.base import IOCounters, open_storage
+    from mergepipe.storage.base import IOCounters
+    from mergepipe.storage.routing import open_storage
 
     ev = CommandEvaluator(command, timeout)
     try:

@@ -42,6 +42,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mergepipe.errors import InputError
+from mergepipe.methods.params import resolve_params
+from mergepipe.methods.registry import get_method
+from mergepipe.storage.base import is_s3
 
 #: mergekit dtype names (``mergekit.common.dtype_from_name``) -> safetensors dtypes.
 DTYPE_NAMES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}
@@ -114,8 +117,6 @@ class LoadedConfig:
 
 def _model_uri(ref: Any, where: str) -> str:
     """A model reference of the config as a URI, refusing what mergepipe cannot read."""
-    from mergepipe.storage.base import is_s3
-
     if isinstance(ref, dict):
         extra = set(ref) - {"model", "path"}
         for k in ("lora", "revision", "override_architecture"):
@@ -262,8 +263,6 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
             raise InputError(f"{p}: {which}: parameters.weight: required by mergekit's linear for every input model "
                              "(base_model included: mergekit averages it in); give each model a weight or set "
                              "parameters.weight.")
-
-    from mergepipe.methods.registry import get_method, resolve_params
 
     try:
         get_method(cfg.merge_method)

@@ -18,9 +18,12 @@ from pathlib import Path
 from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, Catalog, CheckpointRecord, check_compatible
 from mergepipe.catalog.sensitivity import load_calibration
 from mergepipe.errors import InputError
+from mergepipe.methods.params import resolve_params
+from mergepipe.methods.registry import get_method
 from mergepipe.planner.plan import Plan
 from mergepipe.planner.planner import DEFAULT_WORK_BYTES, EXTRA_FILES, make_plan
-from mergepipe.storage.base import IOCounters, Storage, is_s3, open_storage
+from mergepipe.storage.base import IOCounters, Storage, is_s3
+from mergepipe.storage.routing import open_storage
 
 _UNITS = {
     "": 1, "b": 1,
@@ -245,10 +248,6 @@ def build_plan(
     cal = load_calibration(storage, calibration) if calibration else None
     if len(set(names)) != len(names):
         raise InputError(f"--expert: two experts share a name ({', '.join(names)}); name them as --expert NAME=URI.")
-    from mergepipe.methods.registry import get_method
-
-    from mergepipe.methods.registry import resolve_params
-
     spec = get_method(method)  # fail fast, before reading anything
     if resolved is None:
         glob, per = parse_params(params, names)

@@ -11,7 +11,7 @@ import yaml
 from mergepipe.catalog.catalog import Catalog
 from mergepipe.config import load_config, merge_from_config
 from mergepipe.errors import InputError
-from mergepipe.methods.reference import merge_checkpoint_dense
+from tests.dense_reference import merge_checkpoint_dense
 from mergepipe.storage.base import IOCounters
 from mergepipe.storage.local import LocalStorage
 from tests.conftest import merged_tensors, run_cli, same_bits

@@ -14,7 +14,8 @@ from mergepipe.catalog.objectstore import ObjectCatalog
 from mergepipe.commit.objectstore import read_manifest_obj, verify_obj
 from mergepipe.errors import InputError
 from mergepipe.pipeline import build_plan, execute_and_commit, merge
-from mergepipe.storage.base import IOCounters, open_storage
+from mergepipe.storage.base import IOCounters
+from mergepipe.storage.routing import open_storage
 from tests.s3support import FaultProxy
 
 pytestmark = pytest.mark.s3

@@ -22,9 +22,9 @@ from mergepipe.storage.base import (
     StorageError,
     coalesce,
     coalesced_cost,
-    open_storage,
 )
 from mergepipe.storage.s3 import MIN_PART, MiB, S3Error, S3Storage, S3Writer
+from mergepipe.storage.routing import open_storage
 from tests.s3support import FaultProxy, s3_env, seaweed  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.s3

@@ -164,7 +164,8 @@ TEMPLATE = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x-e00
 
 def evaluator(batch, tmp_path, **kw):
     from mergepipe_kube.search import KubernetesJobEvaluator
-    from mergepipe.storage.base import IOCounters, open_storage
+    from mergepipe.storage.base import IOCounters
+    from mergepipe.storage.routing import open_storage
 
     return KubernetesJobEvaluator(batch, "team", "front", UID, TEMPLATE, "python score.py {checkpoint}",
                                   str(tmp_path / "state"), open_storage(None, IOCounters()), poll_seconds=0,

@@ -20,10 +20,10 @@ from mergepipe.storage.base import (
     StorageError,
     coalesce,
     coalesced_cost,
-    open_storage,
     slice_from_requests,
 )
 from mergepipe.storage.local import LocalStorage
+from mergepipe.storage.routing import open_storage
 
 # --------------------------------------------------------------------------------------------
 # coalesce: properties

@@ -141,7 +141,8 @@ class ObjectCatalog(Catalog):
 def open_catalog(location: str | None):
     """``s3://…`` or an existing folder given as ``objects:PATH`` -> :class:`ObjectCatalog`; a file
     path (or None: the default) -> the SQLite :class:`Catalog`."""
-    from mergepipe.storage.base import IOCounters, is_s3, open_storage
+    from mergepipe.storage.base import IOCounters, is_s3
+    from mergepipe.storage.routing import open_storage
 
     if location and (is_s3(location) or location.startswith("objects:")):
         loc = location[len("objects:"):] if location.startswith("objects:") else location

@@ -1,6 +1,7 @@
-"""Merge methods: the registry (:mod:`.registry`), block-wise kernels (:mod:`.kernels`) and a
-dense whole-tensor reference implementation (:mod:`.reference`) used by the tests."""
+"""Merge methods: the registry (:mod:`.registry`), parameter settings and their resolution per
+tensor (:mod:`.params`) and block-wise kernels (:mod:`.kernels`)."""
 
-from mergepipe.methods.registry import METHODS, MethodSpec, get_method, resolve_params
+from mergepipe.methods.params import ResolvedParams, resolve_params
+from mergepipe.methods.registry import METHODS, MethodSpec, get_method, method_names
 
-__all__ = ["METHODS", "MethodSpec", "get_method", "resolve_params"]
+__all__ = ["METHODS", "MethodSpec", "ResolvedParams", "get_method", "method_names", "resolve_params"]

@@ -201,6 +201,15 @@ register(MethodSpec("nuslerp", "none", None, (WEIGHT, NUSLERP_FLATTEN, NUSLERP_R
                     min_experts=2, max_experts=2, paper="mergekit's NuSLERP (slerp of two task vectors)"))
 
 
+def method_names() -> tuple[str, ...]:
+    """mergekit's names of the registered merge methods, in registration order.
+
+    The one list of methods in the core: front ends (the CLI's ``--method`` help, the operator's
+    CRD enum) take theirs from here rather than keeping a copy.
+    """
+    return tuple(METHODS)
+
+
 def get_method(name: str) -> MethodSpec:
     """The registered method ``name``.
 
@@ -211,18 +220,3 @@ def get_method(name: str) -> MethodSpec:
         return METHODS[name]
     except KeyError:
         raise InputError(f"unknown merge method {name!r}; allowed: {', '.join(METHODS)}.") from None
-
-
-def resolve_params(method: str, global_params: dict, expert_params: list[dict], **kw):
-    """Validate parameter settings; see :func:`mergepipe.methods.params.resolve_params`."""
-    from mergepipe.methods.params import resolve_params as _resolve
-
-    return _resolve(method, global_params, expert_params, **kw)
-
-
-def __getattr__(name: str):  # ResolvedParams lives in .params; keep the old import path working
-    if name == "ResolvedParams":
-        from mergepipe.methods.params import ResolvedParams
-
-        return ResolvedParams
-    raise AttributeError(name)

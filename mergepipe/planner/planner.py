@@ -45,8 +45,8 @@ from mergepipe.catalog.catalog import Analysis, CheckpointRecord
 from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import FLOAT_DTYPES, TensorInfo, n_blocks, rows_per_block
 from mergepipe.methods.kernels import elementwise_merge, identity_on_zero_delta, needs_row_stats, work_floats
-from mergepipe.methods.params import ResolvedParams, layer_count, layer_t
-from mergepipe.methods.registry import get_method, resolve_params
+from mergepipe.methods.params import ResolvedParams, layer_count, layer_t, resolve_params
+from mergepipe.methods.registry import get_method
 from mergepipe.numerics import (
     N_KEYS,
     model_stock_t,

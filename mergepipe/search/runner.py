@@ -163,7 +163,8 @@ class LocalMerger(CandidateMerger):
 
     def merge(self, cfg: SearchConfig, cand: dict, out: Path, lineage: dict, catalog) -> Merged:
         from mergepipe.pipeline import build_plan, execute_and_commit
-        from mergepipe.storage.base import IOCounters, open_storage
+        from mergepipe.storage.base import IOCounters
+        from mergepipe.storage.routing import open_storage
 
         name = f"c{cand['id']:04d}"
         snap = f"{self.root}/{name}" if self.root else out / "snapshots" / name
@@ -185,7 +186,8 @@ class StateMirror:
     """
 
     def __init__(self, prefix: str, storage=None) -> None:
-        from mergepipe.storage.base import IOCounters, open_storage
+        from mergepipe.storage.base import IOCounters
+        from mergepipe.storage.routing import open_storage
 
         self.prefix = prefix.rstrip("/")
         self.storage = storage if storage is not None else open_storage(None, IOCounters())
@@ -484,7 +486,8 @@ class _Search:
 def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log) -> dict:
     from mergepipe.pipeline import build_plan, register_and_analyze
     from mergepipe.search.prior import compute_prior, probe_ids
-    from mergepipe.storage.base import IOCounters, open_storage
+    from mergepipe.storage.base import IOCounters
+    from mergepipe.storage.routing import open_storage
 
     cfg.check()
     vary = parse_vary(cfg.vary)

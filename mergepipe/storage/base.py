@@ -7,7 +7,8 @@ in an :class:`IOCounters` under a *role* (``base``, ``expert``, ``output``, ``ca
 against them.
 
 URIs are either local paths (``/data/model``) or ``s3://bucket/prefix`` (see
-:mod:`mergepipe.storage.s3`). :func:`open_storage` picks the implementation.
+:mod:`mergepipe.storage.s3`). :func:`mergepipe.storage.routing.open_storage` picks the
+implementation.
 """
 
 from __future__ import annotations
@@ -287,12 +288,3 @@ class Storage(abc.ABC):
 
 def is_s3(uri: str) -> bool:
     return str(uri).startswith("s3://")
-
-
-def open_storage(uri: str | None = None, counters: IOCounters | None = None, **kwargs) -> Storage:
-    """A storage for any URI: a :class:`~mergepipe.storage.routing.RoutingStorage` sending local
-    paths to :class:`LocalStorage` and ``s3://`` URIs to :class:`S3Storage` (created on first
-    use, with ``kwargs``), all counted in one :class:`IOCounters`."""
-    from mergepipe.storage.routing import RoutingStorage
-
-    return RoutingStorage(counters=counters, **kwargs)

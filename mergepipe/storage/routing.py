@@ -1,11 +1,13 @@
 """A storage that routes each URI to its backend (local paths vs ``s3://``), sharing one set of
-byte counters, so a merge may read a local base and S3 experts and write anywhere."""
+byte counters, so a merge may read a local base and S3 experts and write anywhere;
+:func:`open_storage` makes one."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
 from mergepipe.storage.base import IOCounters, ObjectStat, Role, Storage, Writer, is_s3
+from mergepipe.storage.local import LocalStorage
 
 
 class RoutingStorage(Storage):
@@ -15,8 +17,6 @@ class RoutingStorage(Storage):
 
     def __init__(self, counters: IOCounters | None = None, **s3_kwargs) -> None:
         super().__init__(counters)
-        from mergepipe.storage.local import LocalStorage
-
         self.local = LocalStorage(self.counters)
         self._s3 = None
         self._s3_kwargs = s3_kwargs
@@ -24,7 +24,7 @@ class RoutingStorage(Storage):
     @property
     def s3(self):
         if self._s3 is None:
-            from mergepipe.storage.s3 import S3Storage
+            from mergepipe.storage.s3 import S3Storage  # boto3: loaded on first s3:// URI
 
             self._s3 = S3Storage(counters=self.counters, **self._s3_kwargs)
         return self._s3
@@ -77,3 +77,12 @@ class RoutingStorage(Storage):
         b = self.backend(prefix_uri)
         probe = getattr(b, "probe_conditional_writes", None)
         return True if probe is None else probe(prefix_uri)
+
+
+def open_storage(uri: str | None = None, counters: IOCounters | None = None, **kwargs) -> Storage:
+    """A storage for any URI: a :class:`RoutingStorage` sending local paths to
+    :class:`~mergepipe.storage.local.LocalStorage` and ``s3://`` URIs to
+    :class:`~mergepipe.storage.s3.S3Storage` (created on first use, with ``kwargs``), all counted
+    in one :class:`~mergepipe.storage.base.IOCounters`. ``uri`` is accepted for symmetry and not
+    used: one storage serves every URI."""
+    return RoutingStorage(counters=counters, **kwargs)

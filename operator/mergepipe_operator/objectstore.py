@@ -9,7 +9,8 @@ from typing import Any
 from mergepipe.commit.manifest import (
     MANIFEST_NAME,  # "manifest.json" under the snapshot URI
 )
-from mergepipe.storage.base import IOCounters, NotFoundError, Storage, open_storage
+from mergepipe.storage.base import IOCounters, NotFoundError, Storage
+from mergepipe.storage.routing import open_storage
 
 
 def join(prefix: str, name: str) -> str:

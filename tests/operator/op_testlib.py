@@ -249,7 +249,8 @@ def upload_dir(client: Any, bucket: str, folder: Path, prefix: str) -> str:
 
 def core_storage(seaweed: Any) -> Any:
     """The core's storage on SeaweedFS with explicit credentials (no environment needed)."""
-    from mergepipe.storage.base import IOCounters, open_storage
+    from mergepipe.storage.base import IOCounters
+    from mergepipe.storage.routing import open_storage
 
     return open_storage(None, IOCounters(), client=seaweed.client())
 

@@ -9,7 +9,8 @@ from typing import Any
 from mergepipe.catalog.objectstore import ObjectCatalog
 from mergepipe.errors import InputError
 from mergepipe.pipeline import MissingAnalysis, build_plan
-from mergepipe.storage.base import IOCounters, open_storage
+from mergepipe.storage.base import IOCounters
+from mergepipe.storage.routing import open_storage
 
 from ..k8s.quantities import parse_quantity
 from .decisions import ANALYZE_BLOCK_BYTES, analysis_id, merge_experts
