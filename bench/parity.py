@@ -4,7 +4,7 @@ output tensor compared.
 One command (about 20 minutes on the shared 2-core machine, half with ``--no-bf16``; results in
 docs/PARITY.md)::
 
-    /work/venv/bin/python bench/parity.py --out docs/parity_results.json
+    .venv/bin/python bench/parity.py --out docs/parity_results.json
 
 Inputs: the mergepipe demo zoo (``mergepipe.zoo.build_zoo()`` with the default config, built
 once and cached; 4 real trained Llama experts, bf16). mergekit 0.1.5 from PyPI runs in its own
@@ -61,6 +61,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import compare_outputs  # noqa: E402
+from relpath import rel_paths_in  # noqa: E402
 from run import MERGEKIT_VERSION, ensure_mergekit_venv, git_rev, log, machine_info  # noqa: E402
 
 EXPERTS = ("python", "prose", "arithmetic", "json")
@@ -703,7 +704,7 @@ def main(argv=None) -> None:
     def save():
         a.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = a.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(res, indent=1))
+        tmp.write_text(json.dumps(rel_paths_in(res), indent=1))
         tmp.replace(a.out)
 
     if a.model == "minilm":

@@ -43,6 +43,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.relpath import rel_text  # noqa: E402
+
 BUDGETS = (1, 2, 5, 10, 25, 50, 75, 100)
 FIDELITIES = (0.9, 0.95, 0.99)
 METHODS = ("ties", "dare_ties", "task_arithmetic")
@@ -408,7 +410,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(2)
     t0 = time.perf_counter()
     errors: list[str] = []
-    res = {"command": "python bench/quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    res = {"command": rel_text("python bench/quality.py " + " ".join(sys.argv[1:] if argv is None else argv)),
            "machine": machine_info(), "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "by_k": {}}
     for k in a.k:

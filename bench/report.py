@@ -7,8 +7,10 @@ Usage::
 Byte figures: MB = 10^6 B. "counters" are mergepipe's own storage-layer byte counters (the
 ``--json`` ``io`` object); "/proc" are ``read_bytes``/``write_bytes`` of ``/proc/<pid>/io`` for the
 whole process (block-device traffic: ~0 for reads on a warm cache). mergekit has no role
-counters: it reads every input tensor exactly once (see /work/shared/research/mergekit.md), so
-its base/expert reads are given as the inputs' shard sizes, marked "(inputs)".
+counters: it reads every input tensor exactly once (mergekit 0.1.5 loads each tensor of each model
+through ``LazyTensorLoader.get_tensor``, ``io/lazy_tensor_loader.py``, as one task of its
+deduplicated task graph, ``graph.py``), so its base/expert reads are given as the inputs' shard
+sizes, marked "(inputs)".
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 Example (the smoke run of docs/BENCHMARKS.md)::
 
-    /work/venv/bin/python bench/run.py --models tiny --k 2,4 --runs 1 --cache warm
+    .venv/bin/python bench/run.py --models tiny --k 2,4 --runs 1 --cache warm
 
 The full measurement::
 
-    /work/venv/bin/python bench/run.py --models zoo,qwen3 --k 2,4,8,16 --runs 3 --cache cold,warm
+    .venv/bin/python bench/run.py --models zoo,qwen3 --k 2,4,8,16 --runs 3 --cache cold,warm
 
 Systems: ``mergekit`` (mergekit 0.1.5 from PyPI, ``mergekit-yaml``, in its own venv
 ``bench/.venv-mergekit`` that this script creates), ``mp-full`` (mergepipe, unlimited expert
@@ -43,6 +43,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import measure  # noqa: E402
+from relpath import rel_argv, rel_path, rel_paths_in  # noqa: E402
 from report import _rss_kib  # noqa: E402
 
 MERGEKIT_VERSION = "0.1.5"
@@ -226,7 +227,7 @@ class Harness:
         self.mp = mergepipe_exe()
         self.results: dict = {
             "format": "mergepipe.bench/v1", "started": dt.datetime.now().isoformat(timespec="seconds"),
-            "argv": sys.argv, "git": git_rev(), "machine": machine_info(), "settings": {}, "inputs": {},
+            "argv": rel_argv(sys.argv), "git": git_rev(), "machine": machine_info(), "settings": {}, "inputs": {},
             "bandwidth": {}, "analysis": [], "startup": [], "runs": [], "equality": [], "help": None, "plan": [], "notes": [],
         }
         self.cold_mode = None
@@ -241,7 +242,7 @@ class Harness:
         self.results["settings"] = {
             "models": args.models, "k": args.k, "runs": args.runs, "cache": args.cache, "systems": args.systems,
             "cold_method": self.cold_mode, "method": "ties", "density": DENSITY, "weight": 1.0, "normalize": True,
-            "mergekit": MERGEKIT_VERSION, "workdir": str(self.work),
+            "mergekit": MERGEKIT_VERSION, "workdir": rel_path(self.work),
         }
         self.mk = ensure_mergekit_venv(args.mk_venv) if "mergekit" in args.systems else None
         self.env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
@@ -255,7 +256,7 @@ class Harness:
 
     def save(self) -> None:
         tmp = self.out / "results.json.tmp"
-        tmp.write_text(json.dumps(self.results, indent=1))
+        tmp.write_text(json.dumps(rel_paths_in(self.results), indent=1))
         tmp.replace(self.out / "results.json")
 
     def prepare_cache(self, cache: str, inputs: list[Path]) -> dict:
@@ -291,8 +292,8 @@ class Harness:
         if len(experts) < max(ks):
             raise SystemExit(f"{model}: only {len(experts)} experts available, --k asks for {max(ks)}")
         self.results["inputs"][model] = {
-            "note": fam["note"], "base": str(base), "base_bytes": ckpt_bytes(base),
-            "expert_bytes": [ckpt_bytes(e) for e in experts], "experts": [str(e) for e in experts],
+            "note": fam["note"], "base": rel_path(base), "base_bytes": ckpt_bytes(base),
+            "expert_bytes": [ckpt_bytes(e) for e in experts], "experts": [rel_path(e) for e in experts],
         }
         eb = self.results["inputs"][model]["expert_bytes"]
         self.fixed_budget = int(self.a.fixed_budget) if self.a.fixed_budget != "auto" else int(0.1 * 8 * sum(eb) / len(eb))
@@ -316,7 +317,7 @@ class Harness:
         if self.a.catalog:  # a catalog analyzed beforehand: kept; the analyze run below finds it cached
             home = self.a.catalog.absolute()
             home.mkdir(parents=True, exist_ok=True)
-            self.note(f"K={k}: catalog {home} reused (analysis done beforehand); the analysis row is the cached "
+            self.note(f"K={k}: catalog {rel_path(home)} reused (analysis done beforehand); the analysis row is the cached "
                       "re-check, not the one-time cost")
         else:
             home = self.work / "home" / f"{model}-K{k}"
@@ -548,7 +549,7 @@ def main(argv=None) -> None:
         h.results["total_s"] = time.perf_counter() - t0
         h.results["machine"]["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
         h.save()
-        report.write_all(h.results, a.out)
+        report.write_all(rel_paths_in(h.results), a.out)
         shutil.rmtree(a.workdir / "out", ignore_errors=True)
     log(f"done in {time.perf_counter() - t0:.0f} s: {a.out}/summary.md")
 

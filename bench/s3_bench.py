@@ -33,6 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.relpath import rel_paths_in  # noqa: E402
+
 
 def _family(kind: str, k: int, work: Path) -> tuple[Path, list[Path]]:
     if kind == "zoo":
@@ -142,7 +144,7 @@ def main() -> None:
                  "experts": sum(f.stat().st_size for e in experts for f in e.iterdir() if f.is_file())}
         result = {"models": a.models, "experts": len(experts), "sizes": sizes, "upload_s": upload_s,
                   "analysis": analysis, "runs": rows}
-        (a.out / f"s3-{a.models}-k{len(experts)}.json").write_text(json.dumps(result, indent=1))
+        (a.out / f"s3-{a.models}-k{len(experts)}.json").write_text(json.dumps(rel_paths_in(result), indent=1))
         lines = [f"S3->S3 ({a.models}, K={len(experts)}, base {sizes['base'] / 1e9:.2f} GB, experts "
                  f"{sizes['experts'] / 1e9:.2f} GB); one-time analysis {analysis['wall_s']:.1f} s",
                  "| system | wall s (median [min, max]) | expert bytes read | peak RSS MiB |", "|---|---|---|---|"]

@@ -23,7 +23,7 @@ Strategies:
 
 Run (about 8 minutes per seed on the loaded 2-core machine)::
 
-    PYTHONPATH=. /work/venv/bin/python bench/search.py --out bench/.work/search
+    PYTHONPATH=. .venv/bin/python bench/search.py --out bench/.work/search
 
 Writes ``results.json`` (everything), ``summary.md`` (the tables of docs/SEARCH.md) and
 ``fronts.png``, ``trace.png`` into ``--out``.
@@ -39,6 +39,8 @@ import platform
 import shutil
 import time
 from pathlib import Path
+
+from bench.relpath import rel_paths_in
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -124,6 +126,7 @@ def main() -> None:
     import torch
 
     out["machine"]["torch"] = torch.__version__
+    out = rel_paths_in(out)
     (args.out / "results.json").write_text(json.dumps(out, indent=1))
     report(out, args.out)
 
