@@ -409,7 +409,6 @@ def dare_stats(mk_out: Path, mp_out: Path, mp1_out: Path, base: dict, expert: di
     fraction of the nonzero task-vector entries, the rescale factor (median of out/δ over kept
     entries) and ‖out − base‖/‖δ‖; ``mergepipe_s1`` is mergepipe with seed 1 (the spread of two
     independent draws, the yardstick for the mergekit–mergepipe differences)."""
-    import torch
 
     mk, mp, mp1 = load_all(mk_out), load_all(mp_out), load_all(mp1_out)
     rows = []

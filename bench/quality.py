@@ -175,7 +175,7 @@ def sweep_k(k: int, methods, budgets, fidelities, work: Path, zoo_root: Path | N
         params = method_params(method, k)
         ev_m = Evals(wd / f"evals-{method}.json", zoo, also=(wd / "evals.json",))
 
-        def run(tag: str, budget=None, fidelity=None) -> tuple[dict, Path]:
+        def run(tag: str, budget=None, fidelity=None, method=method, params=params) -> tuple[dict, Path]:
             out = wd / method / tag
             t = time.perf_counter()
             r = merge(str(zoo.base), experts, method, str(out), params, budget=budget, fidelity=fidelity,
@@ -260,8 +260,8 @@ def tables_md(res: dict) -> str:
         lines.append("| model | " + " | ".join(doms) + " | mean |")
         lines.append("|---|" + "---:|" * (len(doms) + 1))
         rows = [("base", rk["base"])] + [(f"expert {n}", v) for n, v in rk["expert_losses"].items()]
-        for name, l in rows:
-            lines.append(f"| {name} | " + " | ".join(f"{l[d]:.3f}" for d in doms) + f" | {mean(l):.3f} |")
+        for name, losses in rows:
+            lines.append(f"| {name} | " + " | ".join(f"{losses[d]:.3f}" for d in doms) + f" | {mean(losses):.3f} |")
         lines.append("")
         for method, rm in rk["methods"].items():
             f = rm["full"]

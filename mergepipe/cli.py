@@ -434,8 +434,7 @@ def merge(
     json_out: JsonOpt = False,
 ):
     """register → analyze → plan → execute → commit, in one go (or from a mergekit config: --config)."""
-    from mergepipe.pipeline import merge as run_merge
-    from mergepipe.pipeline import parse_bytes
+    from mergepipe.pipeline import merge as run_merge, parse_bytes
 
     bb = parse_bytes(block_size, what="--block-size")
     m = _merge_inputs(config, base, expert, method, param, budget, fidelity, seed)
@@ -593,15 +592,13 @@ def search(
     """Search layer-wise merge parameters with multi-objective Bayesian optimisation (asynchronous,
     prior-guided; after AP-BMM). Every candidate is a committed merge followed by an evaluation; the
     result is a Pareto set of snapshots (results.json)."""
-    from mergepipe.pipeline import parse_expert
-    from mergepipe.search.evaluators import CommandEvaluator, Objective, ZooEvaluator
-    from mergepipe.search.runner import SearchConfig, run_search
-
     import hashlib
     import os
     import tempfile
 
-    from mergepipe.search.runner import StateMirror
+    from mergepipe.pipeline import parse_expert
+    from mergepipe.search.evaluators import CommandEvaluator, Objective, ZooEvaluator
+    from mergepipe.search.runner import SearchConfig, StateMirror, run_search
     from mergepipe.search.state import STATE_NAME
 
     log = lambda m: _err_console().print(m, highlight=False)  # noqa: E731

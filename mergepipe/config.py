@@ -268,11 +268,12 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
         get_method(cfg.merge_method)
     except InputError as e:
         raise InputError(f"{p}: merge_method: {e}") from None
+    n_models = len(cfg.models or ())  # expert_params' extra entry (linear's base) names models[n_models]
     resolved = resolve_params(
         cfg.merge_method, dict(cfg.parameters or {}), expert_params,
         where_global=lambda n: f"{p}: parameters.{n}",
         where_expert=lambda i, n: (f"{p}: base_model (averaged in by linear): parameters.{n}"
-                                   if model_index[i] == len(cfg.models) else
+                                   if model_index[i] == n_models else
                                    f"{p}: models[{model_index[i]}].parameters.{n}"),
         where_models=f"{p}: models",
     )

@@ -73,10 +73,10 @@ def run_demo(zoo_root: Path | None = None, out_root: Path | None = None, *, tiny
             **{f"loss.{d}": v for d, v in ev.items()},
         })
     domains = list(zoo.eval_sets)
-    t = Table("model", "expert budget", "expert bytes read", "merge wall s", "retained energy",
+    table = Table("model", "expert budget", "expert bytes read", "merge wall s", "retained energy",
               *[f"loss {d}" for d in domains], title=f"mergepipe demo: {method} {' '.join(params)}, {len(experts)} experts")
     for r in rows:
-        t.add_row(
+        table.add_row(
             r["model"],
             "-" if "expert_read_bytes" not in r else ("unlimited" if r["budget"] is None else f"{r['budget'] / 2**20:.1f} MiB"),
             "-" if "expert_read_bytes" not in r else f"{r['expert_read_bytes'] / 2**20:.1f} MiB of {r['expert_bytes_total'] / 2**20:.1f}",
@@ -84,6 +84,6 @@ def run_demo(zoo_root: Path | None = None, out_root: Path | None = None, *, tiny
             "-" if "retained_energy" not in r else f"{r['retained_energy']:.1%}",
             *[f"{r[f'loss.{d}']:.3f}" for d in domains],
         )
-    Console(width=max(150, Console().width)).print(t)
+    Console(width=max(150, Console().width)).print(table)
     log(f"demo finished in {time.perf_counter() - t0:.1f} s; snapshots under {out_root}")
     return rows

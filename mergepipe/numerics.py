@@ -23,9 +23,12 @@ Three definitions here are mergepipe's canonical, device-independent semantics:
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 
 import numpy as np
+
+from mergepipe.formats.safetensors import DTYPES
 
 N_KEYS = 0x8000  # 15-bit magnitude keys (sign bit is always 0)
 OCT_SHIFT = 7  # key >> 7 = the bf16 exponent field: one "octave" of magnitudes
@@ -57,9 +60,10 @@ def decode(raw: bytes | memoryview | np.ndarray, dtype: str) -> np.ndarray:
 
         t = torch.frombuffer(bytearray(buf.tobytes()), dtype=getattr(torch, "float8_e4m3fn" if dtype == "F8_E4M3" else "float8_e5m2"))
         return t.float().numpy()
-    from mergepipe.formats.safetensors import DTYPES
-
-    return buf.view(DTYPES[dtype][2]).astype(np.int64)
+    np_dtype = DTYPES[dtype][2]
+    if np_dtype is None:
+        raise ValueError(f"decode: no numpy layout for safetensors dtype {dtype}")
+    return buf.view(np_dtype).astype(np.int64)
 
 
 def magnitude_keys(delta: np.ndarray) -> np.ndarray:
@@ -276,8 +280,6 @@ def segment_dots(a: np.ndarray, b: np.ndarray, width: int) -> np.ndarray:
 
 def exact_total(parts) -> float:
     """Exactly rounded sum (``math.fsum``) of float64 partial sums."""
-    import math
-
     return math.fsum(float(x) for x in np.asarray(parts, dtype=np.float64).ravel())
 
 
@@ -344,8 +346,6 @@ def slerp_coefficients(t: float, base_sq: float, expert_sq: float, base_dot_expe
     [−1, 1]; linear interpolation when ``|dot| > 0.9995``, else ``sin((1−t)θ)/sin θ`` and
     ``sin(tθ)/sin θ``. Here in float64 from the catalog's exact sums, rounded to float32.
     """
-    import math
-
     na = math.sqrt(max(base_sq, 0.0))
     nb = math.sqrt(max(expert_sq, 0.0))
     na = na if na > eps else 1.0
@@ -363,8 +363,6 @@ def nuslerp_coefficients(t: float, sq0: float, sq1: float, dot01: float, eps: fl
     ``(a·δ₀ + b·δ₁) / s``; when the vectors are colinear (``1 − cos² <= eps²``) it is the lerp
     ``(1−t)·δ₀ + t·δ₁``, returned as ``(1−t, t, 1)``. Norms are clamped below at 1e-7 as in
     mergekit's ``_normalize``."""
-    import math
-
     n0 = max(math.sqrt(max(sq0, 0.0)), 1e-7)
     n1 = max(math.sqrt(max(sq1, 0.0)), 1e-7)
     cos = max(-1.0, min(1.0, dot01 / (n0 * n1)))
@@ -410,6 +408,8 @@ def model_stock_t(n_models: int, sq: Sequence, dots: dict) -> np.ndarray:
             c = np.clip(np.asarray(dots[(i, j)], dtype=np.float64) / den, -1.0, 1.0)
             acc = c if acc is None else acc + c
             npairs += 1
+    if acc is None:
+        raise ValueError(f"model_stock_t: needs at least two experts, got {n_models}")
     c = acc / npairs
     den = 1.0 + (n_models - 1) * c
     singular = np.abs(den) < 1e-6

@@ -5,8 +5,6 @@ The CLI (:mod:`mergepipe.cli`) is a thin layer over these functions.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import platform
 import re
 import shutil
@@ -32,7 +30,7 @@ _UNITS = {
 }
 
 
-def parse_bytes(text: str, *, total: int | None = None, what: str = "--budget") -> int | None:
+def parse_bytes(text: str | int, *, total: int | None = None, what: str = "--budget") -> int | None:
     """Parse a byte quantity: ``1234``, ``512MiB``, ``1.5GB``, ``10Gi``, a percentage of
     ``total`` (``25%``), or ``unlimited``/``inf`` (returns None).
 

@@ -41,9 +41,9 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable
 
 __all__ = ["DOMAINS", "ZooConfig", "Zoo", "default_zoo_root", "build_zoo", "evaluate"]
 
@@ -136,7 +136,7 @@ class ZooConfig:
             raise ValueError(f"ZooConfig.seq_len must be >= 8, got {self.seq_len}")
 
     @classmethod
-    def tiny(cls, **overrides) -> "ZooConfig":
+    def tiny(cls, **overrides) -> ZooConfig:
         """A small config for tests: ~0.2 M parameters, builds in well under 60 s on 2 cores and
         still writes >= 2 shards per checkpoint. Keyword arguments override fields."""
         base = dict(
@@ -540,7 +540,7 @@ def _token_stream(tok, docs: list[str], eos_id: int):
     return torch.from_numpy(np.asarray(ids, dtype=np.int64))
 
 
-def _load_eval_windows(zoo: Zoo) -> dict[str, "object"]:
+def _load_eval_windows(zoo: Zoo) -> dict[str, object]:
     """domain -> LongTensor [n_windows, seq_len] of held-out tokens (n_windows <= eval_sequences)."""
     from tokenizers import Tokenizer
 

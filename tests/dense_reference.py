@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from mergepipe.methods.params import ResolvedParams, TensorParams, layer_count, layer_t
 from mergepipe.methods.registry import get_method
 from mergepipe.numerics import (

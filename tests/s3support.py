@@ -408,7 +408,7 @@ class FaultProxy:
             return None
 
     # -- lifecycle --------------------------------------------------------------------
-    def start(self) -> "FaultProxy":
+    def start(self) -> FaultProxy:
         ready = threading.Event()
 
         def run():
@@ -447,7 +447,7 @@ class FaultProxy:
             self._thread.join(10)
             self._thread = None
 
-    def __enter__(self) -> "FaultProxy":
+    def __enter__(self) -> FaultProxy:
         return self.start()
 
     def __exit__(self, *exc) -> None:

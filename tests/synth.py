@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 
 def llama_like_shapes(hidden: int = 64, inter: int = 160, layers: int = 2, vocab: int = 256) -> dict:
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}

@@ -11,10 +11,10 @@ import yaml
 from mergepipe.catalog.catalog import Catalog
 from mergepipe.config import load_config, merge_from_config
 from mergepipe.errors import InputError
-from tests.dense_reference import merge_checkpoint_dense
 from mergepipe.storage.base import IOCounters
 from mergepipe.storage.local import LocalStorage
 from tests.conftest import merged_tensors, run_cli, same_bits
+from tests.dense_reference import merge_checkpoint_dense
 
 
 def write(tmp_path, cfg, name="merge.yml") -> Path:
@@ -262,7 +262,6 @@ def test_cli_plan_config_same_plan_as_merge(family, tmp_path, monkeypatch, capsy
 
 def _mergekit_linear(models_and_weights, name):
     """mergekit 0.1.5's linear (merge_methods/linear.py) in float64: Σ wᵢθᵢ / Σ wᵢ."""
-    import torch
 
     from tests.conftest import merged_tensors
 

@@ -14,13 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from safetensors import safe_open
 from safetensors.numpy import save_file as np_save_file
-from safetensors.torch import load as st_load_bytes
-from safetensors.torch import load_file as st_load_file
-from safetensors.torch import save_file as pt_save_file
+from safetensors.torch import load as st_load_bytes, load_file as st_load_file, save_file as pt_save_file
 
 from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import (

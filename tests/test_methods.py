@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from mergepipe.catalog.catalog import Catalog
-from tests.dense_reference import merge_checkpoint_dense, reference_min_key
 from mergepipe.methods.params import resolve_params
 from mergepipe.methods.registry import METHODS
 from mergepipe.numerics import dare_keep_mask, histogram, magnitude_keys, trim_min_key
 from mergepipe.pipeline import merge
 from tests.conftest import merged_tensors, same_bits
+from tests.dense_reference import merge_checkpoint_dense, reference_min_key
 
 CASES = [
     ("linear", []),
@@ -224,8 +224,8 @@ def test_new_methods_registered_with_mergekit_defaults():
 @pytest.mark.parametrize("density,gamma", [(0.5, 0.01), (0.9, 0.05), (0.2, 0.0), (0.99, 0.02), (0.3, 0.9),
                                            (1e-5, 0.01), (0.7, 0.3)])
 def test_breadcrumbs_window_from_histogram_equals_sort(density, gamma):
-    from tests.dense_reference import reference_outlier_window
     from mergepipe.numerics import outlier_window
+    from tests.dense_reference import reference_outlier_window
 
     rng = np.random.default_rng(int(density * 1000 + gamma * 100))
     d = torch.from_numpy((rng.standard_normal(40_000) * 1e-3).astype(np.float32)).to(torch.bfloat16).float()
@@ -408,8 +408,8 @@ def test_ties_divisor_and_rescale_thresholds_follow_mergekit(weights):
     the dense reference agree with it."""
     from mergepipe.methods.kernels import combine, rescale_factor
     from mergepipe.methods.params import TensorParams
-    from tests.dense_reference import merge_tensor_dense
     from mergepipe.methods.registry import get_method
+    from tests.dense_reference import merge_tensor_dense
 
     g = torch.Generator().manual_seed(3)
     base = torch.randn(8, 64, generator=g)

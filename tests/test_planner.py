@@ -1,8 +1,7 @@
 """Budget guarantee (realized <= planned <= budget), fidelity mode, explanations, digests."""
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from mergepipe.catalog.catalog import Catalog
 from mergepipe.errors import InputError

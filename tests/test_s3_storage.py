@@ -12,8 +12,7 @@ import time
 import traceback
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from mergepipe.storage.base import (
     IOCounters,
@@ -23,9 +22,9 @@ from mergepipe.storage.base import (
     coalesce,
     coalesced_cost,
 )
-from mergepipe.storage.s3 import MIN_PART, MiB, S3Error, S3Storage, S3Writer
 from mergepipe.storage.routing import open_storage
-from tests.s3support import FaultProxy, s3_env, seaweed  # noqa: F401 - fixtures
+from mergepipe.storage.s3 import MIN_PART, MiB, S3Error, S3Storage, S3Writer
+from tests.s3support import FaultProxy
 
 pytestmark = pytest.mark.s3
 
@@ -414,7 +413,7 @@ def test_conditional_put_race_has_exactly_one_winner(storage, seaweed, bucket):
         barrier = threading.Barrier(16)
         results: dict[int, str] = {}
 
-        def attempt(i):
+        def attempt(i, barrier=barrier, uri=uri, results=results):
             barrier.wait()
             try:
                 storage.put_object(uri, f"writer {i}".encode(), if_none_match=True)

@@ -51,8 +51,7 @@ def _config(family, tmp_path, **kw):
 
 # -- space ------------------------------------------------------------------------------------------
 def test_space_maps_points_to_layer_block_filter_lists():
-    from mergepipe.methods.params import layer_t
-    from mergepipe.methods.params import resolve_params
+    from mergepipe.methods.params import layer_t, resolve_params
     from mergepipe.pipeline import parse_params
     from mergepipe.search.space import SearchSpace, layer_blocks, parse_vary
 

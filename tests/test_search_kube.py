@@ -9,8 +9,8 @@ import copy
 
 import pytest
 
-from mergepipe_kube.search import CandidateFailed, KubernetesMerger, candidate_name
 from mergepipe.search.runner import SearchConfig
+from mergepipe_kube.search import CandidateFailed, KubernetesMerger, candidate_name
 
 UID = "11111111-2222-4333-8444-555555555555"
 
@@ -163,9 +163,9 @@ TEMPLATE = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x-e00
 
 
 def evaluator(batch, tmp_path, **kw):
-    from mergepipe_kube.search import KubernetesJobEvaluator
     from mergepipe.storage.base import IOCounters
     from mergepipe.storage.routing import open_storage
+    from mergepipe_kube.search import KubernetesJobEvaluator
 
     return KubernetesJobEvaluator(batch, "team", "front", UID, TEMPLATE, "python score.py {checkpoint}",
                                   str(tmp_path / "state"), open_storage(None, IOCounters()), poll_seconds=0,
@@ -233,8 +233,8 @@ def test_search_eval_cli_writes_metrics_or_the_error(tmp_path, monkeypatch, caps
 def test_driver_and_operator_share_one_naming_rule():
     """The driver labels and names candidates exactly as the operator selects them, also for
     names that must be shortened or sanitized (they once used two copies that differed there)."""
-    from mergepipe_kube.names import label_value
     from mergepipe_kube import search as kube
+    from mergepipe_kube.names import label_value
 
     for name in ("front", "a" * 57, "a" * 58, "a" * 80, "Team.Front_search", "x" * 63, "x" * 64):
         lv = label_value(name)

@@ -8,8 +8,7 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from mergepipe.storage.base import (
     DEFAULT_MAX_REQUEST,
@@ -52,7 +51,7 @@ def test_coalesce_properties(ranges, max_gap, max_request):
     for s, e in out:
         assert 0 <= s < e
         assert e - s <= max_request
-    for (s0, e0), (s1, e1) in zip(out, out[1:]):
+    for (s0, e0), (s1, _e1) in zip(out, out[1:]):
         assert e0 <= s1
         gap = s1 - e0
         # consecutive requests are either separated by more than max_gap, or are pieces of one

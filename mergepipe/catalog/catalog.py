@@ -180,10 +180,12 @@ class Catalog:
     """
 
     def __init__(self, path: str | Path | None = None) -> None:
-        self.path = Path(path) if path else default_catalog_path()
+        file = Path(path) if path else default_catalog_path()
+        #: Where the catalog lives: the SQLite file (an object-store catalog: its prefix URI).
+        self.path: Path | str = file
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=60)
+            file.parent.mkdir(parents=True, exist_ok=True)
+            self.db = sqlite3.connect(str(file), check_same_thread=False, timeout=60)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA foreign_keys=ON")
             self.db.executescript(SCHEMA)
@@ -288,6 +290,7 @@ class Catalog:
                 (base, expert, block_bytes, STATS_VERSION, time.time(), seconds, nread),
             )
             aid = cur.lastrowid
+            assert aid is not None  # set by the INSERT above
             self.db.executemany(
                 "INSERT INTO tensor_stats VALUES (?,?,?,?,?,?,?)",
                 [
@@ -326,8 +329,10 @@ class Catalog:
                 experts before any tensor byte is read).
         """
         todo = [e for e in experts if not self.has_analysis(base.identity, e.identity, block_bytes)]
-        seen = set()
-        todo = [e for e in todo if not (e.identity in seen or seen.add(e.identity))]
+        first: dict[str, CheckpointRecord] = {}  # one per identity, the first, in order
+        for e in todo:
+            first.setdefault(e.identity, e)
+        todo = list(first.values())
         missing_pairs: list[tuple[CheckpointRecord, CheckpointRecord]] = []
         if pairs:
             uniq = []
@@ -367,9 +372,9 @@ class Catalog:
             self.sensitivity(storage, base, calibration, block_bytes)
         out = []
         for e in experts:
-            a = self.find_analysis(base.identity, e.identity, block_bytes)
-            assert a is not None
-            out.append(a)
+            found = self.find_analysis(base.identity, e.identity, block_bytes)
+            assert found is not None
+            out.append(found)
         return out
 
     def tensor_digests(self, identity: str) -> dict[str, str]:

@@ -25,7 +25,7 @@ import zipfile
 
 from mergepipe.catalog.catalog import STATS_VERSION, Analysis, Catalog, CheckpointRecord
 from mergepipe.catalog.stats import TensorStats
-from mergepipe.formats.safetensors import layout_from_dict, layout_to_dict
+from mergepipe.formats.safetensors import layout_to_dict
 from mergepipe.storage.base import NotFoundError, PreconditionFailed, Storage
 
 

@@ -65,22 +65,27 @@ class TensorStats:
     content_sha256: str = ""
     sums: np.ndarray | None = None
 
+    def _sum(self, i: int) -> float:
+        if self.sums is None:
+            raise ValueError("tensor statistics without exact sums; re-run `mergepipe analyze`")
+        return float(self.sums[i])
+
     @property
     def delta_sq(self) -> float:
         """Exact ``Σδ²`` (canonical, chunking-independent)."""
-        return float(self.sums[0])
+        return self._sum(0)
 
     @property
     def base_sq(self) -> float:
-        return float(self.sums[1])
+        return self._sum(1)
 
     @property
     def expert_sq(self) -> float:
-        return float(self.sums[2])
+        return self._sum(2)
 
     @property
     def base_dot_expert(self) -> float:
-        return float(self.sums[3])
+        return self._sum(3)
 
     @property
     def n_blocks(self) -> int:

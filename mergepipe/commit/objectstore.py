@@ -182,7 +182,7 @@ def verify_obj(storage: Storage, out: str) -> dict:
             from mergepipe.commit.manifest import shard_tree_digest
 
             try:
-                ok = shard_tree_digest(lambda a, b: storage.read_range(uri, a, b, "other"), size, rel) == info["tree_sha256"]
+                ok = shard_tree_digest(lambda a, b, uri=uri: storage.read_range(uri, a, b, "other"), size, rel) == info["tree_sha256"]
             except Exception:
                 ok = False
             if not ok:

@@ -194,8 +194,8 @@ def parse_header(raw: bytes, file: str, file_size: int, source: str | None = Non
     hbytes = bytes(raw[8 : 8 + n])
     try:
         obj = json.loads(hbytes.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"{src}: header is not valid UTF-8 JSON ({e}); the file is corrupt.") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(f"{src}: header is not valid UTF-8 JSON ({err}); the file is corrupt.") from None
     if not isinstance(obj, dict):
         raise InputError(f"{src}: header JSON is {type(obj).__name__}, expected an object.")
     meta = obj.pop("__metadata__", None) or {}

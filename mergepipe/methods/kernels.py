@@ -249,8 +249,8 @@ def combine(base, deltas: list, weights: list[float], spec: MethodSpec, globals_
             acc = t if acc is None else acc + t
         wsum = sum(weights) if weight_sum is None else weight_sum
         if normalize:
-            div = wsum if abs(wsum) >= 1e-8 else 1.0
-            return _add(base, acc / div) if acc is not None else base
+            den = wsum if abs(wsum) >= 1e-8 else 1.0
+            return _add(base, acc / den) if acc is not None else base
         return base * wsum + (acc if acc is not None else 0.0)
 
     lam = float(globals_.get("lambda", 1.0))
@@ -261,9 +261,9 @@ def combine(base, deltas: list, weights: list[float], spec: MethodSpec, globals_
         if fast is not None:
             return fast
         weighted = [d * w for d, w in zip(deltas, weights)]
-        total = None
-        for t in weighted:
-            total = t if total is None else total + t
+        total = weighted[0]
+        for t in weighted[1:]:
+            total = total + t
         majority = torch.where(total >= 0, 1.0, -1.0).to(base.dtype)
         mixed = None
         div = None
@@ -273,6 +273,7 @@ def combine(base, deltas: list, weights: list[float], spec: MethodSpec, globals_
             dw = agree.to(base.dtype) * w
             mixed = m if mixed is None else mixed + m
             div = dw if div is None else div + dw
+        assert mixed is not None and div is not None  # deltas is not empty
         if normalize:
             div = torch.where(div == 0, torch.ones((), dtype=div.dtype, device=div.device), div)
             mixed = mixed / div
@@ -336,8 +337,10 @@ def _sum_consensus_arith(base, deltas: list, weights: list[float], normalize: bo
                 ind.mul_(w)
             div = ind if div is None else div.add_(ind)
         acc = p if acc is None else acc.add_(p)
+    assert acc is not None  # deltas is not empty
     acc.mul_(sgn)
     if normalize:
+        assert div is not None
         acc.div_(div.clamp_min_(_F32_TRUE_MIN))
     if lam != 1.0:
         acc.mul_(lam)
@@ -386,6 +389,8 @@ def model_stock_merge(base, deltas: list, t, width: int | None = None):
     n = len(deltas)
     avg = sum_in_order(deltas) / n
     if t is None:
+        if width is None:
+            raise ValueError("model_stock_merge: a per-filter ratio (t=None) needs the filter width")
         ds = [d.detach().cpu().numpy() for d in deltas]
         sq = [segment_dots(x, x, width) for x in ds]
         dots = {(i, j): segment_dots(ds[i], ds[j], width) for i in range(n) for j in range(i + 1, n)}
@@ -412,10 +417,12 @@ def nuslerp_merge(base, d0, d1, coef, width: int | None = None, t: float = 0.5):
     import torch
 
     if coef is None:
+        if width is None:
+            raise ValueError("nuslerp_merge: per-row coefficients (coef=None) need the row width")
         x0, x1 = d0.detach().cpu().numpy(), d1.detach().cpu().numpy()
-        c = nuslerp_coefficients_rows(t, segment_dots(x0, x0, width), segment_dots(x1, x1, width),
-                                      segment_dots(x0, x1, width))
-        c = torch.from_numpy(c).to(base.device)
+        rows = nuslerp_coefficients_rows(t, segment_dots(x0, x0, width), segment_dots(x1, x1, width),
+                                         segment_dots(x0, x1, width))
+        c = torch.from_numpy(rows).to(base.device)
         a, b, s = c[:, 0:1], c[:, 1:2], c[:, 2:3]
         mixed = ((d0.reshape(-1, width) * a + d1.reshape(-1, width) * b) / s).reshape(-1)
     else:

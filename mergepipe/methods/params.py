@@ -87,9 +87,9 @@ def parse_setting(p: ParamSpec, raw: Any, where: str) -> Any:
     if isinstance(raw, str) and raw.strip()[:1] in ("[", "{"):
         try:
             raw = json.loads(raw)
-        except json.JSONDecodeError as e:
+        except json.JSONDecodeError as err:
             raise InputError(
-                f"{where}: {raw!r} is not valid JSON ({e.msg}); a gradient is [0.2, 0.8], a filter list "
+                f"{where}: {raw!r} is not valid JSON ({err.msg}); a gradient is [0.2, 0.8], a filter list "
                 '[{"filter": "mlp", "value": 0.5}, {"value": 0.3}].'
             ) from None
     if isinstance(raw, dict):
@@ -107,7 +107,7 @@ def parse_setting(p: ParamSpec, raw: Any, where: str) -> Any:
     if not all(isinstance(e, dict) for e in raw):
         raise InputError(f"{where}: the list mixes numbers and {{filter, value}} entries; use a gradient "
                          "(numbers only) or filter entries (mappings only).")
-    out = []
+    out: list[dict[str, Any]] = []
     catch_all = None
     for i, e in enumerate(raw):
         ew = f"{where}[{i}]"
@@ -240,7 +240,7 @@ class ResolvedParams:
                                      '{"value": ...} at the end.')
                 g[p.name] = v
         es = []
-        for i, ep in enumerate(self.experts):
+        for ep in self.experts:
             d = {}
             for p in spec.params:
                 if p.scope == "expert":

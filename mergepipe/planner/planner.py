@@ -241,7 +241,7 @@ def make_plan(
         if not floating:
             continue
         stats = []
-        for i, (e, a) in enumerate(zip(experts, analyses)):
+        for e, a in zip(experts, analyses):
             st = a.tensors.get(name)
             if st is None:
                 raise InputError(f"catalog: analysis of {e.uri} lacks tensor {name!r}; re-run `mergepipe analyze`.")

@@ -31,7 +31,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -621,7 +621,6 @@ def results(state: dict) -> dict:
     cfg = state["config"]
     done = sorted((c for c in state["candidates"] if c["status"] == "done"), key=lambda c: c["times"]["ended"])
     sessions = state["sessions"]
-    t_start = sessions[0]["started"] if sessions else 0.0
 
     def rel(t: float) -> float:  # seconds of search time: gaps between sessions removed
         acc = 0.0

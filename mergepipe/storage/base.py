@@ -139,7 +139,7 @@ def coalesced_cost(
 
 
 def slice_from_requests(
-    requests: Sequence[tuple[int, int]], buffers: Sequence[bytes | memoryview], start: int, end: int
+    requests: Sequence[tuple[int, int]], buffers: Sequence[bytes | bytearray | memoryview], start: int, end: int
 ) -> memoryview | bytes:
     """Extract bytes ``[start, end)`` from fetched ``requests`` (sorted, non-overlapping) whose
     data are ``buffers``. A range spanning several split requests is joined (one copy)."""
@@ -225,7 +225,7 @@ class Storage(abc.ABC):
         """Size and version of ``uri``. Raises :class:`NotFoundError`."""
 
     @abc.abstractmethod
-    def _fetch(self, uri: str, requests: Sequence[tuple[int, int]]) -> list[bytes]:
+    def _fetch(self, uri: str, requests: Sequence[tuple[int, int]]) -> Sequence[bytes | bytearray]:
         """Fetch already-coalesced requests (concurrently where useful); no accounting."""
 
     def exists(self, uri: str) -> bool:

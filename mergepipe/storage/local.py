@@ -28,7 +28,7 @@ class LocalWriter(Writer):
     """Writes one file sequentially; ``close()`` fsyncs it. ``copy_range`` reads from the source
     file (counted under ``base``) since a local copy cannot skip the page cache anyway."""
 
-    def __init__(self, storage: "LocalStorage", uri: str, role: Role) -> None:
+    def __init__(self, storage: LocalStorage, uri: str, role: Role) -> None:
         self.storage, self.uri, self.role = storage, uri, role
         p = _path(uri)
         os.makedirs(os.path.dirname(p) or ".", exist_ok=True)

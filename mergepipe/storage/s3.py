@@ -40,6 +40,7 @@ raised ``from None`` so botocore's exception (with the raw response) is not chai
 from __future__ import annotations
 
 import base64
+import builtins
 import hashlib
 import http.client
 import logging
@@ -49,8 +50,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait as futures_wait
 
 from mergepipe.storage.base import (
     DEFAULT_MAX_REQUEST,
@@ -154,13 +154,15 @@ def _is_retryable(exc: BaseException) -> bool:
     if isinstance(exc, ClientError):
         code, status, _ = _client_error_parts(exc)
         return (status is not None and status >= 500) or code in _THROTTLE_CODES or status == 429
+    urllib3_errors: tuple[type[BaseException], ...]
     try:
         from urllib3.exceptions import HTTPError as Urllib3HTTPError
+
+        urllib3_errors = (Urllib3HTTPError,)
     except ImportError:  # pragma: no cover
-        Urllib3HTTPError = ()  # type: ignore[assignment]
+        urllib3_errors = ()
     return isinstance(exc, (_ShortBody, IncompleteReadError, HTTPClientError, BotoConnectionError,
-                            http.client.HTTPException, ConnectionError, TimeoutError,
-                            Urllib3HTTPError))
+                            http.client.HTTPException, ConnectionError, TimeoutError, *urllib3_errors))
 
 
 class S3Storage(Storage):
@@ -485,7 +487,7 @@ class S3Storage(Storage):
                     except Exception:  # noqa: BLE001
                         pass
 
-    def _fetch(self, uri: str, requests: Sequence[tuple[int, int]]) -> list[bytes]:
+    def _fetch(self, uri: str, requests: Sequence[tuple[int, int]]) -> list[bytearray]:
         """Fetch coalesced ``requests`` (``[start, end)`` byte ranges) as one ranged GET each,
         concurrently on up to ``threads`` threads; returns one buffer per request, in order.
         No accounting (the caller counts). All requests must see the same ETag.
@@ -506,7 +508,9 @@ class S3Storage(Storage):
             for f in not_done:
                 f.cancel()
             futures_wait(not_done)
-            raise failed[0].exception()
+            exc = failed[0].exception()
+            assert exc is not None
+            raise exc
         results = [f.result() for f in futs]
         etags = {r[2] for r in results if r[2]}
         if len(etags) > 1:
@@ -565,8 +569,8 @@ class S3Storage(Storage):
         keys = self._list_keys(prefix, bucket, key)
         yield from (f"s3://{bucket}/{k}" for k in sorted(keys))
 
-    def _list_keys(self, uri: str, bucket: str, key_prefix: str) -> list[str]:
-        keys: list[str] = []
+    def _list_keys(self, uri: str, bucket: str, key_prefix: str) -> builtins.list[str]:  # list: the method above
+        keys: builtins.list[str] = []
         try:
             pages = self.client.get_paginator("list_objects_v2").paginate(
                 Bucket=bucket, Prefix=key_prefix, PaginationConfig={"PageSize": self.list_page_size})
@@ -635,7 +639,7 @@ class S3Storage(Storage):
         except Exception:  # noqa: BLE001
             return None
 
-    def open_writer(self, uri: str, role: Role = "output") -> "S3Writer":
+    def open_writer(self, uri: str, role: Role = "output") -> S3Writer:
         """A multipart writer creating ``uri`` (see :class:`S3Writer`)."""
         bucket, key = split_uri(uri)
         if not key:
@@ -777,9 +781,11 @@ class S3Writer(Writer):
         if self._state != "open":
             raise S3Error(f"{self.uri}: writer is {self._state}; open a new writer")
 
-    def _ensure_upload(self) -> None:
+    def _ensure_upload(self) -> ThreadPoolExecutor:
+        """Start the multipart upload and its part pool on first use; returns the pool."""
         if self._upload_id is not None:
-            return
+            assert self._pool is not None  # created with the upload
+            return self._pool
         try:
             r = self._client.create_multipart_upload(Bucket=self.bucket, Key=self.key,
                                                       ChecksumAlgorithm="SHA256")
@@ -788,6 +794,7 @@ class S3Writer(Writer):
         self._upload_id = r["UploadId"]
         self._pool = ThreadPoolExecutor(self.storage.max_inflight_parts,
                                         thread_name_prefix="mergepipe-s3-part")
+        return self._pool
 
     def _take_part_number(self) -> int:
         self._ensure_upload()
@@ -800,15 +807,17 @@ class S3Writer(Writer):
 
     def _raise_if_failed(self) -> None:
         for f in self._futures:
-            if f.done() and not f.cancelled() and f.exception() is not None:
-                raise f.exception()
+            if f.done() and not f.cancelled():
+                exc = f.exception()
+                if exc is not None:
+                    raise exc
 
     def _submit(self, fn, *args) -> None:
-        self._ensure_upload()
+        pool = self._ensure_upload()
         self._raise_if_failed()
         self._slots.acquire()
         try:
-            fut = self._pool.submit(self._run_slot, fn, *args)
+            fut = pool.submit(self._run_slot, fn, *args)
         except BaseException:
             self._slots.release()
             raise
@@ -956,7 +965,8 @@ class S3Writer(Writer):
                         MultipartUpload={"Parts": parts})
                 except Exception as e:  # noqa: BLE001
                     raise self.storage._error(e, self.uri, "CompleteMultipartUpload") from None
-                self._pool.shutdown(wait=True)
+                if self._pool is not None:  # started with the first part
+                    self._pool.shutdown(wait=True)
             self._state = "closed"
             return self._size
         except BaseException as e:

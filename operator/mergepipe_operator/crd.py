@@ -30,7 +30,7 @@ is the one node marked ``x-kubernetes-preserve-unknown-fields: true`` without a 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
@@ -54,7 +54,7 @@ def expert_count_message(method: str) -> str:
     return f"{method} takes {m.experts_text} expert{'s' if many else ''} (besides the base)"
 
 
-def expert_count_rules() -> list[dict[str, str]]:
+def expert_count_rules() -> list[dict[str, Any]]:
     """The CRD's CEL rules on ``size(self.experts)`` per method, generated from the core's
     registry: one ``{rule, message}`` per method whose expert count is bounded beyond "at least 1"."""
     out = []
@@ -109,7 +109,7 @@ class K8sModel(BaseModel):
 # --- shared field types -----------------------------------------------------------------------
 
 ByteQuantity = Annotated[
-    Union[Annotated[StrictInt, Field(ge=1)], Annotated[str, StringConstraints(pattern=BYTES_PATTERN)]],
+    Annotated[StrictInt, Field(ge=1)] | Annotated[str, StringConstraints(pattern=BYTES_PATTERN)],
     WithJsonSchema(
         {
             "x-kubernetes-int-or-string": True,
@@ -121,7 +121,7 @@ ByteQuantity = Annotated[
 ]
 
 K8sQuantity = Annotated[
-    Union[Annotated[StrictInt, Field(ge=0)], Annotated[str, StringConstraints(pattern=K8S_QUANTITY_PATTERN)]],
+    Annotated[StrictInt, Field(ge=0)] | Annotated[str, StringConstraints(pattern=K8S_QUANTITY_PATTERN)],
     WithJsonSchema(
         {
             "x-kubernetes-int-or-string": True,

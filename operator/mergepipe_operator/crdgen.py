@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from .crd import GROUP, RESOURCES, VERSION
 
@@ -143,7 +144,7 @@ def _order(node: dict[str, Any]) -> dict[str, Any]:
     return dict(sorted(node.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0])))
 
 
-def model_schema(model: type) -> dict[str, Any]:
+def model_schema(model: type[BaseModel]) -> dict[str, Any]:
     """The structural OpenAPI v3 schema of a pydantic model."""
     raw = model.model_json_schema(by_alias=True, mode="validation")
     defs = raw.pop("$defs", {})
@@ -321,8 +322,8 @@ return hs
 
 def _health_checks() -> dict[str, dict[str, Any]]:
     from .modelmerge.decisions import TERMINAL_MERGE_REASONS
-    from .snapshot.decisions import TERMINAL_SNAPSHOT_REASONS
     from .search.decisions import TERMINAL_SEARCH_REASONS
+    from .snapshot.decisions import TERMINAL_SNAPSHOT_REASONS
 
     return {
         "ModelMerge": {

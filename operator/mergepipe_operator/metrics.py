@@ -21,10 +21,9 @@ try:
     QUOTA_HARD = _prom.Gauge("mergepipe_quota_hard", "MergeQuota limits (status.hard; unset limits have no sample)",
                              ["namespace", "quota", "resource"])
 except ImportError:  # pragma: no cover - metrics are optional
-    _prom = None
 
     class _Noop:
-        def labels(self, *a: Any, **k: Any) -> "_Noop":
+        def labels(self, *a: Any, **k: Any) -> _Noop:
             return self
 
         def inc(self, *a: Any) -> None:

@@ -352,7 +352,7 @@ class RealisticEmulator(k8s.KubernetesEmulator):
         labels = parse_selector(request.params.get("labelSelector"))
         fields = dict(p.split("=", 1) for p in (request.params.get("fieldSelector") or "").split(",") if "=" in p)
         out = []
-        for (r, ns, name), o in self._objects.items():
+        for (r, ns, _name), o in self._objects.items():
             if r != request.resource or o.deleted:
                 continue
             if request.namespace is not None and ns != request.namespace:

@@ -13,13 +13,19 @@ from datetime import timedelta
 import pytest
 from op_testlib import DIGEST, NOW, FakeKube, FakeStore, make_merge, make_quota
 
-from mergepipe_operator.k8s import conditions as cond  # noqa: E402
-from mergepipe_operator import controller as ctl  # noqa: E402
-from mergepipe_operator.modelmerge import decisions as mmd  # noqa: E402
-from mergepipe_operator.k8s import names  # noqa: E402
-from mergepipe_operator.modelmerge import planning  # noqa: E402
-from mergepipe_operator.k8s import quantities as qty  # noqa: E402
-from mergepipe_operator import reconcile  # noqa: E402
+from mergepipe_operator import (
+    controller as ctl,  # noqa: E402
+    reconcile,  # noqa: E402
+)
+from mergepipe_operator.k8s import (
+    conditions as cond,  # noqa: E402
+    names,  # noqa: E402
+    quantities as qty,  # noqa: E402
+)
+from mergepipe_operator.modelmerge import (
+    decisions as mmd,  # noqa: E402
+    planning,  # noqa: E402
+)
 from mergepipe_operator.snapshot import decisions as snapd  # noqa: E402
 
 kopf = pytest.importorskip("kopf", reason="kopf (the operator framework) is not installed")

@@ -11,8 +11,10 @@ import pytest
 from op_testlib import ROOT, cr_errors, load_docs
 
 from mergepipe_operator.k8s import conditions as cond  # noqa: E402
-from mergepipe_operator.modelmerge import decisions as mmd  # noqa: E402
-from mergepipe_operator.modelmerge import spec as mmspec  # noqa: E402
+from mergepipe_operator.modelmerge import (
+    decisions as mmd,  # noqa: E402
+    spec as mmspec,  # noqa: E402
+)
 from mergepipe_operator.quota import decisions as qd  # noqa: E402
 
 EXAMPLES = ROOT / "examples"

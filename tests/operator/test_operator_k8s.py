@@ -5,12 +5,9 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from mergepipe_operator.k8s import conditions as cond
-from mergepipe_operator.k8s import jobs as kjobs
-from mergepipe_operator.k8s import names
-from mergepipe_operator.k8s import quantities as qty
-
 from op_testlib import NOW
+
+from mergepipe_operator.k8s import conditions as cond, jobs as kjobs, names, quantities as qty
 
 GI = 1024**3
 

@@ -23,13 +23,19 @@ pytest.importorskip("kmock", reason="kmock (fake Kubernetes API) is not installe
 from kubeharness import Api, KubeServer, mark_job, operator, play_job, quota_ledger, ready, wait_for  # noqa: E402
 from op_testlib import S3Models  # noqa: E402
 
-from mergepipe_operator.k8s import conditions as cond  # noqa: E402
-from mergepipe_operator.modelmerge import decisions as mmd  # noqa: E402
-from mergepipe_operator.k8s import names  # noqa: E402
-from mergepipe_operator.modelmerge import planning  # noqa: E402
+from mergepipe_operator import (
+    controller as ctl,  # noqa: E402
+    main,  # noqa: E402,F401  (registers the kopf handlers)
+)
+from mergepipe_operator.k8s import (
+    conditions as cond,  # noqa: E402
+    names,  # noqa: E402
+)
+from mergepipe_operator.modelmerge import (
+    decisions as mmd,  # noqa: E402
+    planning,  # noqa: E402
+)
 from mergepipe_operator.snapshot import decisions as snapd  # noqa: E402
-from mergepipe_operator import controller as ctl  # noqa: E402
-from mergepipe_operator import main  # noqa: E402,F401  (registers the kopf handlers)
 
 pytestmark = pytest.mark.s3
 
@@ -199,9 +205,9 @@ def test_merge_end_to_end_analyze_plan_merge_commit_charge_delete(cluster):
     """ModelMerge -> analyze Job -> plan in status -> merge Job -> real snapshot in S3 ->
     MergedSnapshot Ready -> quota charged from the manifest; an operator restart while the analyze
     Job runs starts no second Job; deleting the merge stops its running Job and keeps the snapshot."""
-    from mergepipe.planner.plan import Plan
-
     from prometheus_client import REGISTRY
+
+    from mergepipe.planner.plan import Plan
 
     c = cluster
     before = REGISTRY.get_sample_value("mergepipe_merges_committed_total") or 0.0
@@ -430,8 +436,9 @@ def test_two_operator_processes_with_peering_one_acts_no_duplicate_job_no_double
             return len(st) == 2 and st
         try:
             st = wait_for("both operators in the peering", peers, timeout=90)
-        except AssertionError:
-            raise AssertionError((c.tmp / "op-a.log").read_text()[-3000:] + (c.tmp / "op-b.log").read_text()[-3000:])
+        except AssertionError as err:
+            raise AssertionError((c.tmp / "op-a.log").read_text()[-3000:]
+                                 + (c.tmp / "op-b.log").read_text()[-3000:]) from err
         assert st["op-a"]["priority"] != st["op-b"]["priority"] and min(p["priority"] for p in st.values()) >= 1
         leader, follower = sorted(("op-a", "op-b"), key=lambda n: -st[n]["priority"])
         procs = {"op-a": a, "op-b": b}

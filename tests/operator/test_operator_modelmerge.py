@@ -7,14 +7,11 @@ import dataclasses
 import re
 
 import pytest
-from mergepipe_operator.k8s import conditions as cond
-from mergepipe_operator.k8s import names
-from mergepipe_operator.modelmerge import decisions as mmd
-from mergepipe_operator.modelmerge import params as mmparams
-from mergepipe_operator.modelmerge import spec as mmspec
-from mergepipe_operator.snapshot import decisions as snapd
-
 from op_testlib import DIGEST, NOW, k8s_validate, make_merge
+
+from mergepipe_operator.k8s import conditions as cond, names
+from mergepipe_operator.modelmerge import decisions as mmd, params as mmparams, spec as mmspec
+from mergepipe_operator.snapshot import decisions as snapd
 
 GI = 1024**3
 

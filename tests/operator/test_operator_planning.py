@@ -13,9 +13,11 @@ import sys
 import pytest
 from op_testlib import ROOT, analyze_into, core_storage, make_merge, upload_dir
 
-from mergepipe_operator.modelmerge import decisions as mmd  # noqa: E402
-from mergepipe_operator.modelmerge import spec as mmspec  # noqa: E402
-from mergepipe_operator.modelmerge import planning  # noqa: E402
+from mergepipe_operator.modelmerge import (
+    decisions as mmd,  # noqa: E402
+    planning,  # noqa: E402
+    spec as mmspec,  # noqa: E402
+)
 
 pytest.importorskip("kopf", reason="kopf (the operator framework) is not installed")
 

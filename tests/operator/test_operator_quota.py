@@ -6,11 +6,11 @@ import copy
 from datetime import timedelta
 
 import pytest
+from op_testlib import NOW, make_quota
+
 from mergepipe_operator.k8s import quantities as qty
 from mergepipe_operator.k8s.conditions import Reason
 from mergepipe_operator.quota import decisions as qd
-
-from op_testlib import NOW, make_quota
 
 GI = 1024**3
 

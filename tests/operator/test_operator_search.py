@@ -12,12 +12,12 @@ from datetime import datetime, timezone
 import pytest
 from op_testlib import ROOT, FakeKube, FakeStore, cr_errors, k8s_validate, load_docs, make_settings
 
-from mergepipe_operator.search import decisions as sd
+from mergepipe_operator import controller as ctl  # noqa: E402
+from mergepipe_operator.k8s.api import JOBS, PODS, SEARCHES
 from mergepipe_operator.k8s.conditions import get_condition
 from mergepipe_operator.k8s.jobs import JobOutcome
+from mergepipe_operator.search import decisions as sd
 from mergepipe_operator.snapshot.decisions import snapshot_name
-from mergepipe_operator.k8s.api import JOBS, PODS, SEARCHES
-from mergepipe_operator import controller as ctl  # noqa: E402
 
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=timezone.utc)
 UID = "5e5e5e5e-0000-4000-8000-000000000001"
@@ -46,7 +46,7 @@ def core_results(objectives=("loss:python", "loss:arithmetic"), points=((1.0, 2.
                       "status": "done", "worker": 0, "snapshot": f"s3://snapshots/x/g1/c{i:04d}",
                       "manifest_hash": hashlib.sha256(str(i).encode()).hexdigest(), "metrics": {}, "objectives": list(y), "error": None,
                       "proposal": {}, "times": {"proposed": t, "ended": t + i + 1}})
-    for j in range(failed):
+    for _ in range(failed):
         cands.append({"id": len(cands), "x": [0.9], "params": [], "values": {}, "phase": "bo", "status": "failed",
                       "worker": 0, "snapshot": None, "manifest_hash": None, "metrics": None, "objectives": None,
                       "error": "merge failed: boom", "proposal": {}, "times": {"proposed": t, "ended": t + 9}})
@@ -316,9 +316,8 @@ def test_core_and_operator_name_candidates_alike(name):
 def test_a_candidate_of_the_example_is_a_valid_modelmerge():
     """The driver's child ModelMerge for a candidate point of the example search passes the CRD
     schema and the operator's checks (layer-wise weights as filter lists)."""
-    from mergepipe_kube.search import KubernetesMerger
     from mergepipe.search.runner import SearchConfig
-
+    from mergepipe_kube.search import KubernetesMerger
     from mergepipe_operator.modelmerge.spec import validate_merge_spec
 
     ms = search()

@@ -6,10 +6,10 @@ import hashlib
 import json
 
 import pytest
+from op_testlib import DIGEST
+
 from mergepipe_operator.k8s.conditions import Reason
 from mergepipe_operator.snapshot import decisions as snapd
-
-from op_testlib import DIGEST
 
 GI = 1024**3
 

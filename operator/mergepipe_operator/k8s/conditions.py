@@ -81,7 +81,7 @@ def set_condition(
         raise ValueError(f"condition status must be True, False or Unknown, got {status!r}")
     if not _REASON_RE.match(reason or ""):
         raise ValueError(f"condition reason must be CamelCase ([A-Za-z][A-Za-z0-9_,:]*), got {reason!r}")
-    new = {
+    new: dict[str, Any] = {
         "type": type,
         "status": status,
         "reason": reason,

@@ -6,12 +6,12 @@ from __future__ import annotations
 import re
 from datetime import datetime, timedelta, timezone
 from fractions import Fraction
-from typing import Any
+from typing import Any, TypeGuard, overload
 
 from ..crd import BYTES_PATTERN
 
 
-def is_number(v: Any) -> bool:
+def is_number(v: Any) -> TypeGuard[int | float]:
     """An int or float that is not a bool (JSON numbers)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -120,7 +120,12 @@ def rfc3339(t: datetime) -> str:
     return t.astimezone(timezone.utc).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+@overload
+def parse_time(s: str | datetime) -> datetime: ...
+@overload
+def parse_time(s: None) -> None: ...
 def parse_time(s: str | datetime | None) -> datetime | None:
+    """An RFC 3339 time (or a datetime) as an aware datetime (UTC when it has no zone); None stays None."""
     if s is None or isinstance(s, datetime):
         return s if s is None or s.tzinfo else s.replace(tzinfo=timezone.utc)
     return datetime.fromisoformat(s.replace("Z", "+00:00"))

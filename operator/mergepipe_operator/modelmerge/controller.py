@@ -366,6 +366,7 @@ class MergeReconciler(QuotaLedger, SnapshotVerifier):
                 raise Retry(f"Job {outcome.reason}; waiting for the committed manifest", 30)
             self.unreserve(ns, adm.get("key", ""), adm.get("quotas") or [], job_started=True)
             return {"conditions": set_condition(conds, "Ready", "False", Reason.JOB_FAILED, f"snapshot verification failed ({reason}): {message}", gen, now)}
+        assert raw is not None  # snapshot_ready found the manifest
         mhash = manifest_hash(raw)
         facts = manifest_facts(json.loads(raw))
         snap = snapshot_name(name, mhash)

@@ -32,8 +32,8 @@ def merge_deleted(body: kopf.Body, **_: Any) -> None:
         raise kopf.TemporaryError(str(e), delay=e.delay) from None
 
 
-def _job_running(status: dict[str, Any], **_: Any) -> bool:
-    ready = get_condition((status or {}).get("conditions"), "Ready")
+def _job_running(status: kopf.Status, **_: Any) -> bool:
+    ready = get_condition(status.get("conditions") if status else None, "Ready")
     return bool(ready and ready.get("reason") == Reason.JOB_RUNNING)
 
 
@@ -47,7 +47,7 @@ def merge_job_poll(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
 
 
 @kopf.on.event(*JOBS, labels={LABEL_MANAGED_BY: MANAGER})
-def job_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
+def job_event(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
     if event.get("type") == "DELETED":
         return
     if (body["metadata"].get("labels") or {}).get(LABEL_COMPONENT) in ("analyze", "search"):
@@ -56,7 +56,7 @@ def job_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
     ns = body["metadata"]["namespace"]
     mm_name = (body["metadata"].get("annotations") or {}).get(ANN_MERGE)
     mm = c.kube.get(MERGES, ns, mm_name) if mm_name else None
-    if mm is None:
+    if mm is None or not mm_name:
         return  # owner gone (replayed event)
     try:
         result = c.sync_job(mm, dict(body))

@@ -46,8 +46,7 @@ def _pydantic_issues(err: ValidationError) -> list[Issue]:
             msg = msg.rstrip(".") + "."
         out.append((path, msg))
     # de-duplicate while keeping order
-    seen: set[Issue] = set()
-    return [i for i in out if not (i in seen or seen.add(i))]
+    return list(dict.fromkeys(out))  # without repeats, in order
 
 
 def validate_merge_spec(spec: Mapping[str, Any]) -> list[Issue]:
@@ -82,7 +81,8 @@ def validate_merge_spec(spec: Mapping[str, Any]) -> list[Issue]:
         out.append(("spec.fidelity", f"fidelity must be a number in (0, 1], got {f!r}."))
 
     method = spec.get("method")
-    experts = spec.get("experts") if isinstance(spec.get("experts"), list) else []
+    raw_experts = spec.get("experts")
+    experts: list[Any] = raw_experts if isinstance(raw_experts, list) else []
     if method in METHODS and method not in METHOD_PARAMS:
         out.append(("spec.method", f"method {method} is not implemented by this mergepipe version; available: {', '.join(METHOD_PARAMS)}."))
     if method in METHOD_PARAMS:
@@ -97,7 +97,8 @@ def validate_merge_spec(spec: Mapping[str, Any]) -> list[Issue]:
             if not isinstance(ex, dict):
                 continue
             epath = f"spec.experts[{i}]"
-            eparams = ex.get("parameters") if isinstance(ex.get("parameters"), dict) else {}
+            raw_params = ex.get("parameters")
+            eparams: dict[str, Any] = raw_params if isinstance(raw_params, dict) else {}
             out.extend(_params(method, ex.get("parameters"), f"{epath}.parameters", per_expert=True))
             if ex.get("weight") is not None:
                 if "weight" not in table:
@@ -128,8 +129,7 @@ def validate_merge_spec(spec: Mapping[str, Any]) -> list[Issue]:
             a, b = _prefix(uri), _prefix(out_uri)
             if a.startswith(b) or b.startswith(a):
                 out.append(("spec.output.uri", f"the output prefix {out_uri} overlaps the input {path} ({uri}); write the snapshot elsewhere."))
-    seen: set[Issue] = set()
-    return [i for i in out if not (i in seen or seen.add(i))]
+    return list(dict.fromkeys(out))  # without repeats, in order
 
 
 def format_issues(issues: Iterable[Issue], limit: int = 10) -> str:

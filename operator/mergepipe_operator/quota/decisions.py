@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from ..k8s.conditions import Reason
 from ..k8s.quantities import (
@@ -47,7 +47,7 @@ def quota_limits(quota: Mapping[str, Any]) -> QuotaLimits:
         expert_read_bytes=None if b is None else parse_quantity(b, field=f"MergeQuota {name}: spec.hard.expertReadBytes"),
         merges=m,
         window=None if not spec.get("window") else parse_duration(spec["window"], field=f"MergeQuota {name}: spec.window"),
-        enforcement=enforcement,
+        enforcement=cast(Literal["Clamp", "Reject"], enforcement),  # checked above
         window_text=spec.get("window") or None,
     )
 

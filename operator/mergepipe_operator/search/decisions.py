@@ -87,8 +87,8 @@ def validate_search_spec(spec: Mapping[str, Any]) -> list[Issue]:
     out: list[Issue] = []
     try:
         MergeSearchSpec.model_validate(dict(spec))
-    except ValidationError as e:
-        out.extend((p, m.replace("modelmerge.spec", "mergesearch.spec")) for p, m in _pydantic_issues(e))
+    except ValidationError as err:
+        out.extend((p, m.replace("modelmerge.spec", "mergesearch.spec")) for p, m in _pydantic_issues(err))
     merge_like = {k: spec[k] for k in ("base", "experts", "method", "parameters", "budget", "output") if k in spec}
     merge_like.setdefault("method", "task_arithmetic")
     out.extend(validate_merge_spec(merge_like))  # same paths; duplicates of the schema issues are dropped below
@@ -100,7 +100,7 @@ def validate_search_spec(spec: Mapping[str, Any]) -> list[Issue]:
         if not isinstance(v, Mapping):
             continue
         path, name, expert = f"spec.vary[{i}]", v.get("name"), v.get("expert")
-        p = table.get(name)
+        p = table.get(name) if isinstance(name, str) else None
         if p is None:
             out.append((f"{path}.name", f"method {method} takes no parameter {name!r}; allowed: {', '.join(table) or 'none'}."))
             continue
@@ -118,8 +118,7 @@ def validate_search_spec(spec: Mapping[str, Any]) -> list[Issue]:
         out.append(("spec.evaluator.command", "a MergeSearch needs an evaluator command: it runs in an evaluation "
                     "Job per candidate with {checkpoint} = the candidate's snapshot URI (s3://...) and prints a JSON "
                     "object of metrics (the built-in zoo evaluator reads local folders only)."))
-    seen: set[Issue] = set()
-    return [i for i in out if not (i in seen or seen.add(i))]
+    return list(dict.fromkeys(out))  # without repeats, in order
 
 
 # --- names, locations, the driver Job -----------------------------------------------------------
@@ -256,8 +255,11 @@ def eval_job_template(ms: Mapping[str, Any], settings: Settings) -> dict[str, An
 
 def job_generation(job: Mapping[str, Any]) -> int | None:
     """The MergeSearch generation a driver Job belongs to (its annotation), else ``None``."""
+    value = (job.get("metadata", {}).get("annotations") or {}).get(ANN_GENERATION)
+    if value is None:
+        return None
     try:
-        return int((job.get("metadata", {}).get("annotations") or {}).get(ANN_GENERATION))
+        return int(value)
     except (TypeError, ValueError):
         return None
 
@@ -352,7 +354,7 @@ def search_status(
             evaluations=done + failed,
             failed=failed,
             running=int(results.get("running") or 0),
-            hypervolume=None if _finite(hv) is None else max(0.0, _finite(hv)),
+            hypervolume=None if (hv_f := _finite(hv)) is None else max(0.0, hv_f),
             refPoint=[_user_value(o, r) for o, r in zip(objs, ref)] if ref else [],
             paretoSize=len(pareto),
             pareto=pareto[:max_pareto],

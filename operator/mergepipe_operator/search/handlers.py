@@ -23,8 +23,8 @@ def search_changed(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
     run(lambda: controller().reconcile_search(dict(body)), patch, body)
 
 
-def _searching(status: dict[str, Any], **_: Any) -> bool:
-    ready = get_condition((status or {}).get("conditions"), "Ready")
+def _searching(status: kopf.Status, **_: Any) -> bool:
+    ready = get_condition(status.get("conditions") if status else None, "Ready")
     return bool(ready and ready.get("reason") == SearchReason.SEARCHING)
 
 
@@ -40,7 +40,7 @@ def search_poll(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
 
 
 @kopf.on.event(*JOBS, labels={LABEL_MANAGED_BY: MANAGER, LABEL_COMPONENT: "search"})
-def search_job_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
+def search_job_event(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
     """The driver Job changed (started, completed, failed): mirror at once."""
     if event.get("type") == "DELETED":
         return
@@ -49,7 +49,7 @@ def search_job_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
     name = (body["metadata"].get("annotations") or {}).get(ANN_SEARCH)
     ms = c.kube.get(SEARCHES, ns, name) if name else None
     gen = (ms or {}).get("metadata", {}).get("generation")
-    if ms is None or job_generation(body) != gen or (ms.get("status") or {}).get("observedGeneration") != gen:
+    if ms is None or not name or job_generation(body) != gen or (ms.get("status") or {}).get("observedGeneration") != gen:
         return  # owner gone, an earlier generation's driver, or the search handler has not written its status yet
     result = c.sync_search(ms, dict(body))
     if result:

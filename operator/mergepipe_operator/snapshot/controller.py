@@ -42,6 +42,7 @@ class SnapshotVerifier(Reconciler):
         VERIFICATIONS.labels(reason).inc()
         out: dict[str, Any] = {"observedGeneration": gen}
         if ok:
+            assert raw is not None  # snapshot_ready found the manifest
             facts = manifest_facts(json.loads(raw))
             out.update(
                 verifiedTime=rfc3339(now),

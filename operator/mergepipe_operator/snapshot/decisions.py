@@ -10,8 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mergepipe.commit.manifest import MANIFEST_FORMAT, snapshot_id
-from mergepipe.commit.manifest import manifest_bytes as _core_manifest_bytes
+from mergepipe.commit.manifest import MANIFEST_FORMAT, manifest_bytes as _core_manifest_bytes, snapshot_id
 
 from ..k8s.conditions import Reason
 from ..k8s.names import DIGEST_RE, dns_label
@@ -96,7 +95,8 @@ def manifest_facts(doc: Mapping[str, Any]) -> ManifestFacts:
             raise ValueError(f"output {path} has no SHA-256 or tree digest")
         if not is_number(o.get("size")) or o["size"] < 0:
             raise ValueError(f"output {path} has no size")
-    io = doc.get("io") if isinstance(doc.get("io"), dict) else {}
+    io_doc = doc.get("io")
+    io: dict[str, Any] = io_doc if isinstance(io_doc, dict) else {}
     budget = io.get("expert_budget_bytes")
     prefix = doc.get("files_prefix") or ""
     if not isinstance(prefix, str) or prefix.startswith("/") or ".." in prefix.split("/"):
