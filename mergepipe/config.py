@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mergepipe.errors import InputError
@@ -179,8 +180,6 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
             reference, method, parameter, dtype or own key — the message starts with the
             config path and the key path.
     """
-    import yaml
-
     p = str(path)
     try:
         text = Path(p).read_text()

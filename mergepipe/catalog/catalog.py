@@ -47,7 +47,7 @@ from mergepipe.formats.safetensors import (
     load_layout,
     rows_per_block,
 )
-from mergepipe.numerics import decode
+from mergepipe.numerics import decode, exact_total, segment_dots
 from mergepipe.storage.base import NotFoundError, Storage
 
 DEFAULT_BLOCK_BYTES = 128 * 1024
@@ -496,8 +496,6 @@ def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, 
     Returns:
         ``({identity: {tensor: TensorStats}}, {(id_a, id_b) sorted: {tensor: dot}})``.
     """
-    from mergepipe.numerics import exact_total, segment_dots
-
     builders: dict[str, dict[str, TensorStats]] = {i: {} for i in stat_ids}
     pair_ids = [tuple(sorted((a.identity, b.identity))) for a, b in pairs]
     dots: dict[tuple[str, str], dict[str, float]] = {p: {} for p in pair_ids}

@@ -26,7 +26,8 @@ import zipfile
 from mergepipe.catalog.catalog import STATS_VERSION, Analysis, Catalog, CheckpointRecord
 from mergepipe.catalog.stats import TensorStats
 from mergepipe.formats.safetensors import layout_to_dict
-from mergepipe.storage.base import NotFoundError, PreconditionFailed, Storage
+from mergepipe.storage.base import IOCounters, NotFoundError, PreconditionFailed, Storage, is_s3
+from mergepipe.storage.routing import open_storage
 
 
 class ObjectCatalog(Catalog):
@@ -141,9 +142,6 @@ class ObjectCatalog(Catalog):
 def open_catalog(location: str | None):
     """``s3://…`` or an existing folder given as ``objects:PATH`` -> :class:`ObjectCatalog`; a file
     path (or None: the default) -> the SQLite :class:`Catalog`."""
-    from mergepipe.storage.base import IOCounters, is_s3
-    from mergepipe.storage.routing import open_storage
-
     if location and (is_s3(location) or location.startswith("objects:")):
         loc = location[len("objects:"):] if location.startswith("objects:") else location
         return ObjectCatalog(open_storage(loc, IOCounters()), loc)

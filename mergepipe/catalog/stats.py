@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mergepipe.numerics import N_OCT, OCT_SHIFT, exact_total, key_value, trim_min_key
+from mergepipe.numerics import N_KEYS, N_OCT, OCT_SHIFT, exact_total, key_value, magnitude_keys, trim_min_key
 
 
 @dataclass
@@ -125,8 +125,6 @@ class TensorStats:
     def kept_energy(self, min_key: int) -> np.ndarray:
         """float64[nb]: estimated ``Σ δ²`` per block kept by a trim at ``min_key``; blocks whose
         ``max|δ|`` key is below the threshold keep exactly 0."""
-        from mergepipe.numerics import magnitude_keys
-
         if min_key <= 0:
             return self.sq_norm.copy()
         est = self.oct_energy @ self.kept_fraction_by_octave(min_key)
@@ -136,8 +134,6 @@ class TensorStats:
     def kept_energy_window(self, min_key: int, max_key: int) -> np.ndarray:
         """float64[nb]: estimated ``Σ δ²`` per block with ``min_key <= key < max_key``
         (breadcrumbs); exact 0 for blocks whose ``max|δ|`` key is below ``min_key``."""
-        from mergepipe.numerics import N_KEYS, magnitude_keys
-
         if min_key >= max_key:
             return np.zeros(self.n_blocks)
         frac = self.kept_fraction_by_octave(min_key)
@@ -154,8 +150,6 @@ class TensorStats:
         whole tensor (the key histogram), at octave resolution: octave ``o`` gets
         ``p = density − ε + 2ε·c_o`` with ``c_o`` the fraction of entries below the octave plus
         half of those in it."""
-        from mergepipe.numerics import OCT_SHIFT
-
         n_oct = self.oct_count.shape[1]
         cnt = np.zeros(n_oct)
         ko = (self.hist_keys >> OCT_SHIFT).astype(np.int64) - self.oct_lo
@@ -236,8 +230,6 @@ class TensorStatsBuilder:
         rows, the base preferably already float64; ``base_sq_rows`` its per-row ``Σθ_b²``) the
         exact whole-tensor sums are accumulated too, equal to
         :func:`mergepipe.numerics.segment_dots` per row."""
-        from mergepipe.numerics import magnitude_keys
-
         if row0 % self.rpb:
             raise ValueError("chunks must start on block boundaries")
         n = delta.size

@@ -22,10 +22,12 @@ import json
 import os
 import shutil
 import socket
+import struct
 import uuid
 from pathlib import Path
 
 from mergepipe.errors import CommitConflict, InputError
+from mergepipe.formats.safetensors import parse_header
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "mergepipe.manifest/v1"
@@ -51,10 +53,6 @@ def snapshot_id(plan_digest: str, outputs: dict) -> str:
 def shard_tree_digest(read_range, size: int, name: str) -> str:
     """Recompute a safetensors shard's tree digest (see :func:`mergepipe.engine.writer.tree_digest`)
     from ``read_range(start, end) -> bytes``."""
-    import struct
-
-    from mergepipe.formats.safetensors import parse_header
-
     n = struct.unpack("<Q", read_range(0, 8))[0]
     raw = read_range(0, 8 + n)
     hdr = parse_header(raw, name, size)

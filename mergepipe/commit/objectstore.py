@@ -24,10 +24,18 @@ runs (and is tested) on local storage, where the conditional create is ``O_CREAT
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 
-from mergepipe.commit.manifest import MANIFEST_FORMAT, MANIFEST_NAME, manifest_bytes, manifest_hash
+from mergepipe.commit.manifest import (
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    manifest_bytes,
+    manifest_hash,
+    shard_tree_digest,
+    snapshot_id,
+)
 from mergepipe.errors import CommitConflict, InputError
 from mergepipe.storage.base import NotFoundError, PreconditionFailed, Storage
 
@@ -150,10 +158,6 @@ def verify_obj(storage: Storage, out: str) -> dict:
         ``{"ok", "snapshot_id", "manifest_hash", "files", "problems"}`` like
         :func:`mergepipe.commit.manifest.verify_snapshot`.
     """
-    import hashlib
-
-    from mergepipe.commit.manifest import snapshot_id
-
     got = read_manifest_obj(storage, out)
     if got is None:
         raise InputError(f"{out}: no {MANIFEST_NAME}; this is not a committed mergepipe snapshot.")
@@ -179,8 +183,6 @@ def verify_obj(storage: Storage, out: str) -> dict:
                 problems.append(f"{rel}: sha256 mismatch")
                 continue
         if "tree_sha256" in info:
-            from mergepipe.commit.manifest import shard_tree_digest
-
             try:
                 ok = shard_tree_digest(lambda a, b, uri=uri: storage.read_range(uri, a, b, "other"), size, rel) == info["tree_sha256"]
             except Exception:

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from mergepipe.errors import InputError
+from mergepipe.storage.base import NotFoundError
 
 #: largest header the reference implementation accepts (bytes)
 MAX_HEADER_BYTES = 100_000_000
@@ -312,8 +313,6 @@ class CheckpointLayout:
 def read_shard_header(storage, uri: str, file: str, role: str, size: int | None = None) -> ShardHeader:
     """Read and parse one shard's header through ``storage`` (a speculative 64 KiB read first,
     more only when the header is larger). Bytes are counted under ``role``."""
-    from mergepipe.storage.base import NotFoundError
-
     try:
         size = storage.stat(uri).size if size is None else size
     except NotFoundError:
@@ -331,8 +330,6 @@ def load_layout(storage, root: str, role: str = "other") -> CheckpointLayout:
         InputError: no ``model.safetensors`` nor index; invalid index JSON; index naming a
             missing shard; a tensor listed in the index missing from its shard; any header error.
     """
-    from mergepipe.storage.base import NotFoundError
-
     idx_uri = storage.join(root, INDEX_NAME)
     try:
         idx_raw = storage.read_object(idx_uri, role)

@@ -18,6 +18,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field
 
+from mergepipe.errors import InputError
+
 PLAN_FORMAT = "mergepipe.plan/v2"  # v2: per-tensor parameters, out_dtype
 
 
@@ -183,8 +185,6 @@ class Plan(BaseModel):
 
     @classmethod
     def from_json(cls, text: str, source: str = "plan") -> Plan:
-        from mergepipe.errors import InputError
-
         try:
             p = cls.model_validate_json(text)
         except Exception as e:

@@ -19,6 +19,7 @@ import os
 import shlex
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -247,7 +248,6 @@ def call_with_timeout(fn: Callable[[], dict], timeout: float | None) -> dict:
     (its result ignored; Python threads cannot be killed) and :class:`EvaluationFailed` raised."""
     if timeout is None:
         return fn()
-    import threading
 
     box: dict = {}
 

@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mergepipe.errors import InputError
+from mergepipe.methods.params import layer_index
 from mergepipe.search.space import SearchSpace
 
 _CLIP = 4.0
@@ -94,8 +96,6 @@ def parameter_discrepancy(space: SearchSpace, tensor_stats: Sequence[dict]) -> l
     Returns:
         float per coordinate of ``space.dims``: ``Σ‖δ‖² / Σ‖θ_base‖²`` over the block's tensors.
     """
-    from mergepipe.methods.params import layer_index
-
     def block_energy(stats: dict, layers: tuple[int, ...]) -> float:
         num = den = 0.0
         for name, s in stats.items():
@@ -163,8 +163,6 @@ def probe_ids(tokenizer_dir: str | Path, texts: Sequence[str], n_seq: int = 4, s
         InputError: no tokenizer there, or the texts are too short for one window.
     """
     import torch
-
-    from mergepipe.errors import InputError
 
     try:
         from transformers import AutoTokenizer

@@ -35,7 +35,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from mergepipe.catalog.objectstore import open_catalog
 from mergepipe.errors import InputError
+from mergepipe.pipeline import build_plan, execute_and_commit, register_and_analyze
 from mergepipe.search.evaluators import (
     EvaluationFailed,
     Evaluator,
@@ -45,8 +47,12 @@ from mergepipe.search.evaluators import (
     evaluator_from_spec,
     objective_values,
 )
+from mergepipe.search.optimizer import default_ref_point, hypervolume, pareto_mask, propose, sobol
+from mergepipe.search.prior import compute_prior, probe_ids
 from mergepipe.search.space import SearchSpace, parse_vary, space_for_base
 from mergepipe.search.state import STATE_FORMAT, STATE_NAME, load_state, save_state
+from mergepipe.storage.base import IOCounters, NotFoundError
+from mergepipe.storage.routing import open_storage
 
 STRATEGIES = ("async", "sync", "random")
 
@@ -162,10 +168,6 @@ class LocalMerger(CandidateMerger):
         self.root = root.rstrip("/") if root else None
 
     def merge(self, cfg: SearchConfig, cand: dict, out: Path, lineage: dict, catalog) -> Merged:
-        from mergepipe.pipeline import build_plan, execute_and_commit
-        from mergepipe.storage.base import IOCounters
-        from mergepipe.storage.routing import open_storage
-
         name = f"c{cand['id']:04d}"
         snap = f"{self.root}/{name}" if self.root else out / "snapshots" / name
         st = open_storage(None, IOCounters())  # local folders and s3:// inputs
@@ -186,9 +188,6 @@ class StateMirror:
     """
 
     def __init__(self, prefix: str, storage=None) -> None:
-        from mergepipe.storage.base import IOCounters
-        from mergepipe.storage.routing import open_storage
-
         self.prefix = prefix.rstrip("/")
         self.storage = storage if storage is not None else open_storage(None, IOCounters())
 
@@ -201,8 +200,6 @@ class StateMirror:
 
     def fetch(self, out: Path) -> bool:
         """Download the mirrored state into ``out`` (created); False when there is none."""
-        from mergepipe.storage.base import NotFoundError
-
         try:
             data = self.storage.read_object(self.uri(STATE_NAME), role="other")
         except (NotFoundError, FileNotFoundError):
@@ -255,8 +252,6 @@ class _Search:
 
     def catalog(self):
         if self._catalog is None:
-            from mergepipe.catalog.objectstore import open_catalog
-
             self._catalog = open_catalog(self.cfg.catalog)
         return self._catalog
 
@@ -272,8 +267,6 @@ class _Search:
         if self.cfg.design is not None and i < len(self.cfg.design):
             return list(self.cfg.design[i])
         if self.design is None:
-            from mergepipe.search.optimizer import sobol
-
             self.design = sobol(max(self.cfg.evaluations, 2), self.space.d, self.cfg.seed)
         return self.design[i]
 
@@ -301,7 +294,6 @@ class _Search:
                     rng = random.Random(self.cfg.seed * 1_000_003 + i)
                     pts.append(([rng.random() for _ in range(self.space.d)], "random"))
             return [self._new(x, ph) for x, ph in pts]
-        from mergepipe.search.optimizer import default_ref_point, propose
 
         ref = self.cfg.ref_point or self.state.get("ref_point")
         if ref is None:
@@ -484,11 +476,6 @@ class _Search:
 
 # ------------------------------------------------------------------------------------------------
 def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log) -> dict:
-    from mergepipe.pipeline import build_plan, register_and_analyze
-    from mergepipe.search.prior import compute_prior, probe_ids
-    from mergepipe.storage.base import IOCounters
-    from mergepipe.storage.routing import open_storage
-
     cfg.check()
     vary = parse_vary(cfg.vary)
     objs = [Objective.parse(o) for o in cfg.objectives]
@@ -499,7 +486,6 @@ def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log) -> dict
             raise MissingObjective(f"--objective {', '.join(miss)}: the evaluator produces {known}; "
                                    "name one of those.")
     names = [n for n, _ in cfg.experts]
-    from mergepipe.catalog.objectstore import open_catalog
 
     cat = open_catalog(cfg.catalog)
     st = open_storage(None, IOCounters())  # local folders and s3:// checkpoints
@@ -616,8 +602,6 @@ def results(state: dict) -> dict:
         proposer thread's seconds), wall_s, failures: [{id, error}], trace: events (t relative to
         the search start; worker -1 is the lookahead proposer)}``.
     """
-    from mergepipe.search.optimizer import default_ref_point, hypervolume, pareto_mask
-
     cfg = state["config"]
     done = sorted((c for c in state["candidates"] if c["status"] == "done"), key=lambda c: c["times"]["ended"])
     sessions = state["sessions"]

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from mergepipe.errors import InputError
+from mergepipe.methods.params import LAYER_RE, layer_count
+from mergepipe.methods.registry import get_method
 
 _VARY_RE = re.compile(r"(?:([^:=]+):)?([A-Za-z_][A-Za-z0-9_]*)=([^:]+):([^:]+)")
 
@@ -91,8 +93,6 @@ def space_for_base(layout_names: Sequence[str], method: str, experts: Sequence[s
                    n_blocks: int, fixed: Sequence[str]) -> SearchSpace:
     """The :class:`SearchSpace` of a base checkpoint whose tensor names are ``layout_names``
     (the number of layers and the layer path component come from the names)."""
-    from mergepipe.methods.params import LAYER_RE, layer_count
-
     words = {m.group(0).strip(".").split(".")[0] for m in (LAYER_RE.search(n) for n in layout_names) if m}
     word = "layers" if "layers" in words or not words else sorted(words)[0]
     return SearchSpace(method, list(experts), list(vary), layer_count(layout_names), n_blocks, list(fixed), word)
@@ -158,8 +158,6 @@ class SearchSpace:
                 a bound outside the parameter's range, reversed bounds, the same parameter varied
                 twice for one expert, or a parameter both varied and fixed.
         """
-        from mergepipe.methods.registry import get_method
-
         spec = get_method(self.method)
         if not self.vary:
             raise InputError("--vary: nothing varies; give e.g. --vary weight=0:1 (one value per layer block).")
@@ -202,8 +200,6 @@ class SearchSpace:
     @property
     def dims(self) -> list[Dim]:
         """The coordinates, ordered by varying parameter, then expert, then layer block."""
-        from mergepipe.methods.registry import get_method
-
         spec = get_method(self.method)
         out = []
         for v in self.vary:

@@ -14,6 +14,7 @@ implementation.
 from __future__ import annotations
 
 import abc
+import bisect
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -143,8 +144,6 @@ def slice_from_requests(
 ) -> memoryview | bytes:
     """Extract bytes ``[start, end)`` from fetched ``requests`` (sorted, non-overlapping) whose
     data are ``buffers``. A range spanning several split requests is joined (one copy)."""
-    import bisect
-
     if start == end:
         return b""
     starts = [s for s, _ in requests]
