@@ -100,14 +100,14 @@ def load_testbed(path: str | Path) -> Testbed:
     for name, t in tasks.items():
         if not isinstance(t, dict) or not isinstance(t.get("probe"), str):
             raise InputError(f"{f}: tasks.{name}.probe must be a file name relative to the testbed.")
-        e = dict(t)
+        entry = dict(t)
         for k in ("probe", "head") if kind == "sequence-classification" else ("probe",):
             if not isinstance(t.get(k), str):
                 raise InputError(f"{f}: tasks.{name}.{k} must be a file name relative to the testbed.")
-            e[k] = root / t[k]
-            if not e[k].is_file():
+            entry[k] = root / t[k]
+            if not entry[k].is_file():
                 raise InputError(f"{f}: tasks.{name}.{k} = {t[k]!r} does not exist under {root}.")
-        out[name] = e
+        out[name] = entry
     try:
         return Testbed(
             root=root,
@@ -152,6 +152,8 @@ def causal_lm_windows(tb: Testbed, tasks: Sequence[str]) -> dict:
 
     tok = Tokenizer.from_file(str(tb.tokenizer / "tokenizer.json"))
     eos = tok.token_to_id(tb.eos_token)
+    if eos is None:
+        raise InputError(f"{tb.tokenizer}: the tokenizer has no {tb.eos_token!r} token; set eos_token in the testbed.")
     out = {}
     for t in tasks:
         path = tb.tasks[t]["probe"]

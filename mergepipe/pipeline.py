@@ -439,8 +439,8 @@ def execute_and_commit(
             raise
         return MergeResult(out=str(out), manifest=manifest, manifest_hash=mh, plan=plan, already_committed=not won)
 
-    existing = check_output(out, plan.digest)
-    if existing is not None:
+    committed = check_output(out, plan.digest)
+    if committed is not None:
         m, mh = read_manifest(out)
         return MergeResult(out=str(out), manifest=m, manifest_hash=mh, plan=plan, already_committed=True)
     clean_stale_staging(out)

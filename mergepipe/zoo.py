@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 __all__ = ["DOMAINS", "ZooConfig", "Zoo", "default_zoo_root", "build_zoo", "evaluate"]
 
@@ -139,7 +140,7 @@ class ZooConfig:
     def tiny(cls, **overrides) -> ZooConfig:
         """A small config for tests: ~0.2 M parameters, builds in well under 60 s on 2 cores and
         still writes >= 2 shards per checkpoint. Keyword arguments override fields."""
-        base = dict(
+        base: dict[str, Any] = dict(
             hidden_size=64,
             intermediate_size=176,
             num_layers=2,
@@ -540,12 +541,14 @@ def _token_stream(tok, docs: list[str], eos_id: int):
     return torch.from_numpy(np.asarray(ids, dtype=np.int64))
 
 
-def _load_eval_windows(zoo: Zoo) -> dict[str, object]:
+def _load_eval_windows(zoo: Zoo) -> dict[str, Any]:
     """domain -> LongTensor [n_windows, seq_len] of held-out tokens (n_windows <= eval_sequences)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(zoo.tokenizer_dir / "tokenizer.json"))
     eos = tok.token_to_id(_EOS)
+    if eos is None:
+        raise ValueError(f"{zoo.tokenizer_dir}: the zoo tokenizer has no {_EOS} token; rebuild the zoo")
     out = {}
     for d in DOMAINS:
         path = zoo.eval_sets[d]

@@ -27,6 +27,7 @@ import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -197,7 +198,8 @@ def compute_fisher(storage, base, calibration: Calibration, block_bytes: int) ->
 
 def fisher_to_bytes(f: dict[str, np.ndarray]) -> bytes:
     buf = io.BytesIO()
-    np.savez(buf, **{f"t{i}": v for i, v in enumerate(f.values())}, names=np.array(list(f), dtype=object))
+    arrays: dict[str, Any] = {f"t{i}": v for i, v in enumerate(f.values())}
+    np.savez(buf, **arrays, names=np.array(list(f), dtype=object))
     return buf.getvalue()
 
 

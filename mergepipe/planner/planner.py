@@ -400,7 +400,7 @@ def make_plan(
         index_metadata=base.layout.index_metadata,
         out_dtype=out_dtype if any(tp.out_dtype for tp in tensors) else None,
         n_layers=n_layers,
-        block_value={"kind": "fisher", "calibration": calibration} if value == "fisher" else None,
+        block_value={"kind": "fisher", "calibration": calibration} if value == "fisher" and calibration else None,
         requested_dtype=requested_dtype,
         source=dict(source or {}),
         created_at=time.time(),

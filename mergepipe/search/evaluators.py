@@ -96,7 +96,7 @@ class Evaluator:
     timeout: float | None = None
     in_process = True
 
-    def metrics(self, checkpoint: Path) -> dict[str, float]:  # pragma: no cover - interface
+    def metrics(self, checkpoint: str | Path) -> dict[str, float]:  # pragma: no cover - interface
         raise NotImplementedError
 
     def known_metrics(self) -> list[str] | None:
@@ -138,7 +138,7 @@ class ZooEvaluator(Evaluator):
                                   ZooConfig.tiny() if self.tiny else ZooConfig())
         return self._zoo
 
-    def metrics(self, checkpoint: Path) -> dict[str, float]:
+    def metrics(self, checkpoint: str | Path) -> dict[str, float]:
         from mergepipe.zoo import evaluate
 
         r = evaluate(Path(checkpoint), self.zoo, max_batches=self.max_batches, domains=self.domains)
@@ -174,12 +174,12 @@ class CommandEvaluator(Evaluator):
             raise InputError(f"--eval-timeout {timeout}: must be a positive number of seconds.")
         self.command, self.timeout = command, timeout
 
-    def argv(self, checkpoint: Path) -> list[str]:
+    def argv(self, checkpoint: str | Path) -> list[str]:
         q = shlex.quote(str(checkpoint))
         line = self.command.replace("{checkpoint}", q) if "{checkpoint}" in self.command else f"{self.command} {q}"
         return shlex.split(line)
 
-    def metrics(self, checkpoint: Path) -> dict[str, float]:
+    def metrics(self, checkpoint: str | Path) -> dict[str, float]:
         argv = self.argv(checkpoint)
         try:
             p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -221,7 +221,7 @@ class CallableEvaluator(Evaluator):
                  known: Sequence[str] | None = None) -> None:
         self.fn, self.timeout, self._known = fn, timeout, list(known) if known else None
 
-    def metrics(self, checkpoint: Path) -> dict[str, float]:
+    def metrics(self, checkpoint: str | Path) -> dict[str, float]:
         return self.fn(Path(checkpoint))
 
     def known_metrics(self) -> list[str] | None:

@@ -225,7 +225,7 @@ class _Search:
         self.cv = threading.Condition()
         self.propose_lock = threading.Lock()
         self.error: BaseException | None = None
-        self.design = None
+        self.design: list[list[float]] | None = None
         self._catalog = None
         self.path = out / STATE_NAME
 
@@ -618,9 +618,10 @@ def results(state: dict) -> dict:
     ref = cfg.get("ref_point") or state.get("ref_point") or (default_ref_point([c["objectives"] for c in done])
                                                              if done else None)
     hv = []
-    for k in range(1, len(done) + 1):
-        hv.append({"evaluations": k, "t": round(rel(done[k - 1]["times"]["ended"]), 3),
-                   "hv": hypervolume([c["objectives"] for c in done[:k]], ref)})
+    if ref is not None:  # None only when nothing is done
+        for k in range(1, len(done) + 1):
+            hv.append({"evaluations": k, "t": round(rel(done[k - 1]["times"]["ended"]), 3),
+                       "hv": hypervolume([c["objectives"] for c in done[:k]], ref)})
     mask = pareto_mask([c["objectives"] for c in done]) if done else []
     pareto = [{"id": c["id"], "values": c["values"], "params": c["params"], "metrics": c["metrics"],
                "objectives": dict(zip(cfg["objectives"], c["objectives"])), "snapshot": c["snapshot"],
@@ -643,8 +644,8 @@ def results(state: dict) -> dict:
             w["wait_s"] += dt
     for w in workers.values():
         w["idle_fraction"] = round(1 - w["busy_s"] / wall, 4) if wall > 0 else None
-        for k in ("busy_s", "wait_s", "propose_s"):
-            w[k] = round(w[k], 3)
+        for key in ("busy_s", "wait_s", "propose_s"):
+            w[key] = round(w[key], 3)
     return {
         "search_id": state["search_id"], "strategy": cfg["strategy"], "objectives": cfg["objectives"],
         "ref_point": ref, "evaluations": len(done),
