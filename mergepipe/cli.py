@@ -11,11 +11,14 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional
 
 import typer
 
 from mergepipe.methods.registry import method_names
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
 
 app = typer.Typer(
     name="mergepipe",
@@ -100,7 +103,7 @@ def _termination_message(msg: str) -> None:
         pass
 
 
-def _fail(msg: str, code: int = 2):
+def _fail(msg: str, code: int = 2) -> NoReturn:
     _err_console().print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
     _termination_message(f"error: {msg}")
     raise typer.Exit(code)
@@ -143,7 +146,7 @@ class _Progress:
             TextColumn("{task.description:>8}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
             TimeElapsedColumn(), console=_err_console(), transient=False, disable=not enabled,
         )
-        self.tasks: dict[str, int] = {}
+        self.tasks: dict[str, TaskID] = {}
 
     def __enter__(self):
         self.p.__enter__()
@@ -218,13 +221,11 @@ def analyze(
 ):
     """Analyze experts against the base once: per-block task-vector statistics (cached by identity);
     with --pairs also the per-tensor dot products of every two experts' task vectors."""
-    from mergepipe.pipeline import parse_bytes, parse_expert, register_and_analyze
+    from mergepipe.pipeline import parse_expert, register_and_analyze
 
     c = _catalog(catalog)
     st = _storage_for(base)
-    bb = parse_bytes(block_size, what="--block-size")
-    if not bb or bb < 1:
-        _fail("--block-size must be a positive byte quantity, e.g. 128KiB.")
+    bb = _block_bytes(block_size)
     uris = [parse_expert(e)[1] for e in expert]
     if pairs and len({u.rstrip("/") for u in uris}) < 2:
         _fail("--pairs needs at least two distinct --expert checkpoints (pair statistics relate two experts).")
@@ -234,7 +235,7 @@ def analyze(
                                             progress=lambda n: prog("analyze", n, None), pairs=pairs,
                                             calibration=calibration)
     rd = st.counters.snapshot()["read"]
-    res = {
+    res: dict[str, Any] = {
         "base": {"uri": b.uri, "identity": b.identity},
         "experts": [{"uri": r.uri, "identity": r.identity, "tensors": len(a.tensors),
                      "blocks": int(sum(s.n_blocks for s in a.tensors.values())),
@@ -257,6 +258,15 @@ def analyze(
         extra = f" and {len(res['pairs'])} pair(s)" if pairs else ""
         _err_console().print(f"analyzed {len(recs)} expert(s){extra}; read base {_human(rd['base'])}, experts "
                              f"{_human(rd['expert'])} (0 means cached)")
+
+
+def _block_bytes(text: str) -> int:
+    from mergepipe.pipeline import parse_bytes
+
+    bb = parse_bytes(text, what="--block-size")
+    if not bb or bb < 1:
+        _fail("--block-size must be a positive byte quantity, e.g. 128KiB.")
+    return bb
 
 
 def _work_bytes(text: str) -> int:
@@ -333,10 +343,10 @@ def plan(
 ):
     """Plan a merge (registers and analyzes as needed) and print its summary; --out saves the plan.
     Takes the same inputs as `merge`: --base/--expert/--method/--param or a mergekit --config."""
-    from mergepipe.pipeline import build_plan, parse_bytes
+    from mergepipe.pipeline import build_plan
 
     m = _merge_inputs(config, base, expert, method, param, budget, fidelity, seed)
-    bb = parse_bytes(block_size, what="--block-size")
+    bb = _block_bytes(block_size)
     p = build_plan(_catalog(catalog), _storage_for(m["base"]), m["base"], m["experts"], m["method"], m["params"],
                    budget=m["budget"], fidelity=m["fidelity"], seed=m["seed"], block_bytes=bb,
                    work_bytes=_work_bytes(work_memory), value=value, calibration=calibration, **m["opts"])
@@ -434,9 +444,9 @@ def merge(
     json_out: JsonOpt = False,
 ):
     """register → analyze → plan → execute → commit, in one go (or from a mergekit config: --config)."""
-    from mergepipe.pipeline import merge as run_merge, parse_bytes
+    from mergepipe.pipeline import merge as run_merge
 
-    bb = parse_bytes(block_size, what="--block-size")
+    bb = _block_bytes(block_size)
     m = _merge_inputs(config, base, expert, method, param, budget, fidelity, seed)
     with _Progress(True) as prog:
         res = run_merge(m["base"], m["experts"], m["method"], out, m["params"], budget=m["budget"],
@@ -606,9 +616,9 @@ def search(
     out_arg = out
     if out.startswith("s3://"):
         mirror = StateMirror(out)
-        out = Path(tempfile.gettempdir()) / "mergepipe-search" / hashlib.sha256(out_arg.encode()).hexdigest()[:16]
+        out_dir = Path(tempfile.gettempdir()) / "mergepipe-search" / hashlib.sha256(out_arg.encode()).hexdigest()[:16]
     else:
-        out = Path(out)
+        out_dir = Path(out)
     if worker_backend not in ("local", "kubernetes"):
         _fail(f"--worker-backend {worker_backend!r}: use local or kubernetes.")
     merger = None
@@ -631,9 +641,9 @@ def search(
         from mergepipe.search.runner import LocalMerger
 
         merger = LocalMerger(out_arg.rstrip("/") + "/snapshots")
-    if (resume or resume_existing) and mirror is not None and not (out / STATE_NAME).exists():
-        mirror.fetch(out)
-    if resume_existing and (out / STATE_NAME).exists():
+    if (resume or resume_existing) and mirror is not None and not (out_dir / STATE_NAME).exists():
+        mirror.fetch(out_dir)
+    if resume_existing and (out_dir / STATE_NAME).exists():
         resume = True
     job_evaluator = None
     if worker_backend == "kubernetes" and eval_template:
@@ -642,7 +652,7 @@ def search(
         from mergepipe.storage.base import IOCounters
         from mergepipe.storage.routing import open_storage
 
-        spec = load_state(out / STATE_NAME).get("evaluator") if resume else {
+        spec = load_state(out_dir / STATE_NAME).get("evaluator") if resume else {
             "command": eval_command, "timeout": eval_timeout}
         if not spec or not spec.get("command"):
             _fail("--worker-backend kubernetes evaluates in Jobs: give --eval-command (a command that reads the "
@@ -655,7 +665,7 @@ def search(
                                 ("--objective", objective), ("--eval-command", eval_command)) if v]
         if given and not resume_existing:
             _fail(f"--resume continues the search recorded in {out_arg}/state.json; drop {', '.join(given)}.")
-        res = run_search(out, evaluator=job_evaluator, resume=True, workers=workers, evaluations=evaluations,
+        res = run_search(out_dir, evaluator=job_evaluator, resume=True, workers=workers, evaluations=evaluations,
                          log=log, merger=merger, mirror=mirror)
     else:
         if not base or not expert or not vary or not objective:
@@ -690,7 +700,7 @@ def search(
                            initial=initial, workers=workers or 1, fixed=list(param or []),
                            layer_blocks=layer_blocks, budget=budget, seed=seed, strategy=strategy,
                            prior=not no_prior, probe=texts, ref_point=refs, catalog=catalog)
-        res = run_search(out, cfg, ev, log=log, merger=merger, mirror=mirror)
+        res = run_search(out_dir, cfg, ev, log=log, merger=merger, mirror=mirror)
     if json_out:
         print(json.dumps({k: v for k, v in res.items() if k != "trace"}))
         return
@@ -725,7 +735,7 @@ def search_eval(
 
     ev = CommandEvaluator(command, timeout)
     try:
-        doc = {"metrics": ev.metrics(checkpoint)}
+        doc: dict[str, Any] = {"metrics": ev.metrics(checkpoint)}
     except EvaluationFailed as e:
         doc = {"error": str(e)}
     open_storage(None, IOCounters()).put_object(metrics_out, json.dumps(doc).encode(), role="other")

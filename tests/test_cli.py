@@ -95,6 +95,20 @@ def _corrupt(folder: Path, how: str) -> str:
     return shard.name
 
 
+@pytest.mark.parametrize("command", ["plan", "merge"])
+def test_block_size_unlimited_is_refused_with_exit_2(fam, monkeypatch, capsys, command):
+    """--block-size has no 'unlimited': plan and merge refuse it as analyze does (they passed
+    None on to the planner)."""
+    tmp, base, experts = fam
+    args = merge_args(base, experts, tmp / "out", "--block-size", "unlimited", "--json")
+    if command == "plan":
+        args = ["plan", *[a for a in args[1:] if a not in ("--out", str(tmp / "out"))]]
+    code, out, err = run_cli(args, monkeypatch, capsys)
+    assert code == 2, err
+    assert out == "" and "--block-size must be a positive byte quantity" in err
+    assert not (tmp / "out").exists()
+
+
 BAD_FILES = ["truncated", "header_past_eof", "header_too_large", "invalid_json", "missing_shard"]
 
 
