@@ -12,7 +12,10 @@ kernels and their sources are in :mod:`mergepipe.methods.kernels`.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from mergepipe.engine.reader import ChunkInputs
 from mergepipe.engine.worklist import WorkItem
@@ -65,8 +68,6 @@ def _elementwise(tp, spec) -> bool:
 
 def _raw_tensor(raw, dtype: str):
     """Zero-copy torch view of little-endian safetensors bytes (BF16, F16, F32)."""
-    import warnings
-
     import torch
 
     with warnings.catch_warnings():  # read-only buffers: the view is only read
@@ -81,8 +82,6 @@ def _group_values(d, tau: int):
 
 
 def _concat(parts):
-    import numpy as np
-
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
 
 

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mergepipe.errors import InputError
 from mergepipe.pipeline import parse_params
 from mergepipe.search.evaluators import EvaluationFailed, Evaluator
 from mergepipe.search.runner import CandidateMerger, Merged, SearchConfig
@@ -57,8 +58,6 @@ def kube_api() -> Any:
     try:
         from kubernetes import client, config
     except ImportError:
-        from mergepipe.errors import InputError
-
         raise InputError("--worker-backend kubernetes needs the kubernetes client: pip install 'mergepipe[kube]'.") from None
     try:
         config.load_incluster_config()

@@ -11,6 +11,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mergepipe.methods.registry import METHODS as CORE_METHODS
+
 from ..crd import GROUP
 from ..k8s.conditions import Reason, get_condition
 from ..k8s.jobs import job_outcome, worker_job
@@ -187,8 +189,6 @@ def merge_experts(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
 def needs_pair_statistics(method: str | None) -> bool:
     """Methods (model_stock, nuslerp) whose plan needs the experts' pairwise task-vector dot
     products (the catalog's pair statistics, recorded by ``mergepipe analyze --pairs``)."""
-    from mergepipe.methods.registry import METHODS as CORE_METHODS
-
     m = CORE_METHODS.get(method or "")
     return bool(m is not None and m.needs_gram)
 
