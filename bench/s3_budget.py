@@ -36,7 +36,8 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     from mergepipe.catalog.catalog import Catalog
     from mergepipe.pipeline import merge
-    from mergepipe.storage.base import IOCounters, open_storage
+    from mergepipe.storage.base import IOCounters
+    from mergepipe.storage.routing import open_storage
     from tests.minilm import make_minilm_family
     from tests.s3support import start_seaweed, stop_seaweed
 

@@ -12,7 +12,8 @@ import pytest
 
 from mergepipe.catalog.catalog import Catalog
 from mergepipe.pipeline import merge
-from mergepipe.storage.base import IOCounters, open_storage
+from mergepipe.storage.base import IOCounters
+from mergepipe.storage.routing import open_storage
 from tests.minilm import make_minilm_family, minilm_folder
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
