@@ -440,6 +440,9 @@ def merge(
     work_memory: MemOpt = "256MiB",
     value: ValueOpt = "energy",
     calibration: CalibrationOpt = None,
+    workers: Annotated[Optional[int], typer.Option(
+        "--workers", min=1, max=256, help="Execute as N parts in parallel processes, then commit "
+                                          "(a rerun after a failure resumes); default one process")] = None,
     catalog: CatalogOpt = None,
     json_out: JsonOpt = False,
 ):
@@ -452,22 +455,12 @@ def merge(
         res = run_merge(m["base"], m["experts"], m["method"], out, m["params"], budget=m["budget"],
                         fidelity=m["fidelity"], seed=m["seed"], device=device, catalog=_catalog(catalog),
                         storage=_storage_for(m["base"]), block_bytes=bb, work_bytes=_work_bytes(work_memory),
-                        progress=prog, value=value, calibration=calibration, **m["opts"])
+                        progress=prog, value=value, calibration=calibration, workers=workers, **m["opts"])
     _emit_merge(res, json_out)
 
 
-@app.command()
-def execute(
-    plan_file: Annotated[str, typer.Argument(help="Plan JSON (from `plan --out`): a path or an s3:// URI")],
-    out: Annotated[str, typer.Option("--out", "-o", help="Snapshot folder or s3:// prefix")],
-    device: DeviceOpt = "cpu",
-    unsafe_single_writer: Annotated[bool, typer.Option(
-        "--unsafe-single-writer", help="Commit even on an object store that ignores If-None-Match")] = False,
-    json_out: JsonOpt = False,
-):
-    """Execute a saved plan and commit the snapshot (no catalog needed: the plan is self-contained).
-    This is the worker command of the Kubernetes merge Job."""
-    from mergepipe.pipeline import execute_and_commit
+def _read_plan(plan_file: str):
+    """The plan at ``plan_file`` (path or s3:// URI) and a storage for it; exits 2 when missing."""
     from mergepipe.planner.plan import Plan
     from mergepipe.storage.base import NotFoundError
 
@@ -476,11 +469,83 @@ def execute(
         text = st.read_object(plan_file, "other").decode()
     except NotFoundError:
         _fail(f"{plan_file}: plan not found; write one with `mergepipe plan ... --out`.")
-    p = Plan.from_json(text, str(plan_file))
+    return Plan.from_json(text, str(plan_file)), st
+
+
+RunOpt = Annotated[Optional[str], typer.Option(
+    "--run", help="Run id shared by the parts of one merge (default: derived from the plan, so a rerun resumes)")]
+UnsafeOpt = Annotated[bool, typer.Option(
+    "--unsafe-single-writer", help="Commit even on an object store that ignores If-None-Match")]
+
+
+@app.command()
+def execute(
+    plan_file: Annotated[str, typer.Argument(help="Plan JSON (from `plan --out`): a path or an s3:// URI")],
+    out: Annotated[str, typer.Option("--out", "-o", help="Snapshot folder or s3:// prefix")],
+    device: DeviceOpt = "cpu",
+    part: Annotated[Optional[str], typer.Option(
+        "--part", help="Execute only part I of N (I/N, 0-based) into the run, without committing; "
+                       "then `mergepipe commit`")] = None,
+    run: RunOpt = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume/--no-resume", help="With --part: keep files an earlier attempt finished (digests checked)")] = True,
+    unsafe_single_writer: UnsafeOpt = False,
+    json_out: JsonOpt = False,
+):
+    """Execute a saved plan and commit the snapshot (no catalog needed: the plan is self-contained).
+    This is the worker command of the Kubernetes merge Job. With --part I/N it executes one part
+    of a partitioned merge (an Indexed Job's pod: --part $JOB_COMPLETION_INDEX/N)."""
+    from mergepipe.pipeline import execute_and_commit
+
+    p, st = _read_plan(plan_file)
+    if part is not None:
+        from mergepipe.engine.partition import parse_part
+        from mergepipe.parts import execute_part
+
+        spec = parse_part(part)
+        with _Progress(not json_out) as prog:
+            prog("merge", 0, None)
+            rec = execute_part(p, st, out, spec, run=run, device=device, resume=resume,
+                               progress=lambda n: prog("merge", n, None))
+        if rec is None:
+            s = {"out": out, "part": str(spec), "already_committed": True}
+        else:
+            s = {"out": out, "part": str(spec), "run": rec["run"], "already_committed": False,
+                 "files": sorted(rec["files"]), "kept": rec["kept"], "realized": rec["realized"],
+                 "wall_s": rec["wall_s"]}
+        if json_out:
+            print(json.dumps(s))
+        elif rec is None:
+            print(f"{out} already holds this plan's snapshot; nothing to do")
+        else:
+            print(f"part {spec} of run {rec['run']}: {len(rec['files'])} files "
+                  f"({len(rec['kept'])} kept from an earlier attempt), "
+                  f"{_human(rec['realized']['base_read_bytes'] + rec['realized']['expert_read_bytes'])} read, "
+                  f"{rec['wall_s']:.2f} s")
+        return
     with _Progress(True) as prog:
         prog("merge", 0, p.io.output_write_bytes)
         res = execute_and_commit(p, st, out, device=device, progress=lambda n: prog("merge", n, None),
                                  unsafe_single_writer=unsafe_single_writer)
+    _emit_merge(res, json_out)
+
+
+@app.command()
+def commit(
+    plan_file: Annotated[str, typer.Argument(help="Plan JSON the parts were executed from")],
+    out: Annotated[str, typer.Option("--out", "-o", help="Snapshot folder or s3:// prefix")],
+    run: RunOpt = None,
+    parts: Annotated[Optional[int], typer.Option(
+        "--parts", min=1, help="N of the parts (default: from the run's part records)")] = None,
+    unsafe_single_writer: UnsafeOpt = False,
+    json_out: JsonOpt = False,
+):
+    """Commit a partitioned run: check every part record against the plan and the stored files,
+    compose the manifest and publish it (the same atomic commit as `execute`)."""
+    from mergepipe.parts import commit_run
+
+    p, st = _read_plan(plan_file)
+    res = commit_run(p, st, out, run=run, parts=parts, unsafe_single_writer=unsafe_single_writer)
     _emit_merge(res, json_out)
 
 
@@ -743,8 +808,8 @@ def search_eval(
 
 
 def main() -> None:
-    """Console entry point: maps user errors to exit code 2."""
-    from mergepipe.errors import CommitConflict, InputError
+    """Console entry point: maps user errors to exit code 2, other mergepipe failures to 1."""
+    from mergepipe.errors import CommitConflict, InputError, MergepipeError
     from mergepipe.storage.base import StorageError
 
     try:
@@ -755,6 +820,9 @@ def main() -> None:
         _err_console().print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         _termination_message(f"error: {e}")
         sys.exit(2)
+    except MergepipeError as e:  # e.g. a part process of `merge --workers` failed
+        _err_console().print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(1)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except KeyboardInterrupt:

@@ -312,17 +312,33 @@ def _require_analysis(catalog: Catalog, base: CheckpointRecord, recs: Sequence[C
                               identities=[r.identity for r in missing])
 
 
-def _build_manifest(plan: Plan, res, before: dict, after: dict, started: float, device: str,
-                    files_prefix: str = "", lineage: dict | None = None) -> dict:
+def realized_io(before: dict, after: dict) -> dict[str, int]:
+    """Bytes moved between two :meth:`IOCounters.snapshot` results, as the manifest's
+    ``io.realized`` records them (base/expert/catalog read, output written/copied)."""
+    def d(kind: str, role: str) -> int:
+        return after[kind].get(role, 0) - before[kind].get(role, 0)
+
+    return {
+        "base_read_bytes": d("read", "base"),
+        "expert_read_bytes": d("read", "expert"),
+        "output_write_bytes": d("written", "output"),
+        "output_copied_bytes": d("copied", "output"),
+        "catalog_read_bytes": d("read", "catalog"),
+    }
+
+
+def _build_manifest(plan: Plan, res, before: dict | None, after: dict | None, started: float, device: str,
+                    files_prefix: str = "", lineage: dict | None = None, realized: dict | None = None,
+                    parts: list | None = None) -> dict:
     """The manifest of a finished execution (see :mod:`mergepipe.commit.manifest`); ``lineage``
     (e.g. ``{"search": {...}}`` for a candidate of ``mergepipe search``) is merged in as
-    top-level keys."""
+    top-level keys. ``realized`` (default: :func:`realized_io` of ``before``/``after``) is the
+    bytes moved; ``parts`` (a partitioned run's parts) adds a ``parts`` entry."""
     from mergepipe.commit.manifest import snapshot_id
-
-    delta = {k: after["read"].get(k, 0) - before["read"].get(k, 0) for k in after["read"]}
-    written = {k: after["written"].get(k, 0) - before["written"].get(k, 0) for k in after["written"]}
-    copied = {k: after["copied"].get(k, 0) - before["copied"].get(k, 0) for k in after["copied"]}
     from mergepipe.formats.safetensors import FLOAT_DTYPES as floating
+
+    if realized is None:
+        realized = realized_io(before, after)
 
     out = {
         "format": "mergepipe.manifest/v1",
@@ -349,13 +365,7 @@ def _build_manifest(plan: Plan, res, before: dict, after: dict, started: float, 
             "fidelity": plan.fidelity,
             "expert_bytes_total": plan.expert_bytes_total,
             "estimated": plan.io.model_dump(),
-            "realized": {
-                "base_read_bytes": delta.get("base", 0),
-                "expert_read_bytes": delta.get("expert", 0),
-                "output_write_bytes": written.get("output", 0),
-                "output_copied_bytes": copied.get("output", 0),
-                "catalog_read_bytes": delta.get("catalog", 0),
-            },
+            "realized": realized,
         },
         "retained_energy": plan.retained_energy,
         "dtype": {"compute": "float32", "requested": plan.requested_dtype, "out": plan.out_dtype},
@@ -364,12 +374,22 @@ def _build_manifest(plan: Plan, res, before: dict, after: dict, started: float, 
         "device": device,
         "versions": versions(),
     }
+    if parts is not None:
+        out["parts"] = parts
     if lineage:
         clash = set(lineage) & set(out)
         if clash:
             raise ValueError(f"lineage keys {sorted(clash)} would overwrite manifest fields")
         out.update(lineage)
     return out
+
+
+def output_storage(plan: Plan, storage: Storage, out: str) -> Storage:
+    """The storage to write ``out`` with: ``storage`` itself when it can (a routing storage, or
+    input and output of the same kind), else one for ``out`` sharing ``storage``'s counters."""
+    if hasattr(storage, "gap_for") or is_s3(out) == is_s3(plan.base.uri):
+        return storage
+    return open_storage(out, storage.counters)
 
 
 def execute_and_commit(
@@ -414,8 +434,7 @@ def execute_and_commit(
 
     object_mode = is_s3(out) if object_mode is None else object_mode
     if out_storage is None:
-        out_storage = storage if (hasattr(storage, "gap_for") or is_s3(out) == is_s3(plan.base.uri)) \
-            else open_storage(out, storage.counters)
+        out_storage = output_storage(plan, storage, out)
     pf = prefetch_bytes or plan.work_bytes
     started = time.time()
     if object_mode:
@@ -474,12 +493,15 @@ def merge(
     work_bytes: int = DEFAULT_WORK_BYTES,
     prefetch_bytes: int | None = None,
     progress: Callable[[str, int, int | None], None] | None = None,
+    workers: int | None = None,
     **plan_options,
 ) -> MergeResult:
     """register → analyze → plan → execute → commit in one call (what ``mergepipe merge`` runs).
 
     Args:
         progress: ``progress(stage, advance_bytes, total_bytes_or_None)``.
+        workers: run the plan as this many parts in parallel processes and commit the run
+            (:func:`mergepipe.parts.run_workers`; a rerun resumes); default one process.
         plan_options: ``resolved``, ``out_dtype``, ``requested_dtype``, ``source`` for
             :func:`build_plan` (the mergekit-config path, :mod:`mergepipe.config`).
     """
@@ -496,8 +518,13 @@ def merge(
     t_an = time.perf_counter() - t0
     if progress:
         progress("merge", 0, plan.io.output_write_bytes)
-    res = execute_and_commit(plan, storage, out, device=device, prefetch_bytes=prefetch_bytes,
-                             progress=(lambda n: progress("merge", n, None)) if progress else None)
+    if workers:
+        from mergepipe.parts import run_workers
+
+        res = run_workers(plan, storage, out, workers, device=device)
+    else:
+        res = execute_and_commit(plan, storage, out, device=device, prefetch_bytes=prefetch_bytes,
+                                 progress=(lambda n: progress("merge", n, None)) if progress else None)
     res.analyze_s = t_an
     res.total_s = time.perf_counter() - t0
     return res

@@ -140,11 +140,16 @@ def publish_obj(storage: Storage, out: str, run_prefix: str, manifest: dict) -> 
         return manifest, manifest_hash(data), True
     except PreconditionFailed:
         got = read_manifest_obj(storage, out)
+        # a run id derived from the plan (partitioned runs) can be the winner's own prefix: its
+        # files are then the committed snapshot's and stay
+        ours_committed = got is not None and got[0].get("files_prefix") == manifest.get("files_prefix")
         if got is not None and got[0].get("snapshot_id") == manifest["snapshot_id"]:
-            storage.delete(run_prefix.rstrip("/") + "/")
+            if not ours_committed:
+                storage.delete(run_prefix.rstrip("/") + "/")
             return got[0], got[1], False
         other = got[0].get("snapshot_id") if got else "?"
-        storage.delete(run_prefix.rstrip("/") + "/")
+        if not ours_committed:
+            storage.delete(run_prefix.rstrip("/") + "/")
         raise CommitConflict(
             f"--out {out}: another writer committed snapshot {other} first; ours "
             f"({manifest['snapshot_id']}) was discarded. Choose a new --out."

@@ -29,7 +29,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from mergepipe.engine.chunk import L1Sums, merge_chunk
@@ -58,6 +58,9 @@ from mergepipe.planner.plan import Plan
 from mergepipe.storage.base import NotFoundError, Storage
 
 DEFAULT_PREFETCH_BYTES = 256 * 1024 * 1024
+
+#: ``on_file(name, info, base_tensor_sha256)``: an output file is complete (see :func:`_execute`)
+FileDone = Callable[[str, dict, dict[str, str]], None]
 
 
 @dataclass
@@ -159,6 +162,9 @@ def _execute(
     prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
     progress: Callable[[int], None] | None = None,
     read_threads: int = 4,
+    shards: Collection[str] | None = None,
+    side_files: bool = True,
+    on_file: FileDone | None = None,
 ) -> ExecResult:
     """Execute ``plan``, writing the output shards and index under ``out_prefix``.
 
@@ -170,6 +176,12 @@ def _execute(
         prefetch_bytes: bound on bytes fetched ahead of the merge.
         progress: called with the output bytes produced after each chunk.
         read_threads: threads fetching inputs ahead.
+        shards: write only these output shards (a part of a partitioned run, or the shards
+            a resumed run still lacks); default all.
+        side_files: also write the index and the base's config/tokenizer files.
+        on_file: called as each output file is complete and durable, with its name, its
+            ``{"size", "tree_sha256" | "sha256"}`` and the SHA-256 of the base tensors it
+            holds (from the writer thread; an exception fails the execution).
 
     Raises:
         InputError: inputs changed since planning; unusable device.
@@ -180,13 +192,20 @@ def _execute(
     verify_inputs(plan, storage)
     read_before = storage.counters.snapshot()["read"]
     res = ExecResult()
-    items = build_work_list(plan, cow=server_side_copy(storage, out_storage, plan.base.uri, out_prefix))
+    items = build_work_list(plan, cow=server_side_copy(storage, out_storage, plan.base.uri, out_prefix),
+                            shards=shards)
     res.files.update(_write_shards(plan, items, storage, out_storage, out_prefix, dev, prefetch_bytes, progress,
-                                   read_threads, res.base_tensor_sha256))
-    index = _write_index(plan, out_storage, out_prefix)
-    if index is not None:
-        res.files[INDEX_NAME] = index
-    res.files.update(_write_extra_files(plan, storage, out_storage, out_prefix))
+                                   read_threads, res.base_tensor_sha256, on_file))
+    if side_files:
+        index = _write_index(plan, out_storage, out_prefix)
+        if index is not None:
+            res.files[INDEX_NAME] = index
+            if on_file:
+                on_file(INDEX_NAME, index, {})
+        for name, info in _write_extra_files(plan, storage, out_storage, out_prefix).items():
+            res.files[name] = info
+            if on_file:
+                on_file(name, info, {})
 
     res.counters = storage.counters.snapshot() if storage.counters is out_storage.counters else {
         "read": storage.counters.snapshot()["read"], "written": out_storage.counters.snapshot()["written"],
@@ -208,7 +227,7 @@ def _execute(
 
 def _write_shards(plan: Plan, items: list[WorkItem], storage: Storage, out_storage: Storage, out_prefix: str,
                   dev, prefetch_bytes: int, progress: Callable[[int], None] | None, read_threads: int,
-                  base_sha256: dict[str, str]) -> dict[str, dict]:
+                  base_sha256: dict[str, str], on_file: FileDone | None = None) -> dict[str, dict]:
     """The executor loop: each work item's inputs from the reader, merged, sent to the writer.
 
     Returns the shards written (name -> ``{"size", "tree_sha256"}``) and fills ``base_sha256``
@@ -217,7 +236,7 @@ def _write_shards(plan: Plan, items: list[WorkItem], storage: Storage, out_stora
     """
     spec = get_method(plan.method)
     writer = ShardWriter(out_storage, out_prefix, max(COPY_CHUNK, prefetch_bytes // 4),
-                         base_file_uri=lambda f: storage.join(plan.base.uri, f))
+                         base_file_uri=lambda f: storage.join(plan.base.uri, f), on_close=on_file)
     reader = Prefetcher(plan, storage, items, prefetch_bytes, read_threads)
     l1 = L1Sums()
     try:
@@ -266,11 +285,17 @@ def _write_shards(plan: Plan, items: list[WorkItem], storage: Storage, out_stora
     return writer.files
 
 
+def needs_index(plan: Plan) -> bool:
+    """The output has a ``model.safetensors.index.json``: several shards, a shard not named
+    ``model.safetensors``, or a base that had an index with metadata."""
+    files = {t.file for t in plan.tensors}
+    return len(files) > 1 or bool(plan.index_metadata) or any(f != "model.safetensors" for f in files)
+
+
 def _write_index(plan: Plan, out_storage: Storage, out_prefix: str) -> dict | None:
     """Write ``model.safetensors.index.json`` when the output is sharded (or the base had an
     index); returns its ``{"size", "sha256"}`` or None."""
-    files = {t.file for t in plan.tensors}
-    if not (len(files) > 1 or plan.index_metadata or any(f != "model.safetensors" for f in files)):
+    if not needs_index(plan):
         return None
     total = sum(math.prod(t.shape) * DTYPES[t.out_dtype or t.dtype][0] for t in plan.tensors)
     idx = {

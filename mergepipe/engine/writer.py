@@ -167,6 +167,8 @@ class ShardWriter:
         out_prefix: the staging folder or run prefix.
         queue_bytes: bound on the bytes of messages waiting to be written.
         base_file_uri: base shard URI of a file name (for error messages).
+        on_close: called on the writer thread after a shard is closed (durable), with its name,
+            ``{"size", "tree_sha256"}`` and its base tensors' SHA-256 (name -> hex).
 
     After :meth:`finish`: ``files`` maps each shard to ``{"size": bytes, "tree_sha256": hex}``
     and :meth:`base_tensor_sha256` gives the SHA-256 of every base tensor that passed through.
@@ -177,10 +179,16 @@ class ShardWriter:
     """
 
     def __init__(
-        self, out_storage: Storage, out_prefix: str, queue_bytes: int, base_file_uri: Callable[[str], str]
+        self,
+        out_storage: Storage,
+        out_prefix: str,
+        queue_bytes: int,
+        base_file_uri: Callable[[str], str],
+        on_close: Callable[[str, dict, dict[str, str]], None] | None = None,
     ) -> None:
         self.out_storage, self.out_prefix, self.base_file_uri = out_storage, out_prefix, base_file_uri
         self.files: dict[str, dict] = {}
+        self.on_close = on_close
         self._q = ByteQueue(queue_bytes)
         self._err: list[BaseException] = []
         self._writers: dict[str, Writer] = {}
@@ -269,5 +277,9 @@ class ShardWriter:
             case CloseShard(name):
                 size = self._writers[name].close()
                 self.files[name] = {"size": size, "tree_sha256": tree_digest(self._tree[name])}
+                if self.on_close is not None:
+                    tensors = [t for t, _ in self._tree[name]["tensors"]]
+                    base = {t: self._base_sha[t].hexdigest() for t in tensors if t in self._base_sha}
+                    self.on_close(name, self.files[name], base)
             case _:
                 raise TypeError(f"unknown writer message {msg!r}")

@@ -1,0 +1,340 @@
+"""Partitioned execution, commit of a run, and resume (``execute --part``, ``commit --run``,
+``merge --workers``).
+
+A plan splits into N parts along its output shards (:mod:`mergepipe.engine.partition`). Each
+part is executed independently — by a process, a pod of an Indexed Job, or a retry of either —
+with :func:`execute_part`, which writes only that part's shards (part 0 also the index and
+config files) under the run's files prefix, a *file record* per finished file and a *part
+record* at the end (:mod:`mergepipe.commit.runs`). :func:`commit_run` checks every part record
+against the plan and the stored objects, composes the manifest (bytes summed over the parts)
+and commits it exactly as a single-process merge does: conditional create of
+``<out>/manifest.json`` on object storage, ``rename(2)`` of the run folder locally. The
+snapshot is bit-identical to a single-process merge of the same plan: same shards, same
+snapshot id, same manifest apart from the wall time, the start time and the ``parts`` entry.
+
+Resume: a part re-executed in the same run keeps every file whose record is there and whose
+bytes, read back, give the recorded size and digest, and merges only the rest; the reads of
+kept files count under the role ``other``, never ``base`` or ``expert``. Runs are named after
+the plan by default, so rerunning the same command after a crash resumes it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from mergepipe.commit import objectstore as obj
+from mergepipe.commit import runs
+from mergepipe.commit.manifest import check_output, publish_local, read_manifest
+from mergepipe.engine.executor import ExecResult, execute, needs_index
+from mergepipe.engine.partition import PartSpec, partition
+from mergepipe.errors import CommitConflict, MergepipeError
+from mergepipe.formats.safetensors import INDEX_NAME
+from mergepipe.pipeline import MergeResult, _build_manifest, output_storage, realized_io, versions
+from mergepipe.planner.plan import Plan
+from mergepipe.storage.base import Storage, is_s3
+
+
+def _layout(plan: Plan, out_storage: Storage, out: str, run: str | None, object_mode: bool) -> runs.RunLayout:
+    return runs.run_layout(out_storage, out, run or runs.default_run_id(plan.digest), object_mode)
+
+
+def _committed(plan: Plan, out_storage: Storage, out: str, object_mode: bool) -> tuple[dict, str] | None:
+    """The manifest and hash when ``out`` already holds this plan's snapshot; None when free.
+    Raises InputError when it holds another plan's snapshot or is unusable."""
+    if object_mode:
+        return obj.check_output_obj(out_storage, out, plan.digest)
+    if check_output(out, plan.digest) is None:
+        return None
+    return read_manifest(out)
+
+
+def _side_files(plan: Plan, storage: Storage) -> tuple[set[str], set[str]]:
+    """(required, optional) files of part 0 besides shards: the index when the plan needs
+    one; the base's config/tokenizer files the plan lists."""
+    return ({INDEX_NAME} if needs_index(plan) else set()), set(plan.extra_files)
+
+
+def execute_part(
+    plan: Plan,
+    storage: Storage,
+    out: str,
+    part: PartSpec,
+    *,
+    run: str | None = None,
+    device: str = "cpu",
+    progress: Callable[[int], None] | None = None,
+    prefetch_bytes: int | None = None,
+    out_storage: Storage | None = None,
+    object_mode: bool | None = None,
+    resume: bool = True,
+) -> dict | None:
+    """Execute part ``part`` of ``plan`` into run ``run`` of snapshot ``out`` (not committed).
+
+    Args:
+        run: the run id (default :func:`mergepipe.commit.runs.default_run_id` of the plan).
+        resume: keep the files an earlier attempt of this part finished (see the module
+            docstring); with False every file of the part is rewritten.
+
+    Returns:
+        The part record written (see :mod:`mergepipe.commit.runs`), or None when ``out``
+        already holds this plan's committed snapshot (nothing to do).
+
+    Raises:
+        InputError: ``out`` holds another plan's snapshot or is unusable; bad run id; inputs
+            changed since planning; unusable device.
+    """
+    t_start, t0 = time.time(), time.perf_counter()
+    object_mode = is_s3(out) if object_mode is None else object_mode
+    out_storage = out_storage or output_storage(plan, storage, out)
+    layout = _layout(plan, out_storage, out, run, object_mode)
+    if _committed(plan, out_storage, out, object_mode) is not None:
+        return None
+    shards = partition(plan, part.count)[part.index]
+    required, optional = _side_files(plan, storage)
+    side = (
+        sorted(required | {f for f in optional if storage.exists(storage.join(plan.base.uri, f))})
+        if part.writes_side_files
+        else []
+    )
+    kept = runs.kept_files(out_storage, layout, plan.digest, shards + side) if resume else {}
+    side_done = all(f in kept for f in side)
+    todo = [s for s in shards if s not in kept]
+    rewrite = todo + ([] if side_done else side)
+    for name in rewrite:  # a torn file of an earlier attempt (or a stale one)
+        out_storage.delete(out_storage.join(layout.files, name))
+        out_storage.delete(runs.file_record_uri(out_storage, layout, name))
+    if not object_mode:
+        Path(layout.files).mkdir(parents=True, exist_ok=True)
+    files = {n: r["info"] for n, r in kept.items() if n in shards or side_done}
+    base_sha: dict[str, str] = {}
+    for n, r in kept.items():
+        if n in files:
+            base_sha.update(r.get("base_tensor_sha256") or {})
+
+    def on_file(name: str, info: dict, base: dict[str, str]) -> None:
+        runs.write_file_record(out_storage, layout, plan.digest, name, info, base)
+
+    before = storage.counters.snapshot()
+    if todo or not side_done:
+        res = execute(
+            plan,
+            storage,
+            out_storage,
+            layout.files,
+            device=device,
+            progress=progress,
+            prefetch_bytes=prefetch_bytes or plan.work_bytes,
+            shards=todo,
+            side_files=part.writes_side_files and not side_done,
+            on_file=on_file,
+        )
+        files.update(res.files)
+        base_sha.update(res.base_tensor_sha256)
+    record = {
+        "format": runs.PART_FORMAT,
+        "plan_digest": plan.digest,
+        "run": layout.run,
+        "part": part.index,
+        "parts": part.count,
+        "shards": shards,
+        "files": files,
+        "kept": sorted(n for n in kept if n in files),
+        "base_tensor_sha256": base_sha,
+        "realized": realized_io(before, storage.counters.snapshot()),
+        "started_at": t_start,
+        "wall_s": round(time.perf_counter() - t0, 3),
+        "device": device,
+        "versions": versions(),
+    }
+    runs.write_part_record(out_storage, layout, record)
+    return record
+
+
+def _part_counts(out_storage: Storage, layout: runs.RunLayout) -> list[int]:
+    return sorted({n for _, n in runs.read_part_records(out_storage, layout)})
+
+
+def commit_run(
+    plan: Plan,
+    storage: Storage,
+    out: str,
+    *,
+    run: str | None = None,
+    parts: int | None = None,
+    out_storage: Storage | None = None,
+    object_mode: bool | None = None,
+    unsafe_single_writer: bool = False,
+    lineage: dict | None = None,
+) -> MergeResult:
+    """Check a run's part records and commit its snapshot at ``out``.
+
+    Args:
+        run: the run id (default: the plan's).
+        parts: N, the number of parts (default: the N of the run's part records, which must
+            all agree).
+
+    Raises:
+        CommitConflict: a part record is missing or mismatched (the message names the part to
+            re-run); another writer committed a different snapshot at ``out`` meanwhile.
+        InputError: ``out`` holds another plan's snapshot or is unusable; the store ignores
+            conditional writes (unless ``unsafe_single_writer``).
+        RuntimeError: the parts' summed expert bytes exceed the plan (a bug; nothing committed).
+    """
+    object_mode = is_s3(out) if object_mode is None else object_mode
+    out_storage = out_storage or output_storage(plan, storage, out)
+    layout = _layout(plan, out_storage, out, run, object_mode)
+    done = _committed(plan, out_storage, out, object_mode)
+    if done is not None:
+        return MergeResult(out=str(out), manifest=done[0], manifest_hash=done[1], plan=plan, already_committed=True)
+    if parts is None:
+        counts = _part_counts(out_storage, layout)
+        if not counts:
+            raise CommitConflict(
+                f"run {layout.run} of {out}: no part records; run `mergepipe execute PLAN --out {out} "
+                f"--part I/N --run {layout.run}` for every part first."
+            )
+        if len(counts) > 1:
+            raise CommitConflict(
+                f"run {layout.run} of {out}: part records of {counts}-part splits; pass the N used (--parts N)."
+            )
+        parts = counts[0]
+    required, optional = _side_files(plan, storage)
+    records = runs.check_parts(out_storage, layout, plan.digest, partition(plan, parts), required, optional)
+
+    res = ExecResult()
+    for rec in records:
+        res.files.update(rec["files"])
+        res.base_tensor_sha256.update(rec["base_tensor_sha256"])
+    missing = {t.name for t in plan.tensors} - set(res.base_tensor_sha256)
+    if missing:
+        raise CommitConflict(f"run {layout.run}: no part recorded base tensor {sorted(missing)[0]!r}; re-run its part.")
+    for tp in plan.tensors:
+        for te in tp.experts:
+            nm = plan.experts[te.expert].name
+            res.touched_blocks[nm] = res.touched_blocks.get(nm, 0) + sum(b - a for a, b in te.blocks)
+    res.wall_s = max(r["wall_s"] for r in records)
+    realized = {k: sum(r["realized"].get(k, 0) for r in records) for k in records[0]["realized"]}
+    if realized["expert_read_bytes"] > plan.io.expert_read_bytes:
+        raise RuntimeError(
+            f"realized expert bytes {realized['expert_read_bytes']} exceed the planned "
+            f"{plan.io.expert_read_bytes}: refusing to commit (a mergepipe bug; please report it)."
+        )
+    summary = [
+        {
+            "part": r["part"],
+            "shards": len(r["shards"]),
+            "files": sorted(r["files"]),
+            "kept": r["kept"],
+            "realized": r["realized"],
+            "wall_s": r["wall_s"],
+        }
+        for r in records
+    ]
+    manifest = _build_manifest(
+        plan,
+        res,
+        None,
+        None,
+        min(r["started_at"] for r in records),
+        records[0]["device"],
+        files_prefix=layout.files_prefix,
+        lineage=lineage,
+        realized=realized,
+        parts=summary,
+    )
+    if object_mode:
+        obj.require_conditional_writes(out_storage, out, unsafe_single_writer)
+        manifest, mh, won = obj.publish_obj(out_storage, out, layout.files, manifest)
+    else:
+        mh, won = publish_local(Path(layout.files), out, manifest), True
+    out_storage.delete(layout.records.rstrip("/") + "/")
+    return MergeResult(out=str(out), manifest=manifest, manifest_hash=mh, plan=plan, already_committed=not won)
+
+
+def run_workers(
+    plan: Plan,
+    storage: Storage,
+    out: str,
+    workers: int,
+    *,
+    run: str | None = None,
+    device: str = "cpu",
+    unsafe_single_writer: bool = False,
+    lineage: dict | None = None,
+) -> MergeResult:
+    """Execute ``plan`` as ``workers`` parts in parallel processes (``mergepipe execute --part
+    i/N``, the command an Indexed Job's pods run), then commit the run in this process.
+
+    Each process gets ``max(1, cores // workers)`` torch threads. A rerun after a failure
+    resumes (see the module docstring).
+
+    Raises:
+        MergepipeError: a part process failed (its last stderr lines are in the message; the
+            run's finished files stay for a rerun).
+        plus what :func:`commit_run` raises.
+    """
+    object_mode = is_s3(out)
+    out_storage = output_storage(plan, storage, out)
+    done = _committed(plan, out_storage, out, object_mode)
+    if done is not None:
+        return MergeResult(out=str(out), manifest=done[0], manifest_hash=done[1], plan=plan, already_committed=True)
+    if object_mode:
+        obj.require_conditional_writes(out_storage, out, unsafe_single_writer)
+    layout = _layout(plan, out_storage, out, run, object_mode)
+    env = dict(os.environ)
+    env.setdefault("MERGEPIPE_COMPUTE_THREADS", str(max(1, (os.cpu_count() or 2) // workers)))
+    with tempfile.TemporaryDirectory(prefix="mergepipe-plan-") as tmp:
+        plan_file = os.path.join(tmp, "plan.json")
+        Path(plan_file).write_text(plan.to_json())
+        procs = []
+        for i in range(workers):
+            cmd = [
+                sys.executable,
+                "-c",
+                "from mergepipe.cli import main; main()",
+                "execute",
+                plan_file,
+                "--out",
+                str(out),
+                "--part",
+                f"{i}/{workers}",
+                "--run",
+                layout.run,
+                "--device",
+                device,
+                "--json",
+            ]
+            errf = open(os.path.join(tmp, f"part-{i}.err"), "w+b")  # noqa: SIM115 - closed below
+            procs.append((i, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errf, env=env), errf))
+        failed = []
+        for i, p, errf in procs:
+            rc = p.wait()
+            errf.seek(0)
+            tail = errf.read().decode(errors="replace").strip().splitlines()[-5:]
+            errf.close()
+            if rc != 0:
+                failed.append(f"part {i}/{workers} exited {rc}: " + " | ".join(tail))
+        if failed:
+            raise MergepipeError("; ".join(failed) + " (finished files are kept: rerun the same command to resume).")
+    return commit_run(
+        plan,
+        storage,
+        out,
+        run=layout.run,
+        parts=workers,
+        out_storage=out_storage,
+        object_mode=object_mode,
+        unsafe_single_writer=unsafe_single_writer,
+        lineage=lineage,
+    )
+
+
+def max_useful_parts(plan: Plan) -> int:
+    """The number of output shards: more parts than this leave some parts empty."""
+    return max(1, len({t.file for t in plan.tensors}))
