@@ -31,7 +31,7 @@ from pathlib import Path
 from mergepipe.commit import objectstore as obj
 from mergepipe.commit import runs
 from mergepipe.commit.manifest import check_output, publish_local, read_manifest
-from mergepipe.engine.executor import ExecResult, execute, needs_index
+from mergepipe.engine.executor import ExecResult, default_compute_threads, execute, needs_index
 from mergepipe.engine.partition import PartSpec, partition
 from mergepipe.errors import CommitConflict, MergepipeError
 from mergepipe.formats.safetensors import INDEX_NAME
@@ -271,7 +271,8 @@ def run_workers(
     """Execute ``plan`` as ``workers`` parts in parallel processes (``mergepipe execute --part
     i/N``, the command an Indexed Job's pods run), then commit the run in this process.
 
-    Each process gets ``max(1, cores // workers)`` torch threads. A rerun after a failure
+    Each process gets ``max(1, default_compute_threads() // workers)`` torch threads (one core
+    is left to I/O, as in one process; oversubscribed OpenMP threads slow a merge down). A rerun after a failure
     resumes (see the module docstring).
 
     Raises:
@@ -288,7 +289,7 @@ def run_workers(
         obj.require_conditional_writes(out_storage, out, unsafe_single_writer)
     layout = _layout(plan, out_storage, out, run, object_mode)
     env = dict(os.environ)
-    env.setdefault("MERGEPIPE_COMPUTE_THREADS", str(max(1, (os.cpu_count() or 2) // workers)))
+    env.setdefault("MERGEPIPE_COMPUTE_THREADS", str(max(1, default_compute_threads() // workers)))
     with tempfile.TemporaryDirectory(prefix="mergepipe-plan-") as tmp:
         plan_file = os.path.join(tmp, "plan.json")
         Path(plan_file).write_text(plan.to_json())

@@ -516,7 +516,7 @@ def merge(
     plan = build_plan(catalog, storage, base_uri, experts, method, params, budget=budget, fidelity=fidelity,
                       seed=seed, block_bytes=block_bytes, work_bytes=work_bytes, progress=cb, **plan_options)
     t_an = time.perf_counter() - t0
-    if progress:
+    if progress and not workers:  # (part processes report no progress to this one)
         progress("merge", 0, plan.io.output_write_bytes)
     if workers:
         from mergepipe.parts import run_workers
