@@ -106,9 +106,10 @@ def execute_part(
     side_done = all(f in kept for f in side)
     todo = [s for s in shards if s not in kept]
     rewrite = todo + ([] if side_done else side)
-    for name in rewrite:  # a torn file of an earlier attempt (or a stale one)
-        out_storage.delete(out_storage.join(layout.files, name))
+    for name in rewrite:
         out_storage.delete(runs.file_record_uri(out_storage, layout, name))
+        if not is_s3(layout.files):  # a torn local file blocks its rewrite; an S3 object is replaced atomically
+            out_storage.delete(out_storage.join(layout.files, name))
     if not object_mode:
         Path(layout.files).mkdir(parents=True, exist_ok=True)
     files = {n: r["info"] for n, r in kept.items() if n in shards or side_done}

@@ -361,3 +361,26 @@ def test_resume_redoes_a_kept_file_whose_bytes_changed(fam4, tmp_path):
     res = commit_run(plan, stg, out)
     one = execute_and_commit(plan, open_storage(base, IOCounters()), str(tmp_path / "one"))
     assert res.manifest["snapshot_id"] == one.manifest["snapshot_id"]
+
+
+def test_cli_execute_part_and_commit(fam4, tmp_path, monkeypatch, capsys):
+    from tests.conftest import run_cli
+
+    plan = _plan(fam4, tmp_path)
+    pf = tmp_path / "plan.json"
+    pf.write_text(plan.to_json())
+    out = str(tmp_path / "snap")
+    rc, _, err = run_cli(["execute", str(pf), "--out", out, "--part", "2/2"], monkeypatch, capsys)
+    assert rc == 2 and "--part 2/2" in err
+    rc, so, err = run_cli(["execute", str(pf), "--out", out, "--part", "0/2", "--json"], monkeypatch, capsys)
+    assert rc == 0, err
+    assert json.loads(so)["part"] == "0/2" and json.loads(so)["files"]
+    rc, _, err = run_cli(["commit", str(pf), "--out", out], monkeypatch, capsys)
+    assert rc == 2 and "part 1/2 has no record" in err and "--part 1/2" in err
+    assert not Path(out).exists()
+    rc, _, err = run_cli(["execute", str(pf), "--out", out, "--part", "1/2"], monkeypatch, capsys)
+    assert rc == 0, err
+    rc, so, err = run_cli(["commit", str(pf), "--out", out, "--json"], monkeypatch, capsys)
+    assert rc == 0, err
+    assert json.loads(so)["snapshot_id"] == json.loads((Path(out) / "manifest.json").read_text())["snapshot_id"]
+    assert verify_snapshot(out)["ok"]
