@@ -28,8 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from mergepipe.commit import objectstore as obj
-from mergepipe.commit import runs
+from mergepipe.commit import objectstore as obj, runs
 from mergepipe.commit.manifest import check_output, publish_local, read_manifest
 from mergepipe.engine.executor import ExecResult, default_compute_threads, execute, needs_index
 from mergepipe.engine.partition import PartSpec, partition

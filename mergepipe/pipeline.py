@@ -338,6 +338,8 @@ def _build_manifest(plan: Plan, res, before: dict | None, after: dict | None, st
     from mergepipe.formats.safetensors import FLOAT_DTYPES as floating
 
     if realized is None:
+        if before is None or after is None:
+            raise ValueError("_build_manifest needs `realized` or both counter snapshots")
         realized = realized_io(before, after)
 
     out = {
