@@ -87,6 +87,7 @@ def execute_part(
     Raises:
         InputError: ``out`` holds another plan's snapshot or is unusable; bad run id; inputs
             changed since planning; unusable device.
+        CommitConflict: another process is executing the same part of this local run.
     """
     t_start, t0 = time.time(), time.perf_counter()
     object_mode = is_s3(out) if object_mode is None else object_mode
@@ -94,6 +95,25 @@ def execute_part(
     layout = _layout(plan, out_storage, out, run, object_mode)
     if _committed(plan, out_storage, out, object_mode) is not None:
         return None
+    with runs.part_lock(layout, part.index, part.count):
+        return _execute_part(
+            plan, storage, out_storage, layout, part, device, progress, prefetch_bytes, resume, t_start, t0
+        )
+
+
+def _execute_part(
+    plan: Plan,
+    storage: Storage,
+    out_storage: Storage,
+    layout: runs.RunLayout,
+    part: PartSpec,
+    device: str,
+    progress: Callable[[int], None] | None,
+    prefetch_bytes: int | None,
+    resume: bool,
+    t_start: float,
+    t0: float,
+) -> dict:
     shards = partition(plan, part.count)[part.index]
     required, optional = _side_files(plan, storage)
     side = (
@@ -109,7 +129,7 @@ def execute_part(
         out_storage.delete(runs.file_record_uri(out_storage, layout, name))
         if not is_s3(layout.files):  # a torn local file blocks its rewrite; an S3 object is replaced atomically
             out_storage.delete(out_storage.join(layout.files, name))
-    if not object_mode:
+    if not is_s3(layout.files):
         Path(layout.files).mkdir(parents=True, exist_ok=True)
     files = {n: r["info"] for n, r in kept.items() if n in shards or side_done}
     base_sha: dict[str, str] = {}

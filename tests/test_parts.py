@@ -23,7 +23,8 @@ from mergepipe.errors import CommitConflict, InputError
 from mergepipe.parts import commit_run, execute_part
 from mergepipe.pipeline import build_plan, execute_and_commit
 from mergepipe.planner.plan import InputRef, IOEstimate, Plan, TensorExpert, TensorPlan
-from mergepipe.storage.base import IOCounters, open_storage
+from mergepipe.storage.base import IOCounters
+from mergepipe.storage.routing import open_storage
 from tests.synth import llama_like_shapes, make_family
 
 # ---- parts cover the plan exactly once ---------------------------------------------------------
@@ -279,7 +280,8 @@ from mergepipe.commit import runs
 from mergepipe.engine.partition import PartSpec
 from mergepipe.parts import execute_part
 from mergepipe.planner.plan import Plan
-from mergepipe.storage.base import IOCounters, open_storage
+from mergepipe.storage.base import IOCounters
+from mergepipe.storage.routing import open_storage
 plan_file, out, i, n, after = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 plan = Plan.from_json(open(plan_file).read())
 real, count = runs.write_file_record, [0]
@@ -383,3 +385,24 @@ def test_cli_execute_part_and_commit(fam4, tmp_path, monkeypatch, capsys):
     assert rc == 0, err
     assert json.loads(so)["snapshot_id"] == json.loads((Path(out) / "manifest.json").read_text())["snapshot_id"]
     assert verify_snapshot(out)["ok"]
+
+
+def test_a_part_running_elsewhere_is_not_executed_twice(fam4, tmp_path):
+    import fcntl
+
+    plan = _plan(fam4, tmp_path)
+    out = str(tmp_path / "snap")
+    stg = open_storage(str(fam4[0]), IOCounters())
+    layout = runs.run_layout(stg, out, runs.default_run_id(plan.digest), False)
+    Path(layout.records).mkdir(parents=True)
+    # flock conflicts between open file descriptions, even of one process: this is "another process"
+    fd = os.open(Path(layout.records) / "part-00000-of-00002.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(CommitConflict, match="part 0/2 is being executed by another process"):
+            execute_part(plan, stg, out, PartSpec(0, 2))
+        assert not Path(layout.files).exists()
+        assert execute_part(plan, stg, out, PartSpec(1, 2))["files"]  # other parts are free
+    finally:
+        os.close(fd)
+    assert execute_part(plan, stg, out, PartSpec(0, 2))["files"]  # lock released: it runs

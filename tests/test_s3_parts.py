@@ -17,7 +17,8 @@ from mergepipe.engine.partition import PartSpec, partition
 from mergepipe.errors import CommitConflict
 from mergepipe.parts import commit_run, execute_part, run_workers
 from mergepipe.pipeline import build_plan, execute_and_commit
-from mergepipe.storage.base import IOCounters, open_storage
+from mergepipe.storage.base import IOCounters
+from mergepipe.storage.routing import open_storage
 from tests.synth import llama_like_shapes, make_family
 from tests.test_parts import KILL_SCRIPT
 

@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from mergepipe.commit.manifest import shard_tree_digest
 from mergepipe.errors import CommitConflict, InputError
-from mergepipe.storage.base import NotFoundError, Storage
+from mergepipe.storage.base import NotFoundError, Storage, is_s3
 
 PART_FORMAT = "mergepipe.part/v1"
 FILE_FORMAT = "mergepipe.file/v1"
@@ -90,6 +93,37 @@ def run_layout(storage: Storage, out: str, run: str, object_mode: bool) -> RunLa
     p = Path(out)
     files = str(p.parent / f".{p.name}.run-{run}")
     return RunLayout(out, run, files, files + ".records", "", False)
+
+
+@contextmanager
+def part_lock(layout: RunLayout, index: int, count: int) -> Iterator[None]:
+    """Hold an exclusive ``flock(2)`` on ``<records>/part-<i>-of-<N>.lock`` while part ``i`` of a
+    local run executes, so two processes never rewrite the same part's files at once (the kernel
+    frees the lock when its holder dies). On object storage two attempts write identical
+    objects, each replaced atomically, so no lock is taken.
+
+    Raises:
+        CommitConflict: another live process holds the lock.
+    """
+    if is_s3(layout.records):
+        yield
+        return
+    import fcntl
+
+    folder = Path(layout.records)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / f"part-{index:05d}-of-{count:05d}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CommitConflict(
+                f"run {layout.run}: part {index}/{count} is being executed by another process; wait for it "
+                "(rerunning afterwards keeps what it finished)."
+            ) from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def part_record_uri(storage: Storage, layout: RunLayout, index: int, count: int) -> str:
