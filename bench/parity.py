@@ -6,7 +6,7 @@ docs/PARITY.md)::
 
     .venv/bin/python bench/parity.py --out docs/parity_results.json
 
-Inputs: the mergepipe demo zoo (``mergepipe.zoo.build_zoo()`` with the default config, built
+Inputs: the mergepipe demo zoo (``mergepipe_zoo.build_zoo()`` with the default config, built
 once and cached; 4 real trained Llama experts, bf16). mergekit 0.1.5 from PyPI runs in its own
 venv (``bench/.venv-mergekit``, created by :func:`run.ensure_mergekit_venv` when missing; pass
 ``--mk-venv`` to reuse another). For every case (see :data:`CASES`) the harness writes one
@@ -690,7 +690,7 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     import torch
 
-    from mergepipe.zoo import ZooConfig, build_zoo
+    from mergepipe_zoo import ZooConfig, build_zoo
 
     t0 = time.perf_counter()
     a.workdir.mkdir(parents=True, exist_ok=True)

@@ -165,7 +165,7 @@ def prepare_family(model: str, kmax: int, workdir: Path, zoo_root: Path | None) 
     """Base and ``kmax`` experts for ``model`` (zoo | qwen3 | tiny), created once under
     ``workdir``. Returns {base, experts, note}."""
     if model == "zoo":
-        from mergepipe.zoo import ZooConfig, build_zoo
+        from mergepipe_zoo import ZooConfig, build_zoo
 
         per = max(1, math.ceil(kmax / 4))
         cfg = ZooConfig(n_experts_per_domain=per)

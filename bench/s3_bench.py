@@ -38,7 +38,7 @@ from bench.relpath import rel_paths_in  # noqa: E402
 
 def _family(kind: str, k: int, work: Path) -> tuple[Path, list[Path]]:
     if kind == "zoo":
-        from mergepipe.zoo import ZooConfig, build_zoo
+        from mergepipe_zoo import ZooConfig, build_zoo
 
         z = build_zoo(None, ZooConfig())
         ex = list(z.experts.values())[:k]

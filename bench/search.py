@@ -80,7 +80,7 @@ def main() -> None:
 
     from mergepipe.search.evaluators import ZooEvaluator
     from mergepipe.search.runner import SearchConfig, run_search
-    from mergepipe.zoo import build_zoo
+    from mergepipe_zoo import build_zoo
 
     zoo = build_zoo()
     ev = ZooEvaluator(["python", "json"], max_batches=args.eval_batches)

@@ -314,9 +314,10 @@ ConfigOpt = Annotated[Optional[Path], typer.Option(
     "--config", help="A mergekit YAML config (models, base_model, merge_method, parameters, dtype, out_dtype; "
     "plus budget, fidelity, seed) instead of --base/--expert/--method/--param")]
 BlockOpt = Annotated[str, typer.Option("--block-size", help="Catalog block size (whole rows)")]
-ValueOpt = Annotated[str, typer.Option(
+ValueOpt = Annotated[Optional[str], typer.Option(
     "--value", help="Block value the budgeted selection maximises per byte: energy (task-vector energy the method "
-    "keeps) or fisher (that energy weighted by the base's per-block Fisher on --calibration)")]
+    "keeps) or fisher (that energy weighted by the base's per-block Fisher on --calibration) "
+    "[default: fisher with --calibration, else energy]")]
 CalibrationOpt = Annotated[Optional[str], typer.Option(
     "--calibration", help="JSON-lines file of {\"text\": ...} documents (local or s3://): the base's per-block "
     "Fisher sensitivity is measured on it once and kept in the catalog (causal LMs)")]
@@ -335,7 +336,7 @@ def plan(
     seed: SeedOpt = None,
     block_size: BlockOpt = "128KiB",
     work_memory: MemOpt = "256MiB",
-    value: ValueOpt = "energy",
+    value: ValueOpt = None,
     calibration: CalibrationOpt = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the plan JSON here")] = None,
     catalog: CatalogOpt = None,
@@ -438,7 +439,7 @@ def merge(
     device: DeviceOpt = "cpu",
     block_size: BlockOpt = "128KiB",
     work_memory: MemOpt = "256MiB",
-    value: ValueOpt = "energy",
+    value: ValueOpt = None,
     calibration: CalibrationOpt = None,
     workers: Annotated[Optional[int], typer.Option(
         "--workers", min=1, max=256, help="Execute as N parts in parallel processes, then commit "
@@ -580,8 +581,8 @@ def demo(
     tiny: Annotated[bool, typer.Option("--tiny", help="A tiny zoo (fast; for smoke tests)")] = False,
     json_out: JsonOpt = False,
 ):
-    """Build (once) a zoo of real trained experts, merge them with TIES at full budget and at 50/25/10%,
-    and print cost, retained energy and per-domain eval loss."""
+    """Build (once) a zoo of real trained experts (needs the zoo extra), merge them with task_arithmetic at
+    full budget and at 50/25/10%, and print cost, retained energy, per-domain eval loss and normalised gain."""
     from mergepipe.demo import run_demo
 
     rows = run_demo(zoo_root, out_root, tiny=tiny, log=lambda m: _err_console().print(m, highlight=False))

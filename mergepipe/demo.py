@@ -1,9 +1,16 @@
 """``mergepipe demo``: real trained experts, merged under shrinking expert-I/O budgets.
 
-Builds (once, cached) the zoo of :mod:`mergepipe.zoo` — a small Llama-architecture model
-pre-trained offline and experts fine-tuned on distinct domains — then merges all experts with
-TIES at full budget and at 50%, 25% and 10% of the experts' bytes, and evaluates every merged
-model on every domain beside the base and each expert.
+Builds (once, cached) the zoo of :mod:`mergepipe_zoo` — a small Llama-architecture model
+pre-trained offline and experts fine-tuned on distinct domains, checked at build time to be a
+zoo where merging helps (its gates) — then merges all experts with task_arithmetic (the zoo's
+recommended weight) at full budget and at 50%, 25% and 10% of the experts' bytes, and evaluates
+every merged model on every domain beside the base and each expert. Each merge row shows the
+normalised gain per domain (:func:`mergepipe.metrics.normalised_gain`: 1 = as good as the
+domain's expert, 0 = as good as the base) and, for budgeted rows, the share of the full merge's
+gain kept on the worst domain.
+
+Needs the ``zoo`` extra (``pip install 'mergepipe[zoo]'``): the zoo lives in the separate
+package ``mergepipe_zoo``, imported only here.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ DEMO_BUDGETS = ("unlimited", "50%", "25%", "10%")
 
 
 def run_demo(zoo_root: Path | None = None, out_root: Path | None = None, *, tiny: bool = False,
-             log: Callable[[str], None] = print, method: str = "ties", params: tuple[str, ...] = ("density=0.5",)) -> list[dict]:
+             log: Callable[[str], None] = print, method: str = "task_arithmetic",
+             params: tuple[str, ...] | None = None) -> list[dict]:
     """Run the demo; returns one row per model (base, experts, merges) and prints a table.
 
     Each merge row: budget, expert bytes read (from the storage counters), wall time of the merge
@@ -28,10 +36,17 @@ def run_demo(zoo_root: Path | None = None, out_root: Path | None = None, *, tiny
     from rich.table import Table
 
     from mergepipe.catalog.catalog import Catalog, default_home
+    from mergepipe.errors import InputError
+    from mergepipe.metrics import kept_share, normalised_gain, worst
     from mergepipe.pipeline import merge
     from mergepipe.storage.base import IOCounters
     from mergepipe.storage.local import LocalStorage
-    from mergepipe.zoo import ZooConfig, build_zoo, evaluate
+
+    try:
+        from mergepipe_zoo import ZooConfig, build_zoo, evaluate
+    except ImportError as e:
+        raise InputError(f"mergepipe demo needs the model zoo ({e}): install mergepipe with its zoo extra "
+                         "(torch, transformers, tokenizers).") from None
 
     t0 = time.perf_counter()
     zoo = build_zoo(zoo_root, ZooConfig.tiny() if tiny else ZooConfig(), log=log)
@@ -56,6 +71,15 @@ def run_demo(zoo_root: Path | None = None, out_root: Path | None = None, *, tiny
         rows.append({"model": f"expert {name}",
                      **{f"loss.{d}": v for d, v in losses(f"zoo:{zoo.config.key()}:{name}", p).items()}})
     experts = [(n, str(p)) for n, p in zoo.experts.items()]
+    if params is None:
+        rec = zoo.testbed.raw.get("recommended_params", {}).get(method, {})
+        params = tuple(f"{k}={v:g}" for k, v in rec.items())
+    base_l = {d: rows[0][f"loss.{d}"] for d in zoo.eval_sets}
+    own = {}  # domain -> the loss of its (first) expert on it
+    for n in zoo.experts:
+        d = zoo.expert_domain(n)
+        own.setdefault(d, next(r for r in rows if r["model"] == f"expert {n}")[f"loss.{d}"])
+    full_ng: dict | None = None
     for b in DEMO_BUDGETS:
         tag = "full" if b == "unlimited" else b.replace("%", "pct")
         out = out_root / f"{method}-{tag}"
@@ -72,17 +96,37 @@ def run_demo(zoo_root: Path | None = None, out_root: Path | None = None, *, tiny
             "snapshot_id": s["snapshot_id"], "already_committed": s["already_committed"],
             **{f"loss.{d}": v for d, v in ev.items()},
         })
+        try:
+            ng = normalised_gain(ev, base_l, own)
+        except ValueError:
+            ng = None
+        rows[-1]["normalised_gain"] = ng
+        if b == "unlimited":
+            full_ng = ng
+        elif ng and full_ng and all(v > 0 for v in full_ng.values()):
+            rows[-1]["kept_share"] = kept_share(ng, full_ng)
     domains = list(zoo.eval_sets)
     table = Table("model", "expert budget", "expert bytes read", "merge wall s", "retained energy",
-              *[f"loss {d}" for d in domains], title=f"mergepipe demo: {method} {' '.join(params)}, {len(experts)} experts")
+              *[f"loss {d} (NG)" for d in domains], "mean loss", "worst NG", "kept of full (worst)",
+              title=f"mergepipe demo: {method} {' '.join(params)}, {len(experts)} experts; NG = (L_base − L)/(L_base − "
+              "L_expert) per domain (1 = the domain's expert, 0 = the base)")
+
+    def cell(r: dict, d: str) -> str:
+        ng = r.get("normalised_gain")
+        return f"{r[f'loss.{d}']:.3f}" + (f" ({ng[d]:+.2f})" if ng else "")
+
     for r in rows:
+        ng, ks = r.get("normalised_gain"), r.get("kept_share")
         table.add_row(
             r["model"],
             "-" if "expert_read_bytes" not in r else ("unlimited" if r["budget"] is None else f"{r['budget'] / 2**20:.1f} MiB"),
             "-" if "expert_read_bytes" not in r else f"{r['expert_read_bytes'] / 2**20:.1f} MiB of {r['expert_bytes_total'] / 2**20:.1f}",
             "-" if "wall_s" not in r else f"{r['wall_s']:.2f}" + (" (committed earlier)" if r["already_committed"] else ""),
             "-" if "retained_energy" not in r else f"{r['retained_energy']:.1%}",
-            *[f"{r[f'loss.{d}']:.3f}" for d in domains],
+            *[cell(r, d) for d in domains],
+            f"{sum(r[f'loss.{d}'] for d in domains) / len(domains):.4f}",
+            "-" if not ng else "{} {:+.2f}".format(*worst(ng)),
+            "-" if not ks else "{} {:.0%}".format(*worst(ks)),
         )
     Console(width=max(150, Console().width)).print(table)
     log(f"demo finished in {time.perf_counter() - t0:.1f} s; snapshots under {out_root}")

@@ -218,7 +218,7 @@ def build_plan(
     requested_dtype: str | None = None,
     source: dict | None = None,
     analyze: bool = True,
-    value: str = "energy",
+    value: str | None = None,
     calibration: str | None = None,
 ) -> Plan:
     """Register, analyze and plan. ``experts`` are (name, uri) pairs; ``budget`` a byte quantity
@@ -237,8 +237,12 @@ def build_plan(
 
     ``value`` is the planner's block value (``"energy"``, or ``"fisher"`` with ``calibration``, a
     JSON-lines calibration file: the base's per-block Fisher from the catalog, computed once at
-    analyze time; with ``analyze=False`` it must already be recorded)."""
+    analyze time; with ``analyze=False`` it must already be recorded). Default: ``"fisher"`` when
+    a calibration set is given (it kept more of the full merge's gain in docs/QUALITY.md),
+    ``"energy"`` otherwise."""
     names = [n for n, _ in experts]
+    if value is None:
+        value = "fisher" if calibration else "energy"
     if value not in ("energy", "fisher"):
         raise InputError(f"--value {value!r}: use 'energy' or 'fisher'.")
     if value == "fisher" and not calibration:

@@ -127,6 +127,10 @@ def test_fisher_recorded_once_and_matches_a_direct_computation(tiny, tmp_path, m
     )
     pe = build_plan(cat, st, str(paths["base"]), experts, "ties", ["density=0.5"], budget="30%", block_bytes=bb)
     assert pf.block_value == {"kind": "fisher", "calibration": c.digest}
+    # with a calibration set and no --value, the plan is the Fisher-valued one (the default)
+    pd = build_plan(cat, st, str(paths["base"]), experts, "ties", ["density=0.5"], budget="30%", block_bytes=bb,
+                    calibration=str(cal))
+    assert pd.digest == pf.digest
     assert pe.block_value is None and pf.digest != pe.digest
     assert pf.io.expert_read_bytes <= pf.budget_bytes
     # the calibration set's identity is part of the key: other text, another statistic

@@ -1,4 +1,4 @@
-"""Tests of :mod:`mergepipe.zoo` (the offline model zoo of real trained models).
+"""Tests of :mod:`mergepipe_zoo` (the offline model zoo of real trained models).
 
 The slow test builds the tiny zoo (a few seconds of CPU training per model) three times:
 once into root ``a`` and twice concurrently into root ``b`` (the file lock must make one process
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from mergepipe import zoo as zoo_mod
-from mergepipe.zoo import DOMAINS, Zoo, ZooConfig, build_zoo, default_zoo_root, evaluate
+import mergepipe_zoo.zoo as zoo_mod
+from mergepipe_zoo import DOMAINS, Zoo, ZooConfig, build_zoo, check_gates, default_zoo_root, evaluate
+from mergepipe_zoo.zoo import ZooGateError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,7 +36,7 @@ def _checkpoints(z: Zoo) -> dict[str, Path]:
 
 
 def test_import_is_cheap():
-    code = "import sys, mergepipe.zoo; print(sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules))"
+    code = "import sys, mergepipe_zoo; print(sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
 
@@ -88,6 +89,38 @@ def test_data_is_deterministic_and_held_out():
     assert not any(doc.lstrip().startswith(("import ", "def ", "class ")) for doc in a["prose"][0])
 
 
+def test_gates_judge_per_expert():
+    base = {"python": 4.0, "prose": 4.0, "arithmetic": 1.0, "json": 1.0}
+    experts = {"python": {"python": 3.0, "prose": 4.1, "arithmetic": 1.1, "json": 1.1},
+               "prose": {"python": 4.1, "prose": 3.0, "arithmetic": 1.1, "json": 1.1},
+               "arithmetic": {"python": 4.1, "prose": 4.1, "arithmetic": 0.5, "json": 1.1},
+               "json": {"python": 4.1, "prose": 4.1, "arithmetic": 1.1, "json": 0.5}}
+    good = {"python": 3.5, "prose": 3.6, "arithmetic": 0.8, "json": 0.8}
+    g = check_gates(base, experts, good)
+    assert g["passed"] and g["normalised_gain"] == pytest.approx({"python": 0.5, "prose": 0.4, "arithmetic": 0.4,
+                                                                  "json": 0.4})
+    # a better mean that leaves one expert's gain behind fails (the mean cannot hide it)
+    g = check_gates(base, experts, {**good, "json": 0.9, "python": 3.0})
+    assert not g["passed"] and any("expert json" in f for f in g["failures"])
+    # an expert that is not the best on its own domain fails
+    bad = {**experts, "prose": {**experts["prose"], "python": 2.9}}
+    g = check_gates(base, bad, good)
+    assert not g["passed"] and any("expert python is not the best" in f for f in g["failures"])
+    # a merge worse than the base on the mean fails
+    g = check_gates(base, experts, {"python": 3.5, "prose": 3.6, "arithmetic": 0.8, "json": 2.5})
+    assert not g["passed"] and any("mean loss" in f for f in g["failures"])
+
+
+def test_failing_gates_stop_the_build(tmp_path):
+    """A zoo whose experts are not fine-tuned (0 steps: each expert is the base) fails the gates:
+    the build raises and publishes nothing."""
+    pytest.importorskip("torch")
+    cfg = ZooConfig.tiny(base_steps=2, expert_steps=0, eval_sequences=2, corpus_chars=40_000, vocab_size=400)
+    with pytest.raises(ZooGateError, match="gates failed"):
+        build_zoo(tmp_path, cfg)
+    assert not (tmp_path / cfg.key()).exists() and not list(tmp_path.glob(f".{cfg.key()}.tmp-*"))
+
+
 def test_failed_build_leaves_nothing(monkeypatch, tmp_path):
     """A build that dies midway leaves neither a cache entry nor its temp dir."""
 
@@ -104,17 +137,21 @@ def test_failed_build_leaves_nothing(monkeypatch, tmp_path):
 
 # ---------------------------------------------------------------------------- the real build
 
+# cache, lock and byte-identity do not depend on training length: a cheap recipe (no gates)
+CHEAP = dict(base_steps=20, expert_steps=4, eval_sequences=4, enforce_gates=False)
 _BUILD = """
 import sys
+from tests.test_zoo import CHEAP
 from pathlib import Path
-from mergepipe.zoo import ZooConfig, build_zoo
-z = build_zoo(Path(sys.argv[1]), ZooConfig.tiny(), log=lambda m: print(m, flush=True))
+from mergepipe_zoo import ZooConfig, build_zoo
+z = build_zoo(Path(sys.argv[1]), ZooConfig.tiny(**CHEAP), log=lambda m: print(m, flush=True))
 print("ROOT", z.root)
 """
 
 
 @pytest.mark.slow
-def test_tiny_zoo_end_to_end(tmp_path):
+@pytest.mark.timeout(1500)  # one tiny build (460 steps), a merge and 12 evaluations; slow on a loaded machine
+def test_tiny_zoo_end_to_end(tmp_path, monkeypatch, capsys):
     import torch
     from safetensors import safe_open
     from transformers import AutoTokenizer, LlamaForCausalLM
@@ -171,12 +208,58 @@ def test_tiny_zoo_end_to_end(tmp_path):
     for d in DOMAINS:
         assert losses[d][d] < losses["base"][d], (d, losses)
     assert evaluate(z.base, z) == losses["base"]  # deterministic
+
+    # --- the gates: recorded at build time, and re-checked here through the product's own
+    # task_arithmetic merge (bf16 snapshot, pipeline) rather than the build's in-memory one
+    assert z.gates["passed"], z.gates["failures"]
+    from mergepipe.catalog.catalog import Catalog
+    from mergepipe.pipeline import merge
+
+    w = json.loads((z.root / "testbed.json").read_text())["recommended_params"]["task_arithmetic"]["weight"]
+    res = merge(str(z.base), [(n, str(p)) for n, p in z.experts.items()], "task_arithmetic",
+                str(tmp_path / "ta"), [f"weight={w}"], catalog=Catalog(tmp_path / "c.sqlite"))
+    merged = evaluate(Path(res.out), z)
+    g = check_gates(losses["base"], {n: losses[n] for n in z.experts}, merged)
+    assert g["passed"], g["failures"]
+    assert all(v >= 0.30 for v in g["normalised_gain"].values())
+
+    # --- mergepipe eval prints the same numbers as JSON
+    from tests.conftest import run_cli
+
+    capsys.readouterr()
+    code, out, err = run_cli(["eval", str(z.experts["json"]), "--testbed", str(z.root), "--tasks", "json,python"],
+                             monkeypatch, capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["kind"] == "causal-lm" and list(doc["tasks"]) == ["json", "python"]
+    assert doc["tasks"]["json"]["loss"] == losses["json"]["json"]
+    assert doc["tasks"]["python"]["loss"] == losses["json"]["python"]
     quick = evaluate(z.base, z, max_batches=1)
     assert set(quick) == set(DOMAINS) and all(math.isfinite(v) for v in quick.values())
 
-    # --- second call: cached (no build step runs), nothing rewritten
-    import mergepipe.zoo as zoo_mod
+@pytest.mark.slow
+def test_two_experts_per_domain(tmp_path):
+    """``n_experts_per_domain=2`` gives 8 experts; replicas differ (own seed) from the first."""
+    cfg = ZooConfig.tiny(n_experts_per_domain=2, base_steps=4, expert_steps=4, eval_sequences=4, enforce_gates=False)
+    z = build_zoo(tmp_path, cfg)
+    assert list(z.experts) == [*DOMAINS, *(f"{d}-2" for d in DOMAINS)]
+    assert z.expert_domain("json-2") == "json" and z.expert_domain("json") == "json"
+    for d in DOMAINS:
+        a = sorted(z.experts[d].glob("*.safetensors"))
+        b = sorted(z.experts[f"{d}-2"].glob("*.safetensors"))
+        assert len(a) == len(b) >= 2
+        assert [_sha256(p) for p in a] != [_sha256(p) for p in b]
+    assert all(math.isfinite(v) for v in evaluate(z.experts["python-2"], z, max_batches=1).values())
 
+
+@pytest.mark.slow
+def test_zoo_cache_lock_and_identical_rebuild(tmp_path):
+    """A cached zoo is returned without building; two concurrent builders into one root build once;
+    two builds of one config are byte-identical (a cheap recipe: this is about the cache)."""
+    cfg = ZooConfig.tiny(**CHEAP)
+    root_a = tmp_path / "a"
+    z = build_zoo(root_a, cfg)
+    # --- second call: cached (no build step runs), nothing rewritten
     mtimes = {p: p.stat().st_mtime_ns for p in z.root.rglob("*")}
 
     def no_build(*a, **k):
@@ -213,18 +296,3 @@ def test_tiny_zoo_end_to_end(tmp_path):
     assert len(shards) >= 2 * (1 + len(DOMAINS))
     for f in files_a:
         assert _sha256(z.root / f) == _sha256(zb.root / f), f
-
-
-@pytest.mark.slow
-def test_two_experts_per_domain(tmp_path):
-    """``n_experts_per_domain=2`` gives 8 experts; replicas differ (own seed) from the first."""
-    cfg = ZooConfig.tiny(n_experts_per_domain=2, base_steps=4, expert_steps=4, eval_sequences=4)
-    z = build_zoo(tmp_path, cfg)
-    assert list(z.experts) == [*DOMAINS, *(f"{d}-2" for d in DOMAINS)]
-    assert z.expert_domain("json-2") == "json" and z.expert_domain("json") == "json"
-    for d in DOMAINS:
-        a = sorted(z.experts[d].glob("*.safetensors"))
-        b = sorted(z.experts[f"{d}-2"].glob("*.safetensors"))
-        assert len(a) == len(b) >= 2
-        assert [_sha256(p) for p in a] != [_sha256(p) for p in b]
-    assert all(math.isfinite(v) for v in evaluate(z.experts["python-2"], z, max_batches=1).values())

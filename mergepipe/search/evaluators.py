@@ -1,7 +1,7 @@
 """Evaluators of a merge search: checkpoint folder in, ``{metric: float}`` out.
 
 * :class:`ZooEvaluator` — built-in: per-domain eval loss (mean next-token cross-entropy,
-  nats/token) on the demo zoo's held-out sets (:func:`mergepipe.zoo.evaluate`); metrics
+  nats/token) on the demo zoo's held-out sets (:func:`mergepipe_zoo.evaluate`); metrics
   ``loss:<domain>``.
 * :class:`CommandEvaluator` — any command: ``{checkpoint}`` in the command is replaced by the
   checkpoint folder (appended as the last argument when absent); the command prints a JSON object
@@ -120,7 +120,7 @@ class ZooEvaluator(Evaluator):
 
     def __init__(self, domains: Sequence[str] | None = None, *, tiny: bool = False, zoo_root: str | None = None,
                  max_batches: int | None = None, timeout: float | None = None) -> None:
-        from mergepipe.zoo import DOMAINS
+        from mergepipe_zoo import DOMAINS
 
         self.domains = list(domains or DOMAINS)
         bad = [d for d in self.domains if d not in DOMAINS]
@@ -132,14 +132,14 @@ class ZooEvaluator(Evaluator):
     @property
     def zoo(self):
         if self._zoo is None:
-            from mergepipe.zoo import ZooConfig, build_zoo
+            from mergepipe_zoo import ZooConfig, build_zoo
 
             self._zoo = build_zoo(Path(self.zoo_root) if self.zoo_root else None,
                                   ZooConfig.tiny() if self.tiny else ZooConfig())
         return self._zoo
 
     def metrics(self, checkpoint: str | Path) -> dict[str, float]:
-        from mergepipe.zoo import evaluate
+        from mergepipe_zoo import evaluate
 
         r = evaluate(Path(checkpoint), self.zoo, max_batches=self.max_batches, domains=self.domains)
         return {f"loss:{d}": v for d, v in r.items()}

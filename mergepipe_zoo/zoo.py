@@ -27,7 +27,7 @@ Builds are cached, atomic (a temp dir beside the cache entry is renamed into pla
 and serialised between processes with an ``fcntl`` lock. On one machine (same Python, torch,
 transformers and tokenizers versions) the same config gives byte-identical checkpoints.
 
-``import mergepipe.zoo`` is cheap: torch, transformers and tokenizers are imported inside the
+``import mergepipe_zoo`` is cheap: torch, transformers and tokenizers are imported inside the
 functions that need them.
 """
 
@@ -36,13 +36,14 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +52,12 @@ __all__ = ["DOMAINS", "ZooConfig", "Zoo", "default_zoo_root", "build_zoo", "eval
 DOMAINS: tuple[str, ...] = ("python", "prose", "arithmetic", "json")
 """The text domains of the zoo; every build has one expert (or more) per domain."""
 
-ZOO_FORMAT = 1  # bump when the data, training recipe or layout changes (invalidates the cache)
+ZOO_FORMAT = 2  # 2: a well-trained base, short low-LR fine-tunes, build gates, testbed.json. Bump when the data, training recipe or layout changes (invalidates the cache)
 _MANIFEST = "zoo.json"
+TESTBED = "testbed.json"
+GATE_MIN_GAIN = 0.30  # the merge must keep >= 30% of every expert's normalised gain
 _PAD, _BOS, _EOS = "<pad>", "<s>", "</s>"  # token ids 0, 1, 2
-_NUM_THREADS = 2  # fixed so that results do not depend on the machine's core count
+_NUM_THREADS = 1  # fixed so that results do not depend on the core count; 1 is also fastest on a shared machine
 
 
 # --------------------------------------------------------------------------------------------
@@ -65,8 +68,8 @@ _NUM_THREADS = 2  # fixed so that results do not depend on the machine's core co
 @dataclass(frozen=True)
 class ZooConfig:
     """Sizes and training recipe of a zoo. The defaults are the demo size (~5.3 M parameters,
-    every 2-D weight >= 128 KiB in bf16, whole zoo in < 5 min on 2 CPU cores);
-    :meth:`tiny` is a seconds-scale variant for tests.
+    every 2-D weight >= 128 KiB in bf16; 740 optimizer steps in all, build times in
+    docs/QUALITY.md); :meth:`tiny` is a minutes-scale variant for tests and the quality benchmark.
 
     Attributes:
         hidden_size: model width ``d``. Must be divisible by ``num_heads`` with an even head dim.
@@ -90,6 +93,15 @@ class ZooConfig:
         corpus_chars: training text per domain, in characters (also feeds the tokenizer).
         eval_sequences: held-out windows of ``seq_len`` tokens per domain used by
             :func:`evaluate`.
+        expert_mix: share of each fine-tuning batch drawn from the base's four-domain mixture
+            (replay; in eighths: 0.5 = 4 rows in 8 from the mixture, one per domain, the rest from
+            the expert's domain). Replay keeps an expert's change specific to its domain (little
+            forgetting elsewhere), the regime where task vectors add up.
+        merge_weight: task_arithmetic weight λ of the gates' full merge
+            ``base + λ/r · Σ δ`` (``r = n_experts_per_domain``); also the testbed's recommended
+            ``weight`` parameter per expert (``testbed.json``).
+        enforce_gates: raise :class:`ZooGateError` when the build gates (:func:`check_gates`)
+            fail, before anything is published (False: record the report and keep the zoo).
     """
 
     hidden_size: int = 256
@@ -98,21 +110,30 @@ class ZooConfig:
     num_heads: int = 4
     vocab_size: int = 4096
     seq_len: int = 128
-    base_steps: int = 120
-    expert_steps: int = 100
+    base_steps: int = 500
+    expert_steps: int = 60
     batch_size: int = 16
     lr: float = 2e-3
-    expert_lr: float = 1e-3
+    expert_lr: float = 5e-4
     seed: int = 0
     n_experts_per_domain: int = 1
     max_shard_size: str = "4MB"
     corpus_chars: int = 1_000_000
     eval_sequences: int = 64
+    expert_mix: float = 0.5
+    merge_weight: float = 0.25
+    enforce_gates: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in ("lr", "expert_lr"):
+            if f.name == "enforce_gates":
+                if not isinstance(v, bool):
+                    raise ValueError(f"ZooConfig.enforce_gates must be a bool, got {v!r}")
+            elif f.name == "expert_mix":
+                if not (isinstance(v, (int, float)) and 0.0 <= v < 1.0):
+                    raise ValueError(f"ZooConfig.expert_mix must be in [0, 1), got {v!r}")
+            elif f.name in ("lr", "expert_lr", "merge_weight"):
                 if not (isinstance(v, (int, float)) and v > 0):
                     raise ValueError(f"ZooConfig.{f.name} must be a positive number, got {v!r}")
             elif f.name == "max_shard_size":
@@ -138,8 +159,9 @@ class ZooConfig:
 
     @classmethod
     def tiny(cls, **overrides) -> ZooConfig:
-        """A small config for tests: ~0.2 M parameters, builds in well under 60 s on 2 cores and
-        still writes >= 2 shards per checkpoint. Keyword arguments override fields."""
+        """A small config for tests and bench/quality.py: ~0.2 M parameters, 460 optimizer steps
+        (about 4 min on one thread of a loaded 2-core machine), still >= 2 shards per checkpoint
+        and passing the build gates. Keyword arguments override fields."""
         base: dict[str, Any] = dict(
             hidden_size=64,
             intermediate_size=176,
@@ -147,11 +169,11 @@ class ZooConfig:
             num_heads=2,
             vocab_size=1024,
             seq_len=64,
-            base_steps=150,
-            expert_steps=60,
+            base_steps=300,
+            expert_steps=40,
             batch_size=16,
             lr=3e-3,
-            expert_lr=2e-3,
+            expert_lr=1e-3,
             max_shard_size="200KB",
             corpus_chars=200_000,
             eval_sequences=32,
@@ -182,6 +204,7 @@ class Zoo:
         experts: expert name -> HF checkpoint folder (name = domain, or ``domain-2`` ...).
         eval_sets: domain -> held-out ``.jsonl`` file (one ``{"text": ...}`` document a line).
         config: the config the zoo was built with.
+        gates: the build gates' report (:func:`check_gates`) recorded in the manifest.
     """
 
     root: Path
@@ -189,6 +212,15 @@ class Zoo:
     experts: dict[str, Path]
     eval_sets: dict[str, Path]
     config: ZooConfig
+    gates: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def testbed(self):
+        """The zoo's ``testbed.json`` parsed (:class:`mergepipe.evaluate.Testbed`), what
+        ``mergepipe eval SNAPSHOT --testbed <zoo root>`` reads."""
+        from mergepipe.evaluate import load_testbed
+
+        return load_testbed(self.root)
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -541,27 +573,6 @@ def _token_stream(tok, docs: list[str], eos_id: int):
     return torch.from_numpy(np.asarray(ids, dtype=np.int64))
 
 
-def _load_eval_windows(zoo: Zoo) -> dict[str, Any]:
-    """domain -> LongTensor [n_windows, seq_len] of held-out tokens (n_windows <= eval_sequences)."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(zoo.tokenizer_dir / "tokenizer.json"))
-    eos = tok.token_to_id(_EOS)
-    if eos is None:
-        raise ValueError(f"{zoo.tokenizer_dir}: the zoo tokenizer has no {_EOS} token; rebuild the zoo")
-    out = {}
-    for d in DOMAINS:
-        path = zoo.eval_sets[d]
-        docs = [json.loads(ln)["text"] for ln in path.read_text(encoding="utf-8").splitlines() if ln]
-        stream = _token_stream(tok, docs, eos)
-        L = zoo.config.seq_len
-        n = min(len(stream) // L, zoo.config.eval_sequences)
-        if n == 0:
-            raise RuntimeError(f"held-out set {path} has fewer than seq_len={L} tokens")
-        out[d] = stream[: n * L].view(n, L)
-    return out
-
-
 # --------------------------------------------------------------------------------------------
 # training
 # --------------------------------------------------------------------------------------------
@@ -664,6 +675,76 @@ def _bf16_round_trip(model) -> dict:
     return {k: v.detach().to(torch.bfloat16).to(torch.float32) for k, v in model.state_dict().items()}
 
 
+def _expert_streams(streams: dict, domain: str, mix: float) -> list:
+    """Row pattern of an expert's batches (see :func:`_train`): 8 slots, ``round(8 * mix)`` of
+    them cycling over the four domains (replay), the rest the expert's own domain."""
+    n_mix = round(8 * mix)
+    return [streams[domain]] * (8 - n_mix) + [streams[DOMAINS[i % len(DOMAINS)]] for i in range(n_mix)]
+
+
+class ZooGateError(ValueError):
+    """A built zoo failed its gates (:func:`check_gates`): merging would not help on it."""
+
+
+def _testbed_json(cfg: ZooConfig, eval_files: dict[str, str]) -> dict:
+    """The zoo's ``testbed.json`` (see :mod:`mergepipe.evaluate`)."""
+    return {
+        "format": 1,
+        "kind": "causal-lm",
+        "tokenizer": "tokenizer",
+        "eos_token": _EOS,
+        "seq_len": cfg.seq_len,
+        "batch_size": cfg.batch_size,
+        "max_windows": cfg.eval_sequences,
+        "tasks": {d: {"probe": eval_files[d]} for d in DOMAINS},
+        "base": "base",
+        "experts": {n: f"experts/{n}" for n in cfg.expert_names()},
+        "expert_task": {n: (n if n in DOMAINS else n.rsplit("-", 1)[0]) for n in cfg.expert_names()},
+        "metric": "loss",
+        "recommended_params": {"task_arithmetic": {"weight": cfg.merge_weight / cfg.n_experts_per_domain}},
+    }
+
+
+def check_gates(base: dict[str, float], experts: dict[str, dict[str, float]], merged: dict[str, float],
+                min_gain: float = GATE_MIN_GAIN) -> dict:
+    """The zoo's build gates: does merging help on it?
+
+    1. every expert is the best model on its own domain: lower loss there than the base and
+       than every expert of another domain;
+    2. the full task_arithmetic merge has a lower mean loss than the base;
+    3. the merge keeps at least ``min_gain`` of every expert's normalised gain
+       ``(L_base − L_merge) / (L_base − L_expert)`` on the expert's domain
+       (:func:`mergepipe.metrics.normalised_gain`).
+
+    Args:
+        base: ``{domain: loss}`` of the base; experts: ``{expert name: {domain: loss}}`` (name =
+            domain, or ``domain-r``); merged: ``{domain: loss}`` of the full merge.
+
+    Returns:
+        ``{"passed": bool, "failures": [str], "best_on_own_domain": {expert: bool},
+        "normalised_gain": {expert: float}, "base_mean_loss", "merge_mean_loss", "min_gain"}``.
+    """
+    failures = []
+    dom = {n: (n if n in DOMAINS else n.rsplit("-", 1)[0]) for n in experts}
+    best, ng = {}, {}
+    for n, d in dom.items():
+        others = [experts[o][d] for o in experts if dom[o] != d]
+        best[n] = experts[n][d] < min([base[d], *others])
+        if not best[n]:
+            failures.append(f"expert {n} is not the best model on {d} ({experts[n][d]:.4f} vs base "
+                            f"{base[d]:.4f}, other experts {min(others, default=math.inf):.4f})")
+        den = base[d] - experts[n][d]
+        ng[n] = (base[d] - merged[d]) / den if den > 0 else -math.inf
+        if not ng[n] >= min_gain:
+            failures.append(f"the merge keeps {ng[n]:.3f} of expert {n}'s normalised gain on {d} (< {min_gain})")
+    bm, mm = sum(base.values()) / len(base), sum(merged.values()) / len(merged)
+    if not mm < bm:
+        failures.append(f"the merge's mean loss {mm:.4f} is not below the base's {bm:.4f}")
+    return {"passed": not failures, "failures": failures, "best_on_own_domain": best, "normalised_gain": ng,
+            "base_mean_loss": bm, "merge_mean_loss": mm, "min_gain": min_gain,
+            "losses": {"base": base, "experts": experts, "merge": merged}}
+
+
 def _build_into(tmp: Path, cfg: ZooConfig, log: Callable[[str], None]) -> dict:
     """Build every artifact into ``tmp``; return the manifest (without file hashes)."""
     import torch
@@ -717,6 +798,22 @@ def _build_into(tmp: Path, cfg: ZooConfig, log: Callable[[str], None]) -> dict:
     base_sd = _bf16_round_trip(model)  # experts start from the released (bf16) base
     del model
 
+    (tmp / TESTBED).write_text(json.dumps(_testbed_json(cfg, eval_files), indent=1) + "\n")
+    from mergepipe.evaluate import causal_lm_losses, causal_lm_windows, load_testbed
+
+    windows = causal_lm_windows(load_testbed(tmp), DOMAINS)
+    gate_model = LlamaForCausalLM(lcfg)
+    gate_model.eval()
+
+    def losses_of(sd: dict) -> dict[str, float]:
+        gate_model.load_state_dict(sd)
+        return {d: r["loss"] for d, r in causal_lm_losses(gate_model, windows, cfg.batch_size).items()}
+
+    base_losses = losses_of(base_sd)
+    expert_losses: dict[str, dict[str, float]] = {}
+    merged_delta = {k: torch.zeros_like(v) for k, v in base_sd.items()}
+    w = cfg.merge_weight / cfg.n_experts_per_domain
+
     experts = {}
     for name in cfg.expert_names():
         domain, r = (name, 1) if name in DOMAINS else (name.rsplit("-", 1)[0], int(name.rsplit("-", 1)[1]))
@@ -724,13 +821,27 @@ def _build_into(tmp: Path, cfg: ZooConfig, log: Callable[[str], None]) -> dict:
         model = LlamaForCausalLM(lcfg)
         model.load_state_dict(base_sd)
         model.generation_config.pad_token_id = 0
-        _train(model, [streams[domain]], cfg.expert_steps, cfg.expert_lr, 0.0,
+        _train(model, _expert_streams(streams, domain, cfg.expert_mix), cfg.expert_steps, cfg.expert_lr, 0.0,
                _derive_seed(cfg.seed, "expert-data", domain, r), cfg, log, f"expert {name}")
         rel = f"experts/{name}"
         _save_checkpoint(model, hf_tok, tmp / rel, cfg)
         experts[name] = rel
+        esd = _bf16_round_trip(model)
         del model
+        expert_losses[name] = losses_of(esd)
+        for k, v in esd.items():
+            merged_delta[k] += w * (v - base_sd[k])
+        del esd
     log(f"trained base + {len(experts)} experts ({time.perf_counter() - t0:.1f}s)")
+    merged_losses = losses_of({k: base_sd[k] + merged_delta[k] for k in base_sd})
+    gates = check_gates(base_losses, expert_losses, merged_losses)
+    log("gates: " + ("passed" if gates["passed"] else "FAILED: " + "; ".join(gates["failures"]))
+        + f" (task_arithmetic weight {w:g}: mean loss {gates['merge_mean_loss']:.4f} vs base "
+        f"{gates['base_mean_loss']:.4f}, normalised gain per expert "
+        + ", ".join(f"{n} {g:.2f}" for n, g in gates["normalised_gain"].items()) + ")")
+    if cfg.enforce_gates and not gates["passed"]:
+        raise ZooGateError("zoo build gates failed: " + "; ".join(gates["failures"])
+                           + " (set ZooConfig.enforce_gates=False to keep such a zoo anyway)")
 
     import tokenizers
     import transformers
@@ -744,7 +855,9 @@ def _build_into(tmp: Path, cfg: ZooConfig, log: Callable[[str], None]) -> dict:
         "experts": experts,
         "eval_sets": eval_files,
         "tokenizer": "tokenizer",
+        "testbed": TESTBED,
         "n_params": n_params,
+        "gates": gates,
         "built_with": {
             "python": sys.version.split()[0],
             "torch": torch.__version__,
@@ -794,6 +907,7 @@ def _zoo_from_manifest(entry: Path, cfg: ZooConfig) -> Zoo:
         experts={k: entry / v for k, v in man["experts"].items()},
         eval_sets={k: entry / v for k, v in man["eval_sets"].items()},
         config=cfg,
+        gates=man.get("gates", {}),
     )
 
 
@@ -806,7 +920,7 @@ def build_zoo(root: Path | None = None, config: ZooConfig | None = None,
     callers wait and then reuse one build), this trains the tokenizer, the base model and
     ``len(DOMAINS) * n_experts_per_domain`` experts into ``root/.<key>.tmp-<pid>`` and renames it
     to ``root/<key>`` at the end: a killed build never leaves a complete-looking entry (its temp
-    dir is removed by the next build). Uses 2 torch threads and deterministic algorithms during
+    dir is removed by the next build). Uses 1 torch thread and deterministic algorithms during
     the build (previous settings are restored).
 
     Args:
@@ -865,7 +979,7 @@ def build_zoo(root: Path | None = None, config: ZooConfig | None = None,
 
 
 def _with_torch_settings(fn):
-    """Run ``fn`` with 2 intra-op threads, deterministic algorithms and no HF progress bars,
+    """Run ``fn`` with 1 intra-op thread, deterministic algorithms and no HF progress bars,
     then restore the previous settings."""
     import torch
     from transformers.utils import logging as hf_logging
@@ -889,11 +1003,12 @@ def evaluate(model_dir: Path, zoo: Zoo, max_batches: int | None = None,
              domains: tuple[str, ...] | list[str] | None = None) -> dict[str, float]:
     """Mean per-token cross-entropy (nats/token) of a checkpoint on each domain's held-out set.
 
-    The held-out documents are tokenized with the zoo's tokenizer (the checkpoint need not ship
+    The zoo's ``testbed.json`` task for ``mergepipe eval`` (:func:`mergepipe.evaluate.evaluate_checkpoint`):
+    the held-out documents are tokenized with the zoo's tokenizer (the checkpoint need not ship
     one), joined with EOS and cut into ``zoo.config.eval_sequences`` windows of
     ``zoo.config.seq_len`` tokens; the loss averages over the ``seq_len - 1`` next-token
     predictions of every window. Weights (bf16 or any dtype) are loaded as float32 and run on
-    CPU with 2 threads, so the result is deterministic.
+    CPU with 1 thread, so the result is deterministic.
 
     Args:
         model_dir: HF causal-LM checkpoint folder (``config.json`` + safetensors), e.g. a
@@ -912,43 +1027,17 @@ def evaluate(model_dir: Path, zoo: Zoo, max_batches: int | None = None,
         ValueError: the model's vocabulary is smaller than the zoo tokenizer's,
             ``max_batches < 1``, or an unknown domain.
     """
+    from mergepipe.errors import InputError
+    from mergepipe.evaluate import evaluate_checkpoint
+
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a HF checkpoint folder (no config.json)")
-    if max_batches is not None and max_batches < 1:
-        raise ValueError(f"max_batches must be >= 1 or None, got {max_batches}")
     todo = tuple(DOMAINS if domains is None else domains)
     if any(d not in DOMAINS for d in todo):
         raise ValueError(f"unknown domain(s) {sorted(set(todo) - set(DOMAINS))}; the zoo's domains are {list(DOMAINS)}")
-
-    def run() -> dict[str, float]:
-        import torch
-        import torch.nn.functional as F
-        from transformers import AutoModelForCausalLM
-
-        windows = _load_eval_windows(zoo)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
-        model.eval()
-        vocab = model.config.vocab_size
-        max_id = max(int(w.max()) for w in windows.values())
-        if max_id >= vocab:
-            raise ValueError(f"model vocab_size={vocab} is too small for the zoo tokenizer (token id {max_id})")
-        B = zoo.config.batch_size
-        out = {}
-        with torch.inference_mode():
-            for d in todo:
-                w = windows[d]
-                total, count = 0.0, 0
-                for i, start in enumerate(range(0, len(w), B)):
-                    if max_batches is not None and i >= max_batches:
-                        break
-                    batch = w[start : start + B]
-                    logits = model(input_ids=batch, use_cache=False).logits.float()
-                    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                           batch[:, 1:].reshape(-1), reduction="sum")
-                    total += float(loss.double())
-                    count += batch[:, 1:].numel()
-                out[d] = total / count
-        return out
-
-    return _with_torch_settings(run)
+    try:
+        r = evaluate_checkpoint(model_dir, zoo.testbed, todo, max_batches=max_batches)
+    except InputError as e:
+        raise ValueError(str(e)) from None
+    return {d: r[d]["loss"] for d in todo}

