@@ -33,11 +33,10 @@ def main(argv=None) -> None:
     from safetensors.torch import load_file
 
     from mergepipe.catalog.catalog import Catalog
-    from mergepipe.methods.params import layer_count, layer_t
-    from mergepipe.methods.reference import merge_tensor_dense
-    from mergepipe.methods.registry import resolve_params
+    from mergepipe.methods.params import layer_count, layer_t, resolve_params
     from mergepipe.pipeline import merge, parse_params
     from tests.conftest import merged_tensors, same_bits
+    from tests.dense_reference import merge_tensor_dense
     from tests.minilm import make_minilm_family
 
     root = Path(tempfile.mkdtemp(prefix="exact-trim-"))

@@ -108,8 +108,8 @@ def test_exact_trim_keeps_exactly_k_unless_values_are_equal():
     equal values; equal values are kept or dropped together (canonical tie rule)."""
     import numpy as np
 
-    from mergepipe.methods.reference import reference_topk_mask
     from mergepipe.numerics import exact_shrink, histogram, magnitude_keys, trim_rank
+    from tests.dense_reference import reference_topk_mask
 
     g = torch.Generator().manual_seed(0)
     d = torch.randn(100_000, generator=g) * 1e-3
