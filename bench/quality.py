@@ -1,39 +1,38 @@
-"""Quality under an expert-I/O budget: how close is a budgeted merge to the full-budget one?
+"""Quality under an expert-I/O budget, judged per task: does a budgeted merge keep the full merge's gain?
 
-On the demo zoo (:mod:`mergepipe.zoo`: a small Llama pretrained offline and full fine-tunes of it
-on four text domains) with K = 4 experts (one per domain, the demo's zoo) and K = 8 (two per
-domain, ``ZooConfig(n_experts_per_domain=2)``), for each merge method this merges all K experts
-through the public pipeline (:func:`mergepipe.pipeline.merge`, what ``mergepipe merge`` runs):
+Two testbeds where merging helps (see docs/QUALITY.md):
 
-* once at unlimited budget (the reference "full" merge),
-* at expert budgets of 1 %, 2 %, 5 %, 10 %, 25 %, 50 %, 75 % and 100 % of the experts' bytes,
-* in fidelity mode (``--fidelity 0.9, 0.95, 0.99``),
+* ``zoo``: :mod:`mergepipe_zoo.zoo`, a small Llama pretrained offline on four text domains and
+  one short, low-learning-rate fine-tune per domain (build gates: each expert best on its domain,
+  the full task_arithmetic merge beats the base and keeps >= 30% of every expert's gain);
+  quality = per-domain held-out loss;
+* ``minilm``: :mod:`mergepipe_zoo.minilm`, the pretrained MiniLM encoder fully fine-tuned on
+  three classification tasks with their own heads; quality = per-task accuracy.
 
-and records per point: the expert bytes read (the storage layer's counters, from the manifest),
-the plan's retained energy ``E``, the relative distance to the full merge
-``‖θ_budget − θ_full‖ / ‖θ_full − θ_base‖`` (float64 sums over every floating tensor of the
-committed checkpoints), the prediction ``sqrt(1 − E)`` for it (see docs/QUALITY.md) and the mean
-per-token loss on each domain's held-out set (:func:`mergepipe.zoo.evaluate`) and their mean.
+For every seed (a new testbed build per seed: other data order, other fine-tunes; DARE's masks
+use the same seed) and merge method this merges all experts through the public pipeline
+(:func:`mergepipe.pipeline.merge`, what ``mergepipe merge`` runs) once at unlimited budget (the
+*full* merge) and at each expert budget with each planner block value (``energy``; ``fisher``
+with a calibration set of training text, zoo only), scores each snapshot with
+:func:`mergepipe.evaluate.evaluate_checkpoint` (what ``mergepipe eval SNAPSHOT --testbed ...``
+prints) and records per task the normalised gain NG = (q_merge − q_base)/(q_expert − q_base) and,
+for budgeted merges, the kept share NG_budget/NG_full; then the worst task, and means with 95%
+Student-t and bootstrap intervals over seeds (:mod:`mergepipe.metrics`).
 
-One command, rerunnable: zoo builds are cached (``~/.mergepipe/zoo``); snapshots, the catalog and
-the eval losses (keyed by snapshot id) are cached under ``--work``, so a rerun re-merges and
-re-evaluates only what is missing. Nothing is skipped: a point that fails is recorded with its
-error and the script exits with status 1 after writing the results.
+    python bench/quality.py --testbed zoo --size tiny --seeds 0 1 2      # -> docs/quality/zoo-tiny.json
+    python bench/quality.py --testbed minilm --seeds 0 1 2 --values energy
+    python bench/quality.py --report-only                                 # tables + plots from the JSONs
 
-    python bench/quality.py     # full sweep -> docs/quality/{quality.json,*.png}, tables in docs/QUALITY.md
-    python bench/quality.py --report-only docs/quality/quality.json   # tables + plots only
-
-Method parameters (mergekit names): ties ``density=0.5`` (weight 1, normalize true: the mean of
-the sign-agreeing trimmed task vectors); dare_ties ``density=0.5`` with ``weight=1/K``
-(mergekit's defaults normalize false, rescale true); task_arithmetic ``weight=1/K`` (the average
-task vector). ``--seed 0`` for DARE's random masks.
+Cached: testbed builds (``~/.mergepipe``), snapshots, catalog and evaluations (keyed by snapshot
+id) under ``--work``, so a rerun does only what is missing. A failed point is recorded with its
+error and the script exits 1 after writing the results.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
-import math
 import os
 import sys
 import time
@@ -43,390 +42,467 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.relpath import rel_text  # noqa: E402
-
-BUDGETS = (1, 2, 5, 10, 25, 50, 75, 100)
-FIDELITIES = (0.9, 0.95, 0.99)
-METHODS = ("ties", "dare_ties", "task_arithmetic")
+BUDGETS = (5, 10, 25, 50)
+METHODS = ("task_arithmetic", "ties", "dare_ties")
+TARGET_BUDGET, TARGET_KEPT = "25", 0.90
+OUT = REPO / "docs" / "quality"
+DOC = REPO / "docs" / "QUALITY.md"
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def method_params(method: str, k: int) -> list[str]:
-    """``--param`` values used for ``method`` with ``k`` experts (see the module docstring)."""
-    w = f"weight={1.0 / k:.6g}"
-    return {"ties": ["density=0.5"], "dare_ties": ["density=0.5", w], "task_arithmetic": [w]}[method]
-
-
-def machine_info() -> dict:
-    """bench.run's machine description plus the torch version."""
-    import torch
-
-    from bench.run import machine_info as _machine
-
-    return {**_machine(), "torch": torch.__version__}
-
-
-# ------------------------------------------------------------------------------------------
-# measurements
-
-
-def load_floats(folder: Path) -> dict:
-    """Every floating tensor of a safetensors checkpoint folder, as float64 torch tensors."""
-    import torch
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():
-                t = sf.get_tensor(name)
-                if t.dtype.is_floating_point:
-                    out[name] = t.to(torch.float64)
-    if not out:
-        raise FileNotFoundError(f"{folder}: no floating tensors in *.safetensors")
-    return out
-
-
-def sq_dist(a: dict, b: dict) -> float:
-    """``‖a − b‖²`` over all tensors (float64; same names and shapes required)."""
-    if a.keys() != b.keys():
-        raise ValueError(f"tensor names differ: {sorted(a.keys() ^ b.keys())[:5]}")
-    return math.fsum(float(((a[n] - b[n]) ** 2).sum()) for n in a)
+def method_params(method: str, weight: float) -> list[str]:
+    """``--param`` values of ``method``: task_arithmetic ``weight=λ`` (the testbed's recommended
+    task-arithmetic scale); ties ``density=0.5`` (mergekit defaults: weight 1, normalize true:
+    the mean of the sign-agreeing trimmed task vectors); dare_ties ``density=0.5 weight=λ``
+    (mergekit defaults normalize false, rescale true)."""
+    w = f"weight={weight:g}"
+    return {"task_arithmetic": [w], "ties": ["density=0.5"], "dare_ties": ["density=0.5", w]}[method]
 
 
 class Evals:
-    """Per-domain eval losses cached in JSON files by model identity (snapshot id or zoo name).
+    """Per-task metrics cached in one JSON file by model identity (snapshot id or testbed name),
+    safe for parallel sweeps (fcntl locks)."""
 
-    Safe for sweeps running as parallel processes (e.g. one per ``--methods``): a model is
-    evaluated under a per-key ``fcntl`` lock (a second process waits and reuses the result) and
-    each file is updated read-modify-write under its own lock. ``also`` are further cache files
-    consulted (read-only) before evaluating."""
+    runs = 0
 
-    runs = 0  # evaluations actually run by this process (not served from a cache)
-
-    def __init__(self, path: Path, zoo, also: tuple[Path, ...] = ()) -> None:
-        self.path, self.zoo, self.also = path, zoo, also
-        self.locks = path.parent / ".locks"
-        self.locks.mkdir(exist_ok=True)
-
-    def _load(self) -> dict:
-        out = {}
-        for p in (*self.also, self.path):
-            if p.exists():
-                out.update(json.loads(p.read_text()))
-        return out
+    def __init__(self, path: Path, testbed: Path) -> None:
+        self.path, self.testbed = path, testbed
 
     def __call__(self, key: str, folder: Path) -> dict:
-        import fcntl
+        from mergepipe.evaluate import evaluate_checkpoint
 
-        from mergepipe.zoo import evaluate
-
-        with open(self.locks / f"{key}.lock", "a+") as lk:
+        with open(str(self.path) + ".lock", "a+") as lk:
             fcntl.flock(lk.fileno(), fcntl.LOCK_EX)
-            cached = self._load()
-            if key in cached:
-                return cached[key]
-            loss = evaluate(folder, self.zoo)
-            Evals.runs += 1
-            with open(self.locks / f"{self.path.name}.lock", "a+") as fl:
-                fcntl.flock(fl.fileno(), fcntl.LOCK_EX)
-                cur = json.loads(self.path.read_text()) if self.path.exists() else {}
-                cur[key] = loss
-                tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_text(json.dumps(cur, indent=1, sort_keys=True))
-                tmp.replace(self.path)
-            return loss
+            cur = json.loads(self.path.read_text()) if self.path.exists() else {}
+            if key in cur:
+                return cur[key]
+        r = evaluate_checkpoint(folder, self.testbed)
+        Evals.runs += 1
+        with open(str(self.path) + ".lock", "a+") as lk:
+            fcntl.flock(lk.fileno(), fcntl.LOCK_EX)
+            cur = json.loads(self.path.read_text()) if self.path.exists() else {}
+            cur[key] = r
+            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(cur, indent=1, sort_keys=True))
+            tmp.replace(self.path)
+        return r
 
 
-def mean(d: dict) -> float:
-    return sum(d.values()) / len(d)
+def build(testbed: str, size: str, seed: int):
+    """(testbed folder, base, {expert: folder}, {expert: task}, metric, recommended weight, calibration texts)."""
+    if testbed == "zoo":
+        from mergepipe_zoo.zoo import DOMAINS, ZooConfig, _corpora, build_zoo
+
+        cfg = ZooConfig.tiny(seed=seed) if size == "tiny" else ZooConfig(seed=seed)
+        z = build_zoo(None, cfg, log=log)
+        corp = _corpora(cfg)
+        cal = [doc for d in DOMAINS for doc in corp[d][0][:16]]  # training text, never the probe sets
+        tb = json.loads((z.root / "testbed.json").read_text())
+        return (
+            z.root,
+            z.base,
+            z.experts,
+            tb["expert_task"],
+            "loss",
+            tb["recommended_params"]["task_arithmetic"]["weight"],
+            cal,
+            cfg.key(),
+        )
+    from mergepipe_zoo.minilm import MiniLMConfig, build_minilm
+
+    cfg = MiniLMConfig(seed=seed)
+    m = build_minilm(None, cfg, log=log)
+    tb = json.loads((m.root / "testbed.json").read_text())
+    return (
+        m.root,
+        m.base,
+        m.experts,
+        tb["expert_task"],
+        "accuracy",
+        tb["recommended_params"]["task_arithmetic"]["weight"],
+        None,
+        cfg.key(),
+    )
 
 
-def sweep_k(k: int, methods, budgets, fidelities, work: Path, zoo_root: Path | None, errors: list) -> dict:
-    """All points for one zoo size; see the module docstring."""
+def sweep_seed(a, seed: int, errors: list) -> dict:
     from mergepipe.catalog.catalog import Catalog
+    from mergepipe.metrics import kept_share, normalised_gain, worst
     from mergepipe.pipeline import merge
     from mergepipe.storage.base import IOCounters
     from mergepipe.storage.local import LocalStorage
-    from mergepipe.zoo import ZooConfig, build_zoo
 
-    if k % 4:
-        raise SystemExit(f"--k {k}: the zoo has 4 domains; K must be a multiple of 4")
-    cfg = ZooConfig(n_experts_per_domain=k // 4)
     t0 = time.perf_counter()
-    zoo = build_zoo(zoo_root, cfg, log=log)
-    zoo_s = time.perf_counter() - t0
-    log(f"K={k}: zoo {cfg.key()} ready in {zoo_s:.1f} s")
-    wd = work / cfg.key()
+    root, base, experts, task_of, metric, weight, cal_texts, key = build(a.testbed, a.size, seed)
+    build_s = time.perf_counter() - t0
+    wd = a.work / f"{a.testbed}-{key}"
     wd.mkdir(parents=True, exist_ok=True)
     cat = Catalog(wd / "catalog.sqlite")
-    ev = Evals(wd / "evals.json", zoo)
-    experts = [(n, str(p)) for n, p in zoo.experts.items()]
-    res_k: dict = {"zoo_key": cfg.key(), "zoo_build_s": round(zoo_s, 1), "experts": [n for n, _ in experts],
-                   "base": ev(f"zoo:{cfg.key()}:base", zoo.base), "expert_losses": {}, "methods": {}}
-    for n, p in zoo.experts.items():
-        res_k["expert_losses"][n] = ev(f"zoo:{cfg.key()}:{n}", p)
-    base_t = load_floats(zoo.base)
+    ev = Evals(wd / "evals.json", root)
+    hib = metric == "accuracy"
 
-    for method in methods:
-        params = method_params(method, k)
-        ev_m = Evals(wd / f"evals-{method}.json", zoo, also=(wd / "evals.json",))
+    def q(r: dict) -> dict:
+        return {t: v[metric] for t, v in r.items()}
 
-        def run(tag: str, budget=None, fidelity=None, method=method, params=params) -> tuple[dict, Path]:
-            out = wd / method / tag
+    base_q = q(ev("base", base))
+    exp_q = {n: q(ev(f"expert:{n}", p)) for n, p in experts.items()}
+    own = {task_of[n]: exp_q[n][task_of[n]] for n in experts}
+    # a task whose expert does not beat the base has no normalised gain: judged by the others, reported
+    gains = {t: (own[t] - base_q[t]) if hib else (base_q[t] - own[t]) for t in own}
+    undefined = sorted(t for t, g in gains.items() if not g > 0)
+    if undefined:
+        log(f"seed {seed}: expert not better than the base on {undefined}; normalised gains over the other tasks")
+    cal = None
+    if cal_texts is not None and "fisher" in a.values:
+        cal = wd / "calibration.jsonl"
+        cal.write_text("".join(json.dumps({"text": t}) + "\n" for t in cal_texts))
+    res = {
+        "seed": seed,
+        "key": key,
+        "build_s": round(build_s, 1),
+        "metric": metric,
+        "base": base_q,
+        "experts": exp_q,
+        "expert_task": task_of,
+        "weight": weight,
+        "undefined_ng": undefined,
+        "methods": {},
+    }
+    ex = [(n, str(p)) for n, p in experts.items()]
+    for method in a.methods:
+        params = method_params(method, weight)
+
+        def run(tag: str, budget=None, value="energy", method: str = method, params: list = params) -> dict:
             t = time.perf_counter()
-            r = merge(str(zoo.base), experts, method, str(out), params, budget=budget, fidelity=fidelity,
-                      seed=0, catalog=cat, storage=LocalStorage(IOCounters()))
+            r = merge(
+                str(base),
+                ex,
+                method,
+                str(wd / method / tag),
+                params,
+                budget=budget,
+                seed=seed,
+                catalog=cat,
+                storage=LocalStorage(IOCounters()),
+                value=value,
+                calibration=str(cal) if value == "fisher" else None,
+            )
             s = r.summary()
+            qm = q(ev(s["snapshot_id"], Path(r.out)))
             pt = {
-                "tag": tag, "budget": budget, "fidelity": fidelity, "snapshot_id": s["snapshot_id"],
-                "expert_budget_bytes": s["io"]["expert_budget_bytes"],
-                "expert_read_bytes": s["io"]["expert_read_bytes"],
-                "planned_expert_read_bytes": s["io"]["planned_expert_read_bytes"],
-                "expert_bytes_total": s["io"]["expert_bytes_total"],
-                "retained_energy": s["retained_energy"],
-                "merge_wall_s": s["wall_s"], "already_committed": s["already_committed"],
-                "tensors_merged": sum(1 for tp in r.plan.tensors if tp.experts),
+                "tag": tag,
+                "budget": budget,
+                "value": value,
+                "snapshot_id": s["snapshot_id"],
+                "quality": qm,
+                "read_fraction": s["io"]["expert_read_bytes"] / s["io"]["expert_bytes_total"],
+                "retained_value": s["retained_energy"],
+                "merge_s": round(time.perf_counter() - t, 1),
             }
-            pt["read_fraction"] = pt["expert_read_bytes"] / pt["expert_bytes_total"]
-            log(f"K={k} {method} {tag}: read {pt['read_fraction']:.2%} of expert bytes, "
-                f"E={pt['retained_energy']:.4f} ({time.perf_counter() - t:.1f} s)")
-            return pt, Path(r.out)
+            pt["ng"] = normalised_gain(
+                {t: v for t, v in qm.items() if t not in undefined}, base_q, own, higher_is_better=hib
+            )
+            pt["worst_ng"] = worst(pt["ng"])
+            log(
+                f"seed {seed} {method} {tag}: read {pt['read_fraction']:.1%}, worst NG {pt['worst_ng'][0]} "
+                f"{pt['worst_ng'][1]:+.3f}"
+            )
+            return pt
 
         try:
-            full, full_dir = run("full")
-        except Exception as e:  # recorded and reported; the method's other points need the full merge
-            errors.append(f"K={k} {method} full: {type(e).__name__}: {e}")
+            full = run("full")
+        except Exception as e:
+            errors.append(f"seed {seed} {method} full: {type(e).__name__}: {e}")
             log(errors[-1])
             continue
-        full_t = load_floats(full_dir)
-        den = sq_dist(full_t, base_t)
-        full["losses"] = ev_m(full["snapshot_id"], full_dir)
-        full["mean_loss"] = mean(full["losses"])
-        full["rel_distance"], full["predicted_distance"] = 0.0, 0.0
-        full["task_vector_norm"] = math.sqrt(den)
         points = []
-        specs = [(f"{b}pct", f"{b}%", None) for b in budgets] + [(f"fid{f:g}", None, f) for f in fidelities]
-        for tag, budget, fidelity in specs:
-            try:
-                pt, d = run(tag, budget, fidelity)
-                t = load_floats(d)
-                pt["rel_distance"] = math.sqrt(sq_dist(t, full_t) / den) if den > 0 else 0.0
-                pt["predicted_distance"] = math.sqrt(max(0.0, 1.0 - pt["retained_energy"]))
-                pt["losses"] = ev_m(pt["snapshot_id"], d)
-                pt["mean_loss"] = mean(pt["losses"])
-                pt["mean_loss_rel_to_full"] = pt["mean_loss"] / full["mean_loss"] - 1.0
-                points.append(pt)
-                del t
-            except Exception as e:
-                errors.append(f"K={k} {method} {tag}: {type(e).__name__}: {e}")
-                log(errors[-1])
-        res_k["methods"][method] = {"params": params, "full": full, "points": points}
-    return res_k
+        for b in a.budgets:
+            for v in a.values:
+                if v == "fisher" and cal is None:
+                    continue
+                try:
+                    pt = run(f"{b:g}pct-{v}", f"{b:g}%", v)
+                    if all(x > 0 for x in full["ng"].values()):
+                        pt["kept"] = kept_share(pt["ng"], full["ng"])
+                        pt["worst_kept"] = worst(pt["kept"])
+                    points.append(pt)
+                except Exception as e:
+                    errors.append(f"seed {seed} {method} {b}% {v}: {type(e).__name__}: {e}")
+                    log(errors[-1])
+        res["methods"][method] = {"params": params, "full": full, "points": points}
+    return res
 
 
-# ------------------------------------------------------------------------------------------
-# report
+# ------------------------------------------------------------------------------------------ report
 
 
-def summary_md(res: dict, at: str = "25%") -> str:
-    """One row per (K, method): the point at expert budget ``at`` against the full merge."""
-    lines = [f"| K | method | expert read at {at} budget | retained E | rel. distance | √(1−E) | "
-             "mean loss full | mean loss at budget | Δ vs full | within ±1% | at most +1% |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
-    for k, rk in res["by_k"].items():
-        for method, rm in rk["methods"].items():
-            for p in rm["points"]:
-                if p["budget"] == at:
-                    d = p["mean_loss_rel_to_full"]
-                    lines.append(
-                        f"| {k} | {method} | {p['read_fraction']:.2%} | {p['retained_energy']:.4f} | "
-                        f"{p['rel_distance']:.4f} | {p['predicted_distance']:.4f} | {rm['full']['mean_loss']:.4f} | "
-                        f"{p['mean_loss']:.4f} | {d:+.2%} | {'yes' if abs(d) <= 0.01 else 'no'} | "
-                        f"{'yes' if d <= 0.01 else 'no'} |")
-    return "\n".join(lines)
+def aggregate(res: dict) -> dict:
+    """{method: {"full": {...}, (budget, value): {...}}}: means and CIs over seeds of the full
+    merge's worst NG and of the budgeted merges' worst kept share and per-task kept share."""
+    from mergepipe.metrics import summarise
+
+    out: dict = {}
+    seeds = res["seeds"]
+    methods = sorted({m for s in seeds for m in s["methods"]}, key=lambda m: METHODS.index(m) if m in METHODS else 9)
+    for m in methods:
+        runs = [s["methods"][m] for s in seeds if m in s["methods"]]
+        agg = {
+            "full_worst_ng": summarise([r["full"]["worst_ng"][1] for r in runs]),
+            "full_ng": {
+                t: summarise([r["full"]["ng"][t] for r in runs if t in r["full"]["ng"]])
+                for t in dict.fromkeys(t for r in runs for t in r["full"]["ng"])
+            },
+            "points": {},
+        }
+        keys = sorted(
+            {(p["budget"], p["value"]) for r in runs for p in r["points"]},
+            key=lambda k: (float(k[0].rstrip("%")), k[1]),
+        )
+        for b, v in keys:
+            pts = [p for r in runs for p in r["points"] if p["budget"] == b and p["value"] == v]
+            d = {
+                "n": len(pts),
+                "read_fraction": sum(p["read_fraction"] for p in pts) / len(pts),
+                "worst_ng": summarise([p["worst_ng"][1] for p in pts]),
+            }
+            kp = [p for p in pts if "kept" in p]
+            if kp:
+                d["worst_kept"] = summarise([p["worst_kept"][1] for p in kp])
+                d["kept"] = {
+                    t: summarise([p["kept"][t] for p in kp if t in p["kept"]])
+                    for t in dict.fromkeys(t for p in kp for t in p["kept"])
+                }
+                d["kept_n"] = len(kp)
+            agg["points"][f"{b}|{v}"] = d
+        out[m] = agg
+    return out
+
+
+def _ci(s: dict, pct: bool = True) -> str:
+    f = (lambda x: f"{100 * x:.0f}%") if pct else (lambda x: f"{x:+.2f}")
+    if s["n"] < 2:
+        return f(s["mean"])
+    return f"{f(s['mean'])} [{f(s['t_lo'])}, {f(s['t_hi'])}]"
 
 
 def tables_md(res: dict) -> str:
-    """Markdown tables of a results dict: per K the base and experts, then per method every
-    budget and fidelity point."""
-    lines = []
-    for k, rk in res["by_k"].items():
-        doms = list(rk["base"])
-        lines.append(f"### K = {k} experts (zoo `{rk['zoo_key']}`)\n")
-        lines.append("| model | " + " | ".join(doms) + " | mean |")
-        lines.append("|---|" + "---:|" * (len(doms) + 1))
-        rows = [("base", rk["base"])] + [(f"expert {n}", v) for n, v in rk["expert_losses"].items()]
-        for name, losses in rows:
-            lines.append(f"| {name} | " + " | ".join(f"{losses[d]:.3f}" for d in doms) + f" | {mean(losses):.3f} |")
-        lines.append("")
-        for method, rm in rk["methods"].items():
-            f = rm["full"]
-            lines.append(f"**{method}** (`{' '.join('--param ' + p for p in rm['params'])}`), full merge: "
-                         f"reads {f['expert_read_bytes'] / 2**20:.2f} MiB of {f['expert_bytes_total'] / 2**20:.2f} MiB, "
-                         f"mean loss {f['mean_loss']:.4f}\n")
-            lines.append("| budget | expert read | retained E | rel. distance | √(1−E) | "
-                         + " | ".join(doms) + " | mean | Δ mean vs full |")
-            lines.append("|---|---:|---:|---:|---:|" + "---:|" * (len(doms) + 2))
-            for p in rm["points"]:
-                lab = p["budget"] if p["budget"] else f"fidelity {p['fidelity']:g}"
-                lines.append(
-                    f"| {lab} | {p['read_fraction']:.2%} | {p['retained_energy']:.4f} | {p['rel_distance']:.4f} | "
-                    f"{p['predicted_distance']:.4f} | " + " | ".join(f"{p['losses'][d]:.3f}" for d in doms)
-                    + f" | {p['mean_loss']:.4f} | {p['mean_loss_rel_to_full']:+.2%} |")
-            lines.append("")
-    return "\n".join(lines)
+    agg = aggregate(res)
+    seeds = res["seeds"]
+    tasks = list(seeds[0]["base"])
+    metric = seeds[0]["metric"]
+    fmt = (lambda x: f"{x:.3f}") if metric == "loss" else (lambda x: f"{100 * x:.1f}%")
+    L = [
+        f"Command: `{res['command']}`; wall {res['wall_s']:.0f} s ({res['evaluations_run']} evaluations run, the "
+        f"rest cached); machine: {res['machine']}; load average {res['loadavg_start']} at start, "
+        f"{res['loadavg_end']} at end. Seeds {[s['seed'] for s in seeds]}; intervals: 95% Student-t over seeds.\n",
+        f"**Base and experts** ({metric} per task; seed by seed):\n",
+        "| seed | model | " + " | ".join(tasks) + " |",
+        "|---|---|" + "---:|" * len(tasks),
+    ]
+    for s in seeds:
+        L.append(f"| {s['seed']} | base | " + " | ".join(fmt(s["base"][t]) for t in tasks) + " |")
+        for n, qv in s["experts"].items():
+            L.append(
+                f"| {s['seed']} | expert {n} | "
+                + " | ".join(("**" + fmt(qv[t]) + "**") if s["expert_task"][n] == t else fmt(qv[t]) for t in tasks)
+                + " |"
+            )
+    und = [f"seed {s['seed']}: {', '.join(s['undefined_ng'])}" for s in seeds if s.get("undefined_ng")]
+    if und:
+        L += [
+            "",
+            "Tasks whose expert did not beat the base (no normalised gain; the worst task is taken over the "
+            "others): " + "; ".join(und) + ".",
+        ]
+    errs = res.get("errors") or []
+    if errs:
+        L += ["", "Failed points: " + "; ".join(f"`{e}`" for e in errs)]
+    L += [
+        "",
+        "**Full merges** (unlimited budget): normalised gain per task, mean over seeds [95% CI]:\n",
+        "| method | params | " + " | ".join(tasks) + " | worst task |",
+        "|---|---|" + "---:|" * (len(tasks) + 1),
+    ]
+    for m, a in agg.items():
+        params = " ".join(seeds[0]["methods"][m]["params"])
+        L.append(
+            f"| {m} | `{params}` | "
+            + " | ".join(_ci(a["full_ng"][t], False) if t in a["full_ng"] else "n/a" for t in tasks)
+            + f" | {_ci(a['full_worst_ng'], False)} |"
+        )
+    L += [
+        "",
+        "**Budgeted merges**: share of the full merge's normalised gain kept on the worst task "
+        "(mean over seeds [95% CI]); per task the mean kept share; expert bytes read:\n",
+        "| method | budget | value | read | worst-task kept share | "
+        + " | ".join(f"kept {t}" for t in tasks)
+        + " | worst NG |",
+        "|---|---|---|---:|---:|" + "---:|" * (len(tasks) + 1),
+    ]
+    for m, a in agg.items():
+        for k, d in a["points"].items():
+            b, v = k.split("|")
+            kept = _ci(d["worst_kept"]) if "worst_kept" in d else "n/a (full NG <= 0)"
+            per = [f"{100 * d['kept'][t]['mean']:.0f}%" if t in d.get("kept", {}) else "-" for t in tasks]
+            L.append(
+                f"| {m} | {b} | {v} | {100 * d['read_fraction']:.1f}% | {kept} | "
+                + " | ".join(per)
+                + f" | {_ci(d['worst_ng'], False)} |"
+            )
+    L += [
+        "",
+        f"**Target** (at {TARGET_BUDGET}% of expert bytes the budgeted merge keeps >= {TARGET_KEPT:.0%} of the "
+        "full merge's normalised gain on its worst task, mean over seeds):\n",
+        "| method | value | mean worst-task kept share | met |",
+        "|---|---|---:|---|",
+    ]
+    for m, a in agg.items():
+        for k, d in a["points"].items():
+            b, v = k.split("|")
+            if b == f"{TARGET_BUDGET}%" and "worst_kept" in d:
+                L.append(
+                    f"| {m} | {v} | {100 * d['worst_kept']['mean']:.1f}% | "
+                    f"{'yes' if d['worst_kept']['mean'] >= TARGET_KEPT else 'no'} |"
+                )
+    return "\n".join(L)
 
 
-def plots(res: dict, out: Path) -> list[str]:
+def plot(res: dict, out: Path, name: str) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ks = list(res["by_k"])
-    colors = {"ties": "C0", "dare_ties": "C1", "task_arithmetic": "C2"}
-    files = []
-
-    def xticks(ax):
-        from matplotlib.ticker import FixedLocator, NullLocator
+    agg = aggregate(res)
+    fig, axes = plt.subplots(1, len(agg), figsize=(5 * len(agg), 3.8), squeeze=False)
+    for ax, (m, a) in zip(axes[0], agg.items()):
+        for v, style in (("energy", "o-"), ("fisher", "s--")):
+            ks = [
+                (float(k.split("|")[0].rstrip("%")), d)
+                for k, d in a["points"].items()
+                if k.endswith("|" + v) and "worst_kept" in d
+            ]
+            if not ks:
+                continue
+            xs = [x for x, _ in ks]
+            ys = [100 * d["worst_kept"]["mean"] for _, d in ks]
+            lo = [
+                100 * (d["worst_kept"]["mean"] - d["worst_kept"]["t_lo"]) if d["worst_kept"]["n"] > 1 else 0
+                for _, d in ks
+            ]
+            hi = [
+                100 * (d["worst_kept"]["t_hi"] - d["worst_kept"]["mean"]) if d["worst_kept"]["n"] > 1 else 0
+                for _, d in ks
+            ]
+            ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style, capsize=3, label=f"value {v}")
+        ax.axhline(100 * TARGET_KEPT, color="gray", ls=":", lw=1)
+        ax.axvline(float(TARGET_BUDGET), color="k", lw=0.5)
+        from matplotlib.ticker import NullLocator
 
         ax.set_xscale("log")
-        ax.xaxis.set_major_locator(FixedLocator([1, 2, 5, 10, 25, 50, 100]))
         ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_xticklabels(["1", "2", "5", "10", "25", "50", "100"])
-
-    def save(fig, name: str) -> None:
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        files.append(name)
-
-    def budget_points(rm):
-        return [p for p in rm["points"] if p["budget"]]
-
-    fig, axes = plt.subplots(1, len(ks), figsize=(6 * len(ks), 4.2), squeeze=False)
-    for ax, k in zip(axes[0], ks):
-        rk = res["by_k"][k]
-        for method, rm in rk["methods"].items():
-            pts = budget_points(rm)
-            c = colors.get(method)
-            ax.plot([100 * p["read_fraction"] for p in pts], [p["mean_loss"] for p in pts], "o-", color=c,
-                    label=f"{method}")
-            ax.axhline(rm["full"]["mean_loss"], color=c, ls=":", lw=1)
-            ax.axhspan(rm["full"]["mean_loss"] * 0.99, rm["full"]["mean_loss"] * 1.01, color=c, alpha=0.08)
-        ax.axhline(mean(rk["base"]), color="gray", ls="--", lw=1, label="base model")
-        ax.axvline(25, color="k", lw=0.5)
-        xticks(ax)
-        ax.set_xlabel("expert bytes read (% of the experts' bytes)")
-        ax.set_ylabel("mean per-domain eval loss (nats/token)")
-        ax.set_title(f"K = {k}: dotted = full-budget merge, band = ±1%")
+        ax.set_xticks([5, 10, 25, 50])
+        ax.set_xticklabels(["5", "10", "25", "50"])
+        ax.set_xlabel("expert budget (% of the experts' bytes)")
+        ax.set_ylabel("worst-task share of the full merge's gain (%)")
+        ax.set_title(
+            m
+            if any("worst_kept" in d for d in a["points"].values())
+            else f"{m}: full merge not better than the base on some task (share undefined)",
+            fontsize=9,
+        )
         ax.legend(fontsize=8)
-    save(fig, "loss_vs_budget.png")
-
-    fig, axes = plt.subplots(1, len(ks), figsize=(6 * len(ks), 4.2), squeeze=False)
-    for ax, k in zip(axes[0], ks):
-        for method, rm in res["by_k"][k]["methods"].items():
-            pts = [p for p in budget_points(rm) if p["rel_distance"] > 0 or p["predicted_distance"] > 0]
-            c = colors.get(method)
-            ax.plot([100 * p["read_fraction"] for p in pts], [p["rel_distance"] for p in pts], "o-", color=c,
-                    label=f"{method} measured")
-            ax.plot([100 * p["read_fraction"] for p in pts], [p["predicted_distance"] for p in pts], "x--", color=c,
-                    lw=1, label=f"{method} √(1−E)")
-        xticks(ax)
-        ax.set_xlabel("expert bytes read (% of the experts' bytes)")
-        ax.set_ylabel("‖θ_budget − θ_full‖ / ‖θ_full − θ_base‖")
-        ax.set_title(f"K = {k}: relative distance to the full-budget merge")
-        ax.legend(fontsize=7)
-    save(fig, "distance_vs_budget.png")
-
-    fig, ax = plt.subplots(figsize=(5.5, 5))
-    hi = 0.0
-    for k in ks:
-        for method, rm in res["by_k"][k]["methods"].items():
-            pts = rm["points"]
-            xs = [p["predicted_distance"] for p in pts]
-            ys = [p["rel_distance"] for p in pts]
-            hi = max([hi, *xs, *ys])
-            ax.scatter(xs, ys, color=colors.get(method), marker="o" if k == ks[0] else "^", s=22,
-                       label=f"{method}, K={k}")
-    ax.plot([0, hi], [0, hi], "k-", lw=0.6, label="measured = √(1−E)")
-    ax.set_xlabel("√(1 − retained energy E) from the plan")
-    ax.set_ylabel("measured relative distance to the full merge")
-    ax.set_title("planner estimate vs measurement (budget + fidelity points)")
-    ax.legend(fontsize=7)
-    save(fig, "distance_vs_energy.png")
-    return files
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=100)
+    plt.close(fig)
+    return name
 
 
-BEGIN, END = "<!-- quality tables: begin (generated by bench/quality.py) -->", "<!-- quality tables: end -->"
-
-
-def report(res: dict, out: Path, doc: Path | None) -> None:
-    """Plots into ``out``; tables into ``doc`` between the BEGIN/END markers (or, without a
-    ``doc`` or markers in it, into ``out/tables.md``)."""
-    files = plots(res, out)
-    cached = (f" ({res['merges_run']} of {res['merges_total']} merges and {res['evaluations_run']} evaluations run, "
-              "the rest served from the caches)") if "merges_run" in res else ""
-    text = (f"Sweep: `{res['command']}`, wall {res['wall_s']:.0f} s{cached}, load average "
-            f"{' '.join(res['machine']['loadavg_start'])} at start, {' '.join(res['loadavg_end'])} at end.\n\n"
-            + summary_md(res) + "\n\n" + tables_md(res))
-    if doc is not None and doc.exists() and BEGIN in (cur := doc.read_text()) and END in cur:
-        head, rest = cur.split(BEGIN, 1)
-        doc.write_text(head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1])
-        where = doc
+def report(results: list[tuple[str, dict]], doc: Path) -> None:
+    text = []
+    for label, res in results:
+        png = plot(res, OUT, f"{label}.png")
+        text.append(f"### {label}\n\n![{label}](quality/{png})\n\n" + tables_md(res) + "\n")
+    begin, end = "<!-- quality tables: begin (generated by bench/quality.py) -->", "<!-- quality tables: end -->"
+    body = begin + "\n" + "\n".join(text) + end
+    cur = doc.read_text() if doc.exists() else ""
+    if begin in cur and end in cur:
+        doc.write_text(cur.split(begin, 1)[0] + body + cur.split(end, 1)[1])
     else:
-        where = out / "tables.md"
-        where.write_text(BEGIN + "\n" + text + "\n" + END + "\n")
-    log(f"wrote tables to {where} and {', '.join(files)} to {out}")
+        (OUT / "tables.md").write_text(body + "\n")
+    log(f"report written ({', '.join(label for label, _ in results)})")
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--k", type=int, nargs="+", default=[4, 8], help="expert counts (multiples of 4)")
+    ap.add_argument("--testbed", choices=("zoo", "minilm"), default="zoo")
+    ap.add_argument(
+        "--size", choices=("tiny", "demo"), default="tiny", help="zoo size (ZooConfig.tiny() or ZooConfig())"
+    )
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
-    ap.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS), help="expert budgets in %% of the experts' bytes")
-    ap.add_argument("--fidelities", type=float, nargs="*", default=list(FIDELITIES))
-    ap.add_argument("--work", type=Path, default=REPO / "bench" / ".work" / "quality",
-                    help="snapshots, catalog and eval cache (reused by reruns)")
-    ap.add_argument("--zoo-root", type=Path, default=None, help="zoo cache [default: ~/.mergepipe/zoo]")
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "quality",
-                    help="folder for quality.json and the PNG plots")
-    ap.add_argument("--doc", type=Path, default=REPO / "docs" / "QUALITY.md",
-                    help="markdown file whose generated-tables section is replaced (tables.md in --out otherwise)")
-    ap.add_argument("--report-only", type=Path, default=None, metavar="RESULTS_JSON",
-                    help="only rebuild the tables and the plots from a quality.json")
+    ap.add_argument(
+        "--budgets", type=float, nargs="+", default=list(BUDGETS), help="expert budgets in %% of the experts' bytes"
+    )
+    ap.add_argument("--values", nargs="+", default=["energy", "fisher"], choices=("energy", "fisher"))
+    ap.add_argument("--work", type=Path, default=REPO / "bench" / ".work" / "quality")
+    ap.add_argument("--report-only", action="store_true", help="tables and plots from docs/quality/*.json")
+    ap.add_argument(
+        "--no-report",
+        action="store_true",
+        help="only fill the caches (e.g. one process per seed); a later run over all seeds reports",
+    )
     a = ap.parse_args(argv)
+    OUT.mkdir(parents=True, exist_ok=True)
     if a.report_only:
-        res = json.loads(a.report_only.read_text())
-        a.out.mkdir(parents=True, exist_ok=True)
-        report(res, a.out, a.doc)
+        results = [
+            (p.stem, json.loads(p.read_text()))
+            for p in sorted(OUT.glob("*.json"))
+            if p.stem.startswith(("zoo-", "minilm"))
+        ]
+        report(results, DOC)
         return
     import torch
+
+    from bench.run import machine_info
 
     torch.set_num_threads(2)
     t0 = time.perf_counter()
     errors: list[str] = []
-    res = {"command": rel_text("python bench/quality.py " + " ".join(sys.argv[1:] if argv is None else argv)),
-           "machine": machine_info(), "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "by_k": {}}
-    for k in a.k:
-        res["by_k"][str(k)] = sweep_k(k, a.methods, [f"{b:g}" for b in a.budgets], a.fidelities, a.work,
-                                      a.zoo_root, errors)
+    mi = machine_info()
+    res = {
+        "command": "python bench/quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": f"{mi['cpu_model']}, nproc {mi['nproc']}, {mi['mem_total']}, Python {mi['python']}, "
+        f"torch {torch.__version__} (shared)",
+        "loadavg_start": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
+        "testbed": a.testbed,
+        "size": a.size,
+        "seeds": [],
+    }
+    a.budgets = [b for b in a.budgets]
+    for s in a.seeds:
+        try:
+            res["seeds"].append(sweep_seed(a, s, errors))
+        except Exception as e:  # e.g. a zoo build whose gates fail: recorded, the other seeds still run
+            errors.append(f"seed {s}: {type(e).__name__}: {e}")
+            log(errors[-1])
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     res["evaluations_run"] = Evals.runs
-    res["merges_run"] = sum(1 for rk in res["by_k"].values() for rm in rk["methods"].values()
-                            for p in [rm["full"], *rm["points"]] if not p["already_committed"])
-    res["merges_total"] = sum(1 + len(rm["points"]) for rk in res["by_k"].values() for rm in rk["methods"].values())
-    res["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
+    res["loadavg_end"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     res["errors"] = errors
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "quality.json").write_text(json.dumps(res, indent=1) + "\n")
-    report(res, a.out, a.doc)
-    log(f"sweep done in {res['wall_s']:.1f} s")
+    if a.no_report:
+        log(f"caches filled in {res['wall_s']:.0f} s; {len(errors)} error(s): {errors}")
+        sys.exit(1 if errors else 0)
+    label = f"zoo-{a.size}" if a.testbed == "zoo" else "minilm"
+    (OUT / f"{label}.json").write_text(json.dumps(res, indent=1) + "\n")
+    results = [
+        (p.stem, json.loads(p.read_text())) for p in sorted(OUT.glob("*.json")) if p.stem.startswith(("zoo-", "minilm"))
+    ]
+    report(results, DOC)
+    log(f"done in {res['wall_s']:.0f} s")
     if errors:
         log(f"{len(errors)} point(s) FAILED:\n  " + "\n  ".join(errors))
         sys.exit(1)

@@ -328,6 +328,16 @@ def _load(entry: Path, cfg: MiniLMConfig) -> MiniLMTestbed:
     return MiniLMTestbed(root=entry, base=entry / "base", experts={t: entry / "experts" / t for t in TASKS}, config=cfg)
 
 
+def _save_base(src: Path, out: Path) -> None:
+    """The pretrained encoder as transformers writes it (float32 safetensors + config.json): the
+    same tensor set as the experts' ``save_pretrained`` (the package's file also holds the
+    ``embeddings.position_ids`` buffer, which transformers does not save)."""
+    import torch
+    from transformers import AutoModel
+
+    AutoModel.from_pretrained(src, dtype=torch.float32, local_files_only=True).save_pretrained(out)
+
+
 def _build_into(tmp: Path, cfg: MiniLMConfig, log: Callable[[str], None]) -> None:
     import torch
     from safetensors.torch import save_file
@@ -341,9 +351,7 @@ def _build_into(tmp: Path, cfg: MiniLMConfig, log: Callable[[str], None]) -> Non
     torch.set_num_threads(1)
     try:
         tasks = make_tasks(cfg)
-        (tmp / "base").mkdir()
-        for f in ("config.json", "model.safetensors"):
-            shutil.copyfile(src / f, tmp / "base" / f)
+        _save_base(src, tmp / "base")
         tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
         tok.save_pretrained(tmp / "tokenizer")
         (tmp / "eval").mkdir()
