@@ -12,8 +12,8 @@ Three definitions here are mergepipe's canonical, device-independent semantics:
   keeps *all* tied entries when that lands nearer to ``k`` than keeping none, else none (a tie
   in distance keeps them). The decision needs only the key histogram, so the catalog fixes it
   at analyze time and block-wise execution reproduces a dense whole-tensor merge exactly. This is
-  the rule for bf16 inputs; for float16/float32 inputs TIES keeps exact top-k of the float32
-  magnitudes (:func:`trim_rank` locates the threshold key group, :func:`exact_shrink` the float32
+  the rule for bf16 inputs; for float16/float32 inputs TIES (and breadcrumbs' window ends) rank
+  the exact float32 magnitudes (:func:`trim_rank` locates the threshold key group, :func:`exact_shrink` the float32
   threshold inside it; the same tie rule applies to exactly equal values only).
 * **DARE random stream** (:func:`dare_keep_mask`): element ``j`` of expert ``i``'s task vector
   in tensor ``t`` is kept iff ``splitmix64(key(seed, i, t) + j) < density * 2**64`` — a
@@ -137,13 +137,41 @@ def trim_rank(keys: np.ndarray, counts: np.ndarray, numel: int, density: float) 
     return int(ks[i]), int(k - (cum[i] - cs[i])), int(cs[i])
 
 
-def exact_shrink(group: np.ndarray, rank: int) -> float | None:
+def topk_rank(keys: np.ndarray, counts: np.ndarray, k: int) -> tuple[int, int, int]:
+    """:func:`trim_rank` for an explicit count ``k`` (``0 < k < numel``): ``(tau, rank, ties)``
+    of the k largest entries by key histogram; ``(0, 0, 0)`` outside that range."""
+    n = int(np.asarray(counts, dtype=np.int64).sum())
+    if k <= 0 or k >= n or len(keys) == 0:
+        return 0, 0, 0
+    order = np.argsort(keys)[::-1]
+    ks = np.asarray(keys)[order]
+    cs = np.asarray(counts, dtype=np.int64)[order]
+    cum = np.cumsum(cs)
+    i = int(np.searchsorted(cum, k, side="left"))
+    return int(ks[i]), int(k - (cum[i] - cs[i])), int(cs[i])
+
+
+def outlier_counts(numel: int, density: float, gamma: float) -> tuple[int, int] | None:
+    """Breadcrumbs' two top-set sizes: ``(k_lo, k_top)`` with ``k_lo = numel − n_bot`` (keep the
+    top ``k_lo``) and ``k_top = numel − n_bot − target`` (drop the top ``k_top``, the outliers);
+    None when ``density >= 1`` or the tensor is empty (keep all). See :func:`outlier_window`."""
+    if density >= 1.0 or numel == 0:
+        return None
+    target = int(density * numel)
+    n_top = int(gamma * numel)
+    n_bot = max(0, numel - target - n_top)
+    return numel - n_bot, numel - n_bot - target
+
+
+def exact_shrink(group: np.ndarray, rank: int, all_below: bool = False) -> float | None:
     """The float32 ``λ`` of an exact magnitude trim inside one key group: keep ``|δ| > λ``.
 
     Args:
         group: float32 ``|δ|`` of the entries of one task vector whose magnitude key is the
             threshold key ``tau`` (any order), as read.
         rank: how many of them exact top-k keeps (:func:`trim_rank`).
+        all_below: when the whole group is in the top set, return ``λ`` just below its smallest
+            value instead of None (breadcrumbs' outlier bound: ``|δ| <= λ`` is then the rest).
 
     Returns:
         With ``v`` the ``rank``-th largest of ``group``, ``a`` the count above ``v`` and ``t`` the
@@ -157,7 +185,7 @@ def exact_shrink(group: np.ndarray, rank: int) -> float | None:
     """
     g = np.asarray(group, dtype=np.float32)
     if len(g) <= rank:
-        return None
+        return None if not all_below else (float(np.nextafter(g.min(), np.float32(0))) if len(g) else None)
     v = np.partition(g, len(g) - rank)[len(g) - rank]  # the rank-th largest
     above = int((g > v).sum())
     ties = int((g == v).sum())

@@ -136,6 +136,36 @@ def reference_topk_mask(delta, density: float):
     return a >= v if above + ties - k <= k - above else a > v
 
 
+def reference_outlier_mask(delta, density: float, gamma: float):
+    """Breadcrumbs on float16/float32 inputs: mergekit 0.1.5's ascending sorted positions
+    ``[n_bot, n_bot + target)`` of the exact float32 magnitudes, each cut decided by the canonical
+    tie rule on exactly equal values: keep the top ``n − n_bot`` set minus the top
+    ``n − n_bot − target`` set. Returns a bool mask of ``delta``'s shape."""
+    import torch
+
+    a = delta.abs()
+    n = a.numel()
+    if density >= 1.0 or n == 0:
+        return torch.ones_like(a, dtype=torch.bool)
+    target = int(density * n)
+    if target == 0:
+        return torch.zeros_like(a, dtype=torch.bool)
+    n_bot = max(0, n - target - int(gamma * n))
+    srt = torch.sort(a.flatten(), descending=True).values
+
+    def top(k: int):
+        if k <= 0:
+            return torch.zeros_like(a, dtype=torch.bool)
+        if k >= n:
+            return torch.ones_like(a, dtype=torch.bool)
+        v = srt[k - 1]
+        above = int((a > v).sum())
+        ties = int((a == v).sum())
+        return a >= v if above + ties - k <= k - above else a > v
+
+    return top(n - n_bot) & ~top(n - n_bot - target)
+
+
 def merge_tensor_dense(name: str, base, experts: list, params: ResolvedParams | TensorParams, seed: int = 0,
                        t: float = 0.0, method: str | None = None, exact: bool = False):
     """Merge one whole tensor.
@@ -148,7 +178,8 @@ def merge_tensor_dense(name: str, base, experts: list, params: ResolvedParams | 
             tensor's concrete values (then ``method`` names the method).
         seed: DARE / DELLA seed.
         exact: the inputs are float16/float32: TIES trims by exact top-k of the float32
-            magnitudes (:func:`reference_topk_mask`) instead of by magnitude keys.
+            magnitudes (:func:`reference_topk_mask`), breadcrumbs by the exact window
+            (:func:`reference_outlier_mask`), instead of by magnitude keys.
 
     Returns:
         float32 tensor of the base's shape.
@@ -210,6 +241,8 @@ def merge_tensor_dense(name: str, base, experts: list, params: ResolvedParams | 
         elif spec.sparsify == "magnitude" and dens < 1.0:
             mk = reference_min_key(d)(dens)
             kept = torch.where(_keys(d) >= mk, d, torch.zeros(()))
+        elif spec.sparsify == "outliers" and dens < 1.0 and exact:
+            kept = torch.where(reference_outlier_mask(d, dens, ep["gamma"]), d, torch.zeros(()))
         elif spec.sparsify == "outliers" and dens < 1.0:
             lo, hi = reference_outlier_window(d, dens, ep["gamma"])
             k = _keys(d)

@@ -76,7 +76,7 @@ def test_engine_equals_dense_reference(family, tmp_path, method, params, n):
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_other_dtypes_equal_reference(tmp_path, dtype):
-    """float16/float32 TIES trims by exact top-k of the stored magnitudes: the engine (threshold
+    """float16/float32 TIES and breadcrumbs trim by exact ranks of the stored magnitudes: the engine (threshold
     group from the key histogram, float32 threshold inside it; in one chunk, or with a pre-pass
     over many chunks, with and without the L1 rescale pre-pass) equals the dense sort."""
     from tests.synth import make_family
@@ -86,7 +86,9 @@ def test_other_dtypes_equal_reference(tmp_path, dtype):
     for i, (method, params, work) in enumerate([
             ("ties", ["density=0.4"], None), ("dare_ties", ["density=0.5"], None),
             ("ties", ["density=0.3", "expert1:density=0.6"], 16 * 1024),
-            ("ties", ["density=0.5", "rescale=true"], 16 * 1024), ("ties", ["density=0.5", "rescale=true"], None)]):
+            ("ties", ["density=0.5", "rescale=true"], 16 * 1024), ("ties", ["density=0.5", "rescale=true"], None),
+            ("breadcrumbs", ["density=0.5", "gamma=0.05"], None),
+            ("breadcrumbs_ties", ["density=0.6", "gamma=0.02", "rescale=true"], 16 * 1024)]):
         kw = {"work_bytes": work, "block_bytes": 1024} if work else {}
         res = merge(str(base), [(e.name, str(e)) for e in experts], method, str(tmp_path / f"out-{i}"), params,
                     catalog=Catalog(tmp_path / "c.sqlite"), **kw)
@@ -95,9 +97,11 @@ def test_other_dtypes_equal_reference(tmp_path, dtype):
                                      _resolved(method, params, [e.name for e in experts]))
         bad = [n for n in ref if not same_bits(got[n], ref[n])]
         assert not bad, (method, params, work, bad[:3])
-        exact = [te for tp in res.plan.tensors for te in tp.experts if te.exact_rank]
+        exact = [te for tp in res.plan.tensors for te in tp.experts if te.exact_rank or te.exact_rank_hi]
         n_exact += len(exact)
-        if work and method == "ties":  # several chunks: the threshold pre-pass is planned and counted
+        if method.startswith("breadcrumbs"):  # both window ends are refined somewhere
+            assert any(te.exact_rank for te in exact) and any(te.exact_rank_hi for te in exact)
+        if work:  # several chunks: the threshold pre-pass is planned and counted
             assert any(tp.passes == (3 if "rescale=true" in params else 2) and tp.derived.get("threshold_pass")
                        for tp in res.plan.tensors)
     assert n_exact > 0  # the key rule would have cut threshold groups here

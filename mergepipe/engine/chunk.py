@@ -85,9 +85,31 @@ def _concat(parts):
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
 
 
-def _shrink_from(groups, tp, te):
-    """The exact threshold of ``te`` in ``tp`` from the values its ``threshold`` pre-pass gathered."""
-    return exact_shrink(_concat(groups.get((tp.name, te.expert), [])), te.exact_rank)
+def _bounds(te):
+    """The threshold key groups of ``te`` to refine: ``(slot, key, rank)`` for the lower end
+    (TIES's threshold, breadcrumbs' window start; slot 0) and breadcrumbs' outlier bound (slot 1)."""
+    out = []
+    if te.exact_rank:
+        out.append((0, te.min_key, te.exact_rank))
+    if te.exact_rank_hi:
+        out.append((1, te.max_key - 1, te.exact_rank_hi))
+    return out
+
+
+def _shrinks(values_of, te) -> tuple[float | None, float | None]:
+    """(shrink, shrink_hi) of ``te`` from ``values_of(slot, key)`` (float32 ``|δ|`` of a key group)."""
+    lo = hi = None
+    for slot, key, rank in _bounds(te):
+        if slot == 0:
+            lo = exact_shrink(values_of(slot, key), rank)
+        else:
+            hi = exact_shrink(values_of(slot, key), rank, all_below=True)
+    return lo, hi
+
+
+def _shrinks_from(groups, tp, te):
+    """The exact thresholds of ``te`` in ``tp`` from the values its ``threshold`` pre-pass gathered."""
+    return _shrinks(lambda slot, key: _concat(groups.get((tp.name, te.expert, slot), [])), te)
 
 
 def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None):
@@ -111,17 +133,21 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None):
             for (a, z), buf in parts
             if z > a
         ]
-        shrink = None
-        if te.exact_rank:
+        shrink = shrink_hi = None
+        if _bounds(te):
             if tp.derived.get("threshold_pass"):
-                shrink = _shrink_from(groups, tp, te)
-            else:  # the whole tensor is this chunk: its threshold group, a tile at a time
-                vals = []
-                for a, z, x in runs:
-                    for s in range(a, z, TILE_ELEMS):
-                        e = min(z, s + TILE_ELEMS)
-                        vals.append(_group_values(torch.sub(x[s - a : e - a], base_t[s:e].float()), te.min_key))
-                shrink = exact_shrink(_concat(vals), te.exact_rank)
+                shrink, shrink_hi = _shrinks_from(groups, tp, te)
+            else:  # the whole tensor is this chunk: its threshold groups, a tile at a time
+
+                def values_of(slot, key, runs=runs):
+                    vals = []
+                    for a, z, x in runs:
+                        for s in range(a, z, TILE_ELEMS):
+                            e = min(z, s + TILE_ELEMS)
+                            vals.append(_group_values(torch.sub(x[s - a : e - a], base_t[s:e].float()), key))
+                    return _concat(vals)
+
+                shrink, shrink_hi = _shrinks(values_of, te)
         ep = ExpertTensorParams(
             weight=te.weight,
             density=te.density,
@@ -130,6 +156,7 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None):
             max_key=te.max_key,
             epsilon=te.epsilon,
             shrink=shrink,
+            shrink_hi=shrink_hi,
         )
         eparts.append((ep, runs))
     out = torch.empty(n, dtype=_torch_dtype(tp.out_dtype or tp.dtype), device=dev)
@@ -165,8 +192,9 @@ class L1Sums:
 
     all: dict[tuple[str, int], list[float]] = field(default_factory=dict)
     kept: dict[tuple[str, int], list[float]] = field(default_factory=dict)
-    #: per (tensor, expert index): float32 ``|δ|`` of the threshold key group (exact float16/
-    #: float32 TIES), gathered by ``threshold`` pre-pass items
+    #: per (tensor, expert index, slot): float32 ``|δ|`` of a threshold key group (exact float16/
+    #: float32 TIES and breadcrumbs; slot 1: breadcrumbs' outlier bound), gathered by
+    #: ``threshold`` pre-pass items
     groups: dict[tuple[str, int], list] = field(default_factory=dict)
 
 
@@ -230,16 +258,16 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept, groups=Non
         return _encode(nuslerp_merge(b, d0, d1, coef, filter_width(tp.shape), t=dv["t"]), out_dtype)
     if it.kind == "threshold":
         for te, d, _ in present.values():
-            if te.exact_rank:
-                groups.setdefault((tp.name, te.expert), []).append(_group_values(d, te.min_key))
+            for slot, key, _rank in _bounds(te):
+                groups.setdefault((tp.name, te.expert, slot), []).append(_group_values(d, key))
         return None
     rescale = bool(tp.params.get("rescale")) and spec.kind == "gta" and spec.sparsify != "none"
     deltas, ws = [], []
     for te, d, _ in present.values():
-        shrink = None
-        if te.exact_rank:
-            shrink = (_shrink_from(groups, tp, te) if tp.derived.get("threshold_pass")
-                      else exact_shrink(_group_values(d, te.min_key), te.exact_rank))
+        shrink = shrink_hi = None
+        if _bounds(te):
+            shrink, shrink_hi = (_shrinks_from(groups, tp, te) if tp.derived.get("threshold_pass")
+                                 else _shrinks(lambda slot, key, d=d: _group_values(d, key), te))
         ep = ExpertTensorParams(
             weight=te.weight,
             density=te.density,
@@ -248,6 +276,7 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept, groups=Non
             max_key=te.max_key,
             epsilon=te.epsilon,
             shrink=shrink,
+            shrink_hi=shrink_hi,
         )
         kept = sparsify(d, spec, ep, offset, tp.shape)
         key = (tp.name, te.expert)

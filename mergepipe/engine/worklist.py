@@ -26,8 +26,8 @@ COPY_CHUNK = 16 * 1024 * 1024
 COW_MIN_BYTES = 16 * 1024 * 1024
 
 #: ``merge``: merge a row chunk; ``stats``: a pre-pass over a tensor (L1 sums only, no
-#: output); ``threshold``: a pre-pass gathering the threshold key group of float16/float32 TIES
-#: task vectors (no output); ``convert``: decode base rows and encode them in the output dtype; ``copy``: base
+#: output); ``threshold``: a pre-pass gathering the threshold key groups of float16/float32 TIES
+#: and breadcrumbs task vectors (no output); ``convert``: decode base rows and encode them in the output dtype; ``copy``: base
 #: bytes written unchanged; ``cow``: the whole tensor copied by the store (nothing read here).
 Kind = Literal["merge", "stats", "threshold", "convert", "copy", "cow"]
 
@@ -121,7 +121,7 @@ def _tensor_items(tp: TensorPlan, cow: bool) -> list[WorkItem]:
 
 def pass_kinds(tp: TensorPlan) -> tuple[Kind, ...]:
     """The passes over a merged tensor, ``tp.passes`` of them: an exact-threshold pre-pass when
-    the plan asks for one (``derived["threshold_pass"]``: float16/float32 TIES over several
+    the plan asks for one (``derived["threshold_pass"]``: float16/float32 TIES or breadcrumbs over several
     chunks), an
     L1 pre-pass for a rescale over several chunks, then the merge."""
     pre: list[Kind] = ["threshold"] if tp.derived.get("threshold_pass") else []

@@ -51,6 +51,9 @@ class ExpertTensorParams:
         shrink: exact magnitude trim for float16/float32 inputs (keep ``|δ| > shrink``, a
             float32), found by the engine inside the threshold key group
             (:func:`mergepipe.numerics.exact_shrink`); None: the key rule ``key >= min_key``.
+            Breadcrumbs: the window's lower end the same way.
+        shrink_hi: breadcrumbs' exact outlier bound for float16/float32 inputs (keep
+            ``|δ| <= shrink_hi``); None: the key rule ``key < max_key``.
     """
 
     weight: float
@@ -60,6 +63,7 @@ class ExpertTensorParams:
     max_key: int = N_KEYS
     epsilon: float = 0.0
     shrink: float | None = None
+    shrink_hi: float | None = None
 
 
 def magnitude_key_torch(delta):
@@ -116,8 +120,14 @@ def sparsify(delta, spec: MethodSpec, ep: ExpertTensorParams, offset: int, shape
             return torch.nn.functional.hardshrink(delta, lam)
         keep = magnitude_key_torch(delta) >= ep.min_key
     elif spec.sparsify == "outliers":
-        k = magnitude_key_torch(delta)
-        keep = (k >= ep.min_key) & (k < ep.max_key)
+        if ep.shrink is None and ep.shrink_hi is None:
+            k = magnitude_key_torch(delta)
+            keep = (k >= ep.min_key) & (k < ep.max_key)
+        else:  # exact window on float16/float32 values (a bound without a shrink uses its key)
+            a = delta.abs()
+            k = magnitude_key_torch(delta) if ep.shrink is None or ep.shrink_hi is None else None
+            keep = (a > ep.shrink) if ep.shrink is not None else (k >= ep.min_key)
+            keep &= (a <= ep.shrink_hi) if ep.shrink_hi is not None else (k < ep.max_key)
     elif spec.sparsify == "della":
         d = delta.detach().cpu().numpy()
         rows = d.size // row_numel_of(shape) if len(shape) > 1 else 1

@@ -54,7 +54,10 @@ class TensorExpert(BaseModel):
         stream_key: key of the DARE / DELLA random stream.
         exact_rank: float16/float32 TIES: how many entries of the threshold key group
             (``key == min_key``) exact top-k keeps; the engine finds their float32 threshold
-            among the group's read values (0: keep the whole group, the key rule).
+            among the group's read values (0: keep the whole group, the key rule). Breadcrumbs:
+            the same for the window's lower end.
+        exact_rank_hi: float16/float32 breadcrumbs: how many entries of the outlier bound's key
+            group (``key == max_key − 1``) are outliers (0: the key rule ``key < max_key``).
         blocks: selected block runs ``[b0, b1)`` (block indices).
         bytes: expert bytes these blocks occupy (one pass).
         kept_energy: estimated ``w² Σ δ²`` kept from the selected blocks.
@@ -72,6 +75,7 @@ class TensorExpert(BaseModel):
     max_key: int = 0x8000
     stream_key: int = 0
     exact_rank: int = 0
+    exact_rank_hi: int = 0
     blocks: list[tuple[int, int]]
     bytes: int
     kept_energy: float
@@ -167,8 +171,9 @@ class Plan(BaseModel):
         for t in d["tensors"]:
             t.pop("explain", None)
             for te in t["experts"]:
-                if not te.get("exact_rank"):  # (absent before exact thresholds: digests unchanged)
-                    te.pop("exact_rank", None)
+                for f in ("exact_rank", "exact_rank_hi"):  # (absent before exact thresholds: digests unchanged)
+                    if not te.get(f):
+                        te.pop(f, None)
         if d.get("block_value") is None:
             d.pop("block_value", None)  # energy plans digest as before the field existed
         return json.dumps(d, sort_keys=True, separators=(",", ":"))

@@ -51,9 +51,11 @@ from mergepipe.numerics import (
     N_KEYS,
     model_stock_t,
     nuslerp_coefficients,
+    outlier_counts,
     outlier_window,
     slerp_coefficients,
     stream_key,
+    topk_rank,
     trim_rank,
 )
 from mergepipe.planner.plan import (
@@ -67,7 +69,7 @@ from mergepipe.planner.plan import (
 from mergepipe.storage.base import DEFAULT_MAX_REQUEST, coalesce
 
 DEFAULT_WORK_BYTES = 256 * 1024 * 1024
-#: input dtypes whose magnitude trim is exact top-k on the stored values (bf16 task vectors'
+#: input dtypes whose magnitude trim (TIES) and window (breadcrumbs) rank the stored values exactly (bf16 task vectors'
 #: magnitudes are their keys, so the key rule is exact for them and kept bit for bit)
 EXACT_TRIM_DTYPES = ("F16", "F32")
 EXTRA_FILES = (
@@ -253,11 +255,23 @@ def make_plan(
         # many of it to keep, the engine the float32 threshold inside it (a pre-pass when the
         # tensor spans several chunks)
         ranks = [0] * K
+        windows: list[tuple[int, int, int, int] | None] = [None] * K  # breadcrumbs: (τ_lo, r_lo, τ_hi, r_hi)
         if spec.sparsify == "magnitude" and bt.dtype in EXACT_TRIM_DTYPES:
             for i, st in enumerate(stats):
                 tau, rank, ties = trim_rank(st.hist_keys, st.hist_counts, st.numel, float(eps[i].get("density", 1.0)))
                 if tau > 0 and rank < ties:
                     ranks[i] = rank
+        elif spec.sparsify == "outliers" and bt.dtype in EXACT_TRIM_DTYPES:
+            for i, st in enumerate(stats):
+                ks = outlier_counts(st.numel, float(eps[i].get("density", 1.0)), float(eps[i].get("gamma", 0.0)))
+                if ks is None or ks[0] == ks[1]:  # keep all, or nothing (target 0)
+                    continue
+                lo = topk_rank(st.hist_keys, st.hist_counts, ks[0])
+                hi = topk_rank(st.hist_keys, st.hist_counts, ks[1])
+                w = (lo[0], lo[1] if 0 < lo[1] < lo[2] else 0, hi[0], hi[1] if 0 < hi[1] < hi[2] else 0)
+                if w[1] or w[3]:
+                    windows[i] = w
+                    ranks[i] = w[1] or -1  # (-1: only the outlier bound is refined)
         if any(ranks) and cr < bt.rows:
             passes += 1
             tp.passes = passes
@@ -275,6 +289,10 @@ def make_plan(
                     kept = st.kept_energy(mk)
                 elif spec.sparsify == "outliers" and dens < 1.0:
                     mk, xk = outlier_window(st.hist_keys, st.hist_counts, st.numel, dens, float(ep["gamma"]))
+                    if windows[i]:  # exact ends: the cut groups are inside the key window
+                        tl, rl, th, rh = windows[i]
+                        mk = tl if rl else mk
+                        xk = th + 1 if rh else xk
                     kept = st.kept_energy_window(mk, xk)
                 elif spec.sparsify == "random" and dens < 1.0:
                     kept = st.sq_norm * (1.0 / dens if g.get("rescale") else dens)
@@ -306,7 +324,8 @@ def make_plan(
                 TensorExpert(expert=i, file=et.file, start=et.start, weight=weights[i] if weights else 1.0,
                              density=dens, gamma=float(ep.get("gamma", 0.0)), epsilon=float(ep.get("epsilon", 0.0)),
                              min_key=int(mk), max_key=int(xk), stream_key=stream_key(seed, i, name), blocks=[],
-                             exact_rank=ranks[i] if spec.sparsify == "magnitude" else 0,
+                             exact_rank=max(0, ranks[i]),
+                             exact_rank_hi=windows[i][3] if windows[i] else 0,
                              bytes=0, kept_energy=0.0, full_energy=float(val.sum()))
             )
 
