@@ -121,9 +121,8 @@ def _tensor_items(tp: TensorPlan, cow: bool) -> list[WorkItem]:
 
 def pass_kinds(tp: TensorPlan) -> tuple[Kind, ...]:
     """The passes over a merged tensor, ``tp.passes`` of them: an exact-threshold pre-pass when
-    the plan asks for one (``derived["threshold_pass"]``: float16/float32 TIES or breadcrumbs over several
-    chunks), an
-    L1 pre-pass for a rescale over several chunks, then the merge."""
+    the plan asks for one (``derived["threshold_pass"]``: float16/float32 TIES or breadcrumbs over
+    several chunks), an L1 pre-pass for a rescale over several chunks, then the merge."""
     pre: list[Kind] = ["threshold"] if tp.derived.get("threshold_pass") else []
     pre += ["stats"] * (tp.passes - 1 - len(pre))
     return (*pre, "merge")

@@ -125,9 +125,8 @@ def sparsify(delta, spec: MethodSpec, ep: ExpertTensorParams, offset: int, shape
             keep = (k >= ep.min_key) & (k < ep.max_key)
         else:  # exact window on float16/float32 values (a bound without a shrink uses its key)
             a = delta.abs()
-            k = magnitude_key_torch(delta) if ep.shrink is None or ep.shrink_hi is None else None
-            keep = (a > ep.shrink) if ep.shrink is not None else (k >= ep.min_key)
-            keep &= (a <= ep.shrink_hi) if ep.shrink_hi is not None else (k < ep.max_key)
+            keep = (a > ep.shrink) if ep.shrink is not None else (magnitude_key_torch(delta) >= ep.min_key)
+            keep &= (a <= ep.shrink_hi) if ep.shrink_hi is not None else (magnitude_key_torch(delta) < ep.max_key)
     elif spec.sparsify == "della":
         d = delta.detach().cpu().numpy()
         rows = d.size // row_numel_of(shape) if len(shape) > 1 else 1

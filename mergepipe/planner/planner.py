@@ -289,8 +289,9 @@ def make_plan(
                     kept = st.kept_energy(mk)
                 elif spec.sparsify == "outliers" and dens < 1.0:
                     mk, xk = outlier_window(st.hist_keys, st.hist_counts, st.numel, dens, float(ep["gamma"]))
-                    if windows[i]:  # exact ends: the cut groups are inside the key window
-                        tl, rl, th, rh = windows[i]
+                    win = windows[i]
+                    if win is not None:  # exact ends: the cut groups are inside the key window
+                        tl, rl, th, rh = win
                         mk = tl if rl else mk
                         xk = th + 1 if rh else xk
                     kept = st.kept_energy_window(mk, xk)
@@ -325,7 +326,7 @@ def make_plan(
                              density=dens, gamma=float(ep.get("gamma", 0.0)), epsilon=float(ep.get("epsilon", 0.0)),
                              min_key=int(mk), max_key=int(xk), stream_key=stream_key(seed, i, name), blocks=[],
                              exact_rank=max(0, ranks[i]),
-                             exact_rank_hi=windows[i][3] if windows[i] else 0,
+                             exact_rank_hi=(windows[i] or (0, 0, 0, 0))[3],
                              bytes=0, kept_energy=0.0, full_energy=float(val.sum()))
             )
 
