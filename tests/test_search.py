@@ -360,3 +360,20 @@ def test_cli_search_end_to_end(family, tmp_path, monkeypatch, capsys):
     code, _, err = run_cli(["search", "--base", str(base), "-e", str(experts[0]), "--vary", "weight=1:0",
                             "--objective", "x", "--out", str(tmp_path / "bad")], monkeypatch, capsys)
     assert code == 2 and "reversed" in err and not (tmp_path / "bad").exists()
+
+
+def test_seeds_beyond_64_bits_seed_torch():
+    """The search derives torch seeds as ``seed * 7919 + n``: with the largest seed the CRDs accept
+    (2^53 - 1) that exceeds torch's 64-bit seed range, where ``torch.manual_seed`` raises; the
+    optimizer seeds through ``torch_seed`` (modulo 2^64, unchanged below), so the design and the
+    proposals stay deterministic for every seed."""
+    import torch
+
+    from mergepipe.search.optimizer import sobol, torch_seed
+
+    big = (2**53 - 1) * 7919 + 3
+    with pytest.raises((RuntimeError, ValueError)):  # "Overflow when unpacking long long"
+        torch.manual_seed(big)
+    torch.manual_seed(torch_seed(big))
+    assert torch_seed(12345) == 12345 and torch_seed(big) == big % 2**64 != big
+    assert sobol(4, 2, 2**70) == sobol(4, 2, 2**70 % 2**64) != sobol(4, 2, 1)

@@ -28,7 +28,8 @@ class FakeOperator:
     def __init__(self, script):
         self.objects, self.script, self.reads, self.creates = {}, list(script), 0, 0
 
-    def create_namespaced_custom_object(self, group, version, ns, plural, body):
+    def create_namespaced_custom_object(self, group, version, ns, plural, body, _headers=None):
+        assert (_headers or {}).get("Content-Type") == "application/json"  # a real API server needs it (415)
         self.creates += 1
         key = (plural, ns, body["metadata"]["name"])
         if key in self.objects:
@@ -113,7 +114,7 @@ def test_timeout_fails_the_candidate():
 
 def test_other_api_errors_propagate_and_local_outputs_are_refused():
     class Broken(FakeOperator):
-        def create_namespaced_custom_object(self, *a):
+        def create_namespaced_custom_object(self, *a, **kw):
             raise ApiError(403)
 
     with pytest.raises(ApiError):
@@ -141,7 +142,8 @@ class FakeBatch:
     def __init__(self, states, on_done=None):
         self.jobs, self.states, self.reads, self.on_done = {}, list(states), 0, on_done
 
-    def create_namespaced_job(self, ns, body):
+    def create_namespaced_job(self, ns, body, _headers=None):
+        assert (_headers or {}).get("Content-Type") == "application/json"  # a real API server needs it (415)
         if body["metadata"]["name"] in self.jobs:
             raise ApiError(409)
         self.jobs[body["metadata"]["name"]] = copy.deepcopy(body)

@@ -38,12 +38,18 @@ SQRT2 = math.sqrt(2.0)
 SQRT3 = math.sqrt(3.0)
 
 
+def torch_seed(seed: int) -> int:
+    """``seed`` as a torch generator seed: torch takes at most 64 bits (it raises on larger
+    values), so any non-negative integer is taken modulo 2**64 (unchanged below that)."""
+    return seed % 2**64
+
+
 def sobol(n: int, d: int, seed: int) -> list[list[float]]:
     """``n`` scrambled Sobol points in ``[0, 1]^d`` (the initial design)."""
     import torch
     from torch.quasirandom import SobolEngine
 
-    return SobolEngine(d, scramble=True, seed=seed).draw(n, dtype=torch.float64).tolist()
+    return SobolEngine(d, scramble=True, seed=torch_seed(seed)).draw(n, dtype=torch.float64).tolist()
 
 
 def pareto_mask(Y: Sequence[Sequence[float]]) -> list[bool]:
@@ -162,6 +168,7 @@ def propose(X: Sequence[Sequence[float]], Y: Sequence[Sequence[float]], ref: Seq
         multipliers: lengthscale multipliers from the prior (None: botorch's default priors).
         rerank: frontier-coverage reranking of the candidate pool (``q`` must be 1).
         q: batch size (``q > 1``: sequential-greedy joint batch, no reranking).
+        seed: seeds torch's generator (any non-negative integer; see :func:`torch_seed`).
 
     Returns:
         (points ``[q][d]``, info ``{acq, gap, proximity, pool}`` of the choice, for the trace).
@@ -180,7 +187,7 @@ def _propose(X, Y, ref, pending, avoid, multipliers, rerank, q, seed, restarts, 
     import torch
     from botorch.optim import optimize_acqf
 
-    torch.manual_seed(seed)
+    torch.manual_seed(torch_seed(seed))
     Xt = torch.as_tensor(X, dtype=torch.float64)
     d = Xt.shape[1]
     model = fit_model(X, Y, multipliers)

@@ -49,6 +49,11 @@ FAILED_REASONS = frozenset({"InvalidSpec", "JobFailed"})
 
 
 
+#: Headers of a create: kubernetes-client 37 sends the JSON body of a create (or replace) without
+#: a Content-Type, which an API server refuses (415 Unsupported Media Type); kmock did not mind.
+JSON_BODY = {"Content-Type": "application/json"}
+
+
 def kube_api() -> Any:
     """A ``CustomObjectsApi`` with the pod's ServiceAccount (in-cluster), else the local kubeconfig.
 
@@ -107,7 +112,8 @@ class KubernetesMerger(CandidateMerger):
             ``create_namespaced_custom_object`` and ``get_namespaced_custom_object``).
         namespace, search_name, search_uid: the MergeSearch (owner of the candidates).
         output_prefix: ``s3://bucket/prefix`` under which candidate N commits to ``c<NNNN>/``.
-        template: ModelMerge spec fields every candidate gets (``resources``, ``image``, ``s3``).
+        template: ModelMerge spec fields every candidate gets (``resources``, ``image``, ``s3``,
+            ``queueName``).
         poll_seconds: seconds between reads of a candidate's ModelMerge.
         timeout_seconds: seconds a candidate may take before it is recorded failed (None: no limit).
         sleep, clock: injected for tests.
@@ -146,7 +152,7 @@ class KubernetesMerger(CandidateMerger):
             spec["parameters"] = {k: _typed(v) for k, v in glob.items()}
         if cfg.budget is not None:
             spec["budget"] = cfg.budget
-        spec.update({k: v for k, v in self.template.items() if k in ("resources", "image", "s3")})
+        spec.update({k: v for k, v in self.template.items() if k in ("resources", "image", "s3", "queueName")})
         return {
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": "ModelMerge",
@@ -175,7 +181,7 @@ class KubernetesMerger(CandidateMerger):
         body = self.candidate_body(cfg, cand)
         name = body["metadata"]["name"]
         try:
-            self.api.create_namespaced_custom_object(GROUP, VERSION, self.namespace, "modelmerges", body)
+            self.api.create_namespaced_custom_object(GROUP, VERSION, self.namespace, "modelmerges", body, _headers=JSON_BODY)
         except Exception as e:  # noqa: BLE001 - ApiException without importing kubernetes here
             if getattr(e, "status", None) != 409:
                 raise
@@ -277,7 +283,7 @@ class KubernetesJobEvaluator(Evaluator):
         job, metrics_uri = self.job_body(str(checkpoint))
         name = job["metadata"]["name"]
         try:
-            self.batch.create_namespaced_job(self.namespace, job)
+            self.batch.create_namespaced_job(self.namespace, job, _headers=JSON_BODY)
         except Exception as e:  # noqa: BLE001 - ApiException without importing kubernetes here
             if getattr(e, "status", None) != 409:
                 raise

@@ -140,6 +140,14 @@ Duration = Annotated[str, StringConstraints(pattern=DURATION_PATTERN, max_length
 Timestamp = Annotated[datetime, WithJsonSchema({"type": "string", "format": "date-time"})]
 NonNegInt = Annotated[int, Field(ge=0)]
 
+#: The largest seed the CRDs accept: 2**53 - 1, the largest integer every JSON reader keeps exactly
+#: (JavaScript, Argo CD's UI, any float64 parser). A seed only names random streams (the DARE/DELLA
+#: streams are keyed by a SHA-256 of its decimal string; the search seeds torch generators with it),
+#: so this range is ample. 2**63 - 1 is not usable: the API server keeps schema bounds as float64,
+#: where it rounds to 2**63, and refuses the CRD ("Maximum boundary value must be of type integer").
+SEED_MAX = 2**53 - 1
+Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
+
 PARAM_VALUE_DESCRIPTION = (
     "A parameter value (mergekit syntax): a number or boolean; a list of numbers (a gradient, "
     "interpolated piecewise-linearly over the layers); or a list of {filter, value} entries where "
@@ -314,8 +322,8 @@ class ModelMergeSpec(K8sModel):
         description="Target fraction (0, 1] of the task-vector energy to retain; the planner reads the fewest bytes that reach it.",
     )
     output: OutputSpec
-    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = Field(
-        default=None, description="Seed of random sparsification (DARE, DELLA)."
+    seed: Seed | None = Field(
+        default=None, description="Seed of random sparsification (DARE, DELLA): 0 to 2^53-1."
     )
     resources: ResourcesSpec | None = None
     image: Annotated[str, StringConstraints(pattern=IMAGE_PATTERN, max_length=512)] | None = Field(
@@ -593,7 +601,7 @@ class MergeSearchSpec(K8sModel):
     budget: ByteQuantity | None = Field(
         default=None, description="Expert-I/O budget of every candidate merge (charged to MergeQuotas per candidate)."
     )
-    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = Field(default=0, description="Seed of the design, proposals and merges.")
+    seed: Seed = Field(default=0, description="Seed of the design, proposals and merges: 0 to 2^53-1.")
     output: OutputSpec = Field(description="Prefix for the search state and the candidates' snapshots.")
     resources: ResourcesSpec | None = None
     image: Annotated[str, StringConstraints(pattern=IMAGE_PATTERN, max_length=512)] | None = Field(

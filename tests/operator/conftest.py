@@ -1,5 +1,6 @@
 """Fixtures of the operator tests; helpers live in op_testlib.py."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -34,5 +35,29 @@ def s3_models(seaweed, family):
     return m
 
 
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+@pytest.fixture(scope="session")
+def real_crd_server():
+    """A real CRD API server (apiextensions-apiserver on etcd; realapi.py) with every CRD of
+    crds/ installed, shared by the session. Skipped when its binaries were never built
+    (tests/k8s_apiserver/build.sh), except in CI (CI=true), where that is a failure."""
+    from realapi import ROOT, RealCrdServer, bin_dir, binaries_present, load_crds
+
+    if not binaries_present():
+        why = (f"no real API server binaries in {bin_dir()}: run tests/k8s_apiserver/build.sh "
+               "(downloads ~300 MB of Debian sid packages, builds for 5-18 min)")
+        if in_ci():
+            pytest.fail(why + " (CI=true: the real-API-server tests must run)")
+        pytest.skip(why)
+    with RealCrdServer() as server:
+        for crd in load_crds(ROOT / "crds"):
+            server.apply_crd(crd)
+        yield server
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "fresh_catalog: the cluster fixture gives the operator an empty catalog prefix")
+    config.addinivalue_line("markers", "apiserver: needs the real CRD API server (tests/k8s_apiserver/build.sh)")

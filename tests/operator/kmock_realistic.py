@@ -19,7 +19,10 @@ kmock's discovery keep working. Added semantics:
 - deletion with finalizers (``deletionTimestamp``, removal once they are gone) and background
   garbage collection of dependents by ``ownerReferences`` uid;
 - ``generateName``, and ``stringData`` of Secrets folded into base64 ``data``;
-- ``/api/v1/namespaces`` parsed as the namespaces resource (a kmock 0.8 parser bug answers 500).
+- mutating admission hooks (``admission_hooks``: what a webhook such as Kueue's does on create)
+  and a log of writes to named objects (``writes``, with the client's User-Agent);
+- ``/api/v1/namespaces`` parsed as the namespaces resource (a kmock 0.8 parser bug answers 500);
+- 415 for a create or replace whose body has no JSON/YAML Content-Type (as an API server does).
 
 Not emulated: admission, schema validation/defaulting/pruning, server-side apply, strategic merge
 (treated as a merge patch), watch bookmarks and 410 Gone, controllers (no Job ever runs here:
@@ -143,6 +146,11 @@ class RealisticEmulator(k8s.KubernetesEmulator):
         super().__attrs_post_init__()
         self._rv = itertools.count(1)
         self._last_rv = 0
+        #: mutating admission, as webhooks do it: ``hook(resource, object)`` changes an object
+        #: before a create stores it (runs in the server's event loop: no API calls from a hook)
+        self.admission_hooks: list[Any] = []
+        #: ``(method, plural, namespace, name, User-Agent)`` of every write to a named object
+        self.writes: list[tuple[str, str, str | None, str, str]] = []
 
     # --- plumbing ------------------------------------------------------------------------------
 
@@ -222,6 +230,15 @@ class RealisticEmulator(k8s.KubernetesEmulator):
                 return await self._watch(request)
             if method == "GET" and request.name is None:
                 return await self._list(request)
+            ctype = (request.headers.get("Content-Type") or "").split(";")[0].strip()
+            if method in ("POST", "PUT") and ctype not in ("application/json", "application/yaml"):
+                # like an API server: a body needs its media type (kubernetes-client 37 sends none
+                # on creates and replaces unless told)
+                raise _error(415, "UnsupportedMediaType", f"the body of the request was in an unknown format ({ctype!r}) - "
+                                                          "accepted media types include: application/json, application/yaml")
+            if method in ("PATCH", "PUT", "DELETE") and request.name is not None:
+                self.writes.append((method, request.resource.plural, request.namespace, request.name,
+                                    request.headers.get("User-Agent") or ""))
             async with self._lock:
                 if method == "GET":
                     body, status = self._get(request), 200
@@ -270,6 +287,8 @@ class RealisticEmulator(k8s.KubernetesEmulator):
             data = obj.setdefault("data", {})
             for k, v in obj.pop("stringData").items():
                 data[k] = base64.b64encode(str(v).encode()).decode()
+        for hook in self.admission_hooks:
+            hook(res, obj)
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1, resourceVersion=self._next_rv())
         for k in ("deletionTimestamp", "generateName"):
             meta.pop(k, None)

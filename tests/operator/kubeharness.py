@@ -35,14 +35,22 @@ from mergepipe_operator.crd import GROUP, RESOURCES, VERSION
 
 class KubeServer:
     """kmock's :class:`RealisticEmulator` on 127.0.0.1 in its own event-loop thread, with the
-    bundled built-in resources (namespaces, events, Jobs, Secrets, CRDs, ...) and the three
-    mergepipe custom resources (namespaced, with a status subresource)."""
+    bundled built-in resources (namespaces, events, Jobs, Secrets, CRDs, ...) and the mergepipe
+    custom resources (namespaced, with a status subresource).
 
-    def __init__(self) -> None:
+    With ``real`` (a started :class:`realapi.RealCrdServer` with the CRDs installed), the custom
+    resources are served by that real API server instead: ``url`` is then a
+    :class:`realapi.CompositeProxy` sending ``/apis/mergepipe.io/...`` and
+    ``/apis/apiextensions.k8s.io/...`` there and the rest to kmock. The real server's objects are
+    removed on entry and exit (it is shared by the session)."""
+
+    def __init__(self, real: Any = None) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="kmock", daemon=True)
         self.kmock: RealisticEmulator | None = None
         self.server: apps.Server | None = None
+        self.real = real
+        self.proxy: Any = None
 
     def _run(self, coro, timeout: float = 30):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -54,6 +62,8 @@ class KubeServer:
             warnings.simplefilter("ignore", DeprecationWarning)
             self.kmock.resources.load_bundled()
         for kind, r in RESOURCES.items():
+            if self.real is not None:
+                break
             self.kmock.resources[f"{GROUP}/{VERSION}/{r['plural']}"] = ResourceInfo(
                 kind=kind, singular=r["singular"], shortnames=set(r["short_names"]), namespaced=True,
                 subresources={"status"},
@@ -68,14 +78,26 @@ class KubeServer:
             )
         self.server = apps.Server(self.kmock)
         await self.server.__aenter__()
+        if self.real is not None:
+            from realapi import CompositeProxy
+
+            self.proxy = CompositeProxy(self.real, str(self.server.url))
+            await self.proxy.start()
 
     async def _stop(self) -> None:
+        if self.proxy is not None:
+            await self.proxy.stop()
         if self.server is not None:
             await self.server.__aexit__(None, None, None)
         if self.kmock is not None:
             await self.kmock.__aexit__(None, None, None)
 
+    def _clean_real(self) -> None:
+        if self.real is not None:
+            self.real.delete_all(GROUP, VERSION, [r["plural"] for r in RESOURCES.values()])
+
     def __enter__(self) -> KubeServer:
+        self._clean_real()
         self.thread.start()
         self._run(self._start())
         return self
@@ -83,12 +105,15 @@ class KubeServer:
     def __exit__(self, *exc: Any) -> None:
         try:
             self._run(self._stop())
+            self._clean_real()
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
 
     @property
     def url(self) -> str:
+        if self.proxy is not None:
+            return self.proxy.url
         assert self.server is not None
         return str(self.server.url).rstrip("/")
 

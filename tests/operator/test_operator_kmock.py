@@ -121,18 +121,23 @@ class Cluster:
         return json.loads(raw), raw
 
 
-@pytest.fixture
+@pytest.fixture(params=["kmock", pytest.param("apiserver", marks=pytest.mark.apiserver)])
 def cluster(tmp_path, monkeypatch, s3_env, s3_models, seaweed, request):
     """A fresh fake API server with namespaces, the S3 Secret, and the operator's environment (as
     the chart's Deployment sets it). The catalog is fully analyzed unless the test is marked
-    ``fresh_catalog``."""
+    ``fresh_catalog``. Every test runs twice: all resources in kmock (``kmock``), and the custom
+    resources served by a real CRD API server behind a proxy (``apiserver``; realapi.py), where
+    no unknown-field warning (a field the server pruned) may occur."""
+    import re
+
     import kubernetes.config.kube_config as kcm
 
-    tag = request.node.name.replace("_", "-")[:40].strip("-")
+    real = request.getfixturevalue("real_crd_server") if request.param == "apiserver" else None
+    tag = re.sub(r"[^a-z0-9]+", "-", request.node.originalname.lower())[:32].strip("-") + "-" + request.param
     fresh = request.node.get_closest_marker("fresh_catalog") is not None
     catalog = f"s3://{s3_models.bucket}/catalog-{tag}/" if fresh else s3_models.catalog + "/"
     plans = f"s3://{s3_models.bucket}/plans-{tag}/"
-    with KubeServer() as ks:
+    with KubeServer(real) as ks:
         monkeypatch.setattr(kcm, "KUBE_CONFIG_DEFAULT_LOCATION", str(ks.kubeconfig(tmp_path / "kubeconfig")))
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
         monkeypatch.setattr(ctl, "_controller", None)
@@ -156,6 +161,8 @@ def cluster(tmp_path, monkeypatch, s3_env, s3_models, seaweed, request):
                         "data": {"AWS_ACCESS_KEY_ID": base64.b64encode(seaweed.access_key.encode()).decode(),
                                  "AWS_SECRET_ACCESS_KEY": base64.b64encode(seaweed.secret_key.encode()).decode()}})
         yield Cluster(api=api, models=s3_models, catalog=catalog, plans=plans, tmp=tmp_path, seaweed=seaweed)
+        if ks.proxy is not None:  # every field the operator wrote is in the schema (none pruned)
+            assert [w for w in ks.proxy.warnings if "unknown field" in w[2]] == []
 
 
 def planned_expert_bytes(c: Cluster, **spec: Any) -> int:

@@ -29,6 +29,7 @@ JOBS = ("batch", "v1", "jobs")
 PODS = ("", "v1", "pods")
 
 _MERGE_PATCH = "application/merge-patch+json"
+_JSON = "application/json"
 
 
 class Kube:
@@ -39,6 +40,8 @@ class Kube:
     - mergequotas: list, get; mergequotas/status: update (PUT with resourceVersion)
     - jobs (batch): create, get, list, delete
     - pods: list (the failed pod's termination message, for JobFailed)
+    - Kueue (with an io-budget AdmissionCheck): localqueues get; clusterqueues, admissionchecks
+      get/list; admissionchecks/status update; workloads get/list; workloads/status update
     (kopf itself also lists/watches/patches the watched kinds and creates events.)
     """
 
@@ -92,7 +95,8 @@ class Kube:
 
     def create(self, res: tuple[str, str, str], namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         """Create; raises :class:`Conflict` when it already exists."""
-        return self._call(self.api.create_namespaced_custom_object, *res[:2], namespace, res[2], body)
+        return self._call(self.api.create_namespaced_custom_object, *res[:2], namespace, res[2], body,
+                          _headers={"Content-Type": _JSON})  # the client sets none: an API server answers 415
 
     def delete(self, res: tuple[str, str, str], namespace: str, name: str) -> bool:
         try:
@@ -103,6 +107,26 @@ class Kube:
             return True
         except NotFound:
             return False
+
+    def get_cluster(self, res: tuple[str, str, str], name: str) -> dict[str, Any] | None:
+        """A cluster-scoped object (Kueue's ClusterQueues and AdmissionChecks), or ``None``."""
+        try:
+            return self._call(self.api.get_cluster_custom_object, *res[:2], res[2], name)
+        except NotFound:
+            return None
+
+    def list_cluster(self, res: tuple[str, str, str]) -> list[dict[str, Any]]:
+        out = self._call(self.api.list_cluster_custom_object, *res[:2], res[2])
+        return sorted(out.get("items") or [], key=lambda o: o["metadata"]["name"])
+
+    def replace_cluster_status(self, res: tuple[str, str, str], obj: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+        """PUT a cluster-scoped object's ``status`` conditioned on its resourceVersion."""
+        meta = obj["metadata"]
+        body = {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"),
+                "metadata": {"name": meta["name"], "resourceVersion": meta["resourceVersion"]},
+                "spec": obj.get("spec"), "status": status}
+        return self._call(self.api.replace_cluster_custom_object_status, *res[:2], res[2], meta["name"], body,
+                          _headers={"Content-Type": _JSON})
 
     def patch_status(self, res: tuple[str, str, str], namespace: str, name: str, status: dict[str, Any]) -> None:
         """JSON merge patch of ``status`` (lists are replaced whole)."""
@@ -124,5 +148,6 @@ class Kube:
             "status": status,
         }
         return self._call(
-            self.api.replace_namespaced_custom_object_status, *res[:2], meta["namespace"], res[2], meta["name"], body
+            self.api.replace_namespaced_custom_object_status, *res[:2], meta["namespace"], res[2], meta["name"], body,
+            _headers={"Content-Type": _JSON},  # the client sets none for a replace: an API server answers 415
         )
