@@ -417,6 +417,14 @@ class MergedSnapshotStatus(ObservedStatus):
     estimated: IOBytes | None = None
     realized: IOBytes | None = None
     expert_read: Annotated[str, StringConstraints(max_length=32)] | None = None
+    storage_uri: S3Uri | None = Field(
+        default=None,
+        description=(
+            "The committed Hugging Face model folder (config.json, tokenizer, *.safetensors): "
+            "spec.uri joined with the manifest's files_prefix, ending in '/'. Set once verified; "
+            "what a server such as KServe (InferenceService storageUri) loads."
+        ),
+    )
 
 
 # --- MergeQuota --------------------------------------------------------------------------------
@@ -704,6 +712,7 @@ RESOURCES: dict[str, dict[str, Any]] = {
             {"name": "Size", "type": "string", "jsonPath": ".status.totalSize"},
             {"name": "ExpertRead", "type": "string", "jsonPath": ".status.expertRead"},
             {"name": "URI", "type": "string", "jsonPath": ".spec.uri", "priority": 1},
+            {"name": "StorageURI", "type": "string", "jsonPath": ".status.storageUri", "priority": 1},
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         ],
     },

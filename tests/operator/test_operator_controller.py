@@ -159,6 +159,8 @@ def test_happy_path_budget_mode(settings):
     assert ready(snap) is None
     sst = c.verify_snapshot(snap)
     assert (cond.get_condition(sst["conditions"], "Ready")["status"], sst["sizes"]) == ("True", {"totalBytes": 100, "files": 1})
+    # the committed model folder (what KServe's storageUri loads): the run prefix the manifest names
+    assert sst["storageUri"] == "s3://snapshots/mm1/runs/r1/" and store.get(sst["storageUri"] + "model.safetensors")
     # replays are harmless
     assert c.sync_job(mm, done) is None
     assert kube.get(QUOTAS, "ns1", "q")["status"]["used"]["expertReadBytes"] == 7 * GI

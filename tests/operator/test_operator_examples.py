@@ -8,7 +8,7 @@ import copy
 from datetime import datetime, timezone
 
 import pytest
-from op_testlib import ROOT, cr_errors, load_docs
+from op_testlib import ROOT, cr_errors, k8s_validate, load_docs
 
 from mergepipe_operator.k8s import conditions as cond  # noqa: E402
 from mergepipe_operator.modelmerge import (
@@ -30,7 +30,7 @@ def quota():
 
 
 def test_example_files_exist():
-    for name in ("merge.yaml", "quota.yaml", "argocd-application.yaml"):
+    for name in ("merge.yaml", "quota.yaml", "search.yaml", "argocd-application.yaml", "kserve-inferenceservice.yaml"):
         assert (EXAMPLES / name).is_file(), name
 
 
@@ -192,3 +192,33 @@ def test_argocd_application_example():
     include = merges_app["spec"]["source"]["directory"]["include"].strip("{}").split(",")
     for f in include:
         assert (ROOT / merges_app["spec"]["source"]["path"] / f).is_file()
+
+
+def test_kserve_example_serves_a_snapshot_storage_uri():
+    """The InferenceService reads the model folder a MergedSnapshot's status.storageUri names (the
+    shape snapshot.decisions.storage_uri gives an object-store commit), through a ServiceAccount
+    holding the merge Jobs' S3 Secret (the chart's default name)."""
+    import re
+
+    import yaml
+
+    from mergepipe_operator.snapshot import decisions as snapd
+
+    sa, isvc = load_docs(EXAMPLES / "kserve-inferenceservice.yaml")
+    k8s_validate(sa)
+    assert (isvc["apiVersion"], isvc["kind"]) == ("serving.kserve.io/v1beta1", "InferenceService")
+    assert sa["metadata"]["namespace"] == isvc["metadata"]["namespace"] == merges()[0]["metadata"]["namespace"]
+    pred = isvc["spec"]["predictor"]
+    assert pred["serviceAccountName"] == sa["metadata"]["name"]
+    values = yaml.safe_load((ROOT / "helm/mergepipe/values.yaml").read_text())
+    assert [s["name"] for s in sa["secrets"]] == [values["s3"]["credentialsSecret"]["name"]]
+    assert pred["model"]["modelFormat"]["name"] == "huggingface"
+    uri = pred["model"]["storageUri"]
+    out = merges()[0]["spec"]["output"]["uri"]
+    rid = re.fullmatch(re.escape(out) + r"runs/([0-9a-f]{16})/", uri)
+    assert rid, uri
+    facts = snapd.ManifestFacts(plan_digest=None, snapshot_id=None, files_prefix=f"runs/{rid.group(1)}",
+                                budget_bytes=None, outputs={}, estimated={}, realized={})
+    assert snapd.storage_uri(out, facts) == uri
+    snap = isvc["metadata"]["labels"]["mergepipe.io/snapshot"]
+    assert re.fullmatch(re.escape(merges()[0]["metadata"]["name"]) + r"-[0-9a-f]{12}", snap)

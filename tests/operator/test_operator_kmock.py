@@ -284,6 +284,11 @@ def test_merge_end_to_end_analyze_plan_merge_commit_charge_delete(cluster):
                         ready(s).get("status") == "True" and s)
         assert snap["spec"]["manifestHash"] == snapd.manifest_hash(raw) and snap["spec"]["uri"] == out
         assert ready(snap)["reason"] == "Verified" and snap["status"]["sizes"]["files"] == len(manifest["outputs"])
+        # the committed Hugging Face folder, what a model server loads (KServe's storageUri)
+        assert snap["status"]["storageUri"] == f"{out}{manifest['files_prefix']}/"
+        bucket, key = snap["status"]["storageUri"][5:].split("/", 1)
+        files = {o["Key"][len(key):] for o in c.models.client.list_objects_v2(Bucket=bucket, Prefix=key)["Contents"]}
+        assert "config.json" in files and set(manifest["outputs"]) <= files, files
         assert "ownerReferences" not in snap["metadata"]
         (entry,) = quota_ledger(c.api, NS, "daily")
         assert (entry["state"], entry["bytes"]) == ("Charged", realized)  # from the manifest, not the plan

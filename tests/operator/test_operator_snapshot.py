@@ -107,6 +107,17 @@ def test_snapshot_ready_accepts_a_consistent_manifest():
     )[0]
 
 
+@pytest.mark.parametrize("uri, prefix, want", [
+    ("s3://snapshots/llama/", "runs/20261122-abc", "s3://snapshots/llama/runs/20261122-abc/"),
+    ("s3://snapshots/llama", "/runs/r1/", "s3://snapshots/llama/runs/r1/"),
+    ("s3://snapshots/llama", "", "s3://snapshots/llama/"),  # files beside the manifest (local commits)
+])
+def test_storage_uri_is_the_committed_model_folder(uri, prefix, want):
+    facts = snapd.ManifestFacts(plan_digest=None, snapshot_id=None, files_prefix=prefix, budget_bytes=None,
+                                outputs={}, estimated={}, realized={})
+    assert snapd.storage_uri(uri, facts) == want
+
+
 def test_manifest_hash_matches_the_core():
     from mergepipe.commit.manifest import manifest_hash
 

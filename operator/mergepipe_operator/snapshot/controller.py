@@ -11,7 +11,7 @@ from ..k8s.quantities import human_bytes, rfc3339
 from ..metrics import VERIFICATIONS
 from ..objectstore import join, manifest_uri
 from ..reconcile import Reconciler, RetryWithStatus
-from .decisions import manifest_facts, output_path, snapshot_ready
+from .decisions import manifest_facts, output_path, snapshot_ready, storage_uri
 
 
 class SnapshotVerifier(Reconciler):
@@ -52,6 +52,7 @@ class SnapshotVerifier(Reconciler):
                 estimated=facts.estimated,
                 realized=facts.realized,
                 expertRead=human_bytes(facts.realized.get("expertReadBytes")),
+                storageUri=storage_uri(spec["uri"], facts),
             )
         out["conditions"] = set_condition(status.get("conditions"), "Ready", ok, reason, message, gen, now)
         if reason == Reason.MANIFEST_MISSING:

@@ -117,6 +117,16 @@ def output_path(facts: ManifestFacts, name: str) -> str:
     return f"{facts.files_prefix.strip('/')}/{name}" if facts.files_prefix else name
 
 
+def storage_uri(snapshot_uri: str, facts: ManifestFacts) -> str:
+    """The committed Hugging Face model folder of a snapshot, ending in ``/``: ``snapshot_uri``
+    itself, or its ``files_prefix`` folder (object stores: ``runs/<run id>/``, where the commit
+    wrote the shards, config.json and the tokenizer files before publishing the manifest). What
+    a model server loads, e.g. KServe's ``storageUri``."""
+    base = snapshot_uri.rstrip("/") + "/"
+    prefix = facts.files_prefix.strip("/")
+    return base + prefix + "/" if prefix else base
+
+
 def snapshot_ready(
     manifest: bytes | str | Mapping[str, Any] | None,
     expected_plan_digest: str | None,
