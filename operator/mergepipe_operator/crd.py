@@ -330,6 +330,14 @@ class ModelMergeSpec(K8sModel):
         default=None, description="Merger image override."
     )
     s3: S3Spec | None = None
+    queue_name: DnsLabel | None = Field(
+        default=None,
+        description=(
+            "Kueue LocalQueue of the merge's (analyze and merge) Jobs (label kueue.x-k8s.io/queue-name): Kueue creates them "
+            "suspended and starts them when it admits them. Default: the operator's (chart value "
+            "kueue.queueName); none: no label."
+        ),
+    )
 
 
 class AdmissionStatus(K8sModel):
@@ -341,6 +349,14 @@ class AdmissionStatus(K8sModel):
     budget_bytes: NonNegInt | None = None
     clamped: bool | None = None
     quotas: list[Annotated[str, StringConstraints(max_length=253)]] = Field(default_factory=list, max_length=32)
+    admission_check: DnsSubdomain | None = Field(
+        default=None,
+        description=(
+            "The Kueue AdmissionCheck (controllerName mergepipe.io/io-budget) that reserves this "
+            "merge's plan in the namespace's MergeQuotas when Kueue admits its Job, instead of the "
+            "operator before creating the Job."
+        ),
+    )
 
 
 class PlanStatus(K8sModel):
@@ -616,6 +632,14 @@ class MergeSearchSpec(K8sModel):
         default=None, description="Worker image override."
     )
     s3: S3Spec | None = None
+    queue_name: DnsLabel | None = Field(
+        default=None,
+        description=(
+            "Kueue LocalQueue of the search's (driver, evaluation; and its candidate ModelMerges') Jobs (label kueue.x-k8s.io/queue-name): Kueue creates them "
+            "suspended and starts them when it admits them. Default: the operator's (chart value "
+            "kueue.queueName); none: no label."
+        ),
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> MergeSearchSpec:

@@ -10,6 +10,8 @@ with its I/O injected, and thin kopf ``handlers``):
 - :mod:`.snapshot`: MergedSnapshot (manifest verification);
 - :mod:`.quota`: MergeQuota (the reservation ledger);
 - :mod:`.search`: MergeSearch (the driver Job, results mirrored into the status);
+- :mod:`.kueue`: Kueue (queue labels, Queued Jobs; the io-budget AdmissionCheck controller, its
+  handlers registered when ``MERGEPIPE_KUEUE_ADMISSION_CHECK`` is true);
 - :mod:`.k8s`: shared helpers (API adapter, conditions, quantities, names, Job templates);
 - :mod:`.controller`: the reconcilers combined, and the glue to kopf.
 """
@@ -29,7 +31,11 @@ from .modelmerge.planning import PlanInputError, PlanSummary, plan_merge
 from .quota import handlers as _quota_handlers  # noqa: F401
 from .reconcile import Retry, RetryWithStatus
 from .search import handlers as _search_handlers  # noqa: F401
+from .settings import Settings
 from .snapshot import handlers as _snapshot_handlers  # noqa: F401
+
+if Settings.from_env().kueue_admission_check:  # the chart grants the RBAC on Kueue's objects then
+    from .kueue import handlers as _kueue_handlers  # noqa: F401
 
 __all__ = ["Controller", "PlanInputError", "PlanSummary", "Retry", "RetryWithStatus", "controller", "plan_merge", "run"]
 

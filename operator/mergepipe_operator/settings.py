@@ -41,6 +41,13 @@ def _json(env: Mapping[str, str], name: str, default: Any) -> Any:
         raise ValueError(f"environment variable {ENV_PREFIX}{name} is not valid JSON: {e}") from None
 
 
+def _bool(env: Mapping[str, str], name: str) -> bool:
+    v = (_opt(env, name) or "false").lower()
+    if v not in ("true", "false", "1", "0"):
+        raise ValueError(f"environment variable {ENV_PREFIX}{name} must be true or false, got {v!r}")
+    return v in ("true", "1")
+
+
 @dataclass(frozen=True)
 class Settings:
     """Cluster-wide defaults of the operator. A ModelMerge's spec overrides the per-merge ones
@@ -83,6 +90,10 @@ class Settings:
     search_driver_memory: str = "8Gi"
     #: seconds between reads of a running search's results (status mirroring)
     search_poll_seconds: int = 30
+    # Kueue: the LocalQueue of Jobs whose ModelMerge/MergeSearch names none (label
+    # kueue.x-k8s.io/queue-name), and whether this operator serves the io-budget AdmissionCheck
+    queue_name: str | None = None
+    kueue_admission_check: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -125,4 +136,6 @@ class Settings:
             search_driver_cpu=_opt(env, "SEARCH_DRIVER_CPU") or d.search_driver_cpu,
             search_driver_memory=_opt(env, "SEARCH_DRIVER_MEMORY") or d.search_driver_memory,
             search_poll_seconds=_int(env, "SEARCH_POLL_SECONDS", d.search_poll_seconds),
+            queue_name=_opt(env, "QUEUE_NAME"),
+            kueue_admission_check=_bool(env, "KUEUE_ADMISSION_CHECK"),
         )

@@ -32,6 +32,12 @@ from op_testlib import ROOT
 
 from mergepipe_operator.crd import GROUP, RESOURCES, VERSION
 
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+#: Kueue's resources (kueue.x-k8s.io/v1beta2): plural -> (kind, namespaced)
+KUEUE_RESOURCES = {"workloads": ("Workload", True), "localqueues": ("LocalQueue", True),
+                   "clusterqueues": ("ClusterQueue", False), "admissionchecks": ("AdmissionCheck", False)}
+
 
 class KubeServer:
     """kmock's :class:`RealisticEmulator` on 127.0.0.1 in its own event-loop thread, with the
@@ -74,6 +80,11 @@ class KubeServer:
                                          ("KopfPeering", "kopfpeerings", True)):
             self.kmock.resources[f"kopf.dev/v1/{plural}"] = ResourceInfo(
                 kind=kind, singular=plural[:-1], namespaced=namespaced,
+                verbs={"list", "watch", "get", "create", "patch", "update", "delete"},
+            )
+        for plural, (kind, namespaced) in KUEUE_RESOURCES.items():  # Kueue's API (its part is played: KueuePlayer)
+            self.kmock.resources[f"kueue.x-k8s.io/v1beta2/{plural}"] = ResourceInfo(
+                kind=kind, namespaced=namespaced, subresources={"status"},
                 verbs={"list", "watch", "get", "create", "patch", "update", "delete"},
             )
         self.server = apps.Server(self.kmock)
@@ -139,6 +150,9 @@ class Api:
     def _res(kind: str) -> tuple[str, str, str]:
         if kind in RESOURCES:
             return GROUP, VERSION, RESOURCES[kind]["plural"]
+        for plural, (k, _) in KUEUE_RESOURCES.items():
+            if k == kind:
+                return "kueue.x-k8s.io", "v1beta2", plural
         return {"Job": ("batch", "v1", "jobs"), "Pod": ("", "v1", "pods"), "Secret": ("", "v1", "secrets"),
                 "ClusterKopfPeering": ("kopf.dev", "v1", "clusterkopfpeerings"),
                 "Namespace": ("", "v1", "namespaces"), "Event": ("", "v1", "events")}[kind]
@@ -383,3 +397,171 @@ def play_job(api: Api, job: dict[str, Any], workdir: Path) -> subprocess.Complet
 
 def quota_ledger(api: Api, ns: str, name: str) -> list[dict[str, Any]]:
     return copy.deepcopy(((api.get("MergeQuota", ns, name) or {}).get("status") or {}).get("ledger") or [])
+
+
+# --- Kueue: the test plays it ------------------------------------------------------------------------
+
+
+class KueuePlayer:
+    """Kueue v0.19's part for Jobs, played against the fake API server (kueue.x-k8s.io/v1beta2):
+
+    - its Job webhook: a Job created with the label ``kueue.x-k8s.io/queue-name`` is stored
+      suspended (a kmock admission hook);
+    - its job integration: one Workload per such Job, owned by it, in the Job's LocalQueue;
+    - its scheduler: a Workload whose LocalQueue leads to a ClusterQueue gets a quota reservation
+      (``QuotaReserved=True``, ``status.admission``) while fewer than ``capacity`` Workloads hold
+      one, and a ``Pending`` entry per AdmissionCheck the ClusterQueue lists;
+    - admission: once every check is ``Ready``, ``Admitted=True`` and the Job is unsuspended (the
+      only place a Job is unsuspended); a ``Retry`` evicts the Workload (reservation released) and
+      requeues it ``requeueAfterSeconds`` later with its checks ``Pending`` again; ``Rejected``
+      deactivates it (``spec.active=false``);
+    - a finished Job's Workload releases its reservation (``Finished=True``).
+
+    ``run()`` in a thread steps every 0.1 s until ``stop()``; ``paused`` holds reservations back.
+    Writes carry the resourceVersion they were computed from (a 409 is retried next step).
+    """
+
+    def __init__(self, api: Api, ks: KubeServer, namespaces: tuple[str, ...], capacity: int = 2) -> None:
+        self.api, self.namespaces, self.capacity = api, namespaces, capacity
+        self.paused = False
+        self.unsuspended: list[str] = []
+        self.requeue_at: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.errors: list[str] = []
+        assert ks.kmock is not None
+        ks.kmock.admission_hooks.append(self._webhook)
+
+    @staticmethod
+    def _webhook(res: Any, obj: dict[str, Any]) -> None:
+        if res.group == "batch" and res.plural == "jobs" and (obj["metadata"].get("labels") or {}).get(QUEUE_LABEL):
+            obj.setdefault("spec", {})["suspend"] = True
+
+    def start(self) -> KueuePlayer:
+        self._thread = threading.Thread(target=self.run, name="kueue", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except AssertionError as e:
+                if "HTTP 409" not in str(e):
+                    self.errors.append(str(e))
+            self._stop.wait(0.1)
+
+    def _patch_status(self, wl: dict[str, Any], status: dict[str, Any]) -> None:
+        self.api.patch("Workload", wl["metadata"]["namespace"], wl["metadata"]["name"],
+                       {"metadata": {"resourceVersion": wl["metadata"]["resourceVersion"]}, "status": status}, sub="status")
+
+    def step(self) -> None:
+        now = time.time()
+        for ns in self.namespaces:
+            workloads = {(w["metadata"].get("ownerReferences") or [{}])[0].get("uid"): w for w in self.api.list("Workload", ns)}
+            for job in self.api.list("Job", ns):
+                queue = (job["metadata"].get("labels") or {}).get(QUEUE_LABEL)
+                if not queue:
+                    continue
+                wl = workloads.get(job["metadata"]["uid"])
+                if wl is None:
+                    self.api.create({
+                        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload",
+                        "metadata": {"name": f"job-{job['metadata']['name']}"[:57] + "-" + job["metadata"]["uid"][:5],
+                                     "namespace": ns, "labels": {"kueue.x-k8s.io/job-uid": job["metadata"]["uid"]},
+                                     "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": job["metadata"]["name"],
+                                                          "uid": job["metadata"]["uid"], "controller": True,
+                                                          "blockOwnerDeletion": True}]},
+                        "spec": {"queueName": queue, "active": True,
+                                 "podSets": [{"name": "main", "count": 1, "template": job["spec"]["template"]}]}})
+                    continue
+                self._advance(job, wl, now)
+
+    def _reserved(self, ns: str) -> int:
+        return sum(1 for w in self.api.list("Workload", ns)
+                   if _cond(w, "QuotaReserved") == "True" and _cond(w, "Finished") != "True")
+
+    def _advance(self, job: dict[str, Any], wl: dict[str, Any], now: float) -> None:
+        ns, name = wl["metadata"]["namespace"], wl["metadata"]["name"]
+        st = copy.deepcopy(wl.get("status") or {})
+        t = _now()
+        finished = any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
+                       for c in (job.get("status") or {}).get("conditions") or [])
+        if finished:
+            if _cond(wl, "Finished") != "True":
+                self._patch_status(wl, dict(st, conditions=_set(st, "Finished", "True", "JobFinished", "Job finished", t)))
+            return
+        if not (wl.get("spec") or {}).get("active", True):
+            return
+        checks = {c["name"]: c for c in st.get("admissionChecks") or []}
+        if _cond(wl, "QuotaReserved") != "True":
+            if self.paused or now < self.requeue_at.get(name, 0):
+                return
+            lq = self.api.get("LocalQueue", ns, wl["spec"]["queueName"])
+            cq = self.api.get("ClusterQueue", None, lq["spec"]["clusterQueue"]) if lq else None
+            if cq is None:
+                self._patch_status(wl, dict(st, conditions=_set(st, "QuotaReserved", "False", "Inadmissible",
+                                                                f"LocalQueue {wl['spec']['queueName']} doesn't exist", t)))
+                return
+            if self._reserved(ns) >= self.capacity:
+                msg = "couldn't assign flavors to pod set main: insufficient unused quota for cpu in flavor default"
+                if (_cond_msg(wl, "QuotaReserved")) != msg:
+                    self._patch_status(wl, dict(st, conditions=_set(st, "QuotaReserved", "False", "Pending", msg, t)))
+                return
+            names = [r["name"] for r in (cq["spec"].get("admissionChecksStrategy") or {}).get("admissionChecks") or []]
+            st["admissionChecks"] = [
+                checks[n] if n in checks and checks[n].get("state") == "Ready" else
+                {"name": n, "state": "Pending", "message": "", "lastTransitionTime": t} for n in names]
+            st["admission"] = {"clusterQueue": cq["metadata"]["name"],
+                               "podSetAssignments": [{"name": "main", "count": 1, "flavors": {"cpu": "default"}}]}
+            conds = _set(st, "QuotaReserved", "True", "QuotaReserved", f"Quota reserved in ClusterQueue {cq['metadata']['name']}", t)
+            st["conditions"] = _set({"conditions": conds}, "Admitted", "False", "UnsatisfiedAdmissionChecks",
+                                    "The workload has not all admission checks", t)
+            self._patch_status(wl, st)
+            return
+        states = {c.get("state") for c in checks.values()}
+        if "Rejected" in states:
+            self.api.patch("Workload", ns, name, {"spec": {"active": False}})
+            return
+        if "Retry" in states:  # evicted: the reservation goes, requeued after the check's delay
+            delay = max([c.get("requeueAfterSeconds") or 0 for c in checks.values() if c.get("state") == "Retry"])
+            self.requeue_at[name] = now + delay
+            st["admission"] = None
+            conds = _set(st, "QuotaReserved", "False", "Pending", "The workload was evicted by an admission check", t)
+            conds = _set({"conditions": conds}, "Evicted", "True", "AdmissionCheck", "At least one admission check is false", t)
+            st["conditions"] = _set({"conditions": conds}, "Admitted", "False", "NoReservation", "The workload has no reservation", t)
+            st["admissionChecks"] = [dict(c, state="Pending") if c.get("state") == "Retry" else c for c in checks.values()]
+            # Kueue resets a Retry to Pending when it requeues; the check is decided again then
+            self._patch_status(wl, st)
+            return
+        if states <= {"Ready"} and _cond(wl, "Admitted") != "True":
+            st["conditions"] = _set(st, "Admitted", "True", "Admitted", "The workload is admitted", t)
+            self._patch_status(wl, st)
+            self.api.patch("Job", ns, job["metadata"]["name"], {"spec": {"suspend": False}})
+            self.unsuspended.append(job["metadata"]["name"])
+
+
+def _cond(obj: dict[str, Any], type_: str) -> str | None:
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return c.get("status")
+    return None
+
+
+def _cond_msg(obj: dict[str, Any], type_: str) -> str | None:
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return c.get("message")
+    return None
+
+
+def _set(status: dict[str, Any], type_: str, st: str, reason: str, message: str, t: str) -> list[dict[str, Any]]:
+    out = [dict(c) for c in status.get("conditions") or [] if c.get("type") != type_]
+    old = next((c for c in status.get("conditions") or [] if c.get("type") == type_), {})
+    ltt = old.get("lastTransitionTime") if old.get("status") == st else t
+    return out + [{"type": type_, "status": st, "reason": reason, "message": message, "lastTransitionTime": ltt or t}]

@@ -102,7 +102,7 @@ class FakeKube:
         meta.setdefault("generation", 1)
         meta["resourceVersion"] = str(next(self.rv))
         with self.lock:
-            self.objects[self._k(res, meta["namespace"], meta["name"])] = obj
+            self.objects[self._k(res, meta.get("namespace"), meta["name"])] = obj
         return copy.deepcopy(obj)
 
     def get(self, res, ns, name):
@@ -159,6 +159,19 @@ class FakeKube:
             cur["metadata"]["resourceVersion"] = str(next(self.rv))
             self.writes.append(("replace_status", res[2], meta["name"]))
             return copy.deepcopy(cur)
+
+
+    # cluster-scoped objects (Kueue's ClusterQueues and AdmissionChecks) live under namespace None
+    def get_cluster(self, res, name):
+        return self.get(res, None, name)
+
+    def list_cluster(self, res):
+        with self.lock:
+            out = [copy.deepcopy(o) for (r, n, _), o in self.objects.items() if r == res[2] and n is None]
+        return sorted(out, key=lambda o: o["metadata"]["name"])
+
+    def replace_cluster_status(self, res, obj, status):
+        return self.replace_status(res, dict(obj, metadata=dict(obj["metadata"], namespace=None)), status)
 
 
 class FakeStore:

@@ -159,6 +159,31 @@ def test_rbac_is_least_privilege(chart, values):
     assert '"*"' not in flat and "secrets" not in flat and "pods/" not in flat  # pods: get/list only, no logs/exec
 
 
+#: With the io-budget AdmissionCheck: what its controller reads and writes of Kueue's objects.
+EXPECTED_KUEUE_GRANTS = {
+    ("kueue.x-k8s.io", "localqueues"): {"get"},
+    ("kueue.x-k8s.io", "clusterqueues"): {"get"},
+    ("kueue.x-k8s.io", "admissionchecks"): {"get", "list", "watch", "patch"},
+    ("kueue.x-k8s.io", "admissionchecks/status"): {"get", "update"},
+    ("kueue.x-k8s.io", "workloads"): {"get", "list", "watch"},
+    ("kueue.x-k8s.io", "workloads/status"): {"get", "update"},
+}
+
+
+@pytest.mark.parametrize("values", [{}, {"watchNamespaces": ["team-a"]}], ids=["cluster", "namespaced"])
+def test_kueue_values_reach_the_operator_and_its_rbac(chart, values):
+    off = render(chart, values)
+    assert not any(k[0] == "kueue.x-k8s.io" for k in grants(off))
+    on = render(chart, dict(values, kueue={"queueName": "llm", "admissionCheck": {"enabled": True}}))
+    assert grants(on) == {**EXPECTED_GRANTS, **EXPECTED_KUEUE_GRANTS}
+    s = settings_from(deployment(on))
+    assert (s.queue_name, s.kueue_admission_check) == ("llm", True)
+    s = settings_from(deployment(off))
+    assert (s.queue_name, s.kueue_admission_check) == (None, False)
+    for o in on:
+        k8s_validate(o)
+
+
 @pytest.mark.parametrize("values", [{}, {"watchNamespaces": ["team-a"]}], ids=["cluster", "namespaced"])
 def test_search_driver_rbac_is_least_privilege(chart, values):
     objs = render(chart, values)

@@ -51,6 +51,10 @@ class Cluster:
     plans: str
     tmp: Path
     seaweed: Any
+    ks: Any = None
+    #: s3://bucket/<variant> under which the test's outputs go (the bucket outlives a test, and
+    #: both API variants of a test would otherwise find each other's snapshots and search state)
+    out: str = ""
 
     def merge(self, name: str, ns: str = NS, *, experts: int = 2, out: str | None = None, **spec: Any) -> dict[str, Any]:
         body = {
@@ -59,7 +63,7 @@ class Cluster:
                         for n, u in zip(("code", "math", "chat"), self.models.experts[:experts])],
             "method": "ties",
             "parameters": {"normalize": True},
-            "output": {"uri": out or f"s3://{self.models.bucket}/snapshots/{ns}/{name}/"},
+            "output": {"uri": out or f"{self.out}/snapshots/{ns}/{name}/"},
         }
         body.update(spec)
         return self.api.create({"apiVersion": "mergepipe.io/v1alpha1", "kind": "ModelMerge",
@@ -77,8 +81,11 @@ class Cluster:
 
     def wait_reason(self, name: str, reasons: str | tuple[str, ...], ns: str = NS, timeout: float = 60) -> dict[str, Any]:
         reasons = (reasons,) if isinstance(reasons, str) else reasons
-        return wait_for(f"ModelMerge {ns}/{name} Ready reason in {reasons}",
-                        lambda: (o := self.mm(name, ns)) and ready(o).get("reason") in reasons and o, timeout)
+        try:
+            return wait_for(f"ModelMerge {ns}/{name} Ready reason in {reasons}",
+                            lambda: (o := self.mm(name, ns)) and ready(o).get("reason") in reasons and o, timeout)
+        except AssertionError as e:
+            raise AssertionError(f"{e}; its status: {json.dumps((self.mm(name, ns) or {}).get('status'))[:3000]}") from None
 
     def jobs(self, ns: str = NS, component: str | None = None) -> list[dict[str, Any]]:
         sel = f"{names.LABEL_MANAGED_BY}={names.MANAGER}" + (f",{names.LABEL_COMPONENT}={component}" if component else "")
@@ -160,7 +167,8 @@ def cluster(tmp_path, monkeypatch, s3_env, s3_models, seaweed, request):
             api.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": SECRET, "namespace": ns}, "type": "Opaque",
                         "data": {"AWS_ACCESS_KEY_ID": base64.b64encode(seaweed.access_key.encode()).decode(),
                                  "AWS_SECRET_ACCESS_KEY": base64.b64encode(seaweed.secret_key.encode()).decode()}})
-        yield Cluster(api=api, models=s3_models, catalog=catalog, plans=plans, tmp=tmp_path, seaweed=seaweed)
+        yield Cluster(api=api, models=s3_models, catalog=catalog, plans=plans, tmp=tmp_path, seaweed=seaweed, ks=ks,
+                      out=f"s3://{s3_models.bucket}/{request.param}")
         if ks.proxy is not None:  # every field the operator wrote is in the schema (none pruned)
             assert [w for w in ks.proxy.warnings if "unknown field" in w[2]] == []
 
@@ -183,16 +191,19 @@ def planned_expert_bytes(c: Cluster, **spec: Any) -> int:
 
 def test_invalid_spec_names_the_field_then_a_fix_proceeds(cluster):
     c = cluster
+    # generation 2 is invalid before the operator starts: had it seen the valid generation 1 first
+    # (it does, at times, with the real API server), that generation's Job would exist, and an
+    # invalid generation does not retire it
+    bad = c.merge("bad", experts=2, budget="10Gi")
+    c.api.patch("ModelMerge", NS, "bad", {"spec": {"experts": [
+        dict(bad["spec"]["experts"][0], parameters={"density": 1.5}), bad["spec"]["experts"][1]]}})
     with operator():
-        bad = c.merge("bad", experts=2, budget="10Gi")
-        c.api.patch("ModelMerge", NS, "bad", {"spec": {"experts": [
-            dict(bad["spec"]["experts"][0], parameters={"density": 1.5}), bad["spec"]["experts"][1]]}})
         o = c.wait_reason("bad", "InvalidSpec")
         r = ready(o)
         assert r["status"] == "False" and "spec.experts[0].parameters.density" in r["message"] and "1.5" in r["message"]
         assert o["status"]["observedGeneration"] == o["metadata"]["generation"] == r["observedGeneration"] == 2
         assert c.jobs() == []
-        ev = c.wait_events("bad", ["InvalidSpec"], tail=True)  # the valid generation 1 may have been seen first
+        ev = c.wait_events("bad", ["InvalidSpec"], tail=True)
         assert ev[-1][0] == "Warning" and "spec.experts[0].parameters.density" in ev[-1][2]
         # fixing the spec is a new generation: reconciled again, now planned and running
         c.api.patch("ModelMerge", NS, "bad", {"spec": {"experts": [
@@ -219,7 +230,7 @@ def test_merge_end_to_end_analyze_plan_merge_commit_charge_delete(cluster):
     c = cluster
     before = REGISTRY.get_sample_value("mergepipe_merges_committed_total") or 0.0
     c.quota("daily", bytes_="1Gi", merges=10, enforcement="Clamp")
-    out = f"s3://{c.models.bucket}/snapshots/e2e/"
+    out = f"{c.out}/snapshots/e2e/"
     with operator():
         mm = c.merge("e2e", out=out, budget="1Mi", seed=7)
         uid = mm["metadata"]["uid"]
@@ -299,7 +310,7 @@ def test_merge_end_to_end_analyze_plan_merge_commit_charge_delete(cluster):
                          ("mergepipe_quota_hard", "expertReadBytes"): 1024**3, ("mergepipe_quota_hard", "merges"): 10}
 
         # a new generation (new output, lower budget) starts a new merge Job; then the merge is deleted
-        out2 = f"s3://{c.models.bucket}/snapshots/e2e-2/"
+        out2 = f"{c.out}/snapshots/e2e-2/"
         c.api.patch("ModelMerge", NS, "e2e", {"spec": {"output": {"uri": out2}, "budget": "200Ki"}})
         o = wait_for("generation 2 running", lambda: (x := c.mm("e2e")) and x["status"].get("observedGeneration") == 2
                      and ready(x).get("reason") == "JobRunning" and x)
@@ -341,6 +352,85 @@ def test_quota_reject_and_clamp(cluster):
         (entry,) = quota_ledger(c.api, "team-b", "half")
         assert (entry["state"], entry["bytes"]) == ("Reserved", full // 2)
         assert c.job("merge", "team-b")["metadata"]["name"] == st["jobName"]
+
+
+def test_kueue_queued_jobs_and_the_io_budget_admission_check(cluster, monkeypatch):
+    """Kueue (played: kubeharness.KueuePlayer) holds the merge Jobs of LocalQueue llm suspended;
+    its ClusterQueue lists the AdmissionCheck io-budget (controllerName mergepipe.io/io-budget),
+    which the operator serves from the MergeQuota ledger. m1 (spec.queueName) and m2 (the
+    operator's default queue) are Queued; m1's plan fits the quota: its check is Ready, Kueue
+    admits and unsuspends its Job, it commits. m2's plan does not fit what is left: Retry, evicted
+    and requeued, its Job stays suspended; once the quota is raised, the requeued check is Ready,
+    Kueue admits it, and it commits too. The operator never writes a Job."""
+    from kubeharness import KueuePlayer
+
+    from mergepipe_operator.kueue import handlers as kueue_handlers
+
+    c = cluster
+    monkeypatch.setenv("MERGEPIPE_KUEUE_ADMISSION_CHECK", "true")
+    monkeypatch.setenv("MERGEPIPE_QUEUE_NAME", "llm")  # the chart's kueue.queueName
+    monkeypatch.setenv("MERGEPIPE_QUOTA_RETRY_SECONDS", "2")  # Retry's requeueAfterSeconds
+    assert kueue_handlers.workload_event  # imported: its handlers are registered (main does it when enabled)
+    full = planned_expert_bytes(c)
+    c.quota("budget", bytes_=full * 3 // 2, enforcement="Reject")
+    c.api.create({"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "AdmissionCheck", "metadata": {"name": "io-budget"},
+                  "spec": {"controllerName": "mergepipe.io/io-budget"}})
+    c.api.create({"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": "gpu"},
+                  "spec": {"namespaceSelector": {}, "admissionChecksStrategy": {"admissionChecks": [{"name": "io-budget"}]},
+                           "resourceGroups": [{"coveredResources": ["cpu"], "flavors": [
+                               {"name": "default", "resources": [{"name": "cpu", "nominalQuota": "64"}]}]}]}})
+    c.api.create({"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue", "metadata": {"name": "llm", "namespace": NS},
+                  "spec": {"clusterQueue": "gpu"}})
+    kueue = KueuePlayer(c.api, c.ks, (NS,), capacity=2)
+    kueue.paused = True
+    kueue.start()
+    try:
+        with operator(timeout=60):
+            c.merge("m1", queueName="llm")
+            o = c.wait_reason("m1", "Queued")
+            job1 = c.job("merge", name=o["status"]["jobName"])
+            assert job1["spec"]["suspend"] is True and job1["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "llm"
+            assert f"merge Job {job1['metadata']['name']} is queued in LocalQueue llm" in ready(o)["message"]
+            assert o["status"]["admission"]["admissionCheck"] == "io-budget"
+            assert quota_ledger(c.api, NS, "budget") == []  # nothing reserved before Kueue asks
+            wait_for("AdmissionCheck io-budget Active", lambda: (a := c.api.get("AdmissionCheck", None, "io-budget"))
+                          and any(x["type"] == "Active" and x["status"] == "True" for x in (a.get("status") or {}).get("conditions") or []) and a)
+            time.sleep(1.0)
+            assert c.api.get("Job", NS, job1["metadata"]["name"])["spec"]["suspend"] is True  # nobody else unsuspends
+            kueue.paused = False  # Kueue reserves quota: the check decides, Kueue admits
+            o = c.wait_reason("m1", "JobRunning", timeout=60)
+            (entry,) = quota_ledger(c.api, NS, "budget")
+            assert (entry["merge"], entry["state"], entry["bytes"]) == ("m1", "Reserved", full)
+            admitted = {x["type"]: x for x in o["status"]["conditions"]}["QuotaAdmitted"]
+            assert admitted["status"] == "True" and "io-budget" in admitted["message"]
+            assert kueue.unsuspended == [job1["metadata"]["name"]]
+
+            c.merge("m2", out=f"{c.out}/snapshots/{NS}/m2/")  # no queueName: the default queue
+            o2 = c.wait_reason("m2", "Queued")
+            job2 = c.job("merge", name=o2["status"]["jobName"])
+            assert job2["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "llm"
+            o2 = wait_for("m2's check to say Retry", lambda: (x := c.mm("m2")) and "MergeQuota budget" in ready(x)["message"] and x, 60)
+            assert ready(o2)["reason"] == "Queued" and "io-budget" in ready(o2)["message"]
+            assert len(quota_ledger(c.api, NS, "budget")) == 1
+            assert c.api.get("Job", NS, job2["metadata"]["name"])["spec"]["suspend"] is True
+
+            r = play_job(c.api, c.api.get("Job", NS, job1["metadata"]["name"]), c.tmp / "m1")
+            assert r.returncode == 0, r.stderr
+            c.wait_reason("m1", "Committed")
+            time.sleep(3)  # a requeue or two: the charged bytes still leave too little for m2
+            assert c.api.get("Job", NS, job2["metadata"]["name"])["spec"]["suspend"] is True
+            c.api.patch("MergeQuota", NS, "budget", {"spec": {"hard": {"expertReadBytes": full * 3}}})
+            o2 = c.wait_reason("m2", "JobRunning", timeout=60)
+            r = play_job(c.api, c.api.get("Job", NS, job2["metadata"]["name"]), c.tmp / "m2")
+            assert r.returncode == 0, r.stderr
+            c.wait_reason("m2", "Committed")
+        ledger = {e["merge"]: e for e in quota_ledger(c.api, NS, "budget")}
+        assert {m: e["state"] for m, e in ledger.items()} == {"m1": "Charged", "m2": "Charged"}
+        assert kueue.unsuspended == [job1["metadata"]["name"], job2["metadata"]["name"]] and kueue.errors == []
+        # the operator wrote no Job (only the played Kueue, through urllib, unsuspended them)
+        assert [w for w in c.ks.kmock.writes if w[1] == "jobs" and not w[4].startswith("Python-urllib")] == []
+    finally:
+        kueue.stop()
 
 
 def test_two_concurrent_merges_against_one_quota(cluster):
@@ -508,7 +598,7 @@ def test_deleted_shard_job_failed_names_the_shard_and_the_fix(cluster):
                       "spec": {"base": {"uri": c.models.base + "/"}, "method": "ties", "parameters": {"normalize": True},
                                "experts": [{"name": "code", "uri": c.models.experts[0] + "/", "weight": 0.5},
                                            {"name": "math", "uri": expert, "weight": 0.5}],
-                               "output": {"uri": f"s3://{bucket}/snapshots/{NS}/gone/"}}})
+                               "output": {"uri": f"{c.out}/snapshots/{NS}/gone/"}}})
         c.wait_reason("gone", "Analyzing")
         r = play_job(c.api, c.job("analyze"), c.tmp / "analyze")
         assert r.returncode == 0, r.stderr
@@ -563,7 +653,7 @@ def test_search_driver_job_and_status_mirroring(cluster):
     from mergepipe_operator.search import decisions as sd
 
     c = cluster
-    out = f"s3://{c.models.bucket}/searches/{NS}/front/"
+    out = f"{c.out}/searches/{NS}/front/"
     spec = {"base": {"uri": c.models.base + "/"},
             "experts": [{"name": n, "uri": u + "/"} for n, u in zip(("code", "math"), c.models.experts[:2])],
             "method": "task_arithmetic", "vary": [{"name": "weight", "min": 0.0, "max": 1.0}], "layerBlocks": 2,
@@ -627,7 +717,7 @@ def test_search_end_to_end_driver_candidates_as_modelmerges(cluster, monkeypatch
     script = c.tmp / "score.py"
     script.write_text("import hashlib, json, sys\nh = hashlib.sha256(sys.argv[1].encode()).digest()\n"
                       "print(json.dumps({'a': h[0] / 255, 'b': h[1] / 255}))\n")
-    out = f"s3://{c.models.bucket}/searches/{NS}/e2e/"
+    out = f"{c.out}/searches/{NS}/e2e/"
     spec = {"base": {"uri": c.models.base + "/"},
             "experts": [{"name": n, "uri": u + "/"} for n, u in zip(("code", "math"), c.models.experts[:2])],
             "method": "task_arithmetic", "vary": [{"name": "weight", "min": 0.0, "max": 1.0}], "layerBlocks": 1,

@@ -77,6 +77,17 @@ annotations, events).
   resources: ["kopfpeerings"]
   verbs: ["get", "list", "watch", "patch"]
 {{- end }}
+{{- if .Values.kueue.admissionCheck.enabled }}
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["localqueues"]
+  verbs: ["get"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["get", "update"]
+{{- end }}
 {{- end -}}
 
 

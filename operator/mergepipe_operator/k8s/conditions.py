@@ -28,6 +28,8 @@ class Reason:
     ANALYZING = "Analyzing"
     QUOTA_EXCEEDED = "QuotaExceeded"
     JOB_RUNNING = "JobRunning"
+    #: the Job exists but Kueue holds it suspended until it admits it (ModelMerge, MergeSearch)
+    QUEUED = "Queued"
     JOB_FAILED = "JobFailed"
     INVALID_SPEC = "InvalidSpec"
     COMMITTED = "Committed"

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..crd import API_VERSION
+from ..kueue.decisions import job_suspended, queue_labels, queue_name, queued_message
 from ..settings import Settings
 from .conditions import Reason
 
@@ -46,7 +47,9 @@ def worker_job(
     owner: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A Job running the merger image's ``mergepipe`` CLI with the operator's security settings
-    (shared by the merge and the analyze Job)."""
+    (shared by the merge and the analyze Job). With a Kueue LocalQueue (``spec.queueName`` of
+    ``mm``, else ``settings.queue_name``) the Job carries Kueue's queue label: Kueue then holds it
+    suspended until it admits it (the operator never unsuspends a Job)."""
     meta = mm.get("metadata") or {}
     spec = mm.get("spec") or {}
     namespace = meta.get("namespace")
@@ -161,7 +164,7 @@ def worker_job(
         pod_spec["tolerations"] = [dict(t) for t in settings.tolerations]
     job_meta: dict[str, Any] = {
         "name": name,
-        "labels": dict(labels),
+        "labels": {**dict(labels), **queue_labels(queue_name(spec, settings.queue_name))},
         "annotations": dict(annotations),
         "ownerReferences": [dict(owner) if owner is not None else owner_reference(mm)],
     }
@@ -200,7 +203,8 @@ class JobOutcome:
 def job_outcome(job: Mapping[str, Any] | None, what: str = "merge Job") -> JobOutcome:
     """Summarize a Job's status (messages name it ``what``). Only the terminal ``Complete``/``Failed``
     conditions end it (in Kubernetes >= 1.31 ``SuccessCriteriaMet``/``FailureTarget`` come first,
-    while pods still stop)."""
+    while pods still stop). A suspended Job (Kueue holds it until admitted) is in progress with
+    reason ``Queued``."""
     if not job:
         return JobOutcome("Failed", "JobMissing", f"the {what} no longer exists")
     st = job.get("status") or {}
@@ -212,6 +216,8 @@ def job_outcome(job: Mapping[str, Any] | None, what: str = "merge Job") -> JobOu
         if c.get("type") == "Failed":
             why = c.get("reason") or "Failed"
             return JobOutcome("Failed", why, c.get("message") or f"the {what} failed ({why})")
+    if job_suspended(job):  # held by Kueue (or anyone) until unsuspended: still in progress
+        return JobOutcome("Running", Reason.QUEUED, queued_message(what, job))
     active, failed = int(st.get("active") or 0), int(st.get("failed") or 0)
     msg = f"{what} running ({active} active pod(s)"
     msg += f", {failed} failed attempt(s))" if failed else ")"

@@ -31,6 +31,8 @@ from ..k8s.names import (
     label_value,
 )
 from ..k8s.quantities import QuantityError, human_bytes
+from ..kueue.controller import IOBudgetCheck
+from ..kueue.decisions import job_suspended, queue_name, queued_message
 from ..metrics import (
     ADMISSIONS,
     ANALYZE_JOBS_CREATED,
@@ -40,8 +42,7 @@ from ..metrics import (
     REALIZED_BYTES,
 )
 from ..objectstore import manifest_uri
-from ..quota.controller import QuotaLedger
-from ..quota.decisions import admission_key, admit, release, settle
+from ..quota.decisions import Admission, admission_key, admit, release, settle
 from ..reconcile import Done, Retry, RetryWithStatus
 from ..snapshot.controller import SnapshotVerifier
 from ..snapshot.decisions import (
@@ -79,7 +80,7 @@ def _count_commit(facts: Any, raw: bytes) -> None:
     MERGE_SECONDS.observe(wall)
 
 
-class MergeReconciler(QuotaLedger, SnapshotVerifier):
+class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
     """ModelMerge reconciliation (uses the quota ledger and the snapshot verification of the same controller).
 
     Attributes:
@@ -129,13 +130,21 @@ class MergeReconciler(QuotaLedger, SnapshotVerifier):
         if ready and ready.get("reason") == Reason.COMMITTED and status_plan_digest(status) == first.digest:
             # the new generation plans to the same digest: its snapshot is already committed
             return finish("True", Reason.COMMITTED, f"plan unchanged; {ready.get('message', '')}".strip())
-        adm, quotas = self.reserve(ns, name, key, first.expert_read_bytes, now)
-        ADMISSIONS.labels(adm.reason).inc()
+        check = self.io_budget_check(ns, queue_name(spec, self.settings.queue_name))
+        if check:  # Kueue's AdmissionCheck reserves the plan when Kueue admits the Job
+            adm, quotas = Admission(True, requested, Reason.ADMITTED, f"MergeQuotas are checked by Kueue AdmissionCheck "
+                                    f"{check} when Kueue admits the merge Job", {}), []
+        else:
+            adm, quotas = self.reserve(ns, name, key, first.expert_read_bytes, now)
+            ADMISSIONS.labels(adm.reason).inc()
         if not adm.allowed:
             conds = set_condition(conds, "QuotaAdmitted", "False", Reason.QUOTA_EXCEEDED, adm.message, gen, now)
             status_out = finish("False", Reason.QUOTA_EXCEEDED, adm.message)
             raise RetryWithStatus(adm.message, self.settings.quota_retry_seconds, status_out)
-        conds = set_condition(conds, "QuotaAdmitted", "True", adm.reason if adm.reason != Reason.ALREADY_ADMITTED else Reason.ADMITTED, adm.message, gen, now)
+        if check:
+            conds = set_condition(conds, "QuotaAdmitted", "Unknown", "AdmissionCheck", adm.message, gen, now)
+        else:
+            conds = set_condition(conds, "QuotaAdmitted", "True", adm.reason if adm.reason != Reason.ALREADY_ADMITTED else Reason.ADMITTED, adm.message, gen, now)
         budget = adm.budget if adm.clamped else requested
         try:
             plan = first if budget is None or first.expert_read_bytes <= budget else self._plan(body, budget, out, conds, gen, now)
@@ -161,10 +170,13 @@ class MergeReconciler(QuotaLedger, SnapshotVerifier):
         if job is None:
             job = build_job(body, uri, plan.digest, self.settings, retry_generation=choice.retry_generation)
             try:
-                self.kube.create(JOBS, ns, job)
+                job = self.kube.create(JOBS, ns, job) or job  # as stored: Kueue's webhook may have suspended it
                 JOBS_CREATED.inc()
             except Conflict:
                 pass  # same name = same merge, plan and attempt: created by an earlier attempt
+        old_adm = status.get("admission") or {}
+        if check and choice.follow is not None and old_adm.get("admissionCheck") and status_plan_digest(status) == plan.digest:
+            key = old_adm.get("key") or key  # the same (admitted) Job carries on: its reservation stays
         self._supersede(ns, name, status, plan.digest, key, now)
         out.update(
             budget=human_bytes(budget) if budget is not None else "unbounded",
@@ -175,10 +187,13 @@ class MergeReconciler(QuotaLedger, SnapshotVerifier):
             expertRead=None,
             snapshot=None,
             jobName=job["metadata"]["name"],
-            admission={"key": key, "budgetBytes": budget, "clamped": adm.clamped, "quotas": quotas},
+            admission={"key": key, "budgetBytes": budget, "clamped": adm.clamped, "quotas": quotas,
+                       **({"admissionCheck": check} if check else {})},
         )
         conds = set_condition(conds, "Planned", "True", "Planned", f"plan {plan.digest[:12]}: {human_bytes(plan.expert_read_bytes)} expert reads", gen, now)
         verb = "created" if choice.follow is None else "carries on (same plan)"
+        if job_suspended(job):  # Kueue holds it until it admits it
+            return finish("False", Reason.QUEUED, f"merge Job {verb}; " + queued_message("merge Job", job))
         return finish("False", Reason.JOB_RUNNING, f"merge Job {job['metadata']['name']} {verb}")
 
     def _committed_plan(self, out_uri: str) -> str | None:
@@ -275,8 +290,11 @@ class MergeReconciler(QuotaLedger, SnapshotVerifier):
             out["conditions"] = set_condition(c, "Ready", "False", Reason.JOB_FAILED, msg, gen, now)
             raise Done(out)
         msg = f"analyze Job {jname} is recording the catalog statistics of {what}"
+        reason = Reason.ANALYZING
+        if outcome.reason == Reason.QUEUED:  # Kueue holds it: say so (and where)
+            msg, reason = outcome.message, Reason.QUEUED
         c = set_condition(conds, "Analyzed", "False", Reason.ANALYZING, msg, gen, now)
-        out["conditions"] = set_condition(c, "Ready", "False", Reason.ANALYZING, msg, gen, now)
+        out["conditions"] = set_condition(c, "Ready", "False", reason, msg, gen, now)
         raise RetryWithStatus(msg, self.settings.analyze_poll_seconds, out)
 
     def _quota_precheck(self, ns: str, key: str, now: datetime) -> str | None:
@@ -291,6 +309,14 @@ class MergeReconciler(QuotaLedger, SnapshotVerifier):
             if not a.allowed:
                 return f"{a.message} (not analyzing the experts of a merge that cannot be admitted)"
         return None
+
+    def admission_quotas(self, ns: str, adm: dict[str, Any]) -> list[str]:
+        """The MergeQuotas that may hold a merge's reservation: the ones its admission named; with
+        a Kueue AdmissionCheck (which reserved when Kueue admitted the Job) every MergeQuota of the
+        namespace (settling or releasing a key a quota does not hold changes nothing)."""
+        if adm.get("admissionCheck"):
+            return [q["metadata"]["name"] for q in self.kube.list(QUOTAS, ns)]
+        return list(adm.get("quotas") or [])
 
     def _supersede(self, ns: str, name: str, old: dict[str, Any], digest: str, key: str, now: datetime) -> None:
         """Retire the previous generation's run: delete Jobs of other plans. Its reservation is
@@ -313,7 +339,7 @@ class MergeReconciler(QuotaLedger, SnapshotVerifier):
         if not adm.get("key") or adm["key"] == key or ready.get("reason") == Reason.COMMITTED:
             return
         keep = status_plan_digest(old) == digest or not old_started
-        for q in adm.get("quotas") or []:
+        for q in self.admission_quotas(ns, adm):
             if keep:
                 self.update_quota(ns, q, lambda quota: release(quota, adm["key"], now))
             else:
@@ -337,7 +363,7 @@ class MergeReconciler(QuotaLedger, SnapshotVerifier):
         gen = mm["metadata"].get("generation")
         ready = get_condition(status.get("conditions"), "Ready")
         digest = status_plan_digest(status)
-        if not ready or ready.get("reason") != Reason.JOB_RUNNING or not digest:
+        if not ready or ready.get("reason") not in (Reason.JOB_RUNNING, Reason.QUEUED) or not digest:
             return None
         if job is not None and (
             (job["metadata"].get("annotations") or {}).get(ANN_PLAN_DIGEST) != digest
@@ -351,12 +377,21 @@ class MergeReconciler(QuotaLedger, SnapshotVerifier):
         outcome = self.job_outcome(job, "merge Job")
         out_uri = (mm.get("spec") or {}).get("output", {}).get("uri")
         if outcome.state == "Running":
-            if ready.get("message") == outcome.message:
+            message = outcome.message
+            if outcome.reason == Reason.QUEUED and job is not None and self.settings.kueue_admission_check:
+                message = queued_message("merge Job", job, self.workload_of(ns, job))
+            reason = Reason.QUEUED if outcome.reason == Reason.QUEUED else Reason.JOB_RUNNING
+            if ready.get("message") == message and ready.get("reason") == reason:
                 return None
-            return {"conditions": set_condition(conds, "Ready", "False", Reason.JOB_RUNNING, outcome.message, gen, now)}
+            new = set_condition(conds, "Ready", "False", reason, message, gen, now)
+            admitted = get_condition(conds, "QuotaAdmitted") or {}
+            if reason == Reason.JOB_RUNNING and adm.get("admissionCheck") and admitted.get("status") != "True":
+                new = set_condition(new, "QuotaAdmitted", "True", Reason.ADMITTED,
+                                    f"reserved by Kueue AdmissionCheck {adm['admissionCheck']}; Kueue admitted the Job", gen, now)
+            return {"conditions": new}
         raw = self.store.get(manifest_uri(out_uri)) if out_uri and self.store else None
         if outcome.state == "Failed" and raw is None:
-            self.unreserve(ns, adm.get("key", ""), adm.get("quotas") or [], job_started=True)
+            self.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=True)
             return {"conditions": set_condition(conds, "Ready", "False", Reason.JOB_FAILED, outcome.message, gen, now)}
         # Succeeded (or the Job is gone but a manifest is there): verify what was committed
         sizes = self._output_sizes(out_uri, raw)
@@ -364,7 +399,7 @@ class MergeReconciler(QuotaLedger, SnapshotVerifier):
         if not ok:
             if reason == Reason.MANIFEST_MISSING:
                 raise Retry(f"Job {outcome.reason}; waiting for the committed manifest", 30)
-            self.unreserve(ns, adm.get("key", ""), adm.get("quotas") or [], job_started=True)
+            self.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=True)
             return {"conditions": set_condition(conds, "Ready", "False", Reason.JOB_FAILED, f"snapshot verification failed ({reason}): {message}", gen, now)}
         assert raw is not None  # snapshot_ready found the manifest
         mhash = manifest_hash(raw)
@@ -386,7 +421,7 @@ class MergeReconciler(QuotaLedger, SnapshotVerifier):
         except Conflict:
             pass
         rx = facts.realized.get("expertReadBytes")
-        self.unreserve(ns, adm.get("key", ""), adm.get("quotas") or [], job_started=True, realized=rx)
+        self.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=True, realized=rx)
         return {
             "realized": facts.realized,
             "expertRead": human_bytes(rx),
@@ -404,4 +439,4 @@ class MergeReconciler(QuotaLedger, SnapshotVerifier):
         adm = status.get("admission") or {}
         ready = get_condition(status.get("conditions"), "Ready") or {}
         if adm.get("key") and ready.get("reason") != Reason.COMMITTED:
-            self.unreserve(ns, adm["key"], adm.get("quotas") or [], job_started=bool(jobs or status.get("jobName")))
+            self.unreserve(ns, adm["key"], self.admission_quotas(ns, adm), job_started=bool(jobs or status.get("jobName")))

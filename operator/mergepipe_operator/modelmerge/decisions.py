@@ -119,7 +119,7 @@ def generation_settled(status: Mapping[str, Any] | None, generation: int | None)
     """Has ``generation`` of a ModelMerge already gone as far as reconciling takes it?
 
     True when ``status.observedGeneration`` is ``generation`` and the ``Ready`` reason is one only
-    the Job or a spec change moves on from: ``JobRunning`` (the Job's events take over),
+    the Job or a spec change moves on from: ``JobRunning`` or ``Queued`` (the Job's events take over),
     ``Committed``, ``JobFailed`` and ``InvalidSpec`` (terminal *for this generation*). Any other
     generation, in particular the next one after a failure, is reconciled again: a new plan, and a
     new Job when the old one failed (:func:`choose_job`). ``QuotaExceeded``, ``Analyzing`` and
@@ -129,7 +129,7 @@ def generation_settled(status: Mapping[str, Any] | None, generation: int | None)
     return bool(
         ready is not None
         and status.get("observedGeneration") == generation
-        and ready.get("reason") in (Reason.COMMITTED, Reason.JOB_RUNNING, Reason.JOB_FAILED, Reason.INVALID_SPEC)
+        and ready.get("reason") in (Reason.COMMITTED, Reason.JOB_RUNNING, Reason.QUEUED, Reason.JOB_FAILED, Reason.INVALID_SPEC)
     )
 
 

@@ -34,7 +34,7 @@ def merge_deleted(body: kopf.Body, **_: Any) -> None:
 
 def _job_running(status: kopf.Status, **_: Any) -> bool:
     ready = get_condition(status.get("conditions") if status else None, "Ready")
-    return bool(ready and ready.get("reason") == Reason.JOB_RUNNING)
+    return bool(ready and ready.get("reason") in (Reason.JOB_RUNNING, Reason.QUEUED))
 
 
 @kopf.timer(*MERGES, interval=60, initial_delay=30, when=_job_running)

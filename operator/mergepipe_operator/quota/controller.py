@@ -61,11 +61,13 @@ class QuotaLedger(Reconciler):
             return True
         raise Retry(f"MergeQuota {name}: too much contention", 5)
 
-    def reserve(self, ns: str, merge: str, key: str, requested: int | None, now: datetime) -> tuple[Admission, list[str]]:
+    def reserve(self, ns: str, merge: str, key: str, requested: int | None, now: datetime, *,
+                clamp: bool = True) -> tuple[Admission, list[str]]:
         """Admit under every MergeQuota of ``ns``: the final budget is the smallest any quota
         allows; a reservation for it is written to each quota with its resourceVersion. A lost
         race rolls back this attempt's reservations and starts over, so concurrent merges never
-        overspend a quota."""
+        overspend a quota. With ``clamp=False`` (a Job whose plan is already fixed: the Kueue
+        AdmissionCheck) a quota that would clamp the budget refuses instead."""
         for _ in range(8):
             quotas = self.kube.list(QUOTAS, ns)
             if not quotas:
@@ -78,6 +80,9 @@ class QuotaLedger(Reconciler):
                     return Admission(False, None, Reason.QUOTA_EXCEEDED, f"invalid MergeQuota: {e}", {}), []
                 if not a.allowed:
                     return a, []
+                if a.clamped and not clamp:
+                    return Admission(False, None, Reason.QUOTA_EXCEEDED,
+                                     f"{a.message}; the planned Job needs {requested} bytes", a.new_used), []
                 budget, clamped = a.budget, clamped or a.clamped
                 messages.append(a.message)
             written: list[str] = []

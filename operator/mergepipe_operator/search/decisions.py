@@ -61,6 +61,8 @@ class SearchReason:
     """Reasons of a MergeSearch's ``Ready`` condition."""
 
     SEARCHING = "Searching"
+    #: the driver Job exists but Kueue holds it suspended until it admits it
+    QUEUED = Reason.QUEUED
     COMPLETED = "Completed"
     FAILED = Reason.SEARCH_FAILED
     INVALID_SPEC = "InvalidSpec"
@@ -221,7 +223,7 @@ def build_driver_job(ms: Mapping[str, Any], settings: Settings) -> dict[str, Any
               LABEL_SEARCH: label_value(name)}
     annotations = {ANN_SEARCH: name, ANN_GENERATION: str(int(gen or 0))}
     spec = ms.get("spec") or {}
-    template = {k: spec[k] for k in ("resources", "image", "s3") if spec.get(k) is not None}
+    template = {k: spec[k] for k in ("resources", "image", "s3", "queueName") if spec.get(k) is not None}
     env = [{"name": "MERGEPIPE_CANDIDATE_TEMPLATE", "value": json.dumps(template, sort_keys=True, separators=(",", ":"))},
            {"name": "MERGEPIPE_EVAL_JOB_TEMPLATE",
             "value": json.dumps(eval_job_template(ms, settings), sort_keys=True, separators=(",", ":"))},
@@ -362,7 +364,9 @@ def search_status(
         summary = f"{done + failed}/{total} candidates evaluated ({failed} failed), Pareto set of {len(pareto)}"
         if out["hypervolume"] is not None:
             summary += f", hypervolume {out['hypervolume']:.6g}"
-    if outcome.state == "Running":
+    if outcome.state == "Running" and outcome.reason == Reason.QUEUED:
+        ready = ("False", SearchReason.QUEUED, outcome.message)
+    elif outcome.state == "Running":
         ready = ("False", SearchReason.SEARCHING, f"driver Job {job_name}: {summary}")
     elif outcome.state == "Succeeded" and results is not None:
         ready = ("True", SearchReason.COMPLETED, summary)

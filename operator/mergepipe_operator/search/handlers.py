@@ -25,7 +25,7 @@ def search_changed(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
 
 def _searching(status: kopf.Status, **_: Any) -> bool:
     ready = get_condition(status.get("conditions") if status else None, "Ready")
-    return bool(ready and ready.get("reason") == SearchReason.SEARCHING)
+    return bool(ready and ready.get("reason") in (SearchReason.SEARCHING, SearchReason.QUEUED))
 
 
 #: Seconds between reads of a running search's results (MERGEPIPE_SEARCH_POLL_SECONDS, read when

@@ -1,0 +1,1 @@
+"""Kueue integration: queue labels, Queued Jobs, and the io-budget AdmissionCheck controller."""
