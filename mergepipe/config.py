@@ -36,13 +36,12 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mergepipe.errors import InputError
+from mergepipe.limits import MAX_YAML_BYTES, load_yaml, read_file, short_repr
 from mergepipe.methods.params import resolve_params
 from mergepipe.methods.registry import get_method
 from mergepipe.storage.base import is_s3
@@ -54,7 +53,7 @@ DTYPE_NAMES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64"
 def dtype_code(name: Any, where: str) -> str:
     """safetensors dtype of a mergekit dtype name (``bfloat16``, ``torch.float16``, ...)."""
     if not isinstance(name, str):
-        raise InputError(f"{where}: must be one of {', '.join(DTYPE_NAMES)}, got {name!r}.")
+        raise InputError(f"{where}: must be one of {', '.join(DTYPE_NAMES)}, got {short_repr(name)}.")
     n = name[len("torch."):] if name.startswith("torch.") else name
     if n not in DTYPE_NAMES:
         raise InputError(f"{where}: {name!r} is not a dtype mergepipe writes; use one of {', '.join(DTYPE_NAMES)}.")
@@ -130,7 +129,7 @@ def _model_uri(ref: Any, where: str) -> str:
             return _model_uri(inner, f"{where}.model")
         ref = inner
     if not isinstance(ref, str) or not ref.strip():
-        raise InputError(f"{where}: must be a checkpoint folder or s3:// URI, got {ref!r}.")
+        raise InputError(f"{where}: must be a checkpoint folder or s3:// URI, got {short_repr(ref)}.")
     ref = ref.strip()
     if "+" in ref:
         raise InputError(f"{where}: {ref!r} is a mergekit model+LoRA reference; {_REF_REFUSAL['lora']}")
@@ -182,15 +181,10 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
     """
     p = str(path)
     try:
-        text = Path(p).read_text()
-    except OSError as e:
-        raise InputError(f"{p}: cannot read the config ({e.strerror}).") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise InputError(f"{p}: not valid YAML{at} ({getattr(e, 'problem', None) or e}).") from None
+        text = read_file(p, MAX_YAML_BYTES, "config").decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{p}: the config is not UTF-8 text.") from None
+    raw = load_yaml(text, p)  # size-capped, aliases bounded (no alias bombs)
     if not isinstance(raw, dict):
         raise InputError(f"{p}: a mergekit config is a mapping with models, base_model, merge_method, ...")
     for k, why in REFUSED.items():

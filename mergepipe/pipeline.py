@@ -5,6 +5,7 @@ The CLI (:mod:`mergepipe.cli`) is a thin layer over these functions.
 
 from __future__ import annotations
 
+import math
 import platform
 import re
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, Catalog, CheckpointRecord, check_compatible
 from mergepipe.catalog.sensitivity import load_calibration
 from mergepipe.errors import InputError
+from mergepipe.limits import short_repr
 from mergepipe.methods.params import resolve_params
 from mergepipe.methods.registry import get_method
 from mergepipe.planner.plan import Plan
@@ -35,24 +37,55 @@ def parse_bytes(text: str | int, *, total: int | None = None, what: str = "--bud
     ``total`` (``25%``), or ``unlimited``/``inf`` (returns None).
 
     Raises:
-        InputError: unparseable, negative, or a percentage without a total.
+        InputError: unparseable, negative, not finite, over 2^63-1 bytes, or a percentage
+            without a total.
     """
+    if isinstance(text, bool) or not isinstance(text, (str, int)):
+        raise InputError(f"{what} {short_repr(text)}: not a byte quantity; use e.g. 512MiB, 1.5GB, 1073741824, 25% "
+                         "or unlimited.")
     s = str(text).strip()
     if s.lower() in ("unlimited", "inf", "none", "full"):
         return None
     m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z%]*)", s)
     if not m:
-        raise InputError(f"{what} {text!r}: not a byte quantity; use e.g. 512MiB, 1.5GB, 1073741824, 25% or unlimited.")
+        raise InputError(f"{what} {short_repr(text)}: not a byte quantity; use e.g. 512MiB, 1.5GB, 1073741824, 25% or "
+                         "unlimited.")
     num, unit = float(m.group(1)), m.group(2).lower()
+    if not math.isfinite(num):
+        raise InputError(f"{what} {short_repr(text)}: not a finite number; use e.g. 512MiB or unlimited.")
     if unit == "%":
         if total is None:
-            raise InputError(f"{what} {text!r}: a percentage needs the experts' total size, which is unknown here.")
+            raise InputError(f"{what} {short_repr(text)}: a percentage needs the experts' total size, which is unknown here.")
         if num > 100:
-            raise InputError(f"{what} {text!r}: a percentage above 100% is not a budget; use unlimited.")
+            raise InputError(f"{what} {short_repr(text)}: a percentage above 100% is not a budget; use unlimited.")
         return int(total * num / 100.0)
     if unit not in _UNITS:
-        raise InputError(f"{what} {text!r}: unknown unit {m.group(2)!r}; use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB or %.")
-    return int(num * _UNITS[unit])
+        raise InputError(f"{what} {short_repr(text)}: unknown unit {short_repr(m.group(2))}; use B, KiB, MiB, GiB, TiB, "
+                         "KB, MB, GB, TB or %.")
+    n = num * _UNITS[unit]
+    if n > MAX_BYTES:
+        raise InputError(f"{what} {short_repr(text)}: larger than 2^63-1 bytes; use unlimited for no limit.")
+    return int(n)
+
+
+#: largest byte quantity accepted anywhere (a signed 64-bit count, as S3 and the kernel use)
+MAX_BYTES = 2**63 - 1
+#: largest catalog block size (bytes): a block is a unit of reading and statistics, not a whole model
+MAX_BLOCK_BYTES = 1 << 30
+
+
+def parse_block_size(text: str, what: str = "--block-size") -> int:
+    """The catalog block size (bytes) of ``analyze``, ``plan`` and ``merge`` (one rule for all):
+    a byte quantity (see :func:`parse_bytes`) from 1 byte to 1 GiB; ``unlimited`` is refused.
+
+    Raises:
+        InputError: naming ``what`` and the accepted range.
+    """
+    bb = parse_bytes(text, what=what)
+    if bb is None or not 1 <= bb <= MAX_BLOCK_BYTES:
+        raise InputError(f"{what} {short_repr(text)}: must be a byte quantity from 1B to 1GiB (whole rows are "
+                         "grouped up to it), e.g. 128KiB.")
+    return bb
 
 
 def parse_params(items: Sequence[str], expert_names: Sequence[str]) -> tuple[dict, list[dict]]:
@@ -257,6 +290,8 @@ def build_plan(
                                   where_expert=lambda i, n: f"--param {names[i]}:{n}")
     if fidelity is not None and not (0.0 < fidelity <= 1.0):
         raise InputError(f"--fidelity {fidelity} is outside (0, 1]; e.g. --fidelity 0.99.")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise InputError(f"--seed {short_repr(seed)}: must be an integer from 0 to 2^63-1.")
     if isinstance(budget, str):
         parse_bytes(budget, total=0)  # syntax check before any read
     base = catalog.register(storage, base_uri)
@@ -264,8 +299,8 @@ def build_plan(
     from mergepipe.formats.safetensors import FLOAT_DTYPES
 
     resolved.check_tensors([n for n, t in base.layout.tensors.items() if t.dtype in FLOAT_DTYPES and t.numel > 0])
+    check_compatible(base, recs)  # headers only, both directions, before any tensor byte is read
     if not analyze:
-        check_compatible(base, recs)  # headers only; the analysis would refuse them later
         _require_analysis(catalog, base, recs, block_bytes, spec.needs_gram)
     analyses = catalog.analyze(storage, base, recs, block_bytes=block_bytes, progress=progress,
                                pairs=spec.needs_gram)
@@ -430,11 +465,11 @@ def execute_and_commit(
     """
     from mergepipe.commit import objectstore as obj
     from mergepipe.commit.manifest import (
+        OutputLock,
         check_output,
-        clean_stale_staging,
-        new_staging,
         publish_local,
         read_manifest,
+        reclaim_staging,
     )
     from mergepipe.engine.executor import execute
 
@@ -464,21 +499,25 @@ def execute_and_commit(
             raise
         return MergeResult(out=str(out), manifest=manifest, manifest_hash=mh, plan=plan, already_committed=not won)
 
-    committed = check_output(out, plan.digest)
-    if committed is not None:
+    if check_output(out, plan.digest, [plan.base.uri, *(e.uri for e in plan.experts)]) is not None:
         m, mh = read_manifest(out)
         return MergeResult(out=str(out), manifest=m, manifest_hash=mh, plan=plan, already_committed=True)
-    clean_stale_staging(out)
-    staging = new_staging(out)
-    try:
-        before = storage.counters.snapshot()
-        res = execute(plan, storage, out_storage, str(staging), device=device, progress=progress, prefetch_bytes=pf)
-        manifest = _build_manifest(plan, res, before, storage.counters.snapshot(), started, device,
-                                   lineage=lineage)
-        mh = publish_local(staging, out, manifest)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with OutputLock(out) as lock:  # CommitConflict when another live writer owns --out
+        if check_output(out, plan.digest) is not None:  # committed by the writer we waited behind
+            m, mh = read_manifest(out)
+            return MergeResult(out=str(out), manifest=m, manifest_hash=mh, plan=plan, already_committed=True)
+        staging = reclaim_staging(out, lock)
+        try:
+            before = storage.counters.snapshot()
+            res = execute(plan, storage, out_storage, str(staging), device=device, progress=progress,
+                          prefetch_bytes=pf)
+            manifest = _build_manifest(plan, res, before, storage.counters.snapshot(), started, device,
+                                       lineage=lineage)
+            mh = publish_local(staging, out, manifest, lock)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return MergeResult(out=str(out), manifest=manifest, manifest_hash=mh, plan=plan)
 
 
@@ -511,13 +550,14 @@ def merge(
         plan_options: ``resolved``, ``out_dtype``, ``requested_dtype``, ``source`` for
             :func:`build_plan` (the mergekit-config path, :mod:`mergepipe.config`).
     """
-    from mergepipe.commit.manifest import check_output
+    from mergepipe.commit.manifest import check_output, probe_lock
 
     t0 = time.perf_counter()
     storage = storage or open_storage(base_uri, IOCounters())
     catalog = catalog or Catalog()
-    if not is_s3(out) and not (Path(out) / "manifest.json").exists():
-        check_output(out, "")  # fail fast (unwritable, non-empty) before reading any input
+    # fail fast, before reading any input and creating anything: a bad --out, or a live writer owning it
+    if not is_s3(out) and check_output(out, None, [base_uri, *(u for _, u in experts)]) is None:
+        probe_lock(out)
     cb = (lambda n: progress("analyze", n, None)) if progress else None
     plan = build_plan(catalog, storage, base_uri, experts, method, params, budget=budget, fidelity=fidelity,
                       seed=seed, block_bytes=block_bytes, work_bytes=work_bytes, progress=cb, **plan_options)

@@ -121,7 +121,7 @@ def test_bad_checkpoint_files_exit_2_nothing_written(fam, monkeypatch, capsys, h
     assert out == ""
     assert name in err or str(experts[1]) in err
     assert not (tmp / "out").exists()
-    assert not list(tmp.glob(".out.staging-*"))
+    assert not list(tmp.glob(".out.staging*"))
 
 
 def test_mismatched_expert_exit_2(fam, monkeypatch, capsys):

@@ -366,6 +366,7 @@ def test_writer_writes_fsyncs_and_counts(tmp_path, monkeypatch):
     c = IOCounters()
     storage = LocalStorage(c)
     uri = str(tmp_path / "out" / "shard.safetensors")
+    storage.make_prefix(str(tmp_path / "out"))  # writers never create folders
     w = storage.open_writer(uri, "output")
     arr = np.arange(10, dtype=np.float32)
     chunks = [b"hello ", memoryview(b"world"), memoryview(arr), b""]

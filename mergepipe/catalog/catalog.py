@@ -468,12 +468,22 @@ class Catalog:
 
 
 def check_compatible(base: CheckpointRecord, experts: Sequence[CheckpointRecord]) -> None:
-    """Every base tensor must exist in each expert with the same shape and dtype.
+    """Every base tensor must exist in each expert with the same shape and dtype, and each
+    expert may hold no tensor the base lacks (it would be dropped from the merge silently).
 
     Raises:
         InputError: naming the expert, the tensor and what differs.
     """
+    if not base.layout.tensors:
+        raise InputError(f"{base.uri}: the base checkpoint holds no tensors; nothing to merge.")
     for e in experts:
+        extra = [n for n in e.layout.tensors if n not in base.layout.tensors]
+        if extra:
+            more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+            raise InputError(
+                f"{e.uri}: tensor {extra[0][:200]!r}{more} is not in the base ({base.uri}); experts must have "
+                "exactly the base's tensors (a merge would drop it): remove it from the expert or pick its true base."
+            )
         for name, bt in base.layout.tensors.items():
             et = e.layout.tensors.get(name)
             if et is None:

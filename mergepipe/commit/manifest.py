@@ -1,18 +1,33 @@
 """Snapshot manifests, local atomic publish, and verification.
 
-Local commit protocol (one filesystem):
+Local commit protocol (one filesystem, possibly shared between hosts, e.g. NFS):
 
 1. Before any work, the output path is checked: it must not exist, be an empty folder, or hold
    a committed snapshot of the *same* plan (then the merge is already done: idempotent).
-2. Everything is written under a hidden staging folder beside the output,
-   ``.<name>.staging-<uuid>`` (with an ``.owner`` file naming the writing process), each file
-   fsync'd and hashed (SHA-256) as it is written.
-3. ``manifest.json`` is written last into the staging folder and fsync'd, then the folder is
-   renamed onto the output path (``rename(2)`` is atomic) and the parent folder fsync'd.
+2. **Ownership.** A writer of ``<parent>/<name>`` holds an exclusive ``flock(2)`` on the lock file
+   ``<parent>/.<name>.lock`` (see :class:`OutputLock`) from before it touches the staging folder
+   until after the publish. The kernel (or, on NFS, the lock manager) releases the lock when the
+   holder dies, whatever its host or PID namespace, so "the lock is free" is the proof that no
+   live writer owns the staging folder. No decision depends on host names or PIDs (the lock
+   file's text, ``host pid time``, is only quoted in messages). A second writer finds the lock
+   held and stops at once (:class:`~mergepipe.errors.CommitConflict`, exit 2) before reading any
+   tensor. Filesystems without locks are refused rather than written without ownership.
+3. **Staging.** Under the lock, everything is written into the one staging folder
+   ``<parent>/.<name>.staging`` (each file fsync'd and hashed as it is written). A staging folder
+   found there when the lock is acquired is a dead writer's (nobody else can hold the lock): it is
+   removed by :func:`reclaim_staging` (a future resume may keep its verified files instead: the
+   folder and its files are owned by whoever holds the lock, and nothing else touches them).
+   Writers never create the staging folder implicitly
+   (:class:`~mergepipe.storage.local.LocalWriter` refuses a missing folder), so a removed folder
+   makes the run fail instead of being silently recreated half-empty.
+4. **Publish** (:func:`publish_local`): every file the manifest lists must be in the staging
+   folder with its recorded size, and nothing else may be there; then ``manifest.json`` is
+   written last and fsync'd, the folder is renamed onto the output path (``rename(2)`` is atomic)
+   and the parent folder fsync'd; then the lock is released (and its file removed).
 
-A run killed at any moment leaves at most a hidden staging folder (never anything at the
-output path); the next run removes staging folders whose owner process is gone. Readers treat
-a folder as a snapshot only if it holds a ``manifest.json``, and ``verify`` re-hashes it.
+A run killed at any moment leaves at most the hidden staging folder and lock file (never
+anything at the output path); the next run reclaims them. Readers treat a folder as a snapshot
+only if it holds a ``manifest.json``, and ``verify`` re-hashes it.
 """
 
 from __future__ import annotations
@@ -22,12 +37,17 @@ import json
 import os
 import shutil
 import socket
+import stat
 import struct
-import uuid
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from mergepipe.errors import CommitConflict, InputError
 from mergepipe.formats.safetensors import parse_header
+from mergepipe.limits import MAX_MANIFEST_BYTES, loads_json, read_file, short_repr
+from mergepipe.paths import check_inside, name_problem
+from mergepipe.storage.base import is_s3
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "mergepipe.manifest/v1"
@@ -81,47 +101,54 @@ def read_manifest(folder: str | Path) -> tuple[dict, str]:
         InputError: no manifest (not a committed snapshot) or invalid JSON.
     """
     p = Path(folder) / MANIFEST_NAME
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError:
-        raise InputError(f"{folder}: no {MANIFEST_NAME}; this is not a committed mergepipe snapshot.") from None
-    try:
-        m = json.loads(data)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{p}: invalid JSON ({e}); the manifest is corrupt.") from None
+    if not p.exists():
+        raise InputError(f"{folder}: no {MANIFEST_NAME}; this is not a committed mergepipe snapshot.")
+    data = read_file(p, MAX_MANIFEST_BYTES, "manifest")
+    m = loads_json(data, str(p), what="manifest")
+    if not isinstance(m, dict):
+        raise InputError(f"{p}: the manifest is not a JSON object; it is corrupt.")
     if m.get("format") != MANIFEST_FORMAT:
         raise InputError(f"{p}: format {m.get('format')!r}, expected {MANIFEST_FORMAT!r}.")
     return m, manifest_hash(data)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+def check_output(out: str | Path, plan_digest: str | None, inputs: Sequence[str] = ()) -> dict | None:
+    """Validate the output path before any work; creates nothing.
 
-
-def check_output(out: str | Path, plan_digest: str) -> dict | None:
-    """Validate the output path before any work.
+    Args:
+        plan_digest: the plan's digest, or None before planning (then any snapshot at ``out``
+            is returned, for the caller to compare once it has a plan).
+        inputs: the merge's checkpoint URIs (local ones are checked not to contain ``out``).
 
     Returns:
         The existing manifest when ``out`` already holds a snapshot of this plan, else None.
 
     Raises:
-        InputError: ``out`` is a file, a non-empty folder without a manifest, a snapshot of a
-            different plan, or its parent is not writable.
+        InputError: ``out`` is a file, a symbolic link (dangling or not), a non-empty folder
+            without a manifest, a snapshot of a different plan, inside an input checkpoint; its
+            name (with the staging suffix) is longer than the filesystem allows or the path
+            longer than PATH_MAX; or its nearest existing folder is not writable.
     """
     out = Path(out)
     parent = out.parent
+    _check_out_name(out)  # first: a path too long for the filesystem fails every other check
+    if out.is_symlink():
+        raise InputError(f"--out {out}: is a symbolic link (to {os.readlink(out)}); give the real folder path "
+                         "(a link could be redirected between the checks and the publish).")
+    for u in inputs:
+        if is_s3(u):
+            continue
+        src = os.path.realpath(u)
+        dst = os.path.realpath(out)
+        if dst == src or dst.startswith(src.rstrip(os.sep) + os.sep):
+            raise InputError(f"--out {out}: is inside the input checkpoint {u}; write the snapshot elsewhere "
+                             "(it would change the input while it is read).")
     if out.exists():
         if not out.is_dir():
             raise InputError(f"--out {out}: is a file; give a folder path for the snapshot.")
         if (out / MANIFEST_NAME).exists():
             m, _ = read_manifest(out)
-            if m.get("plan_digest") == plan_digest:
+            if plan_digest is None or m.get("plan_digest") == plan_digest:
                 return m
             raise InputError(
                 f"--out {out}: already holds snapshot {m.get('snapshot_id')} of a different plan "
@@ -129,37 +156,171 @@ def check_output(out: str | Path, plan_digest: str) -> dict | None:
             )
         if any(out.iterdir()):
             raise InputError(f"--out {out}: folder exists and is not empty; choose a new path or empty it.")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise InputError(f"--out {out}: cannot create parent folder ({e.strerror}).") from None
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"--out {out}: parent folder {parent} is not writable; choose a writable path.")
+    anc = parent
+    while not anc.exists():  # nothing is created here: the nearest existing folder must allow it
+        if anc.is_symlink():
+            raise InputError(f"--out {out}: {anc} is a dangling symbolic link; choose a real folder path.")
+        anc = anc.parent
+    if not anc.is_dir():
+        raise InputError(f"--out {out}: {anc} is a file, not a folder; choose another --out.")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise InputError(f"--out {out}: folder {anc} is not writable; choose a writable path.")
     return None
 
 
-def clean_stale_staging(out: str | Path) -> list[Path]:
-    """Remove staging folders of ``out`` whose owner process (on this host) is gone."""
+def _check_out_name(out: Path) -> None:
+    """Refuse an ``--out`` whose staging/lock names would not fit the filesystem's NAME_MAX or
+    whose absolute path exceeds PATH_MAX, before anything is read or written."""
+    absolute = os.path.abspath(out)
+    try:
+        path_max = os.pathconf("/", "PC_PATH_MAX")
+    except (OSError, ValueError):
+        path_max = 4096
+    if len(os.fsencode(absolute)) + len(STAGING_SUFFIX) + 1 >= path_max:
+        raise InputError(f"--out {short_repr(str(out))}: the path is longer than this system's PATH_MAX ({path_max} "
+                         "bytes, with the staging suffix); choose a shorter path.")
+    anc = out.parent
+    while not anc.exists():
+        anc = anc.parent
+    try:
+        name_max = os.pathconf(str(anc), "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    for part in Path(absolute).parts[1:]:
+        longest = len(os.fsencode(part)) + (len(STAGING_SUFFIX) + 1 if part == out.name else 0)
+        if longest > name_max:
+            raise InputError(f"--out {short_repr(str(out))}: the name {short_repr(part, 40)} is too long for the "
+                             f"filesystem ({name_max} bytes, {len(STAGING_SUFFIX) + 1} of them taken by the hidden "
+                             "staging folder's prefix and suffix); choose a shorter name.")
+
+
+def probe_lock(out: str | Path) -> None:
+    """Fail fast, creating nothing, when a live writer holds ``out``'s :class:`OutputLock`.
+
+    Raises:
+        CommitConflict: the lock is held.
+    """
+    import fcntl
+
+    p = lock_path(out)
+    try:
+        fd = os.open(str(p), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        who = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+        raise CommitConflict(
+            f"--out {out}: another mergepipe process is writing it (lock {p.name} held by {who}); wait for it "
+            "to finish (a rerun then finds the snapshot) or choose another --out."
+        ) from None
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+LOCK_SUFFIX = ".lock"
+STAGING_SUFFIX = ".staging"
+
+
+def lock_path(out: str | Path) -> Path:
+    """The lock file of output folder ``out``: ``<parent>/.<name>.lock``."""
     out = Path(out)
-    removed = []
-    for p in out.parent.glob(f".{out.name}.staging-*"):
-        owner = p / ".owner"
+    return out.parent / f".{out.name}{LOCK_SUFFIX}"
+
+
+def staging_path(out: str | Path) -> Path:
+    """The staging folder of output folder ``out``: ``<parent>/.<name>.staging``."""
+    out = Path(out)
+    return out.parent / f".{out.name}{STAGING_SUFFIX}"
+
+
+class OutputLock:
+    """Exclusive ownership of one local output path (its staging folder and its publish).
+
+    ``acquire()`` opens (creating if needed) ``<parent>/.<name>.lock`` and takes a non-blocking
+    exclusive ``flock``; it then checks that the path still names the locked file (a releasing
+    holder unlinks it), retrying otherwise. ``release()`` unlinks the file and then unlocks it.
+    Use as a context manager.
+
+    Raises (from ``acquire``):
+        CommitConflict: another live process holds the lock (the message quotes its
+            ``host pid start-time`` record).
+        InputError: the filesystem does not support ``flock`` (ownership could not be proven).
+    """
+
+    def __init__(self, out: str | Path) -> None:
+        self.out = Path(out)
+        self.path = lock_path(out)
+        self.fd: int | None = None
+
+    def acquire(self) -> OutputLock:
+        import fcntl
+
+        for _ in range(100):
+            fd = os.open(str(self.path), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    who = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+                finally:
+                    os.close(fd)
+                raise CommitConflict(
+                    f"--out {self.out}: another mergepipe process is writing it (lock {self.path.name} held by "
+                    f"{who}); wait for it to finish (a rerun then finds the snapshot) or choose another --out."
+                ) from None
+            except OSError as e:
+                os.close(fd)
+                raise InputError(
+                    f"--out {self.out}: the filesystem does not support file locks ({e.strerror}), so mergepipe "
+                    "cannot prove it is the only writer; write to a local or NFS folder, or to s3://."
+                ) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(str(self.path)).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                rec = f"{socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, rec.encode(), 0)
+                self.fd = fd
+                return self
+            os.close(fd)  # the holder released and unlinked it between our open and flock: retry
+        raise CommitConflict(f"--out {self.out}: could not take lock {self.path} (it keeps changing).")
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
         try:
-            host, pid = owner.read_text().split()
-            alive = host == socket.gethostname() and _pid_alive(int(pid))
-        except (OSError, ValueError):
-            alive = False
-        if not alive:
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
-    return removed
+            self.path.unlink()
+        except OSError:
+            pass
+        os.close(self.fd)  # closing the last descriptor releases the flock
+        self.fd = None
+
+    def __enter__(self) -> OutputLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
-def new_staging(out: str | Path) -> Path:
+def reclaim_staging(out: str | Path, lock: OutputLock) -> Path:
+    """Under ``lock``: remove a dead writer's staging folder (nobody else can hold the lock, so
+    whatever is there is not being written), create a fresh empty one and return it."""
+    if lock.fd is None:
+        raise RuntimeError("reclaim_staging needs the output lock held")
     out = Path(out)
-    st = out.parent / f".{out.name}.staging-{uuid.uuid4().hex[:12]}"
-    st.mkdir(parents=True)
-    (st / ".owner").write_text(f"{socket.gethostname()} {os.getpid()}\n")
+    st = staging_path(out)
+    if st.exists() or st.is_symlink():
+        if st.is_symlink() or not st.is_dir():
+            st.unlink()
+        else:
+            shutil.rmtree(st)
+    st.mkdir()
     return st
 
 
@@ -171,16 +332,58 @@ def _fsync_dir(p: Path) -> None:
         os.close(fd)
 
 
-def publish_local(staging: Path, out: str | Path, manifest: dict) -> str:
-    """Write the manifest into ``staging`` and rename it onto ``out`` atomically.
+def check_staged_files(staging: Path, outputs: dict) -> None:
+    """Before publishing: every file ``outputs`` lists (name -> ``{"size", ...}``) is a regular
+    file in ``staging`` with its recorded size, and nothing else is there.
+
+    Raises:
+        CommitConflict: a file is missing, has another size, or an unlisted file is present
+            (the staging folder was tampered with or removed); nothing is published.
+    """
+    from mergepipe.paths import check_name
+
+    problems = []
+    for name, info in sorted(outputs.items()):
+        check_name(name, "manifest outputs")
+        p = staging / name
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            problems.append(f"{name}: missing")
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            problems.append(f"{name}: not a regular file")
+        elif st.st_size != info["size"]:
+            problems.append(f"{name}: size {st.st_size} != {info['size']} written")
+    listed = set(outputs)
+    for dp, _dns, fns in os.walk(staging):
+        for fn in fns:
+            rel = Path(dp, fn).relative_to(staging).as_posix()
+            if rel not in listed:
+                problems.append(f"{rel}: not written by this run")
+    if problems:
+        raise CommitConflict(
+            f"staging folder {staging} does not hold what this run wrote ({'; '.join(problems[:5])}); "
+            "it was changed by someone else. Nothing was published; rerun the merge."
+        )
+
+
+def publish_local(staging: Path, out: str | Path, manifest: dict, lock: OutputLock | None = None) -> str:
+    """Check the staged files against ``manifest["outputs"]`` (:func:`check_staged_files`),
+    write the manifest into ``staging`` and rename it onto ``out`` atomically. ``lock`` (the
+    :class:`OutputLock` of ``out``, held) must still be ours.
 
     Returns:
         The manifest hash.
 
     Raises:
-        CommitConflict: ``out`` appeared meanwhile with other content.
+        CommitConflict: the staged files differ from the manifest, or ``out`` appeared
+            meanwhile with other content.
     """
     out = Path(out)
+    if lock is not None and lock.fd is None:
+        raise RuntimeError("publish_local needs the output lock held")
+    check_staged_files(staging, manifest["outputs"])
     data = manifest_bytes(manifest)
     fd = os.open(str(staging / MANIFEST_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -188,9 +391,8 @@ def publish_local(staging: Path, out: str | Path, manifest: dict) -> str:
         os.fsync(fd)
     finally:
         os.close(fd)
-    (staging / ".owner").unlink(missing_ok=True)
     _fsync_dir(staging)
-    if out.is_dir() and not any(out.iterdir()):
+    if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
         out.rmdir()
     try:
         os.rename(staging, out)
@@ -210,7 +412,18 @@ def verify_snapshot(folder: str | Path) -> dict:
     m, mh = read_manifest(folder)
     problems = []
     listed = m.get("outputs", {})
+    if not isinstance(listed, dict):
+        raise InputError(f"{folder / MANIFEST_NAME}: outputs must be an object; the manifest is corrupt.")
     for name, info in sorted(listed.items()):
+        why = name_problem(name)
+        if why is None:
+            try:  # the name may not lead out of the snapshot through a symlink either
+                check_inside(str(folder), str(folder / name), str(folder))
+            except InputError:
+                why = "resolves outside the snapshot through a symbolic link"
+        if why is not None:
+            problems.append(f"{short_repr(name)}: output name {why}")
+            continue
         p = folder / name
         if not p.is_file():
             problems.append(f"{name}: missing")

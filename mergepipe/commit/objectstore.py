@@ -25,7 +25,6 @@ runs (and is tested) on local storage, where the conditional create is ``O_CREAT
 from __future__ import annotations
 
 import hashlib
-import json
 import uuid
 
 from mergepipe.commit.manifest import (
@@ -37,6 +36,8 @@ from mergepipe.commit.manifest import (
     snapshot_id,
 )
 from mergepipe.errors import CommitConflict, InputError
+from mergepipe.limits import MAX_MANIFEST_BYTES, loads_json, short_repr
+from mergepipe.paths import check_name, name_problem
 from mergepipe.storage.base import NotFoundError, PreconditionFailed, Storage
 
 
@@ -47,13 +48,12 @@ def manifest_uri(storage: Storage, out: str) -> str:
 def read_manifest_obj(storage: Storage, out: str) -> tuple[dict, str] | None:
     """The committed manifest at ``out`` and its hash, or None when nothing is committed."""
     try:
-        data = storage.read_object(manifest_uri(storage, out), "other")
+        data = storage.read_object(manifest_uri(storage, out), "other", MAX_MANIFEST_BYTES)
     except NotFoundError:
         return None
-    try:
-        m = json.loads(data)
-    except json.JSONDecodeError:
-        raise InputError(f"{manifest_uri(storage, out)}: invalid JSON; the manifest is corrupt.") from None
+    m = loads_json(data, manifest_uri(storage, out), what="manifest")
+    if not isinstance(m, dict):
+        raise InputError(f"{manifest_uri(storage, out)}: the manifest is not a JSON object; it is corrupt.")
     if m.get("format") != MANIFEST_FORMAT:
         raise InputError(f"{manifest_uri(storage, out)}: format {m.get('format')!r}, expected {MANIFEST_FORMAT!r}.")
     return m, manifest_hash(data)
@@ -81,7 +81,9 @@ def check_output_obj(storage: Storage, out: str, plan_digest: str) -> tuple[dict
 def new_run_prefix(storage: Storage, out: str) -> tuple[str, str]:
     """(run id, run prefix URI) for a fresh run under ``out``."""
     rid = uuid.uuid4().hex[:16]
-    return rid, storage.join(out, "runs", rid)
+    run = storage.join(out, "runs", rid)
+    storage.make_prefix(run)
+    return rid, run
 
 
 def require_conditional_writes(storage: Storage, out: str, unsafe_single_writer: bool = False) -> bool:
@@ -167,10 +169,21 @@ def verify_obj(storage: Storage, out: str) -> dict:
     if got is None:
         raise InputError(f"{out}: no {MANIFEST_NAME}; this is not a committed mergepipe snapshot.")
     m, mh = got
-    root = storage.join(out, m["files_prefix"]) if m.get("files_prefix") else out
+    where = manifest_uri(storage, out)
+    if not isinstance(m.get("outputs"), dict):
+        raise InputError(f"{where}: outputs must be an object; the manifest is corrupt.")
+    root = storage.join(out, check_name(m["files_prefix"], f"{where}: files_prefix")) if m.get("files_prefix") else out
     problems = []
     for rel, info in sorted(m["outputs"].items()):
-        uri = storage.join(root, rel)
+        why = name_problem(rel)
+        if why is not None:
+            problems.append(f"{short_repr(rel)}: output name {why}")
+            continue
+        try:
+            uri = storage.join(root, rel)
+        except InputError as e:  # a local root: the name leads out through a symlink
+            problems.append(f"{short_repr(rel)}: {e}")
+            continue
         try:
             size = storage.stat(uri).size
         except NotFoundError:

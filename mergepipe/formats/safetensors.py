@@ -19,10 +19,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from mergepipe.errors import InputError
+from mergepipe.limits import MAX_INDEX_BYTES, loads_json, short_repr
+from mergepipe.paths import check_name
 from mergepipe.storage.base import NotFoundError
 
 #: largest header the reference implementation accepts (bytes)
 MAX_HEADER_BYTES = 100_000_000
+#: deepest JSON nesting of a header (it needs 3: object -> entry -> shape list)
+MAX_HEADER_DEPTH = 4
+#: most dimensions of a tensor (torch's limit is 64)
+MAX_RANK = 64
+#: largest tensor (bytes) a shape may describe, its empty dimensions counted as 1
+MAX_TENSOR_BYTES = 2**63 - 1
+#: longest tensor name (characters)
+MAX_TENSOR_NAME = 1024
 
 #: dtype name -> (itemsize in bytes, torch dtype attribute name, numpy dtype string or None)
 DTYPES: dict[str, tuple[int, str, str | None]] = {
@@ -193,30 +203,35 @@ def parse_header(raw: bytes, file: str, file_size: int, source: str | None = Non
     if len(raw) < 8 + n:
         raise InputError(f"{src}: expected {8 + n} header bytes, got {len(raw)}; file truncated.")
     hbytes = bytes(raw[8 : 8 + n])
-    try:
-        obj = json.loads(hbytes.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InputError(f"{src}: header is not valid UTF-8 JSON ({err}); the file is corrupt.") from None
+    obj = loads_json(hbytes, src, max_depth=MAX_HEADER_DEPTH, what="header")
     if not isinstance(obj, dict):
         raise InputError(f"{src}: header JSON is {type(obj).__name__}, expected an object.")
     meta = obj.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict):
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise InputError(f"{src}: __metadata__ must be a string map.")
     data_start = 8 + n
     data_len = file_size - data_start
     entries = []
     for name, ent in obj.items():
         if not isinstance(ent, dict):
-            raise InputError(f"{src}: tensor {name!r}: entry is not an object.")
+            raise InputError(f"{src}: tensor {short_repr(name)}: entry is not an object.")
+        if not name or len(name) > MAX_TENSOR_NAME:
+            raise InputError(f"{src}: tensor name {short_repr(name)} is empty or longer than {MAX_TENSOR_NAME} characters.")
         dtype = ent.get("dtype")
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise InputError(
-                f"{src}: tensor {name!r} has unknown dtype {dtype!r}; supported: "
+                f"{src}: tensor {name!r} has unknown dtype {short_repr(dtype)}; supported: "
                 f"{', '.join(DTYPES)}."
             )
         shape = ent.get("shape")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise InputError(f"{src}: tensor {name!r}: shape {shape!r} is not a list of non-negative ints.")
+            raise InputError(f"{src}: tensor {name!r}: shape {short_repr(shape)} is not a list of non-negative ints.")
+        if len(shape) > MAX_RANK or math.prod(max(d, 1) for d in shape) * DTYPES[dtype][0] > MAX_TENSOR_BYTES:
+            raise InputError(
+                f"{src}: tensor {name!r}: shape {short_repr(shape)} is not a tensor any framework can hold (more "
+                f"than {MAX_RANK} dimensions, or over 2^63 bytes even without its empty dimensions); the header "
+                "is corrupt."
+            )
         offs = ent.get("data_offsets")
         if (
             not isinstance(offs, list)
@@ -224,7 +239,7 @@ def parse_header(raw: bytes, file: str, file_size: int, source: str | None = Non
             or not all(type(o) is int and o >= 0 for o in offs)
             or offs[1] < offs[0]
         ):
-            raise InputError(f"{src}: tensor {name!r}: data_offsets {offs!r} must be [begin, end] with begin <= end.")
+            raise InputError(f"{src}: tensor {name!r}: data_offsets {short_repr(offs)} must be [begin, end] with begin <= end.")
         expect = math.prod(shape) * DTYPES[dtype][0]
         if offs[1] - offs[0] != expect:
             raise InputError(
@@ -332,7 +347,7 @@ def load_layout(storage, root: str, role: str = "other") -> CheckpointLayout:
     """
     idx_uri = storage.join(root, INDEX_NAME)
     try:
-        idx_raw = storage.read_object(idx_uri, role)
+        idx_raw = storage.read_object(idx_uri, role, MAX_INDEX_BYTES)
     except NotFoundError:
         idx_raw = None
     if idx_raw is None:
@@ -344,16 +359,22 @@ def load_layout(storage, root: str, role: str = "other") -> CheckpointLayout:
             )
         sh = read_shard_header(storage, single, SINGLE_NAME, role)
         return CheckpointLayout(root=root, shards={SINGLE_NAME: sh}, tensors=dict(sh.tensors))
-    try:
-        idx = json.loads(idx_raw)
-        weight_map = idx["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise ValueError("weight_map must map tensor names to shard file names")
-    except Exception:
-        raise InputError(f"{idx_uri}: not a valid shard index (needs a JSON object with a 'weight_map' map).") from None
+    idx = loads_json(idx_raw, idx_uri, max_depth=8, what="shard index")
+    weight_map = idx.get("weight_map") if isinstance(idx, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise InputError(f"{idx_uri}: not a valid shard index (needs a JSON object with a 'weight_map' map of "
+                         "tensor names to shard file names).")
+    if not weight_map:
+        raise InputError(f"{idx_uri}: weight_map is empty; the checkpoint lists no tensors, so there is nothing "
+                         "to merge. Fix or regenerate the index.")
+    if not isinstance(idx.get("metadata") or {}, dict):
+        raise InputError(f"{idx_uri}: metadata must be an object.")
     files: list[str] = []
-    for f in weight_map.values():
-        if f not in files:
+    seen: set[str] = set()
+    for name, f in weight_map.items():
+        if f not in seen:
+            check_name(f, f"{idx_uri}: weight_map[{short_repr(name)}]", flat=True)
+            seen.add(f)
             files.append(f)
     shards: dict[str, ShardHeader] = {}
     for f in sorted(files):
@@ -404,6 +425,7 @@ def layout_from_dict(d: dict, root: str | None = None) -> CheckpointLayout:
     shards: dict[str, ShardHeader] = {}
     tensors: dict[str, TensorInfo] = {}
     for f, s in d["shards"].items():
+        check_name(f, "catalog layout: shard", flat=True)
         ts = {n: TensorInfo(n, dt, tuple(shape), f, b, e) for n, dt, shape, b, e in s["tensors"]}
         shards[f] = ShardHeader(
             file=f,

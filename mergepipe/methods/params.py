@@ -85,11 +85,16 @@ def parse_setting(p: ParamSpec, raw: Any, where: str) -> Any:
         InputError: naming ``where`` and the allowed values.
     """
     if isinstance(raw, str) and raw.strip()[:1] in ("[", "{"):
+        from mergepipe.limits import json_depth, short_repr
+
+        if json_depth(raw) > 4:  # a gradient is depth 1, a filter list 2
+            raise InputError(f"{where}: {short_repr(raw)} is nested too deeply; a gradient is [0.2, 0.8], a filter "
+                             'list [{"filter": "mlp", "value": 0.5}, {"value": 0.3}].')
         try:
             raw = json.loads(raw)
         except json.JSONDecodeError as err:
             raise InputError(
-                f"{where}: {raw!r} is not valid JSON ({err.msg}); a gradient is [0.2, 0.8], a filter list "
+                f"{where}: {short_repr(raw)} is not valid JSON ({err.msg}); a gradient is [0.2, 0.8], a filter list "
                 '[{"filter": "mlp", "value": 0.5}, {"value": 0.3}].'
             ) from None
     if isinstance(raw, dict):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from mergepipe.errors import InputError
+from mergepipe.limits import short_repr
 
 Sparsify = Literal["none", "magnitude", "random", "outliers", "della"]
 Kind = Literal["gta", "linear", "model_stock", "slerp", "nuslerp"]
@@ -63,15 +64,15 @@ class ParamSpec:
                 return value
             if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
                 return value.strip().lower() in ("true", "1", "yes")
-            raise InputError(f"{where}: {self.name} must be true or false, got {value!r}.")
+            raise InputError(f"{where}: {self.name} must be true or false, got {short_repr(value)}.")
         if isinstance(value, bool) or isinstance(value, (list, dict)):
-            raise InputError(f"{where}: {self.name} must be a number in {self.range_text}, got {value!r}.")
+            raise InputError(f"{where}: {self.name} must be a number in {self.range_text}, got {short_repr(value)}.")
         try:
             v = float(value)
         except (TypeError, ValueError):
-            raise InputError(f"{where}: {self.name} must be a number in {self.range_text}, got {value!r}.") from None
+            raise InputError(f"{where}: {self.name} must be a number in {self.range_text}, got {short_repr(value)}.") from None
         if v != v or v in (float("inf"), float("-inf")):
-            raise InputError(f"{where}: {self.name} must be a finite number in {self.range_text}, got {value!r}.")
+            raise InputError(f"{where}: {self.name} must be a finite number in {self.range_text}, got {short_repr(value)}.")
         bad = (self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo))) or (
             self.hi is not None and (v > self.hi or (self.hi_open and v == self.hi)))
         if bad:

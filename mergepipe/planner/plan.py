@@ -198,4 +198,12 @@ class Plan(BaseModel):
             raise InputError(f"{source}: plan format {p.format!r}, this mergepipe reads {PLAN_FORMAT!r}.")
         if p.digest and p.digest != p.compute_digest():
             raise InputError(f"{source}: plan digest does not match its content; the plan was edited or corrupted.")
+        from mergepipe.paths import check_name
+
+        for i, tp in enumerate(p.tensors):  # file names are joined under checkpoints and --out
+            check_name(tp.file, f"{source}: tensors[{i}].file", flat=True)
+            for j, te in enumerate(tp.experts):
+                check_name(te.file, f"{source}: tensors[{i}].experts[{j}].file", flat=True)
+        for i, f in enumerate(p.extra_files):
+            check_name(f, f"{source}: extra_files[{i}]", flat=True)
         return p

@@ -213,9 +213,17 @@ class Storage(abc.ABC):
     # --- naming -----------------------------------------------------------------------
     @staticmethod
     def join(root: str, *names: str) -> str:
+        """``root/name1/name2...``. Every name must satisfy :func:`mergepipe.paths.check_name`
+        (relative, normalised, no ``..``), so the result is always under ``root``.
+
+        Raises:
+            InputError: a name breaks the path policy.
+        """
+        from mergepipe.paths import check_name
+
         out = root.rstrip("/")
         for n in names:
-            out = out + "/" + n.lstrip("/")
+            out = out + "/" + check_name(n, f"{root}: name")
         return out
 
     # --- reads --------------------------------------------------------------------------
@@ -261,9 +269,18 @@ class Storage(abc.ABC):
         self.counters.add_read(role, sum(e - s for s, e in reqs), len(reqs))
         return [slice_from_requests(reqs, bufs, s, e) for s, e in ranges]
 
-    def read_object(self, uri: str, role: Role) -> bytes:
-        """A whole (small) object, e.g. ``config.json``."""
+    def read_object(self, uri: str, role: Role, max_bytes: int | None = None) -> bytes:
+        """A whole (small) object, e.g. ``config.json``, refused before reading when larger than
+        ``max_bytes`` (default :data:`mergepipe.limits.MAX_OBJECT_BYTES`; see :mod:`mergepipe.limits`).
+
+        Raises:
+            NotFoundError: no such object.
+            InputError: larger than ``max_bytes``.
+        """
+        from mergepipe.limits import MAX_OBJECT_BYTES, check_size
+
         size = self.stat(uri).size
+        check_size(size, MAX_OBJECT_BYTES if max_bytes is None else max_bytes, uri, "object")
         return self.read_range(uri, 0, size, role) if size else b""
 
     @abc.abstractmethod
@@ -271,6 +288,10 @@ class Storage(abc.ABC):
         """URIs of objects under ``prefix`` (a folder), recursively, sorted."""
 
     # --- writes -------------------------------------------------------------------------
+    def make_prefix(self, uri: str) -> None:  # noqa: B027 (a no-op by default: object stores have no folders)
+        """Prepare ``uri`` for writers to create objects under it: a local folder is created;
+        object stores have no folders, so nothing happens."""
+
     @abc.abstractmethod
     def open_writer(self, uri: str, role: Role = "output") -> Writer:
         """A sequential writer creating ``uri`` (which must not be visible as committed)."""

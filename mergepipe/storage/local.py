@@ -31,7 +31,11 @@ class LocalWriter(Writer):
     def __init__(self, storage: LocalStorage, uri: str, role: Role) -> None:
         self.storage, self.uri, self.role = storage, uri, role
         p = _path(uri)
-        os.makedirs(os.path.dirname(p) or ".", exist_ok=True)
+        d = os.path.dirname(p) or "."
+        if not os.path.isdir(d):
+            # never recreated: a folder that vanished mid-run (a staging folder removed by someone
+            # else) must fail the run, not yield a half-empty output (see mergepipe.commit.manifest)
+            raise StorageError(f"{uri}: folder {d} does not exist (removed while writing?); nothing was committed.")
         self._f = open(p, "xb")
         self._n = 0
 
@@ -78,7 +82,22 @@ class LocalStorage(Storage):
 
     @staticmethod
     def join(root: str, *names: str) -> str:
-        return os.path.join(_path(root), *names)
+        """``root/name...`` after the path policy (:mod:`mergepipe.paths`): every name relative
+        and normalised, and the joined path resolving inside ``root`` (no symlink escape).
+
+        Raises:
+            InputError: a name breaks the policy or leads out of ``root`` through a symlink.
+        """
+        from mergepipe.paths import check_inside, check_name
+
+        r = _path(root)
+        for n in names:
+            check_name(n, f"{root}: name")
+        if not names:
+            return r
+        p = os.path.join(r, *names)
+        check_inside(r, p, f"{root}: name {'/'.join(names)!r}")
+        return p
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -134,7 +153,13 @@ class LocalStorage(Storage):
         yield from sorted(out)
 
     def open_writer(self, uri: str, role: Role = "output") -> Writer:
+        """A writer creating file ``uri`` (exclusive create) in an existing folder: writers never
+        create folders (see :meth:`make_prefix`)."""
         return LocalWriter(self, uri, role)
+
+    def make_prefix(self, uri: str) -> None:
+        """Create folder ``uri`` (and its parents) so writers can create files under it."""
+        os.makedirs(_path(uri), exist_ok=True)
 
     def put_object(self, uri: str, data: bytes, role: Role = "output", *, if_none_match: bool = False) -> None:
         p = _path(uri)

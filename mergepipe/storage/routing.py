@@ -55,8 +55,8 @@ class RoutingStorage(Storage):
     def read_range(self, uri: str, start: int, end: int, role: Role) -> bytes:
         return self.backend(uri).read_range(uri, start, end, role)
 
-    def read_object(self, uri: str, role: Role) -> bytes:
-        return self.backend(uri).read_object(uri, role)
+    def read_object(self, uri: str, role: Role, max_bytes: int | None = None) -> bytes:
+        return self.backend(uri).read_object(uri, role, max_bytes)
 
     def exists(self, uri: str) -> bool:
         return self.backend(uri).exists(uri)
@@ -66,6 +66,9 @@ class RoutingStorage(Storage):
 
     def open_writer(self, uri: str, role: Role = "output") -> Writer:
         return self.backend(uri).open_writer(uri, role)
+
+    def make_prefix(self, uri: str) -> None:
+        return self.backend(uri).make_prefix(uri)
 
     def put_object(self, uri: str, data: bytes, role: Role = "output", *, if_none_match: bool = False) -> None:
         return self.backend(uri).put_object(uri, data, role, if_none_match=if_none_match)
