@@ -147,15 +147,19 @@ class _Progress:
             TimeElapsedColumn(), console=_err_console(), transient=False, disable=not enabled,
         )
         self.tasks: dict[str, TaskID] = {}
+        self.started = False
 
     def __enter__(self):
-        self.p.__enter__()
-        return self
+        return self  # the display starts with the first progress report: a refusal prints one line only
 
     def __exit__(self, *a):
-        self.p.__exit__(*a)
+        if self.started:
+            self.p.__exit__(*a)
 
     def __call__(self, stage: str, advance: int, total: int | None) -> None:
+        if not self.started:
+            self.p.__enter__()
+            self.started = True
         if stage not in self.tasks:
             self.tasks[stage] = self.p.add_task(stage, total=total)
         elif total is not None:
@@ -261,12 +265,10 @@ def analyze(
 
 
 def _block_bytes(text: str) -> int:
-    from mergepipe.pipeline import parse_bytes
+    """``--block-size`` of analyze, plan and merge: one rule (:func:`mergepipe.pipeline.parse_block_size`)."""
+    from mergepipe.pipeline import parse_block_size
 
-    bb = parse_bytes(text, what="--block-size")
-    if not bb or bb < 1:
-        _fail("--block-size must be a positive byte quantity, e.g. 128KiB.")
-    return bb
+    return parse_block_size(text)
 
 
 def _work_bytes(text: str) -> int:
@@ -808,11 +810,77 @@ def search_eval(
     print(json.dumps(doc))
 
 
+def parse_duration(text: str, what: str = "--grace") -> float:
+    """Seconds in ``90``, ``90s``, ``30m``, ``24h`` or ``7d`` (finite, non-negative).
+
+    Raises:
+        InputError: anything else.
+    """
+    import math
+    import re
+
+    from mergepipe.errors import InputError
+    from mergepipe.limits import short_repr
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smhd]?)\s*", str(text))
+    n = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)] if m else math.nan
+    if not math.isfinite(n) or n > 100 * 365 * 86400:
+        raise InputError(f"{what} {short_repr(text)}: not a duration; use e.g. 3600, 90m, 24h or 7d.")
+    return n
+
+
+@app.command()
+def gc(
+    roots: Annotated[list[str], typer.Argument(help="A snapshot's --out, or a folder / s3:// prefix holding several")],
+    grace: Annotated[str, typer.Option("--grace", help="Keep debris younger than this (it may belong to a running "
+                                       "merge): 3600, 90m, 24h, 7d")] = "24h",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report what would be removed")] = False,
+    json_out: JsonOpt = False,
+):
+    """Remove what failed or killed merges left: unreferenced run prefixes (runs/<id>/) and stale
+    multipart uploads on object storage, dead writers' staging folders locally. Only mergepipe's
+    own names are touched; committed snapshots never."""
+    from mergepipe.commit.gc import collect
+
+    g = parse_duration(grace)
+    reps = []
+    for r in roots:
+        rep = collect(_storage_for(r), r.rstrip("/") if r.startswith("s3://") else r, grace_s=g, dry_run=dry_run,
+                      log=None if json_out else (lambda m: _err_console().print(m, highlight=False)))
+        reps.append(rep.as_dict())
+    if json_out:
+        print(json.dumps(reps if len(reps) > 1 else reps[0]))
+    else:
+        for d in reps:
+            verb = "would remove" if dry_run else "removed"
+            _err_console().print(
+                f"{d['root']}: {verb} {len(d['deleted_runs'])} run prefix(es), {len(d['aborted_uploads'])} multipart "
+                f"upload(s), {len(d['removed_staging'])} staging folder(s); kept {len(d['kept_in_use'])} in use and "
+                f"{len(d['kept_young'])} younger than {grace}", highlight=False)
+
+
+def _click_errors() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(usage/click error types, abort types) of the click typer runs on (typer >= 0.26 vendors
+    its own copy as ``typer._click``; older typer uses ``click``)."""
+    errs: list[type] = [c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException"]
+    aborts: list[type] = [typer.Abort]
+    try:
+        import click
+
+        errs.append(click.exceptions.ClickException)
+        aborts.append(click.exceptions.Abort)
+    except ImportError:
+        pass
+    return tuple(errs), tuple(aborts)
+
+
 def main() -> None:
-    """Console entry point: maps user errors to exit code 2, other mergepipe failures to 1."""
+    """Console entry point: every user error (bad input, a mistyped command or option) is one
+    line on stderr and exit code 2, never a traceback; other mergepipe failures exit 1."""
     from mergepipe.errors import CommitConflict, InputError, MergepipeError
     from mergepipe.storage.base import StorageError
 
+    click_errors, aborts = _click_errors()
     try:
         rc = app(standalone_mode=False)
         if isinstance(rc, int) and rc:
@@ -829,15 +897,18 @@ def main() -> None:
     except KeyboardInterrupt:
         _err_console().print("interrupted; nothing was committed")
         sys.exit(130)
-    except Exception as e:  # click usage errors come as click exceptions
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            _termination_message(f"error: {e.format_message()}")
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
-            sys.exit(1)
+    except click_errors as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # `mergepipe` alone: the help was printed
+            sys.exit(0)
+        ctx = getattr(e, "ctx", None)
+        where = f"; see `{ctx.command_path} --help`" if ctx is not None else ""
+        msg = " ".join(e.format_message().split()).rstrip(".")
+        _err_console().print(f"[bold red]error:[/] {msg}{where}", highlight=False, soft_wrap=True)
+        _termination_message(f"error: {msg}{where}")
+        sys.exit(2)
+    except aborts:
+        sys.exit(1)
+    except Exception as e:
         _termination_message(f"{type(e).__name__}: {e}")
         raise
 

@@ -25,6 +25,8 @@ from mergepipe.errors import InputError
 MAX_INDEX_BYTES = 100_000_000
 #: ``config.json``, ``generation_config.json`` and other small JSON files of a checkpoint (bytes)
 MAX_CONFIG_JSON_BYTES = 16 << 20
+#: a tokenizer file copied from the base (``tokenizer.json`` of a 256k vocabulary is ~35 MB) (bytes)
+MAX_EXTRA_FILE_BYTES = 256 << 20
 #: a mergekit YAML config (bytes)
 MAX_YAML_BYTES = 1 << 20
 #: a snapshot's ``manifest.json`` (bytes)
@@ -51,8 +53,10 @@ def short_repr(value: Any, limit: int = 80) -> str:
 def check_size(size: int, cap: int, source: str, what: str) -> None:
     """Raise :class:`InputError` when ``size`` (bytes) exceeds ``cap``."""
     if size > cap:
-        raise InputError(f"{source}: {what} is {size} bytes, over the {cap}-byte limit; "
-                         "the file is corrupt or not what mergepipe expects.")
+        raise InputError(
+            f"{source}: {what} is {size} bytes, over the {cap}-byte limit; "
+            "the file is corrupt or not what mergepipe expects."
+        )
 
 
 def read_file(path: str | os.PathLike, cap: int, what: str = "file") -> bytes:
@@ -130,7 +134,9 @@ def load_yaml(text: str, source: str) -> Any:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise InputError(f"{source}: not valid YAML{at} ({getattr(e, 'problem', None) or short_repr(str(e))}).") from None
+        raise InputError(
+            f"{source}: not valid YAML{at} ({getattr(e, 'problem', None) or short_repr(str(e))})."
+        ) from None
     if node is None:
         return None
     sizes: dict[int, int] = {}
@@ -144,14 +150,17 @@ def load_yaml(text: str, source: str) -> Any:
             kids = [c for pair in n.value for c in pair] if isinstance(n, yaml.MappingNode) else n.value
             sizes[k] = 1 + sum(sizes[id(c)] for c in kids)
             if sizes[k] > MAX_YAML_NODES:
-                raise InputError(f"{source}: the YAML expands to more than {MAX_YAML_NODES} values through "
-                                 "aliases (*name); write the values out or use fewer aliases.")
+                raise InputError(
+                    f"{source}: the YAML expands to more than {MAX_YAML_NODES} values through "
+                    "aliases (*name); write the values out or use fewer aliases."
+                )
             continue
         if k in sizes:
             continue
         if k in active:
-            raise InputError(f"{source}: a YAML alias refers to the node that contains it (a recursive "
-                             "structure); remove the alias.")
+            raise InputError(
+                f"{source}: a YAML alias refers to the node that contains it (a recursive structure); remove the alias."
+            )
         if isinstance(n, yaml.ScalarNode):
             sizes[k] = 1
             continue

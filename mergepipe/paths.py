@@ -111,5 +111,7 @@ def check_inside(root: str, path: str, where: str) -> None:
     base = containment_root(root)
     real = os.path.realpath(path)
     if real != base and not real.startswith(base.rstrip(os.sep) + os.sep):
-        raise InputError(f"{where}: {path} resolves to {real} through a symbolic link, outside {base}; "
-                         "names must stay inside their folder.")
+        raise InputError(
+            f"{where}: {path} resolves to {real} through a symbolic link, outside {base}; "
+            "names must stay inside their folder."
+        )

@@ -11,7 +11,7 @@ import pytest
 
 from mergepipe.errors import InputError
 from mergepipe.paths import check_name, containment_root
-from mergepipe.storage.base import IOCounters, Storage
+from mergepipe.storage.base import Storage
 from mergepipe.storage.local import LocalStorage
 from tests.conftest import run_cli
 
@@ -48,17 +48,41 @@ def _tree(p: Path) -> set:
     return {str(x.relative_to(p)) for x in p.rglob("*") if not x.relative_to(p).parts[0] == "mergepipe-home"}
 
 
-@pytest.mark.parametrize("name", [
-    "../x", "a/../../x", "/etc/passwd", "", ".", "a//b", "./a", "a/./b", "a\\..\\b", "a\x00b", "a\nb",
-    "x" * 300, ("d/" * 600) + "f",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../x",
+        "a/../../x",
+        "/etc/passwd",
+        "",
+        ".",
+        "a//b",
+        "./a",
+        "a/./b",
+        "a\\..\\b",
+        "a\x00b",
+        "a\nb",
+        "x" * 300,
+        ("d/" * 600) + "f",
+    ],
+)
 def test_check_name_refuses(name):
     with pytest.raises(InputError, match="where"):
         check_name(name, "where")
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "model-00001-of-00002.safetensors", "runs/abc123/x",
-                                  "ünïcode.safetensors", "a..b", "..a", "a.."])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.safetensors",
+        "model-00001-of-00002.safetensors",
+        "runs/abc123/x",
+        "ünïcode.safetensors",
+        "a..b",
+        "..a",
+        "a..",
+    ],
+)
 def test_check_name_accepts(name):
     assert check_name(name, "where") == name
 
@@ -151,8 +175,14 @@ def test_hugging_face_cache_symlinks_are_followed(family, tmp_path):
         shutil.copy(base / f, blob)
         os.symlink(os.path.relpath(blob, snap), snap / f)
     assert containment_root(str(snap)) == os.path.realpath(repo)
-    r = merge(str(snap), [(e.name, str(e)) for e in experts], "ties", str(tmp_path / "snap-out"), ["density=0.5"],
-              catalog=Catalog(tmp_path / "c.sqlite"))
+    r = merge(
+        str(snap),
+        [(e.name, str(e)) for e in experts],
+        "ties",
+        str(tmp_path / "snap-out"),
+        ["density=0.5"],
+        catalog=Catalog(tmp_path / "c.sqlite"),
+    )
     assert verify_snapshot(r.out)["ok"]
 
 
@@ -163,8 +193,14 @@ def test_verify_does_not_follow_traversal_in_a_manifest(family, tmp_path, monkey
     from mergepipe.pipeline import merge
 
     base, experts = family
-    r = merge(str(base), [(e.name, str(e)) for e in experts], "ties", str(tmp_path / "s"), ["density=0.5"],
-              catalog=Catalog(tmp_path / "c.sqlite"))
+    r = merge(
+        str(base),
+        [(e.name, str(e)) for e in experts],
+        "ties",
+        str(tmp_path / "s"),
+        ["density=0.5"],
+        catalog=Catalog(tmp_path / "c.sqlite"),
+    )
     m = dict(r.manifest)
     name, info = next(iter(m["outputs"].items()))
     (tmp_path / "outside.bin").write_bytes((tmp_path / "s" / name).read_bytes())
@@ -219,8 +255,19 @@ def test_s3_expert_cannot_reach_another_prefix(s3_env, family, tmp_path, monkeyp
     shard = sorted(set(idx["weight_map"].values()))[0]
     idx["weight_map"] = {k: ("../../team-b/victim/" + v if v == shard else v) for k, v in idx["weight_map"].items()}
     c.put_object(Bucket=bucket, Key=f"team-a/{experts[1].name}/{INDEX}", Body=json.dumps(idx).encode())
-    args = ["merge", "--base", b, "--out", f"s3://{bucket}/team-a/merged", "--method", "ties", "-p", "density=0.5",
-            "--catalog", str(tmp_path / "c.sqlite")]
+    args = [
+        "merge",
+        "--base",
+        b,
+        "--out",
+        f"s3://{bucket}/team-a/merged",
+        "--method",
+        "ties",
+        "-p",
+        "density=0.5",
+        "--catalog",
+        str(tmp_path / "c.sqlite"),
+    ]
     for e in es:
         args += ["-e", e]
     code, out, err = run_cli(args, monkeypatch, capsys)

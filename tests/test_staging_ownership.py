@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _merge(family, out, catalog):
     base, experts = family
-    return merge(str(base), [(e.name, str(e)) for e in experts], "ties", str(out), ["density=0.5"],
-                 catalog=Catalog(catalog))
+    return merge(
+        str(base), [(e.name, str(e)) for e in experts], "ties", str(out), ["density=0.5"], catalog=Catalog(catalog)
+    )
 
 
 def _other_host_writer(family, out, home) -> subprocess.CompletedProcess:
@@ -40,8 +41,14 @@ def _other_host_writer(family, out, home) -> subprocess.CompletedProcess:
         from mergepipe.cli import main
         main()
     """)
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=str(ROOT),
-                          env={**os.environ, "MERGEPIPE_HOME": str(home)}, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        env={**os.environ, "MERGEPIPE_HOME": str(home)},
+        timeout=600,
+    )
 
 
 def test_second_writer_on_another_host_is_refused_and_first_commits(family, tmp_path, monkeypatch):
