@@ -300,6 +300,7 @@ def build_plan(
 
     resolved.check_tensors([n for n, t in base.layout.tensors.items() if t.dtype in FLOAT_DTYPES and t.numel > 0])
     check_compatible(base, recs)  # headers only, both directions, before any tensor byte is read
+    extra = _extra_files(storage, base.uri)  # size-capped, before any tensor byte is read
     if not analyze:
         _require_analysis(catalog, base, recs, block_bytes, spec.needs_gram)
     analyses = catalog.analyze(storage, base, recs, block_bytes=block_bytes, progress=progress,
@@ -314,7 +315,6 @@ def build_plan(
             sens = catalog.sensitivity(storage, base, cal, block_bytes)
     total = sum(r.total_bytes for r in recs)
     budget_bytes = parse_bytes(budget, total=total) if isinstance(budget, str) else budget
-    extra = [f for f in EXTRA_FILES if storage.exists(storage.join(base.uri, f))]
     plan = make_plan(
         base, recs, analyses, method, expert_names=names, budget_bytes=budget_bytes,
         fidelity=fidelity, seed=seed, work_bytes=work_bytes, extra_files=extra,
@@ -325,6 +325,26 @@ def build_plan(
         calibration=cal.digest if (cal is not None and value == "fisher") else None,
     )
     return plan
+
+
+def _extra_files(storage: Storage, base_uri: str) -> list[str]:
+    """The non-weight files of the base (:data:`EXTRA_FILES`) present, each refused when larger
+    than its cap (:data:`mergepipe.limits.MAX_CONFIG_JSON_BYTES` for JSON configs,
+    :data:`mergepipe.limits.MAX_EXTRA_FILE_BYTES` for tokenizer files): they are read whole."""
+    from mergepipe.limits import MAX_CONFIG_JSON_BYTES, MAX_EXTRA_FILE_BYTES, check_size
+    from mergepipe.storage.base import NotFoundError
+
+    out = []
+    for f in EXTRA_FILES:
+        uri = storage.join(base_uri, f)
+        try:
+            size = storage.stat(uri).size
+        except NotFoundError:
+            continue
+        cap = MAX_CONFIG_JSON_BYTES if f.endswith("config.json") else MAX_EXTRA_FILE_BYTES
+        check_size(size, cap, uri, f)
+        out.append(f)
+    return out
 
 
 def _require_analysis(catalog: Catalog, base: CheckpointRecord, recs: Sequence[CheckpointRecord],
