@@ -458,3 +458,20 @@ def test_malformed_input_is_refused_cleanly(case, pristine, tmp_path, monkeypatc
     assert out == ""
     assert _tree(tmp_path) == before, "a refusal may create nothing"
     assert not {"base", "expert"} & set(roles), f"tensor bytes were read: {roles}"
+
+
+def test_deeply_nested_config_json_is_copied_not_a_crash(pristine, tmp_path):
+    """An unparseable config.json is copied unchanged; one nested deeper than the parser's
+    recursion limit used to raise RecursionError after every tensor was written."""
+    from mergepipe.catalog.catalog import Catalog
+    from mergepipe.commit.manifest import verify_snapshot
+    from mergepipe.pipeline import merge
+
+    src, base, experts = pristine
+    shutil.copytree(src, tmp_path / "m")
+    b = tmp_path / "m" / base.name
+    doc = ("[" * D + "]" * D).encode()
+    (b / "config.json").write_bytes(doc)
+    r = merge(str(b), [(e.name, str(tmp_path / "m" / e.name)) for e in experts], "ties", str(tmp_path / "out"),
+              ["density=0.5"], catalog=Catalog(tmp_path / "c.sqlite"), out_dtype="F16")
+    assert verify_snapshot(r.out)["ok"] and (Path(r.out) / "config.json").read_bytes() == doc

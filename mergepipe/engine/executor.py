@@ -332,7 +332,7 @@ def _config_with_dtype(data: bytes, out_dtype: str) -> bytes:
     dtype, as mergekit writes it; unparseable configs are copied unchanged."""
     try:
         cfg = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deeply to parse
         return data
     if not isinstance(cfg, dict):
         return data
