@@ -53,9 +53,19 @@ BudgetOpt = Annotated[
     Optional[str],
     typer.Option("--budget", "-b", help="Expert-I/O budget: bytes (512MiB, 1.5GB, 1073741824), a % of the experts' size, or 'unlimited'."),
 ]
+def _finite(value: Optional[float]) -> Optional[float]:
+    """Option callback: typer accepts ``inf``/``nan`` as floats; no option of mergepipe means them."""
+    import math
+
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
 FidelityOpt = Annotated[
     Optional[float],
-    typer.Option("--fidelity", help="Read just enough blocks to retain this fraction (0-1] of the full-budget task-vector energy."),
+    typer.Option("--fidelity", callback=_finite,
+                 help="Read just enough blocks to retain this fraction (0-1] of the full-budget task-vector energy."),
 ]
 
 
@@ -632,7 +642,7 @@ def search(
     eval_command: Annotated[Optional[str], typer.Option(
         "--eval-command", help="Evaluate each candidate with this command ({checkpoint} = the snapshot folder, "
         "else appended); it prints a JSON object of metrics on stdout. Default: the demo zoo's eval losses.")] = None,
-    eval_timeout: Annotated[Optional[float], typer.Option("--eval-timeout", help="Seconds per evaluation; "
+    eval_timeout: Annotated[Optional[float], typer.Option("--eval-timeout", callback=_finite, help="Seconds per evaluation; "
                                                           "slower candidates are recorded failed")] = None,
     zoo_tiny: Annotated[bool, typer.Option("--zoo-tiny", help="Zoo evaluator: the tiny zoo (tests)")] = False,
     eval_batches: Annotated[Optional[int], typer.Option("--eval-batches", help="Zoo evaluator: score only "
@@ -791,7 +801,7 @@ def search_eval(
                                          "appended); prints a JSON object of metrics on stdout")],
     checkpoint: Annotated[str, typer.Option("--checkpoint", help="The candidate's snapshot (folder or s3:// URI)")],
     metrics_out: Annotated[str, typer.Option("--metrics-out", help="Where to write the outcome (s3:// URI or file)")],
-    timeout: Annotated[Optional[float], typer.Option("--timeout", help="Seconds before the command is killed")] = None,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", callback=_finite, help="Seconds before the command is killed")] = None,
 ):
     """Evaluate one search candidate (the evaluation Job of a MergeSearch): run the command and
     write {"metrics": {...}} or, when it crashed, timed out or printed no metrics, {"error": "..."}

@@ -394,6 +394,7 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], list[str]]] = [
     ("cli-unknown-option", lambda c: c.merge("--workers", "2"), ["--workers"]),
     ("cli-unknown-command", lambda c: ["frobnicate"], ["frobnicate"]),
     ("cli-missing-value", lambda c: c.merge("--budget"), ["--budget"]),
+    ("search-eval-timeout-nan", lambda c: ["search", "--out", str(c.out), "--eval-timeout", "nan"], ["--eval-timeout"]),
     ("cli-seed-not-int", lambda c: c.merge("--seed", "x"), ["--seed"]),
     # --- paths --------------------------------------------------------------------------------------
     ("out-is-a-file", out_file, ["--out", "a-file"]),
@@ -472,6 +473,13 @@ def test_deeply_nested_config_json_is_copied_not_a_crash(pristine, tmp_path):
     b = tmp_path / "m" / base.name
     doc = ("[" * D + "]" * D).encode()
     (b / "config.json").write_bytes(doc)
-    r = merge(str(b), [(e.name, str(tmp_path / "m" / e.name)) for e in experts], "ties", str(tmp_path / "out"),
-              ["density=0.5"], catalog=Catalog(tmp_path / "c.sqlite"), out_dtype="F16")
+    r = merge(
+        str(b),
+        [(e.name, str(tmp_path / "m" / e.name)) for e in experts],
+        "ties",
+        str(tmp_path / "out"),
+        ["density=0.5"],
+        catalog=Catalog(tmp_path / "c.sqlite"),
+        out_dtype="F16",
+    )
     assert verify_snapshot(r.out)["ok"] and (Path(r.out) / "config.json").read_bytes() == doc
