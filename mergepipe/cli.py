@@ -113,8 +113,22 @@ def _termination_message(msg: str) -> None:
         pass
 
 
+def _print_error(msg: str) -> None:
+    """``error: MSG`` on stderr, one line. ``msg`` is escaped: it quotes names from input files,
+    which must print as written (``model[kube]``) and never be taken for rich markup (a name
+    holding ``[/]`` made rich raise MarkupError, a traceback)."""
+    _err_console().print(f"[bold red]error:[/] {_esc(msg)}", highlight=False, soft_wrap=True)
+
+
+def _esc(text) -> str:
+    """``text`` escaped for rich markup (it may quote names from input files)."""
+    from rich.markup import escape
+
+    return escape(str(text))
+
+
 def _fail(msg: str, code: int = 2) -> NoReturn:
-    _err_console().print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    _print_error(msg)
     _termination_message(f"error: {msg}")
     raise typer.Exit(code)
 
@@ -215,7 +229,7 @@ def register(uris: Annotated[list[str], typer.Argument(help="Checkpoint folders 
         print(json.dumps(out if len(out) > 1 else out[0]))
     else:
         for o in out:
-            _err_console().print(f"{o['uri']}: identity {o['identity'][:16]}, {o['tensors']} tensors in "
+            _err_console().print(f"{_esc(o['uri'])}: identity {o['identity'][:16]}, {o['tensors']} tensors in "
                                  f"{o['shards']} shard(s), {_human(o['total_bytes'])}")
 
 
@@ -382,7 +396,7 @@ def _print_explain(p, per_tensor: bool = True):
     from rich.table import Table
 
     con = Console(stderr=False)
-    con.print(f"[bold]plan {p.digest[:16]}[/]  {p.explain}", highlight=False)
+    con.print(f"[bold]plan {p.digest[:16]}[/]  {_esc(p.explain)}", highlight=False)
     t = Table("role", "bytes", title="I/O estimate")
     t.add_row("base read", _human(p.io.base_read_bytes))
     t.add_row("expert read", f"{_human(p.io.expert_read_bytes)} of {_human(p.expert_bytes_total)} (budget {_human(p.budget_bytes)})")
@@ -392,7 +406,7 @@ def _print_explain(p, per_tensor: bool = True):
         tt = Table("tensor", "blocks read", "explanation", title="per tensor")
         for tp in p.tensors:
             n = sum(b1 - b0 for te in tp.experts for b0, b1 in te.blocks)
-            tt.add_row(tp.name, f"{n}/{tp.n_blocks * len(p.experts)}", tp.explain)
+            tt.add_row(_esc(tp.name), f"{n}/{tp.n_blocks * len(p.experts)}", _esc(tp.explain))
         con.print(tt)
 
 
@@ -424,7 +438,7 @@ def _emit_merge(res, json_out: bool):
 
     con = Console()
     verb = "already committed" if res.already_committed else "committed"
-    con.print(f"[bold green]{verb}[/] {s['snapshot_id']} at {s['out']}", highlight=False)
+    con.print(f"[bold green]{verb}[/] {_esc(s['snapshot_id'])} at {_esc(s['out'])}", highlight=False)
     t = Table("", "estimated", "realized")
     m = res.manifest["io"]
     for k, lab in (("base_read_bytes", "base read"), ("expert_read_bytes", "expert read"), ("output_write_bytes", "output write")):
@@ -578,10 +592,10 @@ def verify(snapshot: Annotated[str, typer.Argument(help="Snapshot folder or s3:/
     if json_out:
         print(json.dumps(r))
     elif r["ok"]:
-        _err_console().print(f"[green]ok[/] {r['snapshot_id']}: {r['files']} files match; manifest {r['manifest_hash'][:16]}")
+        _err_console().print(f"[green]ok[/] {_esc(r['snapshot_id'])}: {r['files']} files match; manifest {r['manifest_hash'][:16]}")
     else:
         for pr in r["problems"]:
-            _err_console().print(f"[red]{pr}[/]")
+            _err_console().print(f"[red]{_esc(pr)}[/]")
     if not r["ok"]:
         raise typer.Exit(1)
 
@@ -896,7 +910,7 @@ def main() -> None:
         if isinstance(rc, int) and rc:
             sys.exit(rc)
     except (InputError, CommitConflict, StorageError) as e:
-        _err_console().print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        _print_error(str(e))
         _termination_message(f"error: {e}")
         sys.exit(2)
     except MergepipeError as e:  # e.g. a part process of `merge --workers` failed
@@ -913,7 +927,7 @@ def main() -> None:
         ctx = getattr(e, "ctx", None)
         where = f"; see `{ctx.command_path} --help`" if ctx is not None else ""
         msg = " ".join(e.format_message().split()).rstrip(".")
-        _err_console().print(f"[bold red]error:[/] {msg}{where}", highlight=False, soft_wrap=True)
+        _print_error(f"{msg}{where}")
         _termination_message(f"error: {msg}{where}")
         sys.exit(2)
     except aborts:

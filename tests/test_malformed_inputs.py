@@ -292,6 +292,11 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], list[str]]] = [
     ),
     ("header-metadata-not-strings", hdr(lambda h: h.update(__metadata__={"a": [1]})), ["expert1", "__metadata__"]),
     ("header-trailing-bytes", raw_shard(lambda r: r + b"\0" * 16), ["expert1", "trailing"]),
+    (
+        "header-name-with-rich-markup",
+        hdr(lambda h: h.update({"evil[/]name[bold]": {**first_tensor(h), "dtype": "F12"}})),
+        ["expert1", "evil[/]name[bold]"],
+    ),
     ("header-empty-tensor-name", hdr(lambda h: h.update({"": first_tensor(h)})), ["expert1"]),
     # --- shard indexes --------------------------------------------------------------------------
     ("index-invalid-json", raw_index(b"{not json"), [INDEX, "JSON"]),

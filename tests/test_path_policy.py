@@ -212,6 +212,12 @@ def test_verify_does_not_follow_traversal_in_a_manifest(family, tmp_path, monkey
     assert code == 1
     problems = json.loads(out)["problems"]
     assert any("../outside.bin" in p and "normalised" in p for p in problems), problems
+    # the same in the human output, with a name that is also rich markup (was a MarkupError traceback)
+    m["outputs"] = {("[/]../x" if k == "../outside.bin" else k): v for k, v in m["outputs"].items()}
+    m["snapshot_id"] = snapshot_id(m["plan_digest"], m["outputs"])
+    (tmp_path / "s" / "manifest.json").write_bytes(manifest_bytes(m))
+    code, out, err = run_cli(["verify", str(tmp_path / "s")], monkeypatch, capsys)
+    assert code == 1 and "[/]../x" in err and "Traceback" not in err
 
 
 def test_crafted_plan_cannot_name_files_outside(family, tmp_path, monkeypatch, capsys):
