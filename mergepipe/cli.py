@@ -883,11 +883,11 @@ def gc(
                 f"{len(d['kept_young'])} younger than {grace}", highlight=False)
 
 
-def _click_errors() -> tuple[tuple[type, ...], tuple[type, ...]]:
+def _click_errors() -> tuple[tuple[type[Exception], ...], tuple[type[BaseException], ...]]:
     """(usage/click error types, abort types) of the click typer runs on (typer >= 0.26 vendors
     its own copy as ``typer._click``; older typer uses ``click``)."""
-    errs: list[type] = [c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException"]
-    aborts: list[type] = [typer.Abort]
+    errs: list[type[Exception]] = [c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException"]
+    aborts: list[type[BaseException]] = [typer.Abort]
     try:
         import click
 

@@ -13,8 +13,7 @@ import os
 import struct
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from mergepipe.errors import InputError
 from mergepipe.storage.base import NotFoundError, ObjectStat, Storage
@@ -205,7 +204,7 @@ def test_check_name_keeps_joins_under_the_root(name):
 @FUZZ
 @given(value=json_values.map(json.dumps))
 def test_param_values_never_crash(value):
-    from mergepipe.methods.registry import resolve_params
+    from mergepipe.methods.params import resolve_params
 
     try:
         resolve_params("ties", {"density": value}, [{}])

@@ -13,7 +13,8 @@ from mergepipe.commit.gc import collect
 from mergepipe.commit.manifest import OutputLock, lock_path, staging_path, verify_snapshot
 from mergepipe.commit.objectstore import verify_obj
 from mergepipe.pipeline import merge
-from mergepipe.storage.base import IOCounters, open_storage
+from mergepipe.storage.base import IOCounters
+from mergepipe.storage.routing import open_storage
 from tests.conftest import run_cli
 
 

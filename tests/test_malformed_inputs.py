@@ -6,9 +6,9 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
 

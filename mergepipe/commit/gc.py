@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from mergepipe.commit.manifest import LOCK_SUFFIX, MANIFEST_NAME, STAGING_SUFFIX, OutputLock
 from mergepipe.errors import CommitConflict, InputError
@@ -109,7 +110,7 @@ def _objects(storage: Storage, root: str) -> Iterator[tuple[str, float]]:
     if is_s3(root):
         from mergepipe.storage.s3 import split_uri
 
-        s3 = storage.s3 if hasattr(storage, "gap_for") else storage
+        s3: Any = getattr(storage, "s3", storage)  # a RoutingStorage's S3 backend, or an S3Storage
         bucket, key = split_uri(root)
         pre = key.rstrip("/") + "/" if key else ""
         pages = s3.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=pre)
@@ -182,7 +183,7 @@ def _referenced_run(storage: Storage, out: str) -> str | None:
 def _abort_uploads(storage: Storage, root: str, rep: GcReport, now: float, say) -> None:
     from mergepipe.storage.s3 import split_uri
 
-    s3 = storage.s3 if hasattr(storage, "gap_for") else storage
+    s3: Any = getattr(storage, "s3", storage)  # a RoutingStorage's S3 backend, or an S3Storage
     bucket, key = split_uri(root)
     pre = key.rstrip("/") + "/" if key else ""
     pages = s3.client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=pre)
@@ -266,7 +267,8 @@ def _reclaim(out: Path, staging: Path | None, rep: GcReport, say) -> None:
         if rep.dry_run:  # a dry run changes nothing: keep (or drop the just created) lock file
             if not existed:
                 lock.path.unlink(missing_ok=True)
-            os.close(lock.fd)
-            lock.fd = None
+            if lock.fd is not None:
+                os.close(lock.fd)
+                lock.fd = None
         else:
             lock.release()
