@@ -47,6 +47,9 @@ def test_gc_on_s3_removes_orphans_and_keeps_snapshots(s3_env, family, tmp_path, 
     # committed, open multipart uploads (one in the committed run: a lost CreateMultipartUpload)
     c.put_object(Bucket=bucket, Key="snaps/a/runs/00000000000000aa/model-00001-of-00002.safetensors", Body=b"x" * 10)
     c.put_object(Bucket=bucket, Key="snaps/b/runs/00000000000000bb/model.safetensors", Body=b"y" * 10)
+    # a killed partitioned merge (default run id plan-<16 hex>) and its records
+    c.put_object(Bucket=bucket, Key="snaps/a/runs/plan-00000000000000dd/model.safetensors", Body=b"p")
+    c.put_object(Bucket=bucket, Key="snaps/a/runs/plan-00000000000000dd.records/part-0-of-2.json", Body=b"{}")
     up1 = c.create_multipart_upload(Bucket=bucket, Key="snaps/a/runs/00000000000000cc/model.safetensors")
     c.upload_part(
         Bucket=bucket,
@@ -62,7 +65,7 @@ def test_gc_on_s3_removes_orphans_and_keeps_snapshots(s3_env, family, tmp_path, 
     c.create_multipart_upload(Bucket=bucket, Key="snaps/other/big.bin")
 
     young = collect(st, f"s3://{bucket}/snaps", grace_s=3600)
-    assert young.deleted_runs == [] and young.aborted_uploads == [] and len(young.kept_young) == 4
+    assert young.deleted_runs == [] and young.aborted_uploads == [] and len(young.kept_young) == 6
     assert len(_uploads(c, bucket)) == 3
 
     code, out, err = run_cli(["gc", f"s3://{bucket}/snaps", "--grace", "0", "--json"], monkeypatch, capsys)
@@ -70,6 +73,8 @@ def test_gc_on_s3_removes_orphans_and_keeps_snapshots(s3_env, family, tmp_path, 
     rep = json.loads(out)
     assert sorted(rep["deleted_runs"]) == [
         f"s3://{bucket}/snaps/a/runs/00000000000000aa",
+        f"s3://{bucket}/snaps/a/runs/plan-00000000000000dd",
+        f"s3://{bucket}/snaps/a/runs/plan-00000000000000dd.records",
         f"s3://{bucket}/snaps/b/runs/00000000000000bb",
     ]
     assert len(rep["aborted_uploads"]) == 2

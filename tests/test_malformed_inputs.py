@@ -396,7 +396,7 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], list[str]]] = [
     ("param-unknown-expert", lambda c: c.merge("-p", "nobody:weight=1"), ["--param", "nobody"]),
     ("param-unknown-name", lambda c: c.merge("-p", "frobnicity=1"), ["frobnicity"]),
     ("param-unknown-method", lambda c: c.merge("--method", "frob"), ["frob"]),
-    ("cli-unknown-option", lambda c: c.merge("--workers", "2"), ["--workers"]),
+    ("cli-unknown-option", lambda c: c.merge("--frobnicate", "2"), ["--frobnicate"]),
     ("cli-unknown-command", lambda c: ["frobnicate"], ["frobnicate"]),
     ("cli-missing-value", lambda c: c.merge("--budget"), ["--budget"]),
     ("search-eval-timeout-nan", lambda c: ["search", "--out", str(c.out), "--eval-timeout", "nan"], ["--eval-timeout"]),

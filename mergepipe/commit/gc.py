@@ -12,8 +12,10 @@ A merge never leaves anything a reader could take for a snapshot, but it may lea
 :func:`collect` removes, under one root (a snapshot's ``--out`` or a prefix/folder holding
 several), only what mergepipe's own naming identifies as its own and nothing is using:
 
-* a run prefix ``<out>/runs/<16 hex>/`` that ``<out>/manifest.json`` does not reference (or that
+* a run prefix ``<out>/runs/<run-id>/`` that ``<out>/manifest.json`` does not reference (or that
   belongs to an ``<out>`` without a manifest) and whose newest object is older than ``grace``;
+  run ids mergepipe generates are recognised (16 hex; a partitioned merge's ``plan-<16 hex>`` and
+  its ``.records``), a run named with ``--run`` is not (its owner removes it);
 * a multipart upload whose key lies in such a ``runs/<id>/`` prefix and which was initiated more
   than ``grace`` ago (even in the referenced run: its object, if any, is complete);
 * a local staging folder whose lock is free (its writer is provably dead, see
@@ -46,7 +48,9 @@ from mergepipe.storage.base import Storage, is_s3
 #: default grace period (seconds): younger debris may belong to a running merge
 DEFAULT_GRACE_S = 24 * 3600.0
 
-_RUN = re.compile(r"^(?P<out>(?:.*/)?)runs/(?P<rid>[0-9a-f]{16})/")
+#: a run prefix mergepipe creates: a random run id (16 hex), or a partitioned merge's default run id
+#: (``plan-`` + 16 hex, :func:`mergepipe.commit.runs.default_run_id`) and its ``.records`` prefix
+_RUN = re.compile(r"^(?P<out>(?:.*/)?)runs/(?P<rid>(?:plan-)?[0-9a-f]{16}(?:\.records)?)/")
 _LEGACY_STAGING = re.compile(r"^\.(?P<name>.+)\.staging-[0-9a-f]{12}$")
 
 
