@@ -75,7 +75,7 @@ def run_demo(zoo_root: Path | None = None, out_root: Path | None = None, *, tiny
         rec = zoo.testbed.raw.get("recommended_params", {}).get(method, {})
         params = tuple(f"{k}={v:g}" for k, v in rec.items())
     base_l = {d: rows[0][f"loss.{d}"] for d in zoo.eval_sets}
-    own = {}  # domain -> the loss of its (first) expert on it
+    own: dict[str, float] = {}  # domain -> the loss of its (first) expert on it
     for n in zoo.experts:
         d = zoo.expert_domain(n)
         own.setdefault(d, next(r for r in rows if r["model"] == f"expert {n}")[f"loss.{d}"])

@@ -7,6 +7,7 @@ class. The RBAC in ``helm/mergepipe/templates/rbac.yaml`` grants exactly these v
 
 from __future__ import annotations
 
+import builtins
 import json
 from typing import Any
 
@@ -115,7 +116,7 @@ class Kube:
         except NotFound:
             return None
 
-    def list_cluster(self, res: tuple[str, str, str]) -> list[dict[str, Any]]:
+    def list_cluster(self, res: tuple[str, str, str]) -> builtins.list[dict[str, Any]]:  # list: the method
         out = self._call(self.api.list_cluster_custom_object, *res[:2], res[2])
         return sorted(out.get("items") or [], key=lambda o: o["metadata"]["name"])
 

@@ -18,6 +18,7 @@ from .decisions import (
     CLUSTER_QUEUES,
     LOCAL_QUEUES,
     WORKLOADS,
+    CheckState,
     active_condition,
     cluster_queue_checks,
     is_ours,
@@ -102,7 +103,7 @@ class IOBudgetCheck(QuotaLedger):
         log.info("Workload %s/%s: %s %s: %s", ns, meta["name"], ", ".join(names), state, message)
         return True
 
-    def _decide(self, ns: str, workload: dict[str, Any]) -> tuple[str, str, int | None]:
+    def _decide(self, ns: str, workload: dict[str, Any]) -> tuple[CheckState, str, int | None]:
         jname = owner_job(workload)
         job = self.kube.get(JOBS, ns, jname) if jname else None
         labels = ((job or {}).get("metadata") or {}).get("labels") or {}
@@ -112,6 +113,8 @@ class IOBudgetCheck(QuotaLedger):
         mm_name = (job["metadata"].get("annotations") or {}).get(ANN_MERGE)
         mm = self.kube.get(MERGES, ns, mm_name) if mm_name else None
         status = (mm or {}).get("status") or {}
+        if mm is None or not mm_name:
+            return "Retry", f"ModelMerge {mm_name} does not (yet) name Job {jname} with a plan", self.settings.quota_retry_seconds
         plan = status.get("plan") or {}
         need = (plan.get("estimated") or {}).get("expertReadBytes")
         if mm is None or status.get("jobName") != jname or need is None:

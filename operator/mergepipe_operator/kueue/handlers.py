@@ -32,7 +32,7 @@ def admission_check_changed(body: kopf.Body, **_: Any) -> None:
 
 
 @kopf.on.event(*WORKLOADS)
-def workload_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
+def workload_event(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
     """Kueue reserved quota for a Workload (or requeued it after a Retry): decide our checks.
     Writes nothing on Workloads without a Pending check of ours."""
     if event.get("type") == "DELETED":
@@ -54,7 +54,7 @@ def workload_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
         return
     mm_name = (job["metadata"].get("annotations") or {}).get(ANN_MERGE)
     mm = c.kube.get(MERGES, ns, mm_name) if mm_name else None
-    if mm is None:
+    if mm is None or not mm_name:
         return
     try:
         result = c.sync_job(mm, job)

@@ -131,6 +131,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             # the new generation plans to the same digest: its snapshot is already committed
             return finish("True", Reason.COMMITTED, f"plan unchanged; {ready.get('message', '')}".strip())
         check = self.io_budget_check(ns, queue_name(spec, self.settings.queue_name))
+        quotas: list[str]
         if check:  # Kueue's AdmissionCheck reserves the plan when Kueue admits the Job
             adm, quotas = Admission(True, requested, Reason.ADMITTED, f"MergeQuotas are checked by Kueue AdmissionCheck "
                                     f"{check} when Kueue admits the merge Job", {}), []
