@@ -914,7 +914,7 @@ def main() -> None:
         _termination_message(f"error: {e}")
         sys.exit(2)
     except MergepipeError as e:  # e.g. a part process of `merge --workers` failed
-        _err_console().print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        _print_error(str(e))
         sys.exit(1)
     except typer.Exit as e:
         sys.exit(e.exit_code)
