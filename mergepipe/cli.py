@@ -926,7 +926,8 @@ def main() -> None:
             sys.exit(0)
         ctx = getattr(e, "ctx", None)
         where = f"; see `{ctx.command_path} --help`" if ctx is not None else ""
-        msg = " ".join(e.format_message().split()).rstrip(".")
+        fmt = getattr(e, "format_message", None)  # ClickException's (its class is only known at run time)
+        msg = " ".join((fmt() if fmt else str(e)).split()).rstrip(".")
         _print_error(f"{msg}{where}")
         _termination_message(f"error: {msg}{where}")
         sys.exit(2)
