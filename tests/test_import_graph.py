@@ -1,4 +1,5 @@
-"""The import graph of the shipped packages has no circle.
+"""The import graph of the shipped packages (core, testbeds, operator, Kubernetes backend) has no
+circle.
 
 Every import counts, module-level or inside a function (a function-local import that runs back
 up is still a circle, only a deferred one): an edge goes from a module to each module of the same
@@ -15,6 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TREES = {
     "mergepipe": ROOT / "mergepipe",
+    "mergepipe_zoo": ROOT / "mergepipe_zoo",
     "mergepipe_operator": ROOT / "operator" / "mergepipe_operator",
     "mergepipe_kube": ROOT / "operator" / "mergepipe_kube",
 }
