@@ -34,7 +34,8 @@ def main(argv=None) -> None:
 
     from mergepipe.catalog.catalog import Catalog
     from mergepipe.methods.params import layer_count, layer_t, resolve_params
-    from mergepipe.pipeline import merge, parse_params
+    from mergepipe.pipeline import merge
+    from mergepipe.request import parse_param_args
     from tests.conftest import merged_tensors, same_bits
     from tests.dense_reference import merge_tensor_dense
     from tests.minilm import make_minilm_family
@@ -54,7 +55,7 @@ def main(argv=None) -> None:
         )
         wall = time.perf_counter() - t
         got = merged_tensors(res.out)
-        g, per = parse_params(params, [e.name for e in experts])
+        g, per = parse_param_args(params, "ties", [e.name for e in experts])
         rp = resolve_params("ties", g, per)
         b = load_file(str(base / "model.safetensors"))
         es = [load_file(str(e / "model.safetensors")) for e in experts]

@@ -27,6 +27,7 @@ def main() -> None:
     t = time.perf_counter()
     from mergepipe.catalog.catalog import Catalog
     from mergepipe.pipeline import build_plan, parse_expert, register_and_analyze
+    from mergepipe.request import ExpertRequest, MergeRequest
     from mergepipe.storage.base import IOCounters
     from mergepipe.storage.local import LocalStorage
 
@@ -43,7 +44,9 @@ def main() -> None:
             cat = Catalog()
             st = LocalStorage(IOCounters())
             t = time.perf_counter()
-            p = build_plan(cat, st, a.base, experts, "ties", ["density=0.5"], budget=budget, analyze=False)
+            req = MergeRequest(base=a.base, method="ties", parameters={"density": 0.5}, budget=budget,
+                               experts=[ExpertRequest(name=n, uri=u) for n, u in experts])
+            p = build_plan(cat, st, req, analyze=False)
             runs.append(time.perf_counter() - t)
             reads = st.counters.snapshot()["read"]
         out["budgets"][budget] = {"build_plan_s": runs, "catalog_s": cat_s, "tensors": len(p.tensors),

@@ -31,6 +31,8 @@ VARIANTS = ("energy", "energy-noemb", "fisher", "fisher-noemb", "fisher-embfirst
 
 
 def main() -> None:
+    import dataclasses
+
     import numpy as np
 
     import mergepipe.pipeline as pipeline
@@ -39,6 +41,7 @@ def main() -> None:
     from mergepipe.catalog.sensitivity import load_calibration
     from mergepipe.evaluate import evaluate_checkpoint
     from mergepipe.metrics import kept_share, normalised_gain, worst
+    from mergepipe.request import request_from_args
     from mergepipe.storage.base import IOCounters
     from mergepipe.storage.local import LocalStorage
     from mergepipe_zoo import ZooConfig, build_zoo
@@ -82,12 +85,14 @@ def main() -> None:
                     s = s * (1e-9 if var.endswith("noemb") else 1e9 if var.endswith("embfirst") else 1.0)
                 sens[n] = s
 
-            def with_sens(*a, _s=sens, **k):
-                return orig(*a, **{**k, "value": "fisher", "sensitivity": _s, "calibration": "variant"})
+            def with_sens(request, inputs, selection, engine, _s=sens):
+                return orig(request, dataclasses.replace(inputs, sensitivity=_s),
+                            dataclasses.replace(selection, value="fisher", calibration="variant"), engine)
 
             pipeline.make_plan = with_sens
             try:
-                plan = pipeline.build_plan(cat, st, str(z.base), ex, method, params, budget=f"{b}%", seed=seed)
+                req = request_from_args(str(z.base), ex, method, params, budget=f"{b}%", seed=seed)
+                plan = pipeline.build_plan(cat, st, req)
             finally:
                 pipeline.make_plan = orig
             ng = normalised_gain(run(plan, f"{b}-{var}"), base_q, own)

@@ -102,7 +102,8 @@ def main() -> None:
         if strat == "grid":
             half = args.evaluations // 2
             parts = []
-            for method, fixed, n in (("task_arithmetic", [], half), ("ties", ["density=0.5"], args.evaluations - half)):
+            grid = (("task_arithmetic", {}, half), ("ties", {"parameters": {"density": 0.5}}, args.evaluations - half))
+            for method, fixed, n in grid:
                 d = args.out / f"grid-{method}"
                 shutil.rmtree(d, ignore_errors=True)
                 pts = grid_points(n)

@@ -304,11 +304,13 @@ def _work_bytes(text: str) -> int:
     return wb
 
 
-def _merge_inputs(config, base, expert, method, param, budget, fidelity, seed):
-    """Models, method, parameters, budget, fidelity, seed and plan options, from a mergekit config
-    (``--config``; ``--budget/--fidelity/--seed`` override its keys) or from the command line.
-    Exits 2 when both or neither are given."""
+def _merge_request(config, base, expert, method, param, budget, fidelity, seed, out=None):
+    """The :class:`mergepipe.request.MergeRequest` of ``plan``/``merge`` and how its fields are
+    named in messages: from a mergekit config (``--config``; ``--budget/--fidelity/--seed``
+    override its keys, fields named as the config's keys) or from the command line (``--param``
+    strings parsed here, fields named as options). Exits 2 when both or neither are given."""
     from mergepipe.pipeline import parse_expert
+    from mergepipe.request import request_from_args
 
     if config is not None:
         from mergepipe.config import load_config
@@ -318,14 +320,12 @@ def _merge_inputs(config, base, expert, method, param, budget, fidelity, seed):
             _fail(f"--config {config} defines the models, method and parameters; drop {', '.join(given)} "
                   "(--budget, --fidelity and --seed override the config's keys).")
         c = load_config(config)
-        return dict(base=c.base, experts=c.experts, method=c.method, params=[],
-                    budget=budget if budget is not None else c.budget,
-                    fidelity=fidelity if fidelity is not None else c.fidelity,
-                    seed=seed if seed is not None else (c.seed or 0), opts=c.plan_options())
+        return c.with_overrides(output=out, budget=budget, fidelity=fidelity, seed=seed), c.where
     if not base or not expert:
         _fail("--base and --expert are required (or give a mergekit config with --config merge.yml).")
-    return dict(base=base, experts=[parse_expert(e) for e in expert], method=method or "ties", params=param or [],
-                budget=budget, fidelity=fidelity, seed=seed or 0, opts={})
+    req = request_from_args(base, [parse_expert(e) for e in expert], method or "ties", param or [],
+                            budget=budget, fidelity=fidelity, seed=seed or 0, output=out)
+    return req, None
 
 
 METHODS_HELP = ", ".join(method_names())
@@ -372,11 +372,10 @@ def plan(
     Takes the same inputs as `merge`: --base/--expert/--method/--param or a mergekit --config."""
     from mergepipe.pipeline import build_plan
 
-    m = _merge_inputs(config, base, expert, method, param, budget, fidelity, seed)
+    req, where = _merge_request(config, base, expert, method, param, budget, fidelity, seed)
     bb = _block_bytes(block_size)
-    p = build_plan(_catalog(catalog), _storage_for(m["base"]), m["base"], m["experts"], m["method"], m["params"],
-                   budget=m["budget"], fidelity=m["fidelity"], seed=m["seed"], block_bytes=bb,
-                   work_bytes=_work_bytes(work_memory), value=value, calibration=calibration, **m["opts"])
+    p = build_plan(_catalog(catalog), _storage_for(req.base), req, where=where, block_bytes=bb,
+                   work_bytes=_work_bytes(work_memory), value=value, calibration=calibration)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".tmp")
@@ -474,15 +473,14 @@ def merge(
     json_out: JsonOpt = False,
 ):
     """register → analyze → plan → execute → commit, in one go (or from a mergekit config: --config)."""
-    from mergepipe.pipeline import merge as run_merge
+    from mergepipe.pipeline import merge_request
 
     bb = _block_bytes(block_size)
-    m = _merge_inputs(config, base, expert, method, param, budget, fidelity, seed)
+    req, where = _merge_request(config, base, expert, method, param, budget, fidelity, seed, out=out)
     with _Progress(True) as prog:
-        res = run_merge(m["base"], m["experts"], m["method"], out, m["params"], budget=m["budget"],
-                        fidelity=m["fidelity"], seed=m["seed"], device=device, catalog=_catalog(catalog),
-                        storage=_storage_for(m["base"]), block_bytes=bb, work_bytes=_work_bytes(work_memory),
-                        progress=prog, value=value, calibration=calibration, workers=workers, **m["opts"])
+        res = merge_request(req, where=where, device=device, catalog=_catalog(catalog), storage=_storage_for(req.base),
+                            block_bytes=bb, work_bytes=_work_bytes(work_memory), progress=prog, value=value,
+                            calibration=calibration, workers=workers)
     _emit_merge(res, json_out)
 
 
@@ -701,6 +699,7 @@ def search(
     from mergepipe.pipeline import parse_expert
     from mergepipe.search.evaluators import CommandEvaluator, Objective, ZooEvaluator
     from mergepipe.search.runner import SearchConfig, StateMirror, run_search
+    from mergepipe.search.space import params_from_args
     from mergepipe.search.state import STATE_NAME
 
     log = lambda m: _err_console().print(m, highlight=False)  # noqa: E731
@@ -787,9 +786,11 @@ def search(
         else:
             domains = sorted({o.metric.split(":", 1)[1] for o in objs if o.metric.startswith("loss:")})
             ev = ZooEvaluator(domains or None, tiny=zoo_tiny, max_batches=eval_batches, timeout=eval_timeout)
-        cfg = SearchConfig(base=base, experts=[list(parse_expert(e)) for e in expert], method=method,
+        experts = [list(parse_expert(e)) for e in expert]
+        fixed = params_from_args(param or [], method, [n for n, _ in experts])  # --param strings end here
+        cfg = SearchConfig(base=base, experts=experts, method=method,
                            vary=list(vary), objectives=list(objective), evaluations=evaluations or 24,
-                           initial=initial, workers=workers or 1, fixed=list(param or []),
+                           initial=initial, workers=workers or 1, fixed=fixed,
                            layer_blocks=layer_blocks, budget=budget, seed=seed, strategy=strategy,
                            prior=not no_prior, probe=texts, ref_point=refs, catalog=catalog)
         res = run_search(out_dir, cfg, ev, log=log, merger=merger, mirror=mirror)

@@ -35,15 +35,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mergepipe.errors import InputError
 from mergepipe.limits import MAX_YAML_BYTES, load_yaml, read_file, short_repr
-from mergepipe.methods.params import resolve_params
-from mergepipe.methods.registry import get_method
+from mergepipe.request import ExpertRequest, Loc, MergeRequest, RequestOptions, Where, param_loc, sub_text
 from mergepipe.storage.base import is_s3
 
 #: mergekit dtype names (``mergekit.common.dtype_from_name``) -> safetensors dtypes.
@@ -95,24 +94,65 @@ REFUSED = {
 
 @dataclass
 class LoadedConfig:
-    """A validated mergekit config, ready for :func:`mergepipe.pipeline.merge`."""
+    """A validated mergekit config: the :class:`mergepipe.request.MergeRequest` it describes and
+    how its fields are named in the file (``where``: ``merge.yml: models[1].parameters.density``).
+
+    Attributes:
+        path: the config file as given.
+        request: the merge request (no ``output``; the command line gives it).
+        where: renders a request field path in the config's terms, for messages.
+        resolved: the validated parameters (:class:`mergepipe.methods.params.ResolvedParams`).
+    """
 
     path: str
-    method: str
-    base: str
-    experts: list[tuple[str, str]]
+    request: MergeRequest
+    where: Where
     resolved: Any
-    dtype: str | None = None
-    out_dtype: str | None = None
-    budget: str | int | None = None
-    fidelity: float | None = None
-    seed: int | None = None
-    source: dict = field(default_factory=dict)
 
-    def plan_options(self) -> dict:
-        """Keyword arguments for :func:`mergepipe.pipeline.build_plan` / ``merge``."""
-        return {"resolved": self.resolved, "out_dtype": self.out_dtype, "requested_dtype": self.dtype,
-                "source": self.source}
+    @property
+    def method(self) -> str:
+        return self.request.method
+
+    @property
+    def base(self) -> str:
+        return self.request.base
+
+    @property
+    def experts(self) -> list[tuple[str, str]]:
+        return self.request.expert_uris
+
+    @property
+    def dtype(self) -> str | None:
+        return self.request.options.requested_dtype
+
+    @property
+    def out_dtype(self) -> str | None:
+        return self.request.options.out_dtype
+
+    @property
+    def budget(self) -> str | int | None:
+        return self.request.budget
+
+    @property
+    def fidelity(self) -> float | None:
+        return self.request.fidelity
+
+    @property
+    def seed(self) -> int:
+        return self.request.seed
+
+    @property
+    def source(self) -> dict:
+        return dict(self.request.options.source or {})
+
+    def with_overrides(self, *, output: str | None = None, budget=None, fidelity=None, seed=None) -> MergeRequest:
+        """The request with ``output`` set and ``budget``/``fidelity``/``seed`` given on the
+        command line overriding the config's keys (None: keep the config's)."""
+        upd: dict[str, Any] = {"output": output}
+        for k, v in (("budget", budget), ("fidelity", fidelity), ("seed", seed)):
+            if v is not None:
+                upd[k] = v
+        return self.request.model_copy(update=upd)
 
 
 def _model_uri(ref: Any, where: str) -> str:
@@ -257,19 +297,6 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
                              "(base_model included: mergekit averages it in); give each model a weight or set "
                              "parameters.weight.")
 
-    try:
-        get_method(cfg.merge_method)
-    except InputError as e:
-        raise InputError(f"{p}: merge_method: {e}") from None
-    n_models = len(cfg.models or ())  # expert_params' extra entry (linear's base) names models[n_models]
-    resolved = resolve_params(
-        cfg.merge_method, dict(cfg.parameters or {}), expert_params,
-        where_global=lambda n: f"{p}: parameters.{n}",
-        where_expert=lambda i, n: (f"{p}: base_model (averaged in by linear): parameters.{n}"
-                                   if model_index[i] == n_models else
-                                   f"{p}: models[{model_index[i]}].parameters.{n}"),
-        where_models=f"{p}: models",
-    )
     dtype = out = None
     if cfg.dtype is not None:
         dtype_code(cfg.dtype, f"{p}: dtype")
@@ -278,26 +305,42 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
         out = dtype_code(cfg.out_dtype, f"{p}: out_dtype")
     elif dtype is not None:
         out = DTYPE_NAMES[dtype]  # mergekit's results stay in dtype unless out_dtype says otherwise
-    if cfg.budget is not None:
-        from mergepipe.pipeline import parse_bytes
-
-        parse_bytes(cfg.budget, total=0, what=f"{p}: budget")
-    if cfg.fidelity is not None and not (0.0 < cfg.fidelity <= 1.0):
-        raise InputError(f"{p}: fidelity: {cfg.fidelity} is outside (0, 1]; e.g. fidelity: 0.99.")
     if cfg.seed is not None and cfg.seed < 0:
         raise InputError(f"{p}: seed: must be a non-negative integer, got {cfg.seed}.")
+    n_models = len(cfg.models or ())  # expert_params' extra entry (linear's base) names models[n_models]
+
+    def where(loc: Loc) -> str:
+        """A request field in the config's terms."""
+        pl = param_loc(loc)
+        if pl is not None:
+            i, name, rest = pl
+            key = f"parameters.{name}{sub_text(rest)}"
+            if i is None:
+                return f"{p}: {key}"
+            if model_index[i] == n_models:
+                return f"{p}: base_model (averaged in by linear): {key}"
+            return f"{p}: models[{model_index[i]}].{key}"
+        if loc and loc[0] == "experts":
+            return f"{p}: models[{model_index[loc[1]]}].model" if len(loc) > 1 else f"{p}: models"
+        head = loc[0] if loc else ""
+        return f"{p}: " + {"method": "merge_method", "base": "base_model"}.get(head, str(head))
+
     source = {"path": os.path.abspath(p), "sha256": hashlib.sha256(text.encode()).hexdigest(), "yaml": text}
-    return LoadedConfig(path=p, method=cfg.merge_method, base=base, experts=experts, resolved=resolved, dtype=dtype,
-                        out_dtype=out, budget=cfg.budget, fidelity=cfg.fidelity, seed=cfg.seed, source=source)
+    request = MergeRequest(
+        base=base, method=cfg.merge_method, parameters=dict(cfg.parameters or {}),
+        experts=[ExpertRequest(name=n, uri=u, parameters=ep) for (n, u), ep in zip(experts, expert_params)],
+        budget=cfg.budget, fidelity=cfg.fidelity, seed=cfg.seed or 0,
+        options=RequestOptions(out_dtype=out, requested_dtype=dtype, source=source),
+    )
+    resolved = request.resolve(where)
+    return LoadedConfig(path=p, request=request, where=where, resolved=resolved.params)
 
 
 def merge_from_config(path: str | os.PathLike, out: str, *, budget=None, fidelity=None, seed=None, **kw):
-    """Load ``path`` and run :func:`mergepipe.pipeline.merge`; ``budget``/``fidelity``/``seed``
-    given here override the config's own keys."""
-    from mergepipe.pipeline import merge
+    """Load ``path`` and run :func:`mergepipe.pipeline.merge_request` into ``out``;
+    ``budget``/``fidelity``/``seed`` given here override the config's own keys; ``kw`` go to
+    ``merge_request`` (``catalog``, ``storage``, ``device``, ...)."""
+    from mergepipe.pipeline import merge_request
 
     c = load_config(path)
-    return merge(c.base, c.experts, c.method, out, (),
-                 budget=budget if budget is not None else c.budget,
-                 fidelity=fidelity if fidelity is not None else c.fidelity,
-                 seed=seed if seed is not None else (c.seed or 0), **kw, **c.plan_options())
+    return merge_request(c.with_overrides(output=out, budget=budget, fidelity=fidelity, seed=seed), where=c.where, **kw)

@@ -5,7 +5,6 @@ The CLI (:mod:`mergepipe.cli`) is a thin layer over these functions.
 
 from __future__ import annotations
 
-import math
 import platform
 import re
 import shutil
@@ -18,58 +17,20 @@ from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, Catalog, Ch
 from mergepipe.catalog.sensitivity import load_calibration
 from mergepipe.errors import InputError
 from mergepipe.limits import short_repr
-from mergepipe.methods.params import resolve_params
 from mergepipe.methods.registry import get_method
 from mergepipe.planner.plan import Plan
-from mergepipe.planner.planner import DEFAULT_WORK_BYTES, EXTRA_FILES, make_plan
+from mergepipe.planner.planner import (
+    DEFAULT_WORK_BYTES,
+    EXTRA_FILES,
+    EngineOptions,
+    PlanInputs,
+    SelectionOptions,
+    make_plan,
+)
+from mergepipe.request import MAX_BYTES, MergeRequest, ResolvedRequest, Where, parse_bytes  # noqa: F401  (re-exported)
 from mergepipe.storage.base import IOCounters, Storage, is_s3
 from mergepipe.storage.routing import open_storage
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4,
-}
-
-
-def parse_bytes(text: str | int, *, total: int | None = None, what: str = "--budget") -> int | None:
-    """Parse a byte quantity: ``1234``, ``512MiB``, ``1.5GB``, ``10Gi``, a percentage of
-    ``total`` (``25%``), or ``unlimited``/``inf`` (returns None).
-
-    Raises:
-        InputError: unparseable, negative, not finite, over 2^63-1 bytes, or a percentage
-            without a total.
-    """
-    if isinstance(text, bool) or not isinstance(text, (str, int)):
-        raise InputError(f"{what} {short_repr(text)}: not a byte quantity; use e.g. 512MiB, 1.5GB, 1073741824, 25% "
-                         "or unlimited.")
-    s = str(text).strip()
-    if s.lower() in ("unlimited", "inf", "none", "full"):
-        return None
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z%]*)", s)
-    if not m:
-        raise InputError(f"{what} {short_repr(text)}: not a byte quantity; use e.g. 512MiB, 1.5GB, 1073741824, 25% or "
-                         "unlimited.")
-    num, unit = float(m.group(1)), m.group(2).lower()
-    if not math.isfinite(num):
-        raise InputError(f"{what} {short_repr(text)}: not a finite number; use e.g. 512MiB or unlimited.")
-    if unit == "%":
-        if total is None:
-            raise InputError(f"{what} {short_repr(text)}: a percentage needs the experts' total size, which is unknown here.")
-        if num > 100:
-            raise InputError(f"{what} {short_repr(text)}: a percentage above 100% is not a budget; use unlimited.")
-        return int(total * num / 100.0)
-    if unit not in _UNITS:
-        raise InputError(f"{what} {short_repr(text)}: unknown unit {short_repr(m.group(2))}; use B, KiB, MiB, GiB, TiB, "
-                         "KB, MB, GB, TB or %.")
-    n = num * _UNITS[unit]
-    if n > MAX_BYTES:
-        raise InputError(f"{what} {short_repr(text)}: larger than 2^63-1 bytes; use unlimited for no limit.")
-    return int(n)
-
-
-#: largest byte quantity accepted anywhere (a signed 64-bit count, as S3 and the kernel use)
-MAX_BYTES = 2**63 - 1
 #: largest catalog block size (bytes): a block is a unit of reading and statistics, not a whole model
 MAX_BLOCK_BYTES = 1 << 30
 
@@ -86,36 +47,6 @@ def parse_block_size(text: str, what: str = "--block-size") -> int:
         raise InputError(f"{what} {short_repr(text)}: must be a byte quantity from 1B to 1GiB (whole rows are "
                          "grouped up to it), e.g. 128KiB.")
     return bb
-
-
-def parse_params(items: Sequence[str], expert_names: Sequence[str]) -> tuple[dict, list[dict]]:
-    """Parse ``--param`` values.
-
-    Syntax: ``NAME=VALUE`` applies to the merge (and to every expert for per-expert parameters
-    such as weight and density); ``EXPERT:NAME=VALUE`` applies to one expert, where ``EXPERT`` is
-    the expert's name (the last path component of its URI, or the name given as
-    ``--expert NAME=URI``) or its 1-based position. Works unchanged for ``s3://`` URIs.
-
-    Raises:
-        InputError: malformed item or unknown expert.
-    """
-    glob: dict = {}
-    per: list[dict] = [{} for _ in expert_names]
-    for it in items:
-        m = re.fullmatch(r"(?:([^:=]+):)?([A-Za-z_][A-Za-z0-9_]*)=(.+)", it.strip())
-        if not m:
-            raise InputError(f"--param {it!r}: expected NAME=VALUE or EXPERT:NAME=VALUE (e.g. density=0.5, math:weight=0.3).")
-        who, name, val = m.group(1), m.group(2), m.group(3)
-        if who is None:
-            glob[name] = val
-            continue
-        if who.isdigit() and 1 <= int(who) <= len(expert_names):
-            per[int(who) - 1][name] = val
-        elif who in expert_names:
-            per[list(expert_names).index(who)][name] = val
-        else:
-            raise InputError(f"--param {it!r}: no expert named {who!r}; experts are {', '.join(expert_names)} (or 1..{len(expert_names)}).")
-    return glob, per
 
 
 def parse_expert(arg: str) -> tuple[str, str]:
@@ -235,71 +166,72 @@ def register_and_analyze(
 def build_plan(
     catalog: Catalog,
     storage: Storage,
-    base_uri: str,
-    experts: Sequence[tuple[str, str]],
-    method: str,
-    params: Sequence[str] = (),
+    request: MergeRequest | ResolvedRequest,
     *,
-    budget: str | int | None = None,
-    fidelity: float | None = None,
-    seed: int = 0,
+    where: Where | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     work_bytes: int = DEFAULT_WORK_BYTES,
     progress: Callable[[int], None] | None = None,
-    resolved=None,
-    out_dtype: str | None = None,
-    requested_dtype: str | None = None,
-    source: dict | None = None,
     analyze: bool = True,
     value: str | None = None,
     calibration: str | None = None,
 ) -> Plan:
-    """Register, analyze and plan. ``experts`` are (name, uri) pairs; ``budget`` a byte quantity
-    string (see :func:`parse_bytes`), an int, or None for unlimited.
+    """Register, analyze and plan a :class:`mergepipe.request.MergeRequest` (the one way into
+    planning; the CLI, mergekit configs, the operator and the search build it).
+
+    The request is validated first (:meth:`MergeRequest.resolve`, messages rendered by
+    ``where``); every parameter, including layer-wise settings per tensor, is checked after
+    reading the checkpoints' headers and before reading any tensor byte. An error about a
+    checkpoint (missing, unreadable, of another architecture) carries ``loc``
+    (``("base",)``, ``("experts", i, "uri")``) so a front end can name the field.
 
     With ``analyze=False`` no tensor byte is read: only shard headers (none for checkpoints the
     catalog knows unchanged) and the catalog; when the catalog lacks an expert's statistics (or,
     for methods that need them, the pair statistics of two experts) :class:`MissingAnalysis`
     names those experts. This is how the operator plans in-process (numpy only, no torch).
 
-    ``resolved`` (validated settings, e.g. from a mergekit config) replaces ``params``;
-    ``out_dtype`` is a safetensors dtype for the floating outputs; ``requested_dtype`` and
-    ``source`` are recorded (see :func:`mergepipe.planner.planner.make_plan`). Every parameter,
-    including layer-wise settings per tensor, is checked after reading the checkpoints' headers
-    and before reading any tensor byte.
+    Args:
+        block_bytes: the catalog's block size (bytes).
+        work_bytes: the engine's working-memory target (bytes), see :class:`EngineOptions`.
+        progress: called with the bytes analyzed so far.
+        value: the planner's block value (``"energy"``, or ``"fisher"`` with ``calibration``, a
+            JSON-lines calibration file: the base's per-block Fisher from the catalog, computed
+            once at analyze time; with ``analyze=False`` it must already be recorded). Default:
+            ``"fisher"`` when a calibration set is given (it kept more of the full merge's gain
+            in docs/QUALITY.md), ``"energy"`` otherwise.
 
-    ``value`` is the planner's block value (``"energy"``, or ``"fisher"`` with ``calibration``, a
-    JSON-lines calibration file: the base's per-block Fisher from the catalog, computed once at
-    analyze time; with ``analyze=False`` it must already be recorded). Default: ``"fisher"`` when
-    a calibration set is given (it kept more of the full merge's gain in docs/QUALITY.md),
-    ``"energy"`` otherwise."""
-    names = [n for n, _ in experts]
+    Raises:
+        InputError: the request is invalid, or a checkpoint is missing or incompatible.
+        MissingAnalysis: with ``analyze=False``, statistics are missing.
+    """
+    from mergepipe.formats.safetensors import FLOAT_DTYPES
+
     if value is None:
         value = "fisher" if calibration else "energy"
     if value not in ("energy", "fisher"):
         raise InputError(f"--value {value!r}: use 'energy' or 'fisher'.")
     if value == "fisher" and not calibration:
         raise InputError("--value fisher needs --calibration FILE.jsonl (text the base's sensitivity is measured on).")
+    rr = request if isinstance(request, ResolvedRequest) else request.resolve(where)
+    req = rr.request
     cal = load_calibration(storage, calibration) if calibration else None
-    if len(set(names)) != len(names):
-        raise InputError(f"--expert: two experts share a name ({', '.join(names)}); name them as --expert NAME=URI.")
-    spec = get_method(method)  # fail fast, before reading anything
-    if resolved is None:
-        glob, per = parse_params(params, names)
-        resolved = resolve_params(method, dict(glob), [dict(p) for p in per],
-                                  where_expert=lambda i, n: f"--param {names[i]}:{n}")
-    if fidelity is not None and not (0.0 < fidelity <= 1.0):
-        raise InputError(f"--fidelity {fidelity} is outside (0, 1]; e.g. --fidelity 0.99.")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise InputError(f"--seed {short_repr(seed)}: must be an integer from 0 to 2^63-1.")
-    if isinstance(budget, str):
-        parse_bytes(budget, total=0)  # syntax check before any read
-    base = catalog.register(storage, base_uri)
-    recs = [catalog.register(storage, u) for _, u in experts]
-    from mergepipe.formats.safetensors import FLOAT_DTYPES
-
-    resolved.check_tensors([n for n, t in base.layout.tensors.items() if t.dtype in FLOAT_DTYPES and t.numel > 0])
-    check_compatible(base, recs)  # headers only, both directions, before any tensor byte is read
+    spec = get_method(req.method)
+    try:
+        base = catalog.register(storage, req.base)
+    except InputError as e:
+        raise rr.at(("base",), e) from None
+    recs = []
+    for i, ex in enumerate(req.experts):
+        try:
+            recs.append(catalog.register(storage, ex.uri))
+        except InputError as e:
+            raise rr.at(("experts", i, "uri"), e) from None
+    rr.params.check_tensors([n for n, t in base.layout.tensors.items() if t.dtype in FLOAT_DTYPES and t.numel > 0])
+    for i, r in enumerate(recs):
+        try:
+            check_compatible(base, [r])  # headers only, both directions, before any tensor byte is read
+        except InputError as e:
+            raise rr.at(("experts", i, "uri"), e) from None
     extra = _extra_files(storage, base.uri)  # size-capped, before any tensor byte is read
     if not analyze:
         _require_analysis(catalog, base, recs, block_bytes, spec.needs_gram)
@@ -314,17 +246,17 @@ def build_plan(
                 raise MissingAnalysis([base.uri])
             sens = catalog.sensitivity(storage, base, cal, block_bytes)
     total = sum(r.total_bytes for r in recs)
-    budget_bytes = parse_bytes(budget, total=total) if isinstance(budget, str) else budget
-    plan = make_plan(
-        base, recs, analyses, method, expert_names=names, budget_bytes=budget_bytes,
-        fidelity=fidelity, seed=seed, work_bytes=work_bytes, extra_files=extra,
-        coalesce_gap=(storage.gap_for([u for _, u in experts]) if hasattr(storage, "gap_for") else storage.max_gap),
-        gram=gram, resolved=resolved, out_dtype=out_dtype, requested_dtype=requested_dtype, source=source,
-        base_digests=catalog.tensor_digests(base.identity),
-        value=value, sensitivity=sens if value == "fisher" else None,
-        calibration=cal.digest if (cal is not None and value == "fisher") else None,
+    budget_bytes = parse_bytes(req.budget, total=total) if isinstance(req.budget, str) else req.budget
+    gap = storage.gap_for([e.uri for e in req.experts]) if hasattr(storage, "gap_for") else storage.max_gap
+    fisher = cal is not None and value == "fisher"
+    return make_plan(
+        rr,
+        PlanInputs(base, recs, analyses, gram=gram, base_digests=catalog.tensor_digests(base.identity),
+                   extra_files=extra, sensitivity=sens if fisher else None),
+        SelectionOptions(budget_bytes=budget_bytes, fidelity=req.fidelity, value=value,
+                         calibration=cal.digest if (cal is not None and fisher) else None),
+        EngineOptions(work_bytes=work_bytes, coalesce_gap=gap),
     )
-    return plan
 
 
 def _extra_files(storage: Storage, base_uri: str) -> list[str]:
@@ -541,16 +473,10 @@ def execute_and_commit(
     return MergeResult(out=str(out), manifest=manifest, manifest_hash=mh, plan=plan)
 
 
-def merge(
-    base_uri: str,
-    experts: Sequence[tuple[str, str]],
-    method: str,
-    out: str,
-    params: Sequence[str] = (),
+def merge_request(
+    request: MergeRequest,
     *,
-    budget: str | int | None = None,
-    fidelity: float | None = None,
-    seed: int = 0,
+    where: Where | None = None,
     device: str = "cpu",
     catalog: Catalog | None = None,
     storage: Storage | None = None,
@@ -558,29 +484,38 @@ def merge(
     work_bytes: int = DEFAULT_WORK_BYTES,
     prefetch_bytes: int | None = None,
     progress: Callable[[str, int, int | None], None] | None = None,
+    value: str | None = None,
+    calibration: str | None = None,
     workers: int | None = None,
-    **plan_options,
 ) -> MergeResult:
-    """register → analyze → plan → execute → commit in one call (what ``mergepipe merge`` runs).
+    """register → analyze → plan → execute → commit in one call (what ``mergepipe merge`` runs),
+    committing at ``request.output``.
 
     Args:
+        where: renders request fields in the caller's terms for messages (see :func:`build_plan`).
         progress: ``progress(stage, advance_bytes, total_bytes_or_None)``.
+        value, calibration: the planner's block value (see :func:`build_plan`).
         workers: run the plan as this many parts in parallel processes and commit the run
             (:func:`mergepipe.parts.run_workers`; a rerun resumes); default one process.
-        plan_options: ``resolved``, ``out_dtype``, ``requested_dtype``, ``source`` for
-            :func:`build_plan` (the mergekit-config path, :mod:`mergepipe.config`).
+
+    Raises:
+        InputError: no ``request.output``, an invalid request, or an unusable output path.
     """
     from mergepipe.commit.manifest import check_output, probe_lock
 
+    out = request.output
+    if not out:
+        raise InputError("the merge request has no output; give --out DIR (or an s3:// prefix).", loc=("output",))
     t0 = time.perf_counter()
-    storage = storage or open_storage(base_uri, IOCounters())
+    storage = storage or open_storage(request.base, IOCounters())
     catalog = catalog or Catalog()
+    rr = request.resolve(where)  # before touching the output
     # fail fast, before reading any input and creating anything: a bad --out, or a live writer owning it
-    if not is_s3(out) and check_output(out, None, [base_uri, *(u for _, u in experts)]) is None:
+    if not is_s3(out) and check_output(out, None, [request.base, *(e.uri for e in request.experts)]) is None:
         probe_lock(out)
     cb = (lambda n: progress("analyze", n, None)) if progress else None
-    plan = build_plan(catalog, storage, base_uri, experts, method, params, budget=budget, fidelity=fidelity,
-                      seed=seed, block_bytes=block_bytes, work_bytes=work_bytes, progress=cb, **plan_options)
+    plan = build_plan(catalog, storage, rr, block_bytes=block_bytes, work_bytes=work_bytes, progress=cb,
+                      value=value, calibration=calibration)
     t_an = time.perf_counter() - t0
     if progress and not workers:  # (part processes report no progress to this one)
         progress("merge", 0, plan.io.output_write_bytes)
@@ -594,3 +529,27 @@ def merge(
     res.analyze_s = t_an
     res.total_s = time.perf_counter() - t0
     return res
+
+
+def merge(
+    base_uri: str,
+    experts: Sequence[tuple[str, str]],
+    method: str,
+    out: str,
+    params: Sequence[str] = (),
+    *,
+    budget: str | int | None = None,
+    fidelity: float | None = None,
+    seed: int = 0,
+    out_dtype: str | None = None,
+    **kw,
+) -> MergeResult:
+    """:func:`merge_request` with command-line style inputs: ``experts`` as ``(name, uri)``
+    pairs, ``params`` in the ``--param`` grammar (``["density=0.5", "math:weight=0.3"]``,
+    :func:`mergepipe.request.parse_param_args`) and ``out_dtype`` the safetensors dtype of the
+    floating outputs; ``kw`` go to :func:`merge_request`."""
+    from mergepipe.request import RequestOptions, request_from_args
+
+    return merge_request(request_from_args(base_uri, experts, method, params, budget=budget, fidelity=fidelity,
+                                           seed=seed, output=str(out), options=RequestOptions(out_dtype=out_dtype)),
+                         **kw)

@@ -218,6 +218,7 @@ def test_analyze_pairs_records_what_model_stock_plans_with(fam, monkeypatch, cap
     checkpoints' task vectors, and then planning reads nothing but the catalog."""
     from mergepipe.catalog.catalog import Catalog
     from mergepipe.pipeline import MissingAnalysis, build_plan
+    from mergepipe.request import ExpertRequest, MergeRequest
     from mergepipe.storage.base import IOCounters
     from mergepipe.storage.local import LocalStorage
     from tests.conftest import merged_tensors
@@ -231,8 +232,9 @@ def test_analyze_pairs_records_what_model_stock_plans_with(fam, monkeypatch, cap
 
     def plan_without_reading():
         st = LocalStorage(IOCounters())
-        p = build_plan(Catalog(cat), st, str(base), [(f"x{i}", str(e)) for i, e in enumerate(experts)],
-                       "model_stock", analyze=False)
+        req = MergeRequest(base=str(base), method="model_stock",
+                           experts=[ExpertRequest(name=f"x{i}", uri=str(e)) for i, e in enumerate(experts)])
+        p = build_plan(Catalog(cat), st, req, analyze=False)
         return p, st.counters.snapshot()["read"]
 
     with pytest.raises(MissingAnalysis) as e:

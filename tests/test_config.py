@@ -171,14 +171,15 @@ def test_out_dtype_end_to_end(family, tmp_path):
 
 def test_out_dtype_equal_to_input_plans_like_cli(family, tmp_path):
     from mergepipe.pipeline import build_plan
+    from mergepipe.request import request_from_args
 
     base, experts = family
     cat = Catalog(tmp_path / "c.sqlite")
     st = LocalStorage(IOCounters())
     c = load_config(write(tmp_path, base_cfg(family, out_dtype="bfloat16")))
-    p1 = build_plan(cat, st, c.base, c.experts, c.method, budget="50%", **c.plan_options())
-    p2 = build_plan(cat, st, str(base), [(e.name, str(e)) for e in experts], "ties", ["density=0.5", "weight=1.0"],
-                    budget="50%")
+    p1 = build_plan(cat, st, c.with_overrides(budget="50%"), where=c.where)
+    p2 = build_plan(cat, st, request_from_args(str(base), [(e.name, str(e)) for e in experts], "ties",
+                                               ["density=0.5", "weight=1.0"], budget="50%"))
     assert p1.out_dtype is None and p1.digest == p2.digest
 
 

@@ -4,7 +4,8 @@ tests of the pure resolver (mergepipe.methods.params), no checkpoint involved.""
 import pytest
 
 from mergepipe.errors import InputError
-from mergepipe.methods.params import evaluate, layer_count, layer_index, layer_t, resolve_params
+from mergepipe.methods.params import evaluate, layer_count, layer_index, layer_t, param_loc, resolve_params
+from mergepipe.request import parse_param_args
 
 NAMES = [f"model.layers.{i}.mlp.up_proj.weight" for i in range(5)] + ["model.embed_tokens.weight", "lm_head.weight"]
 
@@ -89,8 +90,10 @@ def test_filter_lists_that_shadow_entries_are_refused():
 ])
 def test_bad_settings_name_the_key(setting, match):
     with pytest.raises(InputError, match=match) as ei:
-        resolve_params("ties", {"density": setting}, [{}])
+        g, per = parse_param_args([f"density={setting}"], "ties", ["x"])  # the CLI edge, then the validator
+        resolve_params("ties", g, per)
     assert str(ei.value).startswith("--param density")
+    assert ei.value.loc[:2] == ("parameters", "density")
 
 
 def test_method_level_checks():
@@ -111,7 +114,7 @@ def test_method_level_checks():
     with pytest.raises(InputError, match=r"gamma=1 is outside \[0, 1\)"):
         resolve_params("breadcrumbs", {"gamma": 1}, [{}])
     with pytest.raises(InputError, match="boolean parameters are not layer-wise"):
-        resolve_params("ties", {"normalize": "[true, false]"}, [{}])
+        resolve_params("ties", {"normalize": [True, False]}, [{}])
     with pytest.raises(InputError, match="nuslerp_row_wise=true with nuslerp_flatten=false"):
         resolve_params("nuslerp", {"nuslerp_row_wise": True, "nuslerp_flatten": False}, [{}, {}])
     with pytest.raises(InputError, match="unknown merge method 'frankenmerge'"):
@@ -138,7 +141,11 @@ def test_required_parameter_without_a_match_for_a_tensor():
 
 
 def test_custom_key_paths_in_messages():
-    rp_kw = dict(where_global=lambda n: f"m.yml: parameters.{n}", where_expert=lambda i, n: f"m.yml: models[{i + 1}].parameters.{n}")
+    def where(loc):
+        i, n, rest = param_loc(loc)
+        return f"m.yml: parameters.{n}" if i is None else f"m.yml: models[{i + 1}].parameters.{n}"
+
+    rp_kw = dict(where=where)
     with pytest.raises(InputError, match=r"^m.yml: models\[2\].parameters.density: density=2 is outside"):
         resolve_params("ties", {}, [{}, {"density": 2}], **rp_kw)
     with pytest.raises(InputError, match=r"^m.yml: parameters.t: "):

@@ -49,9 +49,9 @@ IDS = [f"{m}-{n}-{'-'.join(p) or 'default'}" for m, p, n in CASES]
 
 
 def _resolved(method, params, names):
-    from mergepipe.pipeline import parse_params
+    from mergepipe.request import parse_param_args
 
-    g, per = parse_params(params, names)
+    g, per = parse_param_args(params, method, names)
     return resolve_params(method, g, per)
 
 
@@ -322,14 +322,15 @@ def test_engine_uses_per_tensor_values_only(family, tmp_path):
     """Layer-wise settings are resolved into the plan per tensor; erasing the merge-level
     settings from the plan does not change the output (the engine never reads them)."""
     from mergepipe.pipeline import build_plan, execute_and_commit
+    from mergepipe.request import request_from_args
     from mergepipe.storage.base import IOCounters
     from mergepipe.storage.local import LocalStorage
 
     base, experts = family
     params = ["density=[0.2,0.9]", 'expert1:weight=[{"filter":"mlp","value":0.5},{"value":1.5}]', "lambda=[1,0.5]"]
     st = LocalStorage(IOCounters())
-    plan = build_plan(Catalog(tmp_path / "c.sqlite"), st, str(base), [(e.name, str(e)) for e in experts], "ties",
-                      params)
+    plan = build_plan(Catalog(tmp_path / "c.sqlite"), st,
+                      request_from_args(str(base), [(e.name, str(e)) for e in experts], "ties", params))
     tp = {t.name: t for t in plan.tensors}
     l0, l1 = tp["model.layers.0.mlp.up_proj.weight"], tp["model.layers.1.self_attn.q_proj.weight"]
     assert [te.density for te in l0.experts] == [0.2] * 3 and [te.density for te in l1.experts] == [0.9] * 3

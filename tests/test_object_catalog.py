@@ -4,6 +4,7 @@ fed from index objects reads no checkpoint byte."""
 from mergepipe.catalog.catalog import Catalog
 from mergepipe.catalog.objectstore import ObjectCatalog, open_catalog
 from mergepipe.pipeline import build_plan
+from mergepipe.request import request_from_args
 from mergepipe.storage.base import IOCounters
 from mergepipe.storage.local import LocalStorage
 
@@ -11,17 +12,17 @@ from mergepipe.storage.local import LocalStorage
 def test_object_catalog_plans_like_sqlite_without_reading_checkpoints(family, tmp_path):
     base, experts = family
     ex = [(e.name, str(e)) for e in experts]
-    sql = build_plan(Catalog(tmp_path / "c.sqlite"), LocalStorage(IOCounters()), str(base), ex, "ties",
-                     ["density=0.4"], budget="30%")
+    req = request_from_args(str(base), ex, "ties", ["density=0.4"], budget="30%")
+    sql = build_plan(Catalog(tmp_path / "c.sqlite"), LocalStorage(IOCounters()), req)
     cat = ObjectCatalog(LocalStorage(IOCounters()), str(tmp_path / "index"))
     st = LocalStorage(IOCounters())
-    p1 = build_plan(cat, st, str(base), ex, "ties", ["density=0.4"], budget="30%")
+    p1 = build_plan(cat, st, req)
     assert st.counters.snapshot()["read"]["expert"] > 0  # analyzed once
     assert p1.digest == sql.digest
     # a second planner (e.g. the operator) from the index objects: stats only, no checkpoint bytes
     cat2 = open_catalog("objects:" + str(tmp_path / "index"))
     st2 = LocalStorage(IOCounters())
-    p2 = build_plan(cat2, st2, str(base), ex, "ties", ["density=0.4"], budget="30%")
+    p2 = build_plan(cat2, st2, req)
     rd = st2.counters.snapshot()["read"]
     assert rd["expert"] == 0 and rd["base"] == 0
     assert p2.digest == p1.digest

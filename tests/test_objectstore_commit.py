@@ -9,6 +9,7 @@ from mergepipe.catalog.catalog import Catalog
 from mergepipe.commit.objectstore import read_manifest_obj, verify_obj
 from mergepipe.errors import CommitConflict, InputError
 from mergepipe.pipeline import build_plan, execute_and_commit
+from mergepipe.request import request_from_args
 from mergepipe.storage.base import IOCounters
 from mergepipe.storage.local import LocalStorage
 
@@ -16,8 +17,8 @@ from mergepipe.storage.local import LocalStorage
 def _plan(family, tmp_path, method="ties", params=("density=0.5",)):
     base, experts = family
     st = LocalStorage(IOCounters())
-    return build_plan(Catalog(tmp_path / "c.sqlite"), st, str(base), [(e.name, str(e)) for e in experts], method,
-                      list(params), budget="50%")
+    return build_plan(Catalog(tmp_path / "c.sqlite"), st, request_from_args(
+        str(base), [(e.name, str(e)) for e in experts], method, list(params), budget="50%"))
 
 
 def test_concurrent_writers_one_manifest(family, tmp_path):

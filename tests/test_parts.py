@@ -23,6 +23,7 @@ from mergepipe.errors import CommitConflict, InputError
 from mergepipe.parts import commit_run, execute_part
 from mergepipe.pipeline import build_plan, execute_and_commit
 from mergepipe.planner.plan import InputRef, IOEstimate, Plan, TensorExpert, TensorPlan
+from mergepipe.request import request_from_args
 from mergepipe.storage.base import IOCounters
 from mergepipe.storage.routing import open_storage
 from tests.synth import llama_like_shapes, make_family
@@ -146,12 +147,7 @@ def _plan(fam, tmp_path, budget="30%", method="dare_ties", params=("density=0.5"
     return build_plan(
         Catalog(tmp_path / "c.sqlite"),
         st_,
-        str(base),
-        [(e.name, str(e)) for e in experts],
-        method,
-        list(params),
-        budget=budget,
-        seed=4,
+        request_from_args(str(base), [(e.name, str(e)) for e in experts], method, list(params), budget=budget, seed=4),
         work_bytes=16 << 10,
     )
 

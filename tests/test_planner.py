@@ -7,9 +7,23 @@ from mergepipe.catalog.catalog import Catalog
 from mergepipe.errors import InputError
 from mergepipe.pipeline import execute_and_commit, merge
 from mergepipe.planner.plan import Plan
-from mergepipe.planner.planner import make_plan
+from mergepipe.planner.planner import EngineOptions, PlanInputs, SelectionOptions, make_plan
+from mergepipe.request import ExpertRequest, MergeRequest
 from mergepipe.storage.base import IOCounters
 from mergepipe.storage.local import LocalStorage
+
+
+def _plan(b, es, an, method, gp=None, ep=None, *, expert_names=None, budget_bytes=None, fidelity=None, seed=0,
+          coalesce_gap=0, gram=None, value="energy", sensitivity=None, calibration=None):
+    """make_plan over a request built from merge-wide ``gp`` and per-expert ``ep`` settings
+    (experts named by ``expert_names``, else their folder names)."""
+    names = expert_names or [e.uri.rstrip("/").rsplit("/", 1)[-1] for e in es]
+    req = MergeRequest(base=b.uri, method=method, parameters=dict(gp or {}), seed=seed,
+                       experts=[ExpertRequest(name=n, uri=e.uri, parameters=dict(p))
+                                for n, e, p in zip(names, es, ep or [{}] * len(es))])
+    return make_plan(req.resolve(), PlanInputs(b, es, an, gram=gram, sensitivity=sensitivity),
+                     SelectionOptions(budget_bytes, fidelity, value=value, calibration=calibration),
+                     EngineOptions(coalesce_gap=coalesce_gap))
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +52,7 @@ def test_planned_never_exceeds_budget(analyzed, frac, m, density, gap, bb, w):
     budget = int(frac * total)
     method, sp = m
     gp = {"density": density} if sp else {}
-    plan = make_plan(b, es, an, method, gp, [{"weight": x} for x in w], budget_bytes=budget, coalesce_gap=gap)
+    plan = _plan(b, es, an, method, gp, [{"weight": x} for x in w], budget_bytes=budget, coalesce_gap=gap)
     assert plan.io.expert_read_bytes <= budget
     assert 0.0 <= plan.retained_energy <= 1.0 + 1e-9
     # selected blocks are within each tensor's grid and runs are disjoint and sorted
@@ -70,15 +84,15 @@ def test_realized_never_exceeds_planned(family, tmp_path_factory, frac, m):
 
 def test_full_and_zero_budget(analyzed):
     b, es, an = analyzed[4096]
-    full = make_plan(b, es, an, "ties", {"density": 0.5})
+    full = _plan(b, es, an, "ties", {"density": 0.5})
     assert full.retained_energy == pytest.approx(1.0)
     assert full.budget_bytes is None
     # TIES never reads blocks whose every entry is trimmed, so full budget reads <= everything
     assert full.io.expert_read_bytes <= sum(t.nbytes for e in es for t in e.layout.tensors.values())
-    zero = make_plan(b, es, an, "ties", {"density": 0.5}, budget_bytes=0)
+    zero = _plan(b, es, an, "ties", {"density": 0.5}, budget_bytes=0)
     assert zero.io.expert_read_bytes == 0 and zero.retained_energy == 0.0
     assert all(t.copy_base for t in zero.tensors)
-    half = make_plan(b, es, an, "ties", {"density": 0.5}, budget_bytes=full.io.expert_read_bytes // 2)
+    half = _plan(b, es, an, "ties", {"density": 0.5}, budget_bytes=full.io.expert_read_bytes // 2)
     # greedy by value per byte keeps more than half the energy with half the bytes
     assert 0.5 < half.retained_energy < 1.0
 
@@ -87,24 +101,24 @@ def test_fidelity_mode(analyzed):
     b, es, an = analyzed[4096]
     prev = -1
     for f in (0.5, 0.9, 0.99, 1.0):
-        p = make_plan(b, es, an, "task_arithmetic", {}, fidelity=f)
+        p = _plan(b, es, an, "task_arithmetic", {}, fidelity=f)
         assert p.retained_energy >= f - 1e-9
         assert p.io.expert_read_bytes >= prev
         prev = p.io.expert_read_bytes
-    both = make_plan(b, es, an, "task_arithmetic", {}, fidelity=0.99, budget_bytes=1000)
+    both = _plan(b, es, an, "task_arithmetic", {}, fidelity=0.99, budget_bytes=1000)
     assert both.io.expert_read_bytes <= 1000
     with pytest.raises(InputError, match="fidelity"):
-        make_plan(b, es, an, "ties", {}, fidelity=1.5)
+        _plan(b, es, an, "ties", {}, fidelity=1.5)
     with pytest.raises(InputError, match="budget"):
-        make_plan(b, es, an, "ties", {}, budget_bytes=-1)
+        _plan(b, es, an, "ties", {}, budget_bytes=-1)
 
 
 def test_digest_is_semantic_and_roundtrips(analyzed, tmp_path):
     b, es, an = analyzed[4096]
-    p1 = make_plan(b, es, an, "ties", {"density": 0.5}, budget_bytes=100_000)
-    p2 = make_plan(b, es, an, "ties", {"density": 0.5}, budget_bytes=100_000)
+    p1 = _plan(b, es, an, "ties", {"density": 0.5}, budget_bytes=100_000)
+    p2 = _plan(b, es, an, "ties", {"density": 0.5}, budget_bytes=100_000)
     assert p1.digest == p2.digest and p1.created_at != 0
-    p3 = make_plan(b, es, an, "ties", {"density": 0.6}, budget_bytes=100_000)
+    p3 = _plan(b, es, an, "ties", {"density": 0.6}, budget_bytes=100_000)
     assert p3.digest != p1.digest
     again = Plan.from_json(p1.to_json())
     assert again.digest == p1.digest
@@ -115,7 +129,7 @@ def test_digest_is_semantic_and_roundtrips(analyzed, tmp_path):
 
 def test_explanations_name_experts_and_blocks(analyzed):
     b, es, an = analyzed[4096]
-    p = make_plan(b, es, an, "ties", {"density": 0.3}, budget_bytes=60_000, expert_names=["a", "b", "c"])
+    p = _plan(b, es, an, "ties", {"density": 0.3}, budget_bytes=60_000, expert_names=["a", "b", "c"])
     assert "retaining" in p.explain and "budget" in p.explain
     merged = [t for t in p.tensors if t.experts]
     assert merged and all("blocks" in t.explain for t in merged)
@@ -172,10 +186,10 @@ def test_new_methods_never_exceed_budget(analyzed_pairs, frac, m, density, gap):
     method, extra = m
     b, es, an, gp, gram = _new_method_args(method, extra, density, analyzed_pairs)
     budget = int(frac * sum(e.total_bytes for e in es))
-    plan = make_plan(b, es, an, method, gp, None, budget_bytes=budget, coalesce_gap=gap, gram=gram)
+    plan = _plan(b, es, an, method, gp, None, budget_bytes=budget, coalesce_gap=gap, gram=gram)
     assert plan.io.expert_read_bytes <= budget
     assert 0.0 <= plan.retained_energy <= 1.0 + 1e-9
-    full = make_plan(b, es, an, method, gp, None, gram=gram)
+    full = _plan(b, es, an, method, gp, None, gram=gram)
     assert full.retained_energy == pytest.approx(1.0)
     # unlimited budget reads every block with a non-zero task vector (kept value or a row-local statistic)
     if method.startswith(("della", "model_stock", "nuslerp")) or (method == "slerp"):
@@ -219,13 +233,13 @@ def test_fisher_valued_plans_stay_within_budget(analyzed, frac, m, density, gap,
     method, sp = m
     gp = {"density": density} if sp else {}
     budget = int(frac * sum(e.total_bytes for e in es))
-    plan = make_plan(b, es, an, method, gp, budget_bytes=budget, coalesce_gap=gap, value="fisher",
+    plan = _plan(b, es, an, method, gp, budget_bytes=budget, coalesce_gap=gap, value="fisher",
                      sensitivity=sens, calibration="c" * 64)
     assert plan.io.expert_read_bytes <= budget
     assert 0.0 <= plan.retained_energy <= 1.0 + 1e-9
     assert plan.block_value == {"kind": "fisher", "calibration": "c" * 64}
-    full_f = make_plan(b, es, an, method, gp, coalesce_gap=gap, value="fisher", sensitivity=sens, calibration="c" * 64)
-    full_e = make_plan(b, es, an, method, gp, coalesce_gap=gap)
+    full_f = _plan(b, es, an, method, gp, coalesce_gap=gap, value="fisher", sensitivity=sens, calibration="c" * 64)
+    full_e = _plan(b, es, an, method, gp, coalesce_gap=gap)
     assert [[te.blocks for te in t.experts] for t in full_f.tensors] == [[te.blocks for te in t.experts] for t in full_e.tensors]
     assert full_f.digest != full_e.digest and full_e.block_value is None
 
@@ -233,11 +247,11 @@ def test_fisher_valued_plans_stay_within_budget(analyzed, frac, m, density, gap,
 def test_fisher_value_needs_its_statistic(analyzed):
     b, es, an = analyzed[4096]
     with pytest.raises(InputError, match="--calibration"):
-        make_plan(b, es, an, "ties", {"density": 0.5}, value="fisher")
+        _plan(b, es, an, "ties", {"density": 0.5}, value="fisher")
     with pytest.raises(InputError, match="--value"):
-        make_plan(b, es, an, "ties", {"density": 0.5}, value="curvature")
+        _plan(b, es, an, "ties", {"density": 0.5}, value="curvature")
     with pytest.raises(InputError, match="lacks tensor"):
-        make_plan(b, es, an, "ties", {"density": 0.5}, value="fisher", sensitivity={"x": [1.0]}, calibration="c")
+        _plan(b, es, an, "ties", {"density": 0.5}, value="fisher", sensitivity={"x": [1.0]}, calibration="c")
 
 
 @settings(max_examples=200, deadline=None)

@@ -14,6 +14,7 @@ from mergepipe.catalog.objectstore import ObjectCatalog
 from mergepipe.commit.objectstore import read_manifest_obj, verify_obj
 from mergepipe.errors import InputError
 from mergepipe.pipeline import build_plan, execute_and_commit, merge
+from mergepipe.request import request_from_args
 from mergepipe.storage.base import IOCounters
 from mergepipe.storage.routing import open_storage
 from tests.s3support import FaultProxy
@@ -81,7 +82,8 @@ def test_merge_through_faulty_network_is_identical(s3_family, seaweed, tmp_path)
 def test_two_workers_commit_one_snapshot(s3_family, tmp_path):
     bucket, b, es, *_ = s3_family
     st0 = open_storage(None, IOCounters())
-    plan = build_plan(Catalog(tmp_path / "c.sqlite"), st0, b, _names(es), "ties", ["density=0.5"], budget="40%")
+    plan = build_plan(Catalog(tmp_path / "c.sqlite"), st0, request_from_args(b, _names(es), "ties", ["density=0.5"],
+                                                                         budget="40%"))
     out = f"s3://{bucket}/snap/race"
     results, errors = [], []
 
@@ -108,7 +110,7 @@ def test_two_workers_commit_one_snapshot(s3_family, tmp_path):
 def test_stale_catalog_changed_shard_is_refused(s3_family, s3_env, tmp_path):
     bucket, b, es, base, experts = s3_family
     st = open_storage(None, IOCounters())
-    plan = build_plan(Catalog(tmp_path / "c.sqlite"), st, b, _names(es), "ties", ["density=0.5"])
+    plan = build_plan(Catalog(tmp_path / "c.sqlite"), st, request_from_args(b, _names(es), "ties", ["density=0.5"]))
     # replace one expert shard after analysis
     shard = sorted(os.listdir(experts[0]))
     shard = [f for f in shard if f.endswith(".safetensors")][0]
@@ -133,7 +135,7 @@ def test_store_ignoring_conditional_writes_is_refused(s3_family, tmp_path):
         merge(b, _names(es), "linear", f"s3://{bucket}/snap/nocond", [], catalog=Catalog(tmp_path / "c.sqlite"),
               storage=st)
     assert read_manifest_obj(st, f"s3://{bucket}/snap/nocond") is None
-    res = execute_and_commit(build_plan(Catalog(tmp_path / "c.sqlite"), st, b, _names(es), "linear", []), st,
+    res = execute_and_commit(build_plan(Catalog(tmp_path / "c.sqlite"), st, request_from_args(b, _names(es), "linear")), st,
                              f"s3://{bucket}/snap/nocond", unsafe_single_writer=True)
     assert res.manifest["snapshot_id"]
 

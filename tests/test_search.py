@@ -52,16 +52,16 @@ def _config(family, tmp_path, **kw):
 # -- space ------------------------------------------------------------------------------------------
 def test_space_maps_points_to_layer_block_filter_lists():
     from mergepipe.methods.params import layer_t, resolve_params
-    from mergepipe.pipeline import parse_params
     from mergepipe.search.space import SearchSpace, layer_blocks, parse_vary
 
     assert layer_blocks(5, 2) == [(0, 1, 2), (3, 4)]
-    sp = SearchSpace("ties", ["a", "b"], parse_vary(["weight=0.2:1.2", "a:density=0.1:0.9"]), 4, 2, ["lambda=1"])
+    sp = SearchSpace("ties", ["a", "b"], parse_vary(["weight=0.2:1.2", "a:density=0.1:0.9"]), 4, 2,
+                     {"parameters": {"lambda": 1.0}})
     assert sp.d == 2 * 2 + 2  # weight for a and b per block, density for a per block
     x = [0.0, 1.0, 0.5, 0.5, 0.25, 1.0]
     params = sp.to_params(x)
-    glob, per = parse_params(params, ["a", "b"])
-    rp = resolve_params("ties", glob, per)
+    assert params["parameters"]["lambda"] == 1.0 and set(params["experts"]) == {"a", "b"}  # structured, no strings
+    rp = resolve_params("ties", params["parameters"], [params["experts"].get(n, {}) for n in ("a", "b")])
     # layer 3 is in block 1 -> a's weight = 0.2 + 1.0 * 1.0; layer 0 -> 0.2; embeddings take the mean
     assert rp.for_tensor("model.layers.3.mlp.up_proj.weight", layer_t("model.layers.3.x", 4)).experts[0]["weight"] == \
         pytest.approx(1.2)

@@ -65,8 +65,9 @@ def cfg(**kw):
     return SearchConfig(**d)
 
 
-CAND = {"id": 7, "params": ["normalize=true", "1:weight=0.5",
-                            'math:weight=[{"filter":"layers.0.","value":0.25},{"value":0.25}]']}
+CAND = {"id": 7, "params": {"parameters": {"normalize": True},
+                            "experts": {"code": {"weight": 0.5},
+                                        "math": {"weight": [{"filter": "layers.0.", "value": 0.25}, {"value": 0.25}]}}}}
 
 
 def merger(api, **kw):

@@ -16,6 +16,7 @@ from mergepipe.catalog.sensitivity import load_calibration  # noqa: E402
 from mergepipe.errors import InputError  # noqa: E402
 from mergepipe.formats.safetensors import rows_per_block  # noqa: E402
 from mergepipe.pipeline import build_plan, register_and_analyze  # noqa: E402
+from mergepipe.request import request_from_args  # noqa: E402
 from mergepipe.storage.base import IOCounters  # noqa: E402
 from mergepipe.storage.local import LocalStorage  # noqa: E402
 
@@ -116,20 +117,18 @@ def test_fisher_recorded_once_and_matches_a_direct_computation(tiny, tmp_path, m
     pf = build_plan(
         cat,
         st,
-        str(paths["base"]),
-        experts,
-        "ties",
-        ["density=0.5"],
-        budget="30%",
+        request_from_args(str(paths["base"]), experts, "ties", ["density=0.5"], budget="30%"),
         block_bytes=bb,
         value="fisher",
         calibration=str(cal),
     )
-    pe = build_plan(cat, st, str(paths["base"]), experts, "ties", ["density=0.5"], budget="30%", block_bytes=bb)
+    pe = build_plan(
+        cat, st, request_from_args(str(paths["base"]), experts, "ties", ["density=0.5"], budget="30%"), block_bytes=bb
+    )
     assert pf.block_value == {"kind": "fisher", "calibration": c.digest}
     # with a calibration set and no --value, the plan is the Fisher-valued one (the default)
-    pd = build_plan(cat, st, str(paths["base"]), experts, "ties", ["density=0.5"], budget="30%", block_bytes=bb,
-                    calibration=str(cal))
+    pd = build_plan(cat, st, request_from_args(str(paths["base"]), experts, "ties", ["density=0.5"], budget="30%"),
+                    block_bytes=bb, calibration=str(cal))
     assert pd.digest == pf.digest
     assert pe.block_value is None and pf.digest != pe.digest
     assert pf.io.expert_read_bytes <= pf.budget_bytes
@@ -138,11 +137,7 @@ def test_fisher_recorded_once_and_matches_a_direct_computation(tiny, tmp_path, m
     pf2 = build_plan(
         cat,
         st,
-        str(paths["base"]),
-        experts,
-        "ties",
-        ["density=0.5"],
-        budget="30%",
+        request_from_args(str(paths["base"]), experts, "ties", ["density=0.5"], budget="30%"),
         block_bytes=bb,
         value="fisher",
         calibration=str(cal2),
@@ -163,7 +158,10 @@ def test_calibration_errors(tiny, tmp_path):
         load_calibration(st, str(tmp_path / "missing.jsonl"))
     cat = Catalog(tmp_path / "c.sqlite")
     with pytest.raises(InputError, match="--calibration"):
-        build_plan(cat, st, str(paths["base"]), [("e1", str(paths["e1"]))], "ties", ["density=0.5"], value="fisher")
+        build_plan(
+            cat, st, request_from_args(str(paths["base"]), [("e1", str(paths["e1"]))], "ties", ["density=0.5"]),
+            value="fisher",
+        )
 
 
 def test_cli_value_fisher_without_calibration_exits_2(tiny, tmp_path, monkeypatch, capsys):

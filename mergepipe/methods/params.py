@@ -33,7 +33,6 @@ the key path in the message; interpolated values lie between validated endpoints
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -72,89 +71,126 @@ def _is_scalar(v) -> bool:
     return isinstance(v, (int, float, bool, str)) and not isinstance(v, (list, dict))
 
 
-def parse_setting(p: ParamSpec, raw: Any, where: str) -> Any:
-    """Validate a setting and return it in canonical JSON form.
+#: A field of a merge request as a path: ``("parameters", "density")`` (merge-wide),
+#: ``("experts", 1, "parameters", "density", 0, "value")`` (an expert's setting, inside it the
+#: first filter entry's value), ``("experts",)``, ``("experts", 0, "uri")``, ``("method",)``.
+Loc = tuple  # tuple[str | int, ...]
+#: How a front end names a field in its own terms: ``Loc -> str`` (e.g. ``--param math:density``).
+Where = Callable[[Loc], str]
+
+
+def sub_text(rest: Sequence[str | int]) -> str:
+    """The part of a path inside a setting in the usual notation: ``(0, "value", 1)`` -> ``[0].value[1]``."""
+    return "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in rest)
+
+
+def param_loc(loc: Loc) -> tuple[int | None, str, tuple] | None:
+    """``(expert index or None for merge-wide, parameter name, path inside the setting)`` of a
+    parameter path, or None when ``loc`` names another field."""
+    if len(loc) >= 2 and loc[0] == "parameters":
+        return None, str(loc[1]), tuple(loc[2:])
+    if len(loc) >= 4 and loc[0] == "experts" and loc[2] == "parameters":
+        return int(loc[1]), str(loc[3]), tuple(loc[4:])
+    return None
+
+
+_CLI_FIELDS = {"base": "--base", "experts": "--expert", "method": "--method", "budget": "--budget",
+               "fidelity": "--fidelity", "seed": "--seed", "output": "--out"}
+
+
+def cli_where(names: Sequence[str] | None = None) -> Where:
+    """Fields in command-line terms: ``--param density``, ``--param math:density[1]`` (an expert
+    by ``names[i]``, or by 1-based position without names), ``--expert``, ``--budget``, ..."""
+
+    def where(loc: Loc) -> str:
+        pl = param_loc(loc)
+        if pl is not None:
+            i, name, rest = pl
+            who = "" if i is None else f"{names[i] if names else i + 1}:"
+            return f"--param {who}{name}{sub_text(rest)}"
+        if loc and loc[0] == "experts" and len(loc) >= 2:
+            return f"--expert {names[loc[1]] if names else loc[1] + 1}"
+        return _CLI_FIELDS.get(str(loc[0]), str(loc[0])) if loc else "request"
+
+    return where
+
+
+def _fail(where: Where, loc: Loc, problem: str) -> InputError:
+    return InputError(f"{where(loc)}: {problem}", loc=loc, problem=problem)
+
+
+def parse_setting(p: ParamSpec, raw: Any, loc: Loc, where: Where) -> Any:
+    """Validate a setting and return it in canonical JSON form (the one validator of parameter
+    values; every front end reaches it through :class:`mergepipe.request.MergeRequest`).
 
     Args:
-        raw: a scalar, a list (gradient or filter entries), one ``{filter, value}`` mapping, or
-            a string (CLI): strings starting with ``[`` or ``{`` are parsed as JSON.
-        where: the key path for messages, e.g. ``--param density`` or
-            ``merge.yml: models[1].parameters.density``.
+        raw: a scalar (numbers may be numeric strings, booleans ``true``/``yes``/``1``...), a list
+            (gradient or filter entries) or one ``{filter, value}`` mapping.
+        loc: the setting's request field path, e.g. ``("parameters", "density")``.
+        where: renders a field path in the front end's terms, for messages.
 
     Raises:
-        InputError: naming ``where`` and the allowed values.
+        InputError: naming the field (``loc`` attached) and the allowed values.
     """
-    if isinstance(raw, str) and raw.strip()[:1] in ("[", "{"):
-        from mergepipe.limits import json_depth, short_repr
-
-        if json_depth(raw) > 4:  # a gradient is depth 1, a filter list 2
-            raise InputError(f"{where}: {short_repr(raw)} is nested too deeply; a gradient is [0.2, 0.8], a filter "
-                             'list [{"filter": "mlp", "value": 0.5}, {"value": 0.3}].')
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as err:
-            raise InputError(
-                f"{where}: {short_repr(raw)} is not valid JSON ({err.msg}); a gradient is [0.2, 0.8], a filter list "
-                '[{"filter": "mlp", "value": 0.5}, {"value": 0.3}].'
-            ) from None
     if isinstance(raw, dict):
         raw = [raw]
     if not isinstance(raw, list):
-        return p.check(raw, where)
+        return p.check(raw, where(loc), loc)
     if p.kind == "bool":
-        raise InputError(f"{where}: {p.name} is a boolean and takes one value (true or false), not a list; "
-                         "boolean parameters are not layer-wise.")
+        raise _fail(where, loc, f"{p.name} is a boolean and takes one value (true or false), not a list; "
+                                "boolean parameters are not layer-wise.")
     if not raw:
-        raise InputError(f"{where}: empty list; give a number, a gradient of at least two numbers such as "
-                         '[0.2, 0.8], or filter entries [{"filter": "mlp", "value": 0.5}, {"value": 0.3}].')
+        raise _fail(where, loc, "empty list; give a number, a gradient of at least two numbers such as "
+                                '[0.2, 0.8], or filter entries [{"filter": "mlp", "value": 0.5}, {"value": 0.3}].')
     if all(_is_scalar(e) for e in raw):
-        return _gradient(p, raw, where)
+        return _gradient(p, raw, loc, where)
     if not all(isinstance(e, dict) for e in raw):
-        raise InputError(f"{where}: the list mixes numbers and {{filter, value}} entries; use a gradient "
-                         "(numbers only) or filter entries (mappings only).")
+        raise _fail(where, loc, "the list mixes numbers and {filter, value} entries; use a gradient "
+                                "(numbers only) or filter entries (mappings only).")
     out: list[dict[str, Any]] = []
     catch_all = None
     for i, e in enumerate(raw):
-        ew = f"{where}[{i}]"
+        el = (*loc, i)
         extra = set(e) - {"filter", "value"}
         if extra:
-            raise InputError(f"{ew}: unknown key(s) {', '.join(sorted(map(str, extra)))}; an entry has only "
-                             "filter and value.")
+            raise _fail(where, el, f"unknown key(s) {', '.join(sorted(map(str, extra)))}; an entry has only "
+                                   "filter and value.")
         if "value" not in e:
-            raise InputError(f"{ew}: value is missing; an entry is {{filter: <substring of tensor names>, value: ...}}.")
+            raise _fail(where, el, "value is missing; an entry is {filter: <substring of tensor names>, value: ...}.")
         f = e.get("filter")
         if f is not None and (not isinstance(f, str) or not f):
-            raise InputError(f"{ew}.filter: must be a non-empty substring of tensor names (or '*'), got {f!r}.")
+            raise _fail(where, (*el, "filter"), f"must be a non-empty substring of tensor names (or '*'), got {f!r}.")
         if f == "*":
             f = None
         if catch_all is not None:
-            raise InputError(f"{where}[{catch_all}]: the entry without filter matches every tensor, so entry "
-                             f"{i} after it is never used (first match wins); move the catch-all last.")
+            raise _fail(where, (*loc, catch_all), f"the entry without filter matches every tensor, so entry {i} "
+                                                  "after it is never used (first match wins); move the catch-all last.")
         for j, prev in enumerate(out):
             if prev["filter"] is not None and f is not None and prev["filter"] in f:
-                raise InputError(
-                    f"{ew}.filter: {f!r} is never used: every tensor it matches also matches entry {j} "
-                    f"({prev['filter']!r}) before it (first match wins); put the more specific filter first.")
+                raise _fail(where, (*el, "filter"),
+                            f"{f!r} is never used: every tensor it matches also matches entry {j} "
+                            f"({prev['filter']!r}) before it (first match wins); put the more specific filter first.")
         v = e["value"]
+        vl = (*el, "value")
         if isinstance(v, list):
             if not all(_is_scalar(x) for x in v):
-                raise InputError(f"{ew}.value: a value is a number or a gradient of numbers, not nested entries.")
-            val = _gradient(p, v, f"{ew}.value")
+                raise _fail(where, vl, "a value is a number or a gradient of numbers, not nested entries.")
+            val = _gradient(p, v, vl, where)
         elif isinstance(v, dict):
-            raise InputError(f"{ew}.value: a value is a number or a gradient of numbers, not a mapping.")
+            raise _fail(where, vl, "a value is a number or a gradient of numbers, not a mapping.")
         else:
-            val = p.check(v, f"{ew}.value")
+            val = p.check(v, where(vl), vl)
         if f is None:
             catch_all = i
         out.append({"filter": f, "value": val})
     return out
 
 
-def _gradient(p: ParamSpec, raw: list, where: str) -> list:
+def _gradient(p: ParamSpec, raw: list, loc: Loc, where: Where) -> list:
     if len(raw) < 2:
-        raise InputError(f"{where}: a gradient needs at least two values (first layer … last layer), got "
-                         f"{len(raw)}; for one value write the number itself.")
-    return [p.check(v, f"{where}[{i}]") for i, v in enumerate(raw)]
+        raise _fail(where, loc, f"a gradient needs at least two values (first layer … last layer), got "
+                                f"{len(raw)}; for one value write the number itself.")
+    return [p.check(v, where((*loc, i)), (*loc, i)) for i, v in enumerate(raw)]
 
 
 def evaluate(setting: Any, tensor_name: str, t: float):
@@ -189,14 +225,6 @@ class TensorParams:
     experts: tuple[dict, ...]
 
 
-def _default_where_global(name: str) -> str:
-    return f"--param {name}"
-
-
-def _default_where_expert(i: int, name: str) -> str:
-    return f"--param {i + 1}:{name}"
-
-
 @dataclass(frozen=True)
 class ResolvedParams:
     """Validated parameter settings of one merge.
@@ -208,13 +236,13 @@ class ResolvedParams:
             own setting, else the merge-wide one, else the default. When the expert's own
             setting is a filter list, the fallback is appended as a final catch-all entry, so
             the single setting resolves exactly like the precedence chain.
+        where: names a request field in the front end's terms, for the per-tensor messages.
     """
 
     method: str
     experts: tuple[dict, ...]
     globals: dict
-    where_global: Callable[[str], str] = field(default=_default_where_global, repr=False, compare=False)
-    where_expert: Callable[[int, str], str] = field(default=_default_where_expert, repr=False, compare=False)
+    where: Where = field(default_factory=cli_where, repr=False, compare=False)
 
     @property
     def spec(self) -> MethodSpec:
@@ -240,9 +268,9 @@ class ResolvedParams:
                 if v is None:
                     v = p.default
                 if v is None:
-                    raise InputError(f"{self.where_global(p.name)}: no value for tensor {name!r} (no filter entry "
-                                     f"matches it and {self.method} has no default); add a catch-all entry "
-                                     '{"value": ...} at the end.')
+                    raise _fail(self.where, ("parameters", p.name),
+                                f"no value for tensor {name!r} (no filter entry matches it and {self.method} has "
+                                'no default); add a catch-all entry {"value": ...} at the end.')
                 g[p.name] = v
         es = []
         for ep in self.experts:
@@ -269,11 +297,13 @@ def _check_tensor(rp: ResolvedParams, name: str, tpar: TensorParams) -> None:
         for i, d in enumerate(tpar.experts):
             dens, eps = d["density"], d["epsilon"]
             if dens < 1.0 and not (dens - eps > 0.0 and dens + eps < 1.0):
-                raise InputError(
-                    f"{rp.where_expert(i, 'density')} / {rp.where_expert(i, 'epsilon')}: for tensor {name!r}, "
-                    f"density={dens:g} and epsilon={eps:g}; {spec.name} needs density - epsilon > 0 and "
-                    "density + epsilon < 1 wherever density < 1 (keep probabilities run from density - epsilon "
-                    "to density + epsilon; mergekit refuses the same). Lower epsilon or move density.")
+                loc = ("experts", i, "parameters", "density")
+                problem = (
+                    f"for tensor {name!r}, density={dens:g} and epsilon={eps:g}; {spec.name} needs density - epsilon "
+                    "> 0 and density + epsilon < 1 wherever density < 1 (keep probabilities run from density - "
+                    "epsilon to density + epsilon; mergekit refuses the same). Lower epsilon or move density.")
+                both = f"{rp.where(loc)} / {rp.where(('experts', i, 'parameters', 'epsilon'))}"
+                raise InputError(f"{both}: {problem}", loc=loc, problem=problem)
 
 
 def resolve_params(
@@ -281,55 +311,60 @@ def resolve_params(
     global_params: dict,
     expert_params: Sequence[dict],
     *,
-    where_global: Callable[[str], str] | None = None,
-    where_expert: Callable[[int, str], str] | None = None,
-    where_models: str = "experts",
+    where: Where | None = None,
 ) -> ResolvedParams:
-    """Validate parameter settings with precedence per-expert > global > method default.
+    """Validate parameter settings with precedence per-expert > global > method default: the one
+    validator of method parameters (the CLI, mergekit configs, the operator and the search reach
+    it through :meth:`mergepipe.request.MergeRequest.resolve`).
 
     Args:
         global_params: ``{name: setting}`` applying to the merge (and, for expert-scoped names,
-            to every expert).
+            to every expert); a setting is a scalar, a gradient or a filter list.
         expert_params: one ``{name: setting}`` per expert.
-        where_global, where_expert: key path of a setting for messages (default: CLI syntax).
-        where_models: what to name in a message about the number of experts.
+        where: renders a request field path (:data:`Loc`) in the front end's terms for messages
+            (default: command-line terms with experts by position, :func:`cli_where`).
 
     Raises:
-        InputError: unknown method; wrong number of experts for the method; a parameter the
-            method does not take; a value out of range (density in (0, 1], t in [0, 1], gamma
-            in [0, 1), epsilon in [0, 1]); a malformed gradient or filter list; a global-only
-            parameter given per expert; a required parameter (slerp's t) missing;
-            nuslerp_row_wise with nuslerp_flatten false (unsupported).
+        InputError: with ``loc``, the field at fault: unknown method; wrong number of experts
+            for the method; a parameter the method does not take; a value out of range (density
+            in (0, 1], t in [0, 1], gamma in [0, 1), epsilon in [0, 1]); a malformed gradient or
+            filter list; a global-only parameter given per expert; a required parameter (slerp's
+            t) missing; nuslerp_row_wise with nuslerp_flatten false (unsupported).
     """
-    wg = where_global or _default_where_global
-    we = where_expert or _default_where_expert
-    spec = get_method(method)
+    where = where or cli_where()
+    try:
+        spec = get_method(method)
+    except InputError as e:
+        raise _fail(where, ("method",), e.problem) from None
     k = len(expert_params)
     if k < spec.min_experts or (spec.max_experts is not None and k > spec.max_experts):
         extra = " (3 models including the base)" if spec.kind == "model_stock" else ""
         extra = " (the base and one expert)" if spec.kind == "slerp" else extra
-        raise InputError(f"{where_models}: {method} takes {spec.experts_text} expert(s) besides the base{extra}; got {k}.")
+        raise _fail(where, ("experts",), f"{method} takes {spec.experts_text} expert(s) besides the base{extra}; got {k}.")
     g: dict = {}
     shared: dict = {}
     for name, raw in global_params.items():
-        p = spec.param(name, wg(name))
-        v = parse_setting(p, raw, wg(name))
+        loc: Loc = ("parameters", name)
+        p = spec.param(name, where(loc), loc)
+        v = parse_setting(p, raw, loc, where)
         (g if p.scope == "global" else shared)[name] = v
     for p in spec.params:
         if p.scope == "global" and p.name not in g:
             if p.default is None:
-                raise InputError(f"{wg(p.name)}: {method} needs {p.name} in {p.range_text} (e.g. {wg(p.name)}=0.5); "
-                                 f"it has no default.")
+                w = where(("parameters", p.name))
+                raise _fail(where, ("parameters", p.name),
+                            f"{method} needs {p.name} in {p.range_text} (e.g. {w}=0.5); it has no default.")
             g[p.name] = p.default
     experts = []
     for i, ep in enumerate(expert_params):
         d = {}
         for name, raw in ep.items():
-            p = spec.param(name, we(i, name))
+            loc = ("experts", i, "parameters", name)
+            p = spec.param(name, where(loc), loc)
             if p.scope != "expert":
-                raise InputError(f"{we(i, name)}: {name} is a global parameter of {method}; set it for the merge, "
-                                 "not per expert.")
-            d[name] = parse_setting(p, raw, we(i, name))
+                raise _fail(where, loc, f"{name} is a global parameter of {method}; set it for the merge, "
+                                        "not per expert.")
+            d[name] = parse_setting(p, raw, loc, where)
         view = {}
         for p in spec.params:
             if p.scope != "expert":
@@ -348,11 +383,11 @@ def resolve_params(
                 view[p.name] = own
         experts.append(view)
     if spec.kind == "nuslerp" and g.get("nuslerp_row_wise") and not g.get("nuslerp_flatten"):
-        raise InputError(f"{wg('nuslerp_row_wise')}: nuslerp_row_wise=true with nuslerp_flatten=false interpolates "
+        raise _fail(where, ("parameters", "nuslerp_row_wise"), "nuslerp_row_wise=true with nuslerp_flatten=false interpolates "
                          "columns, which needs per-column statistics over all rows that mergepipe does not keep; "
                          "use nuslerp_flatten=true (default, whole tensors) or nuslerp_flatten=false with "
                          "nuslerp_row_wise=false (rows).")
-    rp = ResolvedParams(method, tuple(experts), g, wg, we)
+    rp = ResolvedParams(method, tuple(experts), g, where)
     if not rp.layerwise:
         rp.for_tensor("", 0.0)  # scalar settings: the per-tensor checks hold for every tensor
     return rp

@@ -57,26 +57,38 @@ class ParamSpec:
         hi = "inf" if self.hi is None else f"{self.hi:g}"
         return f"{'(' if self.lo_open or self.lo is None else '['}{lo}, {hi}{')' if self.hi_open or self.hi is None else ']'}"
 
-    def check(self, value, where: str):
-        """Validate one scalar value; ``where`` names the key in the message."""
+    def check(self, value, where: str, loc: tuple = ()):
+        """Validate one scalar value and return it as ``bool`` or ``float``.
+
+        Args:
+            where: the key as the front end names it, prefixed to the message.
+            loc: the key as a request field path (:attr:`mergepipe.errors.InputError.loc`).
+
+        Raises:
+            InputError: not a boolean / finite number, or outside :attr:`range_text`.
+        """
+
+        def bad(problem: str) -> InputError:
+            return InputError(f"{where}: {problem}" if where else problem, loc=loc, problem=problem)
+
         if self.kind == "bool":
             if isinstance(value, bool):
                 return value
             if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
                 return value.strip().lower() in ("true", "1", "yes")
-            raise InputError(f"{where}: {self.name} must be true or false, got {short_repr(value)}.")
+            raise bad(f"{self.name} must be true or false, got {short_repr(value)}.")
         if isinstance(value, bool) or isinstance(value, (list, dict)):
-            raise InputError(f"{where}: {self.name} must be a number in {self.range_text}, got {short_repr(value)}.")
+            raise bad(f"{self.name} must be a number in {self.range_text}, got {short_repr(value)}.")
         try:
             v = float(value)
         except (TypeError, ValueError):
-            raise InputError(f"{where}: {self.name} must be a number in {self.range_text}, got {short_repr(value)}.") from None
+            raise bad(f"{self.name} must be a number in {self.range_text}, got {short_repr(value)}.") from None
         if v != v or v in (float("inf"), float("-inf")):
-            raise InputError(f"{where}: {self.name} must be a finite number in {self.range_text}, got {short_repr(value)}.")
-        bad = (self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo))) or (
+            raise bad(f"{self.name} must be a finite number in {self.range_text}, got {short_repr(value)}.")
+        out = (self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo))) or (
             self.hi is not None and (v > self.hi or (self.hi_open and v == self.hi)))
-        if bad:
-            raise InputError(f"{where}: {self.name}={v:g} is outside {self.range_text}.")
+        if out:
+            raise bad(f"{self.name}={v:g} is outside {self.range_text}.")
         return v
 
 
@@ -128,13 +140,19 @@ class MethodSpec:
     paper: str = ""
     extra: dict = field(default_factory=dict)
 
-    def param(self, name: str, where: str = "") -> ParamSpec:
+    def param(self, name: str, where: str = "", loc: tuple = ()) -> ParamSpec:
+        """The parameter ``name``.
+
+        Raises:
+            InputError: the method takes no such parameter (message prefixed with ``where``,
+                ``loc`` attached), listing the ones it takes.
+        """
         for p in self.params:
             if p.name == name:
                 return p
         allowed = ", ".join(p.name for p in self.params) or "none"
-        pre = f"{where}: " if where else ""
-        raise InputError(f"{pre}method {self.name!r} takes no parameter {name!r}; allowed: {allowed}.")
+        problem = f"method {self.name!r} takes no parameter {name!r}; allowed: {allowed}."
+        raise InputError(f"{where}: {problem}" if where else problem, loc=loc, problem=problem)
 
     @property
     def linear(self) -> bool:

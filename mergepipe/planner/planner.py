@@ -45,7 +45,7 @@ from mergepipe.catalog.catalog import Analysis, CheckpointRecord
 from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import FLOAT_DTYPES, TensorInfo, n_blocks, rows_per_block
 from mergepipe.methods.kernels import elementwise_merge, identity_on_zero_delta, needs_row_stats, work_floats
-from mergepipe.methods.params import ResolvedParams, layer_count, layer_t, resolve_params
+from mergepipe.methods.params import layer_count, layer_t
 from mergepipe.methods.registry import get_method
 from mergepipe.numerics import (
     N_KEYS,
@@ -66,6 +66,7 @@ from mergepipe.planner.plan import (
     TensorExpert,
     TensorPlan,
 )
+from mergepipe.request import ResolvedRequest
 from mergepipe.storage.base import DEFAULT_MAX_REQUEST, coalesce
 
 DEFAULT_WORK_BYTES = 256 * 1024 * 1024
@@ -128,64 +129,102 @@ def _runs(idx: np.ndarray) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(starts, ends)]
 
 
-def make_plan(
-    base: CheckpointRecord,
-    experts: Sequence[CheckpointRecord],
-    analyses: Sequence[Analysis],
-    method: str,
-    global_params: dict | None = None,
-    expert_params: Sequence[dict] | None = None,
-    *,
-    expert_names: Sequence[str] | None = None,
-    budget_bytes: int | None = None,
-    fidelity: float | None = None,
-    seed: int = 0,
-    work_bytes: int = DEFAULT_WORK_BYTES,
-    coalesce_gap: int = 0,
-    extra_files: Sequence[str] = (),
-    gram: dict | None = None,
-    resolved: ResolvedParams | None = None,
-    out_dtype: str | None = None,
-    requested_dtype: str | None = None,
-    source: dict | None = None,
-    base_digests: dict[str, str] | None = None,
-    value: str = "energy",
-    sensitivity: dict[str, np.ndarray] | None = None,
-    calibration: str | None = None,
-) -> Plan:
-    """Plan a merge of ``experts`` into ``base``.
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the catalog knows about the checkpoints of a merge.
 
-    Args:
+    Attributes:
+        base, experts: the registered checkpoints (experts in the request's order).
         analyses: the catalog's analysis of each expert (same order), same block size.
+        gram: ``{(i, j): {tensor: ⟨δᵢ,δⱼ⟩}}`` from :meth:`Catalog.pair_dots` (model_stock, nuslerp).
         base_digests: SHA-256 of each base tensor's bytes (from the catalog); lets the engine
             copy unchanged tensors server-side and still account for their content.
-        budget_bytes: expert-I/O budget in bytes (None: unlimited).
-        fidelity: fraction of the full-budget retained energy to reach, in (0, 1] (None: off).
+        extra_files: non-tensor files of the base copied into the snapshot (``config.json``, ...).
+        sensitivity: ``{tensor: float64[n_blocks]}`` block-mean diagonal Fisher of the base on a
+            calibration set (for ``SelectionOptions.value="fisher"``; see
+            :mod:`mergepipe.catalog.sensitivity`).
+    """
+
+    base: CheckpointRecord
+    experts: Sequence[CheckpointRecord]
+    analyses: Sequence[Analysis]
+    gram: dict | None = None
+    base_digests: dict[str, str] | None = None
+    extra_files: Sequence[str] = ()
+    sensitivity: dict[str, np.ndarray] | None = None
+
+
+@dataclass(frozen=True)
+class SelectionOptions:
+    """Which expert blocks to read.
+
+    Attributes:
+        budget_bytes: expert-I/O budget in bytes (None: unlimited); the request's budget with a
+            percentage resolved against the experts' total size.
+        fidelity: fraction of the full-budget retained value to reach, in (0, 1] (None: off).
             With both, the plan stops at whichever comes first.
-        work_bytes: engine working-memory target (bytes) that fixes chunking (semantic:
-            it decides whether a tensor needs a second pass).
-        coalesce_gap: gap (bytes) under which the storage merges ranges (its ``max_gap``); the
-            plan records the gap it chose, at most this (see the module docstring).
-        gram: ``{(i, j): {tensor: ⟨δᵢ,δⱼ⟩}}`` from :meth:`Catalog.pair_dots` (model_stock, nuslerp).
-        resolved: already validated parameter settings (instead of ``global_params`` /
-            ``expert_params``; the config loader passes these with its key paths for messages).
-        out_dtype: safetensors dtype of the floating output tensors (None: the base's). Recorded
-            per tensor (and in the plan) only where it differs from the base's dtype, so a merge
-            asking for the dtype it already has plans (and digests) like one that does not ask.
-        requested_dtype, source: recorded in the plan (not part of its digest): the compute dtype a
-            mergekit config asked for (mergepipe always computes in float32) and the config file.
         value: the block value the selection maximises per byte: ``"energy"`` (``w²`` times the
             task-vector energy the method keeps in the block) or ``"fisher"`` (that energy times
-            the block's mean diagonal Fisher of the base, ``sensitivity``; see
-            :mod:`mergepipe.catalog.sensitivity`). With ``fisher``, ``retained_energy`` and
-            ``fidelity`` are shares of the Fisher-weighted energy.
-        sensitivity: ``{tensor: float64[n_blocks]}`` block-mean Fisher (for ``value="fisher"``).
+            the block's mean diagonal Fisher of the base, ``PlanInputs.sensitivity``). With
+            ``fisher``, ``retained_energy`` and ``fidelity`` are shares of the Fisher-weighted energy.
         calibration: the calibration set's digest, recorded in the plan (part of its digest).
+    """
+
+    budget_bytes: int | None = None
+    fidelity: float | None = None
+    value: str = "energy"
+    calibration: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine will read, which the plan's cost model and chunking follow.
+
+    Attributes:
+        work_bytes: engine working-memory target (bytes) that fixes chunking (semantic: it
+            decides whether a tensor needs a second pass).
+        coalesce_gap: gap (bytes) under which the storage merges ranges (its ``max_gap``); the
+            plan records the gap it chose, at most this (see the module docstring).
+    """
+
+    work_bytes: int = DEFAULT_WORK_BYTES
+    coalesce_gap: int = 0
+
+
+def make_plan(
+    request: ResolvedRequest,
+    inputs: PlanInputs,
+    selection: SelectionOptions = SelectionOptions(),
+    engine: EngineOptions = EngineOptions(),
+) -> Plan:
+    """Plan a merge of ``inputs.experts`` into ``inputs.base``.
+
+    Args:
+        request: the validated merge request (method, expert names, parameters resolved per
+            expert, seed, output dtype and what is recorded: :class:`mergepipe.request.ResolvedRequest`).
+            ``request.options.out_dtype`` is recorded per tensor (and in the plan) only where it
+            differs from the base's dtype, so a merge asking for the dtype it already has plans
+            (and digests) like one that does not ask; ``requested_dtype`` and ``source`` are
+            recorded in the plan, not part of its digest.
+        inputs: the checkpoints and the catalog's statistics (:class:`PlanInputs`).
+        selection: budget, fidelity and block value (:class:`SelectionOptions`).
+        engine: working memory and coalescing gap (:class:`EngineOptions`).
 
     Raises:
-        InputError: bad parameters, negative budget, fidelity outside (0, 1].
+        InputError: no experts, parameters for another number of experts, negative budget,
+            fidelity outside (0, 1], an unknown block value or fisher without sensitivity,
+            missing pair statistics, an analysis that does not match the base's layout.
     """
     t0 = time.perf_counter()
+    base, experts, analyses, gram = inputs.base, inputs.experts, inputs.analyses, inputs.gram
+    base_digests, extra_files, sensitivity = inputs.base_digests, inputs.extra_files, inputs.sensitivity
+    budget_bytes, fidelity = selection.budget_bytes, selection.fidelity
+    value, calibration = selection.value, selection.calibration
+    work_bytes, coalesce_gap = engine.work_bytes, engine.coalesce_gap
+    method, params, seed = request.method, request.params, request.request.seed
+    out_dtype = request.request.options.out_dtype
+    requested_dtype, source = request.request.options.requested_dtype, request.request.options.source
+    expert_names = request.names
     K = len(experts)
     if K == 0:
         raise InputError("no experts given; pass at least one --expert.")
@@ -204,8 +243,6 @@ def make_plan(
         allf = np.concatenate([np.asarray(v, dtype=np.float64) for v in sensitivity.values()]) if sensitivity else np.zeros(1)
         f_floor = 1e-6 * float(allf.mean()) if allf.size and allf.mean() > 0 else 1e-30
     spec = get_method(method)
-    params = resolved or resolve_params(method, dict(global_params or {}),
-                                        [dict(p) for p in (expert_params or [{}] * K)])
     if len(params.experts) != K:
         raise InputError(f"{len(params.experts)} expert parameter sets for {K} experts.")
     block_bytes = analyses[0].block_bytes

@@ -15,7 +15,7 @@ Strategies (``SearchConfig.strategy``):
 * ``random`` (baseline): uniform random points, asynchronous dispatch.
 
 The first ``initial`` candidates are a scrambled Sobol design (all strategies). A candidate is:
-points → ``--param`` strings (:class:`~mergepipe.search.space.SearchSpace`) →
+points → parameter settings (:class:`~mergepipe.search.space.SearchSpace`) → a merge request →
 :func:`mergepipe.pipeline.build_plan` (optionally under an expert-I/O budget) →
 :func:`mergepipe.pipeline.execute_and_commit` into ``<out>/snapshots/c<id>`` with the search's
 lineage in the manifest (key ``search``) → evaluation. A failed merge or evaluation (crash,
@@ -67,7 +67,8 @@ class SearchConfig:
 
     Attributes:
         base: base checkpoint; ``experts``: ``(name, uri)`` pairs; ``method``: merge method;
-        fixed: ``--param`` strings applied to every candidate; ``vary``: ``[EXPERT:]NAME=LO:HI``
+        fixed: settings applied to every candidate (``{"parameters": {...}, "experts": {name:
+        {...}}}``; a list is read as ``--param`` strings); ``vary``: ``[EXPERT:]NAME=LO:HI``
         items; ``layer_blocks``: layer blocks per varied parameter; ``objectives``: metric names
         (``NAME``/``NAME@min``/``NAME@max``); ``evaluations``: candidates in total (the budget,
         failed ones included); ``initial``: Sobol design points; ``workers``: parallel workers;
@@ -93,7 +94,7 @@ class SearchConfig:
     evaluations: int
     initial: int
     workers: int = 1
-    fixed: list[str] = field(default_factory=list)
+    fixed: dict = field(default_factory=dict)
     layer_blocks: int = 4
     budget: str | None = None
     seed: int = 0
@@ -106,6 +107,23 @@ class SearchConfig:
     block_bytes: int = 128 * 1024
     design: list[list[float]] | None = None
     lookahead: bool = True
+
+    def __post_init__(self) -> None:
+        from mergepipe.search.space import as_params
+
+        self.fixed = as_params(self.fixed, self.method, [n for n, _ in self.experts])
+
+    def request(self, params: dict, output: str | None = None):
+        """The :class:`mergepipe.request.MergeRequest` of a candidate whose settings are
+        ``params`` (:data:`mergepipe.search.space.Params`), with the search's base, experts,
+        method, budget and seed."""
+        from mergepipe.request import ExpertRequest, MergeRequest
+
+        own = params.get("experts") or {}
+        return MergeRequest(base=self.base, method=self.method, parameters=dict(params.get("parameters") or {}),
+                            experts=[ExpertRequest(name=n, uri=u, parameters=dict(own.get(n) or {}))
+                                     for n, u in self.experts],
+                            budget=self.budget, seed=self.seed, output=output)
 
     def check(self) -> None:
         """Raises InputError for counts and choices that cannot work (before anything is read)."""
@@ -153,7 +171,7 @@ class CandidateMerger:
     """
 
     def merge(self, cfg: SearchConfig, cand: dict, out: Path, lineage: dict, catalog) -> Merged:  # pragma: no cover
-        """Merge candidate ``cand`` (``cand["params"]``: its ``--param`` strings, ``cand["id"]``)
+        """Merge candidate ``cand`` (``cand["params"]``: its settings, ``cand["id"]``)
         of search ``cfg``; ``out`` is the search folder, ``lineage`` goes into the manifest,
         ``catalog`` is the search's catalog."""
         raise NotImplementedError
@@ -171,8 +189,7 @@ class LocalMerger(CandidateMerger):
         name = f"c{cand['id']:04d}"
         snap = f"{self.root}/{name}" if self.root else out / "snapshots" / name
         st = open_storage(None, IOCounters())  # local folders and s3:// inputs
-        plan = build_plan(catalog, st, cfg.base, [tuple(e) for e in cfg.experts], cfg.method, cand["params"],
-                          budget=cfg.budget, seed=cfg.seed, block_bytes=cfg.block_bytes)
+        plan = build_plan(catalog, st, cfg.request(cand["params"]), block_bytes=cfg.block_bytes)
         res = execute_and_commit(plan, st, str(snap), lineage=lineage)
         return Merged(str(snap), res.manifest_hash, res.manifest["io"]["realized"]["expert_read_bytes"])
 
@@ -493,8 +510,7 @@ def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log) -> dict
     space = space_for_base(list(base.layout.tensors), cfg.method, names, vary, cfg.layer_blocks, cfg.fixed)
     # Validate a candidate (the centre point) exactly as every candidate will be planned; this
     # also analyzes the experts once (cached in the catalog), which the prior reads.
-    build_plan(cat, st, cfg.base, [tuple(e) for e in cfg.experts], cfg.method, space.to_params([0.5] * space.d),
-               budget=cfg.budget, seed=cfg.seed, block_bytes=cfg.block_bytes)
+    build_plan(cat, st, cfg.request(space.to_params([0.5] * space.d)), block_bytes=cfg.block_bytes)
     prior = None
     if cfg.prior and cfg.strategy == "async":
         _, recs, ans = register_and_analyze(cat, st, cfg.base, [u for _, u in cfg.experts], cfg.block_bytes)

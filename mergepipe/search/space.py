@@ -12,22 +12,49 @@ entry of a mergepipe *filter list* per layer (``{"filter": "layers.ℓ.", "value
 ``d = Σ_vary (experts it applies to) × B`` dimensions; coordinate ``x ∈ [0, 1]`` maps to
 ``LO + x·(HI − LO)``.
 
-The points are turned into ``--param`` strings and go through the normal validation of
-:func:`mergepipe.pipeline.build_plan`, so a candidate is planned exactly like a user's merge.
+A point becomes a candidate's parameter settings (:data:`Params`: merge-wide and per-expert
+settings, structured values), from which the search builds a :class:`mergepipe.request.MergeRequest`
+that goes through the normal validation of :func:`mergepipe.pipeline.build_plan`, so a candidate is
+planned exactly like a user's merge.
 This layout follows AP-BMM's per-layer merge weights (MiLab-HITSZ/AP-BMM), generalised to any
 numeric parameter and to blocks of layers.
 """
 
 from __future__ import annotations
 
-import json
+import copy
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from mergepipe.errors import InputError
 from mergepipe.methods.params import LAYER_RE, layer_count
 from mergepipe.methods.registry import get_method
+
+#: A candidate's (or the fixed) parameter settings: ``{"parameters": {name: setting},
+#: "experts": {expert name: {name: setting}}}`` — the parameter part of a merge request.
+Params = dict
+
+
+def params_from_args(items: Sequence[str], method: str, experts: Sequence[str]) -> Params:
+    """:data:`Params` from ``--param`` strings (the command line's grammar,
+    :func:`mergepipe.request.parse_param_args`)."""
+    from mergepipe.request import parse_param_args
+
+    glob, per = parse_param_args(items, method, experts)
+    return {"parameters": glob, "experts": {n: p for n, p in zip(experts, per) if p}}
+
+
+def as_params(fixed: Any, method: str, experts: Sequence[str]) -> Params:
+    """``fixed`` as :data:`Params`; a list is ``--param`` strings (searches recorded before the
+    settings were structured)."""
+    if isinstance(fixed, (list, tuple)):
+        return params_from_args(list(fixed), method, experts)
+    fixed = dict(fixed or {})
+    return {"parameters": dict(fixed.get("parameters") or {}),
+            "experts": {k: dict(v) for k, v in (fixed.get("experts") or {}).items()}}
+
 
 _VARY_RE = re.compile(r"(?:([^:=]+):)?([A-Za-z_][A-Za-z0-9_]*)=([^:]+):([^:]+)")
 
@@ -90,12 +117,13 @@ def parse_vary(items: Sequence[str]) -> list[Vary]:
 
 
 def space_for_base(layout_names: Sequence[str], method: str, experts: Sequence[str], vary: Sequence[Vary],
-                   n_blocks: int, fixed: Sequence[str]) -> SearchSpace:
+                   n_blocks: int, fixed: Params | None = None) -> SearchSpace:
     """The :class:`SearchSpace` of a base checkpoint whose tensor names are ``layout_names``
     (the number of layers and the layer path component come from the names)."""
     words = {m.group(0).strip(".").split(".")[0] for m in (LAYER_RE.search(n) for n in layout_names) if m}
     word = "layers" if "layers" in words or not words else sorted(words)[0]
-    return SearchSpace(method, list(experts), list(vary), layer_count(layout_names), n_blocks, list(fixed), word)
+    return SearchSpace(method, list(experts), list(vary), layer_count(layout_names), n_blocks,
+                       as_params(fixed, method, experts), word)
 
 
 def layer_blocks(n_layers: int, n_blocks: int) -> list[tuple[int, ...]]:
@@ -117,12 +145,12 @@ def layer_blocks(n_layers: int, n_blocks: int) -> list[tuple[int, ...]]:
 
 @dataclass
 class SearchSpace:
-    """Dimensions of the search and the map from ``[0, 1]^d`` to ``--param`` strings.
+    """Dimensions of the search and the map from ``[0, 1]^d`` to parameter settings.
 
     Attributes:
         method: merge method; ``experts``: expert names (order of the merge); ``vary``: the
         varying parameters; ``n_layers``: decoder layers of the base; ``n_blocks``: layer blocks;
-        ``fixed``: the other ``--param`` strings, applied to every candidate; ``layer_word``:
+        ``fixed``: the other settings (:data:`Params`), applied to every candidate; ``layer_word``:
         the path component before the layer index in the base's tensor names (``layers`` in
         ``model.layers.3.mlp…``, ``h`` in ``transformer.h.3…``).
     """
@@ -132,22 +160,23 @@ class SearchSpace:
     vary: list[Vary]
     n_layers: int
     n_blocks: int
-    fixed: list[str]
+    fixed: Params = field(default_factory=dict)
     layer_word: str = "layers"
 
     def __post_init__(self) -> None:
+        self.fixed = as_params(self.fixed, self.method, self.experts)
         self.validate()
 
     # -- construction / serialization --------------------------------------------------------
     def to_json(self) -> dict:
         return {"method": self.method, "experts": list(self.experts), "vary": [asdict(v) for v in self.vary],
-                "n_layers": self.n_layers, "n_blocks": self.n_blocks, "fixed": list(self.fixed),
+                "n_layers": self.n_layers, "n_blocks": self.n_blocks, "fixed": copy.deepcopy(self.fixed),
                 "layer_word": self.layer_word}
 
     @classmethod
     def from_json(cls, d: dict) -> SearchSpace:
         return cls(d["method"], list(d["experts"]), [Vary(**v) for v in d["vary"]], int(d["n_layers"]),
-                   int(d["n_blocks"]), list(d["fixed"]), d.get("layer_word", "layers"))
+                   int(d["n_blocks"]), d["fixed"], d.get("layer_word", "layers"))
 
     def validate(self) -> None:
         """Check the varying parameters against the method (name, scope, allowed range of both
@@ -182,10 +211,12 @@ class SearchSpace:
                 if (e, v.name) in seen:
                     raise InputError(f"{where}: {v.name} already varies for {e or 'the merge'}; vary it once.")
                 seen.add((e, v.name))
-        for f in self.fixed:
-            m = re.fullmatch(r"(?:([^:=]+):)?([A-Za-z_][A-Za-z0-9_]*)=(.+)", f.strip())
-            if m and any(n == m.group(2) and (m.group(1) is None or m.group(1) == e or e is None) for e, n in seen):
-                raise InputError(f"--param {f!r}: {m.group(2)} is also varied by --vary; drop one of the two.")
+        for e, name in seen:
+            if name in self.fixed["parameters"]:
+                raise InputError(f"--param {name}: {name} is also varied by --vary; drop one of the two.")
+            for who, own in self.fixed["experts"].items():
+                if name in own and (e is None or e == who):
+                    raise InputError(f"--param {who}:{name}: {name} is also varied by --vary; drop one of the two.")
 
     def _targets(self, v: Vary, scope: str) -> list[str | None]:
         if scope == "global":
@@ -229,21 +260,24 @@ class SearchSpace:
             out.append(round(dm.lo + xi * (dm.hi - dm.lo), 6))
         return out
 
-    def to_params(self, x: Sequence[float]) -> list[str]:
-        """``--param`` strings for point ``x``: the fixed ones, then one filter list per varied
-        (expert, parameter): an entry per decoder layer with its block's value and a catch-all
-        with the mean of the block values (embeddings, final norm, ``lm_head``)."""
+    def to_params(self, x: Sequence[float]) -> Params:
+        """The settings of point ``x`` (:data:`Params`): the fixed ones plus one filter list per
+        varied (expert, parameter): an entry per decoder layer with its block's value and a
+        catch-all with the mean of the block values (embeddings, final norm, ``lm_head``)."""
         vals = self.values(x)
         groups: dict[tuple[str | None, str], list[float]] = {}
         for v, dm in zip(vals, self.dims):
             groups.setdefault((dm.expert, dm.name), []).append(v)
-        out = list(self.fixed)
+        out = copy.deepcopy(self.fixed)
         for (e, name), bv in groups.items():
-            entries = []
+            entries: list[dict] = []
             for b, layers in enumerate(self.blocks):
                 entries += [{"filter": f"{self.layer_word}.{ell}.", "value": bv[b]} for ell in layers]
             entries.append({"value": round(sum(bv) / len(bv), 6)})
-            out.append(f"{(e + ':') if e else ''}{name}={json.dumps(entries, separators=(',', ':'))}")
+            if e is None:
+                out["parameters"][name] = entries
+            else:
+                out["experts"].setdefault(e, {})[name] = entries
         return out
 
     def describe(self, x: Sequence[float]) -> dict:

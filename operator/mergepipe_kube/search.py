@@ -7,8 +7,8 @@ from the operator's ModelMerge path:
 * name ``<search>-c<NNNN>`` (:func:`candidate_name`, the operator computes the same name to link
   the Pareto set's MergedSnapshots), ownerReference to the MergeSearch (deleted with it; its
   MergedSnapshots are never owned, so they stay), labels naming the search and the candidate;
-* spec: the search's base, experts, method and budget, the candidate's ``--param`` strings as
-  ModelMerge parameters (a varied parameter is a ``[{filter, value}]`` list per layer block),
+* spec: the search's base, experts, method and budget, the candidate's settings as ModelMerge
+  parameters (a varied parameter is a ``[{filter, value}]`` list per layer block),
   output ``<output prefix>/c<NNNN>/``, and the search's ``resources``/``image``/``s3`` (``template``);
 * :meth:`KubernetesMerger.merge` creates it (409: it exists, e.g. a resumed driver) and polls it
   until ``Ready=True`` (reason ``Committed``: returns the MergedSnapshot's URI and manifest hash)
@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from mergepipe.errors import InputError
-from mergepipe.pipeline import parse_params
 from mergepipe.search.evaluators import EvaluationFailed, Evaluator
 from mergepipe.search.runner import CandidateMerger, Merged, SearchConfig
 
@@ -96,14 +95,6 @@ def candidate_name(search: str, candidate: int, limit: int = 63, kind: str = "c"
     return dns_label(search, f"{kind}{candidate:04d}", limit)
 
 
-def _typed(value: str) -> Any:
-    """A ``--param`` value as the ModelMerge's typed value (JSON: number, boolean, list)."""
-    try:
-        return json.loads(value)
-    except ValueError:
-        return value
-
-
 class KubernetesMerger(CandidateMerger):
     """Merges each candidate as a child ModelMerge (see the module docstring).
 
@@ -131,25 +122,23 @@ class KubernetesMerger(CandidateMerger):
         self.sleep, self.clock = sleep, clock
 
     def candidate_body(self, cfg: SearchConfig, cand: dict) -> dict:
-        """The child ModelMerge of candidate ``cand`` (pure).
-
-        Raises:
-            mergepipe.errors.InputError: a ``--param`` string names no expert of the search.
-        """
-        names = [n for n, _ in cfg.experts]
-        glob, per = parse_params(cand["params"], names)
+        """The child ModelMerge of candidate ``cand`` (pure): ``cand["params"]`` (merge-wide and
+        per-expert settings, :data:`mergepipe.search.space.Params`) become ``spec.parameters`` and
+        ``spec.experts[i].parameters``."""
+        params = cand["params"]
+        glob, own = dict(params.get("parameters") or {}), params.get("experts") or {}
+        per = [dict(own.get(n) or {}) for n, _ in cfg.experts]
         name = candidate_name(self.search_name, int(cand["id"]))
         spec: dict[str, Any] = {
             "base": {"uri": cfg.base.rstrip("/") + "/"},
-            "experts": [{"name": n, "uri": u.rstrip("/") + "/", **({"parameters": {k: _typed(v) for k, v in p.items()}}
-                                                                    if p else {})}
+            "experts": [{"name": n, "uri": u.rstrip("/") + "/", **({"parameters": p} if p else {})}
                         for (n, u), p in zip(cfg.experts, per)],
             "method": cfg.method,
             "output": {"uri": f"{self.output_prefix}/c{int(cand['id']):04d}/"},
             "seed": int(cfg.seed),
         }
         if glob:
-            spec["parameters"] = {k: _typed(v) for k, v in glob.items()}
+            spec["parameters"] = dict(glob)
         if cfg.budget is not None:
             spec["budget"] = cfg.budget
         spec.update({k: v for k, v in self.template.items() if k in ("resources", "image", "s3", "queueName")})

@@ -10,7 +10,8 @@ import pytest
 from op_testlib import DIGEST, NOW, k8s_validate, make_merge
 
 from mergepipe_operator.k8s import conditions as cond, names
-from mergepipe_operator.modelmerge import decisions as mmd, params as mmparams, spec as mmspec
+from mergepipe_operator.modelmerge import decisions as mmd, spec as mmspec
+from mergepipe_operator.modelmerge.request import merge_request, spec_where
 from mergepipe_operator.snapshot import decisions as snapd
 
 GI = 1024**3
@@ -597,7 +598,7 @@ def test_build_job_without_secret_and_owner(settings):
 ANALYSIS = "cd" * 32
 
 
-def test_merge_params_and_experts_in_core_syntax():
+def test_the_spec_is_the_cores_merge_request():
     mm = make_merge(
         parameters={"normalize": True, "lambda": 1.0},
         experts=[
@@ -617,26 +618,24 @@ def test_merge_params_and_experts_in_core_syntax():
         ],
     )
     spec = mm["spec"]
-    assert mmd.merge_experts(spec) == [
+    req = merge_request(spec)
+    assert [(e.name, e.uri) for e in req.experts] == [
         ("code", "s3://models/code"),
         ("expert-1", "s3://models/math"),
         ("12", "s3://models/chat"),
     ]
-    assert mmparams.merge_params(spec) == [
-        "normalize=true",
-        "lambda=1.0",
-        "1:weight=0.5",
-        "1:density=[0.2,0.8]",
-        '2:density=[{"filter":"mlp","value":0.4},{"value":0.6}]',
-        "3:weight=1",  # by position: the name "12" would read as a position
-    ]
-    from mergepipe.pipeline import parse_params
-
-    glob, per = parse_params(
-        mmparams.merge_params(spec), [n for n, _ in mmd.merge_experts(spec)]
-    )
-    assert glob == {"normalize": "true", "lambda": "1.0"} and per[2] == {"weight": "1"}
-    assert per[1]["density"].startswith("[{")
+    assert req.parameters == {"normalize": True, "lambda": 1.0}  # structured, as in the spec
+    assert req.experts[0].parameters == {"weight": 0.5, "density": [0.2, 0.8]}
+    assert req.experts[1].parameters == {"density": [{"filter": "mlp", "value": 0.4}, {"value": 0.6}]}
+    assert req.experts[2].parameters == {"weight": 1}
+    # the core's field paths, named as spec fields (the weight shorthand where it was used)
+    where = spec_where(spec)
+    assert where(("parameters", "lambda")) == "spec.parameters.lambda"
+    assert where(("experts", 2, "parameters", "weight")) == "spec.experts[2].weight"
+    assert where(("experts", 0, "parameters", "density", 1)) == "spec.experts[0].parameters.density[1]"
+    assert where(("experts", 1, "parameters", "density", 0, "value")) == "spec.experts[1].parameters.density[0].value"
+    assert where(("experts", 1, "uri")) == "spec.experts[1].uri" and where(("base",)) == "spec.base.uri"
+    assert req.resolve(where).params.experts[2]["weight"] == 1.0
 
 
 def test_analysis_id_is_a_content_address():

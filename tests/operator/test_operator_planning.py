@@ -125,7 +125,7 @@ def test_inputs_the_core_refuses_name_the_spec_field(s3_models, seaweed, tmp_pat
     spec["experts"][0]["parameters"] = {"density": [0.5]}
     with pytest.raises(planning.PlanInputError, match="at least two values") as e:
         planning.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed))
-    assert e.value.field == "spec"
+    assert e.value.field == "spec.experts[0].parameters.density"
 
 
 def test_planning_never_imports_torch(s3_models, seaweed, tmp_path):

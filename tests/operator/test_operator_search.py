@@ -325,7 +325,8 @@ def test_a_candidate_of_the_example_is_a_valid_modelmerge():
     cfg = SearchConfig(base=spec["base"]["uri"], experts=[[e["name"], e["uri"]] for e in spec["experts"]],
                        method=spec["method"], vary=["weight=0:1"], objectives=["loss:python", "loss:arithmetic"],
                        evaluations=32, initial=8, budget=spec["budget"], seed=7)
-    params = ['weight=[{"filter":"layers.0.","value":0.2},{"filter":"layers.1.","value":0.8},{"value":0.5}]']
+    params = {"parameters": {"weight": [{"filter": "layers.0.", "value": 0.2}, {"filter": "layers.1.", "value": 0.8},
+                                        {"value": 0.5}]}}
     m = KubernetesMerger(None, "team-llm", ms["metadata"]["name"], UID, sd.state_prefix(spec, 1),
                          template={k: spec[k] for k in ("resources",) if k in spec})
     body = m.candidate_body(cfg, {"id": 3, "params": params})

@@ -13,8 +13,8 @@ from mergepipe.storage.base import IOCounters
 from mergepipe.storage.routing import open_storage
 
 from ..k8s.quantities import parse_quantity
-from .decisions import ANALYZE_BLOCK_BYTES, analysis_id, merge_experts
-from .params import merge_params
+from .decisions import ANALYZE_BLOCK_BYTES, analysis_id
+from .request import merge_request, spec_where
 
 
 @dataclass(frozen=True)
@@ -53,25 +53,15 @@ class PlanInputError(Exception):
         self.field = field
 
 
-def _field_of(message: str, spec: dict[str, Any]) -> str:
-    """The spec field whose URI a core error message names (the longest match), else ``spec``."""
-    best, where = "", "spec"
-    cands = [("spec.base.uri", (spec.get("base") or {}).get("uri"))]
-    cands += [(f"spec.experts[{i}].uri", ex.get("uri")) for i, ex in enumerate(spec.get("experts") or [])]
-    for path, uri in cands:
-        u = (uri or "").rstrip("/")
-        if u and u in message and len(u) > len(best):
-            best, where = u, path
-    return where
-
-
 def plan_merge(spec: dict[str, Any], catalog_uri: str | None, *, storage: Any = None) -> PlanSummary:
     """Plan a merge in-process from the catalog's index objects (numpy, no torch).
 
     ``spec`` is the ModelMerge spec with ``budget`` replaced by the admitted budget in bytes (or
     absent for an unbounded/fidelity-driven plan). Calls
-    ``mergepipe.pipeline.build_plan(ObjectCatalog(storage, catalog_uri), storage, ...,
-    analyze=False)``: only shard headers and catalog objects are read, never a tensor.
+    ``mergepipe.pipeline.build_plan(ObjectCatalog(storage, catalog_uri), storage,
+    merge_request(spec), analyze=False)``: only shard headers and catalog objects are read, never
+    a tensor. The core's errors name the request field, rendered as the spec field
+    (:func:`mergepipe_operator.modelmerge.request.spec_where`).
 
     Returns:
         the plan, or (``missing_experts``, ``analysis_id``) when the catalog lacks statistics.
@@ -86,20 +76,17 @@ def plan_merge(spec: dict[str, Any], catalog_uri: str | None, *, storage: Any = 
     budget = spec.get("budget")
     if budget is not None and not isinstance(budget, int):
         budget = parse_quantity(budget, field="spec.budget")
+    where = spec_where(spec)
     try:
-        plan = build_plan(
-            ObjectCatalog(storage, catalog_uri), storage, spec["base"]["uri"].rstrip("/"),
-            merge_experts(spec), spec["method"], merge_params(spec),
-            budget=budget, fidelity=spec.get("fidelity"), seed=int(spec.get("seed") or 0),
-            block_bytes=ANALYZE_BLOCK_BYTES, analyze=False,
-        )
+        plan = build_plan(ObjectCatalog(storage, catalog_uri), storage, merge_request(spec, budget=budget), where=where,
+                          block_bytes=ANALYZE_BLOCK_BYTES, analyze=False)
     except MissingAnalysis as e:
         return PlanSummary(
             missing_experts=tuple(e.uris),
             analysis_id=analysis_id(e.base_identity, e.identities, catalog_uri, spec.get("method")),
         )
-    except InputError as e:
-        raise PlanInputError(str(e), _field_of(str(e), spec)) from None
+    except InputError as e:  # the core names the request field (e.loc); message without that prefix
+        raise PlanInputError(e.problem, where(e.loc) if e.loc else "spec") from None
     fid = plan.retained_energy
     return PlanSummary(
         digest=plan.digest,

@@ -1,0 +1,321 @@
+"""The one way into planning: a typed :class:`MergeRequest`, validated by the core.
+
+Every front end builds a :class:`MergeRequest` from its own input — the command line
+(``--base/--expert/--method/--param``, the ``--param`` grammar is parsed at that edge by
+:func:`parse_param_args`), a mergekit YAML config (:mod:`mergepipe.config`), a Kubernetes
+ModelMerge spec (the operator) and a search candidate (:mod:`mergepipe.search.space`) — and hands
+it to :func:`mergepipe.pipeline.build_plan`. Parameters are structured values (a scalar, a layer
+gradient ``[0.2, 0.8]``, a filter list ``[{filter: mlp, value: 0.5}, {value: 0.3}]``; see
+:mod:`mergepipe.methods.params`), never strings in a front end's syntax.
+
+:meth:`MergeRequest.resolve` is the one validator. A refused request raises
+:class:`mergepipe.errors.InputError` whose ``loc`` is the field path in the request
+(``("experts", 1, "parameters", "density")``) and whose message names that field as the front
+end's ``where`` renders it: ``--param math:density`` (:func:`mergepipe.methods.params.cli_where`),
+``merge.yml: models[1].parameters.density`` (the config loader), ``spec.experts[0].parameters.
+density`` (the operator).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
+
+from mergepipe.errors import InputError
+from mergepipe.limits import json_depth, short_repr
+from mergepipe.methods.params import (
+    Loc,
+    ResolvedParams,
+    Where,
+    cli_where,
+    param_loc,
+    resolve_params,
+    sub_text,
+)
+
+__all__ = [
+    "ExpertRequest", "Loc", "MergeRequest", "RequestOptions", "ResolvedRequest", "Where", "cli_where",
+    "param_loc", "parse_param_args", "sub_text",
+]
+
+#: A parameter setting as data: a number or boolean, a gradient (list of numbers), a filter list
+#: (list of ``{"filter": str, "value": number or gradient}``), or one such mapping.
+Setting = JsonValue
+
+
+class ExpertRequest(BaseModel):
+    """One expert of a merge.
+
+    Attributes:
+        name: how plans, manifests and messages name it (unique within the request).
+        uri: checkpoint folder or ``s3://`` prefix (no trailing slash needed).
+        parameters: its own settings of the method's expert-scoped parameters (``weight``,
+            ``density``, ...), overriding the merge-wide ones.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    uri: str
+    parameters: dict[str, Setting] = Field(default_factory=dict)
+
+
+class RequestOptions(BaseModel):
+    """How the output is written and what is recorded with it.
+
+    Attributes:
+        out_dtype: safetensors dtype (``BF16``, ``F16``, ``F32``, ``F64``) of the floating output
+            tensors (None: the base's).
+        requested_dtype: the compute dtype a mergekit config asked for (recorded; mergepipe
+            always computes in float32).
+        source: the config file the request came from (``path``, ``sha256``, ``yaml``; recorded
+            in the plan, not part of its digest).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    out_dtype: str | None = None
+    requested_dtype: str | None = None
+    source: dict[str, Any] | None = None
+
+
+class MergeRequest(BaseModel):
+    """A merge as the core plans it: base, experts, method, parameters, budget, seed, output.
+
+    Attributes:
+        base: the base checkpoint (folder or ``s3://`` prefix).
+        experts: the experts, in merge order.
+        method: mergekit's method name (:mod:`mergepipe.methods.registry`).
+        parameters: merge-wide settings (for expert-scoped parameters: every expert's default).
+        budget: expert-I/O budget: bytes (int), a byte quantity or percentage of the experts'
+            total size (``"512MiB"``, ``"25%"``), or None for unlimited.
+        fidelity: fraction of the full-budget retained energy to reach, in (0, 1] (None: off).
+        seed: seed of the DARE/DELLA random streams.
+        output: where the snapshot is committed (folder or ``s3://`` prefix); None when only
+            planning.
+        options: output dtype and what is recorded (:class:`RequestOptions`).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    base: str
+    experts: list[ExpertRequest]
+    method: str = "ties"
+    parameters: dict[str, Setting] = Field(default_factory=dict)
+    budget: int | str | None = None
+    fidelity: float | None = None
+    seed: int = 0
+    output: str | None = None
+    options: RequestOptions = Field(default_factory=RequestOptions)
+
+    @property
+    def names(self) -> list[str]:
+        return [e.name for e in self.experts]
+
+    @property
+    def expert_uris(self) -> list[tuple[str, str]]:
+        """``(name, uri)`` of every expert."""
+        return [(e.name, e.uri) for e in self.experts]
+
+    def resolve(self, where: Where | None = None) -> ResolvedRequest:
+        """Validate everything that can be checked before reading a byte: the method, the
+        number and names of the experts, every parameter setting (with the precedence expert >
+        merge-wide > default), the budget's syntax and the fidelity's range.
+
+        Args:
+            where: renders a field path (:data:`Loc`) in the front end's terms (default:
+                command-line terms, experts by name).
+
+        Raises:
+            InputError: with ``loc`` set to the field at fault and a message naming it.
+        """
+        w = where or cli_where(self.names)
+        seen: dict[str, int] = {}
+        for i, e in enumerate(self.experts):
+            if e.name in seen:
+                loc = ("experts", i, "name")
+                problem = (f"two experts share the name {e.name!r} (experts {seen[e.name] + 1} and {i + 1}); "
+                           "give them distinct names.")
+                raise InputError(f"{w(loc)}: {problem}", loc=loc, problem=problem)
+            seen[e.name] = i
+        params = resolve_params(self.method, dict(self.parameters), [dict(e.parameters) for e in self.experts],
+                                where=w)
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            problem = f"{short_repr(seed)}: must be an integer from 0 to 2^63-1."
+            raise InputError(f"{w(('seed',))} {problem}", loc=("seed",), problem=problem)
+        f = self.fidelity
+        if f is not None and not (0.0 < f <= 1.0):
+            problem = f"{f} is outside (0, 1]; e.g. 0.99."
+            raise InputError(f"{w(('fidelity',))}: {problem}", loc=("fidelity",), problem=problem)
+        if isinstance(self.budget, str):
+            try:
+                parse_bytes(self.budget, total=0, what=w(("budget",)))
+            except InputError as e:
+                raise InputError(str(e), loc=("budget",)) from None
+        elif self.budget is not None and self.budget < 0:
+            problem = f"{self.budget} is negative; give bytes like 512MiB or a percentage like 25%."
+            raise InputError(f"{w(('budget',))}: {problem}", loc=("budget",), problem=problem)
+        return ResolvedRequest(self, params, w)
+
+
+#: largest byte quantity accepted anywhere (a signed 64-bit count, as S3 and the kernel use)
+MAX_BYTES = 2**63 - 1
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4,
+}
+
+
+def parse_bytes(text: str | int, *, total: int | None = None, what: str = "--budget") -> int | None:
+    """Parse a byte quantity: ``1234``, ``512MiB``, ``1.5GB``, ``10Gi``, a percentage of
+    ``total`` (``25%``), or ``unlimited``/``inf`` (returns None).
+
+    Raises:
+        InputError: unparseable, negative, not finite, over 2^63-1 bytes, or a percentage
+            without a total.
+    """
+    if isinstance(text, bool) or not isinstance(text, (str, int)):
+        raise InputError(f"{what} {short_repr(text)}: not a byte quantity; use e.g. 512MiB, 1.5GB, 1073741824, 25% "
+                         "or unlimited.")
+    s = str(text).strip()
+    if s.lower() in ("unlimited", "inf", "none", "full"):
+        return None
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z%]*)", s)
+    if not m:
+        raise InputError(f"{what} {short_repr(text)}: not a byte quantity; use e.g. 512MiB, 1.5GB, 1073741824, 25% or "
+                         "unlimited.")
+    num, unit = float(m.group(1)), m.group(2).lower()
+    if not math.isfinite(num):
+        raise InputError(f"{what} {short_repr(text)}: not a finite number; use e.g. 512MiB or unlimited.")
+    if unit == "%":
+        if total is None:
+            raise InputError(f"{what} {short_repr(text)}: a percentage needs the experts' total size, which is unknown here.")
+        if num > 100:
+            raise InputError(f"{what} {short_repr(text)}: a percentage above 100% is not a budget; use unlimited.")
+        return int(total * num / 100.0)
+    if unit not in _UNITS:
+        raise InputError(f"{what} {short_repr(text)}: unknown unit {short_repr(m.group(2))}; use B, KiB, MiB, GiB, TiB, "
+                         "KB, MB, GB, TB or %.")
+    n = num * _UNITS[unit]
+    if n > MAX_BYTES:
+        raise InputError(f"{what} {short_repr(text)}: larger than 2^63-1 bytes; use unlimited for no limit.")
+    return int(n)
+
+
+@dataclass(frozen=True)
+class ResolvedRequest:
+    """A validated :class:`MergeRequest`: the request, its parameters resolved per expert
+    (:class:`mergepipe.methods.params.ResolvedParams`) and the front end's field renderer."""
+
+    request: MergeRequest
+    params: ResolvedParams
+    where: Where = field(repr=False, compare=False)
+
+    @property
+    def method(self) -> str:
+        return self.request.method
+
+    @property
+    def names(self) -> list[str]:
+        return self.request.names
+
+    def at(self, loc: Loc, e: InputError) -> InputError:
+        """``e`` (an error about the request's field ``loc``, e.g. an unreadable expert) with its
+        ``loc`` attached; the message is kept."""
+        e.loc = tuple(loc)
+        return e
+
+
+_PARAM_RE = re.compile(r"(?:([^:=]+):)?([A-Za-z_][A-Za-z0-9_]*)=(.+)")
+
+
+def _cli_value(method: str, name: str, text: str, where: str, loc: Loc) -> Any:
+    """A ``--param`` value as data: JSON for lists and mappings, a bool or float where the
+    parameter's kind reads it, otherwise the text (which the validator then refuses by name)."""
+    import json
+
+    from mergepipe.methods.registry import METHODS
+
+    s = text.strip()
+    if s[:1] in ("[", "{"):
+        if json_depth(s) > 4:  # a gradient is depth 1, a filter list 2
+            problem = (f"{short_repr(text)} is nested too deeply; a gradient is [0.2, 0.8], a filter list "
+                       '[{"filter": "mlp", "value": 0.5}, {"value": 0.3}].')
+            raise InputError(f"{where}: {problem}", loc=loc, problem=problem)
+        try:
+            return json.loads(s)
+        except json.JSONDecodeError as e:
+            problem = (f"{short_repr(text)} is not valid JSON ({e.msg}); a gradient is [0.2, 0.8], a filter list "
+                       '[{"filter": "mlp", "value": 0.5}, {"value": 0.3}].')
+            raise InputError(f"{where}: {problem}", loc=loc, problem=problem) from None
+    spec = METHODS.get(method)
+    p = next((q for q in spec.params if q.name == name), None) if spec else None
+    if p is None:
+        return text
+    if p.kind == "bool" and s.lower() in ("true", "1", "yes", "false", "0", "no"):
+        return s.lower() in ("true", "1", "yes")
+    try:
+        v = float(s)
+    except ValueError:
+        return text
+    return v if v == v and abs(v) != float("inf") else text
+
+
+def parse_param_args(items: Sequence[str], method: str, expert_names: Sequence[str]) -> tuple[dict, list[dict]]:
+    """The command line's ``--param`` values as structured settings (the CLI edge).
+
+    Syntax: ``NAME=VALUE`` applies to the merge (and to every expert for per-expert parameters
+    such as weight and density); ``EXPERT:NAME=VALUE`` applies to one expert, where ``EXPERT`` is
+    the expert's name (the last path component of its URI, or the name given as
+    ``--expert NAME=URI``) or its 1-based position. ``VALUE`` is a number, a boolean, or JSON: a
+    gradient ``[0.2,0.8]`` or a filter list ``[{"filter":"mlp","value":0.5},{"value":1}]``.
+
+    Returns:
+        ``(merge-wide settings, one dict of settings per expert)``.
+
+    Raises:
+        InputError: malformed item, unknown expert, or a list that is not valid JSON.
+    """
+    glob: dict = {}
+    per: list[dict] = [{} for _ in expert_names]
+    where = cli_where(list(expert_names))
+    for it in items:
+        m = _PARAM_RE.fullmatch(it.strip())
+        if not m:
+            raise InputError(f"--param {it!r}: expected NAME=VALUE or EXPERT:NAME=VALUE (e.g. density=0.5, "
+                             "math:weight=0.3).")
+        who, name, val = m.group(1), m.group(2), m.group(3)
+        if who is None:
+            loc: Loc = ("parameters", name)
+            glob[name] = _cli_value(method, name, val, where(loc), loc)
+            continue
+        if who.isdigit() and 1 <= int(who) <= len(expert_names):
+            i = int(who) - 1
+        elif who in expert_names:
+            i = list(expert_names).index(who)
+        else:
+            raise InputError(f"--param {it!r}: no expert named {who!r}; experts are {', '.join(expert_names)} "
+                             f"(or 1..{len(expert_names)}).", loc=("experts",))
+        loc = ("experts", i, "parameters", name)
+        per[i][name] = _cli_value(method, name, val, where(loc), loc)
+    return glob, per
+
+
+def request_from_args(base: str, experts: Sequence[tuple[str, str]], method: str, params: Sequence[str] = (),
+                      **fields: Any) -> MergeRequest:
+    """A :class:`MergeRequest` from command-line style inputs: ``experts`` as ``(name, uri)``
+    pairs and ``params`` in the ``--param`` grammar (:func:`parse_param_args`); ``fields`` are
+    the other request fields (``budget``, ``fidelity``, ``seed``, ``output``, ``options``)."""
+    names = [n for n, _ in experts]
+    glob, per = parse_param_args(params, method, names)
+    return MergeRequest(base=base, method=method, parameters=glob,
+                        experts=[ExpertRequest(name=n, uri=u, parameters=p) for (n, u), p in zip(experts, per)],
+                        **fields)

@@ -1,0 +1,68 @@
+"""A ModelMerge spec as the core's :class:`mergepipe.request.MergeRequest`, and the core's field
+paths named as spec fields.
+
+The operator does not validate method parameters itself: the spec's structured
+``spec.parameters`` and ``spec.experts[i].parameters`` (and the ``weight`` shorthand) go into the
+request as they are, and the core's one validator (:meth:`MergeRequest.resolve`) refuses them
+with a field path that :func:`spec_where` renders as ``spec.experts[0].parameters.density``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from mergepipe.request import ExpertRequest, Loc, MergeRequest, param_loc, sub_text
+
+
+def _names(spec: Mapping[str, Any]) -> list[str]:
+    # as plans, manifests and status name experts: ``name``, else ``expert-<index>`` (0-based)
+    return [(ex.get("name") or f"expert-{i}") for i, ex in enumerate(spec.get("experts") or [])]
+
+
+def merge_request(spec: Mapping[str, Any], *, budget: int | str | None = None) -> MergeRequest:
+    """The merge request of a ModelMerge spec: base, experts (named as in status, URIs without the
+    trailing slash, as the catalog keys them), method, parameters (an expert's ``weight`` is its
+    ``weight`` parameter), ``budget`` (the admitted budget in bytes, given by the caller),
+    fidelity, seed and output.
+
+    Raises:
+        pydantic.ValidationError: the spec does not have the CRD's shape (the API server's
+            schema refuses such specs first).
+    """
+    experts = []
+    for name, ex in zip(_names(spec), spec.get("experts") or []):
+        params = dict(ex.get("parameters") or {})
+        if ex.get("weight") is not None:
+            params.setdefault("weight", ex["weight"])
+        experts.append(ExpertRequest(name=name, uri=str(ex["uri"]).rstrip("/"), parameters=params))
+    return MergeRequest(
+        base=str(spec["base"]["uri"]).rstrip("/"), experts=experts, method=spec["method"],
+        parameters=dict(spec.get("parameters") or {}), budget=budget, fidelity=spec.get("fidelity"),
+        seed=int(spec.get("seed") or 0), output=(spec.get("output") or {}).get("uri"),
+    )
+
+
+def spec_where(spec: Mapping[str, Any]) -> Callable[[Loc], str]:
+    """Renders a request field path as the spec field it came from: ``spec.parameters.t``,
+    ``spec.experts[0].parameters.density[1].value``, ``spec.experts[2].weight`` (when the expert
+    set its weight with the shorthand), ``spec.experts[1].uri``, ``spec.experts``, ``spec.base.uri``."""
+    experts = [ex if isinstance(ex, Mapping) else {} for ex in (spec.get("experts") or [])]
+
+    def where(loc: Loc) -> str:
+        pl = param_loc(loc)
+        if pl is not None:
+            i, name, rest = pl
+            if i is None:
+                return f"spec.parameters.{name}{sub_text(rest)}"
+            ex = experts[i] if i < len(experts) else {}
+            if name == "weight" and ex.get("weight") is not None and "weight" not in (ex.get("parameters") or {}):
+                return f"spec.experts[{i}].weight{sub_text(rest)}"
+            return f"spec.experts[{i}].parameters.{name}{sub_text(rest)}"
+        if not loc:
+            return "spec"
+        if loc[0] == "experts":
+            return "spec.experts" + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in loc[1:])
+        return {"base": "spec.base.uri", "output": "spec.output.uri"}.get(str(loc[0]), f"spec.{loc[0]}")
+
+    return where
