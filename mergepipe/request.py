@@ -238,8 +238,9 @@ _PARAM_RE = re.compile(r"(?:([^:=]+):)?([A-Za-z_][A-Za-z0-9_]*)=(.+)")
 
 
 def _cli_value(method: str, name: str, text: str, where: str, loc: Loc) -> Any:
-    """A ``--param`` value as data: JSON for lists and mappings, a bool or float where the
-    parameter's kind reads it, otherwise the text (which the validator then refuses by name)."""
+    """A ``--param`` value as data: JSON for lists and mappings; ``true/false/yes/no/1/0`` as a
+    boolean for boolean parameters; a number where the text reads as one; otherwise the text
+    (which the validator refuses, naming the parameter)."""
     import json
 
     from mergepipe.methods.registry import METHODS
@@ -263,10 +264,9 @@ def _cli_value(method: str, name: str, text: str, where: str, loc: Loc) -> Any:
     if p.kind == "bool" and s.lower() in ("true", "1", "yes", "false", "0", "no"):
         return s.lower() in ("true", "1", "yes")
     try:
-        v = float(s)
+        return float(s)  # (nan and inf too: the validator names them)
     except ValueError:
         return text
-    return v if v == v and abs(v) != float("inf") else text
 
 
 def parse_param_args(items: Sequence[str], method: str, expert_names: Sequence[str]) -> tuple[dict, list[dict]]:

@@ -348,13 +348,6 @@ def resolve_params(
         p = spec.param(name, where(loc), loc)
         v = parse_setting(p, raw, loc, where)
         (g if p.scope == "global" else shared)[name] = v
-    for p in spec.params:
-        if p.scope == "global" and p.name not in g:
-            if p.default is None:
-                w = where(("parameters", p.name))
-                raise _fail(where, ("parameters", p.name),
-                            f"{method} needs {p.name} in {p.range_text} (e.g. {w}=0.5); it has no default.")
-            g[p.name] = p.default
     experts = []
     for i, ep in enumerate(expert_params):
         d = {}
@@ -382,6 +375,13 @@ def resolve_params(
             else:
                 view[p.name] = own
         experts.append(view)
+    for p in spec.params:  # what is missing, after what is given
+        if p.scope == "global" and p.name not in g:
+            if p.default is None:
+                w = where(("parameters", p.name))
+                raise _fail(where, ("parameters", p.name),
+                            f"{method} needs {p.name} in {p.range_text} (e.g. {w}=0.5); it has no default.")
+            g[p.name] = p.default
     if spec.kind == "nuslerp" and g.get("nuslerp_row_wise") and not g.get("nuslerp_flatten"):
         raise _fail(where, ("parameters", "nuslerp_row_wise"), "nuslerp_row_wise=true with nuslerp_flatten=false interpolates "
                          "columns, which needs per-column statistics over all rows that mergepipe does not keep; "

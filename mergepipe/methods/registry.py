@@ -58,7 +58,9 @@ class ParamSpec:
         return f"{'(' if self.lo_open or self.lo is None else '['}{lo}, {hi}{')' if self.hi_open or self.hi is None else ']'}"
 
     def check(self, value, where: str, loc: tuple = ()):
-        """Validate one scalar value and return it as ``bool`` or ``float``.
+        """Validate one scalar value and return it as ``bool`` or ``float``. Values are typed: a
+        boolean parameter takes ``True``/``False``, a numeric one an ``int`` or ``float`` (the
+        command line converts its text at its edge, :func:`mergepipe.request.parse_param_args`).
 
         Args:
             where: the key as the front end names it, prefixed to the message.
@@ -74,15 +76,10 @@ class ParamSpec:
         if self.kind == "bool":
             if isinstance(value, bool):
                 return value
-            if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
-                return value.strip().lower() in ("true", "1", "yes")
             raise bad(f"{self.name} must be true or false, got {short_repr(value)}.")
-        if isinstance(value, bool) or isinstance(value, (list, dict)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad(f"{self.name} must be a number in {self.range_text}, got {short_repr(value)}.")
-        try:
-            v = float(value)
-        except (TypeError, ValueError):
-            raise bad(f"{self.name} must be a number in {self.range_text}, got {short_repr(value)}.") from None
+        v = float(value)
         if v != v or v in (float("inf"), float("-inf")):
             raise bad(f"{self.name} must be a finite number in {self.range_text}, got {short_repr(value)}.")
         out = (self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo))) or (

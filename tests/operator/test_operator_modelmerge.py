@@ -70,7 +70,7 @@ def test_parameter_names_scopes_and_ranges():
     ps = issues(parameters={"densty": 0.5})
     ((path, msg),) = ps
     assert path == "spec.parameters.densty" and msg.startswith(
-        "method ties takes no parameter 'densty'; allowed: weight, density,"
+        "method 'ties' takes no parameter 'densty'; allowed: weight, density,"
     )
     experts = [{"uri": "s3://models/a/", "parameters": {"lambda": 2}}]
     assert paths(experts=experts) == {"spec.experts[0].parameters.lambda"}
@@ -123,7 +123,8 @@ def test_layer_wise_values():
     assert got == [
         (
             "spec.parameters.density[0]",
-            "the entry without filter matches every tensor, so the entries after it are never used; move it last.",
+            "the entry without filter matches every tensor, so entry 1 after it is never used (first match "
+            "wins); move the catch-all last.",
         )
     ]
     got = dict(issues(parameters={"density": [0.5, {"value": 0.4}]}))

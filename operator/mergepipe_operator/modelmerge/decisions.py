@@ -181,11 +181,6 @@ def expert_names(spec: Mapping[str, Any]) -> list[str]:
     return [(ex.get("name") or f"expert-{i}") for i, ex in enumerate(spec.get("experts") or [])]
 
 
-def merge_experts(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """``(name, uri)`` of every expert, URIs without the trailing slash (as the catalog keys them)."""
-    return [(n, ex["uri"].rstrip("/")) for n, ex in zip(expert_names(spec), spec.get("experts") or [])]
-
-
 def needs_pair_statistics(method: str | None) -> bool:
     """Methods (model_stock, nuslerp) whose plan needs the experts' pairwise task-vector dot
     products (the catalog's pair statistics, recorded by ``mergepipe analyze --pairs``)."""

@@ -14,32 +14,38 @@ from typing import Any
 
 from mergepipe.request import ExpertRequest, Loc, MergeRequest, param_loc, sub_text
 
+from .decisions import expert_names
 
-def _names(spec: Mapping[str, Any]) -> list[str]:
-    # as plans, manifests and status name experts: ``name``, else ``expert-<index>`` (0-based)
-    return [(ex.get("name") or f"expert-{i}") for i, ex in enumerate(spec.get("experts") or [])]
+
+def spec_settings(spec: Mapping[str, Any]) -> tuple[dict, list[dict]]:
+    """The merge-wide settings (``spec.parameters``) and each expert's own settings
+    (``spec.experts[i].parameters``, plus ``weight`` from the shorthand ``spec.experts[i].weight``
+    unless ``parameters.weight`` is set too — the spec check refuses that), as given."""
+    per = []
+    for ex in spec.get("experts") or []:
+        own = dict(ex.get("parameters") or {})
+        if ex.get("weight") is not None and "weight" not in own:
+            own = {"weight": ex["weight"], **own}
+        per.append(own)
+    return dict(spec.get("parameters") or {}), per
 
 
 def merge_request(spec: Mapping[str, Any], *, budget: int | str | None = None) -> MergeRequest:
     """The merge request of a ModelMerge spec: base, experts (named as in status, URIs without the
-    trailing slash, as the catalog keys them), method, parameters (an expert's ``weight`` is its
-    ``weight`` parameter), ``budget`` (the admitted budget in bytes, given by the caller),
-    fidelity, seed and output.
+    trailing slash, as the catalog keys them), method, settings (:func:`spec_settings`), ``budget``
+    (the admitted budget in bytes, given by the caller), fidelity, seed and output.
 
     Raises:
-        pydantic.ValidationError: the spec does not have the CRD's shape (the API server's
-            schema refuses such specs first).
+        pydantic.ValidationError, KeyError: the spec does not have the CRD's shape (the API
+            server's schema refuses such specs first).
     """
-    experts = []
-    for name, ex in zip(_names(spec), spec.get("experts") or []):
-        params = dict(ex.get("parameters") or {})
-        if ex.get("weight") is not None:
-            params.setdefault("weight", ex["weight"])
-        experts.append(ExpertRequest(name=name, uri=str(ex["uri"]).rstrip("/"), parameters=params))
+    glob, per = spec_settings(spec)
+    experts = [ExpertRequest(name=name, uri=str(ex["uri"]).rstrip("/"), parameters=own)
+               for name, ex, own in zip(expert_names(spec), spec.get("experts") or [], per)]
     return MergeRequest(
-        base=str(spec["base"]["uri"]).rstrip("/"), experts=experts, method=spec["method"],
-        parameters=dict(spec.get("parameters") or {}), budget=budget, fidelity=spec.get("fidelity"),
-        seed=int(spec.get("seed") or 0), output=(spec.get("output") or {}).get("uri"),
+        base=str(spec["base"]["uri"]).rstrip("/"), experts=experts, method=spec["method"], parameters=glob,
+        budget=budget, fidelity=spec.get("fidelity"), seed=int(spec.get("seed") or 0),
+        output=(spec.get("output") or {}).get("uri"),
     )
 
 

@@ -9,11 +9,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..crd import METHODS, ModelMergeSpec
+from mergepipe.errors import InputError
+from mergepipe.methods.params import resolve_params
+from mergepipe.methods.registry import METHODS as CORE_METHODS
+
+from ..crd import ModelMergeSpec
 from ..k8s.conditions import Issue
 from ..k8s.quantities import QuantityError, is_number, parse_quantity
 from ..settings import Settings
-from .params import EXPERT_COUNT_RULES, METHOD_PARAMS, _params
+from .request import spec_settings, spec_where
 
 
 def _prefix(uri: str) -> str:
@@ -49,15 +53,31 @@ def _pydantic_issues(err: ValidationError) -> list[Issue]:
     return list(dict.fromkeys(out))  # without repeats, in order
 
 
+def _method_issues(spec: Mapping[str, Any], method: Any, experts: list) -> list[Issue]:
+    """The core's one validator of method parameters (:func:`mergepipe.methods.params.resolve_params`)
+    on the spec's settings: the first problem it finds, at the spec field it names. Nothing when the
+    method is not a core method or the parameters are not maps (the schema issues report those)."""
+    if method not in CORE_METHODS or not all(isinstance(ex, Mapping) for ex in experts):
+        return []
+    if not isinstance(spec.get("parameters") or {}, Mapping) or not all(
+            isinstance(ex.get("parameters") or {}, Mapping) for ex in experts):
+        return []
+    where = spec_where(spec)
+    try:
+        resolve_params(method, *spec_settings(spec), where=where)
+    except InputError as e:
+        return [(where(e.loc) if e.loc else "spec", e.problem)]
+    return []
+
+
 def validate_merge_spec(spec: Mapping[str, Any]) -> list[Issue]:
     """Problems in a ModelMerge spec, as ``(field path, message)``; empty when valid.
 
     Covers what the CRD schema cannot (or what a client that skipped the API server would miss):
-    at most one of budget/fidelity; budget syntax and positivity; fidelity in (0, 1]; the model
-    count each method needs (slerp 2, nuslerp 2 experts, model_stock >= 3 models); parameter names
-    per method, global-only parameters set per expert, and the shape and range of every (possibly
-    layer-wise) parameter value (density in (0, 1], gamma in [0, 1), t in [0, 1], ...); weight set
-    twice for one expert; duplicate expert names or URIs; an output prefix overlapping an input.
+    at most one of budget/fidelity; budget syntax and positivity; fidelity in (0, 1]; weight set
+    twice for one expert; duplicate expert names or URIs; an output prefix overlapping an input;
+    and the core's verdict on the method (:func:`_method_issues`: the expert count it takes, the
+    names, scopes, shapes and ranges of every — possibly layer-wise — parameter setting).
     """
     if not isinstance(spec, Mapping):
         return [("spec", "spec must be an object.")]
@@ -83,39 +103,24 @@ def validate_merge_spec(spec: Mapping[str, Any]) -> list[Issue]:
     method = spec.get("method")
     raw_experts = spec.get("experts")
     experts: list[Any] = raw_experts if isinstance(raw_experts, list) else []
-    if method in METHODS and method not in METHOD_PARAMS:
-        out.append(("spec.method", f"method {method} is not implemented by this mergepipe version; available: {', '.join(METHOD_PARAMS)}."))
-    if method in METHOD_PARAMS:
-        rule = EXPERT_COUNT_RULES.get(method)
-        if rule and not rule[0](len(experts)):
-            out.append(("spec.experts", f"{rule[1]}; got {len(experts)} expert(s)."))
-        out.extend(_params(method, spec.get("parameters"), "spec.parameters", per_expert=False))
-        table = METHOD_PARAMS[method]
-        names: dict[str, int] = {}
-        uris: dict[str, int] = {}
-        for i, ex in enumerate(experts):
-            if not isinstance(ex, dict):
-                continue
-            epath = f"spec.experts[{i}]"
-            raw_params = ex.get("parameters")
-            eparams: dict[str, Any] = raw_params if isinstance(raw_params, dict) else {}
-            out.extend(_params(method, ex.get("parameters"), f"{epath}.parameters", per_expert=True))
-            if ex.get("weight") is not None:
-                if "weight" not in table:
-                    out.append((f"{epath}.weight", f"method {method} takes no weight; remove it."))
-                elif "weight" in eparams:
-                    out.append((f"{epath}.weight", "weight is set twice (weight and parameters.weight); keep one."))
-                elif not is_number(ex["weight"]) or not math.isfinite(ex["weight"]):
-                    out.append((f"{epath}.weight", f"weight must be a finite number, got {ex['weight']!r}."))
-            name = ex.get("name") or f"expert-{i}"
-            if name in names:
-                out.append((f"{epath}.name", f"expert name {name!r} is already used by spec.experts[{names[name]}]."))
-            names.setdefault(name, i)
-            uri = ex.get("uri")
-            if isinstance(uri, str):
-                if _prefix(uri) in uris:
-                    out.append((f"{epath}.uri", f"{uri} is already listed as spec.experts[{uris[_prefix(uri)]}]."))
-                uris.setdefault(_prefix(uri), i)
+    out.extend(_method_issues(spec, method, experts))
+    names: dict[str, int] = {}
+    uris: dict[str, int] = {}
+    for i, ex in enumerate(experts):
+        if not isinstance(ex, dict):
+            continue
+        epath = f"spec.experts[{i}]"
+        if ex.get("weight") is not None and "weight" in (ex.get("parameters") or {}):
+            out.append((f"{epath}.weight", "weight is set twice (weight and parameters.weight); keep one."))
+        name = ex.get("name") or f"expert-{i}"
+        if name in names:
+            out.append((f"{epath}.name", f"expert name {name!r} is already used by spec.experts[{names[name]}]."))
+        names.setdefault(name, i)
+        uri = ex.get("uri")
+        if isinstance(uri, str):
+            if _prefix(uri) in uris:
+                out.append((f"{epath}.uri", f"{uri} is already listed as spec.experts[{uris[_prefix(uri)]}]."))
+            uris.setdefault(_prefix(uri), i)
 
     base_uri = (spec.get("base") or {}).get("uri") if isinstance(spec.get("base"), dict) else None
     out_uri = (spec.get("output") or {}).get("uri") if isinstance(spec.get("output"), dict) else None

@@ -30,6 +30,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from mergepipe.methods.registry import METHODS as CORE_METHODS
+
 from ..crd import GROUP, MergeSearchSpec
 from ..k8s.conditions import Reason, set_condition
 from ..k8s.jobs import JobOutcome, owner_reference, worker_job
@@ -41,7 +43,7 @@ from ..k8s.names import (
     dns_label,
     label_value,
 )
-from ..modelmerge.params import METHOD_PARAMS, merge_params
+from ..modelmerge.request import spec_settings
 from ..modelmerge.spec import Issue, _pydantic_issues, validate_merge_spec
 from ..settings import Settings
 from ..snapshot.decisions import snapshot_name
@@ -95,7 +97,8 @@ def validate_search_spec(spec: Mapping[str, Any]) -> list[Issue]:
     merge_like.setdefault("method", "task_arithmetic")
     out.extend(validate_merge_spec(merge_like))  # same paths; duplicates of the schema issues are dropped below
     method = merge_like["method"]
-    table = METHOD_PARAMS.get(method, {})
+    core = CORE_METHODS.get(method)
+    table = {p.name: p for p in core.params} if core is not None else {}
     experts = [e for e in spec.get("experts") or [] if isinstance(e, Mapping)]
     names = {e.get("name") for e in experts if e.get("name")}
     for i, v in enumerate(spec.get("vary") or []):
@@ -105,6 +108,9 @@ def validate_search_spec(spec: Mapping[str, Any]) -> list[Issue]:
         p = table.get(name) if isinstance(name, str) else None
         if p is None:
             out.append((f"{path}.name", f"method {method} takes no parameter {name!r}; allowed: {', '.join(table) or 'none'}."))
+            continue
+        if p.kind == "bool":
+            out.append((f"{path}.name", f"{name} is a boolean; only numeric parameters vary per layer block."))
             continue
         if expert is not None and p.scope == "global":
             out.append((f"{path}.expert", f"{name} is a global parameter of {method}; vary it without expert."))
@@ -154,6 +160,19 @@ def _objective_arg(o: Mapping[str, Any]) -> str:
     return o["metric"] + ("@max" if o.get("sense") == "max" else "")
 
 
+def _param_args(spec: Mapping[str, Any]) -> list[str]:
+    """The spec's fixed settings as the driver's ``--param`` command-line arguments (the driver is a
+    ``mergepipe search`` process; its command line parses them back into settings):
+    ``NAME=VALUE`` for ``spec.parameters``, ``POSITION:NAME=VALUE`` (1-based) per expert. Values
+    are JSON. Positions, not names, address experts: a DNS-label name may be all digits, which the
+    command line reads as a position."""
+    glob, per = spec_settings(spec)
+    out = [f"{k}={json.dumps(v, separators=(',', ':'), allow_nan=False)}" for k, v in glob.items()]
+    for i, own in enumerate(per, start=1):
+        out += [f"{i}:{k}={json.dumps(v, separators=(',', ':'), allow_nan=False)}" for k, v in own.items()]
+    return out
+
+
 def driver_args(ms: Mapping[str, Any], settings: Settings) -> list[str]:
     """The driver's ``mergepipe`` arguments: the spec as ``mergepipe search`` options (fixed
     parameters in the core's ``--param`` syntax, varied ones as ``--vary [EXPERT:]NAME=MIN:MAX``)
@@ -167,7 +186,7 @@ def driver_args(ms: Mapping[str, Any], settings: Settings) -> list[str]:
     for n, e in zip(names, spec["experts"]):
         args += ["--expert", f"{n}={e['uri'].rstrip('/')}"]
     args += ["--method", spec.get("method") or "task_arithmetic"]
-    for p in merge_params(spec):
+    for p in _param_args(spec):
         args += ["--param", p]
     for v in spec["vary"]:
         args += ["--vary", f"{v['expert'] + ':' if v.get('expert') else ''}{v['name']}={v['min']!r}:{v['max']!r}"]
