@@ -17,6 +17,7 @@ from mergepipe.engine.partition import PartSpec, partition
 from mergepipe.errors import CommitConflict
 from mergepipe.parts import commit_run, execute_part, run_workers
 from mergepipe.pipeline import build_plan, execute_and_commit
+from mergepipe.request import request_from_args
 from mergepipe.storage.base import IOCounters
 from mergepipe.storage.routing import open_storage
 from tests.synth import llama_like_shapes, make_family
@@ -39,12 +40,8 @@ def s3_fam4(s3_env, tmp_path):
     plan = build_plan(
         Catalog(tmp_path / "c.sqlite"),
         st,
-        uris[0],
-        [(u.rsplit("/", 1)[-1], u) for u in uris[1:]],
-        "ties",
-        ["density=0.5"],
-        budget="40%",
-        seed=2,
+        request_from_args(uris[0], [(u.rsplit("/", 1)[-1], u) for u in uris[1:]], "ties", ["density=0.5"],
+                          budget="40%", seed=2),
         work_bytes=16 << 10,
     )
     return bucket, plan
