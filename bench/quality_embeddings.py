@@ -73,7 +73,7 @@ def main() -> None:
         return q(evaluate_checkpoint(out, z.root))
 
     full_ng = normalised_gain(
-        run(pipeline.build_plan(cat, st, str(z.base), ex, method, params, seed=seed), "full"), base_q, own
+        run(pipeline.build_plan(cat, st, request_from_args(str(z.base), ex, method, params, seed=seed)), "full"), base_q, own
     )
     orig = pipeline.make_plan
     for b in (10, 25, 50):
