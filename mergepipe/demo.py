@@ -25,31 +25,44 @@ DEMO_BUDGETS = ("unlimited", "50%", "25%", "10%")
 
 def run_demo(zoo_root: Path | None = None, out_root: Path | None = None, *, tiny: bool = False,
              log: Callable[[str], None] = print, method: str = "task_arithmetic",
-             params: tuple[str, ...] | None = None) -> list[dict]:
+             params: tuple[str, ...] | None = None, table_to_stderr: bool = False) -> list[dict]:
     """Run the demo; returns one row per model (base, experts, merges) and prints a table.
+
+    ``tiny`` selects ``ZooConfig.tiny()`` (the CLI's default ``--size tiny``: it passes the zoo's
+    build gates) instead of ``ZooConfig()`` (``--size demo``, whose gates fail today, see
+    docs/QUALITY.md; a gate failure raises :class:`~mergepipe.errors.MergepipeError`, exit 1,
+    and publishes nothing).
 
     Each merge row: budget, expert bytes read (from the storage counters), wall time of the merge
     (plan + execute + commit; analysis is cached after the first merge), retained energy, and
     per-domain eval loss. The first merge also pays the one-time analysis (shown separately).
+    The table goes to stdout, or to stderr with ``table_to_stderr`` (``--json``: stdout is JSON only).
     """
     from rich.console import Console
     from rich.table import Table
 
     from mergepipe.catalog.catalog import Catalog, default_home
-    from mergepipe.errors import InputError
+    from mergepipe.errors import InputError, MergepipeError
     from mergepipe.metrics import kept_share, normalised_gain, worst
     from mergepipe.pipeline import merge
     from mergepipe.storage.base import IOCounters
     from mergepipe.storage.local import LocalStorage
 
     try:
-        from mergepipe_zoo import ZooConfig, build_zoo, evaluate
+        import transformers
+
+        from mergepipe_zoo import ZooConfig, ZooGateError, build_zoo, evaluate
     except ImportError as e:
         raise InputError(f"mergepipe demo needs the model zoo ({e}): install mergepipe with its zoo extra "
                          "(torch, transformers, tokenizers).") from None
 
     t0 = time.perf_counter()
-    zoo = build_zoo(zoo_root, ZooConfig.tiny() if tiny else ZooConfig(), log=log)
+    transformers.utils.logging.disable_progress_bar()  # one "Loading weights" bar per evaluated model
+    try:
+        zoo = build_zoo(zoo_root, ZooConfig.tiny() if tiny else ZooConfig(), log=log)
+    except ZooGateError as e:
+        raise MergepipeError(f"{e}; nothing was published. `mergepipe demo --size tiny` builds a zoo that "
+                             "passes its gates (docs/QUALITY.md).") from None
     log(f"zoo ready in {time.perf_counter() - t0:.1f} s at {zoo.root}")
     out_root = Path(out_root) if out_root else default_home() / "demo" / zoo.config.key()
     cat = Catalog(out_root / "catalog.sqlite")
@@ -128,6 +141,6 @@ def run_demo(zoo_root: Path | None = None, out_root: Path | None = None, *, tiny
             "-" if not ng else "{} {:+.2f}".format(*worst(ng)),
             "-" if not ks else "{} {:.0%}".format(*worst(ks)),
         )
-    Console(width=max(150, Console().width)).print(table)
+    Console(width=max(150, Console().width), stderr=table_to_stderr).print(table)
     log(f"demo finished in {time.perf_counter() - t0:.1f} s; snapshots under {out_root}")
     return rows

@@ -16,10 +16,11 @@ from mergepipe_zoo.zoo import (
     DOMAINS,
     Zoo,
     ZooConfig,
+    ZooGateError,
     build_zoo,
     check_gates,
     default_zoo_root,
     evaluate,
 )
 
-__all__ = ["DOMAINS", "Zoo", "ZooConfig", "build_zoo", "check_gates", "default_zoo_root", "evaluate"]
+__all__ = ["DOMAINS", "Zoo", "ZooConfig", "ZooGateError", "build_zoo", "check_gates", "default_zoo_root", "evaluate"]
