@@ -63,8 +63,12 @@ def _ordered(t):
     complement), as int64."""
     import torch
 
-    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
-            torch.float64: torch.int64}[t.dtype]
+    bits = {
+        torch.bfloat16: torch.int16,
+        torch.float16: torch.int16,
+        torch.float32: torch.int32,
+        torch.float64: torch.int64,
+    }[t.dtype]
     width = {torch.int16: 16, torch.int32: 32, torch.int64: 64}[bits]
     i = t.contiguous().view(bits).to(torch.int64)
     if width < 64:
@@ -157,10 +161,15 @@ def tensor_metrics(x, y, base=None, exclude=None) -> dict:
     xf, yf = x.double(), y.double()
     both = ~(torch.isnan(xf) | torch.isnan(yf))
     diff = (xf - yf).abs()
-    r = {"elements": n, "differ": int((u > 0).sum()) + nan_mm, "over_1ulp": int((u > 1).sum()) + nan_mm,
-         "max_ulps": int(u.max()) if n else 0,
-         "max_abs_diff": float(diff[both].max()) if bool(both.any()) else 0.0,
-         "nan_mismatch": nan_mm, "cosine": _cos(xf[both], yf[both])}
+    r = {
+        "elements": n,
+        "differ": int((u > 0).sum()) + nan_mm,
+        "over_1ulp": int((u > 1).sum()) + nan_mm,
+        "max_ulps": int(u.max()) if n else 0,
+        "max_abs_diff": float(diff[both].max()) if bool(both.any()) else 0.0,
+        "nan_mismatch": nan_mm,
+        "cosine": _cos(xf[both], yf[both]),
+    }
     r["frac_differ"] = r["differ"] / n if n else 0.0
     scale = torch.maximum(xf.abs(), yf.abs())
     if base is not None:
@@ -222,8 +231,16 @@ def attribute_ties(mk_dir: Path, mp_dir: Path, base_dir: Path, expert_dirs: list
     base = _load_all(base_dir)
     exps = [_load_all(e) for e in expert_dirs]
     rows = []
-    tot = {"elements": 0, "mk_emul_mismatch": 0, "mp_emul_mismatch": 0, "tie_mask_diff": 0, "tied_entries": 0,
-           "arith_differ": 0, "arith_over_1ulp": 0, "arith_max_ulps": 0}
+    tot = {
+        "elements": 0,
+        "mk_emul_mismatch": 0,
+        "mp_emul_mismatch": 0,
+        "tie_mask_diff": 0,
+        "tied_entries": 0,
+        "arith_differ": 0,
+        "arith_over_1ulp": 0,
+        "arith_max_ulps": 0,
+    }
     for name in sorted(set(mk) & set(mp) & set(base)):
         b = _get(base[name])
         if not b.is_floating_point() or b.dtype != _get(mk[name]).dtype:
@@ -237,18 +254,26 @@ def attribute_ties(mk_dir: Path, mp_dir: Path, base_dir: Path, expert_dirs: list
         mk_canon = _ties_merge(b, xs, mc, b.dtype)
         y_mk, y_mp = _get(mk[name]), _get(mp[name])
         u, _ = _ulps(mk_canon, y_mp)
-        row = {"name": name, "elements": b.numel(),
-               "mk_emul_mismatch": int((_ordered(mk_emul) != _ordered(y_mk)).sum()),
-               "mp_emul_mismatch": int((_ordered(mp_emul) != _ordered(y_mp)).sum()),
-               "tie_mask_diff": sum(int((x != y).sum()) for x, y in zip(ma, mc)),
-               "tied_entries": sum(m[3] for m in mks),
-               "arith_differ": int((u > 0).sum()), "arith_over_1ulp": int((u > 1).sum()),
-               "arith_max_ulps": int(u.max()) if u.numel() else 0}
+        row = {
+            "name": name,
+            "elements": b.numel(),
+            "mk_emul_mismatch": int((_ordered(mk_emul) != _ordered(y_mk)).sum()),
+            "mp_emul_mismatch": int((_ordered(mp_emul) != _ordered(y_mp)).sum()),
+            "tie_mask_diff": sum(int((x != y).sum()) for x, y in zip(ma, mc)),
+            "tied_entries": sum(m[3] for m in mks),
+            "arith_differ": int((u > 0).sum()),
+            "arith_over_1ulp": int((u > 1).sum()),
+            "arith_max_ulps": int(u.max()) if u.numel() else 0,
+        }
         rows.append(row)
         for k in tot:
             tot[k] = max(tot[k], row[k]) if k == "arith_max_ulps" else tot[k] + row[k]
-    return {"tensors": rows, "total": tot, "density": density,
-            "emulation_faithful": tot["mk_emul_mismatch"] == 0 and tot["mp_emul_mismatch"] == 0}
+    return {
+        "tensors": rows,
+        "total": tot,
+        "density": density,
+        "emulation_faithful": tot["mk_emul_mismatch"] == 0 and tot["mp_emul_mismatch"] == 0,
+    }
 
 
 def compare(a_dir: Path, b_dir: Path) -> dict:
@@ -274,8 +299,13 @@ def compare(a_dir: Path, b_dir: Path) -> dict:
             both = ~(nx | ny)
             u = (_ordered(x) - _ordered(y)).abs()
             u = torch.where(both, u, torch.zeros_like(u))
-            row.update(elements=x.numel(), differ=int((u > 0).sum()) + nan_mm, over_1ulp=int((u > 1).sum()) + nan_mm,
-                       max_ulps=int(u.max()) if u.numel() else 0, nan_mismatch=nan_mm)
+            row.update(
+                elements=x.numel(),
+                differ=int((u > 0).sum()) + nan_mm,
+                over_1ulp=int((u > 1).sum()) + nan_mm,
+                max_ulps=int(u.max()) if u.numel() else 0,
+                nan_mismatch=nan_mm,
+            )
             if row["over_1ulp"]:
                 xf, yf = x.float(), y.float()
                 row["max_abs_diff"] = float((xf - yf).abs()[both].max())
@@ -288,9 +318,17 @@ def compare(a_dir: Path, b_dir: Path) -> dict:
             tot["max_ulps"] = max(tot["max_ulps"], row["max_ulps"])
     errors = [t for t in tensors if "error" in t]
     within = not errors and not only_a and not only_b and tot["over_1ulp"] == 0
-    return {"a": str(a_dir), "b": str(b_dir), "only_in_a": only_a, "only_in_b": only_b, "tensors": tensors,
-            "total": tot, "tensors_over_1ulp": sum(1 for t in tensors if t.get("over_1ulp")),
-            "identical_within_1ulp": within, "bit_identical": within and tot["differ"] == 0}
+    return {
+        "a": str(a_dir),
+        "b": str(b_dir),
+        "only_in_a": only_a,
+        "only_in_b": only_b,
+        "tensors": tensors,
+        "total": tot,
+        "tensors_over_1ulp": sum(1 for t in tensors if t.get("over_1ulp")),
+        "identical_within_1ulp": within,
+        "bit_identical": within and tot["differ"] == 0,
+    }
 
 
 def main() -> None:
@@ -298,8 +336,13 @@ def main() -> None:
     ap.add_argument("a", type=Path)
     ap.add_argument("b", type=Path)
     ap.add_argument("--json", action="store_true", help="print the full report as JSON")
-    ap.add_argument("--ties", nargs="+", type=Path, metavar="DIR",
-                    help="BASE EXPERT...: attribute differences of a TIES merge (a = mergekit, b = mergepipe)")
+    ap.add_argument(
+        "--ties",
+        nargs="+",
+        type=Path,
+        metavar="DIR",
+        help="BASE EXPERT...: attribute differences of a TIES merge (a = mergekit, b = mergepipe)",
+    )
     ap.add_argument("--density", type=float, default=0.5)
     a = ap.parse_args()
     r = compare(a.a, a.b)
@@ -309,19 +352,25 @@ def main() -> None:
         print(json.dumps(r, indent=1))
     else:
         t = r["total"]
-        print(f"{len(r['tensors'])} common tensors, {t['elements']} elements; differ: {t['differ']}, "
-              f">1 ulp: {t['over_1ulp']} in {r['tensors_over_1ulp']} tensors; max {t['max_ulps']} ulps")
+        print(
+            f"{len(r['tensors'])} common tensors, {t['elements']} elements; differ: {t['differ']}, "
+            f">1 ulp: {t['over_1ulp']} in {r['tensors_over_1ulp']} tensors; max {t['max_ulps']} ulps"
+        )
         for row in r["tensors"]:
             if row.get("differ") or "error" in row:
-                print(f"  {row['name']}: {row.get('error') or ''} differ {row.get('differ')}, >1ulp {row.get('over_1ulp')}, "
-                      f"max {row.get('max_ulps')} ulps")
+                print(
+                    f"  {row['name']}: {row.get('error') or ''} differ {row.get('differ')}, >1ulp {row.get('over_1ulp')}, "
+                    f"max {row.get('max_ulps')} ulps"
+                )
         if "attribution" in r:
             t = r["attribution"]["total"]
-            print(f"attribution (TIES, density {a.density}): emulations faithful: {r['attribution']['emulation_faithful']} "
-                  f"(mergekit emul. mismatches {t['mk_emul_mismatch']}, mergepipe emul. mismatches {t['mp_emul_mismatch']}); "
-                  f"tied entries at the thresholds {t['tied_entries']}, of which mergekit's argsort kept a different subset: "
-                  f"{t['tie_mask_diff']} mask entries; with canonical ties, mergekit's bf16 arithmetic vs mergepipe: "
-                  f"differ {t['arith_differ']}, >1 ulp {t['arith_over_1ulp']}, max {t['arith_max_ulps']} ulps")
+            print(
+                f"attribution (TIES, density {a.density}): emulations faithful: {r['attribution']['emulation_faithful']} "
+                f"(mergekit emul. mismatches {t['mk_emul_mismatch']}, mergepipe emul. mismatches {t['mp_emul_mismatch']}); "
+                f"tied entries at the thresholds {t['tied_entries']}, of which mergekit's argsort kept a different subset: "
+                f"{t['tie_mask_diff']} mask entries; with canonical ties, mergekit's bf16 arithmetic vs mergepipe: "
+                f"differ {t['arith_differ']}, >1 ulp {t['arith_over_1ulp']}, max {t['arith_max_ulps']} ulps"
+            )
         if r["only_in_a"] or r["only_in_b"]:
             print(f"only in a: {r['only_in_a']}; only in b: {r['only_in_b']}")
     sys.exit(0 if r["identical_within_1ulp"] else 1)

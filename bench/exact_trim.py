@@ -76,9 +76,7 @@ def main(argv=None) -> None:
             sq_diff += float(((exact - keyed).double() ** 2).sum())
             sq_tv += float(((exact - bt.float()).double() ** 2).sum())
         p = res.plan
-        print(
-            f"engine == exact dense reference on every tensor: {not bad} ({len(bad)} differ)"
-        )
+        print(f"engine == exact dense reference on every tensor: {not bad} ({len(bad)} differ)")
         print(
             f"bf16-key rule vs exact top-k: {n_diff} of {n_all} output entries differ; "
             f"||difference|| / ||merged task vector|| = {(sq_diff / sq_tv) ** 0.5:.4%}"

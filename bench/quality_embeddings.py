@@ -73,7 +73,9 @@ def main() -> None:
         return q(evaluate_checkpoint(out, z.root))
 
     full_ng = normalised_gain(
-        run(pipeline.build_plan(cat, st, request_from_args(str(z.base), ex, method, params, seed=seed)), "full"), base_q, own
+        run(pipeline.build_plan(cat, st, request_from_args(str(z.base), ex, method, params, seed=seed)), "full"),
+        base_q,
+        own,
     )
     orig = pipeline.make_plan
     for b in (10, 25, 50):
@@ -86,8 +88,12 @@ def main() -> None:
                 sens[n] = s
 
             def with_sens(request, inputs, selection, engine, _s=sens):
-                return orig(request, dataclasses.replace(inputs, sensitivity=_s),
-                            dataclasses.replace(selection, value="fisher", calibration="variant"), engine)
+                return orig(
+                    request,
+                    dataclasses.replace(inputs, sensitivity=_s),
+                    dataclasses.replace(selection, value="fisher", calibration="variant"),
+                    engine,
+                )
 
             pipeline.make_plan = with_sens
             try:

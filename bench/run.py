@@ -49,12 +49,26 @@ from report import _rss_kib  # noqa: E402
 MERGEKIT_VERSION = "0.1.5"
 TORCH_VERSION = "2.13.0"
 SYSTEMS = ("mergekit", "mp-full", "mp-50", "mp-25", "mp-10", "mp-fixed")
-BUDGETS = {"mp-full": "unlimited", "mp-50": "50%", "mp-25": "25%", "mp-10": "10%"}  # mp-fixed: bytes, see --fixed-budget
+BUDGETS = {
+    "mp-full": "unlimited",
+    "mp-50": "50%",
+    "mp-25": "25%",
+    "mp-10": "10%",
+}  # mp-fixed: bytes, see --fixed-budget
 DENSITY = 0.5
 TINY_CONFIG = {  # bench/synthetic.py's tiny shape as a usable Llama config (see _complete_synthetic)
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64,
-    "vocab_size": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "vocab_size": 4096,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "rms_norm_eps": 1e-6,
     "max_position_embeddings": 2048,
 }
 
@@ -92,15 +106,23 @@ def machine_info() -> dict:
     except OSError:
         pass
     return {
-        "hostname": platform.node(), "nproc": os.cpu_count(), "cpu_model": cpu, "mem_total": mem,
-        "disk": disk[-1] if disk else "", "disk_rotational": rot, "kernel": platform.release(),
-        "python": platform.python_version(), "loadavg_start": Path("/proc/loadavg").read_text().split()[:3],
+        "hostname": platform.node(),
+        "nproc": os.cpu_count(),
+        "cpu_model": cpu,
+        "mem_total": mem,
+        "disk": disk[-1] if disk else "",
+        "disk_rotational": rot,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "loadavg_start": Path("/proc/loadavg").read_text().split()[:3],
     }
 
 
 def git_rev() -> str:
     r = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
-    d = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "mergepipe"], capture_output=True, text=True)
+    d = subprocess.run(
+        ["git", "-C", str(REPO), "status", "--porcelain", "--", "mergepipe"], capture_output=True, text=True
+    )
     return r.stdout.strip() + (" (mergepipe/ modified)" if d.stdout.strip() else "")
 
 
@@ -110,15 +132,19 @@ def ensure_mergekit_venv(venv: Path) -> Path:
     exe = venv / "bin" / "mergekit-yaml"
     py = venv / "bin" / "python"
     if exe.exists():
-        r = subprocess.run([str(py), "-c", "import importlib.metadata as m; print(m.version('mergekit'))"],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [str(py), "-c", "import importlib.metadata as m; print(m.version('mergekit'))"],
+            capture_output=True,
+            text=True,
+        )
         if r.stdout.strip() == MERGEKIT_VERSION:
             return exe
         log(f"{venv}: mergekit {r.stdout.strip() or '?'} found, reinstalling {MERGEKIT_VERSION}")
     log(f"creating {venv} (torch=={TORCH_VERSION} from local disk, mergekit=={MERGEKIT_VERSION} from PyPI)")
     subprocess.run(["python3", "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(py), "-m", "pip", "install", "-q", f"torch=={TORCH_VERSION}", f"mergekit=={MERGEKIT_VERSION}"],
-                   check=True)
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", f"torch=={TORCH_VERSION}", f"mergekit=={MERGEKIT_VERSION}"], check=True
+    )
     return exe
 
 
@@ -172,8 +198,10 @@ def prepare_family(model: str, kmax: int, workdir: Path, zoo_root: Path | None) 
         log(f"zoo: building/reusing the demo zoo with {per} expert(s) per domain (up to {4 * per} experts)")
         z = build_zoo(zoo_root, cfg, log=log)
         names = cfg.expert_names()
-        note = (f"mergepipe demo zoo (ZooConfig(n_experts_per_domain={per}), key {cfg.key()}): trained "
-                f"Llama-architecture experts; first K of {names}")
+        note = (
+            f"mergepipe demo zoo (ZooConfig(n_experts_per_domain={per}), key {cfg.key()}): trained "
+            f"Llama-architecture experts; first K of {names}"
+        )
         return {"base": Path(z.base), "experts": [Path(z.experts[n]) for n in names[:kmax]], "note": note}
     sys.path.insert(0, str(HERE))
     from synthetic import make_family
@@ -184,8 +212,11 @@ def prepare_family(model: str, kmax: int, workdir: Path, zoo_root: Path | None) 
     log(f"{model}: generating/reusing bench/synthetic.py family ({shape}, {kmax} experts) at {out}")
     base, experts = make_family(out, kmax, shape, shard, 0)
     _complete_synthetic(shape, [base, *experts])
-    return {"base": base, "experts": experts,
-            "note": f"bench/synthetic.py make_family(shape={shape!r}, shard_bytes={shard}, seed=0)"}
+    return {
+        "base": base,
+        "experts": experts,
+        "note": f"bench/synthetic.py make_family(shape={shape!r}, shard_bytes={shard}, seed=0)",
+    }
 
 
 def ckpt_bytes(folder: Path) -> int:
@@ -226,23 +257,46 @@ class Harness:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.mp = mergepipe_exe()
         self.results: dict = {
-            "format": "mergepipe.bench/v1", "started": dt.datetime.now().isoformat(timespec="seconds"),
-            "argv": rel_argv(sys.argv), "git": git_rev(), "machine": machine_info(), "settings": {}, "inputs": {},
-            "bandwidth": {}, "analysis": [], "startup": [], "runs": [], "equality": [], "help": None, "plan": [], "notes": [],
+            "format": "mergepipe.bench/v1",
+            "started": dt.datetime.now().isoformat(timespec="seconds"),
+            "argv": rel_argv(sys.argv),
+            "git": git_rev(),
+            "machine": machine_info(),
+            "settings": {},
+            "inputs": {},
+            "bandwidth": {},
+            "analysis": [],
+            "startup": [],
+            "runs": [],
+            "equality": [],
+            "help": None,
+            "plan": [],
+            "notes": [],
         }
         self.cold_mode = None
         if "cold" in args.cache:
             if args.cold == "auto":
                 self.cold_mode = "drop" if measure.drop_caches_permitted() else "fadvise"
                 if self.cold_mode == "fadvise":
-                    self.note("drop_caches is not permitted here: cold runs evict only the input files and catalog "
-                              "(posix_fadvise DONTNEED); libraries may stay cached.")
+                    self.note(
+                        "drop_caches is not permitted here: cold runs evict only the input files and catalog "
+                        "(posix_fadvise DONTNEED); libraries may stay cached."
+                    )
             else:
                 self.cold_mode = args.cold
         self.results["settings"] = {
-            "models": args.models, "k": args.k, "runs": args.runs, "cache": args.cache, "systems": args.systems,
-            "cold_method": self.cold_mode, "method": "ties", "density": DENSITY, "weight": 1.0, "normalize": True,
-            "mergekit": MERGEKIT_VERSION, "workdir": rel_path(self.work),
+            "models": args.models,
+            "k": args.k,
+            "runs": args.runs,
+            "cache": args.cache,
+            "systems": args.systems,
+            "cold_method": self.cold_mode,
+            "method": "ties",
+            "density": DENSITY,
+            "weight": 1.0,
+            "normalize": True,
+            "mergekit": MERGEKIT_VERSION,
+            "workdir": rel_path(self.work),
         }
         self.mk = ensure_mergekit_venv(args.mk_venv) if "mergekit" in args.systems else None
         self.env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
@@ -270,8 +324,20 @@ class Harness:
 
     def measured(self, tag: str, cmd: list[str], env: dict) -> dict:
         res = self.logs / f"{tag}.measure.json"
-        shim = [sys.executable, str(HERE / "measure.py"), "--result", str(res), "--stdout", str(self.logs / f"{tag}.out"),
-                "--stderr", str(self.logs / f"{tag}.err"), "--timeout", str(self.a.timeout), "--", *map(str, cmd)]
+        shim = [
+            sys.executable,
+            str(HERE / "measure.py"),
+            "--result",
+            str(res),
+            "--stdout",
+            str(self.logs / f"{tag}.out"),
+            "--stderr",
+            str(self.logs / f"{tag}.err"),
+            "--timeout",
+            str(self.a.timeout),
+            "--",
+            *map(str, cmd),
+        ]
         p = subprocess.run(shim, env=env, cwd=str(self.work))
         if p.returncode != 0 or not res.exists():
             raise SystemExit(f"{tag}: the measurement shim failed (exit {p.returncode})")
@@ -292,22 +358,31 @@ class Harness:
         if len(experts) < max(ks):
             raise SystemExit(f"{model}: only {len(experts)} experts available, --k asks for {max(ks)}")
         self.results["inputs"][model] = {
-            "note": fam["note"], "base": rel_path(base), "base_bytes": ckpt_bytes(base),
-            "expert_bytes": [ckpt_bytes(e) for e in experts], "experts": [rel_path(e) for e in experts],
+            "note": fam["note"],
+            "base": rel_path(base),
+            "base_bytes": ckpt_bytes(base),
+            "expert_bytes": [ckpt_bytes(e) for e in experts],
+            "experts": [rel_path(e) for e in experts],
         }
         eb = self.results["inputs"][model]["expert_bytes"]
-        self.fixed_budget = int(self.a.fixed_budget) if self.a.fixed_budget != "auto" else int(0.1 * 8 * sum(eb) / len(eb))
+        self.fixed_budget = (
+            int(self.a.fixed_budget) if self.a.fixed_budget != "auto" else int(0.1 * 8 * sum(eb) / len(eb))
+        )
         self.results["inputs"][model]["fixed_budget_bytes"] = self.fixed_budget
         self.save()
         # disk bandwidth, once per input family (cold sequential read of its shards; write + fsync)
-        shards = sorted(Path(base).glob("*.safetensors")) + [f for e in experts for f in sorted(Path(e).glob("*.safetensors"))]
+        shards = sorted(Path(base).glob("*.safetensors")) + [
+            f for e in experts for f in sorted(Path(e).glob("*.safetensors"))
+        ]
         rb = measure.read_bandwidth(shards, max_bytes=self.a.bandwidth_bytes)
         wb = measure.write_bandwidth(self.work / "out", min(self.a.bandwidth_bytes, max(ckpt_bytes(base), 64 << 20)))
         self.results["bandwidth"][model] = {"read": rb, "write": wb}
-        log(f"{model}: disk read {rb['bytes_per_s'] / 1e6:.0f} MB/s over {rb['bytes'] / 1e6:.0f} MB cold; "
-            f"write+fsync {wb['bytes_per_s'] / 1e6:.0f} MB/s over {wb['bytes'] / 1e6:.0f} MB")
+        log(
+            f"{model}: disk read {rb['bytes_per_s'] / 1e6:.0f} MB/s over {rb['bytes'] / 1e6:.0f} MB cold; "
+            f"write+fsync {wb['bytes_per_s'] / 1e6:.0f} MB/s over {wb['bytes'] / 1e6:.0f} MB"
+        )
         self.save()
-        self.startup_bench(model, [base, *experts[:max(ks)]])
+        self.startup_bench(model, [base, *experts[: max(ks)]])
         for k in ks:
             self.run_k(model, base, experts[:k], k)
         if self.a.plan_k and model == self.a.plan_model:
@@ -317,8 +392,10 @@ class Harness:
         if self.a.catalog:  # a catalog analyzed beforehand: kept; the analyze run below finds it cached
             home = self.a.catalog.absolute()
             home.mkdir(parents=True, exist_ok=True)
-            self.note(f"K={k}: catalog {rel_path(home)} reused (analysis done beforehand); the analysis row is the cached "
-                      "re-check, not the one-time cost")
+            self.note(
+                f"K={k}: catalog {rel_path(home)} reused (analysis done beforehand); the analysis row is the cached "
+                "re-check, not the one-time cost"
+            )
         else:
             home = self.work / "home" / f"{model}-K{k}"
             shutil.rmtree(home, ignore_errors=True)
@@ -345,8 +422,12 @@ class Harness:
                 raise SystemExit(f"{tag} failed; see {self.logs / (tag + '.err')}")
         yml = mergekit_yaml(base, experts, self.work / f"mergekit-{model}-K{k}.yml") if self.mk else None
         compare_k = self.a.compare_k or (8 if 8 in self.a.k else min(self.a.k))
-        keep_for_compare = self.mk is not None and "mp-full" in self.a.systems and k == compare_k \
+        keep_for_compare = (
+            self.mk is not None
+            and "mp-full" in self.a.systems
+            and k == compare_k
             and not any(e["model"] == model for e in self.results["equality"])
+        )
         kept: dict[str, Path] = {}
         outroot = self.work / "out"
         outroot.mkdir(parents=True, exist_ok=True)
@@ -359,9 +440,24 @@ class Harness:
                     if system == "mergekit":
                         cmd, env = [str(self.mk), str(yml), str(out)], self.env
                     else:
-                        cmd = [str(self.mp), "merge", *mergepipe_args(base, experts), "--method", "ties",
-                               "--param", f"density={DENSITY}", "--param", "weight=1", "--param", "normalize=true",
-                               "--budget", BUDGETS.get(system, "unlimited"), "--out", str(out), "--json"]
+                        cmd = [
+                            str(self.mp),
+                            "merge",
+                            *mergepipe_args(base, experts),
+                            "--method",
+                            "ties",
+                            "--param",
+                            f"density={DENSITY}",
+                            "--param",
+                            "weight=1",
+                            "--param",
+                            "normalize=true",
+                            "--budget",
+                            BUDGETS.get(system, "unlimited"),
+                            "--out",
+                            str(out),
+                            "--json",
+                        ]
                         if system == "mp-fixed":
                             cmd[cmd.index("--budget") + 1] = str(self.fixed_budget)
                         env = env_mp
@@ -381,9 +477,11 @@ class Harness:
                     r.pop("stdout", None)
                     self.results["runs"].append(r)
                     self.save()
-                    log(f"  wall {r['wall_s']:.2f} s, peak RSS {_rss_kib(r) / 1024:.0f} MiB, "
+                    log(
+                        f"  wall {r['wall_s']:.2f} s, peak RSS {_rss_kib(r) / 1024:.0f} MiB, "
                         f"read_bytes {r['io'].get('read_bytes', 0) / 1e6:.1f} MB, write_bytes "
-                        f"{r['io'].get('write_bytes', 0) / 1e6:.1f} MB, rc {r['rc']}")
+                        f"{r['io'].get('write_bytes', 0) / 1e6:.1f} MB, rc {r['rc']}"
+                    )
                     if keep_for_compare and system in ("mergekit", "mp-full") and system not in kept and r["rc"] == 0:
                         kept[system] = out
                     else:
@@ -425,21 +523,47 @@ class Harness:
         home.mkdir(parents=True)
         env = dict(self.env, MERGEPIPE_HOME=str(home))
         log(f"plan benchmark: analyze {k} experts of {model}")
-        an = self.measured(f"{model}-plan-K{k}-analyze", [str(self.mp), "analyze", *mergepipe_args(base, experts), "--json"], env)
+        an = self.measured(
+            f"{model}-plan-K{k}-analyze", [str(self.mp), "analyze", *mergepipe_args(base, experts), "--json"], env
+        )
         an.pop("stdout", None)
         rows = {"model": model, "k": k, "analyze": an, "cli": [], "inproc": None}
         for budget in ("unlimited", "10%"):
             for i in range(self.a.plan_runs):
                 measure.warm([base, *experts, home])
-                r = self.measured(f"{model}-plan-K{k}-{budget.replace('%', 'pct')}-{i}",
-                                  [str(self.mp), "plan", *mergepipe_args(base, experts), "--method", "ties",
-                                   "--param", f"density={DENSITY}", "--budget", budget, "--json"], env)
+                r = self.measured(
+                    f"{model}-plan-K{k}-{budget.replace('%', 'pct')}-{i}",
+                    [
+                        str(self.mp),
+                        "plan",
+                        *mergepipe_args(base, experts),
+                        "--method",
+                        "ties",
+                        "--param",
+                        f"density={DENSITY}",
+                        "--budget",
+                        budget,
+                        "--json",
+                    ],
+                    env,
+                )
                 r.pop("stdout", None)
                 r["budget"] = budget
                 rows["cli"].append(r)
-        p = subprocess.run([sys.executable, str(HERE / "plan_time.py"), "--base", str(base), *sum(
-            (["--expert", str(e)] for e in experts), []), "--repeat", str(self.a.plan_runs)],
-            capture_output=True, text=True, env=env)
+        p = subprocess.run(
+            [
+                sys.executable,
+                str(HERE / "plan_time.py"),
+                "--base",
+                str(base),
+                *sum((["--expert", str(e)] for e in experts), []),
+                "--repeat",
+                str(self.a.plan_runs),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         try:
             rows["inproc"] = json.loads(p.stdout)
         except ValueError:
@@ -456,8 +580,17 @@ class Harness:
         if self.mk:
             cmds.append(("mergekit", [str(self.mk), "--help"]))
         if any(s != "mergekit" for s in self.a.systems):
-            cmds.append(("mergepipe", [sys.executable, "-c", "import torch, mergepipe.cli, mergepipe.pipeline, "
-                                       "mergepipe.engine.executor, mergepipe.catalog.catalog"]))
+            cmds.append(
+                (
+                    "mergepipe",
+                    [
+                        sys.executable,
+                        "-c",
+                        "import torch, mergepipe.cli, mergepipe.pipeline, "
+                        "mergepipe.engine.executor, mergepipe.catalog.catalog",
+                    ],
+                )
+            )
         for cache in self.a.cache:
             for rep in range(self.a.runs):
                 for system, cmd in cmds:
@@ -479,37 +612,69 @@ class Harness:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     csv = lambda s: [x.strip() for x in s.split(",") if x.strip()]  # noqa: E731
     ap.add_argument("--models", type=csv, default=["tiny"], help="comma list of zoo, qwen3, tiny [tiny]")
     ap.add_argument("--k", type=lambda s: [int(x) for x in csv(s)], default=[2, 4], help="expert counts [2,4]")
     ap.add_argument("--runs", type=int, default=3, help="repetitions per system x K x cache [3]")
     ap.add_argument("--cache", type=csv, default=["cold", "warm"], help="cold,warm [both]")
     ap.add_argument("--systems", type=csv, default=list(SYSTEMS), help=f"comma list of {','.join(SYSTEMS)} [all]")
-    ap.add_argument("--workdir", type=Path, default=HERE / ".work",
-                    help="inputs (synthetic families), catalogs and outputs [bench/.work]")
+    ap.add_argument(
+        "--workdir",
+        type=Path,
+        default=HERE / ".work",
+        help="inputs (synthetic families), catalogs and outputs [bench/.work]",
+    )
     ap.add_argument("--out", type=Path, default=None, help="results folder [bench/results/<stamp>]")
-    ap.add_argument("--mk-venv", type=Path, default=HERE / ".venv-mergekit", help="mergekit venv [bench/.venv-mergekit]")
+    ap.add_argument(
+        "--mk-venv", type=Path, default=HERE / ".venv-mergekit", help="mergekit venv [bench/.venv-mergekit]"
+    )
     ap.add_argument("--zoo-root", type=Path, default=None, help="zoo cache [$MERGEPIPE_HOME/zoo or ~/.mergepipe/zoo]")
-    ap.add_argument("--cold", choices=["auto", "drop", "fadvise", "none"], default="auto",
-                    help="cold-cache method: drop_caches, else per-file fadvise [auto]")
-    ap.add_argument("--fixed-budget", default="auto",
-                    help="mp-fixed's expert budget in bytes [auto: 10%% of 8 experts' bytes]")
-    ap.add_argument("--compare-k", type=int, default=None, help="K of the mergekit vs mp-full equality check [8 if run, else the smallest K]")
-    ap.add_argument("--attribute", action=argparse.BooleanOptionalAction, default=None,
-                    help="attribute output differences (ties / arithmetic) [on for tiny and zoo]")
-    ap.add_argument("--catalog", type=Path, default=None,
-                    help="MERGEPIPE_HOME to reuse for every K (experts analyzed beforehand with `mergepipe analyze`) "
-                         "instead of a fresh catalog per K whose one-time analysis is measured")
+    ap.add_argument(
+        "--cold",
+        choices=["auto", "drop", "fadvise", "none"],
+        default="auto",
+        help="cold-cache method: drop_caches, else per-file fadvise [auto]",
+    )
+    ap.add_argument(
+        "--fixed-budget", default="auto", help="mp-fixed's expert budget in bytes [auto: 10%% of 8 experts' bytes]"
+    )
+    ap.add_argument(
+        "--compare-k",
+        type=int,
+        default=None,
+        help="K of the mergekit vs mp-full equality check [8 if run, else the smallest K]",
+    )
+    ap.add_argument(
+        "--attribute",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="attribute output differences (ties / arithmetic) [on for tiny and zoo]",
+    )
+    ap.add_argument(
+        "--catalog",
+        type=Path,
+        default=None,
+        help="MERGEPIPE_HOME to reuse for every K (experts analyzed beforehand with `mergepipe analyze`) "
+        "instead of a fresh catalog per K whose one-time analysis is measured",
+    )
     ap.add_argument("--plan-k", type=int, default=16, help="experts in the planning benchmark, 0 to skip [16]")
     ap.add_argument("--plan-model", default="tiny", help="family of the planning benchmark [tiny]")
     ap.add_argument("--plan-runs", type=int, default=5)
     ap.add_argument("--help-runs", type=int, default=10)
     ap.add_argument("--bandwidth-bytes", type=int, default=2 << 30, help="bytes read for the bandwidth probe [2 GiB]")
     ap.add_argument("--timeout", type=float, default=3 * 3600, help="per-run timeout, seconds")
-    ap.add_argument("--report-only", type=Path, default=None, metavar="RESULTS_JSON",
-                    help="only regenerate summary.md and plots from a results.json")
+    ap.add_argument(
+        "--report-only",
+        type=Path,
+        default=None,
+        metavar="RESULTS_JSON",
+        help="only regenerate summary.md and plots from a results.json",
+    )
     a = ap.parse_args(argv)
     for m in a.models:
         if m not in ("zoo", "qwen3", "tiny"):

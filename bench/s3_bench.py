@@ -124,13 +124,54 @@ def main() -> None:
         wall, res, rss = _run(mp + ["analyze", "--base", b_uri, *ex_args, "--catalog", cat, "--json"], env)
         analysis = {"wall_s": wall, "bytes_read": res["bytes_read"], "peak_rss_mib": rss}
         systems = {
-            "naive": lambda i: [sys.executable, "-c", NAIVE, bucket, str(a.work / f"naive-{i}"),
-                                str(a.work / f"naive-out-{i}"), "models/base",
-                                *[f"models/expert{j}" for j in range(len(experts))]],
-            "mp-full": lambda i: mp + ["merge", "--base", b_uri, *ex_args, "--out", f"s3://{bucket}/snap/full-{i}",
-                                       "-m", "ties", "-p", "density=0.5", "--catalog", cat, "--json"],
-            "mp-10": lambda i: mp + ["merge", "--base", b_uri, *ex_args, "--out", f"s3://{bucket}/snap/b10-{i}",
-                                     "-m", "ties", "-p", "density=0.5", "--budget", "10%", "--catalog", cat, "--json"],
+            "naive": lambda i: [
+                sys.executable,
+                "-c",
+                NAIVE,
+                bucket,
+                str(a.work / f"naive-{i}"),
+                str(a.work / f"naive-out-{i}"),
+                "models/base",
+                *[f"models/expert{j}" for j in range(len(experts))],
+            ],
+            "mp-full": lambda i: (
+                mp
+                + [
+                    "merge",
+                    "--base",
+                    b_uri,
+                    *ex_args,
+                    "--out",
+                    f"s3://{bucket}/snap/full-{i}",
+                    "-m",
+                    "ties",
+                    "-p",
+                    "density=0.5",
+                    "--catalog",
+                    cat,
+                    "--json",
+                ]
+            ),
+            "mp-10": lambda i: (
+                mp
+                + [
+                    "merge",
+                    "--base",
+                    b_uri,
+                    *ex_args,
+                    "--out",
+                    f"s3://{bucket}/snap/b10-{i}",
+                    "-m",
+                    "ties",
+                    "-p",
+                    "density=0.5",
+                    "--budget",
+                    "10%",
+                    "--catalog",
+                    cat,
+                    "--json",
+                ]
+            ),
         }
         rows: dict[str, list] = {k: [] for k in systems}
         for i in range(a.runs):
@@ -140,19 +181,32 @@ def main() -> None:
                 rows[name].append({"wall_s": wall, "expert_read_bytes": expert, "peak_rss_mib": rss, "raw": res})
                 shutil.rmtree(a.work / f"naive-{i}", ignore_errors=True)
                 shutil.rmtree(a.work / f"naive-out-{i}", ignore_errors=True)
-        sizes = {"base": sum(f.stat().st_size for f in base.iterdir() if f.is_file()),
-                 "experts": sum(f.stat().st_size for e in experts for f in e.iterdir() if f.is_file())}
-        result = {"models": a.models, "experts": len(experts), "sizes": sizes, "upload_s": upload_s,
-                  "analysis": analysis, "runs": rows}
+        sizes = {
+            "base": sum(f.stat().st_size for f in base.iterdir() if f.is_file()),
+            "experts": sum(f.stat().st_size for e in experts for f in e.iterdir() if f.is_file()),
+        }
+        result = {
+            "models": a.models,
+            "experts": len(experts),
+            "sizes": sizes,
+            "upload_s": upload_s,
+            "analysis": analysis,
+            "runs": rows,
+        }
         (a.out / f"s3-{a.models}-k{len(experts)}.json").write_text(json.dumps(rel_paths_in(result), indent=1))
-        lines = [f"S3->S3 ({a.models}, K={len(experts)}, base {sizes['base'] / 1e9:.2f} GB, experts "
-                 f"{sizes['experts'] / 1e9:.2f} GB); one-time analysis {analysis['wall_s']:.1f} s",
-                 "| system | wall s (median [min, max]) | expert bytes read | peak RSS MiB |", "|---|---|---|---|"]
+        lines = [
+            f"S3->S3 ({a.models}, K={len(experts)}, base {sizes['base'] / 1e9:.2f} GB, experts "
+            f"{sizes['experts'] / 1e9:.2f} GB); one-time analysis {analysis['wall_s']:.1f} s",
+            "| system | wall s (median [min, max]) | expert bytes read | peak RSS MiB |",
+            "|---|---|---|---|",
+        ]
         for name, rs in rows.items():
             w = [r["wall_s"] for r in rs]
-            lines.append(f"| {name} | {statistics.median(w):.1f} [{min(w):.1f}, {max(w):.1f}] | "
-                         f"{statistics.median(r['expert_read_bytes'] for r in rs) / 1e6:.1f} MB | "
-                         f"{max(r['peak_rss_mib'] for r in rs)} |")
+            lines.append(
+                f"| {name} | {statistics.median(w):.1f} [{min(w):.1f}, {max(w):.1f}] | "
+                f"{statistics.median(r['expert_read_bytes'] for r in rs) / 1e6:.1f} MB | "
+                f"{max(r['peak_rss_mib'] for r in rs)} |"
+            )
         print("\n".join(lines))
         (a.out / f"s3-{a.models}-k{len(experts)}.md").write_text("\n".join(lines) + "\n")
     finally:

@@ -63,11 +63,7 @@ def main(argv=None) -> None:
         for budget in a.budgets.split(","):
             for where, (b, es) in inputs.items():
                 st = open_storage(None, IOCounters())
-                out = (
-                    str(work / f"out-{where}-{budget}")
-                    if where == "local"
-                    else f"s3://{bucket}/out-{budget}"
-                )
+                out = str(work / f"out-{where}-{budget}") if where == "local" else f"s3://{bucket}/out-{budget}"
                 r = merge(
                     b,
                     es,
@@ -101,11 +97,7 @@ def main(argv=None) -> None:
             stop_seaweed(srv)
         shutil.rmtree(work, ignore_errors=True)
     if a.out:
-        a.out.write_text(
-            json.dumps(
-                {"experts": a.experts, "density": a.density, "rows": rows}, indent=1
-            )
-        )
+        a.out.write_text(json.dumps({"experts": a.experts, "density": a.density, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

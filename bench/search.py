@@ -49,14 +49,20 @@ def probe_texts() -> list[str]:
     """Probe text for the activation prior, from outside the zoo's data: this repository's
     Python source and a JSON file (the zoo's domains include python and json)."""
     py = (ROOT / "mergepipe" / "search" / "runner.py").read_text()[:6000]
-    js = json.dumps({"experts": [{"name": n, "weight": w, "tags": ["a", "b"], "id": i}
-                                 for i, (n, w) in enumerate(itertools.product(["py", "json", "prose"], [0.1, 0.5]))]})
+    js = json.dumps(
+        {
+            "experts": [
+                {"name": n, "weight": w, "tags": ["a", "b"], "id": i}
+                for i, (n, w) in enumerate(itertools.product(["py", "json", "prose"], [0.1, 0.5]))
+            ]
+        }
+    )
     return [py, js * 8]
 
 
 def grid_points(n: int) -> list[list[float]]:
     """``n`` points of a rectangular grid on [0, 1]^2 (model-level: two weights)."""
-    a = max(2, int(n ** 0.5))
+    a = max(2, int(n**0.5))
     b = -(-n // a)
     pts = [[(i + 1) / a, (j + 1) / b] for i in range(a) for j in range(b)]
     return pts[:n]
@@ -91,9 +97,17 @@ def main() -> None:
     # weaker expert on both domains); the same for every strategy
     ref = [max(v["loss:python"] for v in expert_loss.values()), max(v["loss:json"] for v in expert_loss.values())]
     experts = [["python", str(zoo.experts["python"])], ["json", str(zoo.experts["json"])]]
-    common = dict(base=str(zoo.base), experts=experts, objectives=["loss:python", "loss:json"],
-                  evaluations=args.evaluations, workers=2, seed=args.seed, ref_point=ref,
-                  worker_delays=[0.0, args.slow_delay], catalog=str(args.out / "catalog.sqlite"))
+    common = dict(
+        base=str(zoo.base),
+        experts=experts,
+        objectives=["loss:python", "loss:json"],
+        evaluations=args.evaluations,
+        workers=2,
+        seed=args.seed,
+        ref_point=ref,
+        worker_delays=[0.0, args.slow_delay],
+        catalog=str(args.out / "catalog.sqlite"),
+    )
     runs = {}
     load = {}
     for strat in args.strategies.split(","):
@@ -107,8 +121,17 @@ def main() -> None:
                 d = args.out / f"grid-{method}"
                 shutil.rmtree(d, ignore_errors=True)
                 pts = grid_points(n)
-                cfg = SearchConfig(**{**common, "evaluations": n}, method=method, fixed=fixed, vary=["weight=0:1"],
-                                   layer_blocks=1, initial=n, design=pts, strategy="random", prior=False)
+                cfg = SearchConfig(
+                    **{**common, "evaluations": n},
+                    method=method,
+                    fixed=fixed,
+                    vary=["weight=0:1"],
+                    layer_blocks=1,
+                    initial=n,
+                    design=pts,
+                    strategy="random",
+                    prior=False,
+                )
                 parts.append(run_search(d, cfg, ev, log=print))
             runs[strat] = merge_runs(parts, ref)
             continue
@@ -116,14 +139,24 @@ def main() -> None:
         shutil.rmtree(d, ignore_errors=True)
         kind = {"async-prior": "async", "async-noprior": "async", "sync-batch": "sync", "random": "random"}[strat]
         prior = strat == "async-prior"
-        cfg = SearchConfig(**common, method="task_arithmetic", vary=["weight=0:1"], layer_blocks=4,
-                           initial=args.initial, strategy=kind, prior=prior,
-                           probe=probe_texts() if prior else None)
+        cfg = SearchConfig(
+            **common,
+            method="task_arithmetic",
+            vary=["weight=0:1"],
+            layer_blocks=4,
+            initial=args.initial,
+            strategy=kind,
+            prior=prior,
+            probe=probe_texts() if prior else None,
+        )
         runs[strat] = run_search(d, cfg, ev, log=print)
-    out = {"machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "load_before": load},
-           "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-           "reference": {"base": base_loss, "experts": expert_loss, "ref_point": ref},
-           "total_s": round(time.time() - t0, 1), "runs": runs}
+    out = {
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "load_before": load},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "reference": {"base": base_loss, "experts": expert_loss, "ref_point": ref},
+        "total_s": round(time.time() - t0, 1),
+        "runs": runs,
+    }
     import torch
 
     out["machine"]["torch"] = torch.__version__
@@ -155,10 +188,18 @@ def merge_runs(parts: list[dict], ref) -> dict:
         w["idle_fraction"] = round(1 - w["busy_s"] / wall, 4)
     hv = [{"evaluations": k, "t": times[k - 1], "hv": hypervolume(by_end[:k], ref)} for k in range(1, len(by_end) + 1)]
     mask = pareto_mask(by_end)
-    return {"strategy": "grid", "evaluations": len(by_end), "failed": sum(p["failed"] for p in parts),
-            "hypervolume": hv, "workers": workers, "wall_s": round(wall, 3), "trace": trace,
-            "points": by_end, "pareto_points": [o for o, m in zip(by_end, mask) if m],
-            "pareto": [q for p in parts for q in p["pareto"]]}
+    return {
+        "strategy": "grid",
+        "evaluations": len(by_end),
+        "failed": sum(p["failed"] for p in parts),
+        "hypervolume": hv,
+        "workers": workers,
+        "wall_s": round(wall, 3),
+        "trace": trace,
+        "points": by_end,
+        "pareto_points": [o for o, m in zip(by_end, mask) if m],
+        "pareto": [q for p in parts for q in p["pareto"]],
+    }
 
 
 def hv_at_time(run: dict, t: float) -> float:
@@ -178,25 +219,39 @@ def report(res: dict, out: Path) -> None:
 
     runs = res["runs"]
     ref = res["reference"]["ref_point"]
-    t_all = sorted({round(min(r["wall_s"] for r in runs.values())),
-                    round(min([r["wall_s"] for n, r in runs.items() if n.startswith(("async", "sync"))] or [0]))} - {0})
+    t_all = sorted(
+        {
+            round(min(r["wall_s"] for r in runs.values())),
+            round(min([r["wall_s"] for n, r in runs.items() if n.startswith(("async", "sync"))] or [0])),
+        }
+        - {0}
+    )
     n_eq = [k for k in (8, 16, 24, 32) if all(r["evaluations"] >= k for r in runs.values())]
-    lines = ["| strategy | evaluations (failed) | " + " | ".join(f"HV @ {k} evals" for k in n_eq)
-             + "".join(f" | HV @ {t} s" for t in t_all) + " | wall s | idle fraction w0 / w1 | Pareto points |",
-             "|---|---|" + "---|" * (len(n_eq) + len(t_all)) + "---|---|---|"]
+    lines = [
+        "| strategy | evaluations (failed) | "
+        + " | ".join(f"HV @ {k} evals" for k in n_eq)
+        + "".join(f" | HV @ {t} s" for t in t_all)
+        + " | wall s | idle fraction w0 / w1 | Pareto points |",
+        "|---|---|" + "---|" * (len(n_eq) + len(t_all)) + "---|---|---|",
+    ]
     for name, r in runs.items():
         hv = {h["evaluations"]: h["hv"] for h in r["hypervolume"]}
         idle = " / ".join(f"{r['workers'][w]['idle_fraction']:.2f}" for w in sorted(r["workers"]))
         npar = len(r.get("pareto_points") or r["pareto"])
-        lines.append(f"| {name} | {r['evaluations']} ({r['failed']}) | "
-                     + " | ".join(f"{hv.get(k, 0):.4f}" for k in n_eq)
-                     + "".join(f" | {hv_at_time(r, t):.4f}" for t in t_all)
-                     + f" | {r['wall_s']:.0f} | {idle} | {npar} |")
+        lines.append(
+            f"| {name} | {r['evaluations']} ({r['failed']}) | "
+            + " | ".join(f"{hv.get(k, 0):.4f}" for k in n_eq)
+            + "".join(f" | {hv_at_time(r, t):.4f}" for t in t_all)
+            + f" | {r['wall_s']:.0f} | {idle} | {npar} |"
+        )
     b, e = res["reference"]["base"], res["reference"]["experts"]
-    head = [f"Reference point (worse expert per objective): loss:python {ref[0]:.4f}, loss:json {ref[1]:.4f}; "
-            f"base {b['loss:python']:.4f} / {b['loss:json']:.4f}; python expert {e['python']['loss:python']:.4f} / {e['python']['loss:json']:.4f}, "
-            f"json expert {e['json']['loss:python']:.4f} / {e['json']['loss:json']:.4f}. "
-            f"Total benchmark time {res['total_s']:.0f} s.", ""]
+    head = [
+        f"Reference point (worse expert per objective): loss:python {ref[0]:.4f}, loss:json {ref[1]:.4f}; "
+        f"base {b['loss:python']:.4f} / {b['loss:json']:.4f}; python expert {e['python']['loss:python']:.4f} / {e['python']['loss:json']:.4f}, "
+        f"json expert {e['json']['loss:python']:.4f} / {e['json']['loss:json']:.4f}. "
+        f"Total benchmark time {res['total_s']:.0f} s.",
+        "",
+    ]
     (out / "summary.md").write_text("\n".join(head + lines) + "\n")
     print("\n".join(head + lines))
 
@@ -209,10 +264,19 @@ def report(res: dict, out: Path) -> None:
         ax[0].scatter([p[0] for p in pts], [p[1] for p in pts], s=12, alpha=0.4, color=colors.get(name))
         fr = sorted(p for p, m in zip(pts, pareto_mask(pts)) if m)
         ax[0].step([p[0] for p in fr], [p[1] for p in fr], where="post", color=colors.get(name), label=name)
-        ax[1].plot([h["evaluations"] for h in r["hypervolume"]], [h["hv"] for h in r["hypervolume"]],
-                   color=colors.get(name), label=name)
-        ax[2].step([0] + [h["t"] for h in r["hypervolume"]], [0] + [h["hv"] for h in r["hypervolume"]],
-                   where="post", color=colors.get(name), label=name)
+        ax[1].plot(
+            [h["evaluations"] for h in r["hypervolume"]],
+            [h["hv"] for h in r["hypervolume"]],
+            color=colors.get(name),
+            label=name,
+        )
+        ax[2].step(
+            [0] + [h["t"] for h in r["hypervolume"]],
+            [0] + [h["hv"] for h in r["hypervolume"]],
+            where="post",
+            color=colors.get(name),
+            label=name,
+        )
     ax[0].scatter([ref[0]], [ref[1]], marker="x", color="k", label="reference point")
     ax[0].scatter([b["loss:python"]], [b["loss:json"]], marker="o", color="k", label="base")
     for n, m in (("python", "^"), ("json", "s")):
@@ -237,7 +301,10 @@ def report(res: dict, out: Path) -> None:
         for e in runs[name]["trace"]:
             ax_.barh(e["worker"], e["t1"] - e["t0"], left=e["t0"], color=kc[e["kind"]], height=0.6)
         ax_.set_yticks([-1, 0, 1], ["proposer", "worker 0", "worker 1 (slow)"])
-        ax_.set_title(f"{name}: merge (orange), eval (green), propose (red), barrier wait (blue), wait for proposer (grey)", fontsize=9)
+        ax_.set_title(
+            f"{name}: merge (orange), eval (green), propose (red), barrier wait (blue), wait for proposer (grey)",
+            fontsize=9,
+        )
     axs[-1, 0].set_xlabel("seconds")
     fig.tight_layout()
     fig.savefig(out / "trace.png", dpi=110)

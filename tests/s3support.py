@@ -180,34 +180,56 @@ def start_seaweed(workdir: str, *, timeout: float = 30.0) -> SeaweedServer:
     cfg = os.path.join(workdir, "s3.json")
     with open(cfg, "w") as f:
         json.dump(ident, f)
-    (master, master_g, volume, volume_g, filer, filer_g, s3, s3_g, admin, admin_g,
-     webdav) = free_ports(11)
+    (master, master_g, volume, volume_g, filer, filer_g, s3, s3_g, admin, admin_g, webdav) = free_ports(11)
     args = [
-        weed, "mini",
+        weed,
+        "mini",
         f"-dir={data}",
-        "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
         "-master.telemetry=false",
-        "-admin.ui=false", "-webdav=false",
-        "-s3.port.iceberg=0", "-s3.port.lance=0",
+        "-admin.ui=false",
+        "-webdav=false",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
         f"-s3.config={cfg}",
         "-s3.autoCreateBucket=false",
         "-volume.preStopSeconds=0",
-        f"-master.port={master}", f"-master.port.grpc={master_g}",
-        f"-volume.port={volume}", f"-volume.port.grpc={volume_g}",
-        f"-filer.port={filer}", f"-filer.port.grpc={filer_g}",
-        f"-s3.port={s3}", f"-s3.port.grpc={s3_g}",
-        f"-admin.port={admin}", f"-admin.port.grpc={admin_g}",
+        f"-master.port={master}",
+        f"-master.port.grpc={master_g}",
+        f"-volume.port={volume}",
+        f"-volume.port.grpc={volume_g}",
+        f"-filer.port={filer}",
+        f"-filer.port.grpc={filer_g}",
+        f"-s3.port={s3}",
+        f"-s3.port.grpc={s3_g}",
+        f"-admin.port={admin}",
+        f"-admin.port.grpc={admin_g}",
         f"-webdav.port={webdav}",
         f"-filer.localSocket={os.path.join(workdir, 'filer.sock')}",
         f"-s3.localSocket={os.path.join(workdir, 's3.sock')}",
     ]
     log = open(os.path.join(workdir, "weed.log"), "wb")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            cwd=workdir, start_new_session=True, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        args,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        cwd=workdir,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
     log.close()
     srv = SeaweedServer(
-        endpoint_url=f"http://127.0.0.1:{s3}", host="127.0.0.1", port=s3, access_key=ak,
-        secret_key=sk, noaccess_key=nk, noaccess_secret=ns, data_dir=workdir, proc=proc,
+        endpoint_url=f"http://127.0.0.1:{s3}",
+        host="127.0.0.1",
+        port=s3,
+        access_key=ak,
+        secret_key=sk,
+        noaccess_key=nk,
+        noaccess_secret=ns,
+        data_dir=workdir,
+        proc=proc,
     )
     try:
         _wait_ready(srv, timeout)
@@ -241,10 +263,15 @@ def _wait_ready(srv: SeaweedServer, timeout: float) -> None:
     """Poll until a bucket can be created, written and deleted (S3 + filer + volume all up)."""
     from botocore.config import Config
 
-    c = srv.client(config=Config(retries={"mode": "standard", "total_max_attempts": 1},
-                                 connect_timeout=1, read_timeout=5,
-                                 request_checksum_calculation="when_required",
-                                 response_checksum_validation="when_required"))
+    c = srv.client(
+        config=Config(
+            retries={"mode": "standard", "total_max_attempts": 1},
+            connect_timeout=1,
+            read_timeout=5,
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+    )
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     probe = "ready-" + secrets.token_hex(4)
@@ -295,9 +322,15 @@ def seaweed():
 @pytest.fixture
 def s3_env(seaweed, monkeypatch, tmp_path):
     """Standard AWS env vars pointing at ``seaweed``; host AWS config files/IMDS are ignored."""
-    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ROLE_ARN",
-              "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-              "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+    for k in (
+        "AWS_PROFILE",
+        "AWS_SESSION_TOKEN",
+        "AWS_SECURITY_TOKEN",
+        "AWS_ROLE_ARN",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    ):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config-absent"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "aws-creds-absent"))
@@ -310,6 +343,7 @@ def s3_env(seaweed, monkeypatch, tmp_path):
 # --------------------------------------------------------------------------------------------
 # Fault-injecting proxy
 # --------------------------------------------------------------------------------------------
+
 
 @dataclass
 class ProxyRecord:
@@ -336,8 +370,15 @@ class FaultProxy:
     connections are served at once; every network wait has a timeout.
     """
 
-    def __init__(self, upstream_host: str, upstream_port: int, *, seed: int = 1234,
-                 max_connections: int = 64, timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        upstream_host: str,
+        upstream_port: int,
+        *,
+        seed: int = 1234,
+        max_connections: int = 64,
+        timeout: float = 60.0,
+    ) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.rng = random.Random(seed)
         self.max_connections = max_connections
@@ -355,8 +396,9 @@ class FaultProxy:
         self.port: int | None = None
 
     # -- configuration ----------------------------------------------------------------
-    def set_random(self, *, drop: float = 0.0, error503: float = 0.0, cut: float = 0.0,
-                   methods=("GET",), limit: int | None = None) -> None:
+    def set_random(
+        self, *, drop: float = 0.0, error503: float = 0.0, cut: float = 0.0, methods=("GET",), limit: int | None = None
+    ) -> None:
         with self._lock:
             self._p = {"drop": drop, "503": error503, "cut": cut}
             self._methods = set(methods)
@@ -421,8 +463,7 @@ class FaultProxy:
                 async with sem:
                     await self._handle(r, w)
 
-            self._server = loop.run_until_complete(
-                asyncio.start_server(handler, "127.0.0.1", 0, limit=1 << 20))
+            self._server = loop.run_until_complete(asyncio.start_server(handler, "127.0.0.1", 0, limit=1 << 20))
             self.port = self._server.sockets[0].getsockname()[1]
             ready.set()
             loop.run_forever()
@@ -474,11 +515,14 @@ class FaultProxy:
             with self._lock:
                 self.records.append(ProxyRecord(method, target, hmap.get("range"), fault, hmap))
             if fault == "503":
-                msg = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-                       b"<Message>Please reduce your request rate.</Message></Error>")
-                cw.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n"
-                         b"Content-Length: " + str(len(msg)).encode() + b"\r\nConnection: close\r\n\r\n"
-                         + msg)
+                msg = (
+                    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+                    b"<Message>Please reduce your request rate.</Message></Error>"
+                )
+                cw.write(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n"
+                    b"Content-Length: " + str(len(msg)).encode() + b"\r\nConnection: close\r\n\r\n" + msg
+                )
                 await cw.drain()
                 return
             out = [f"{method} {target} HTTP/1.1"]
@@ -508,8 +552,14 @@ class FaultProxy:
                 await cw.drain()
                 if budget is not None and budget <= 0:
                     break
-        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError,
-                asyncio.LimitOverrunError, ValueError):
+        except (
+            asyncio.IncompleteReadError,
+            asyncio.TimeoutError,
+            ConnectionError,
+            OSError,
+            asyncio.LimitOverrunError,
+            ValueError,
+        ):
             pass
         finally:
             for w in (cw, uw):

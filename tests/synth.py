@@ -10,17 +10,19 @@ def llama_like_shapes(hidden: int = 64, inter: int = 160, layers: int = 2, vocab
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (hidden, hidden),
-            p + "self_attn.k_proj.weight": (hidden, hidden),
-            p + "self_attn.v_proj.weight": (hidden, hidden),
-            p + "self_attn.o_proj.weight": (hidden, hidden),
-            p + "post_attention_layernorm.weight": (hidden,),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (hidden,),
+                p + "self_attn.q_proj.weight": (hidden, hidden),
+                p + "self_attn.k_proj.weight": (hidden, hidden),
+                p + "self_attn.v_proj.weight": (hidden, hidden),
+                p + "self_attn.o_proj.weight": (hidden, hidden),
+                p + "post_attention_layernorm.weight": (hidden,),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+            }
+        )
     shapes["model.norm.weight"] = (hidden,)
     shapes["lm_head.weight"] = (vocab, hidden)
     return shapes
@@ -47,15 +49,23 @@ def save_checkpoint(folder: Path, tensors: dict, n_shards: int = 2, extra_files:
                 wm[n] = fn
                 total += tensors[n].numel() * tensors[n].element_size()
         (folder / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=2))
+            json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=2)
+        )
     if extra_files:
         (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
         (folder / "tokenizer_config.json").write_text("{}")
     return folder
 
 
-def make_family(root: Path, n_experts: int = 3, seed: int = 0, dtype: str = "bfloat16", n_shards: int = 2,
-                shapes: dict | None = None, sparse_frac: float = 0.02) -> tuple[Path, list[Path]]:
+def make_family(
+    root: Path,
+    n_experts: int = 3,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    n_shards: int = 2,
+    shapes: dict | None = None,
+    sparse_frac: float = 0.02,
+) -> tuple[Path, list[Path]]:
     """A base and experts whose task vectors are low-rank + sparse + noise, varying by layer
     (like fine-tuning deltas)."""
     import torch

@@ -29,9 +29,24 @@ def merge_args(base, experts, out, *extra):
 
 def test_merge_json_contract(fam, monkeypatch, capsys):
     tmp, base, experts = fam
-    code, out, err = run_cli(merge_args(base, experts, tmp / "out", "--method", "ties", "--param", "density=0.5",
-                                        "--param", "expert1:weight=0.7", "--budget", "64KiB", "--json"),
-                             monkeypatch, capsys)
+    code, out, err = run_cli(
+        merge_args(
+            base,
+            experts,
+            tmp / "out",
+            "--method",
+            "ties",
+            "--param",
+            "density=0.5",
+            "--param",
+            "expert1:weight=0.7",
+            "--budget",
+            "64KiB",
+            "--json",
+        ),
+        monkeypatch,
+        capsys,
+    )
     assert code == 0, err
     res = json.loads(out)  # stdout holds exactly one JSON object
     for k in ("snapshot_id", "manifest_hash", "plan_digest", "retained_energy", "wall_s"):
@@ -43,9 +58,24 @@ def test_merge_json_contract(fam, monkeypatch, capsys):
     assert m["parameters"]["experts"]["expert1"]["weight"] == 0.7
     assert m["parameters"]["experts"]["expert0"]["weight"] == 1.0
     # rerun: idempotent, nothing recomputed
-    code, out2, _ = run_cli(merge_args(base, experts, tmp / "out", "--method", "ties", "--param", "density=0.5",
-                                       "--param", "expert1:weight=0.7", "--budget", "64KiB", "--json"),
-                            monkeypatch, capsys)
+    code, out2, _ = run_cli(
+        merge_args(
+            base,
+            experts,
+            tmp / "out",
+            "--method",
+            "ties",
+            "--param",
+            "density=0.5",
+            "--param",
+            "expert1:weight=0.7",
+            "--budget",
+            "64KiB",
+            "--json",
+        ),
+        monkeypatch,
+        capsys,
+    )
     assert code == 0 and json.loads(out2)["already_committed"] is True
     code, out3, _ = run_cli(["verify", str(tmp / "out"), "--json"], monkeypatch, capsys)
     assert code == 0 and json.loads(out3)["ok"]
@@ -54,9 +84,28 @@ def test_merge_json_contract(fam, monkeypatch, capsys):
 def test_plan_explain_execute(fam, monkeypatch, capsys):
     tmp, base, experts = fam
     plan = tmp / "plan.json"
-    code, out, err = run_cli(["plan", "--base", str(base), "-e", str(experts[0]), "-e", str(experts[1]), "-m",
-                              "dare_linear", "-p", "density=0.5", "-b", "30%", "-o", str(plan), "--json"],
-                             monkeypatch, capsys)
+    code, out, err = run_cli(
+        [
+            "plan",
+            "--base",
+            str(base),
+            "-e",
+            str(experts[0]),
+            "-e",
+            str(experts[1]),
+            "-m",
+            "dare_linear",
+            "-p",
+            "density=0.5",
+            "-b",
+            "30%",
+            "-o",
+            str(plan),
+            "--json",
+        ],
+        monkeypatch,
+        capsys,
+    )
     assert code == 0, err
     digest = json.loads(out)["plan_digest"]
     code, out, _ = run_cli(["explain", str(plan), "--json"], monkeypatch, capsys)
@@ -139,24 +188,30 @@ def test_mismatched_expert_exit_2(fam, monkeypatch, capsys):
     assert not (tmp / "out").exists()
 
 
-@pytest.mark.parametrize("extra,needle", [
-    (["--budget", "12 parsecs"], "--budget"),
-    (["--budget", "lots"], "--budget"),
-    (["--method", "frankenmerge"], "unknown merge method"),
-    (["--method", "ties", "--param", "density=0"], "density"),
-    (["--method", "ties", "--param", "colour=blue"], "colour"),
-    (["--param", "nobody:weight=1"], "nobody"),
-    (["--fidelity", "1.5"], "fidelity"),
-    (["--device", "cuda:7"], "--device"),
-    (["--param", "density=[0.5]"], "--param density: a gradient needs at least two values"),
-    (["--param", "density=[0.2,"], "not valid JSON"),
-    (["--param", 'density=[{"filter":"mlp","value":1.5}]'], "density[0].value: density=1.5 is outside (0, 1]"),
-    (["--method", "slerp", "--param", "t=0.5"], "slerp takes exactly 1 expert(s)"),
-    (["--method", "breadcrumbs", "--param", "gamma=1"], "gamma=1 is outside [0, 1)"),
-    (["--method", "della", "--param", "density=0.95"], "epsilon"),
-    (["--method", "nuslerp", "--param", "nuslerp_row_wise=true", "--param", "nuslerp_flatten=false"], "nuslerp_row_wise"),
-    (["--param", "expert0:lambda=2"], "--param expert0:lambda: lambda is a global parameter"),
-])
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--budget", "12 parsecs"], "--budget"),
+        (["--budget", "lots"], "--budget"),
+        (["--method", "frankenmerge"], "unknown merge method"),
+        (["--method", "ties", "--param", "density=0"], "density"),
+        (["--method", "ties", "--param", "colour=blue"], "colour"),
+        (["--param", "nobody:weight=1"], "nobody"),
+        (["--fidelity", "1.5"], "fidelity"),
+        (["--device", "cuda:7"], "--device"),
+        (["--param", "density=[0.5]"], "--param density: a gradient needs at least two values"),
+        (["--param", "density=[0.2,"], "not valid JSON"),
+        (["--param", 'density=[{"filter":"mlp","value":1.5}]'], "density[0].value: density=1.5 is outside (0, 1]"),
+        (["--method", "slerp", "--param", "t=0.5"], "slerp takes exactly 1 expert(s)"),
+        (["--method", "breadcrumbs", "--param", "gamma=1"], "gamma=1 is outside [0, 1)"),
+        (["--method", "della", "--param", "density=0.95"], "epsilon"),
+        (
+            ["--method", "nuslerp", "--param", "nuslerp_row_wise=true", "--param", "nuslerp_flatten=false"],
+            "nuslerp_row_wise",
+        ),
+        (["--param", "expert0:lambda=2"], "--param expert0:lambda: lambda is a global parameter"),
+    ],
+)
 def test_bad_arguments_exit_2(fam, monkeypatch, capsys, extra, needle):
     tmp, base, experts = fam
     code, out, err = run_cli(merge_args(base, experts, tmp / "out", *extra), monkeypatch, capsys)
@@ -169,9 +224,28 @@ def test_layerwise_param_json_lists(fam, monkeypatch, capsys):
     """--param values may be JSON gradients and filter lists; the plan holds per-tensor values."""
     tmp, base, experts = fam
     plan = tmp / "plan.json"
-    code, out, err = run_cli(["plan", "--base", str(base), "-e", str(experts[0]), "-e", str(experts[1]), "-m", "ties",
-                              "-p", "density=[0.2,0.8]", "-p", 'expert1:weight=[{"filter":"mlp","value":0.5},{"value":1}]',
-                              "-o", str(plan), "--json"], monkeypatch, capsys)
+    code, out, err = run_cli(
+        [
+            "plan",
+            "--base",
+            str(base),
+            "-e",
+            str(experts[0]),
+            "-e",
+            str(experts[1]),
+            "-m",
+            "ties",
+            "-p",
+            "density=[0.2,0.8]",
+            "-p",
+            'expert1:weight=[{"filter":"mlp","value":0.5},{"value":1}]',
+            "-o",
+            str(plan),
+            "--json",
+        ],
+        monkeypatch,
+        capsys,
+    )
     assert code == 0, err
     p = json.loads(plan.read_text())
     t = {x["name"]: x for x in p["tensors"]}
@@ -205,10 +279,18 @@ def test_output_path_problems(fam, monkeypatch, capsys):
 
 
 def test_help_is_fast_and_imports_no_torch():
-    r = subprocess.run([sys.executable, "-c", "import sys; from mergepipe import cli; "
-                        "sys.argv=['mergepipe','--help']\ntry: cli.main()\nexcept SystemExit: pass\n"
-                        "print('TORCH' if 'torch' in sys.modules else 'NOTORCH')"],
-                       capture_output=True, text=True, env={**os.environ, "COLUMNS": "100"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from mergepipe import cli; "
+            "sys.argv=['mergepipe','--help']\ntry: cli.main()\nexcept SystemExit: pass\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NOTORCH')",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "100"},
+    )
     assert "merge" in r.stdout and r.stdout.strip().endswith("NOTORCH")
 
 
@@ -226,14 +308,19 @@ def test_analyze_pairs_records_what_model_stock_plans_with(fam, monkeypatch, cap
     tmp, base, experts = fam
     cat = tmp / "cat.sqlite"
     ex = [a for e in experts for a in ("-e", str(e))]
-    code, out, err = run_cli(["analyze", "--base", str(base), *ex, "--catalog", str(cat), "--json"], monkeypatch, capsys)
+    code, out, err = run_cli(
+        ["analyze", "--base", str(base), *ex, "--catalog", str(cat), "--json"], monkeypatch, capsys
+    )
     assert code == 0, err
     assert "pairs" not in json.loads(out)
 
     def plan_without_reading():
         st = LocalStorage(IOCounters())
-        req = MergeRequest(base=str(base), method="model_stock",
-                           experts=[ExpertRequest(name=f"x{i}", uri=str(e)) for i, e in enumerate(experts)])
+        req = MergeRequest(
+            base=str(base),
+            method="model_stock",
+            experts=[ExpertRequest(name=f"x{i}", uri=str(e)) for i, e in enumerate(experts)],
+        )
         p = build_plan(Catalog(cat), st, req, analyze=False)
         return p, st.counters.snapshot()["read"]
 
@@ -241,8 +328,9 @@ def test_analyze_pairs_records_what_model_stock_plans_with(fam, monkeypatch, cap
         plan_without_reading()
     assert sorted(e.value.uris) == sorted(str(x) for x in experts)
 
-    code, out, err = run_cli(["analyze", "--base", str(base), *ex, "--pairs", "--catalog", str(cat), "--json"],
-                             monkeypatch, capsys)
+    code, out, err = run_cli(
+        ["analyze", "--base", str(base), *ex, "--pairs", "--catalog", str(cat), "--json"], monkeypatch, capsys
+    )
     assert code == 0, err
     res = json.loads(out)
     b = merged_tensors(base)
@@ -251,7 +339,10 @@ def test_analyze_pairs_records_what_model_stock_plans_with(fam, monkeypatch, cap
     assert res["bytes_read"]["expert"] > 0  # the pair needed the experts streamed again
 
     c = Catalog(cat)
-    brec, recs = c.register(LocalStorage(IOCounters()), str(base)), [c.register(LocalStorage(IOCounters()), str(x)) for x in experts]
+    brec, recs = (
+        c.register(LocalStorage(IOCounters()), str(base)),
+        [c.register(LocalStorage(IOCounters()), str(x)) for x in experts],
+    )
     dots = c.pair_dots(brec, recs)[(0, 1)]
     e0, e1 = merged_tensors(experts[0]), merged_tensors(experts[1])
     for name in ("model.layers.0.mlp.up_proj.weight", "model.norm.weight"):
@@ -262,15 +353,29 @@ def test_analyze_pairs_records_what_model_stock_plans_with(fam, monkeypatch, cap
     assert p.method == "model_stock" and read["expert"] == 0 and read["base"] == 0
 
     # cached: a second run reads no expert byte
-    code, out, _ = run_cli(["analyze", "--base", str(base), *ex, "--pairs", "--catalog", str(cat), "--json"],
-                           monkeypatch, capsys)
+    code, out, _ = run_cli(
+        ["analyze", "--base", str(base), *ex, "--pairs", "--catalog", str(cat), "--json"], monkeypatch, capsys
+    )
     assert code == 0 and json.loads(out)["bytes_read"]["expert"] == 0
 
 
 def test_analyze_pairs_needs_two_experts(fam, monkeypatch, capsys):
     tmp, base, experts = fam
-    code, out, err = run_cli(["analyze", "--base", str(base), "-e", str(experts[0]), "--pairs",
-                              "--catalog", str(tmp / "cat.sqlite"), "--json"], monkeypatch, capsys)
+    code, out, err = run_cli(
+        [
+            "analyze",
+            "--base",
+            str(base),
+            "-e",
+            str(experts[0]),
+            "--pairs",
+            "--catalog",
+            str(tmp / "cat.sqlite"),
+            "--json",
+        ],
+        monkeypatch,
+        capsys,
+    )
     assert code == 2 and out == "" and "--pairs needs at least two" in err
 
 

@@ -41,8 +41,12 @@ def test_sigkill_at_any_moment_leaves_nothing_and_rerun_succeeds(medium_family, 
     outdir.mkdir()
     out = outdir / "snap"
     # a clean reference run elsewhere (own catalog) to compare with
-    ref = subprocess.run(_cmd(base, experts, tmp_path / "ref"), capture_output=True, text=True,
-                         env={**env, "MERGEPIPE_HOME": str(tmp_path / "home-ref")})
+    ref = subprocess.run(
+        _cmd(base, experts, tmp_path / "ref"),
+        capture_output=True,
+        text=True,
+        env={**env, "MERGEPIPE_HOME": str(tmp_path / "home-ref")},
+    )
     assert ref.returncode == 0, ref.stderr
     ref_res = json.loads(ref.stdout)
 
@@ -51,8 +55,15 @@ def test_sigkill_at_any_moment_leaves_nothing_and_rerun_succeeds(medium_family, 
     staged_seen = 0
     # ("time", t): kill t seconds after start (imports, analysis); ("staged", t): kill t seconds after the
     # staging folder appears (while shards are being written), whatever the machine's speed
-    moments = [("time", 0.05), ("time", 0.8), ("staged", 0.0), ("staged", 0.05), ("staged", 0.2),
-               ("staged", rng.uniform(0.0, 0.5)), ("staged", rng.uniform(0.0, 1.0))]
+    moments = [
+        ("time", 0.05),
+        ("time", 0.8),
+        ("staged", 0.0),
+        ("staged", 0.05),
+        ("staged", 0.2),
+        ("staged", rng.uniform(0.0, 0.5)),
+        ("staged", rng.uniform(0.0, 1.0)),
+    ]
     for mode, delay in moments:
         p = subprocess.Popen(_cmd(base, experts, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         t0 = time.time()
@@ -80,8 +91,9 @@ def test_sigkill_at_any_moment_leaves_nothing_and_rerun_succeeds(medium_family, 
     res = json.loads(done.stdout)
     assert res["snapshot_id"] == ref_res["snapshot_id"]
     assert [x for x in outdir.iterdir() if x.name.startswith(".snap.staging")] == [], "stale staging not cleaned"
-    v = subprocess.run([sys.executable, "-m", "mergepipe.cli", "verify", str(out), "--json"], capture_output=True,
-                       text=True, env=env)
+    v = subprocess.run(
+        [sys.executable, "-m", "mergepipe.cli", "verify", str(out), "--json"], capture_output=True, text=True, env=env
+    )
     assert v.returncode == 0 and json.loads(v.stdout)["ok"]
 
 
@@ -103,13 +115,25 @@ def test_failure_mid_execution_leaves_nothing(family, tmp_path, monkeypatch):
 
     monkeypatch.setattr(local.LocalWriter, "write", flaky)
     with pytest.raises(OSError):
-        merge(str(base), [(e.name, str(e)) for e in experts], "ties", str(tmp_path / "o"), ["density=0.5"],
-              catalog=Catalog(tmp_path / "c.sqlite"))
+        merge(
+            str(base),
+            [(e.name, str(e)) for e in experts],
+            "ties",
+            str(tmp_path / "o"),
+            ["density=0.5"],
+            catalog=Catalog(tmp_path / "c.sqlite"),
+        )
     assert not (tmp_path / "o").exists()
     assert list(tmp_path.glob(".o.staging*")) == []
     monkeypatch.setattr(local.LocalWriter, "write", orig)
-    r = merge(str(base), [(e.name, str(e)) for e in experts], "ties", str(tmp_path / "o"), ["density=0.5"],
-              catalog=Catalog(tmp_path / "c.sqlite"))
+    r = merge(
+        str(base),
+        [(e.name, str(e)) for e in experts],
+        "ties",
+        str(tmp_path / "o"),
+        ["density=0.5"],
+        catalog=Catalog(tmp_path / "c.sqlite"),
+    )
     assert (Path(r.out) / "manifest.json").exists()
 
 
@@ -119,8 +143,16 @@ def test_manifest_contents(family, tmp_path):
     from mergepipe.pipeline import merge
 
     base, experts = family
-    r = merge(str(base), [(e.name, str(e)) for e in experts], "ties", str(tmp_path / "o"), ["density=0.5"],
-              budget="50%", catalog=Catalog(tmp_path / "c.sqlite"), seed=9)
+    r = merge(
+        str(base),
+        [(e.name, str(e)) for e in experts],
+        "ties",
+        str(tmp_path / "o"),
+        ["density=0.5"],
+        budget="50%",
+        catalog=Catalog(tmp_path / "c.sqlite"),
+        seed=9,
+    )
     m = json.loads((tmp_path / "o" / "manifest.json").read_text())
     assert manifest_hash((tmp_path / "o" / "manifest.json").read_bytes()) == r.manifest_hash
     assert m["plan_digest"] == r.plan.digest and m["seed"] == 9
@@ -128,7 +160,11 @@ def test_manifest_contents(family, tmp_path):
     assert len(m["inputs"]["base"]["content_digest"]) == 64
     files = {p.name for p in (tmp_path / "o").iterdir()} - {"manifest.json"}
     assert set(m["outputs"]) == files
-    assert m["io"]["realized"]["expert_read_bytes"] <= m["io"]["estimated"]["expert_read_bytes"] <= m["io"]["expert_budget_bytes"]
+    assert (
+        m["io"]["realized"]["expert_read_bytes"]
+        <= m["io"]["estimated"]["expert_read_bytes"]
+        <= m["io"]["expert_budget_bytes"]
+    )
     assert sum(m["touched_blocks"].values()) > 0
     assert {"python", "numpy", "torch", "mergepipe"} <= set(m["versions"])
     idx = json.loads((tmp_path / "o" / "model.safetensors.index.json").read_text())

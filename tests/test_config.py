@@ -37,8 +37,9 @@ def base_cfg(family, **kw):
 
 def test_parses_mergekit_config_with_own_keys(family, tmp_path):
     base, experts = family
-    cfg = base_cfg(family, dtype="bfloat16", out_dtype="float16", tokenizer_source="base", budget="40%",
-                   fidelity=0.9, seed=5)
+    cfg = base_cfg(
+        family, dtype="bfloat16", out_dtype="float16", tokenizer_source="base", budget="40%", fidelity=0.9, seed=5
+    )
     cfg["models"][1]["parameters"] = {"weight": 0.7, "density": [0.3, 0.9]}
     cfg["models"][2]["parameters"] = {"weight": [{"filter": "mlp", "value": 0.2}, {"value": 0.5}]}
     cfg["parameters"].update({"normalize": True, "int8_mask": True, "lambda": 1.1})
@@ -89,11 +90,17 @@ def test_refusals_name_config_and_key(family, tmp_path, patch, match):
 def test_model_reference_refusals(family, tmp_path):
     base, experts = family
     cases = [
-        (f"{experts[0]}+{experts[1]}", r"models\[1\].model: .* mergekit model\+LoRA reference; LoRA adapters are not supported"),
+        (
+            f"{experts[0]}+{experts[1]}",
+            r"models\[1\].model: .* mergekit model\+LoRA reference; LoRA adapters are not supported",
+        ),
         (f"{experts[0]}@main", r"models\[1\].model: .* model@revision reference; revisions are not supported"),
         ({"model": {"path": str(experts[0]), "revision": "v1"}}, r"models\[1\].model.model.revision: revisions"),
         ({"model": str(experts[0]), "lora": "adapter"}, r"models\[1\].model.lora: LoRA adapters"),
-        ("mistralai/Mistral-7B-v0.1", r"models\[1\].model: 'mistralai/Mistral-7B-v0.1' is not a folder .* Hugging Face Hub"),
+        (
+            "mistralai/Mistral-7B-v0.1",
+            r"models\[1\].model: 'mistralai/Mistral-7B-v0.1' is not a folder .* Hugging Face Hub",
+        ),
     ]
     for ref, match in cases:
         cfg = base_cfg(family)
@@ -118,8 +125,11 @@ def test_model_reference_refusals(family, tmp_path):
     cfg["models"][1]["extra"] = 1
     with pytest.raises(InputError, match=r"merge.yml: models\[1\].extra: unknown key"):
         load_config(write(tmp_path, cfg))
-    for text, match in (("models: [\n", r"not valid YAML at line"), ("- a\n- b\n", r"a mergekit config is a mapping"),
-                        ("merge_method: ties\nbase_model: x\n", r"models: required")):
+    for text, match in (
+        ("models: [\n", r"not valid YAML at line"),
+        ("- a\n- b\n", r"a mergekit config is a mapping"),
+        ("merge_method: ties\nbase_model: x\n", r"models: required"),
+    ):
         with pytest.raises(InputError, match=match):
             load_config(write(tmp_path, text))
     with pytest.raises(InputError, match=r"nope.yml: cannot read the config"):
@@ -147,8 +157,14 @@ def test_out_dtype_end_to_end(family, tmp_path):
     from mergepipe.formats.safetensors import load_layout
 
     base, experts = family
-    cfg = {"models": [{"model": str(base)}, {"model": str(experts[0])}], "merge_method": "slerp",
-           "base_model": str(base), "parameters": {"t": [0.0, 0.6]}, "dtype": "bfloat16", "out_dtype": "float32"}
+    cfg = {
+        "models": [{"model": str(base)}, {"model": str(experts[0])}],
+        "merge_method": "slerp",
+        "base_model": str(base),
+        "parameters": {"t": [0.0, 0.6]},
+        "dtype": "bfloat16",
+        "out_dtype": "float32",
+    }
     res = merge_from_config(write(tmp_path, cfg), str(tmp_path / "out"), catalog=Catalog(tmp_path / "c.sqlite"))
     assert any(t.copy_base for t in res.plan.tensors) and res.plan.out_dtype == "F32"
     got = merged_tensors(res.out)
@@ -178,8 +194,13 @@ def test_out_dtype_equal_to_input_plans_like_cli(family, tmp_path):
     st = LocalStorage(IOCounters())
     c = load_config(write(tmp_path, base_cfg(family, out_dtype="bfloat16")))
     p1 = build_plan(cat, st, c.with_overrides(budget="50%"), where=c.where)
-    p2 = build_plan(cat, st, request_from_args(str(base), [(e.name, str(e)) for e in experts], "ties",
-                                               ["density=0.5", "weight=1.0"], budget="50%"))
+    p2 = build_plan(
+        cat,
+        st,
+        request_from_args(
+            str(base), [(e.name, str(e)) for e in experts], "ties", ["density=0.5", "weight=1.0"], budget="50%"
+        ),
+    )
     assert p1.out_dtype is None and p1.digest == p2.digest
 
 
@@ -188,33 +209,47 @@ def test_cli_merge_config(family, tmp_path, monkeypatch, capsys):
     cfg = base_cfg(family, budget="30%", seed=2)
     cfg["parameters"]["density"] = [0.3, 0.8]
     p = write(tmp_path, cfg)
-    code, out, err = run_cli(["merge", "--config", str(p), "--out", str(tmp_path / "out"), "--json"], monkeypatch, capsys)
+    code, out, err = run_cli(
+        ["merge", "--config", str(p), "--out", str(tmp_path / "out"), "--json"], monkeypatch, capsys
+    )
     assert code == 0, err
     res = json.loads(out)
-    assert res["io"]["expert_budget_bytes"] == int(0.3 * sum(
-        f.stat().st_size for e in experts for f in Path(e).glob("*.safetensors")))
+    assert res["io"]["expert_budget_bytes"] == int(
+        0.3 * sum(f.stat().st_size for e in experts for f in Path(e).glob("*.safetensors"))
+    )
     m = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert m["seed"] == 2 and m["config"]["path"] == str(p)
     # CLI --budget overrides the config's budget
-    code, out, err = run_cli(["merge", "--config", str(p), "--out", str(tmp_path / "out2"), "--budget", "unlimited",
-                              "--json"], monkeypatch, capsys)
+    code, out, err = run_cli(
+        ["merge", "--config", str(p), "--out", str(tmp_path / "out2"), "--budget", "unlimited", "--json"],
+        monkeypatch,
+        capsys,
+    )
     assert code == 0 and json.loads(out)["io"]["expert_budget_bytes"] is None
     # models/method/parameters come from the config only
-    code, _, err = run_cli(["merge", "--config", str(p), "--out", str(tmp_path / "o3"), "--method", "linear"],
-                           monkeypatch, capsys)
+    code, _, err = run_cli(
+        ["merge", "--config", str(p), "--out", str(tmp_path / "o3"), "--method", "linear"], monkeypatch, capsys
+    )
     assert code == 2 and "drop --method" in err and not (tmp_path / "o3").exists()
     code, _, err = run_cli(["merge", "--out", str(tmp_path / "o4")], monkeypatch, capsys)
     assert code == 2 and "--base and --expert are required" in err
     # a config without mergepipe's own keys (a plain mergekit config) merges with seed 0
     p5 = write(tmp_path, base_cfg(family), name="plain.yml")
-    code, out, err = run_cli(["merge", "--config", str(p5), "--out", str(tmp_path / "o5"), "--json"], monkeypatch, capsys)
+    code, out, err = run_cli(
+        ["merge", "--config", str(p5), "--out", str(tmp_path / "o5"), "--json"], monkeypatch, capsys
+    )
     assert code == 0, err
     assert json.loads((tmp_path / "o5" / "manifest.json").read_text())["seed"] == 0
 
 
-@pytest.mark.parametrize("patch,match", [({"slices": [{"sources": []}]}, "slices"),
-                                         ({"parameters": {"density": 2}}, "parameters.density"),
-                                         ({"merge_method": "model_stock", "parameters": {}}, None)])
+@pytest.mark.parametrize(
+    "patch,match",
+    [
+        ({"slices": [{"sources": []}]}, "slices"),
+        ({"parameters": {"density": 2}}, "parameters.density"),
+        ({"merge_method": "model_stock", "parameters": {}}, None),
+    ],
+)
 def test_cli_config_bad_input_exit_2_nothing_written(family, tmp_path, monkeypatch, capsys, patch, match):
     base, experts = family
     cfg = base_cfg(family, **patch)
@@ -238,8 +273,9 @@ def test_cli_plan_config_same_plan_as_merge(family, tmp_path, monkeypatch, capsy
     cfg = base_cfg(family, budget="40%", seed=3)
     cfg["parameters"]["density"] = [0.3, 0.8]
     p = write(tmp_path, cfg)
-    code, out, err = run_cli(["plan", "--config", str(p), "--out", str(tmp_path / "plan.json"), "--json"],
-                             monkeypatch, capsys)
+    code, out, err = run_cli(
+        ["plan", "--config", str(p), "--out", str(tmp_path / "plan.json"), "--json"], monkeypatch, capsys
+    )
     assert code == 0, err
     planned = json.loads(out)
     code, out, err = run_cli(["merge", "--config", str(p), "--out", str(tmp_path / "m"), "--json"], monkeypatch, capsys)
@@ -247,8 +283,9 @@ def test_cli_plan_config_same_plan_as_merge(family, tmp_path, monkeypatch, capsy
     merged = json.loads(out)
     assert planned["plan_digest"] == merged["plan_digest"]
     assert planned["expert_budget_bytes"] == merged["io"]["expert_budget_bytes"]
-    code, out, err = run_cli(["execute", str(tmp_path / "plan.json"), "--out", str(tmp_path / "x"), "--json"],
-                             monkeypatch, capsys)
+    code, out, err = run_cli(
+        ["execute", str(tmp_path / "plan.json"), "--out", str(tmp_path / "x"), "--json"], monkeypatch, capsys
+    )
     assert code == 0, err
     assert json.loads(out)["snapshot_id"] == merged["snapshot_id"]
     # the same refusals as merge: config and explicit models together, bad config keys
@@ -284,15 +321,20 @@ def test_linear_config_averages_every_input_like_mergekit(family, tmp_path, monk
 
     base, experts = family
     ws = [0.4, 0.3, 0.2]
-    cfg = {"models": [{"model": str(e), "parameters": {"weight": w}} for e, w in zip(experts, ws)],
-           "merge_method": "linear", "dtype": "float32"}
+    cfg = {
+        "models": [{"model": str(e), "parameters": {"weight": w}} for e, w in zip(experts, ws)],
+        "merge_method": "linear",
+        "dtype": "float32",
+    }
     inputs = list(zip(experts, ws))
     if with_base_model:  # base not listed: mergekit adds it, weighted by the global weight
         cfg["base_model"] = str(base)
         cfg["parameters"] = {"weight": 0.1}
         inputs.append((base, 0.1))
     p = write(tmp_path, cfg)
-    code, out, err = run_cli(["merge", "--config", str(p), "--out", str(tmp_path / "out"), "--json"], monkeypatch, capsys)
+    code, out, err = run_cli(
+        ["merge", "--config", str(p), "--out", str(tmp_path / "out"), "--json"], monkeypatch, capsys
+    )
     assert code == 0, err
     got = merged_tensors(tmp_path / "out")
     assert got
@@ -309,12 +351,18 @@ def test_linear_config_refusals(family, tmp_path, monkeypatch, capsys):
     base, experts = family
     models = [{"model": str(e), "parameters": {"weight": 0.5}} for e in experts]
     cases = [
-        ({"models": models, "merge_method": "linear", "base_model": str(base)},
-         "base_model: parameters.weight: required by mergekit's linear"),
-        ({"models": [{"model": str(base)}] + models, "merge_method": "linear", "base_model": str(base)},
-         "models[0]: parameters.weight: required by mergekit's linear"),
-        ({"models": models, "merge_method": "linear", "parameters": {"normalize": False}},
-         "parameters.normalize: mergekit's linear with normalize: false"),
+        (
+            {"models": models, "merge_method": "linear", "base_model": str(base)},
+            "base_model: parameters.weight: required by mergekit's linear",
+        ),
+        (
+            {"models": [{"model": str(base)}] + models, "merge_method": "linear", "base_model": str(base)},
+            "models[0]: parameters.weight: required by mergekit's linear",
+        ),
+        (
+            {"models": models, "merge_method": "linear", "parameters": {"normalize": False}},
+            "parameters.normalize: mergekit's linear with normalize: false",
+        ),
         ({"models": models, "merge_method": "ties"}, "base_model: required"),
     ]
     for i, (cfg, msg) in enumerate(cases):

@@ -17,8 +17,13 @@ def test_demo_default_runs_and_the_full_merge_helps(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     env = {**os.environ, "MERGEPIPE_HOME": str(tmp_path / "home")}
-    p = subprocess.run([sys.executable, "-c", "from mergepipe.cli import main; main()", "demo", "--json"],
-                       env=env, capture_output=True, text=True, timeout=1200)
+    p = subprocess.run(
+        [sys.executable, "-c", "from mergepipe.cli import main; main()", "demo", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     rows = json.loads(p.stdout)
     assert "gates: passed" in p.stderr
@@ -39,15 +44,24 @@ def test_demo_default_runs_and_the_full_merge_helps(tmp_path):
     assert len(snaps) == 4
     ids = set()
     for snap in snaps:
-        v = subprocess.run([sys.executable, "-c", "from mergepipe.cli import main; main()", "verify", str(snap), "--json"],
-                           env=env, capture_output=True, text=True, timeout=300)
+        v = subprocess.run(
+            [sys.executable, "-c", "from mergepipe.cli import main; main()", "verify", str(snap), "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert v.returncode == 0, v.stdout + v.stderr
         ids.add(json.loads(v.stdout)["snapshot_id"])
     assert ids == {m["snapshot_id"] for m in merges}
 
 
 def test_demo_size_is_checked():
-    p = subprocess.run([sys.executable, "-c", "from mergepipe.cli import main; main()", "demo", "--size", "huge"],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", "from mergepipe.cli import main; main()", "demo", "--size", "huge"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2
     assert "--size" in p.stderr and "Traceback" not in p.stderr

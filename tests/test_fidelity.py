@@ -41,9 +41,17 @@ def _sq(a: dict, b: dict) -> float:
 
 
 def _run(tmp, base, experts, out, **kw):
-    return merge(str(base), [(e.name, str(e)) for e in experts], "task_arithmetic", str(tmp / out),
-                 ["weight=0.5"], catalog=Catalog(tmp / "c.sqlite"), storage=LocalStorage(IOCounters()),
-                 block_bytes=4096, **kw)
+    return merge(
+        str(base),
+        [(e.name, str(e)) for e in experts],
+        "task_arithmetic",
+        str(tmp / out),
+        ["weight=0.5"],
+        catalog=Catalog(tmp / "c.sqlite"),
+        storage=LocalStorage(IOCounters()),
+        block_bytes=4096,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("n_experts, rel_tol", [(1, 1e-6), (3, 0.02)])
@@ -63,7 +71,10 @@ def test_distance_matches_sqrt_missing_energy(fp32_family, tmp_path, n_experts, 
         e = res.plan.retained_energy
         if "fidelity" in kw:  # fidelity plans meet their target energy, reading less than the full merge
             assert e >= kw["fidelity"] - 1e-9
-            assert res.manifest["io"]["realized"]["expert_read_bytes"] < full.manifest["io"]["realized"]["expert_read_bytes"]
+            assert (
+                res.manifest["io"]["realized"]["expert_read_bytes"]
+                < full.manifest["io"]["realized"]["expert_read_bytes"]
+            )
         else:
             assert res.manifest["io"]["realized"]["expert_read_bytes"] <= int(float(kw["budget"][:-1]) / 100 * total)
         assert 0.0 < e < 1.0  # a real partial merge, or the comparison below says nothing

@@ -39,7 +39,9 @@ def test_shrink_lambda_equals_key_threshold_at_every_boundary():
 def test_magnitude_sparsify_equals_masked(min_key):
     rng = np.random.default_rng(min_key)
     with np.errstate(over="ignore"):
-        x = rng.standard_normal(50_000).astype(np.float32) * np.float32(10.0) ** rng.integers(-40, 39, 50_000).astype(np.float32)
+        x = rng.standard_normal(50_000).astype(np.float32) * np.float32(10.0) ** rng.integers(-40, 39, 50_000).astype(
+            np.float32
+        )
     x[:8] = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -3.4e38, 1.0]
     d = torch.from_numpy(x)
     spec = get_method("ties")
@@ -72,11 +74,20 @@ def _masked_consensus(base, deltas, weights, normalize, lam):
     return torch.where(mixed == 0, base, base + mixed)
 
 
-@pytest.mark.parametrize("weights,normalize,lam", [
-    ([1.0, 1.0], True, 1.0), ([1.0, 1.0, 1.0], True, 1.0), ([0.3, 1.7, 1.0, 0.5], True, 1.3),
-    ([1.0, -0.5, 2.0], False, 0.7), ([1.0], True, 1.0), ([1e-8, 1.0], True, 1.0), ([1e-45, 1.0], True, 1.0),
-    ([1.0, -1.0, 0.5], True, 1.0), ([1e-50, 1.0], True, 1.0),
-])
+@pytest.mark.parametrize(
+    "weights,normalize,lam",
+    [
+        ([1.0, 1.0], True, 1.0),
+        ([1.0, 1.0, 1.0], True, 1.0),
+        ([0.3, 1.7, 1.0, 0.5], True, 1.3),
+        ([1.0, -0.5, 2.0], False, 0.7),
+        ([1.0], True, 1.0),
+        ([1e-8, 1.0], True, 1.0),
+        ([1e-45, 1.0], True, 1.0),
+        ([1.0, -1.0, 0.5], True, 1.0),
+        ([1e-50, 1.0], True, 1.0),
+    ],
+)
 def test_arithmetic_consensus_equals_masked(weights, normalize, lam):
     rng = np.random.default_rng(len(weights))
     n = 200_000
@@ -107,9 +118,14 @@ def test_consensus_with_non_finite_task_vectors_takes_the_masked_path():
     assert torch.equal(_bits(got), _bits(want))
 
 
-TILED = [("ties", ["density=0.5"]), ("ties", ["density=0.3", "expert1:weight=0.4", "lambda=1.2"]),
-         ("task_arithmetic", ["expert1:weight=-0.5"]), ("breadcrumbs_ties", ["density=0.6"]),
-         ("dare_ties", ["density=0.5", "rescale=false"]), ("linear", [])]
+TILED = [
+    ("ties", ["density=0.5"]),
+    ("ties", ["density=0.3", "expert1:weight=0.4", "lambda=1.2"]),
+    ("task_arithmetic", ["expert1:weight=-0.5"]),
+    ("breadcrumbs_ties", ["density=0.6"]),
+    ("dare_ties", ["density=0.5", "rescale=false"]),
+    ("linear", []),
+]
 
 
 @pytest.mark.parametrize("method,params", TILED, ids=[m + "-" + "-".join(p) for m, p in TILED])
@@ -133,4 +149,5 @@ def test_tiled_execution_equals_whole_chunk(family, tmp_path, monkeypatch, metho
     assert all(same_bits(a[n], b[n]) for n in a)
     if budget:
         assert tiled.manifest["io"]["realized"]["expert_read_bytes"] < sum(
-            f.stat().st_size for e in experts for f in e.glob("*.safetensors"))
+            f.stat().st_size for e in experts for f in e.glob("*.safetensors")
+        )

@@ -64,30 +64,38 @@ def test_filters_first_match_and_fall_through_to_global():
 
 
 def test_filter_lists_that_shadow_entries_are_refused():
-    with pytest.raises(InputError, match=r"--param density\[1\].filter: 'mlp.down_proj' is never used.*entry 0 \('mlp'\)"):
-        resolve_params("ties", {"density": [{"filter": "mlp", "value": 0.4}, {"filter": "mlp.down_proj", "value": 0.2}]},
-                       [{}])
+    with pytest.raises(
+        InputError, match=r"--param density\[1\].filter: 'mlp.down_proj' is never used.*entry 0 \('mlp'\)"
+    ):
+        resolve_params(
+            "ties", {"density": [{"filter": "mlp", "value": 0.4}, {"filter": "mlp.down_proj", "value": 0.2}]}, [{}]
+        )
     with pytest.raises(InputError, match=r"--param density\[0\]: the entry without filter matches every tensor"):
         resolve_params("ties", {"density": [{"value": 0.4}, {"filter": "mlp", "value": 0.2}]}, [{}])
     # the more specific filter first is fine (first match == most specific)
-    resolve_params("ties", {"density": [{"filter": "mlp.down_proj", "value": 0.2}, {"filter": "mlp", "value": 0.4}]}, [{}])
+    resolve_params(
+        "ties", {"density": [{"filter": "mlp.down_proj", "value": 0.2}, {"filter": "mlp", "value": 0.4}]}, [{}]
+    )
 
 
-@pytest.mark.parametrize("setting,match", [
-    ("[0.5]", r"a gradient needs at least two values"),
-    ("[]", r"empty list"),
-    ("[0.5, 2]", r"density\[1\]: density=2 is outside \(0, 1\]"),
-    ("[0.5, \"x\"]", r"must be a number"),
-    ("[0.5, [0.2, 0.3]]", r"mixes numbers"),
-    ("[0.5,", r"not valid JSON"),
-    ('[{"filter": "mlp"}]', r"value is missing"),
-    ('[{"filter": "mlp", "value": 0.5, "extra": 1}]', r"unknown key"),
-    ('[{"filter": "", "value": 0.5}]', r"filter: must be a non-empty substring"),
-    ('[{"filter": "mlp", "value": [0.5, 0]}]', r"density\[0\].value\[1\]: density=0 is outside \(0, 1\]"),
-    ("0", r"density=0 is outside \(0, 1\]"),
-    ("1.5", r"outside \(0, 1\]"),
-    ("nan", r"finite"),
-])
+@pytest.mark.parametrize(
+    "setting,match",
+    [
+        ("[0.5]", r"a gradient needs at least two values"),
+        ("[]", r"empty list"),
+        ("[0.5, 2]", r"density\[1\]: density=2 is outside \(0, 1\]"),
+        ('[0.5, "x"]', r"must be a number"),
+        ("[0.5, [0.2, 0.3]]", r"mixes numbers"),
+        ("[0.5,", r"not valid JSON"),
+        ('[{"filter": "mlp"}]', r"value is missing"),
+        ('[{"filter": "mlp", "value": 0.5, "extra": 1}]', r"unknown key"),
+        ('[{"filter": "", "value": 0.5}]', r"filter: must be a non-empty substring"),
+        ('[{"filter": "mlp", "value": [0.5, 0]}]', r"density\[0\].value\[1\]: density=0 is outside \(0, 1\]"),
+        ("0", r"density=0 is outside \(0, 1\]"),
+        ("1.5", r"outside \(0, 1\]"),
+        ("nan", r"finite"),
+    ],
+)
 def test_bad_settings_name_the_key(setting, match):
     with pytest.raises(InputError, match=match) as ei:
         g, per = parse_param_args([f"density={setting}"], "ties", ["x"])  # the CLI edge, then the validator
@@ -97,11 +105,15 @@ def test_bad_settings_name_the_key(setting, match):
 
 
 def test_method_level_checks():
-    with pytest.raises(InputError, match=r"--param 1:gamma: method 'ties' takes no parameter 'gamma'; allowed: weight, density"):
+    with pytest.raises(
+        InputError, match=r"--param 1:gamma: method 'ties' takes no parameter 'gamma'; allowed: weight, density"
+    ):
         resolve_params("ties", {}, [{"gamma": 0.1}])
     with pytest.raises(InputError, match="lambda is a global parameter"):
         resolve_params("ties", {}, [{"lambda": 2}])
-    with pytest.raises(InputError, match=r"slerp takes exactly 1 expert\(s\) besides the base \(the base and one expert\); got 2"):
+    with pytest.raises(
+        InputError, match=r"slerp takes exactly 1 expert\(s\) besides the base \(the base and one expert\); got 2"
+    ):
         resolve_params("slerp", {"t": 0.5}, [{}, {}])
     with pytest.raises(InputError, match=r"model_stock takes at least 2 expert\(s\) besides the base \(3 models"):
         resolve_params("model_stock", {}, [{}])

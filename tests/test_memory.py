@@ -28,11 +28,15 @@ print(json.dumps({"summary": r.summary(), "vmhwm_kib": hwm}))
 def _peak_rss_mib(args, env, method="ties", work=8 << 20) -> float:
     """The merge process's own peak RSS (``VmHWM``: ``ru_maxrss`` would carry this test
     process's size over fork and exec), the experts analyzed beforehand in another process."""
-    pre = subprocess.run([sys.executable, "-c", SCRIPT, args[0], "-", *args[2:3], method, str(work), *args[3:]],
-                         capture_output=True, env=env)
+    pre = subprocess.run(
+        [sys.executable, "-c", SCRIPT, args[0], "-", *args[2:3], method, str(work), *args[3:]],
+        capture_output=True,
+        env=env,
+    )
     assert pre.returncode == 0, pre.stderr.decode()
-    p = subprocess.run([sys.executable, "-c", SCRIPT, *args[:3], method, str(work), *args[3:]], capture_output=True,
-                       env=env)
+    p = subprocess.run(
+        [sys.executable, "-c", SCRIPT, *args[:3], method, str(work), *args[3:]], capture_output=True, env=env
+    )
     assert p.returncode == 0, p.stderr.decode()
     return json.loads(p.stdout)["vmhwm_kib"] / 1024.0
 
@@ -46,7 +50,9 @@ def test_peak_rss_flat_in_model_size(tmp_path):
     assert sizes["l"] > 20 * sizes["s"]
     rss = {}
     for k, (b, es) in (("s", small), ("l", large)):
-        rss[k] = _peak_rss_mib([str(b), str(tmp_path / f"out-{k}"), str(tmp_path / f"c-{k}.sqlite"), *map(str, es)], env)
+        rss[k] = _peak_rss_mib(
+            [str(b), str(tmp_path / f"out-{k}"), str(tmp_path / f"c-{k}.sqlite"), *map(str, es)], env
+        )
     # the large model is >20x bigger (its largest tensor alone is 24 MiB, 96 MiB as float32);
     # peak RSS may differ only by allocator noise, not by model size
     assert rss["l"] - rss["s"] < 64, f"peak RSS grew with model size: {rss} MiB for {sizes} bytes"
@@ -66,8 +72,9 @@ def test_working_set_within_work_memory(tmp_path, method):
     work = 16 << 20
     rss = {}
     for k, (b, es) in (("big", big), ("tiny", tiny)):
-        rss[k] = _peak_rss_mib([str(b), str(tmp_path / f"out-{k}"), str(tmp_path / f"c-{k}.sqlite"), *map(str, es)],
-                               env, method, work)
+        rss[k] = _peak_rss_mib(
+            [str(b), str(tmp_path / f"out-{k}"), str(tmp_path / f"c-{k}.sqlite"), *map(str, es)], env, method, work
+        )
     grown = rss["big"] - rss["tiny"]
     # work memory + prefetched inputs + writer queue (a quarter of the prefetch) + allocator slack;
     # sized for K + 3 arrays as before, dare_ties grew by 142 MiB here (measured)

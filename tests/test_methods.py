@@ -60,8 +60,15 @@ def test_engine_equals_dense_reference(family, tmp_path, method, params, n):
     base, experts = family
     experts = experts[:n]
     names = [e.name for e in experts]
-    res = merge(str(base), [(e.name, str(e)) for e in experts], method, str(tmp_path / "out"), params,
-                catalog=Catalog(tmp_path / "c.sqlite"), seed=7)
+    res = merge(
+        str(base),
+        [(e.name, str(e)) for e in experts],
+        method,
+        str(tmp_path / "out"),
+        params,
+        catalog=Catalog(tmp_path / "c.sqlite"),
+        seed=7,
+    )
     got = merged_tensors(res.out)
     ref = merge_checkpoint_dense(str(base), [str(e) for e in experts], _resolved(method, params, names), seed=7)
     assert set(got) == set(ref)
@@ -83,18 +90,31 @@ def test_other_dtypes_equal_reference(tmp_path, dtype):
 
     base, experts = make_family(tmp_path / "m", 2, seed=3, dtype=dtype)
     n_exact = 0
-    for i, (method, params, work) in enumerate([
-            ("ties", ["density=0.4"], None), ("dare_ties", ["density=0.5"], None),
+    for i, (method, params, work) in enumerate(
+        [
+            ("ties", ["density=0.4"], None),
+            ("dare_ties", ["density=0.5"], None),
             ("ties", ["density=0.3", "expert1:density=0.6"], 16 * 1024),
-            ("ties", ["density=0.5", "rescale=true"], 16 * 1024), ("ties", ["density=0.5", "rescale=true"], None),
+            ("ties", ["density=0.5", "rescale=true"], 16 * 1024),
+            ("ties", ["density=0.5", "rescale=true"], None),
             ("breadcrumbs", ["density=0.5", "gamma=0.05"], None),
-            ("breadcrumbs_ties", ["density=0.6", "gamma=0.02", "rescale=true"], 16 * 1024)]):
+            ("breadcrumbs_ties", ["density=0.6", "gamma=0.02", "rescale=true"], 16 * 1024),
+        ]
+    ):
         kw = {"work_bytes": work, "block_bytes": 1024} if work else {}
-        res = merge(str(base), [(e.name, str(e)) for e in experts], method, str(tmp_path / f"out-{i}"), params,
-                    catalog=Catalog(tmp_path / "c.sqlite"), **kw)
+        res = merge(
+            str(base),
+            [(e.name, str(e)) for e in experts],
+            method,
+            str(tmp_path / f"out-{i}"),
+            params,
+            catalog=Catalog(tmp_path / "c.sqlite"),
+            **kw,
+        )
         got = merged_tensors(res.out)
-        ref = merge_checkpoint_dense(str(base), [str(e) for e in experts],
-                                     _resolved(method, params, [e.name for e in experts]))
+        ref = merge_checkpoint_dense(
+            str(base), [str(e) for e in experts], _resolved(method, params, [e.name for e in experts])
+        )
         bad = [n for n in ref if not same_bits(got[n], ref[n])]
         assert not bad, (method, params, work, bad[:3])
         exact = [te for tp in res.plan.tensors for te in tp.experts if te.exact_rank or te.exact_rank_hi]
@@ -102,8 +122,10 @@ def test_other_dtypes_equal_reference(tmp_path, dtype):
         if method.startswith("breadcrumbs"):  # both window ends are refined somewhere
             assert any(te.exact_rank for te in exact) and any(te.exact_rank_hi for te in exact)
         if work:  # several chunks: the threshold pre-pass is planned and counted
-            assert any(tp.passes == (3 if "rescale=true" in params else 2) and tp.derived.get("threshold_pass")
-                       for tp in res.plan.tensors)
+            assert any(
+                tp.passes == (3 if "rescale=true" in params else 2) and tp.derived.get("threshold_pass")
+                for tp in res.plan.tensors
+            )
     assert n_exact > 0  # the key rule would have cut threshold groups here
 
 
@@ -132,11 +154,18 @@ def test_exact_trim_keeps_exactly_k_unless_values_are_equal():
     assert int(reference_topk_mask(v, 0.4).sum()) == 3  # k = 4: |7-4| = 3 > |3-4| = 1: drop the group
 
 
-CHUNKED = [("dare_ties", ["density=0.4"], 3), ("ties", ["density=0.5", "rescale=true"], 3),
-           ("task_arithmetic", [], 3), ("breadcrumbs_ties", ["density=0.5", "rescale=true"], 3),
-           ("della", ["density=0.5", "expert1:density=[0.3,0.7]"], 3), ("model_stock", [], 3),
-           ("model_stock", ["filter_wise=true"], 3), ("slerp", ["t=[0.2,0.7]"], 1),
-           ("nuslerp", ["nuslerp_flatten=false"], 2), ("nuslerp", ["expert1:weight=0.25"], 2)]
+CHUNKED = [
+    ("dare_ties", ["density=0.4"], 3),
+    ("ties", ["density=0.5", "rescale=true"], 3),
+    ("task_arithmetic", [], 3),
+    ("breadcrumbs_ties", ["density=0.5", "rescale=true"], 3),
+    ("della", ["density=0.5", "expert1:density=[0.3,0.7]"], 3),
+    ("model_stock", [], 3),
+    ("model_stock", ["filter_wise=true"], 3),
+    ("slerp", ["t=[0.2,0.7]"], 1),
+    ("nuslerp", ["nuslerp_flatten=false"], 2),
+    ("nuslerp", ["expert1:weight=0.25"], 2),
+]
 
 
 @pytest.mark.parametrize("method,params,n", CHUNKED, ids=[f"{m}-{'-'.join(p) or 'default'}" for m, p, _ in CHUNKED])
@@ -145,15 +174,25 @@ def test_chunked_and_two_pass_execution_equal_reference(family, tmp_path, method
     base, experts = family
     experts = experts[:n]
     cat = Catalog(tmp_path / "c.sqlite")
-    res = merge(str(base), [(e.name, str(e)) for e in experts], method, str(tmp_path / f"o-{method}"), params,
-                catalog=cat, block_bytes=4096, work_bytes=64 * 1024, seed=3)
+    res = merge(
+        str(base),
+        [(e.name, str(e)) for e in experts],
+        method,
+        str(tmp_path / f"o-{method}"),
+        params,
+        catalog=cat,
+        block_bytes=4096,
+        work_bytes=64 * 1024,
+        seed=3,
+    )
     plan = res.plan
     assert any(t.chunk_rows < t.shape[0] for t in plan.tensors if not t.copy_base)
     if "rescale=true" in params or method in ("dare_ties", "della"):
         assert any(t.passes == 2 for t in plan.tensors)
     got = merged_tensors(res.out)
-    ref = merge_checkpoint_dense(str(base), [str(e) for e in experts],
-                                 _resolved(method, params, [e.name for e in experts]), seed=3)
+    ref = merge_checkpoint_dense(
+        str(base), [str(e) for e in experts], _resolved(method, params, [e.name for e in experts]), seed=3
+    )
     assert all(same_bits(got[n], ref[n]) for n in ref)
     # realized reads include the second pass and still stay within the plan
     m = res.manifest["io"]
@@ -162,8 +201,12 @@ def test_chunked_and_two_pass_execution_equal_reference(family, tmp_path, method
 
 def test_magnitude_keys_match_torch_bf16_rounding():
     rng = np.random.default_rng(0)
-    x = np.concatenate([rng.standard_normal(100_000).astype(np.float32) * 10.0 ** rng.integers(-30, 5, 100_000),
-                        np.array([0.0, -0.0, 1e-45, 3.4e38, 65504.0], dtype=np.float32)])
+    x = np.concatenate(
+        [
+            rng.standard_normal(100_000).astype(np.float32) * 10.0 ** rng.integers(-30, 5, 100_000),
+            np.array([0.0, -0.0, 1e-45, 3.4e38, 65504.0], dtype=np.float32),
+        ]
+    )
     ours = magnitude_keys(x)
     theirs = torch.from_numpy(x).abs().to(torch.bfloat16).view(torch.int16).to(torch.int32).numpy()
     np.testing.assert_array_equal(ours, np.minimum(theirs, 0x7F80))
@@ -225,8 +268,9 @@ def test_new_methods_registered_with_mergekit_defaults():
     assert get_method("slerp").max_experts == 1 and get_method("nuslerp").min_experts == 2
 
 
-@pytest.mark.parametrize("density,gamma", [(0.5, 0.01), (0.9, 0.05), (0.2, 0.0), (0.99, 0.02), (0.3, 0.9),
-                                           (1e-5, 0.01), (0.7, 0.3)])
+@pytest.mark.parametrize(
+    "density,gamma", [(0.5, 0.01), (0.9, 0.05), (0.2, 0.0), (0.99, 0.02), (0.3, 0.9), (1e-5, 0.01), (0.7, 0.3)]
+)
 def test_breadcrumbs_window_from_histogram_equals_sort(density, gamma):
     from mergepipe.numerics import outlier_window
     from tests.dense_reference import reference_outlier_window
@@ -271,8 +315,8 @@ def test_della_probabilities_follow_mergekit():
     assert abs(keep.mean() - density) < 0.02
     assert keep[np.abs(x) >= np.median(np.abs(x))].mean() > keep.mean()  # larger magnitudes kept more often
     # counter-based: a chunk of rows draws the same mask as the whole tensor
-    part = della_keep_mask(123, 10 * cols, ours[10 * cols: 20 * cols])
-    assert np.array_equal(part, keep[10 * cols: 20 * cols])
+    part = della_keep_mask(123, 10 * cols, ours[10 * cols : 20 * cols])
+    assert np.array_equal(part, keep[10 * cols : 20 * cols])
 
 
 def _mk_slerp(t, v0, v1, dot_threshold=0.9995, eps=1e-8):
@@ -304,15 +348,20 @@ def test_interpolation_coefficients_match_mergekit_formulas():
             a, b, s = nuslerp_coefficients(t, float(v0 @ v0), float(v1 @ v1), float(v0 @ v1))
             cos = (v0 / v0.norm()) @ (v1 / v1.norm())
             th = torch.acos(cos.clamp(-1, 1))
-            mk = (torch.sin((1 - t) * th) * v0 + torch.sin(t * th) * v1) / torch.sin(th) \
-                if (1 - cos**2) > 1e-16 else (1 - t) * v0 + t * v1
+            mk = (
+                (torch.sin((1 - t) * th) * v0 + torch.sin(t * th) * v1) / torch.sin(th)
+                if (1 - cos**2) > 1e-16
+                else (1 - t) * v0 + t * v1
+            )
             torch.testing.assert_close((a * v0 + b * v1) / s, mk, rtol=1e-6, atol=1e-6)  # float32 coefficients
     # model stock: t = N·cos/(1 + (N−1)·cos) with cos the mean pairwise cosine (mergekit 0.1.5)
     ds = [torch.randn(500, generator=g, dtype=torch.float64) + 0.5 for _ in range(3)]
     cos = [(ds[i] @ ds[j]) / (ds[i].norm() * ds[j].norm()) for i in range(3) for j in range(i + 1, 3)]
     c = sum(cos) / 3
     expect = 3 * c / (1 + 2 * c)
-    got = model_stock_t(3, [float(d @ d) for d in ds], {(i, j): float(ds[i] @ ds[j]) for i in range(3) for j in range(i + 1, 3)})
+    got = model_stock_t(
+        3, [float(d @ d) for d in ds], {(i, j): float(ds[i] @ ds[j]) for i in range(3) for j in range(i + 1, 3)}
+    )
     assert float(got) == pytest.approx(float(expect), rel=1e-6)
     # singular denominator keeps the base (t = 0), like mergekit 0.1.5
     assert float(model_stock_t(2, [1.0, 1.0], {(0, 1): -1.0})) == 0.0
@@ -329,8 +378,11 @@ def test_engine_uses_per_tensor_values_only(family, tmp_path):
     base, experts = family
     params = ["density=[0.2,0.9]", 'expert1:weight=[{"filter":"mlp","value":0.5},{"value":1.5}]', "lambda=[1,0.5]"]
     st = LocalStorage(IOCounters())
-    plan = build_plan(Catalog(tmp_path / "c.sqlite"), st,
-                      request_from_args(str(base), [(e.name, str(e)) for e in experts], "ties", params))
+    plan = build_plan(
+        Catalog(tmp_path / "c.sqlite"),
+        st,
+        request_from_args(str(base), [(e.name, str(e)) for e in experts], "ties", params),
+    )
     tp = {t.name: t for t in plan.tensors}
     l0, l1 = tp["model.layers.0.mlp.up_proj.weight"], tp["model.layers.1.self_attn.q_proj.weight"]
     assert [te.density for te in l0.experts] == [0.2] * 3 and [te.density for te in l1.experts] == [0.9] * 3
@@ -344,7 +396,9 @@ def test_engine_uses_per_tensor_values_only(family, tmp_path):
     plan.seal()
     res = execute_and_commit(plan, st, str(tmp_path / "out"))
     got = merged_tensors(res.out)
-    ref = merge_checkpoint_dense(str(base), [str(e) for e in experts], _resolved("ties", params, [e.name for e in experts]))
+    ref = merge_checkpoint_dense(
+        str(base), [str(e) for e in experts], _resolved("ties", params, [e.name for e in experts])
+    )
     assert all(same_bits(got[n], ref[n]) for n in ref)
 
 
@@ -422,10 +476,16 @@ def test_ties_divisor_and_rescale_thresholds_follow_mergekit(weights):
     experts[1][0, :8] = base[0, :8] - 2 * (experts[0][0, :8] - base[0, :8])  # opposite signs: divisor 1 + (-1) = 0
     expect = _mk_gta(base, experts, weights, consensus=True, normalize=True)
     eps = tuple({"weight": w, "density": 1.0} for w in weights)
-    ref = merge_tensor_dense("w", base, experts, TensorParams({"normalize": True, "lambda": 1.0, "rescale": False}, eps),
-                             method="ties")
-    ker = combine(base.flatten(), [(e - base).flatten() for e in experts], list(weights), get_method("ties"),
-                  {"normalize": True, "lambda": 1.0}).reshape(base.shape)
+    ref = merge_tensor_dense(
+        "w", base, experts, TensorParams({"normalize": True, "lambda": 1.0, "rescale": False}, eps), method="ties"
+    )
+    ker = combine(
+        base.flatten(),
+        [(e - base).flatten() for e in experts],
+        list(weights),
+        get_method("ties"),
+        {"normalize": True, "lambda": 1.0},
+    ).reshape(base.shape)
     assert same_bits(ref, ker)
     torch.testing.assert_close(ref, expect, rtol=0, atol=2e-7 * float(base.abs().max()))
     if weights[0] == 1e-9:  # the old |divisor| < 1e-8 rule would have returned base + ~1e-9·δ

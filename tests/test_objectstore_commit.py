@@ -17,8 +17,11 @@ from mergepipe.storage.local import LocalStorage
 def _plan(family, tmp_path, method="ties", params=("density=0.5",)):
     base, experts = family
     st = LocalStorage(IOCounters())
-    return build_plan(Catalog(tmp_path / "c.sqlite"), st, request_from_args(
-        str(base), [(e.name, str(e)) for e in experts], method, list(params), budget="50%"))
+    return build_plan(
+        Catalog(tmp_path / "c.sqlite"),
+        st,
+        request_from_args(str(base), [(e.name, str(e)) for e in experts], method, list(params), budget="50%"),
+    )
 
 
 def test_concurrent_writers_one_manifest(family, tmp_path):

@@ -28,12 +28,12 @@ def test_ulp_distance_known_cases(dtype):
     assert int(ulp_distance(tiny, -tiny)) == 2  # across zero: -tiny, ±0, tiny
     # 1 and 2 are one binade apart: 2**mantissa_bits values in between
     mant = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[dtype]
-    assert int(ulp_distance(one, torch.tensor([2.0], dtype=dtype))) == 2 ** mant
+    assert int(ulp_distance(one, torch.tensor([2.0], dtype=dtype))) == 2**mant
     # 1 vs -1: all positive values below 1 twice (0x3F80 for bf16)
     pattern = {torch.bfloat16: 0x3F80, torch.float16: 0x3C00, torch.float32: 0x3F800000}[dtype]
     assert int(ulp_distance(one, -one)) == 2 * pattern
     # a rounding step of the spacing at 1 is 1 ulp at scale 1
-    assert float(ulp_of(torch.tensor([1.0], dtype=torch.float64), dtype)) == 2.0 ** -mant
+    assert float(ulp_of(torch.tensor([1.0], dtype=torch.float64), dtype)) == 2.0**-mant
     assert float(ulp_of(torch.tensor([3.0], dtype=torch.float64), dtype)) == 2.0 ** (1 - mant)
 
 
@@ -77,11 +77,11 @@ def test_near_zero_output_ulps_at_input_scale():
     """An output that cancels to ~0 is many output ulps away after one input-scale rounding step;
     at the inputs' scale it is one step."""
     base = torch.tensor([1.0], dtype=torch.bfloat16)
-    x = torch.tensor([2.0 ** -20], dtype=torch.bfloat16)
-    y = torch.tensor([2.0 ** -8], dtype=torch.bfloat16)  # ~half a bf16 ulp at 1 (the base's scale)
+    x = torch.tensor([2.0**-20], dtype=torch.bfloat16)
+    y = torch.tensor([2.0**-8], dtype=torch.bfloat16)  # ~half a bf16 ulp at 1 (the base's scale)
     r = tensor_metrics(x, y, base=base)
-    assert r["max_ulps"] == 12 * 2 ** 7  # twelve binades of 128 values each
-    assert r["max_ulps_at_scale"] == pytest.approx(0.5 - 2.0 ** -13)
+    assert r["max_ulps"] == 12 * 2**7  # twelve binades of 128 values each
+    assert r["max_ulps_at_scale"] == pytest.approx(0.5 - 2.0**-13)
 
 
 def test_tie_flags_marks_only_groups_a_cut_splits():
@@ -103,10 +103,10 @@ def test_tie_flags_marks_only_groups_a_cut_splits():
     f = tie_flags(d, "outliers", 0.5, gamma=0.1)
     assert f.tolist() == [True] * 7 + [False] * 3
     # float32 magnitudes that round to one bf16 key form one group
-    e = torch.tensor([1.0, 1.0 + 2 ** -12, 1.0 + 2 ** -11, 2.0])
+    e = torch.tensor([1.0, 1.0 + 2**-12, 1.0 + 2**-11, 2.0])
     assert tie_flags(e, "magnitude", 0.5).tolist() == [True, True, True, False]
     # exact (fp32 TIES): only exactly equal magnitudes are a group; distinct ones never tie
     assert not tie_flags(e, "magnitude", 0.5, exact=True).any()
-    x = torch.tensor([3.0, 2.0, -2.0, 2.0, 1.0 + 2 ** -12, 1.0])
+    x = torch.tensor([3.0, 2.0, -2.0, 2.0, 1.0 + 2**-12, 1.0])
     assert tie_flags(x, "magnitude", 0.5, exact=True).tolist() == [False, True, True, True, False, False]
     assert math.isfinite(float(ulp_of(torch.tensor([0.0], dtype=torch.float64), torch.bfloat16)))

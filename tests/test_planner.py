@@ -13,17 +13,42 @@ from mergepipe.storage.base import IOCounters
 from mergepipe.storage.local import LocalStorage
 
 
-def _plan(b, es, an, method, gp=None, ep=None, *, expert_names=None, budget_bytes=None, fidelity=None, seed=0,
-          coalesce_gap=0, gram=None, value="energy", sensitivity=None, calibration=None):
+def _plan(
+    b,
+    es,
+    an,
+    method,
+    gp=None,
+    ep=None,
+    *,
+    expert_names=None,
+    budget_bytes=None,
+    fidelity=None,
+    seed=0,
+    coalesce_gap=0,
+    gram=None,
+    value="energy",
+    sensitivity=None,
+    calibration=None,
+):
     """make_plan over a request built from merge-wide ``gp`` and per-expert ``ep`` settings
     (experts named by ``expert_names``, else their folder names)."""
     names = expert_names or [e.uri.rstrip("/").rsplit("/", 1)[-1] for e in es]
-    req = MergeRequest(base=b.uri, method=method, parameters=dict(gp or {}), seed=seed,
-                       experts=[ExpertRequest(name=n, uri=e.uri, parameters=dict(p))
-                                for n, e, p in zip(names, es, ep or [{}] * len(es))])
-    return make_plan(req.resolve(), PlanInputs(b, es, an, gram=gram, sensitivity=sensitivity),
-                     SelectionOptions(budget_bytes, fidelity, value=value, calibration=calibration),
-                     EngineOptions(coalesce_gap=coalesce_gap))
+    req = MergeRequest(
+        base=b.uri,
+        method=method,
+        parameters=dict(gp or {}),
+        seed=seed,
+        experts=[
+            ExpertRequest(name=n, uri=e.uri, parameters=dict(p)) for n, e, p in zip(names, es, ep or [{}] * len(es))
+        ],
+    )
+    return make_plan(
+        req.resolve(),
+        PlanInputs(b, es, an, gram=gram, sensitivity=sensitivity),
+        SelectionOptions(budget_bytes, fidelity, value=value, calibration=calibration),
+        EngineOptions(coalesce_gap=coalesce_gap),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +64,26 @@ def analyzed(family, tmp_path_factory):
     return out
 
 
-METHODS = st.sampled_from([("ties", "magnitude"), ("dare_ties", "random"), ("task_arithmetic", None),
-                           ("dare_linear", "random"), ("linear", None)])
+METHODS = st.sampled_from(
+    [
+        ("ties", "magnitude"),
+        ("dare_ties", "random"),
+        ("task_arithmetic", None),
+        ("dare_linear", "random"),
+        ("linear", None),
+    ]
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(frac=st.floats(0, 1.2), m=METHODS, density=st.floats(0.05, 1.0), gap=st.sampled_from([0, 100, 5000, 1 << 20]),
-       bb=st.sampled_from([4096, 32768]), w=st.lists(st.floats(-2, 2), min_size=3, max_size=3))
+@given(
+    frac=st.floats(0, 1.2),
+    m=METHODS,
+    density=st.floats(0.05, 1.0),
+    gap=st.sampled_from([0, 100, 5000, 1 << 20]),
+    bb=st.sampled_from([4096, 32768]),
+    w=st.lists(st.floats(-2, 2), min_size=3, max_size=3),
+)
 def test_planned_never_exceeds_budget(analyzed, frac, m, density, gap, bb, w):
     b, es, an = analyzed[bb]
     total = sum(e.total_bytes for e in es)
@@ -74,8 +112,17 @@ def test_realized_never_exceeds_planned(family, tmp_path_factory, frac, m):
     params = ["density=0.5"] if sp else []
     total = sum(sum(f.stat().st_size for f in e.iterdir()) for e in experts)
     st_ = LocalStorage(IOCounters())
-    res = merge(str(base), [(e.name, str(e)) for e in experts], method, str(tmp / "out"), params,
-                budget=int(frac * total), catalog=Catalog(tmp / "c.sqlite"), storage=st_, block_bytes=4096)
+    res = merge(
+        str(base),
+        [(e.name, str(e)) for e in experts],
+        method,
+        str(tmp / "out"),
+        params,
+        budget=int(frac * total),
+        catalog=Catalog(tmp / "c.sqlite"),
+        storage=st_,
+        block_bytes=4096,
+    )
     io = res.manifest["io"]
     assert io["realized"]["expert_read_bytes"] <= io["estimated"]["expert_read_bytes"] <= int(frac * total)
     # with gap 0 on local storage, realized equals planned exactly
@@ -140,20 +187,46 @@ def test_execute_saved_plan_is_deterministic(family, tmp_path):
     """Same plan and inputs give bit-identical shards, through `execute` of a saved plan too."""
     base, experts = family
     cat = Catalog(tmp_path / "c.sqlite")
-    r1 = merge(str(base), [(e.name, str(e)) for e in experts], "dare_ties", str(tmp_path / "a"), ["density=0.3"],
-               budget="40%", catalog=cat, seed=3)
+    r1 = merge(
+        str(base),
+        [(e.name, str(e)) for e in experts],
+        "dare_ties",
+        str(tmp_path / "a"),
+        ["density=0.3"],
+        budget="40%",
+        catalog=cat,
+        seed=3,
+    )
     plan = Plan.from_json(r1.plan.to_json())
     r2 = execute_and_commit(plan, LocalStorage(IOCounters()), str(tmp_path / "b"))
     assert r1.manifest["outputs"] == r2.manifest["outputs"]
     assert r1.manifest["snapshot_id"] == r2.manifest["snapshot_id"]
-    r3 = merge(str(base), [(e.name, str(e)) for e in experts], "dare_ties", str(tmp_path / "c"), ["density=0.3"],
-               budget="40%", catalog=cat, seed=4)
+    r3 = merge(
+        str(base),
+        [(e.name, str(e)) for e in experts],
+        "dare_ties",
+        str(tmp_path / "c"),
+        ["density=0.3"],
+        budget="40%",
+        catalog=cat,
+        seed=4,
+    )
     assert r3.manifest["outputs"] != r1.manifest["outputs"]
 
 
-NEW = st.sampled_from([("breadcrumbs", {}), ("breadcrumbs_ties", {"gamma": 0.05}), ("della", {}),
-                       ("della_linear", {"rescale": False}), ("model_stock", {}), ("model_stock", {"filter_wise": True}),
-                       ("nuslerp", {}), ("nuslerp", {"nuslerp_flatten": False}), ("slerp", {"t": 0.4})])
+NEW = st.sampled_from(
+    [
+        ("breadcrumbs", {}),
+        ("breadcrumbs_ties", {"gamma": 0.05}),
+        ("della", {}),
+        ("della_linear", {"rescale": False}),
+        ("model_stock", {}),
+        ("model_stock", {"filter_wise": True}),
+        ("nuslerp", {}),
+        ("nuslerp", {"nuslerp_flatten": False}),
+        ("slerp", {"t": 0.4}),
+    ]
+)
 
 
 @pytest.fixture(scope="module")
@@ -180,8 +253,12 @@ def _new_method_args(m, extra, density, analyzed_pairs):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(frac=st.floats(0, 1.2), m=NEW, density=st.floats(0.05, 1.0).map(lambda x: round(x, 3)),
-       gap=st.sampled_from([0, 5000]))
+@given(
+    frac=st.floats(0, 1.2),
+    m=NEW,
+    density=st.floats(0.05, 1.0).map(lambda x: round(x, 3)),
+    gap=st.sampled_from([0, 5000]),
+)
 def test_new_methods_never_exceed_budget(analyzed_pairs, frac, m, density, gap):
     method, extra = m
     b, es, an, gp, gram = _new_method_args(method, extra, density, analyzed_pairs)
@@ -198,26 +275,49 @@ def test_new_methods_never_exceed_budget(analyzed_pairs, frac, m, density, gap):
                 assert sum(b1 - b0 for b0, b1 in te.blocks) == int((an[te.expert].tensors[tp.name].sq_norm > 0).sum())
 
 
-@pytest.mark.parametrize("method,params,n", [("breadcrumbs_ties", ["density=0.5", "rescale=true"], 3),
-                                             ("della", ["density=0.5"], 3), ("model_stock", ["filter_wise=true"], 3),
-                                             ("slerp", ["t=0.5"], 1), ("nuslerp", ["nuslerp_flatten=false"], 2)])
+@pytest.mark.parametrize(
+    "method,params,n",
+    [
+        ("breadcrumbs_ties", ["density=0.5", "rescale=true"], 3),
+        ("della", ["density=0.5"], 3),
+        ("model_stock", ["filter_wise=true"], 3),
+        ("slerp", ["t=0.5"], 1),
+        ("nuslerp", ["nuslerp_flatten=false"], 2),
+    ],
+)
 def test_new_methods_realized_within_planned(family, tmp_path, method, params, n):
     base, experts = family
     experts = experts[:n]
     total = sum(sum(f.stat().st_size for f in e.iterdir()) for e in experts)
     for frac in (0.1, 0.45):
         st_ = LocalStorage(IOCounters())
-        res = merge(str(base), [(e.name, str(e)) for e in experts], method, str(tmp_path / f"out{frac}"), params,
-                    budget=int(frac * total), catalog=Catalog(tmp_path / "c.sqlite"), storage=st_, block_bytes=4096,
-                    work_bytes=64 * 1024)
+        res = merge(
+            str(base),
+            [(e.name, str(e)) for e in experts],
+            method,
+            str(tmp_path / f"out{frac}"),
+            params,
+            budget=int(frac * total),
+            catalog=Catalog(tmp_path / "c.sqlite"),
+            storage=st_,
+            block_bytes=4096,
+            work_bytes=64 * 1024,
+        )
         io = res.manifest["io"]
         assert io["realized"]["expert_read_bytes"] == io["estimated"]["expert_read_bytes"] <= int(frac * total)
         assert 0.0 < res.plan.retained_energy < 1.0
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(frac=st.floats(0, 1.2), m=METHODS, density=st.floats(0.05, 1.0), gap=st.sampled_from([0, 100, 5000]),
-       bb=st.sampled_from([4096, 32768]), seed=st.integers(0, 2**31 - 1), zero=st.floats(0.0, 0.5))
+@given(
+    frac=st.floats(0, 1.2),
+    m=METHODS,
+    density=st.floats(0.05, 1.0),
+    gap=st.sampled_from([0, 100, 5000]),
+    bb=st.sampled_from([4096, 32768]),
+    seed=st.integers(0, 2**31 - 1),
+    zero=st.floats(0.0, 0.5),
+)
 def test_fisher_valued_plans_stay_within_budget(analyzed, frac, m, density, gap, bb, seed, zero):
     """The sensitivity-weighted block value (some blocks with zero Fisher) never breaks the budget;
     at unlimited budget it reads exactly the blocks the energy plan reads (same output)."""
@@ -233,14 +333,26 @@ def test_fisher_valued_plans_stay_within_budget(analyzed, frac, m, density, gap,
     method, sp = m
     gp = {"density": density} if sp else {}
     budget = int(frac * sum(e.total_bytes for e in es))
-    plan = _plan(b, es, an, method, gp, budget_bytes=budget, coalesce_gap=gap, value="fisher",
-                     sensitivity=sens, calibration="c" * 64)
+    plan = _plan(
+        b,
+        es,
+        an,
+        method,
+        gp,
+        budget_bytes=budget,
+        coalesce_gap=gap,
+        value="fisher",
+        sensitivity=sens,
+        calibration="c" * 64,
+    )
     assert plan.io.expert_read_bytes <= budget
     assert 0.0 <= plan.retained_energy <= 1.0 + 1e-9
     assert plan.block_value == {"kind": "fisher", "calibration": "c" * 64}
     full_f = _plan(b, es, an, method, gp, coalesce_gap=gap, value="fisher", sensitivity=sens, calibration="c" * 64)
     full_e = _plan(b, es, an, method, gp, coalesce_gap=gap)
-    assert [[te.blocks for te in t.experts] for t in full_f.tensors] == [[te.blocks for te in t.experts] for t in full_e.tensors]
+    assert [[te.blocks for te in t.experts] for t in full_f.tensors] == [
+        [te.blocks for te in t.experts] for t in full_e.tensors
+    ]
     assert full_f.digest != full_e.digest and full_e.block_value is None
 
 
@@ -255,8 +367,11 @@ def test_fisher_value_needs_its_statistic(analyzed):
 
 
 @settings(max_examples=200, deadline=None)
-@given(data=st.data(), gap_blocks=st.sampled_from([0, 1, 3]), passes=st.lists(st.sampled_from([1, 2]), min_size=1,
-                                                                               max_size=4))
+@given(
+    data=st.data(),
+    gap_blocks=st.sampled_from([0, 1, 3]),
+    passes=st.lists(st.sampled_from([1, 2]), min_size=1, max_size=4),
+)
 def test_selection_is_gap_closed_exact_and_spends_the_budget(data, gap_blocks, passes):
     """_select: the selection is closed under the storage's gap rule, so its coalesced cost (per
     expert and tensor, as the engine reads) is exactly its blocks' bytes and within the budget;
@@ -271,8 +386,9 @@ def test_selection_is_gap_closed_exact_and_spends_the_budget(data, gap_blocks, p
     cost1 = np.concatenate([[block] * (n - 1) + [data.draw(st.integers(1, block))] for n in lens]).astype(np.int64)
     costs = cost1 * np.repeat(passes, lens)
     cand_of = np.repeat(np.arange(len(lens)), lens)
-    values = np.array(data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0, 7.0, 30.0]), min_size=len(cost1),
-                                         max_size=len(cost1))))
+    values = np.array(
+        data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0, 7.0, 30.0]), min_size=len(cost1), max_size=len(cost1)))
+    )
     budget = data.draw(st.integers(0, int(costs.sum()) + 50))
     gap = gap_blocks * block
     sel = _select(values, costs, cost1, cand_of, gap, budget, None)
@@ -283,7 +399,7 @@ def test_selection_is_gap_closed_exact_and_spends_the_budget(data, gap_blocks, p
     off = 0
     coalesced = 0
     for c, n in enumerate(lens):
-        s = sel[off:off + n]
+        s = sel[off : off + n]
         rng = [(int(cum[off + i]), int(cum[off + i + 1])) for i in np.flatnonzero(s)]
         coalesced += passes[c] * sum(e - a for a, e in coalesce(rng, gap))
         off += n

@@ -24,8 +24,14 @@ from tests.conftest import run_cli
 
 #: the method each parameter is tried with: ties where it takes it (linear's mergekit config has its
 #: own rules: every model needs a weight and the base is averaged in), else its own method
-_METHOD_OF = {"gamma": "breadcrumbs", "epsilon": "della", "t": "slerp", "filter_wise": "model_stock",
-              "nuslerp_flatten": "nuslerp", "nuslerp_row_wise": "nuslerp"}
+_METHOD_OF = {
+    "gamma": "breadcrumbs",
+    "epsilon": "della",
+    "t": "slerp",
+    "filter_wise": "model_stock",
+    "nuslerp_flatten": "nuslerp",
+    "nuslerp_row_wise": "nuslerp",
+}
 
 
 def _method_for(name: str) -> str:
@@ -59,13 +65,18 @@ def _values(p: ParamSpec) -> list[tuple[str, object, str | None]]:
         ("gradient-one-value", [v], ""),
         ("filters", [{"filter": "mlp", "value": v}, {"filter": "self_attn", "value": [v, v]}, {"value": v}], None),
         ("filters-catch-all-first", [{"value": v}, {"filter": "mlp", "value": v}], "[0]"),
-        ("filters-unreachable-entry", [{"filter": "mlp", "value": v}, {"filter": "mlp.up_proj", "value": v},
-                                       {"value": v}], "[1].filter"),
+        (
+            "filters-unreachable-entry",
+            [{"filter": "mlp", "value": v}, {"filter": "mlp.up_proj", "value": v}, {"value": v}],
+            "[1].filter",
+        ),
         ("filters-unknown-key", [{"filter": "mlp", "value": v, "weight": 1}, {"value": v}], "[0]"),
     ]
     if bad is not None:
-        out += [("gradient-outside", [v, bad], "[1]"),
-                ("filters-value-outside", [{"filter": "mlp", "value": bad}, {"value": v}], "[0].value")]
+        out += [
+            ("gradient-outside", [v, bad], "[1]"),
+            ("filters-value-outside", [{"filter": "mlp", "value": bad}, {"value": v}], "[0].value"),
+        ]
     if p.default is None:  # a required parameter: a filter list must cover every tensor
         out.append(("filters-no-catch-all", [{"filter": "mlp", "value": v}], ""))
     return out
@@ -83,8 +94,14 @@ def _cases():
                 scope = "expert" if p.scope == "expert" else "merge"
                 yield pytest.param(method, p.name, scope, value, refused, id=f"{method}-{p.name}-{scope}-{cid}")
             if p.scope == "global":  # a merge-wide parameter set on one expert
-                yield pytest.param(method, p.name, "expert", p.default if p.default is not None else _inside(p), "",
-                                   id=f"{method}-{p.name}-expert-scope")
+                yield pytest.param(
+                    method,
+                    p.name,
+                    "expert",
+                    p.default if p.default is not None else _inside(p),
+                    "",
+                    id=f"{method}-{p.name}-expert-scope",
+                )
     yield pytest.param("ties", "gamma", "merge", 0.1, "", id="ties-unknown-parameter")
 
 
@@ -103,8 +120,12 @@ def front(family, tmp_path_factory):
     sqlite, index = root / "cat.sqlite", root / "index"
     for method in sorted({_method_for(p.name) for s in METHODS.values() for p in s.params}):
         ex = experts[:1] if method == "slerp" else experts[:2]
-        req = MergeRequest(base=str(base), method=method, parameters={"t": 0.5} if method == "slerp" else {},
-                           experts=[ExpertRequest(name=e.name, uri=str(e)) for e in ex])
+        req = MergeRequest(
+            base=str(base),
+            method=method,
+            parameters={"t": 0.5} if method == "slerp" else {},
+            experts=[ExpertRequest(name=e.name, uri=str(e)) for e in ex],
+        )
         build_plan(Catalog(sqlite), LocalStorage(IOCounters()), req)
         build_plan(ObjectCatalog(LocalStorage(IOCounters()), str(index)), LocalStorage(IOCounters()), req)
     return {"base": base, "experts": experts, "root": root, "sqlite": sqlite, "index": index}
@@ -140,14 +161,18 @@ def _cli(front, monkeypatch, capsys, method, experts, glob, own):
 
 
 def _yaml(front, monkeypatch, capsys, tmp_path, method, experts, glob, own):
-    cfg = {"merge_method": method, "base_model": str(front["base"]),
-           "models": [{"model": str(e), **({"parameters": d} if d else {})} for e, d in zip(experts, own)]}
+    cfg = {
+        "merge_method": method,
+        "base_model": str(front["base"]),
+        "models": [{"model": str(e), **({"parameters": d} if d else {})} for e, d in zip(experts, own)],
+    }
     if glob:
         cfg["parameters"] = glob
     path = tmp_path / "merge.yml"
     path.write_text(yaml.safe_dump(cfg))
-    code, _, err = run_cli(["plan", "--json", "--catalog", str(front["sqlite"]), "--config", str(path)],
-                           monkeypatch, capsys)
+    code, _, err = run_cli(
+        ["plan", "--json", "--catalog", str(front["sqlite"]), "--config", str(path)], monkeypatch, capsys
+    )
     return code, err.replace("error: ", "", 1).replace(f"{path}: ", "", 1).strip()
 
 
@@ -159,9 +184,14 @@ def _operator(front, method, experts, glob, own):
     from mergepipe_operator.modelmerge.spec import validate_merge_spec
 
     def spec(base_uri, uri_of):
-        s = {"base": {"uri": base_uri}, "method": method, "output": {"uri": "s3://snapshots/boundary/"},
-             "experts": [{"name": e.name, "uri": uri_of(e), **({"parameters": d} if d else {})}
-                         for e, d in zip(experts, own)]}
+        s = {
+            "base": {"uri": base_uri},
+            "method": method,
+            "output": {"uri": "s3://snapshots/boundary/"},
+            "experts": [
+                {"name": e.name, "uri": uri_of(e), **({"parameters": d} if d else {})} for e, d in zip(experts, own)
+            ],
+        }
         if glob:
             s["parameters"] = glob
         return s
@@ -178,8 +208,9 @@ def _operator(front, method, experts, glob, own):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method, name, scope, value, refused", list(_cases()))
-def test_every_front_end_gives_the_same_verdict(front, monkeypatch, capsys, tmp_path, method, name, scope, value,
-                                                refused):
+def test_every_front_end_gives_the_same_verdict(
+    front, monkeypatch, capsys, tmp_path, method, name, scope, value, refused
+):
     experts, glob, own = _setup(front, method, name, scope, value)
     k = len(experts) - 1
     cli_code, cli_err = _cli(front, monkeypatch, capsys, method, experts, glob, own)
@@ -192,7 +223,9 @@ def test_every_front_end_gives_the_same_verdict(front, monkeypatch, capsys, tmp_
     want = {
         "cli": f"--param {name}{refused}" if scope == "merge" else f"--param {experts[k].name}:{name}{refused}",
         "yaml": f"parameters.{name}{refused}" if scope == "merge" else model,
-        "operator": f"spec.parameters.{name}{refused}" if scope == "merge" else f"spec.experts[{k}].parameters.{name}{refused}",
+        "operator": f"spec.parameters.{name}{refused}"
+        if scope == "merge"
+        else f"spec.experts[{k}].parameters.{name}{refused}",
     }
     assert cli_code == 2 and re.match(_field_re(want["cli"]), cli_err), cli_err
     assert yml_code == 2 and re.match(_field_re(want["yaml"]), yml_err), yml_err

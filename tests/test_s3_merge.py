@@ -45,12 +45,27 @@ def _names(es):
 def test_s3_to_s3_merge_is_bit_identical_to_local(s3_family, tmp_path):
     bucket, b, es, base, experts = s3_family
     for budget in (None, "10%"):
-        local = merge(str(base), [(e.name, str(e)) for e in experts], "ties", str(tmp_path / f"local-{budget}"),
-                      ["density=0.5"], budget=budget, catalog=Catalog(tmp_path / "l.sqlite"))
+        local = merge(
+            str(base),
+            [(e.name, str(e)) for e in experts],
+            "ties",
+            str(tmp_path / f"local-{budget}"),
+            ["density=0.5"],
+            budget=budget,
+            catalog=Catalog(tmp_path / "l.sqlite"),
+        )
         st = open_storage(None, IOCounters())
         cat = ObjectCatalog(st, f"s3://{bucket}/catalog")
-        remote = merge(b, _names(es), "ties", f"s3://{bucket}/snapshots/m-{budget}", ["density=0.5"],
-                       budget=budget, catalog=cat, storage=st)
+        remote = merge(
+            b,
+            _names(es),
+            "ties",
+            f"s3://{bucket}/snapshots/m-{budget}",
+            ["density=0.5"],
+            budget=budget,
+            catalog=cat,
+            storage=st,
+        )
         if budget is None:  # same selection: same bytes
             assert remote.manifest["outputs"] == local.manifest["outputs"]
         # under a budget the S3 plan may close gaps (1 MiB rule) and so select other blocks
@@ -66,13 +81,29 @@ def test_s3_to_s3_merge_is_bit_identical_to_local(s3_family, tmp_path):
 
 def test_merge_through_faulty_network_is_identical(s3_family, seaweed, tmp_path):
     bucket, b, es, base, experts = s3_family
-    ref = merge(b, _names(es), "dare_ties", f"s3://{bucket}/snap/ref", ["density=0.4"], budget="50%",
-                catalog=Catalog(tmp_path / "a.sqlite"), storage=open_storage(None, IOCounters()))
+    ref = merge(
+        b,
+        _names(es),
+        "dare_ties",
+        f"s3://{bucket}/snap/ref",
+        ["density=0.4"],
+        budget="50%",
+        catalog=Catalog(tmp_path / "a.sqlite"),
+        storage=open_storage(None, IOCounters()),
+    )
     with FaultProxy(seaweed.host, seaweed.port, seed=7) as proxy:
         proxy.set_random(drop=0.1, error503=0.1, cut=0.15, methods=("GET",))
         st = open_storage(None, IOCounters(), endpoint_url=proxy.endpoint_url, backoff=0.01)
-        got = merge(b, _names(es), "dare_ties", f"s3://{bucket}/snap/faulty", ["density=0.4"], budget="50%",
-                    catalog=Catalog(tmp_path / "b.sqlite"), storage=st)
+        got = merge(
+            b,
+            _names(es),
+            "dare_ties",
+            f"s3://{bucket}/snap/faulty",
+            ["density=0.4"],
+            budget="50%",
+            catalog=Catalog(tmp_path / "b.sqlite"),
+            storage=st,
+        )
         assert len(proxy.faults()) >= 3, "faults must actually have been injected"
     assert got.manifest["outputs"] == ref.manifest["outputs"]
     io = got.manifest["io"]
@@ -82,8 +113,9 @@ def test_merge_through_faulty_network_is_identical(s3_family, seaweed, tmp_path)
 def test_two_workers_commit_one_snapshot(s3_family, tmp_path):
     bucket, b, es, *_ = s3_family
     st0 = open_storage(None, IOCounters())
-    plan = build_plan(Catalog(tmp_path / "c.sqlite"), st0, request_from_args(b, _names(es), "ties", ["density=0.5"],
-                                                                         budget="40%"))
+    plan = build_plan(
+        Catalog(tmp_path / "c.sqlite"), st0, request_from_args(b, _names(es), "ties", ["density=0.5"], budget="40%")
+    )
     out = f"s3://{bucket}/snap/race"
     results, errors = [], []
 
@@ -132,11 +164,22 @@ def test_store_ignoring_conditional_writes_is_refused(s3_family, tmp_path):
 
     st.s3.client.meta.events.register("before-sign.s3.PutObject", strip)
     with pytest.raises(InputError, match="ignores conditional writes"):
-        merge(b, _names(es), "linear", f"s3://{bucket}/snap/nocond", [], catalog=Catalog(tmp_path / "c.sqlite"),
-              storage=st)
+        merge(
+            b,
+            _names(es),
+            "linear",
+            f"s3://{bucket}/snap/nocond",
+            [],
+            catalog=Catalog(tmp_path / "c.sqlite"),
+            storage=st,
+        )
     assert read_manifest_obj(st, f"s3://{bucket}/snap/nocond") is None
-    res = execute_and_commit(build_plan(Catalog(tmp_path / "c.sqlite"), st, request_from_args(b, _names(es), "linear")), st,
-                             f"s3://{bucket}/snap/nocond", unsafe_single_writer=True)
+    res = execute_and_commit(
+        build_plan(Catalog(tmp_path / "c.sqlite"), st, request_from_args(b, _names(es), "linear")),
+        st,
+        f"s3://{bucket}/snap/nocond",
+        unsafe_single_writer=True,
+    )
     assert res.manifest["snapshot_id"]
 
 
@@ -146,8 +189,19 @@ def test_cli_s3_merge_json_and_no_credentials_anywhere(s3_family, s3_env, tmp_pa
     cmd = [sys.executable, "-m", "mergepipe.cli", "merge", "--base", b]
     for u in es:
         cmd += ["--expert", u]
-    cmd += ["--out", f"s3://{bucket}/snap/cli", "--method", "ties", "--param", "density=0.5", "--budget", "25%",
-            "--catalog", f"s3://{bucket}/catalog", "--json"]
+    cmd += [
+        "--out",
+        f"s3://{bucket}/snap/cli",
+        "--method",
+        "ties",
+        "--param",
+        "density=0.5",
+        "--budget",
+        "25%",
+        "--catalog",
+        f"s3://{bucket}/catalog",
+        "--json",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
@@ -156,14 +210,32 @@ def test_cli_s3_merge_json_and_no_credentials_anywhere(s3_family, s3_env, tmp_pa
     manifest_text = st.read_object(f"s3://{bucket}/snap/cli/manifest.json", "other").decode()
     for secret in (s3_env.secret_key, s3_env.access_key):
         assert secret not in r.stdout and secret not in r.stderr and secret not in manifest_text
-    v = subprocess.run([sys.executable, "-m", "mergepipe.cli", "verify", f"s3://{bucket}/snap/cli", "--json"],
-                       capture_output=True, text=True, env=env)
+    v = subprocess.run(
+        [sys.executable, "-m", "mergepipe.cli", "verify", f"s3://{bucket}/snap/cli", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert v.returncode == 0 and json.loads(v.stdout)["ok"]
     # the catalog's index objects exist, and a missing bucket is a clear exit-2 error
     assert any("/catalog/analyses/" in u for u in st.list(f"s3://{bucket}/catalog/"))
-    bad = subprocess.run([sys.executable, "-m", "mergepipe.cli", "merge", "--base", "s3://no-such-bucket-x/base",
-                          "--expert", "s3://no-such-bucket-x/e", "--out", str(tmp_path / "o")],
-                         capture_output=True, text=True, env=env)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mergepipe.cli",
+            "merge",
+            "--base",
+            "s3://no-such-bucket-x/base",
+            "--expert",
+            "s3://no-such-bucket-x/e",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert bad.returncode == 2 and "no-such-bucket-x" in bad.stderr
     assert s3_env.secret_key not in bad.stderr
 
@@ -180,12 +252,22 @@ def test_unchanged_tensors_are_copied_server_side(s3_env, tmp_path):
     b = _upload(c, bucket, base, "models/base")
     es = [_upload(c, bucket, e, f"models/{e.name}") for e in experts]
     # weight 0 on the embeddings and the LM head: they stay the base's, byte for byte
-    params = ["density=0.5", 'weight=[{"filter": "embed_tokens", "value": 0}, {"filter": "lm_head", "value": 0}, {"value": 1}]']
-    local = merge(str(base), [(e.name, str(e)) for e in experts], "ties", str(tmp_path / "local"), params,
-                  catalog=Catalog(tmp_path / "l.sqlite"))
+    params = [
+        "density=0.5",
+        'weight=[{"filter": "embed_tokens", "value": 0}, {"filter": "lm_head", "value": 0}, {"value": 1}]',
+    ]
+    local = merge(
+        str(base),
+        [(e.name, str(e)) for e in experts],
+        "ties",
+        str(tmp_path / "local"),
+        params,
+        catalog=Catalog(tmp_path / "l.sqlite"),
+    )
     st = open_storage(None, IOCounters())
-    remote = merge(b, _names(es), "ties", f"s3://{bucket}/snap/cow", params, catalog=Catalog(tmp_path / "r.sqlite"),
-                   storage=st)
+    remote = merge(
+        b, _names(es), "ties", f"s3://{bucket}/snap/cow", params, catalog=Catalog(tmp_path / "r.sqlite"), storage=st
+    )
     big = 20480 * 512 * 2
     io = remote.manifest["io"]["realized"]
     # each copy may first top up a pending part to S3's 5 MiB minimum with bytes read from the base
@@ -193,5 +275,6 @@ def test_unchanged_tensors_are_copied_server_side(s3_env, tmp_path):
     assert io["base_read_bytes"] <= local.manifest["io"]["realized"]["base_read_bytes"] - io["output_copied_bytes"]
     for name, info in remote.manifest["outputs"].items():
         assert info.get("tree_sha256", info.get("sha256")) == local.manifest["outputs"][name].get(
-            "tree_sha256", local.manifest["outputs"][name].get("sha256"))
+            "tree_sha256", local.manifest["outputs"][name].get("sha256")
+        )
     assert verify_obj(st, f"s3://{bucket}/snap/cow")["ok"]

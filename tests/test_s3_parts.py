@@ -40,8 +40,9 @@ def s3_fam4(s3_env, tmp_path):
     plan = build_plan(
         Catalog(tmp_path / "c.sqlite"),
         st,
-        request_from_args(uris[0], [(u.rsplit("/", 1)[-1], u) for u in uris[1:]], "ties", ["density=0.5"],
-                          budget="40%", seed=2),
+        request_from_args(
+            uris[0], [(u.rsplit("/", 1)[-1], u) for u in uris[1:]], "ties", ["density=0.5"], budget="40%", seed=2
+        ),
         work_bytes=16 << 10,
     )
     return bucket, plan

@@ -101,8 +101,11 @@ def test_stat_size_etag_and_open_storage(s3_env, blob):
 
 def test_missing_key_is_not_found(storage, bucket):
     uri = f"s3://{bucket}/nope/model.safetensors"
-    for call in (lambda: storage.stat(uri), lambda: storage.read_range(uri, 0, 10, "base"),
-                 lambda: storage.read_header(uri, "catalog")):
+    for call in (
+        lambda: storage.stat(uri),
+        lambda: storage.read_range(uri, 0, 10, "base"),
+        lambda: storage.read_header(uri, "catalog"),
+    ):
         with pytest.raises(NotFoundError) as ei:
             call()
         assert uri in str(ei.value) and "check the URI" in str(ei.value)
@@ -111,9 +114,13 @@ def test_missing_key_is_not_found(storage, bucket):
 
 def test_missing_bucket_names_the_bucket(storage):
     uri = "s3://no-such-bucket-mp/x/model.safetensors"
-    calls = [lambda: storage.stat(uri), lambda: storage.read_range(uri, 0, 10, "base"),
-             lambda: list(storage.list("s3://no-such-bucket-mp/x")),
-             lambda: storage.put_object(uri, b"x"), lambda: storage.exists(uri)]
+    calls = [
+        lambda: storage.stat(uri),
+        lambda: storage.read_range(uri, 0, 10, "base"),
+        lambda: list(storage.list("s3://no-such-bucket-mp/x")),
+        lambda: storage.put_object(uri, b"x"),
+        lambda: storage.exists(uri),
+    ]
     for call in calls:
         with pytest.raises(StorageError) as ei:
             call()
@@ -134,10 +141,14 @@ def test_wrong_secret_access_denied_without_leaking(s3_env, monkeypatch, blob, c
     s = make_storage()
     secrets_ = [wrong, s3_env.secret_key, s3_env.access_key]
     caplog.set_level(logging.DEBUG, logger="mergepipe")
-    calls = [lambda: s.stat(uri), lambda: s.read_range(uri, 0, 100, "base"),
-             lambda: s.read_header(uri, "catalog"), lambda: list(s.list(uri.rsplit("/", 1)[0])),
-             lambda: s.put_object(uri + ".new", b"abc"),
-             lambda: s.put_object(uri + ".new", b"abc", if_none_match=True)]
+    calls = [
+        lambda: s.stat(uri),
+        lambda: s.read_range(uri, 0, 100, "base"),
+        lambda: s.read_header(uri, "catalog"),
+        lambda: list(s.list(uri.rsplit("/", 1)[0])),
+        lambda: s.put_object(uri + ".new", b"abc"),
+        lambda: s.put_object(uri + ".new", b"abc", if_none_match=True),
+    ]
     for call in calls:
         with pytest.raises(StorageError) as ei:
             call()
@@ -203,8 +214,11 @@ def test_ranged_reads_at_object_edges(storage, blob):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.tuples(st.integers(0, 3 * MiB + 16), st.integers(1, 300_000)), min_size=1, max_size=8),
-       st.integers(0, 200_000), st.sampled_from([64 * 1024, 1_000_003, 16 * MiB]))
+@given(
+    st.lists(st.tuples(st.integers(0, 3 * MiB + 16), st.integers(1, 300_000)), min_size=1, max_size=8),
+    st.integers(0, 200_000),
+    st.sampled_from([64 * 1024, 1_000_003, 16 * MiB]),
+)
 def test_random_ranges_match_uploaded_bytes(storage, blob, spans, gap, max_request):
     uri, data = blob
     ranges = [(s, min(s + ln, len(data))) for s, ln in spans]
@@ -245,8 +259,13 @@ def test_faulty_network_still_returns_identical_bytes(s3_env, blob, proxy):
     for max_attempts, p in ((1, 0.12), (3, 0.04)):
         proxy.clear()
         proxy.set_random(drop=p, error503=p, cut=2 * p)
-        s = make_storage(endpoint_url=proxy.endpoint_url, max_gap=0, max_request=256 * 1024,
-                         max_attempts=max_attempts, read_attempts=12)
+        s = make_storage(
+            endpoint_url=proxy.endpoint_url,
+            max_gap=0,
+            max_request=256 * 1024,
+            max_attempts=max_attempts,
+            read_attempts=12,
+        )
         got = s.read_ranges(uri, ranges, "expert")
         assert [bytes(g) for g in got] == [data[a:b] for a, b in ranges]
         kinds = {f.fault if isinstance(f.fault, str) else f.fault[0] for f in proxy.faults()}
@@ -336,8 +355,10 @@ def test_read_header_larger_than_speculative(s3_env, seaweed, bucket, proxy):
 
     from mergepipe.formats.safetensors import parse_header
 
-    tensors = {f"model.layers.{i}.mlp.some_rather_long_projection_name.weight": np.full((2, 3), i, np.float32)
-               for i in range(1500)}
+    tensors = {
+        f"model.layers.{i}.mlp.some_rather_long_projection_name.weight": np.full((2, 3), i, np.float32)
+        for i in range(1500)
+    }
     f = save(tensors, metadata={"format": "pt"})
     n = struct.unpack("<Q", f[:8])[0]
     assert 8 + n > 65536
@@ -352,8 +373,11 @@ def test_read_header_larger_than_speculative(s3_env, seaweed, bucket, proxy):
 
 
 def test_read_header_rejects_truncated_objects(storage, seaweed, bucket):
-    for key, body, msg in [("empty", b"", "empty"), ("five", b"12345", "shorter than the 8-byte"),
-                           ("past", struct.pack("<Q", 1000) + b"{}", "runs past the end")]:
+    for key, body, msg in [
+        ("empty", b"", "empty"),
+        ("five", b"12345", "shorter than the 8-byte"),
+        ("past", struct.pack("<Q", 1000) + b"{}", "runs past the end"),
+    ]:
         uri = _put(seaweed, bucket, key, body)
         with pytest.raises(S3Error, match=msg):
             storage.read_header(uri, "catalog")
@@ -445,8 +469,9 @@ def test_probe_conditional_writes_false_when_store_ignores_header(s3_env, bucket
     import boto3
     from botocore.config import Config
 
-    client = boto3.session.Session().client("s3", config=Config(request_checksum_calculation="when_required",
-                                              response_checksum_validation="when_required"))
+    client = boto3.session.Session().client(
+        "s3", config=Config(request_checksum_calculation="when_required", response_checksum_validation="when_required")
+    )
 
     def strip_if_none_match(request, **_):
         if "If-None-Match" in request.headers:

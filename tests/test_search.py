@@ -42,9 +42,18 @@ def _config(family, tmp_path, **kw):
     from mergepipe.search.runner import SearchConfig
 
     base, experts = family
-    d = dict(base=str(base), experts=[[f"e{i}", str(e)] for i, e in enumerate(experts[:2])],
-             method="task_arithmetic", vary=["weight=0:1"], objectives=["dist0", "dist1"], evaluations=6,
-             initial=3, workers=2, layer_blocks=2, catalog=str(tmp_path / "cat.sqlite"))
+    d = dict(
+        base=str(base),
+        experts=[[f"e{i}", str(e)] for i, e in enumerate(experts[:2])],
+        method="task_arithmetic",
+        vary=["weight=0:1"],
+        objectives=["dist0", "dist1"],
+        evaluations=6,
+        initial=3,
+        workers=2,
+        layer_blocks=2,
+        catalog=str(tmp_path / "cat.sqlite"),
+    )
     d.update(kw)
     return SearchConfig(**d)
 
@@ -55,16 +64,18 @@ def test_space_maps_points_to_layer_block_filter_lists():
     from mergepipe.search.space import SearchSpace, layer_blocks, parse_vary
 
     assert layer_blocks(5, 2) == [(0, 1, 2), (3, 4)]
-    sp = SearchSpace("ties", ["a", "b"], parse_vary(["weight=0.2:1.2", "a:density=0.1:0.9"]), 4, 2,
-                     {"parameters": {"lambda": 1.0}})
+    sp = SearchSpace(
+        "ties", ["a", "b"], parse_vary(["weight=0.2:1.2", "a:density=0.1:0.9"]), 4, 2, {"parameters": {"lambda": 1.0}}
+    )
     assert sp.d == 2 * 2 + 2  # weight for a and b per block, density for a per block
     x = [0.0, 1.0, 0.5, 0.5, 0.25, 1.0]
     params = sp.to_params(x)
     assert params["parameters"]["lambda"] == 1.0 and set(params["experts"]) == {"a", "b"}  # structured, no strings
     rp = resolve_params("ties", params["parameters"], [params["experts"].get(n, {}) for n in ("a", "b")])
     # layer 3 is in block 1 -> a's weight = 0.2 + 1.0 * 1.0; layer 0 -> 0.2; embeddings take the mean
-    assert rp.for_tensor("model.layers.3.mlp.up_proj.weight", layer_t("model.layers.3.x", 4)).experts[0]["weight"] == \
-        pytest.approx(1.2)
+    assert rp.for_tensor("model.layers.3.mlp.up_proj.weight", layer_t("model.layers.3.x", 4)).experts[0][
+        "weight"
+    ] == pytest.approx(1.2)
     assert rp.for_tensor("model.layers.0.mlp.up_proj.weight", 0.0).experts[0]["weight"] == pytest.approx(0.2)
     assert rp.for_tensor("model.embed_tokens.weight", 0.0).experts[0]["weight"] == pytest.approx(0.7)
     assert rp.for_tensor("model.layers.1.self_attn.q_proj.weight", 0.0).experts[0]["density"] == pytest.approx(0.3)
@@ -72,16 +83,19 @@ def test_space_maps_points_to_layer_block_filter_lists():
     assert [d.label for d in sp.dims][:2] == ["a:weight@L0-1", "a:weight@L2-3"]
 
 
-@pytest.mark.parametrize("vary, match", [
-    (["weight=1:0"], "reversed"),
-    (["weight=0.5:0.5"], "reversed"),
-    (["weight=a:b"], "must be numbers"),
-    (["weight"], "LO:HI"),
-    (["density=0:1"], r"outside \(0, 1\]"),
-    (["zeta=0:1"], "takes no parameter 'zeta'"),
-    (["c:weight=0:1"], "no expert named 'c'"),
-    (["weight=0:1", "a:weight=0:1"], "already varies"),
-])
+@pytest.mark.parametrize(
+    "vary, match",
+    [
+        (["weight=1:0"], "reversed"),
+        (["weight=0.5:0.5"], "reversed"),
+        (["weight=a:b"], "must be numbers"),
+        (["weight"], "LO:HI"),
+        (["density=0:1"], r"outside \(0, 1\]"),
+        (["zeta=0:1"], "takes no parameter 'zeta'"),
+        (["c:weight=0:1"], "no expert named 'c'"),
+        (["weight=0:1", "a:weight=0:1"], "already varies"),
+    ],
+)
 def test_bad_search_spaces_are_refused(vary, match):
     from mergepipe.search.space import SearchSpace, parse_vary
 
@@ -133,8 +147,9 @@ def test_parameter_prior_from_catalog_statistics(family, tmp_path):
     for i, dm in enumerate(sp.dims):
         et = merged_tensors(experts[sp.experts.index(dm.expert)])
         names = [n for n in bt if layer_index(n) in dm.layers]
-        want = sum(float(((et[n].float() - bt[n].float()) ** 2).sum()) for n in names) / \
-            sum(float((bt[n].float() ** 2).sum()) for n in names)
+        want = sum(float(((et[n].float() - bt[n].float()) ** 2).sum()) for n in names) / sum(
+            float((bt[n].float() ** 2).sum()) for n in names
+        )
         assert pr.param[i] == pytest.approx(want, rel=1e-4)
     m = pr.multipliers
     assert math.exp(sum(map(math.log, m)) / len(m)) == pytest.approx(1.0, abs=1e-4)
@@ -156,8 +171,15 @@ def test_activation_prior_locates_the_changed_layer(tmp_path):
     from mergepipe.search.prior import hidden_state_discrepancy
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     m = LlamaForCausalLM(cfg)
     m.save_pretrained(tmp_path / "base")
     with torch.no_grad():
@@ -183,16 +205,22 @@ def test_async_dispatch_keeps_workers_busy_sync_waits(family, tmp_path):
 
     experts = family[1]
     ev = CallableEvaluator(lambda p: _distances(p, experts))
-    ra = run_search(tmp_path / "a", _config(family, tmp_path, strategy="random", evaluations=10, initial=2,
-                                            worker_delays=[0.0, 1.0]), ev)
+    ra = run_search(
+        tmp_path / "a",
+        _config(family, tmp_path, strategy="random", evaluations=10, initial=2, worker_delays=[0.0, 1.0]),
+        ev,
+    )
     assert ra["evaluations"] == 10 and ra["failed"] == 0
     assert not [e for e in ra["trace"] if e["kind"] == "barrier"]
     for w in ("0", "1"):  # between two of a worker's candidates only proposing/queueing for the proposer
         ev_w = sorted((e for e in ra["trace"] if e["worker"] == int(w)), key=lambda e: e["t0"])
         assert {e["kind"] for e in ev_w} <= {"propose", "wait", "merge", "eval"}
     assert _jobs(ra)["0"] > _jobs(ra)["1"]
-    rb = run_search(tmp_path / "b", _config(family, tmp_path, strategy="sync", evaluations=6, initial=6,
-                                            worker_delays=[0.0, 1.0]), ev)
+    rb = run_search(
+        tmp_path / "b",
+        _config(family, tmp_path, strategy="sync", evaluations=6, initial=6, worker_delays=[0.0, 1.0]),
+        ev,
+    )
     assert [e for e in rb["trace"] if e["kind"] == "barrier" and e["worker"] == 0]
     assert abs(_jobs(rb)["0"] - _jobs(rb)["1"]) <= 0
     assert rb["workers"]["0"]["idle_fraction"] > ra["workers"]["0"]["idle_fraction"]
@@ -206,17 +234,22 @@ def test_async_bo_conditions_on_pending_and_commits_lineage(family, tmp_path):
     from mergepipe.search.runner import run_search
 
     experts = family[1]
-    res = run_search(tmp_path / "bo", _config(family, tmp_path, evaluations=6, initial=3,
-                                              worker_delays=[1.0, 2.0]),
-                     CallableEvaluator(lambda p: _distances(p, experts)))
+    res = run_search(
+        tmp_path / "bo",
+        _config(family, tmp_path, evaluations=6, initial=3, worker_delays=[1.0, 2.0]),
+        CallableEvaluator(lambda p: _distances(p, experts)),
+    )
     state = json.loads((tmp_path / "bo" / "state.json").read_text())
     cands = state["candidates"]
     bo = [c for c in cands if c["phase"] == "bo"]
     assert bo
     for c in bo:  # the pending set is exactly what was in flight while this candidate was proposed
         ev = next(e for e in state["events"] if e["kind"] == "propose" and e["cand"] == c["id"])
-        inflight_at_start = {o["id"] for o in cands if o["id"] < c["id"] and o["times"]["proposed"] <= ev["t0"]
-                             and o["times"]["ended"] > ev["t1"]}
+        inflight_at_start = {
+            o["id"]
+            for o in cands
+            if o["id"] < c["id"] and o["times"]["proposed"] <= ev["t0"] and o["times"]["ended"] > ev["t1"]
+        }
         assert inflight_at_start <= set(c["proposal"]["pending_ids"])
         for i in c["proposal"]["pending_ids"]:
             assert cands[i]["times"]["ended"] >= ev["t0"]
@@ -252,8 +285,11 @@ def test_evaluator_crash_and_timeout_are_recorded_and_the_search_goes_on(family,
             time.sleep(3)
         return _distances(p, experts)
 
-    res = run_search(tmp_path / "f", _config(family, tmp_path, strategy="random", evaluations=6, initial=2),
-                     CallableEvaluator(ev, timeout=1.5))
+    res = run_search(
+        tmp_path / "f",
+        _config(family, tmp_path, strategy="random", evaluations=6, initial=2),
+        CallableEvaluator(ev, timeout=1.5),
+    )
     assert res["failed"] == 2 and res["evaluations"] == 4
     errs = sorted(f["error"] for f in res["failures"])
     assert "CUDA out of memory" in errs[0] and errs[1].startswith("timeout")
@@ -264,8 +300,11 @@ def test_missing_objective_is_a_clear_error(family, tmp_path):
     from mergepipe.search.runner import run_search
 
     with pytest.raises(MissingObjective, match=r"did not produce metric 'dist1'; it printed \['accuracy', 'dist0'\]"):
-        run_search(tmp_path / "m", _config(family, tmp_path, strategy="random"),
-                   CallableEvaluator(lambda p: {"dist0": 1.0, "accuracy": 0.5}))
+        run_search(
+            tmp_path / "m",
+            _config(family, tmp_path, strategy="random"),
+            CallableEvaluator(lambda p: {"dist0": 1.0, "accuracy": 0.5}),
+        )
     state = json.loads((tmp_path / "m" / "state.json").read_text())
     assert any(c["status"] == "failed" and "dist1" in c["error"] for c in state["candidates"])
     # known metrics: refused before anything is written
@@ -278,10 +317,12 @@ def test_command_evaluator(tmp_path):
     from mergepipe.search.evaluators import CommandEvaluator, EvaluationFailed
 
     script = tmp_path / "ev.py"
-    script.write_text("import json, sys, time\nmode = sys.argv[1]\nprint('loading', sys.argv[2])\n"
-                      "if mode == 'crash': sys.exit('boom')\nif mode == 'slow': time.sleep(30)\n"
-                      "if mode == 'garbage': print('no json'); sys.exit(0)\n"
-                      "print(json.dumps({'acc': 0.5, 'path': sys.argv[2]}))\n")
+    script.write_text(
+        "import json, sys, time\nmode = sys.argv[1]\nprint('loading', sys.argv[2])\n"
+        "if mode == 'crash': sys.exit('boom')\nif mode == 'slow': time.sleep(30)\n"
+        "if mode == 'garbage': print('no json'); sys.exit(0)\n"
+        "print(json.dumps({'acc': 0.5, 'path': sys.argv[2]}))\n"
+    )
     ok = CommandEvaluator(f"{sys.executable} {script} ok {{checkpoint}}").metrics(tmp_path / "a b")
     assert ok == {"acc": 0.5, "path": str(tmp_path / "a b")}
     with pytest.raises(EvaluationFailed, match="exited with code 1: boom"):
@@ -337,12 +378,41 @@ def test_cli_search_end_to_end(family, tmp_path, monkeypatch, capsys):
         "m = load(sys.argv[1])\n"
         f"es = [load({str(experts[0])!r}), load({str(experts[1])!r})]\n"
         "r = {f'dist{i}': float(sum(((m[k] - e[k]) ** 2).sum() for k in m) * 1e3) for i, e in enumerate(es)}\n"
-        "print(json.dumps(r))\n")
+        "print(json.dumps(r))\n"
+    )
     out = tmp_path / "search"
-    args = ["search", "--base", str(base), "-e", f"a={experts[0]}", "-e", f"b={experts[1]}", "--vary", "weight=0:1",
-            "--layer-blocks", "1", "--objective", "dist0", "--objective", "dist1", "--eval-command",
-            f"{sys.executable} {script} {{checkpoint}}", "--evaluations", "4", "--initial", "2", "--workers", "2",
-            "--budget", "50%", "--out", str(out), "--catalog", str(tmp_path / "c.sqlite"), "--json"]
+    args = [
+        "search",
+        "--base",
+        str(base),
+        "-e",
+        f"a={experts[0]}",
+        "-e",
+        f"b={experts[1]}",
+        "--vary",
+        "weight=0:1",
+        "--layer-blocks",
+        "1",
+        "--objective",
+        "dist0",
+        "--objective",
+        "dist1",
+        "--eval-command",
+        f"{sys.executable} {script} {{checkpoint}}",
+        "--evaluations",
+        "4",
+        "--initial",
+        "2",
+        "--workers",
+        "2",
+        "--budget",
+        "50%",
+        "--out",
+        str(out),
+        "--catalog",
+        str(tmp_path / "c.sqlite"),
+        "--json",
+    ]
     code, stdout, err = run_cli(args, monkeypatch, capsys)
     assert code == 0, err
     res = json.loads(stdout)
@@ -353,12 +423,28 @@ def test_cli_search_end_to_end(family, tmp_path, monkeypatch, capsys):
         assert m["io"]["realized"]["expert_read_bytes"] <= m["io"]["expert_budget_bytes"]
     code, _, err = run_cli(args[:-1], monkeypatch, capsys)
     assert code == 2 and "--resume" in err
-    code, stdout, err = run_cli(["search", "--out", str(out), "--resume", "--evaluations", "5", "--json"],
-                                monkeypatch, capsys)
+    code, stdout, err = run_cli(
+        ["search", "--out", str(out), "--resume", "--evaluations", "5", "--json"], monkeypatch, capsys
+    )
     assert code == 0, err
     assert json.loads(stdout)["evaluations"] == 5
-    code, _, err = run_cli(["search", "--base", str(base), "-e", str(experts[0]), "--vary", "weight=1:0",
-                            "--objective", "x", "--out", str(tmp_path / "bad")], monkeypatch, capsys)
+    code, _, err = run_cli(
+        [
+            "search",
+            "--base",
+            str(base),
+            "-e",
+            str(experts[0]),
+            "--vary",
+            "weight=1:0",
+            "--objective",
+            "x",
+            "--out",
+            str(tmp_path / "bad"),
+        ],
+        monkeypatch,
+        capsys,
+    )
     assert code == 2 and "reversed" in err and not (tmp_path / "bad").exists()
 
 

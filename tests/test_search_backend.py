@@ -33,13 +33,24 @@ def test_a_custom_merger_runs_every_candidate_and_results_follow_the_search(fami
     def metrics(path):
         r = out / "results.json"
         with lock:
-            seen_results.append(json.loads(r.read_text())["evaluations"] + json.loads(r.read_text())["failed"]
-                                if r.exists() else 0)
+            seen_results.append(
+                json.loads(r.read_text())["evaluations"] + json.loads(r.read_text())["failed"] if r.exists() else 0
+            )
         return {"a": float(len(str(path))), "b": 1.0 / len(str(path))}
 
-    cfg = SearchConfig(base=str(base), experts=[[f"e{i}", str(e)] for i, e in enumerate(experts[:2])],
-                       method="task_arithmetic", vary=["weight=0:1"], objectives=["a", "b"], evaluations=4,
-                       initial=4, workers=1, layer_blocks=2, strategy="random", catalog=str(tmp_path / "cat.sqlite"))
+    cfg = SearchConfig(
+        base=str(base),
+        experts=[[f"e{i}", str(e)] for i, e in enumerate(experts[:2])],
+        method="task_arithmetic",
+        vary=["weight=0:1"],
+        objectives=["a", "b"],
+        evaluations=4,
+        initial=4,
+        workers=1,
+        layer_blocks=2,
+        strategy="random",
+        catalog=str(tmp_path / "cat.sqlite"),
+    )
     res = run_search(out, cfg, CallableEvaluator(metrics), merger=Recording())
     assert sorted(c[0] for c in calls) == [0, 1, 2, 3] and all(i == j for i, _, j in calls)
     assert all(p for _, p, _ in calls)  # each candidate's layer-wise parameters reached the merger
@@ -49,7 +60,8 @@ def test_a_custom_merger_runs_every_candidate_and_results_follow_the_search(fami
     assert seen_results == [0, 2, 3]
     final = json.loads((out / "results.json").read_text())
     assert final["evaluations"] == 3 and {p["snapshot"] for p in final["pareto"]} <= {
-        str(out / "snapshots" / f"c{i:04d}") for i in (0, 2, 3)}
+        str(out / "snapshots" / f"c{i:04d}") for i in (0, 2, 3)
+    }
 
 
 @pytest.mark.s3
@@ -71,10 +83,35 @@ def test_cli_search_into_s3_resumes_from_the_mirrored_state(family, s3_env, tmp_
     out = f"s3://{bucket}/searches/front/g1/"
     script = tmp_path / "ev.py"
     script.write_text("import json, sys\nprint(json.dumps({'a': len(sys.argv[1]) % 7, 'b': 1.0}))\n")
-    args = ["search", "--base", str(base), "-e", f"a={experts[0]}", "-e", f"b={experts[1]}", "--vary", "weight=0:1",
-            "--layer-blocks", "1", "--objective", "a", "--objective", "b", "--eval-command",
-            f"{sys.executable} {script} {{checkpoint}}", "--initial", "2", "--strategy", "random",
-            "--out", out, "--catalog", str(tmp_path / "c.sqlite"), "--resume-existing", "--json"]
+    args = [
+        "search",
+        "--base",
+        str(base),
+        "-e",
+        f"a={experts[0]}",
+        "-e",
+        f"b={experts[1]}",
+        "--vary",
+        "weight=0:1",
+        "--layer-blocks",
+        "1",
+        "--objective",
+        "a",
+        "--objective",
+        "b",
+        "--eval-command",
+        f"{sys.executable} {script} {{checkpoint}}",
+        "--initial",
+        "2",
+        "--strategy",
+        "random",
+        "--out",
+        out,
+        "--catalog",
+        str(tmp_path / "c.sqlite"),
+        "--resume-existing",
+        "--json",
+    ]
     code, stdout, err = run_cli(args + ["--evaluations", "2"], monkeypatch, capsys)
     assert code == 0, err
     c = s3_env.client()
@@ -94,5 +131,7 @@ def test_cli_search_into_s3_resumes_from_the_mirrored_state(family, s3_env, tmp_
     assert [x["snapshot"] for x in state["candidates"]] == [f"{out}snapshots/c{i:04d}" for i in range(3)]
     keys = {o["Key"] for o in c.list_objects_v2(Bucket=bucket, Prefix="searches/front/g1/snapshots/")["Contents"]}
     assert {f"searches/front/g1/snapshots/c{i:04d}/manifest.json" for i in range(3)} <= keys
-    manifest = json.loads(c.get_object(Bucket=bucket, Key="searches/front/g1/snapshots/c0002/manifest.json")["Body"].read())
+    manifest = json.loads(
+        c.get_object(Bucket=bucket, Key="searches/front/g1/snapshots/c0002/manifest.json")["Body"].read()
+    )
     assert manifest["search"]["state"] == f"{out}state.json" and manifest["search"]["candidate"] == 2

@@ -46,52 +46,92 @@ class FakeOperator:
         if plural == "modelmerges":
             status, reason = self.script[min(self.reads, len(self.script) - 1)]
             self.reads += 1
-            st = {"observedGeneration": 1, "conditions": [{"type": "Ready", "status": status, "reason": reason,
-                                                           "message": f"{reason} message"}]}
+            st = {
+                "observedGeneration": 1,
+                "conditions": [{"type": "Ready", "status": status, "reason": reason, "message": f"{reason} message"}],
+            }
             if reason == "Committed":
                 snap = f"{name}-0123456789ab"
                 st.update(snapshot=snap, realized={"expertReadBytes": 4096})
-                self.objects[("mergedsnapshots", ns, snap)] = {"metadata": {"name": snap}, "spec": {
-                    "uri": o["spec"]["output"]["uri"], "manifestHash": "ab" * 32}}
+                self.objects[("mergedsnapshots", ns, snap)] = {
+                    "metadata": {"name": snap},
+                    "spec": {"uri": o["spec"]["output"]["uri"], "manifestHash": "ab" * 32},
+                }
             o["status"] = st
         return copy.deepcopy(o)
 
 
 def cfg(**kw):
-    d = dict(base="s3://models/base", experts=[["code", "s3://models/code"], ["math", "s3://models/math"]],
-             method="task_arithmetic", vary=["weight=0:1"], objectives=["a", "b"], evaluations=4, initial=2,
-             budget="1Gi", seed=3)
+    d = dict(
+        base="s3://models/base",
+        experts=[["code", "s3://models/code"], ["math", "s3://models/math"]],
+        method="task_arithmetic",
+        vary=["weight=0:1"],
+        objectives=["a", "b"],
+        evaluations=4,
+        initial=2,
+        budget="1Gi",
+        seed=3,
+    )
     d.update(kw)
     return SearchConfig(**d)
 
 
-CAND = {"id": 7, "params": {"parameters": {"normalize": True},
-                            "experts": {"code": {"weight": 0.5},
-                                        "math": {"weight": [{"filter": "layers.0.", "value": 0.25}, {"value": 0.25}]}}}}
+CAND = {
+    "id": 7,
+    "params": {
+        "parameters": {"normalize": True},
+        "experts": {
+            "code": {"weight": 0.5},
+            "math": {"weight": [{"filter": "layers.0.", "value": 0.25}, {"value": 0.25}]},
+        },
+    },
+}
 
 
 def merger(api, **kw):
-    return KubernetesMerger(api, "team", "front", UID, "s3://snaps/front/g1/", poll_seconds=1.0, sleep=lambda s: None,
-                            template={"resources": {"gpu": {"count": 0}}, "image": "x/y:1", "ignored": 1}, **kw)
+    return KubernetesMerger(
+        api,
+        "team",
+        "front",
+        UID,
+        "s3://snaps/front/g1/",
+        poll_seconds=1.0,
+        sleep=lambda s: None,
+        template={"resources": {"gpu": {"count": 0}}, "image": "x/y:1", "ignored": 1},
+        **kw,
+    )
 
 
 def test_candidate_body_is_a_modelmerge_owned_by_the_search():
     body = merger(FakeOperator([("True", "Committed")])).candidate_body(cfg(), CAND)
     meta, spec = body["metadata"], body["spec"]
     assert meta["name"] == "front-c0007" and meta["labels"]["mergepipe.io/search-candidate"] == "7"
-    assert meta["ownerReferences"][0] == {"apiVersion": "mergepipe.io/v1alpha1", "kind": "MergeSearch", "name": "front",
-                                          "uid": UID, "controller": True, "blockOwnerDeletion": True}
+    assert meta["ownerReferences"][0] == {
+        "apiVersion": "mergepipe.io/v1alpha1",
+        "kind": "MergeSearch",
+        "name": "front",
+        "uid": UID,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
     assert spec["parameters"] == {"normalize": True}
     assert spec["experts"] == [
         {"name": "code", "uri": "s3://models/code/", "parameters": {"weight": 0.5}},
-        {"name": "math", "uri": "s3://models/math/", "parameters": {"weight": [{"filter": "layers.0.", "value": 0.25},
-                                                                               {"value": 0.25}]}}]
+        {
+            "name": "math",
+            "uri": "s3://models/math/",
+            "parameters": {"weight": [{"filter": "layers.0.", "value": 0.25}, {"value": 0.25}]},
+        },
+    ]
     assert spec["output"] == {"uri": "s3://snaps/front/g1/c0007/"} and spec["budget"] == "1Gi" and spec["seed"] == 3
     assert spec["image"] == "x/y:1" and "ignored" not in spec
 
 
 def test_committed_candidate_returns_its_snapshot_after_waiting_out_the_quota():
-    api = FakeOperator([("False", "Planning"), ("False", "QuotaExceeded"), ("False", "JobRunning"), ("True", "Committed")])
+    api = FakeOperator(
+        [("False", "Planning"), ("False", "QuotaExceeded"), ("False", "JobRunning"), ("True", "Committed")]
+    )
     m = merger(api).merge(cfg(), CAND, None, {}, None)
     assert (m.snapshot, m.manifest_hash, m.expert_read_bytes) == ("s3://snaps/front/g1/c0007/", "ab" * 32, 4096)
     assert api.reads == 4
@@ -160,9 +200,21 @@ class FakeBatch:
         return job
 
 
-TEMPLATE = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x-e0000", "labels": {"a": "b"}},
-            "spec": {"template": {"metadata": {"labels": {"a": "b"}}, "spec": {"containers": [
-                {"name": "evaluate", "image": "m:1", "command": ["mergepipe"], "args": ["--device", "cuda"]}]}}}}
+TEMPLATE = {
+    "apiVersion": "batch/v1",
+    "kind": "Job",
+    "metadata": {"name": "x-e0000", "labels": {"a": "b"}},
+    "spec": {
+        "template": {
+            "metadata": {"labels": {"a": "b"}},
+            "spec": {
+                "containers": [
+                    {"name": "evaluate", "image": "m:1", "command": ["mergepipe"], "args": ["--device", "cuda"]}
+                ]
+            },
+        }
+    },
+}
 
 
 def evaluator(batch, tmp_path, **kw):
@@ -170,9 +222,19 @@ def evaluator(batch, tmp_path, **kw):
     from mergepipe.storage.routing import open_storage
     from mergepipe_kube.search import KubernetesJobEvaluator
 
-    return KubernetesJobEvaluator(batch, "team", "front", UID, TEMPLATE, "python score.py {checkpoint}",
-                                  str(tmp_path / "state"), open_storage(None, IOCounters()), poll_seconds=0,
-                                  sleep=lambda s: None, **kw)
+    return KubernetesJobEvaluator(
+        batch,
+        "team",
+        "front",
+        UID,
+        TEMPLATE,
+        "python score.py {checkpoint}",
+        str(tmp_path / "state"),
+        open_storage(None, IOCounters()),
+        poll_seconds=0,
+        sleep=lambda s: None,
+        **kw,
+    )
 
 
 def play_eval(job):
@@ -195,8 +257,16 @@ def test_evaluation_job_is_built_from_the_template_and_returns_the_metrics(tmp_p
     assert job["metadata"]["ownerReferences"][0]["kind"] == "MergeSearch" and job["metadata"]["labels"]["a"] == "b"
     assert job["spec"]["template"]["metadata"]["labels"]["mergepipe.io/search-candidate"] == "3"
     assert job["spec"]["template"]["spec"]["containers"][0]["args"] == [
-        "search-eval", "--command", "python score.py {checkpoint}", "--checkpoint", "s3://snaps/front/g1/c0003/",
-        "--metrics-out", f"{tmp_path / 'state'}/evals/c0003.json", "--timeout", "60"]
+        "search-eval",
+        "--command",
+        "python score.py {checkpoint}",
+        "--checkpoint",
+        "s3://snaps/front/g1/c0003/",
+        "--metrics-out",
+        f"{tmp_path / 'state'}/evals/c0003.json",
+        "--timeout",
+        "60",
+    ]
     assert TEMPLATE["metadata"]["name"] == "x-e0000"  # the template is not modified
     assert ev.metrics("s3://snaps/front/g1/c0003/") == {"a": 3, "b": -3}  # resumed: 409, same Job, same metrics
 
@@ -223,12 +293,34 @@ def test_search_eval_cli_writes_metrics_or_the_error(tmp_path, monkeypatch, caps
     ok = tmp_path / "ok.py"
     ok.write_text("import json, sys\nprint(json.dumps({'a': len(sys.argv[1])}))\n")
     out = tmp_path / "m" / "c0001.json"
-    code, _, err = run_cli(["search-eval", "--command", f"{sys.executable} {ok} {{checkpoint}}", "--checkpoint",
-                            "s3://b/front/c0001/", "--metrics-out", str(out)], monkeypatch, capsys)
+    code, _, err = run_cli(
+        [
+            "search-eval",
+            "--command",
+            f"{sys.executable} {ok} {{checkpoint}}",
+            "--checkpoint",
+            "s3://b/front/c0001/",
+            "--metrics-out",
+            str(out),
+        ],
+        monkeypatch,
+        capsys,
+    )
     assert code == 0, err
     assert _json.loads(out.read_text()) == {"metrics": {"a": len("s3://b/front/c0001/")}}
-    code, _, err = run_cli(["search-eval", "--command", f"{sys.executable} -c 'import sys; sys.exit(3)'",
-                            "--checkpoint", "x", "--metrics-out", str(out)], monkeypatch, capsys)
+    code, _, err = run_cli(
+        [
+            "search-eval",
+            "--command",
+            f"{sys.executable} -c 'import sys; sys.exit(3)'",
+            "--checkpoint",
+            "x",
+            "--metrics-out",
+            str(out),
+        ],
+        monkeypatch,
+        capsys,
+    )
     assert code == 0, err
     assert "exited with code 3" in _json.loads(out.read_text())["error"]
 

@@ -127,8 +127,13 @@ def test_fisher_recorded_once_and_matches_a_direct_computation(tiny, tmp_path, m
     )
     assert pf.block_value == {"kind": "fisher", "calibration": c.digest}
     # with a calibration set and no --value, the plan is the Fisher-valued one (the default)
-    pd = build_plan(cat, st, request_from_args(str(paths["base"]), experts, "ties", ["density=0.5"], budget="30%"),
-                    block_bytes=bb, calibration=str(cal))
+    pd = build_plan(
+        cat,
+        st,
+        request_from_args(str(paths["base"]), experts, "ties", ["density=0.5"], budget="30%"),
+        block_bytes=bb,
+        calibration=str(cal),
+    )
     assert pd.digest == pf.digest
     assert pe.block_value is None and pf.digest != pe.digest
     assert pf.io.expert_read_bytes <= pf.budget_bytes
@@ -159,7 +164,9 @@ def test_calibration_errors(tiny, tmp_path):
     cat = Catalog(tmp_path / "c.sqlite")
     with pytest.raises(InputError, match="--calibration"):
         build_plan(
-            cat, st, request_from_args(str(paths["base"]), [("e1", str(paths["e1"]))], "ties", ["density=0.5"]),
+            cat,
+            st,
+            request_from_args(str(paths["base"]), [("e1", str(paths["e1"]))], "ties", ["density=0.5"]),
             value="fisher",
         )
 

@@ -129,8 +129,9 @@ DATA = bytes(np.random.default_rng(0).integers(0, 256, 600, dtype=np.uint8))
 
 @settings(max_examples=300, deadline=None)
 @given(
-    ranges=st.lists(st.tuples(st.integers(0, 500), st.integers(0, 99)).map(lambda t: (t[0], t[0] + t[1])),
-                    min_size=1, max_size=12),
+    ranges=st.lists(
+        st.tuples(st.integers(0, 500), st.integers(0, 99)).map(lambda t: (t[0], t[0] + t[1])), min_size=1, max_size=12
+    ),
     max_gap=st.integers(0, 40),
     max_request=st.integers(1, 64),
 )
@@ -271,8 +272,11 @@ def test_stat_and_not_found(blob, tmp_path):
     assert stt.version == str(os.stat(path).st_mtime_ns)
     assert storage.exists(path)
     missing = str(tmp_path / "nope")
-    for call in (lambda: storage.stat(missing), lambda: storage.read_range(missing, 0, 1, "base"),
-                 lambda: storage.read_object(missing, "base")):
+    for call in (
+        lambda: storage.stat(missing),
+        lambda: storage.read_range(missing, 0, 1, "base"),
+        lambda: storage.read_object(missing, "base"),
+    ):
         with pytest.raises(NotFoundError) as ei:
             call()
         assert missing in str(ei.value)

@@ -91,14 +91,17 @@ def test_data_is_deterministic_and_held_out():
 
 def test_gates_judge_per_expert():
     base = {"python": 4.0, "prose": 4.0, "arithmetic": 1.0, "json": 1.0}
-    experts = {"python": {"python": 3.0, "prose": 4.1, "arithmetic": 1.1, "json": 1.1},
-               "prose": {"python": 4.1, "prose": 3.0, "arithmetic": 1.1, "json": 1.1},
-               "arithmetic": {"python": 4.1, "prose": 4.1, "arithmetic": 0.5, "json": 1.1},
-               "json": {"python": 4.1, "prose": 4.1, "arithmetic": 1.1, "json": 0.5}}
+    experts = {
+        "python": {"python": 3.0, "prose": 4.1, "arithmetic": 1.1, "json": 1.1},
+        "prose": {"python": 4.1, "prose": 3.0, "arithmetic": 1.1, "json": 1.1},
+        "arithmetic": {"python": 4.1, "prose": 4.1, "arithmetic": 0.5, "json": 1.1},
+        "json": {"python": 4.1, "prose": 4.1, "arithmetic": 1.1, "json": 0.5},
+    }
     good = {"python": 3.5, "prose": 3.6, "arithmetic": 0.8, "json": 0.8}
     g = check_gates(base, experts, good)
-    assert g["passed"] and g["normalised_gain"] == pytest.approx({"python": 0.5, "prose": 0.4, "arithmetic": 0.4,
-                                                                  "json": 0.4})
+    assert g["passed"] and g["normalised_gain"] == pytest.approx(
+        {"python": 0.5, "prose": 0.4, "arithmetic": 0.4, "json": 0.4}
+    )
     # a better mean that leaves one expert's gain behind fails (the mean cannot hide it)
     g = check_gates(base, experts, {**good, "json": 0.9, "python": 3.0})
     assert not g["passed"] and any("expert json" in f for f in g["failures"])
@@ -216,8 +219,14 @@ def test_tiny_zoo_end_to_end(tmp_path, monkeypatch, capsys):
     from mergepipe.pipeline import merge
 
     w = json.loads((z.root / "testbed.json").read_text())["recommended_params"]["task_arithmetic"]["weight"]
-    res = merge(str(z.base), [(n, str(p)) for n, p in z.experts.items()], "task_arithmetic",
-                str(tmp_path / "ta"), [f"weight={w}"], catalog=Catalog(tmp_path / "c.sqlite"))
+    res = merge(
+        str(z.base),
+        [(n, str(p)) for n, p in z.experts.items()],
+        "task_arithmetic",
+        str(tmp_path / "ta"),
+        [f"weight={w}"],
+        catalog=Catalog(tmp_path / "c.sqlite"),
+    )
     merged = evaluate(Path(res.out), z)
     g = check_gates(losses["base"], {n: losses[n] for n in z.experts}, merged)
     assert g["passed"], g["failures"]
@@ -227,8 +236,9 @@ def test_tiny_zoo_end_to_end(tmp_path, monkeypatch, capsys):
     from tests.conftest import run_cli
 
     capsys.readouterr()
-    code, out, err = run_cli(["eval", str(z.experts["json"]), "--testbed", str(z.root), "--tasks", "json,python"],
-                             monkeypatch, capsys)
+    code, out, err = run_cli(
+        ["eval", str(z.experts["json"]), "--testbed", str(z.root), "--tasks", "json,python"], monkeypatch, capsys
+    )
     assert code == 0, err
     doc = json.loads(out)
     assert doc["kind"] == "causal-lm" and list(doc["tasks"]) == ["json", "python"]
@@ -236,6 +246,7 @@ def test_tiny_zoo_end_to_end(tmp_path, monkeypatch, capsys):
     assert doc["tasks"]["python"]["loss"] == losses["json"]["python"]
     quick = evaluate(z.base, z, max_batches=1)
     assert set(quick) == set(DOMAINS) and all(math.isfinite(v) for v in quick.values())
+
 
 @pytest.mark.slow
 def test_two_experts_per_domain(tmp_path):
@@ -278,8 +289,13 @@ def test_zoo_cache_lock_and_identical_rebuild(tmp_path):
     root_b = tmp_path / "b"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [
-        subprocess.Popen([sys.executable, "-c", _BUILD, str(root_b)], stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True, env=env)
+        subprocess.Popen(
+            [sys.executable, "-c", _BUILD, str(root_b)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
         for _ in range(2)
     ]
     outs = [p.communicate(timeout=300)[0] for p in procs]

@@ -191,8 +191,7 @@ class Catalog:
             self.db.executescript(SCHEMA)
         except (OSError, sqlite3.Error) as e:
             raise InputError(
-                f"{self.path}: cannot open the catalog ({e}); set MERGEPIPE_HOME or --catalog to a "
-                "writable location."
+                f"{self.path}: cannot open the catalog ({e}); set MERGEPIPE_HOME or --catalog to a writable location."
             ) from None
         self._lock = threading.Lock()
 
@@ -237,8 +236,14 @@ class Catalog:
         with self._lock, self.db:
             self.db.execute(
                 "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?,?)",
-                (rec.uri, rec.identity, json.dumps(rec.signature), json.dumps(layout_to_dict(rec.layout)),
-                 rec.total_bytes, time.time()),
+                (
+                    rec.uri,
+                    rec.identity,
+                    json.dumps(rec.signature),
+                    json.dumps(layout_to_dict(rec.layout)),
+                    rec.total_bytes,
+                    time.time(),
+                ),
             )
 
     def checkpoints(self) -> list[tuple[str, str, int, float]]:
@@ -282,7 +287,9 @@ class Catalog:
                 is not None
             )
 
-    def _store(self, base: str, expert: str, block_bytes: int, stats: dict[str, TensorStats], seconds: float, nread: int) -> int:
+    def _store(
+        self, base: str, expert: str, block_bytes: int, stats: dict[str, TensorStats], seconds: float, nread: int
+    ) -> int:
         with self._lock, self.db:
             cur = self.db.execute(
                 "INSERT OR REPLACE INTO analyses (base_identity, expert_identity, block_bytes, stats_version, created_at, seconds, bytes_read) "
@@ -342,7 +349,7 @@ class Catalog:
                     ids.add(e.identity)
                     uniq.append(e)
             for i, a in enumerate(uniq):
-                for b in uniq[i + 1:]:
+                for b in uniq[i + 1 :]:
                     if self._find_pair(base.identity, *sorted((a.identity, b.identity))) is None:
                         missing_pairs.append((a, b))
         if todo or missing_pairs:
@@ -354,8 +361,9 @@ class Catalog:
             check_compatible(base, readers)
             t0 = time.perf_counter()
             before = storage.counters.snapshot()["read"]
-            results, dots, bdig = _analyze_stream(storage, base, readers, {e.identity for e in todo}, block_bytes,
-                                                  chunk_bytes, progress, missing_pairs)
+            results, dots, bdig = _analyze_stream(
+                storage, base, readers, {e.identity for e in todo}, block_bytes, chunk_bytes, progress, missing_pairs
+            )
             after = storage.counters.snapshot()["read"]
             secs = time.perf_counter() - t0
             nread = sum(after.values()) - sum(before.values())
@@ -386,11 +394,13 @@ class Catalog:
 
     def _store_digests(self, identity: str, digests: dict[str, str]) -> None:
         with self._lock, self.db:
-            self.db.executemany("INSERT OR REPLACE INTO tensor_digests VALUES (?,?,?)",
-                                [(identity, n, h) for n, h in digests.items()])
+            self.db.executemany(
+                "INSERT OR REPLACE INTO tensor_digests VALUES (?,?,?)", [(identity, n, h) for n, h in digests.items()]
+            )
 
-    def pair_dots(self, base: CheckpointRecord, experts: Sequence[CheckpointRecord],
-                  analyses: Sequence[Analysis] | None = None) -> dict[tuple[int, int], dict[str, float]]:
+    def pair_dots(
+        self, base: CheckpointRecord, experts: Sequence[CheckpointRecord], analyses: Sequence[Analysis] | None = None
+    ) -> dict[tuple[int, int], dict[str, float]]:
         """``{(i, j): {tensor: ⟨δᵢ,δⱼ⟩}}`` for expert indices ``i < j`` (after
         ``analyze(..., pairs=True)``). The same checkpoint given twice pairs with itself:
         ``‖δ‖²`` from its analysis.
@@ -407,8 +417,10 @@ class Catalog:
                     continue
                 d = self._find_pair(base.identity, *sorted((a.identity, b.identity)))
                 if d is None:
-                    raise InputError(f"catalog: no pair statistics for {a.uri} and {b.uri}; re-run the merge "
-                                     "(analyze computes them for model_stock and nuslerp).")
+                    raise InputError(
+                        f"catalog: no pair statistics for {a.uri} and {b.uri}; re-run the merge "
+                        "(analyze computes them for model_stock and nuslerp)."
+                    )
                 out[(i, j)] = d
         return out
 
@@ -427,10 +439,10 @@ class Catalog:
                 (base_identity, a, b, STATS_VERSION, time.time(), json.dumps(dots)),
             )
 
-
     # --- sensitivity ------------------------------------------------------------------------
-    def find_sensitivity(self, base_identity: str, calibration: str, block_bytes: int,
-                         kind: str = "fisher") -> dict[str, np.ndarray] | None:
+    def find_sensitivity(
+        self, base_identity: str, calibration: str, block_bytes: int, kind: str = "fisher"
+    ) -> dict[str, np.ndarray] | None:
         """``{tensor: float64[n_blocks]}`` recorded for (base, calibration digest, block size,
         kind), or None."""
         from mergepipe.catalog.sensitivity import fisher_from_bytes
@@ -438,11 +450,13 @@ class Catalog:
         with self._lock:
             row = self.db.execute(
                 "SELECT data FROM sensitivity WHERE base_identity=? AND calibration=? AND block_bytes=? AND kind=?",
-                (base_identity, calibration, block_bytes, kind)).fetchone()
+                (base_identity, calibration, block_bytes, kind),
+            ).fetchone()
         return None if row is None else fisher_from_bytes(row[0])
 
-    def sensitivity(self, storage: Storage, base: CheckpointRecord, calibration, block_bytes: int,
-                    kind: str = "fisher") -> dict[str, np.ndarray]:
+    def sensitivity(
+        self, storage: Storage, base: CheckpointRecord, calibration, block_bytes: int, kind: str = "fisher"
+    ) -> dict[str, np.ndarray]:
         """The base's per-block sensitivity on ``calibration`` (a
         :class:`~mergepipe.catalog.sensitivity.Calibration`): from the catalog, or computed once
         (:func:`~mergepipe.catalog.sensitivity.compute_fisher`, reads the base: torch and
@@ -461,9 +475,18 @@ class Catalog:
         t0 = time.perf_counter()
         f = compute_fisher(storage, base, calibration, block_bytes)
         with self._lock, self.db:
-            self.db.execute("INSERT OR REPLACE INTO sensitivity VALUES (?,?,?,?,?,?,?)",
-                            (base.identity, calibration.digest, block_bytes, kind, time.time(),
-                             time.perf_counter() - t0, fisher_to_bytes(f)))
+            self.db.execute(
+                "INSERT OR REPLACE INTO sensitivity VALUES (?,?,?,?,?,?,?)",
+                (
+                    base.identity,
+                    calibration.digest,
+                    block_bytes,
+                    kind,
+                    time.time(),
+                    time.perf_counter() - t0,
+                    fisher_to_bytes(f),
+                ),
+            )
         return f
 
 

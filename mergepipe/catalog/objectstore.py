@@ -61,16 +61,27 @@ class ObjectCatalog(Catalog):
         return [(d["identity"], d["signature"], d["layout"])]
 
     def _save_checkpoint(self, rec: CheckpointRecord) -> None:
-        d = {"uri": rec.uri, "identity": rec.identity, "signature": rec.signature,
-             "layout": layout_to_dict(rec.layout), "registered_at": time.time()}
+        d = {
+            "uri": rec.uri,
+            "identity": rec.identity,
+            "signature": rec.signature,
+            "layout": layout_to_dict(rec.layout),
+            "registered_at": time.time(),
+        }
         self.storage.put_object(self._ckpt_uri(rec.uri), json.dumps(d).encode(), "catalog")
 
     def checkpoints(self):
         out = []
         for u in self.storage.list(self.storage.join(self.prefix, "checkpoints") + "/"):
             d = json.loads(self.storage.read_object(u, "catalog"))
-            out.append((d["uri"], d["identity"], sum(s["file_size"] for s in d["layout"]["shards"].values()),
-                        d["registered_at"]))
+            out.append(
+                (
+                    d["uri"],
+                    d["identity"],
+                    sum(s["file_size"] for s in d["layout"]["shards"].values()),
+                    d["registered_at"],
+                )
+            )
         return sorted(out, key=lambda r: r[3])
 
     def _digests_uri(self, identity: str) -> str:
@@ -84,8 +95,9 @@ class ObjectCatalog(Catalog):
 
     def _store_digests(self, identity: str, digests: dict[str, str]) -> None:
         try:
-            self.storage.put_object(self._digests_uri(identity), json.dumps(digests, sort_keys=True).encode(),
-                                    "catalog", if_none_match=True)
+            self.storage.put_object(
+                self._digests_uri(identity), json.dumps(digests, sort_keys=True).encode(), "catalog", if_none_match=True
+            )
         except PreconditionFailed:
             pass  # identity-keyed: the same content
 
@@ -99,24 +111,44 @@ class ObjectCatalog(Catalog):
             return None
         with zipfile.ZipFile(io.BytesIO(data)) as z:
             meta = json.loads(z.read("meta.json"))
-            tensors = {n: TensorStats.from_bytes(n, z.read(f"t/{i}"), meta["sha256"][n])
-                       for i, n in enumerate(meta["tensors"])}
-        return Analysis(id=0, base_identity=base_identity, expert_identity=expert_identity, block_bytes=block_bytes,
-                        tensors=tensors, seconds=meta["seconds"], bytes_read=meta["bytes_read"])
+            tensors = {
+                n: TensorStats.from_bytes(n, z.read(f"t/{i}"), meta["sha256"][n]) for i, n in enumerate(meta["tensors"])
+            }
+        return Analysis(
+            id=0,
+            base_identity=base_identity,
+            expert_identity=expert_identity,
+            block_bytes=block_bytes,
+            tensors=tensors,
+            seconds=meta["seconds"],
+            bytes_read=meta["bytes_read"],
+        )
 
     def _store(self, base, expert, block_bytes, stats, seconds, nread) -> int:
         buf = io.BytesIO()
         names = list(stats)
         with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
-            z.writestr("meta.json", json.dumps({
-                "base_identity": base, "expert_identity": expert, "block_bytes": block_bytes,
-                "stats_version": STATS_VERSION, "tensors": names, "seconds": seconds, "bytes_read": nread,
-                "sha256": {n: stats[n].content_sha256 for n in names}}))
+            z.writestr(
+                "meta.json",
+                json.dumps(
+                    {
+                        "base_identity": base,
+                        "expert_identity": expert,
+                        "block_bytes": block_bytes,
+                        "stats_version": STATS_VERSION,
+                        "tensors": names,
+                        "seconds": seconds,
+                        "bytes_read": nread,
+                        "sha256": {n: stats[n].content_sha256 for n in names},
+                    }
+                ),
+            )
             for i, n in enumerate(names):
                 z.writestr(f"t/{i}", stats[n].to_bytes())
         try:
-            self.storage.put_object(self._analysis_uri(base, expert, block_bytes), buf.getvalue(), "catalog",
-                                    if_none_match=True)
+            self.storage.put_object(
+                self._analysis_uri(base, expert, block_bytes), buf.getvalue(), "catalog", if_none_match=True
+            )
         except PreconditionFailed:
             pass  # another analyzer stored the same (identity-keyed) analysis first
         return 0
@@ -133,8 +165,9 @@ class ObjectCatalog(Catalog):
 
     def _store_pair(self, base_identity: str, a: str, b: str, dots: dict) -> None:
         try:
-            self.storage.put_object(self._pair_uri(base_identity, a, b), json.dumps(dots).encode(), "catalog",
-                                    if_none_match=True)
+            self.storage.put_object(
+                self._pair_uri(base_identity, a, b), json.dumps(dots).encode(), "catalog", if_none_match=True
+            )
         except PreconditionFailed:
             pass  # identity-keyed: another analyzer stored the same content first
 
@@ -143,6 +176,6 @@ def open_catalog(location: str | None):
     """``s3://…`` or an existing folder given as ``objects:PATH`` -> :class:`ObjectCatalog`; a file
     path (or None: the default) -> the SQLite :class:`Catalog`."""
     if location and (is_s3(location) or location.startswith("objects:")):
-        loc = location[len("objects:"):] if location.startswith("objects:") else location
+        loc = location[len("objects:") :] if location.startswith("objects:") else location
         return ObjectCatalog(open_storage(loc, IOCounters()), loc)
     return Catalog(location)

@@ -223,8 +223,14 @@ class TensorStatsBuilder:
         self.hist = np.zeros(0x8000, dtype=np.int64)
         self.row_sums: list[list[np.ndarray]] = [[], [], [], []]
 
-    def add(self, row0: int, delta: np.ndarray, expert: np.ndarray | None = None, base: np.ndarray | None = None,
-            base_sq_rows: np.ndarray | None = None) -> None:
+    def add(
+        self,
+        row0: int,
+        delta: np.ndarray,
+        expert: np.ndarray | None = None,
+        base: np.ndarray | None = None,
+        base_sq_rows: np.ndarray | None = None,
+    ) -> None:
         """Add the float32 task vector of rows ``[row0, row0 + len(delta)/row_numel)``; ``row0``
         must be a block boundary. With ``expert`` and ``base`` (the decoded values of the same
         rows, the base preferably already float64; ``base_sq_rows`` its per-row ``Σθ_b²``) the

@@ -133,16 +133,20 @@ def check_output(out: str | Path, plan_digest: str | None, inputs: Sequence[str]
     parent = out.parent
     _check_out_name(out)  # first: a path too long for the filesystem fails every other check
     if out.is_symlink():
-        raise InputError(f"--out {out}: is a symbolic link (to {os.readlink(out)}); give the real folder path "
-                         "(a link could be redirected between the checks and the publish).")
+        raise InputError(
+            f"--out {out}: is a symbolic link (to {os.readlink(out)}); give the real folder path "
+            "(a link could be redirected between the checks and the publish)."
+        )
     for u in inputs:
         if is_s3(u):
             continue
         src = os.path.realpath(u)
         dst = os.path.realpath(out)
         if dst == src or dst.startswith(src.rstrip(os.sep) + os.sep):
-            raise InputError(f"--out {out}: is inside the input checkpoint {u}; write the snapshot elsewhere "
-                             "(it would change the input while it is read).")
+            raise InputError(
+                f"--out {out}: is inside the input checkpoint {u}; write the snapshot elsewhere "
+                "(it would change the input while it is read)."
+            )
     if out.exists():
         if not out.is_dir():
             raise InputError(f"--out {out}: is a file; give a folder path for the snapshot.")
@@ -177,8 +181,10 @@ def _check_out_name(out: Path) -> None:
     except (OSError, ValueError):
         path_max = 4096
     if len(os.fsencode(absolute)) + len(STAGING_SUFFIX) + 1 >= path_max:
-        raise InputError(f"--out {short_repr(str(out))}: the path is longer than this system's PATH_MAX ({path_max} "
-                         "bytes, with the staging suffix); choose a shorter path.")
+        raise InputError(
+            f"--out {short_repr(str(out))}: the path is longer than this system's PATH_MAX ({path_max} "
+            "bytes, with the staging suffix); choose a shorter path."
+        )
     anc = out.parent
     while not anc.exists():
         anc = anc.parent
@@ -189,9 +195,11 @@ def _check_out_name(out: Path) -> None:
     for part in Path(absolute).parts[1:]:
         longest = len(os.fsencode(part)) + (len(STAGING_SUFFIX) + 1 if part == out.name else 0)
         if longest > name_max:
-            raise InputError(f"--out {short_repr(str(out))}: the name {short_repr(part, 40)} is too long for the "
-                             f"filesystem ({name_max} bytes, {len(STAGING_SUFFIX) + 1} of them taken by the hidden "
-                             "staging folder's prefix and suffix); choose a shorter name.")
+            raise InputError(
+                f"--out {short_repr(str(out))}: the name {short_repr(part, 40)} is too long for the "
+                f"filesystem ({name_max} bytes, {len(STAGING_SUFFIX) + 1} of them taken by the hidden "
+                "staging folder's prefix and suffix); choose a shorter name."
+            )
 
 
 def probe_lock(out: str | Path) -> None:
@@ -438,9 +446,11 @@ def verify_snapshot(folder: str | Path) -> dict:
             problems.append(f"{name}: sha256 mismatch")
         elif "tree_sha256" in info:
             with open(p, "rb") as f:
+
                 def rr(a, b, f=f):
                     f.seek(a)
                     return f.read(b - a)
+
                 try:
                     ok = shard_tree_digest(rr, info["size"], name) == info["tree_sha256"]
                 except Exception:
@@ -453,5 +463,10 @@ def verify_snapshot(folder: str | Path) -> dict:
             problems.append(f"{rel}: not listed in the manifest")
     if snapshot_id(m.get("plan_digest", ""), listed) != m.get("snapshot_id"):
         problems.append("snapshot_id does not match the plan digest and outputs")
-    return {"ok": not problems, "snapshot_id": m.get("snapshot_id"), "manifest_hash": mh,
-            "files": len(listed), "problems": problems}
+    return {
+        "ok": not problems,
+        "snapshot_id": m.get("snapshot_id"),
+        "manifest_hash": mh,
+        "files": len(listed),
+        "problems": problems,
+    }

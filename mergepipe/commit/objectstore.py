@@ -202,12 +202,20 @@ def verify_obj(storage: Storage, out: str) -> dict:
                 continue
         if "tree_sha256" in info:
             try:
-                ok = shard_tree_digest(lambda a, b, uri=uri: storage.read_range(uri, a, b, "other"), size, rel) == info["tree_sha256"]
+                ok = (
+                    shard_tree_digest(lambda a, b, uri=uri: storage.read_range(uri, a, b, "other"), size, rel)
+                    == info["tree_sha256"]
+                )
             except Exception:
                 ok = False
             if not ok:
                 problems.append(f"{rel}: tree digest mismatch")
     if snapshot_id(m.get("plan_digest", ""), m["outputs"]) != m.get("snapshot_id"):
         problems.append("snapshot_id does not match the plan digest and outputs")
-    return {"ok": not problems, "snapshot_id": m.get("snapshot_id"), "manifest_hash": mh,
-            "files": len(m["outputs"]), "problems": problems}
+    return {
+        "ok": not problems,
+        "snapshot_id": m.get("snapshot_id"),
+        "manifest_hash": mh,
+        "files": len(m["outputs"]),
+        "problems": problems,
+    }

@@ -266,8 +266,11 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept, groups=Non
     for te, d, _ in present.values():
         shrink = shrink_hi = None
         if _bounds(te):
-            shrink, shrink_hi = (_shrinks_from(groups, tp, te) if tp.derived.get("threshold_pass")
-                                 else _shrinks(lambda slot, key, d=d: _group_values(d, key), te))
+            shrink, shrink_hi = (
+                _shrinks_from(groups, tp, te)
+                if tp.derived.get("threshold_pass")
+                else _shrinks(lambda slot, key, d=d: _group_values(d, key), te)
+            )
         ep = ExpertTensorParams(
             weight=te.weight,
             density=te.density,

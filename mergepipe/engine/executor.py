@@ -88,7 +88,6 @@ class ExecResult:
         return hashlib.sha256(json.dumps(self.base_tensor_sha256, sort_keys=True).encode()).hexdigest()
 
 
-
 def verify_inputs(plan: Plan, storage: Storage) -> None:
     """Check every input file still has the size and version the plan was made from.
 
@@ -101,7 +100,9 @@ def verify_inputs(plan: Plan, storage: Storage) -> None:
             try:
                 st = storage.stat(uri)
             except NotFoundError:
-                raise InputError(f"{uri}: missing; it was present when the plan was made. Restore it or re-plan.") from None
+                raise InputError(
+                    f"{uri}: missing; it was present when the plan was made. Restore it or re-plan."
+                ) from None
             if st.size != size or st.version != version:
                 raise InputError(
                     f"{uri}: changed since it was analyzed (size {size} -> {st.size}); the catalog is "
@@ -120,8 +121,9 @@ def default_compute_threads() -> int:
     return max(1, min(16, (os.cpu_count() or 2) - 1))
 
 
-def execute(plan: Plan, storage: Storage, out_storage: Storage, out_prefix: str, *,
-            compute_threads: int | None = None, **kw) -> ExecResult:
+def execute(
+    plan: Plan, storage: Storage, out_storage: Storage, out_prefix: str, *, compute_threads: int | None = None, **kw
+) -> ExecResult:
     """Execute ``plan`` (see :func:`_execute` for the arguments) with ``compute_threads`` torch
     intra-op threads (default :func:`default_compute_threads`), restoring the setting after."""
     import torch
@@ -132,7 +134,6 @@ def execute(plan: Plan, storage: Storage, out_storage: Storage, out_prefix: str,
         return _execute(plan, storage, out_storage, out_prefix, **kw)
     finally:
         torch.set_num_threads(before)
-
 
 
 def _device(device: str):
@@ -192,10 +193,22 @@ def _execute(
     verify_inputs(plan, storage)
     read_before = storage.counters.snapshot()["read"]
     res = ExecResult()
-    items = build_work_list(plan, cow=server_side_copy(storage, out_storage, plan.base.uri, out_prefix),
-                            shards=shards)
-    res.files.update(_write_shards(plan, items, storage, out_storage, out_prefix, dev, prefetch_bytes, progress,
-                                   read_threads, res.base_tensor_sha256, on_file))
+    items = build_work_list(plan, cow=server_side_copy(storage, out_storage, plan.base.uri, out_prefix), shards=shards)
+    res.files.update(
+        _write_shards(
+            plan,
+            items,
+            storage,
+            out_storage,
+            out_prefix,
+            dev,
+            prefetch_bytes,
+            progress,
+            read_threads,
+            res.base_tensor_sha256,
+            on_file,
+        )
+    )
     if side_files:
         index = _write_index(plan, out_storage, out_prefix)
         if index is not None:
@@ -207,10 +220,15 @@ def _execute(
             if on_file:
                 on_file(name, info, {})
 
-    res.counters = storage.counters.snapshot() if storage.counters is out_storage.counters else {
-        "read": storage.counters.snapshot()["read"], "written": out_storage.counters.snapshot()["written"],
-        "copied": out_storage.counters.snapshot()["copied"],
-    }
+    res.counters = (
+        storage.counters.snapshot()
+        if storage.counters is out_storage.counters
+        else {
+            "read": storage.counters.snapshot()["read"],
+            "written": out_storage.counters.snapshot()["written"],
+            "copied": out_storage.counters.snapshot()["copied"],
+        }
+    )
     realized = res.counters["read"].get("expert", 0) - read_before.get("expert", 0)
     if realized > plan.io.expert_read_bytes:
         raise RuntimeError(
@@ -225,9 +243,19 @@ def _execute(
     return res
 
 
-def _write_shards(plan: Plan, items: list[WorkItem], storage: Storage, out_storage: Storage, out_prefix: str,
-                  dev, prefetch_bytes: int, progress: Callable[[int], None] | None, read_threads: int,
-                  base_sha256: dict[str, str], on_file: FileDone | None = None) -> dict[str, dict]:
+def _write_shards(
+    plan: Plan,
+    items: list[WorkItem],
+    storage: Storage,
+    out_storage: Storage,
+    out_prefix: str,
+    dev,
+    prefetch_bytes: int,
+    progress: Callable[[int], None] | None,
+    read_threads: int,
+    base_sha256: dict[str, str],
+    on_file: FileDone | None = None,
+) -> dict[str, dict]:
     """The executor loop: each work item's inputs from the reader, merged, sent to the writer.
 
     Returns the shards written (name -> ``{"size", "tree_sha256"}``) and fills ``base_sha256``
@@ -235,8 +263,13 @@ def _write_shards(plan: Plan, items: list[WorkItem], storage: Storage, out_stora
     server-side copies). On any error every unfinished shard is discarded.
     """
     spec = get_method(plan.method)
-    writer = ShardWriter(out_storage, out_prefix, max(COPY_CHUNK, prefetch_bytes // 4),
-                         base_file_uri=lambda f: storage.join(plan.base.uri, f), on_close=on_file)
+    writer = ShardWriter(
+        out_storage,
+        out_prefix,
+        max(COPY_CHUNK, prefetch_bytes // 4),
+        base_file_uri=lambda f: storage.join(plan.base.uri, f),
+        on_close=on_file,
+    )
     reader = Prefetcher(plan, storage, items, prefetch_bytes, read_threads)
     l1 = L1Sums()
     try:
@@ -302,8 +335,11 @@ def _write_index(plan: Plan, out_storage: Storage, out_prefix: str) -> dict | No
         "metadata": {"total_size": total},
         "weight_map": {t.name: t.file for t in sorted(plan.tensors, key=lambda t: t.name)},
     }
-    return _write_small(out_storage, out_storage.join(out_prefix, INDEX_NAME),
-                        (json.dumps(idx, indent=2, sort_keys=True) + "\n").encode())
+    return _write_small(
+        out_storage,
+        out_storage.join(out_prefix, INDEX_NAME),
+        (json.dumps(idx, indent=2, sort_keys=True) + "\n").encode(),
+    )
 
 
 def _write_extra_files(plan: Plan, storage: Storage, out_storage: Storage, out_prefix: str) -> dict[str, dict]:
@@ -341,4 +377,3 @@ def _config_with_dtype(data: bytes, out_dtype: str) -> bytes:
     if "dtype" in cfg:
         cfg["dtype"] = name
     return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
-

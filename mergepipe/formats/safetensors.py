@@ -216,12 +216,13 @@ def parse_header(raw: bytes, file: str, file_size: int, source: str | None = Non
         if not isinstance(ent, dict):
             raise InputError(f"{src}: tensor {short_repr(name)}: entry is not an object.")
         if not name or len(name) > MAX_TENSOR_NAME:
-            raise InputError(f"{src}: tensor name {short_repr(name)} is empty or longer than {MAX_TENSOR_NAME} characters.")
+            raise InputError(
+                f"{src}: tensor name {short_repr(name)} is empty or longer than {MAX_TENSOR_NAME} characters."
+            )
         dtype = ent.get("dtype")
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise InputError(
-                f"{src}: tensor {name!r} has unknown dtype {short_repr(dtype)}; supported: "
-                f"{', '.join(DTYPES)}."
+                f"{src}: tensor {name!r} has unknown dtype {short_repr(dtype)}; supported: {', '.join(DTYPES)}."
             )
         shape = ent.get("shape")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
@@ -239,7 +240,9 @@ def parse_header(raw: bytes, file: str, file_size: int, source: str | None = Non
             or not all(type(o) is int and o >= 0 for o in offs)
             or offs[1] < offs[0]
         ):
-            raise InputError(f"{src}: tensor {name!r}: data_offsets {short_repr(offs)} must be [begin, end] with begin <= end.")
+            raise InputError(
+                f"{src}: tensor {name!r}: data_offsets {short_repr(offs)} must be [begin, end] with begin <= end."
+            )
         expect = math.prod(shape) * DTYPES[dtype][0]
         if offs[1] - offs[0] != expect:
             raise InputError(
@@ -316,8 +319,7 @@ class CheckpointLayout:
     def identity_material(self) -> dict:
         """The inputs of a checkpoint identity digest: per shard its size and header hash."""
         return {
-            name: {"size": sh.file_size, "header_sha256": sh.header_sha256}
-            for name, sh in sorted(self.shards.items())
+            name: {"size": sh.file_size, "header_sha256": sh.header_sha256} for name, sh in sorted(self.shards.items())
         }
 
     @property
@@ -362,11 +364,15 @@ def load_layout(storage, root: str, role: str = "other") -> CheckpointLayout:
     idx = loads_json(idx_raw, idx_uri, max_depth=8, what="shard index")
     weight_map = idx.get("weight_map") if isinstance(idx, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-        raise InputError(f"{idx_uri}: not a valid shard index (needs a JSON object with a 'weight_map' map of "
-                         "tensor names to shard file names).")
+        raise InputError(
+            f"{idx_uri}: not a valid shard index (needs a JSON object with a 'weight_map' map of "
+            "tensor names to shard file names)."
+        )
     if not weight_map:
-        raise InputError(f"{idx_uri}: weight_map is empty; the checkpoint lists no tensors, so there is nothing "
-                         "to merge. Fix or regenerate the index.")
+        raise InputError(
+            f"{idx_uri}: weight_map is empty; the checkpoint lists no tensors, so there is nothing "
+            "to merge. Fix or regenerate the index."
+        )
     if not isinstance(idx.get("metadata") or {}, dict):
         raise InputError(f"{idx_uri}: metadata must be an object.")
     files: list[str] = []

@@ -194,8 +194,11 @@ def filter_width(shape) -> int:
 
 def needs_row_stats(spec: MethodSpec, params: dict) -> bool:
     """The method computes row-local statistics in the engine (so a 1-D tensor must be one chunk)."""
-    return (spec.sparsify == "della" or (spec.kind == "model_stock" and bool(params.get("filter_wise")))
-            or (spec.kind == "nuslerp" and not params.get("nuslerp_flatten", True)))
+    return (
+        spec.sparsify == "della"
+        or (spec.kind == "model_stock" and bool(params.get("filter_wise")))
+        or (spec.kind == "nuslerp" and not params.get("nuslerp_flatten", True))
+    )
 
 
 def l1_row_sums(x, row_numel: int) -> list[float]:
@@ -226,8 +229,15 @@ def rescale_factor(l1_all: float, l1_kept: float) -> float:
     return l1_all / l1_kept
 
 
-def combine(base, deltas: list, weights: list[float], spec: MethodSpec, globals_: dict,
-            weight_sum: float | None = None, consume: bool = False):  # noqa: C901 - one branch per mergekit mode
+def combine(
+    base,
+    deltas: list,
+    weights: list[float],
+    spec: MethodSpec,
+    globals_: dict,
+    weight_sum: float | None = None,
+    consume: bool = False,
+):  # noqa: C901 - one branch per mergekit mode
     """Combine sparsified (and rescaled) task vectors with the base.
 
     Args:
@@ -304,8 +314,7 @@ def combine(base, deltas: list, weights: list[float], spec: MethodSpec, globals_
 _F32_TRUE_MIN = float(np.array([1], dtype=np.uint32).view(np.float32)[0])  # 2**-149, smallest subnormal
 
 
-def _sum_consensus_arith(base, deltas: list, weights: list[float], normalize: bool, lam: float,
-                         consume: bool = False):
+def _sum_consensus_arith(base, deltas: list, weights: list[float], normalize: bool, lam: float, consume: bool = False):
     """TIES sign election and disjoint mean (``consensus: sum``) with arithmetic only (no boolean
     masks, whose CPU kernels are ~10x slower than float ones); the value of :func:`combine`'s
     masked formulation bit for bit, or None when a precondition fails (then :func:`combine` runs
@@ -429,8 +438,9 @@ def nuslerp_merge(base, d0, d1, coef, width: int | None = None, t: float = 0.5):
         if width is None:
             raise ValueError("nuslerp_merge: per-row coefficients (coef=None) need the row width")
         x0, x1 = d0.detach().cpu().numpy(), d1.detach().cpu().numpy()
-        rows = nuslerp_coefficients_rows(t, segment_dots(x0, x0, width), segment_dots(x1, x1, width),
-                                         segment_dots(x0, x1, width))
+        rows = nuslerp_coefficients_rows(
+            t, segment_dots(x0, x0, width), segment_dots(x1, x1, width), segment_dots(x0, x1, width)
+        )
         c = torch.from_numpy(rows).to(base.device)
         a, b, s = c[:, 0:1], c[:, 1:2], c[:, 2:3]
         mixed = ((d0.reshape(-1, width) * a + d1.reshape(-1, width) * b) / s).reshape(-1)

@@ -94,8 +94,15 @@ def param_loc(loc: Loc) -> tuple[int | None, str, tuple] | None:
     return None
 
 
-_CLI_FIELDS = {"base": "--base", "experts": "--expert", "method": "--method", "budget": "--budget",
-               "fidelity": "--fidelity", "seed": "--seed", "output": "--out"}
+_CLI_FIELDS = {
+    "base": "--base",
+    "experts": "--expert",
+    "method": "--method",
+    "budget": "--budget",
+    "fidelity": "--fidelity",
+    "seed": "--seed",
+    "output": "--out",
+}
 
 
 def cli_where(names: Sequence[str] | None = None) -> Where:
@@ -137,24 +144,37 @@ def parse_setting(p: ParamSpec, raw: Any, loc: Loc, where: Where) -> Any:
     if not isinstance(raw, list):
         return p.check(raw, where(loc), loc)
     if p.kind == "bool":
-        raise _fail(where, loc, f"{p.name} is a boolean and takes one value (true or false), not a list; "
-                                "boolean parameters are not layer-wise.")
+        raise _fail(
+            where,
+            loc,
+            f"{p.name} is a boolean and takes one value (true or false), not a list; "
+            "boolean parameters are not layer-wise.",
+        )
     if not raw:
-        raise _fail(where, loc, "empty list; give a number, a gradient of at least two numbers such as "
-                                '[0.2, 0.8], or filter entries [{"filter": "mlp", "value": 0.5}, {"value": 0.3}].')
+        raise _fail(
+            where,
+            loc,
+            "empty list; give a number, a gradient of at least two numbers such as "
+            '[0.2, 0.8], or filter entries [{"filter": "mlp", "value": 0.5}, {"value": 0.3}].',
+        )
     if all(_is_scalar(e) for e in raw):
         return _gradient(p, raw, loc, where)
     if not all(isinstance(e, dict) for e in raw):
-        raise _fail(where, loc, "the list mixes numbers and {filter, value} entries; use a gradient "
-                                "(numbers only) or filter entries (mappings only).")
+        raise _fail(
+            where,
+            loc,
+            "the list mixes numbers and {filter, value} entries; use a gradient "
+            "(numbers only) or filter entries (mappings only).",
+        )
     out: list[dict[str, Any]] = []
     catch_all = None
     for i, e in enumerate(raw):
         el = (*loc, i)
         extra = set(e) - {"filter", "value"}
         if extra:
-            raise _fail(where, el, f"unknown key(s) {', '.join(sorted(map(str, extra)))}; an entry has only "
-                                   "filter and value.")
+            raise _fail(
+                where, el, f"unknown key(s) {', '.join(sorted(map(str, extra)))}; an entry has only filter and value."
+            )
         if "value" not in e:
             raise _fail(where, el, "value is missing; an entry is {filter: <substring of tensor names>, value: ...}.")
         f = e.get("filter")
@@ -163,13 +183,20 @@ def parse_setting(p: ParamSpec, raw: Any, loc: Loc, where: Where) -> Any:
         if f == "*":
             f = None
         if catch_all is not None:
-            raise _fail(where, (*loc, catch_all), f"the entry without filter matches every tensor, so entry {i} "
-                                                  "after it is never used (first match wins); move the catch-all last.")
+            raise _fail(
+                where,
+                (*loc, catch_all),
+                f"the entry without filter matches every tensor, so entry {i} "
+                "after it is never used (first match wins); move the catch-all last.",
+            )
         for j, prev in enumerate(out):
             if prev["filter"] is not None and f is not None and prev["filter"] in f:
-                raise _fail(where, (*el, "filter"),
-                            f"{f!r} is never used: every tensor it matches also matches entry {j} "
-                            f"({prev['filter']!r}) before it (first match wins); put the more specific filter first.")
+                raise _fail(
+                    where,
+                    (*el, "filter"),
+                    f"{f!r} is never used: every tensor it matches also matches entry {j} "
+                    f"({prev['filter']!r}) before it (first match wins); put the more specific filter first.",
+                )
         v = e["value"]
         vl = (*el, "value")
         if isinstance(v, list):
@@ -188,8 +215,12 @@ def parse_setting(p: ParamSpec, raw: Any, loc: Loc, where: Where) -> Any:
 
 def _gradient(p: ParamSpec, raw: list, loc: Loc, where: Where) -> list:
     if len(raw) < 2:
-        raise _fail(where, loc, f"a gradient needs at least two values (first layer … last layer), got "
-                                f"{len(raw)}; for one value write the number itself.")
+        raise _fail(
+            where,
+            loc,
+            f"a gradient needs at least two values (first layer … last layer), got "
+            f"{len(raw)}; for one value write the number itself.",
+        )
     return [p.check(v, where((*loc, i)), (*loc, i)) for i, v in enumerate(raw)]
 
 
@@ -251,7 +282,8 @@ class ResolvedParams:
     @property
     def layerwise(self) -> bool:
         return any(is_layerwise(v) for v in self.globals.values()) or any(
-            is_layerwise(v) for e in self.experts for v in e.values())
+            is_layerwise(v) for e in self.experts for v in e.values()
+        )
 
     def for_tensor(self, name: str, t: float = 0.0) -> TensorParams:
         """Concrete values for tensor ``name`` at gradient position ``t``.
@@ -268,9 +300,12 @@ class ResolvedParams:
                 if v is None:
                     v = p.default
                 if v is None:
-                    raise _fail(self.where, ("parameters", p.name),
-                                f"no value for tensor {name!r} (no filter entry matches it and {self.method} has "
-                                'no default); add a catch-all entry {"value": ...} at the end.')
+                    raise _fail(
+                        self.where,
+                        ("parameters", p.name),
+                        f"no value for tensor {name!r} (no filter entry matches it and {self.method} has "
+                        'no default); add a catch-all entry {"value": ...} at the end.',
+                    )
                 g[p.name] = v
         es = []
         for ep in self.experts:
@@ -301,7 +336,8 @@ def _check_tensor(rp: ResolvedParams, name: str, tpar: TensorParams) -> None:
                 problem = (
                     f"for tensor {name!r}, density={dens:g} and epsilon={eps:g}; {spec.name} needs density - epsilon "
                     "> 0 and density + epsilon < 1 wherever density < 1 (keep probabilities run from density - "
-                    "epsilon to density + epsilon; mergekit refuses the same). Lower epsilon or move density.")
+                    "epsilon to density + epsilon; mergekit refuses the same). Lower epsilon or move density."
+                )
                 both = f"{rp.where(loc)} / {rp.where(('experts', i, 'parameters', 'epsilon'))}"
                 raise InputError(f"{both}: {problem}", loc=loc, problem=problem)
 
@@ -340,7 +376,9 @@ def resolve_params(
     if k < spec.min_experts or (spec.max_experts is not None and k > spec.max_experts):
         extra = " (3 models including the base)" if spec.kind == "model_stock" else ""
         extra = " (the base and one expert)" if spec.kind == "slerp" else extra
-        raise _fail(where, ("experts",), f"{method} takes {spec.experts_text} expert(s) besides the base{extra}; got {k}.")
+        raise _fail(
+            where, ("experts",), f"{method} takes {spec.experts_text} expert(s) besides the base{extra}; got {k}."
+        )
     g: dict = {}
     shared: dict = {}
     for name, raw in global_params.items():
@@ -355,8 +393,9 @@ def resolve_params(
             loc = ("experts", i, "parameters", name)
             p = spec.param(name, where(loc), loc)
             if p.scope != "expert":
-                raise _fail(where, loc, f"{name} is a global parameter of {method}; set it for the merge, "
-                                        "not per expert.")
+                raise _fail(
+                    where, loc, f"{name} is a global parameter of {method}; set it for the merge, not per expert."
+                )
             d[name] = parse_setting(p, raw, loc, where)
         view = {}
         for p in spec.params:
@@ -379,14 +418,21 @@ def resolve_params(
         if p.scope == "global" and p.name not in g:
             if p.default is None:
                 w = where(("parameters", p.name))
-                raise _fail(where, ("parameters", p.name),
-                            f"{method} needs {p.name} in {p.range_text} (e.g. {w}=0.5); it has no default.")
+                raise _fail(
+                    where,
+                    ("parameters", p.name),
+                    f"{method} needs {p.name} in {p.range_text} (e.g. {w}=0.5); it has no default.",
+                )
             g[p.name] = p.default
     if spec.kind == "nuslerp" and g.get("nuslerp_row_wise") and not g.get("nuslerp_flatten"):
-        raise _fail(where, ("parameters", "nuslerp_row_wise"), "nuslerp_row_wise=true with nuslerp_flatten=false interpolates "
-                         "columns, which needs per-column statistics over all rows that mergepipe does not keep; "
-                         "use nuslerp_flatten=true (default, whole tensors) or nuslerp_flatten=false with "
-                         "nuslerp_row_wise=false (rows).")
+        raise _fail(
+            where,
+            ("parameters", "nuslerp_row_wise"),
+            "nuslerp_row_wise=true with nuslerp_flatten=false interpolates "
+            "columns, which needs per-column statistics over all rows that mergepipe does not keep; "
+            "use nuslerp_flatten=true (default, whole tensors) or nuslerp_flatten=false with "
+            "nuslerp_row_wise=false (rows).",
+        )
     rp = ResolvedParams(method, tuple(experts), g, where)
     if not rp.layerwise:
         rp.for_tensor("", 0.0)  # scalar settings: the per-tensor checks hold for every tensor

@@ -83,7 +83,8 @@ class ParamSpec:
         if v != v or v in (float("inf"), float("-inf")):
             raise bad(f"{self.name} must be a finite number in {self.range_text}, got {short_repr(value)}.")
         out = (self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo))) or (
-            self.hi is not None and (v > self.hi or (self.hi_open and v == self.hi)))
+            self.hi is not None and (v > self.hi or (self.hi_open and v == self.hi))
+        )
         if out:
             raise bad(f"{self.name}={v:g} is outside {self.range_text}.")
         return v
@@ -92,16 +93,34 @@ class ParamSpec:
 WEIGHT = ParamSpec("weight", 1.0, "expert", doc="scale of this expert's task vector")
 DENSITY = ParamSpec("density", 1.0, "expert", lo=0.0, hi=1.0, lo_open=True, doc="fraction of task-vector entries kept")
 LAMBDA = ParamSpec("lambda", 1.0, "global", doc="scale of the merged task vector")
-INT8_MASK = ParamSpec("int8_mask", False, "global", kind="bool",
-                      doc="accepted for mergekit compatibility; only changes mergekit's mask dtype (no numerical effect)")
-GAMMA = ParamSpec("gamma", 0.01, "expert", lo=0.0, hi=1.0, hi_open=True, doc="fraction of largest magnitudes dropped as outliers")
-EPSILON = ParamSpec("epsilon", 0.15, "expert", lo=0.0, hi=1.0,
-                    doc="keep probabilities run from density-epsilon to density+epsilon by magnitude rank")
+INT8_MASK = ParamSpec(
+    "int8_mask",
+    False,
+    "global",
+    kind="bool",
+    doc="accepted for mergekit compatibility; only changes mergekit's mask dtype (no numerical effect)",
+)
+GAMMA = ParamSpec(
+    "gamma", 0.01, "expert", lo=0.0, hi=1.0, hi_open=True, doc="fraction of largest magnitudes dropped as outliers"
+)
+EPSILON = ParamSpec(
+    "epsilon",
+    0.15,
+    "expert",
+    lo=0.0,
+    hi=1.0,
+    doc="keep probabilities run from density-epsilon to density+epsilon by magnitude rank",
+)
 T = ParamSpec("t", None, "global", lo=0.0, hi=1.0, doc="interpolation position: 0 = base, 1 = expert")
 FILTER_WISE = ParamSpec("filter_wise", False, "global", kind="bool", doc="one ratio per row (last-dim vector)")
 NUSLERP_FLATTEN = ParamSpec("nuslerp_flatten", True, "global", kind="bool", doc="treat each tensor as one vector")
-NUSLERP_ROW_WISE = ParamSpec("nuslerp_row_wise", False, "global", kind="bool",
-                             doc="with nuslerp_flatten=false: interpolate columns instead of rows (not supported)")
+NUSLERP_ROW_WISE = ParamSpec(
+    "nuslerp_row_wise",
+    False,
+    "global",
+    kind="bool",
+    doc="with nuslerp_flatten=false: interpolate columns instead of rows (not supported)",
+)
 
 
 def _normalize(default: bool) -> ParamSpec:
@@ -187,34 +206,123 @@ def register(spec: MethodSpec) -> MethodSpec:
     return spec
 
 
-register(MethodSpec("linear", "none", None, (WEIGHT, _normalize(True)), kind="linear",
-                    paper="Model soups (Wortsman et al., 2022, arXiv:2203.05482)"))
-register(MethodSpec("task_arithmetic", "none", None, (WEIGHT, LAMBDA, _normalize(False), INT8_MASK),
-                    paper="Task arithmetic (Ilharco et al., 2023, arXiv:2212.04089)"))
-register(MethodSpec("ties", "magnitude", "sum", (WEIGHT, DENSITY, LAMBDA, _normalize(True), _rescale(False), INT8_MASK),
-                    paper="TIES-Merging (Yadav et al., 2023, arXiv:2306.01708)"))
-register(MethodSpec("dare_ties", "random", "sum", (WEIGHT, DENSITY, LAMBDA, _normalize(False), _rescale(True), INT8_MASK),
-                    paper="DARE (Yu et al., 2024, arXiv:2311.03099) with TIES sign consensus"))
-register(MethodSpec("dare_linear", "random", None, (WEIGHT, DENSITY, LAMBDA, _normalize(False), _rescale(True), INT8_MASK),
-                    paper="DARE (Yu et al., 2024, arXiv:2311.03099)"))
-register(MethodSpec("breadcrumbs", "outliers", None,
-                    (WEIGHT, DENSITY, GAMMA, LAMBDA, _normalize(False), _rescale(False), INT8_MASK),
-                    paper="Model Breadcrumbs (Davari & Belilovsky, 2023, arXiv:2312.06795)"))
-register(MethodSpec("breadcrumbs_ties", "outliers", "sum",
-                    (WEIGHT, DENSITY, GAMMA, LAMBDA, _normalize(False), _rescale(False), INT8_MASK),
-                    paper="Model Breadcrumbs (arXiv:2312.06795) with TIES sign consensus"))
-register(MethodSpec("della", "della", "sum",
-                    (WEIGHT, DENSITY, EPSILON, LAMBDA, _normalize(True), _rescale(True), INT8_MASK),
-                    paper="DELLA-Merging (Deep et al., 2024, arXiv:2406.11617)"))
-register(MethodSpec("della_linear", "della", None,
-                    (WEIGHT, DENSITY, EPSILON, LAMBDA, _normalize(False), _rescale(True), INT8_MASK),
-                    paper="DELLA-Merging (Deep et al., 2024, arXiv:2406.11617), no sign consensus"))
-register(MethodSpec("model_stock", "none", None, (FILTER_WISE,), kind="model_stock", min_experts=2,
-                    paper="Model Stock (Jang et al., 2024, arXiv:2403.19522)"))
-register(MethodSpec("slerp", "none", None, (T,), kind="slerp", min_experts=1, max_experts=1,
-                    paper="Spherical linear interpolation (Shoemake, 1985)"))
-register(MethodSpec("nuslerp", "none", None, (WEIGHT, NUSLERP_FLATTEN, NUSLERP_ROW_WISE), kind="nuslerp",
-                    min_experts=2, max_experts=2, paper="mergekit's NuSLERP (slerp of two task vectors)"))
+register(
+    MethodSpec(
+        "linear",
+        "none",
+        None,
+        (WEIGHT, _normalize(True)),
+        kind="linear",
+        paper="Model soups (Wortsman et al., 2022, arXiv:2203.05482)",
+    )
+)
+register(
+    MethodSpec(
+        "task_arithmetic",
+        "none",
+        None,
+        (WEIGHT, LAMBDA, _normalize(False), INT8_MASK),
+        paper="Task arithmetic (Ilharco et al., 2023, arXiv:2212.04089)",
+    )
+)
+register(
+    MethodSpec(
+        "ties",
+        "magnitude",
+        "sum",
+        (WEIGHT, DENSITY, LAMBDA, _normalize(True), _rescale(False), INT8_MASK),
+        paper="TIES-Merging (Yadav et al., 2023, arXiv:2306.01708)",
+    )
+)
+register(
+    MethodSpec(
+        "dare_ties",
+        "random",
+        "sum",
+        (WEIGHT, DENSITY, LAMBDA, _normalize(False), _rescale(True), INT8_MASK),
+        paper="DARE (Yu et al., 2024, arXiv:2311.03099) with TIES sign consensus",
+    )
+)
+register(
+    MethodSpec(
+        "dare_linear",
+        "random",
+        None,
+        (WEIGHT, DENSITY, LAMBDA, _normalize(False), _rescale(True), INT8_MASK),
+        paper="DARE (Yu et al., 2024, arXiv:2311.03099)",
+    )
+)
+register(
+    MethodSpec(
+        "breadcrumbs",
+        "outliers",
+        None,
+        (WEIGHT, DENSITY, GAMMA, LAMBDA, _normalize(False), _rescale(False), INT8_MASK),
+        paper="Model Breadcrumbs (Davari & Belilovsky, 2023, arXiv:2312.06795)",
+    )
+)
+register(
+    MethodSpec(
+        "breadcrumbs_ties",
+        "outliers",
+        "sum",
+        (WEIGHT, DENSITY, GAMMA, LAMBDA, _normalize(False), _rescale(False), INT8_MASK),
+        paper="Model Breadcrumbs (arXiv:2312.06795) with TIES sign consensus",
+    )
+)
+register(
+    MethodSpec(
+        "della",
+        "della",
+        "sum",
+        (WEIGHT, DENSITY, EPSILON, LAMBDA, _normalize(True), _rescale(True), INT8_MASK),
+        paper="DELLA-Merging (Deep et al., 2024, arXiv:2406.11617)",
+    )
+)
+register(
+    MethodSpec(
+        "della_linear",
+        "della",
+        None,
+        (WEIGHT, DENSITY, EPSILON, LAMBDA, _normalize(False), _rescale(True), INT8_MASK),
+        paper="DELLA-Merging (Deep et al., 2024, arXiv:2406.11617), no sign consensus",
+    )
+)
+register(
+    MethodSpec(
+        "model_stock",
+        "none",
+        None,
+        (FILTER_WISE,),
+        kind="model_stock",
+        min_experts=2,
+        paper="Model Stock (Jang et al., 2024, arXiv:2403.19522)",
+    )
+)
+register(
+    MethodSpec(
+        "slerp",
+        "none",
+        None,
+        (T,),
+        kind="slerp",
+        min_experts=1,
+        max_experts=1,
+        paper="Spherical linear interpolation (Shoemake, 1985)",
+    )
+)
+register(
+    MethodSpec(
+        "nuslerp",
+        "none",
+        None,
+        (WEIGHT, NUSLERP_FLATTEN, NUSLERP_ROW_WISE),
+        kind="nuslerp",
+        min_experts=2,
+        max_experts=2,
+        paper="mergekit's NuSLERP (slerp of two task vectors)",
+    )
+)
 
 
 def method_names() -> tuple[str, ...]:

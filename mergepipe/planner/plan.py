@@ -164,7 +164,8 @@ class Plan(BaseModel):
     digest: str = ""
 
     NON_SEMANTIC: ClassVar[frozenset] = frozenset(
-        {"created_at", "mergepipe_version", "explain", "digest", "requested_dtype", "source"})
+        {"created_at", "mergepipe_version", "explain", "digest", "requested_dtype", "source"}
+    )
 
     def semantic_json(self) -> str:
         d = self.model_dump(mode="json", exclude=set(self.NON_SEMANTIC))

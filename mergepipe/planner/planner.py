@@ -87,8 +87,9 @@ EXTRA_FILES = (
 )
 
 
-def chunk_rows(info: TensorInfo, rpb: int, n_experts: int, work_bytes: int, extra_per_elem: int = 0,
-               floats: int | None = None) -> int:
+def chunk_rows(
+    info: TensorInfo, rpb: int, n_experts: int, work_bytes: int, extra_per_elem: int = 0, floats: int | None = None
+) -> int:
     """Rows the engine processes at once: a multiple of ``rpb`` such that the float32 working
     set (``floats`` arrays per element, :func:`mergepipe.methods.kernels.work_floats`; default
     ``K + 3``: ``floats * rows * row_numel * 4`` bytes, plus ``extra_per_elem`` bytes per
@@ -235,12 +236,18 @@ def make_plan(
     if value not in ("energy", "fisher"):
         raise InputError(f"--value {value!r}: use 'energy' or 'fisher'.")
     if value == "fisher" and (sensitivity is None or not calibration):
-        raise InputError("--value fisher needs the base's sensitivity on a calibration set; pass --calibration FILE.jsonl.")
+        raise InputError(
+            "--value fisher needs the base's sensitivity on a calibration set; pass --calibration FILE.jsonl."
+        )
     f_floor = 0.0
     if value == "fisher":
         # blocks the calibration text never exercised (F = 0, e.g. unseen token rows) keep a
         # tiny value: read last, and always at unlimited budget (the output must not change)
-        allf = np.concatenate([np.asarray(v, dtype=np.float64) for v in sensitivity.values()]) if sensitivity else np.zeros(1)
+        allf = (
+            np.concatenate([np.asarray(v, dtype=np.float64) for v in sensitivity.values()])
+            if sensitivity
+            else np.zeros(1)
+        )
         f_floor = 1e-6 * float(allf.mean()) if allf.size and allf.mean() > 0 else 1e-30
     spec = get_method(method)
     if len(params.experts) != K:
@@ -266,8 +273,16 @@ def make_plan(
             cr = max(rpb, -(-bt.rows // rpb) * rpb)  # a 1-D tensor is one row: one chunk
         weights = [float(e.get("weight", 1.0)) for e in eps]
         tp = TensorPlan(
-            name=name, dtype=bt.dtype, shape=list(bt.shape), file=bt.file, start=bt.start, rows_per_block=rpb,
-            n_blocks=n_blocks(bt, block_bytes), chunk_rows=cr, params=g, weight_sum=float(sum(weights)),
+            name=name,
+            dtype=bt.dtype,
+            shape=list(bt.shape),
+            file=bt.file,
+            start=bt.start,
+            rows_per_block=rpb,
+            n_blocks=n_blocks(bt, block_bytes),
+            chunk_rows=cr,
+            params=g,
+            weight_sum=float(sum(weights)),
             out_dtype=(out_dtype if floating and out_dtype and out_dtype != bt.dtype else None),
             base_sha256=(base_digests or {}).get(name, ""),
         )
@@ -352,19 +367,35 @@ def make_plan(
             if value == "fisher":
                 fb = sensitivity.get(name) if sensitivity else None
                 if fb is None or len(fb) != len(val):
-                    raise InputError(f"catalog: the sensitivity statistic lacks tensor {name!r} on this block grid; "
-                                     "re-run `mergepipe analyze --calibration ...`.")
+                    raise InputError(
+                        f"catalog: the sensitivity statistic lacks tensor {name!r} on this block grid; "
+                        "re-run `mergepipe analyze --calibration ...`."
+                    )
                 val = val * (np.asarray(fb, dtype=np.float64) + f_floor)
             et = e.layout.tensors[name]
-            cost = (np.minimum((np.arange(st.n_blocks) + 1) * rpb, et.rows) - np.arange(st.n_blocks) * rpb) * et.row_bytes
+            cost = (
+                np.minimum((np.arange(st.n_blocks) + 1) * rpb, et.rows) - np.arange(st.n_blocks) * rpb
+            ) * et.row_bytes
             cands.append(_Cand(ti, i, val, val.copy(), cost.astype(np.int64), passes))
             tp.experts.append(
-                TensorExpert(expert=i, file=et.file, start=et.start, weight=weights[i] if weights else 1.0,
-                             density=dens, gamma=float(ep.get("gamma", 0.0)), epsilon=float(ep.get("epsilon", 0.0)),
-                             min_key=int(mk), max_key=int(xk), stream_key=stream_key(seed, i, name), blocks=[],
-                             exact_rank=max(0, ranks[i]),
-                             exact_rank_hi=(windows[i] or (0, 0, 0, 0))[3],
-                             bytes=0, kept_energy=0.0, full_energy=float(val.sum()))
+                TensorExpert(
+                    expert=i,
+                    file=et.file,
+                    start=et.start,
+                    weight=weights[i] if weights else 1.0,
+                    density=dens,
+                    gamma=float(ep.get("gamma", 0.0)),
+                    epsilon=float(ep.get("epsilon", 0.0)),
+                    min_key=int(mk),
+                    max_key=int(xk),
+                    stream_key=stream_key(seed, i, name),
+                    blocks=[],
+                    exact_rank=max(0, ranks[i]),
+                    exact_rank_hi=(windows[i] or (0, 0, 0, 0))[3],
+                    bytes=0,
+                    kept_energy=0.0,
+                    full_energy=float(val.sum()),
+                )
             )
 
     # --- selection -------------------------------------------------------------------------
@@ -403,7 +434,8 @@ def make_plan(
     if expert_read != int(costs[selected].sum()) or (budget_bytes is not None and expert_read > budget_bytes):
         raise RuntimeError(  # a defect in _select, never bad input
             f"planner: selection costs {expert_read} B coalesced vs {int(costs[selected].sum())} B by blocks "
-            f"(budget {budget_bytes}); please report this.")
+            f"(budget {budget_bytes}); please report this."
+        )
 
     # --- assemble --------------------------------------------------------------------------
     for j, c in enumerate(cands):
@@ -431,7 +463,9 @@ def make_plan(
 
     out_bytes = base.layout.total_bytes + sum(
         (DTYPES[tp.out_dtype][0] - DTYPES[tp.dtype][0]) * int(np.prod(tp.shape, dtype=np.int64))
-        for tp in tensors if tp.out_dtype and tp.out_dtype != tp.dtype)
+        for tp in tensors
+        if tp.out_dtype and tp.out_dtype != tp.dtype
+    )
     names = list(expert_names) if expert_names else [e.uri.rstrip("/").rsplit("/", 1)[-1] for e in experts]
     plan = Plan(
         method=method,
@@ -442,8 +476,15 @@ def make_plan(
         work_bytes=work_bytes,
         base=InputRef(uri=base.uri, identity=base.identity, signature=base.signature, total_bytes=base.total_bytes),
         experts=[
-            ExpertRef(uri=e.uri, identity=e.identity, signature=e.signature, total_bytes=e.total_bytes,
-                      name=names[i], params=params.experts[i], content_digest=_content_digest(analyses[i]))
+            ExpertRef(
+                uri=e.uri,
+                identity=e.identity,
+                signature=e.signature,
+                total_bytes=e.total_bytes,
+                name=names[i],
+                params=params.experts[i],
+                content_digest=_content_digest(analyses[i]),
+            )
             for i, e in enumerate(experts)
         ],
         budget_bytes=budget_bytes,
@@ -497,9 +538,17 @@ def _greedy_order(values: np.ndarray, costs: np.ndarray) -> np.ndarray:
     return useful[np.lexsort((useful, -(values[useful] / np.maximum(costs[useful], 1))))]
 
 
-def _select(values: np.ndarray, costs: np.ndarray, cost1: np.ndarray, cand_of: np.ndarray, gap: int,
-            budget: int | None, fidelity: float | None, fill: bool = True,
-            order: np.ndarray | None = None) -> np.ndarray:
+def _select(
+    values: np.ndarray,
+    costs: np.ndarray,
+    cost1: np.ndarray,
+    cand_of: np.ndarray,
+    gap: int,
+    budget: int | None,
+    fidelity: float | None,
+    fill: bool = True,
+    order: np.ndarray | None = None,
+) -> np.ndarray:
     """Greedy knapsack over flattened (expert, tensor, block) candidates.
 
     Args:
@@ -597,15 +646,21 @@ def _select(values: np.ndarray, costs: np.ndarray, cost1: np.ndarray, cand_of: n
     return selected
 
 
-
 #: A plan reads with the storage's coalescing gap (fewer, larger requests) only when closing
 #: gaps costs at most this share of the value (or adds at most this share of bytes) compared with
 #: exact reads (gap 0); otherwise with a smaller gap, down to 0.
 GAP_TOLERANCE = 0.01
 
 
-def _select_gap(values: np.ndarray, costs: np.ndarray, cost1: np.ndarray, cand_of: np.ndarray, gap: int,
-                budget: int | None, fidelity: float | None) -> tuple[np.ndarray, int]:
+def _select_gap(
+    values: np.ndarray,
+    costs: np.ndarray,
+    cost1: np.ndarray,
+    cand_of: np.ndarray,
+    gap: int,
+    budget: int | None,
+    fidelity: float | None,
+) -> tuple[np.ndarray, int]:
     """:func:`_select` with the largest coalescing gap among ``gap, gap/2, gap/4, …`` (down to
     one block) and 0 whose selection keeps at least ``1 − GAP_TOLERANCE`` of the value of the
     exact-read selection (gap 0) and reads at most ``1 + GAP_TOLERANCE`` times its bytes.
@@ -641,8 +696,9 @@ def _content_digest(a: Analysis) -> str:
     ).hexdigest()
 
 
-def _coefficients(spec, g: dict, tp: TensorPlan, stats: list, weights: list[float], gram, name: str,
-                  K: int) -> list[float]:
+def _coefficients(
+    spec, g: dict, tp: TensorPlan, stats: list, weights: list[float], gram, name: str, K: int
+) -> list[float]:
     """Per-expert coefficient of the task vector in the output (interpolating methods), and
     ``tp.derived`` filled with what the engine needs. From whole-tensor catalog statistics."""
     if spec.kind == "slerp":
@@ -687,21 +743,32 @@ def _explain_tensor(tp: TensorPlan, spec, names: list[str]) -> str:
     head = ""
     d = tp.derived
     if spec.kind == "slerp":
-        head = (f"slerp t={tp.params['t']:g}: {d['c_base']:.6g}·base + {d['c_expert']:.6g}·expert (coefficients "
-                "from the catalog's whole-tensor norms and dot product); ")
+        head = (
+            f"slerp t={tp.params['t']:g}: {d['c_base']:.6g}·base + {d['c_expert']:.6g}·expert (coefficients "
+            "from the catalog's whole-tensor norms and dot product); "
+        )
     elif spec.kind == "model_stock":
-        head = ("model_stock filter_wise: per-row ratio computed by the engine from the rows it reads (unread rows "
-                "count as δ = 0); " if tp.params.get("filter_wise") else
-                f"model_stock t={d['t']:.6g} from the catalog's pairwise cosines; ")
+        head = (
+            "model_stock filter_wise: per-row ratio computed by the engine from the rows it reads (unread rows "
+            "count as δ = 0); "
+            if tp.params.get("filter_wise")
+            else f"model_stock t={d['t']:.6g} from the catalog's pairwise cosines; "
+        )
     elif spec.kind == "nuslerp":
-        head = (f"nuslerp t={d['t']:.6g}: coefficients from the catalog's norms and ⟨δ₀,δ₁⟩; " if "a" in d else
-                f"nuslerp t={d['t']:.6g}: per-row coefficients computed by the engine from the rows it reads; ")
+        head = (
+            f"nuslerp t={d['t']:.6g}: coefficients from the catalog's norms and ⟨δ₀,δ₁⟩; "
+            if "a" in d
+            else f"nuslerp t={d['t']:.6g}: per-row coefficients computed by the engine from the rows it reads; "
+        )
     elif spec.sparsify == "della":
         head = "della: per-row magnitude ranks computed by the engine from the rows it reads; "
     if not parts:
         return head + "no expert block selected"
-    extra = f" ({tp.passes - 1} pre-pass(es) over the tensor: L1 rescale or exact threshold; expert blocks read {tp.passes}x)" \
-        if tp.passes > 1 else ""
+    extra = (
+        f" ({tp.passes - 1} pre-pass(es) over the tensor: L1 rescale or exact threshold; expert blocks read {tp.passes}x)"
+        if tp.passes > 1
+        else ""
+    )
     return head + "; ".join(parts) + extra
 
 
@@ -710,16 +777,20 @@ def _explain_plan(plan: Plan, seconds: float) -> str:
     b = "unlimited" if plan.budget_bytes is None else f"{plan.budget_bytes:,} B"
     dt = ""
     if plan.requested_dtype:
-        dt = (f" Arithmetic in float32 (the config's dtype {plan.requested_dtype} is recorded; mergepipe always "
-              "computes in float32).")
+        dt = (
+            f" Arithmetic in float32 (the config's dtype {plan.requested_dtype} is recorded; mergepipe always "
+            "computes in float32)."
+        )
     if plan.out_dtype:
         dt += f" Floating outputs written as {plan.out_dtype}."
     dist = ""
     if plan.retained_energy < 1.0 - 1e-9:  # (a full selection can sum to 1 - 1 ulp)
-        dist = (f" Estimated distance to the full-budget merge: √(1 − E) = "
-                f"{math.sqrt(max(0.0, 1.0 - plan.retained_energy)):.1%} of its task vector's norm (exact for one "
-                "expert under a linear method; cross terms between experts' task vectors and TIES's "
-                "normalization change it: measured 1.0-1.3x this on the demo zoo, see docs/QUALITY.md).")
+        dist = (
+            f" Estimated distance to the full-budget merge: √(1 − E) = "
+            f"{math.sqrt(max(0.0, 1.0 - plan.retained_energy)):.1%} of its task vector's norm (exact for one "
+            "expert under a linear method; cross terms between experts' task vectors and TIES's "
+            "normalization change it: measured 1.0-1.3x this on the demo zoo, see docs/QUALITY.md)."
+        )
     return (
         f"{plan.method} over {len(plan.experts)} experts: reads {plan.io.expert_read_bytes:,} of "
         f"{plan.expert_bytes_total:,} expert bytes (budget {b}), retaining {plan.retained_energy:.2%} "

@@ -55,8 +55,10 @@ class Objective:
         name, _, sense = text.strip().partition("@")
         sense = sense or "min"
         if not name or sense not in ("min", "max"):
-            raise InputError(f"--objective {text!r}: expected a metric name, optionally with @min or @max "
-                             "(e.g. loss:python, accuracy@max).")
+            raise InputError(
+                f"--objective {text!r}: expected a metric name, optionally with @min or @max "
+                "(e.g. loss:python, accuracy@max)."
+            )
         return cls(name, sense)
 
     def to_min(self, v: float) -> float:
@@ -77,8 +79,10 @@ def objective_values(objectives: Sequence[Objective], metrics: dict) -> list[flo
     out = []
     for o in objectives:
         if o.metric not in metrics:
-            raise MissingObjective(f"--objective {o}: the evaluator did not produce metric {o.metric!r}; it printed "
-                                   f"{sorted(metrics)}. Name one of those, or fix the evaluator.")
+            raise MissingObjective(
+                f"--objective {o}: the evaluator did not produce metric {o.metric!r}; it printed "
+                f"{sorted(metrics)}. Name one of those, or fix the evaluator."
+            )
         try:
             v = float(metrics[o.metric])
         except (TypeError, ValueError):
@@ -118,8 +122,15 @@ class ZooEvaluator(Evaluator):
         max_batches: score only the first ``max_batches`` batches per domain (faster).
     """
 
-    def __init__(self, domains: Sequence[str] | None = None, *, tiny: bool = False, zoo_root: str | None = None,
-                 max_batches: int | None = None, timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        domains: Sequence[str] | None = None,
+        *,
+        tiny: bool = False,
+        zoo_root: str | None = None,
+        max_batches: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
         from mergepipe_zoo import DOMAINS
 
         self.domains = list(domains or DOMAINS)
@@ -134,8 +145,9 @@ class ZooEvaluator(Evaluator):
         if self._zoo is None:
             from mergepipe_zoo import ZooConfig, build_zoo
 
-            self._zoo = build_zoo(Path(self.zoo_root) if self.zoo_root else None,
-                                  ZooConfig.tiny() if self.tiny else ZooConfig())
+            self._zoo = build_zoo(
+                Path(self.zoo_root) if self.zoo_root else None, ZooConfig.tiny() if self.tiny else ZooConfig()
+            )
         return self._zoo
 
     def metrics(self, checkpoint: str | Path) -> dict[str, float]:
@@ -148,8 +160,14 @@ class ZooEvaluator(Evaluator):
         return [f"loss:{d}" for d in self.domains]
 
     def spec(self) -> dict:
-        return {"kind": "zoo", "domains": self.domains, "tiny": self.tiny, "zoo_root": self.zoo_root,
-                "max_batches": self.max_batches, "timeout": self.timeout}
+        return {
+            "kind": "zoo",
+            "domains": self.domains,
+            "tiny": self.tiny,
+            "zoo_root": self.zoo_root,
+            "max_batches": self.max_batches,
+            "timeout": self.timeout,
+        }
 
 
 class CommandEvaluator(Evaluator):
@@ -182,8 +200,9 @@ class CommandEvaluator(Evaluator):
     def metrics(self, checkpoint: str | Path) -> dict[str, float]:
         argv = self.argv(checkpoint)
         try:
-            p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 start_new_session=True)
+            p = subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+            )
         except OSError as e:
             raise EvaluationFailed(f"cannot start {argv[0]!r}: {e.strerror}") from None
         try:
@@ -194,7 +213,9 @@ class CommandEvaluator(Evaluator):
             except ProcessLookupError:
                 pass
             p.communicate()
-            raise EvaluationFailed(f"timeout: the evaluator ran longer than {self.timeout:g} s and was killed") from None
+            raise EvaluationFailed(
+                f"timeout: the evaluator ran longer than {self.timeout:g} s and was killed"
+            ) from None
         if p.returncode != 0:
             tail = " | ".join(err.strip().splitlines()[-3:])
             raise EvaluationFailed(f"the evaluator exited with code {p.returncode}: {tail}")
@@ -207,8 +228,9 @@ class CommandEvaluator(Evaluator):
                     continue
                 if isinstance(obj, dict):
                     return obj
-        raise EvaluationFailed("the evaluator printed no JSON object of metrics on stdout "
-                               f"(last output: {out.strip()[-200:]!r})")
+        raise EvaluationFailed(
+            f"the evaluator printed no JSON object of metrics on stdout (last output: {out.strip()[-200:]!r})"
+        )
 
     def spec(self) -> dict:
         return {"kind": "command", "command": self.command, "timeout": self.timeout}
@@ -217,8 +239,9 @@ class CommandEvaluator(Evaluator):
 class CallableEvaluator(Evaluator):
     """A Python function ``fn(checkpoint: Path) -> {metric: value}`` (in-process)."""
 
-    def __init__(self, fn: Callable[[Path], dict], timeout: float | None = None,
-                 known: Sequence[str] | None = None) -> None:
+    def __init__(
+        self, fn: Callable[[Path], dict], timeout: float | None = None, known: Sequence[str] | None = None
+    ) -> None:
         self.fn, self.timeout, self._known = fn, timeout, list(known) if known else None
 
     def metrics(self, checkpoint: str | Path) -> dict[str, float]:
@@ -235,11 +258,18 @@ def evaluator_from_spec(spec: dict | None) -> Evaluator:
         InputError: the state records none (a Python-function evaluator: pass it again).
     """
     if not spec:
-        raise InputError("the search state records no rebuildable evaluator (it was a Python function); "
-                         "pass the evaluator again to resume.")
+        raise InputError(
+            "the search state records no rebuildable evaluator (it was a Python function); "
+            "pass the evaluator again to resume."
+        )
     if spec["kind"] == "zoo":
-        return ZooEvaluator(spec["domains"], tiny=spec["tiny"], zoo_root=spec["zoo_root"],
-                            max_batches=spec["max_batches"], timeout=spec.get("timeout"))
+        return ZooEvaluator(
+            spec["domains"],
+            tiny=spec["tiny"],
+            zoo_root=spec["zoo_root"],
+            max_batches=spec["max_batches"],
+            timeout=spec.get("timeout"),
+        )
     return CommandEvaluator(spec["command"], spec.get("timeout"))
 
 
@@ -262,8 +292,9 @@ def call_with_timeout(fn: Callable[[], dict], timeout: float | None) -> dict:
     t.start()
     t.join(timeout)
     if t.is_alive():
-        raise EvaluationFailed(f"timeout: the evaluation ran longer than {timeout:g} s "
-                               f"(abandoned after {time.monotonic() - t0:.1f} s)")
+        raise EvaluationFailed(
+            f"timeout: the evaluation ran longer than {timeout:g} s (abandoned after {time.monotonic() - t0:.1f} s)"
+        )
     if "e" in box:
         raise box["e"]
     return box["r"]

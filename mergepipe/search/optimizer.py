@@ -106,8 +106,7 @@ def _kernel(d: int, multipliers: Sequence[float] | None):
         return None
     loc = torch.tensor([SQRT2 + 0.5 * math.log(d) + math.log(m) for m in multipliers], dtype=torch.float64)
     prior = LogNormalPrior(loc=loc, scale=torch.full_like(loc, SQRT3))
-    k = RBFKernel(ard_num_dims=d, lengthscale_prior=prior,
-                  lengthscale_constraint=GreaterThan(2.5e-2, transform=None))
+    k = RBFKernel(ard_num_dims=d, lengthscale_prior=prior, lengthscale_constraint=GreaterThan(2.5e-2, transform=None))
     k = k.to(torch.float64)
     k.lengthscale = torch.exp(loc - SQRT3**2).view(1, d)
     return k
@@ -126,13 +125,15 @@ def fit_model(X, Y, multipliers: Sequence[float] | None = None):
     Yn = -torch.as_tensor(Y, dtype=torch.float64)
     models = []
     for k in range(Yn.shape[1]):
-        gp = SingleTaskGP(X, Yn[:, k : k + 1], covar_module=_kernel(X.shape[1], multipliers),
-                          outcome_transform=Standardize(m=1))
+        gp = SingleTaskGP(
+            X, Yn[:, k : k + 1], covar_module=_kernel(X.shape[1], multipliers), outcome_transform=Standardize(m=1)
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                fit_gpytorch_mll(ExactMarginalLogLikelihood(gp.likelihood, gp),
-                                 optimizer_kwargs={"options": {"maxiter": 75}})
+                fit_gpytorch_mll(
+                    ExactMarginalLogLikelihood(gp.likelihood, gp), optimizer_kwargs={"options": {"maxiter": 75}}
+                )
             except Exception:  # noqa: BLE001 - a failed fit keeps the prior's hyperparameters
                 pass
         models.append(gp)
@@ -148,15 +149,31 @@ def _acqf(model, X, ref, X_pending=None):
     from botorch.sampling.normal import SobolQMCNormalSampler
 
     return qLogNoisyExpectedHypervolumeImprovement(
-        model=model, ref_point=(-torch.as_tensor(ref, dtype=torch.float64)).tolist(),
-        X_baseline=torch.as_tensor(X, dtype=torch.float64), X_pending=X_pending, prune_baseline=True,
-        sampler=SobolQMCNormalSampler(sample_shape=torch.Size([MC_SAMPLES])), cache_root=False)
+        model=model,
+        ref_point=(-torch.as_tensor(ref, dtype=torch.float64)).tolist(),
+        X_baseline=torch.as_tensor(X, dtype=torch.float64),
+        X_pending=X_pending,
+        prune_baseline=True,
+        sampler=SobolQMCNormalSampler(sample_shape=torch.Size([MC_SAMPLES])),
+        cache_root=False,
+    )
 
 
-def propose(X: Sequence[Sequence[float]], Y: Sequence[Sequence[float]], ref: Sequence[float], *,
-            pending: Sequence[Sequence[float]] = (), avoid: Sequence[Sequence[float]] = (),
-            multipliers: Sequence[float] | None = None, rerank: bool = True, q: int = 1, seed: int = 0,
-            restarts: int = 4, raw_samples: int = 64, pool_random: int = 64) -> tuple[list[list[float]], dict]:
+def propose(
+    X: Sequence[Sequence[float]],
+    Y: Sequence[Sequence[float]],
+    ref: Sequence[float],
+    *,
+    pending: Sequence[Sequence[float]] = (),
+    avoid: Sequence[Sequence[float]] = (),
+    multipliers: Sequence[float] | None = None,
+    rerank: bool = True,
+    q: int = 1,
+    seed: int = 0,
+    restarts: int = 4,
+    raw_samples: int = 64,
+    pool_random: int = 64,
+) -> tuple[list[list[float]], dict]:
     """Propose ``q`` new points of ``[0, 1]^d``.
 
     Args:
@@ -198,14 +215,16 @@ def _propose(X, Y, ref, pending, avoid, multipliers, rerank, q, seed, restarts, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if q > 1 or not rerank:
-            cand, val = optimize_acqf(acq, bounds, q=q, num_restarts=restarts, raw_samples=raw_samples,
-                                      sequential=True, options=opts)
+            cand, val = optimize_acqf(
+                acq, bounds, q=q, num_restarts=restarts, raw_samples=raw_samples, sequential=True, options=opts
+            )
             return cand.detach().clamp(0, 1).tolist(), {"acq": float(val.sum()) if val.numel() else None}
-        cand, vals = optimize_acqf(acq, bounds, q=1, num_restarts=restarts, raw_samples=raw_samples,
-                                   return_best_only=False, options=opts)
+        cand, vals = optimize_acqf(
+            acq, bounds, q=1, num_restarts=restarts, raw_samples=raw_samples, return_best_only=False, options=opts
+        )
         pool = torch.cat([cand.view(-1, d), torch.rand(pool_random, d, dtype=torch.float64)])
         with torch.no_grad():
-            a = torch.cat([vals.view(-1), acq(pool[cand.shape[0]:].unsqueeze(1)).view(-1)])
+            a = torch.cat([vals.view(-1), acq(pool[cand.shape[0] :].unsqueeze(1)).view(-1)])
             mean = -model.posterior(pool).mean  # [P, m] minimised
             pend_mean = -model.posterior(Xp).mean if Xp is not None else None
     a = torch.nan_to_num(a, nan=-1e9, neginf=-1e9)
@@ -221,13 +240,21 @@ def _propose(X, Y, ref, pending, avoid, multipliers, rerank, q, seed, restarts, 
     dominated = ((fn.unsqueeze(0) <= mn.unsqueeze(1)).all(-1)).any(-1)
     gap = torch.where(dominated, 0.5 * gap, gap)
     gn = gap / gap.max() if float(gap.max()) > 0 else gap
-    near = [Xt] + ([Xp] if Xp is not None else []) + ([torch.as_tensor(avoid, dtype=torch.float64).view(-1, d)]
-                                                      if len(avoid) else [])
+    near = (
+        [Xt]
+        + ([Xp] if Xp is not None else [])
+        + ([torch.as_tensor(avoid, dtype=torch.float64).view(-1, d)] if len(avoid) else [])
+    )
     h = 0.1 * math.sqrt(d)
-    prox = torch.exp(-torch.cdist(pool, torch.cat(near)).min(1).values ** 2 / (2 * h * h))
+    prox = torch.exp(-(torch.cdist(pool, torch.cat(near)).min(1).values ** 2) / (2 * h * h))
     score = an + 0.25 * gn - 0.5 * prox
     i = int(score.argmax())
-    info = {"acq": round(float(a[i]), 6), "acq_norm": round(float(an[i]), 4), "gap": round(float(gn[i]), 4),
-            "proximity": round(float(prox[i]), 4), "pool": int(pool.shape[0]),
-            "from_restart": i < cand.shape[0]}
+    info = {
+        "acq": round(float(a[i]), 6),
+        "acq_norm": round(float(an[i]), 4),
+        "gap": round(float(gn[i]), 4),
+        "proximity": round(float(prox[i]), 4),
+        "pool": int(pool.shape[0]),
+        "from_restart": i < cand.shape[0],
+    }
     return [pool[i].clamp(0, 1).tolist()], info

@@ -58,8 +58,12 @@ class Prior:
             self.multipliers = lengthscale_multipliers(self.param, self.activation)
 
     def to_json(self) -> dict:
-        return {"labels": self.labels, "param": self.param, "activation": self.activation,
-                "multipliers": self.multipliers}
+        return {
+            "labels": self.labels,
+            "param": self.param,
+            "activation": self.activation,
+            "multipliers": self.multipliers,
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> Prior:
@@ -81,7 +85,7 @@ def lengthscale_multipliers(param: Sequence[float], activation: Sequence[float] 
     if activation is not None:
         parts.append(_gnorm(activation))
     rel = [math.exp(sum(math.log(p[i]) for p in parts) / len(parts)) for i in range(len(param))]
-    m = [min(_CLIP, max(1 / _CLIP, r ** -0.5)) for r in rel]
+    m = [min(_CLIP, max(1 / _CLIP, r**-0.5)) for r in rel]
     return [round(x, 6) for x in _gnorm(m)]
 
 
@@ -96,6 +100,7 @@ def parameter_discrepancy(space: SearchSpace, tensor_stats: Sequence[dict]) -> l
     Returns:
         float per coordinate of ``space.dims``: ``Σ‖δ‖² / Σ‖θ_base‖²`` over the block's tensors.
     """
+
     def block_energy(stats: dict, layers: tuple[int, ...]) -> float:
         num = den = 0.0
         for name, s in stats.items():
@@ -169,8 +174,10 @@ def probe_ids(tokenizer_dir: str | Path, texts: Sequence[str], n_seq: int = 4, s
 
         tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     except Exception as e:  # noqa: BLE001 - any loading problem means "no usable tokenizer"
-        raise InputError(f"{tokenizer_dir}: no usable tokenizer for the activation prior ({type(e).__name__}); "
-                         "use --no-activation-prior or a base checkpoint with tokenizer files.") from None
+        raise InputError(
+            f"{tokenizer_dir}: no usable tokenizer for the activation prior ({type(e).__name__}); "
+            "use --no-activation-prior or a base checkpoint with tokenizer files."
+        ) from None
     ids = tok("\n".join(texts))["input_ids"]
     n = min(n_seq, len(ids) // seq_len)
     if n < 1:
@@ -178,13 +185,15 @@ def probe_ids(tokenizer_dir: str | Path, texts: Sequence[str], n_seq: int = 4, s
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
-def compute_prior(space: SearchSpace, tensor_stats: Sequence[dict], *, base_dir=None, expert_dirs=None,
-                  input_ids=None) -> Prior:
+def compute_prior(
+    space: SearchSpace, tensor_stats: Sequence[dict], *, base_dir=None, expert_dirs=None, input_ids=None
+) -> Prior:
     """The :class:`Prior` of ``space``: parameter discrepancy from the catalog statistics and,
     when ``input_ids`` is given, activation discrepancy from running base and experts."""
     param = parameter_discrepancy(space, tensor_stats)
     act = None
     if input_ids is not None:
         act = activation_discrepancy(space, hidden_state_discrepancy(base_dir, expert_dirs, input_ids))
-    return Prior([d.label for d in space.dims], [round(p, 9) for p in param],
-                 None if act is None else [round(a, 9) for a in act])
+    return Prior(
+        [d.label for d in space.dims], [round(p, 9) for p in param], None if act is None else [round(a, 9) for a in act]
+    )

@@ -120,10 +120,15 @@ class SearchConfig:
         from mergepipe.request import ExpertRequest, MergeRequest
 
         own = params.get("experts") or {}
-        return MergeRequest(base=self.base, method=self.method, parameters=dict(params.get("parameters") or {}),
-                            experts=[ExpertRequest(name=n, uri=u, parameters=dict(own.get(n) or {}))
-                                     for n, u in self.experts],
-                            budget=self.budget, seed=self.seed, output=output)
+        return MergeRequest(
+            base=self.base,
+            method=self.method,
+            parameters=dict(params.get("parameters") or {}),
+            experts=[ExpertRequest(name=n, uri=u, parameters=dict(own.get(n) or {})) for n, u in self.experts],
+            budget=self.budget,
+            seed=self.seed,
+            output=output,
+        )
 
     def check(self) -> None:
         """Raises InputError for counts and choices that cannot work (before anything is read)."""
@@ -132,8 +137,10 @@ class SearchConfig:
         if self.initial < 1:
             raise InputError(f"--initial {self.initial}: must be at least 1 (the Sobol design).")
         if self.evaluations < self.initial:
-            raise InputError(f"--evaluations {self.evaluations} is fewer than --initial {self.initial} design points; "
-                             "raise --evaluations or lower --initial.")
+            raise InputError(
+                f"--evaluations {self.evaluations} is fewer than --initial {self.initial} design points; "
+                "raise --evaluations or lower --initial."
+            )
         if self.workers < 1:
             raise InputError(f"--workers {self.workers}: must be at least 1.")
         if self.strategy not in STRATEGIES:
@@ -231,8 +238,14 @@ class _Abort(Exception):
 
 
 class _Search:
-    def __init__(self, out: Path, state: dict, evaluator: Evaluator, log: Callable[[str], None],
-                 merger: CandidateMerger | None = None) -> None:
+    def __init__(
+        self,
+        out: Path,
+        state: dict,
+        evaluator: Evaluator,
+        log: Callable[[str], None],
+        merger: CandidateMerger | None = None,
+    ) -> None:
         self.out, self.state, self.ev, self.log = out, state, evaluator, log
         self.merger = merger or LocalMerger()
         self.mirror: StateMirror | None = None
@@ -264,8 +277,9 @@ class _Search:
             self.mirror.put("results.json", (self.out / "results.json").read_bytes())
 
     def event(self, worker: int, kind: str, cand: int | None, t0: float, t1: float) -> None:
-        self.state["events"].append({"worker": worker, "kind": kind, "cand": cand, "t0": round(t0, 4),
-                                     "t1": round(t1, 4)})
+        self.state["events"].append(
+            {"worker": worker, "kind": kind, "cand": cand, "t0": round(t0, 4), "t1": round(t1, 4)}
+        )
 
     def catalog(self):
         if self._catalog is None:
@@ -273,10 +287,22 @@ class _Search:
         return self._catalog
 
     def _new(self, x, phase: str, info: dict | None = None) -> dict:
-        c = {"id": len(self.cands), "x": [round(float(v), 8) for v in x], "params": self.space.to_params(x),
-             "values": self.space.describe(x), "phase": phase, "status": "queued", "worker": None,
-             "snapshot": None, "manifest_hash": None, "metrics": None, "objectives": None, "error": None,
-             "proposal": info or {}, "times": {"proposed": time.time()}}
+        c = {
+            "id": len(self.cands),
+            "x": [round(float(v), 8) for v in x],
+            "params": self.space.to_params(x),
+            "values": self.space.describe(x),
+            "phase": phase,
+            "status": "queued",
+            "worker": None,
+            "snapshot": None,
+            "manifest_hash": None,
+            "metrics": None,
+            "objectives": None,
+            "error": None,
+            "proposal": info or {},
+            "times": {"proposed": time.time()},
+        }
         self.cands.append(c)
         return c
 
@@ -320,8 +346,16 @@ class _Search:
             xs, info = propose(X, Y, ref, avoid=failed, q=k, rerank=False, seed=self.cfg.seed * 7919 + n)
             return [self._new(x, "bo-batch", info) for x in xs]
         mult = self.state["prior"]["multipliers"] if (self.cfg.prior and self.state.get("prior")) else None
-        xs, info = propose(X, Y, ref, pending=pending, avoid=failed, multipliers=mult,
-                           rerank=self.cfg.prior, seed=self.cfg.seed * 7919 + n)
+        xs, info = propose(
+            X,
+            Y,
+            ref,
+            pending=pending,
+            avoid=failed,
+            multipliers=mult,
+            rerank=self.cfg.prior,
+            seed=self.cfg.seed * 7919 + n,
+        )
         info["n_pending"] = len(pending)
         info["pending_ids"] = pending_ids
         info["n_observed"] = len(X)
@@ -336,8 +370,11 @@ class _Search:
         try:
             while True:
                 with self.cv:
-                    while self.error is None and len(self.cands) < self.cfg.evaluations and \
-                            any(c["status"] == "queued" for c in self.cands):
+                    while (
+                        self.error is None
+                        and len(self.cands) < self.cfg.evaluations
+                        and any(c["status"] == "queued" for c in self.cands)
+                    ):
                         self.cv.wait(0.5)
                     if self.error is not None or len(self.cands) >= self.cfg.evaluations:
                         return
@@ -366,15 +403,21 @@ class _Search:
                     return None
                 if self.lookahead:  # the proposer is at work: wait for its candidate
                     t0 = time.time()
-                    while self.error is None and len(self.cands) < self.cfg.evaluations and \
-                            not any(c["status"] == "queued" for c in self.cands):
+                    while (
+                        self.error is None
+                        and len(self.cands) < self.cfg.evaluations
+                        and not any(c["status"] == "queued" for c in self.cands)
+                    ):
                         self.cv.wait(0.5)
                     self.event(w, "wait", None, t0, time.time())
                     continue
                 if self.cfg.strategy == "sync" and any(c["status"] == "running" for c in self.cands):
                     t0 = time.time()
-                    while any(c["status"] == "running" for c in self.cands) and self.error is None \
-                            and not any(c["status"] == "queued" for c in self.cands):
+                    while (
+                        any(c["status"] == "running" for c in self.cands)
+                        and self.error is None
+                        and not any(c["status"] == "queued" for c in self.cands)
+                    ):
                         self.cv.wait(0.5)
                     self.event(w, "barrier", None, t0, time.time())
                     continue
@@ -410,9 +453,16 @@ class _Search:
     def run_candidate(self, c: dict, w: int) -> None:
         t0 = time.time()
         try:
-            lineage = {"search": {"search_id": self.state["search_id"], "candidate": c["id"], "phase": c["phase"],
-                                  "point": c["x"], "values": c["values"],
-                                  "state": self.mirror.uri(STATE_NAME) if self.mirror else str(self.path.resolve())}}
+            lineage = {
+                "search": {
+                    "search_id": self.state["search_id"],
+                    "candidate": c["id"],
+                    "phase": c["phase"],
+                    "point": c["x"],
+                    "values": c["values"],
+                    "state": self.mirror.uri(STATE_NAME) if self.mirror else str(self.path.resolve()),
+                }
+            }
             merged = self.merger.merge(self.cfg, c, self.out, lineage, self.catalog())
         except Exception as e:  # noqa: BLE001 - one candidate's failure must not stop the search
             t1 = time.time()
@@ -461,8 +511,10 @@ class _Search:
             self.save()
             self.publish()
             self.cv.notify_all()
-        self.log(f"[worker {w}] candidate {c['id']} ({c['phase']}): "
-                 + ", ".join(f"{o}={v:.4f}" for o, v in zip(self.cfg.objectives, objs)))
+        self.log(
+            f"[worker {w}] candidate {c['id']} ({c['phase']}): "
+            + ", ".join(f"{o}={v:.4f}" for o, v in zip(self.cfg.objectives, objs))
+        )
 
     def _fail(self, c: dict, msg: str) -> None:
         """Record a failed candidate (``cv`` held); abort when every early candidate failed."""
@@ -500,8 +552,7 @@ def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log) -> dict
     if known is not None:
         miss = [str(o) for o in objs if o.metric not in known]
         if miss:
-            raise MissingObjective(f"--objective {', '.join(miss)}: the evaluator produces {known}; "
-                                   "name one of those.")
+            raise MissingObjective(f"--objective {', '.join(miss)}: the evaluator produces {known}; name one of those.")
     names = [n for n, _ in cfg.experts]
 
     cat = open_catalog(cfg.catalog)
@@ -517,19 +568,39 @@ def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log) -> dict
         ids = None
         if cfg.probe:
             ids = probe_ids(cfg.base, cfg.probe)
-        prior = compute_prior(space, [a.tensors for a in ans], base_dir=cfg.base,
-                              expert_dirs=[u for _, u in cfg.experts], input_ids=ids).to_json()
-        log("prior lengthscale multipliers: " + ", ".join(f"{lab}={m:.2f}" for lab, m in
-                                                          zip(prior["labels"], prior["multipliers"])))
-    return {"format": STATE_FORMAT, "search_id": uuid.uuid4().hex[:16], "config": asdict(cfg),
-            "space": space.to_json(), "prior": prior, "ref_point": cfg.ref_point, "evaluator": evaluator.spec(),
-            "candidates": [], "events": [], "sessions": []}
+        prior = compute_prior(
+            space, [a.tensors for a in ans], base_dir=cfg.base, expert_dirs=[u for _, u in cfg.experts], input_ids=ids
+        ).to_json()
+        log(
+            "prior lengthscale multipliers: "
+            + ", ".join(f"{lab}={m:.2f}" for lab, m in zip(prior["labels"], prior["multipliers"]))
+        )
+    return {
+        "format": STATE_FORMAT,
+        "search_id": uuid.uuid4().hex[:16],
+        "config": asdict(cfg),
+        "space": space.to_json(),
+        "prior": prior,
+        "ref_point": cfg.ref_point,
+        "evaluator": evaluator.spec(),
+        "candidates": [],
+        "events": [],
+        "sessions": [],
+    }
 
 
-def run_search(out: str | Path, config: SearchConfig | None = None, evaluator: Evaluator | None = None, *,
-               resume: bool = False, workers: int | None = None, evaluations: int | None = None,
-               log: Callable[[str], None] = lambda m: None, merger: CandidateMerger | None = None,
-               mirror: StateMirror | None = None) -> dict:
+def run_search(
+    out: str | Path,
+    config: SearchConfig | None = None,
+    evaluator: Evaluator | None = None,
+    *,
+    resume: bool = False,
+    workers: int | None = None,
+    evaluations: int | None = None,
+    log: Callable[[str], None] = lambda m: None,
+    merger: CandidateMerger | None = None,
+    mirror: StateMirror | None = None,
+) -> dict:
     """Run (or resume) a search into folder ``out``; returns the results (also written to
     ``<out>/results.json``, see :func:`results`).
 
@@ -562,15 +633,18 @@ def run_search(out: str | Path, config: SearchConfig | None = None, evaluator: E
             state["config"]["workers"] = workers
         if evaluations is not None:
             if evaluations < len(state["candidates"]):
-                raise InputError(f"--evaluations {evaluations}: the search already proposed {len(state['candidates'])} "
-                                 "candidates.")
+                raise InputError(
+                    f"--evaluations {evaluations}: the search already proposed {len(state['candidates'])} candidates."
+                )
             state["config"]["evaluations"] = evaluations
     else:
         if config is None or evaluator is None:
             raise InputError("a new search needs its configuration and an evaluator.")
         if path.exists():
-            raise InputError(f"--out {out}: already holds a search ({STATE_NAME}); add --resume to continue it, "
-                             "or choose another --out.")
+            raise InputError(
+                f"--out {out}: already holds a search ({STATE_NAME}); add --resume to continue it, "
+                "or choose another --out."
+            )
         state = _init_state(out, config, evaluator, log)
         out.mkdir(parents=True, exist_ok=True)
     sess = {"started": time.time(), "ended": None, "workers": state["config"]["workers"]}
@@ -578,8 +652,10 @@ def run_search(out: str | Path, config: SearchConfig | None = None, evaluator: E
     s = _Search(out, state, evaluator, log, merger)
     s.mirror = mirror
     s.save()
-    threads = [threading.Thread(target=s.worker, args=(w,), name=f"search-worker-{w}", daemon=True)
-               for w in range(s.cfg.workers)]
+    threads = [
+        threading.Thread(target=s.worker, args=(w,), name=f"search-worker-{w}", daemon=True)
+        for w in range(s.cfg.workers)
+    ]
     if s.lookahead:
         threads.append(threading.Thread(target=s.proposer, name="search-proposer", daemon=True))
     for t in threads:
@@ -631,17 +707,35 @@ def results(state: dict) -> dict:
             acc += end - s["started"]
         return acc
 
-    ref = cfg.get("ref_point") or state.get("ref_point") or (default_ref_point([c["objectives"] for c in done])
-                                                             if done else None)
+    ref = (
+        cfg.get("ref_point")
+        or state.get("ref_point")
+        or (default_ref_point([c["objectives"] for c in done]) if done else None)
+    )
     hv = []
     if ref is not None:  # None only when nothing is done
         for k in range(1, len(done) + 1):
-            hv.append({"evaluations": k, "t": round(rel(done[k - 1]["times"]["ended"]), 3),
-                       "hv": hypervolume([c["objectives"] for c in done[:k]], ref)})
+            hv.append(
+                {
+                    "evaluations": k,
+                    "t": round(rel(done[k - 1]["times"]["ended"]), 3),
+                    "hv": hypervolume([c["objectives"] for c in done[:k]], ref),
+                }
+            )
     mask = pareto_mask([c["objectives"] for c in done]) if done else []
-    pareto = [{"id": c["id"], "values": c["values"], "params": c["params"], "metrics": c["metrics"],
-               "objectives": dict(zip(cfg["objectives"], c["objectives"])), "snapshot": c["snapshot"],
-               "manifest_hash": c["manifest_hash"]} for c, m in zip(done, mask) if m]
+    pareto = [
+        {
+            "id": c["id"],
+            "values": c["values"],
+            "params": c["params"],
+            "metrics": c["metrics"],
+            "objectives": dict(zip(cfg["objectives"], c["objectives"])),
+            "snapshot": c["snapshot"],
+            "manifest_hash": c["manifest_hash"],
+        }
+        for c, m in zip(done, mask)
+        if m
+    ]
     wall = sum((s["ended"] or s["started"]) - s["started"] for s in sessions)
     workers: dict = {}
     proposer_s = 0.0
@@ -663,12 +757,19 @@ def results(state: dict) -> dict:
         for key in ("busy_s", "wait_s", "propose_s"):
             w[key] = round(w[key], 3)
     return {
-        "search_id": state["search_id"], "strategy": cfg["strategy"], "objectives": cfg["objectives"],
-        "ref_point": ref, "evaluations": len(done),
+        "search_id": state["search_id"],
+        "strategy": cfg["strategy"],
+        "objectives": cfg["objectives"],
+        "ref_point": ref,
+        "evaluations": len(done),
         "failed": sum(c["status"] == "failed" for c in state["candidates"]),
         "running": sum(c["status"] == "running" for c in state["candidates"]),
         "failures": [{"id": c["id"], "error": c["error"]} for c in state["candidates"] if c["status"] == "failed"],
-        "points": [c["objectives"] for c in done], "pareto": pareto, "hypervolume": hv, "workers": workers, "proposer_s": round(proposer_s, 3),
+        "points": [c["objectives"] for c in done],
+        "pareto": pareto,
+        "hypervolume": hv,
+        "workers": workers,
+        "proposer_s": round(proposer_s, 3),
         "wall_s": round(wall, 3),
         "trace": [{**e, "t0": round(rel(e["t0"]), 3), "t1": round(rel(e["t1"]), 3)} for e in state["events"]],
     }

@@ -52,8 +52,10 @@ def as_params(fixed: Any, method: str, experts: Sequence[str]) -> Params:
     if isinstance(fixed, (list, tuple)):
         return params_from_args(list(fixed), method, experts)
     fixed = dict(fixed or {})
-    return {"parameters": dict(fixed.get("parameters") or {}),
-            "experts": {k: dict(v) for k, v in (fixed.get("experts") or {}).items()}}
+    return {
+        "parameters": dict(fixed.get("parameters") or {}),
+        "experts": {k: dict(v) for k, v in (fixed.get("experts") or {}).items()},
+    }
 
 
 _VARY_RE = re.compile(r"(?:([^:=]+):)?([A-Za-z_][A-Za-z0-9_]*)=([^:]+):([^:]+)")
@@ -103,27 +105,37 @@ def parse_vary(items: Sequence[str]) -> list[Vary]:
     for it in items:
         m = _VARY_RE.fullmatch(it.strip())
         if not m:
-            raise InputError(f"--vary {it!r}: expected [EXPERT:]NAME=LO:HI, e.g. --vary weight=0:1 or "
-                             "--vary math:density=0.2:0.9.")
+            raise InputError(
+                f"--vary {it!r}: expected [EXPERT:]NAME=LO:HI, e.g. --vary weight=0:1 or --vary math:density=0.2:0.9."
+            )
         try:
             lo, hi = float(m.group(3)), float(m.group(4))
         except ValueError:
             raise InputError(f"--vary {it!r}: the bounds must be numbers, e.g. weight=0:1.") from None
         if not lo < hi:
-            raise InputError(f"--vary {it!r}: the bounds are reversed or empty (LO={lo:g} >= HI={hi:g}); "
-                             f"write {m.group(2)}={min(lo, hi):g}:{max(lo, hi):g} with LO < HI.")
+            raise InputError(
+                f"--vary {it!r}: the bounds are reversed or empty (LO={lo:g} >= HI={hi:g}); "
+                f"write {m.group(2)}={min(lo, hi):g}:{max(lo, hi):g} with LO < HI."
+            )
         out.append(Vary(m.group(2), lo, hi, m.group(1)))
     return out
 
 
-def space_for_base(layout_names: Sequence[str], method: str, experts: Sequence[str], vary: Sequence[Vary],
-                   n_blocks: int, fixed: Params | None = None) -> SearchSpace:
+def space_for_base(
+    layout_names: Sequence[str],
+    method: str,
+    experts: Sequence[str],
+    vary: Sequence[Vary],
+    n_blocks: int,
+    fixed: Params | None = None,
+) -> SearchSpace:
     """The :class:`SearchSpace` of a base checkpoint whose tensor names are ``layout_names``
     (the number of layers and the layer path component come from the names)."""
     words = {m.group(0).strip(".").split(".")[0] for m in (LAYER_RE.search(n) for n in layout_names) if m}
     word = "layers" if "layers" in words or not words else sorted(words)[0]
-    return SearchSpace(method, list(experts), list(vary), layer_count(layout_names), n_blocks,
-                       as_params(fixed, method, experts), word)
+    return SearchSpace(
+        method, list(experts), list(vary), layer_count(layout_names), n_blocks, as_params(fixed, method, experts), word
+    )
 
 
 def layer_blocks(n_layers: int, n_blocks: int) -> list[tuple[int, ...]]:
@@ -133,8 +145,10 @@ def layer_blocks(n_layers: int, n_blocks: int) -> list[tuple[int, ...]]:
         InputError: ``n_blocks < 1``, more blocks than layers, or no layers.
     """
     if n_layers < 1:
-        raise InputError("--layer-blocks: the base has no decoder layers (no tensor name with a "
-                         "layers.N component); a layer-wise search needs them.")
+        raise InputError(
+            "--layer-blocks: the base has no decoder layers (no tensor name with a "
+            "layers.N component); a layer-wise search needs them."
+        )
     if not 1 <= n_blocks <= n_layers:
         raise InputError(f"--layer-blocks {n_blocks}: must be between 1 and the base's {n_layers} layers.")
     blocks: list[list[int]] = [[] for _ in range(n_blocks)]
@@ -169,14 +183,27 @@ class SearchSpace:
 
     # -- construction / serialization --------------------------------------------------------
     def to_json(self) -> dict:
-        return {"method": self.method, "experts": list(self.experts), "vary": [asdict(v) for v in self.vary],
-                "n_layers": self.n_layers, "n_blocks": self.n_blocks, "fixed": copy.deepcopy(self.fixed),
-                "layer_word": self.layer_word}
+        return {
+            "method": self.method,
+            "experts": list(self.experts),
+            "vary": [asdict(v) for v in self.vary],
+            "n_layers": self.n_layers,
+            "n_blocks": self.n_blocks,
+            "fixed": copy.deepcopy(self.fixed),
+            "layer_word": self.layer_word,
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> SearchSpace:
-        return cls(d["method"], list(d["experts"]), [Vary(**v) for v in d["vary"]], int(d["n_layers"]),
-                   int(d["n_blocks"]), d["fixed"], d.get("layer_word", "layers"))
+        return cls(
+            d["method"],
+            list(d["experts"]),
+            [Vary(**v) for v in d["vary"]],
+            int(d["n_layers"]),
+            int(d["n_blocks"]),
+            d["fixed"],
+            d.get("layer_word", "layers"),
+        )
 
     def validate(self) -> None:
         """Check the varying parameters against the method (name, scope, allowed range of both
@@ -203,8 +230,9 @@ class SearchSpace:
             p.check(v.hi, f"{where} (HI)")
             if v.expert is not None:
                 if p.scope != "expert":
-                    raise InputError(f"{where}: {v.name} is a global parameter of {self.method}; vary it without "
-                                     "an expert name.")
+                    raise InputError(
+                        f"{where}: {v.name} is a global parameter of {self.method}; vary it without an expert name."
+                    )
                 if v.expert not in self.experts:
                     raise InputError(f"{where}: no expert named {v.expert!r}; experts are {', '.join(self.experts)}.")
             for e in self._targets(v, p.scope):

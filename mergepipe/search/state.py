@@ -59,5 +59,7 @@ def load_state(path: Path) -> dict:
     except (OSError, ValueError) as e:
         raise InputError(f"{path}: unreadable search state ({e}).") from None
     if not isinstance(st, dict) or st.get("format") != STATE_FORMAT:
-        raise InputError(f"{path}: not a mergepipe search state (format {st.get('format') if isinstance(st, dict) else '?'!r}).")
+        raise InputError(
+            f"{path}: not a mergepipe search state (format {st.get('format') if isinstance(st, dict) else '?'!r})."
+        )
     return st

@@ -132,9 +132,7 @@ def coalesce(
     return out
 
 
-def coalesced_cost(
-    ranges: Sequence[tuple[int, int]], max_gap: int = 0, max_request: int = DEFAULT_MAX_REQUEST
-) -> int:
+def coalesced_cost(ranges: Sequence[tuple[int, int]], max_gap: int = 0, max_request: int = DEFAULT_MAX_REQUEST) -> int:
     """Bytes transferred to read ``ranges`` under :func:`coalesce` (splitting costs nothing)."""
     return sum(e - s for s, e in coalesce(ranges, max_gap, max_request))
 

@@ -123,6 +123,7 @@ class LocalStorage(Storage):
         except OSError as e:
             raise StorageError(f"{uri}: cannot open for reading ({e.strerror})") from None
         try:
+
             def one(req):
                 # os.pread fills a fresh bytes object (no zero-fill pass, unlike bytearray(n))
                 s, e = req

@@ -81,16 +81,35 @@ MAX_HEADER_BYTES = 100_000_000
 
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
-_THROTTLE_CODES = frozenset({
-    "SlowDown", "Throttling", "ThrottlingException", "RequestThrottled", "TooManyRequests",
-    "RequestLimitExceeded", "ProvisionedThroughputExceededException", "RequestTimeout",
-    "InternalError", "ServiceUnavailable", "BandwidthLimitExceeded",
-})
-_DENIED_CODES = frozenset({
-    "AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId", "InvalidToken",
-    "ExpiredToken", "TokenRefreshRequired", "InvalidSecurity", "AllAccessDisabled",
-    "AccountProblem", "403",
-})
+_THROTTLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestThrottled",
+        "TooManyRequests",
+        "RequestLimitExceeded",
+        "ProvisionedThroughputExceededException",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+        "BandwidthLimitExceeded",
+    }
+)
+_DENIED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "SignatureDoesNotMatch",
+        "InvalidAccessKeyId",
+        "InvalidToken",
+        "ExpiredToken",
+        "TokenRefreshRequired",
+        "InvalidSecurity",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "403",
+    }
+)
 
 
 class S3Error(StorageError):
@@ -161,8 +180,19 @@ def _is_retryable(exc: BaseException) -> bool:
         urllib3_errors = (Urllib3HTTPError,)
     except ImportError:  # pragma: no cover
         urllib3_errors = ()
-    return isinstance(exc, (_ShortBody, IncompleteReadError, HTTPClientError, BotoConnectionError,
-                            http.client.HTTPException, ConnectionError, TimeoutError, *urllib3_errors))
+    return isinstance(
+        exc,
+        (
+            _ShortBody,
+            IncompleteReadError,
+            HTTPClientError,
+            BotoConnectionError,
+            http.client.HTTPException,
+            ConnectionError,
+            TimeoutError,
+            *urllib3_errors,
+        ),
+    )
 
 
 class S3Storage(Storage):
@@ -260,8 +290,7 @@ class S3Storage(Storage):
             try:
                 client = boto3.session.Session().client("s3", endpoint_url=endpoint_url or None, config=cfg)
             except Exception as e:  # botocore config errors (bad region, bad endpoint, ...)
-                raise S3Error(f"cannot create the S3 client: {type(e).__name__}: "
-                              f"{self._redact(str(e))}") from None
+                raise S3Error(f"cannot create the S3 client: {type(e).__name__}: {self._redact(str(e))}") from None
         self.client = client
 
     def __repr__(self) -> str:
@@ -304,7 +333,7 @@ class S3Storage(Storage):
 
     def _sleep(self, attempt: int) -> None:
         """Full-jitter exponential backoff: uniform(0, backoff * 2**attempt), capped at 20 s."""
-        time.sleep(random.uniform(0, min(20.0, self.backoff * (2 ** attempt))))
+        time.sleep(random.uniform(0, min(20.0, self.backoff * (2**attempt))))
 
     def _error(self, exc: BaseException, uri: str, action: str) -> StorageError:
         """Translate a botocore/network exception into a StorageError naming ``uri``, the cause and
@@ -323,34 +352,51 @@ class S3Storage(Storage):
             code, status, msg = _client_error_parts(exc)
             msg = self._redact(msg)
             if code in ("NoSuchBucket",):
-                return S3Error(f"{uri}: bucket '{bucket}' does not exist ({action}); create the bucket "
-                               "or fix the bucket name in the URI", code, status)
+                return S3Error(
+                    f"{uri}: bucket '{bucket}' does not exist ({action}); create the bucket "
+                    "or fix the bucket name in the URI",
+                    code,
+                    status,
+                )
             if code in ("NoSuchKey", "NotFound") or (status == 404 and code in ("404", "")):
-                return NotFoundError(f"{uri}: no such object ({action}); check the URI or upload "
-                                     "the object first")
+                return NotFoundError(f"{uri}: no such object ({action}); check the URI or upload the object first")
             if code in ("PreconditionFailed",) or status == 412:
-                return PreconditionFailed(f"{uri}: precondition failed ({action}): the object already "
-                                          "exists or changed")
+                return PreconditionFailed(
+                    f"{uri}: precondition failed ({action}): the object already exists or changed"
+                )
             if code in _DENIED_CODES or status == 403:
                 return S3Error(
                     f"{uri}: access denied ({action}: {code or 'HTTP 403'}); check the credentials "
                     "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, the profile, or the mounted Secret), "
                     f"that they are allowed to access bucket '{bucket}', and the endpoint/region "
                     "(S3 also answers 403 for a missing key when s3:ListBucket is not granted)",
-                    code, status)
+                    code,
+                    status,
+                )
             if code == "InvalidRange" or status == 416:
-                return S3Error(f"{uri}: requested range not satisfiable ({action}); the object is "
-                               "shorter than expected, it was truncated or replaced", code, status)
+                return S3Error(
+                    f"{uri}: requested range not satisfiable ({action}); the object is "
+                    "shorter than expected, it was truncated or replaced",
+                    code,
+                    status,
+                )
             detail = f": {msg}" if msg else ""
-            return S3Error(f"{uri}: {action} failed with {code or 'an error'} (HTTP {status}){detail}",
-                           code, status)
+            return S3Error(f"{uri}: {action} failed with {code or 'an error'} (HTTP {status}){detail}", code, status)
         if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
-            return S3Error(f"{uri}: no usable AWS credentials found ({action}); set "
-                           "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or mount the "
-                           "credentials Secret)", "NoCredentials", None)
+            return S3Error(
+                f"{uri}: no usable AWS credentials found ({action}); set "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or mount the "
+                "credentials Secret)",
+                "NoCredentials",
+                None,
+            )
         if isinstance(exc, EndpointConnectionError):
-            return S3Error(f"{uri}: cannot connect to the S3 endpoint ({action}); check "
-                           "AWS_ENDPOINT_URL / endpoint_url and the network", "EndpointConnection", None)
+            return S3Error(
+                f"{uri}: cannot connect to the S3 endpoint ({action}); check "
+                "AWS_ENDPOINT_URL / endpoint_url and the network",
+                "EndpointConnection",
+                None,
+            )
         return S3Error(f"{uri}: {action} failed: {type(exc).__name__}: {self._redact(str(exc))}")
 
     def _bucket_missing(self, bucket: str) -> bool:
@@ -384,8 +430,11 @@ class S3Storage(Storage):
         except ClientError as e:
             _, status, _ = _client_error_parts(e)
             if status == 404 and self._bucket_missing(bucket):
-                raise S3Error(f"{uri}: bucket '{bucket}' does not exist; create the bucket or fix the "
-                              "bucket name in the URI", "NoSuchBucket", 404) from None
+                raise S3Error(
+                    f"{uri}: bucket '{bucket}' does not exist; create the bucket or fix the bucket name in the URI",
+                    "NoSuchBucket",
+                    404,
+                ) from None
             raise self._error(e, uri, "HeadObject") from None
         except Exception as e:  # noqa: BLE001
             raise self._error(e, uri, "HeadObject") from None
@@ -442,18 +491,24 @@ class S3Storage(Storage):
                         total = int(m.group(3))
                     past_end = total is not None and b == total - 1 and b < stop - 1
                     if a == first and past_end and not allow_short:
-                        raise S3Error(f"{uri}: object is {total} bytes, shorter than the requested "
-                                      f"bytes [{start}, {end}); it was truncated or replaced")
+                        raise S3Error(
+                            f"{uri}: object is {total} bytes, shorter than the requested "
+                            f"bytes [{start}, {end}); it was truncated or replaced"
+                        )
                     if a != first or (b != stop - 1 and not (allow_short and past_end)):
-                        raise S3Error(f"{uri}: server answered Content-Range {cr!r} to a request for "
-                                      f"bytes [{first}, {stop}); the store does not honour ranges correctly")
+                        raise S3Error(
+                            f"{uri}: server answered Content-Range {cr!r} to a request for "
+                            f"bytes [{first}, {stop}); the store does not honour ranges correctly"
+                        )
                     stop = b + 1
                 elif status == 200 and first == 0 and length == stop:
                     total = length  # whole object returned, and it is exactly the range
                 else:
-                    raise S3Error(f"{uri}: expected 206 Partial Content for bytes [{first}, {stop}), got "
-                                  f"HTTP {status} (Content-Range {cr!r}, {length} bytes); the store "
-                                  "does not honour Range requests")
+                    raise S3Error(
+                        f"{uri}: expected 206 Partial Content for bytes [{first}, {stop}), got "
+                        f"HTTP {status} (Content-Range {cr!r}, {length} bytes); the store "
+                        "does not honour Range requests"
+                    )
                 etag = etag or resp.get("ETag")
                 want = stop - start
                 while pos < want:
@@ -466,19 +521,32 @@ class S3Storage(Storage):
                 if isinstance(e, StorageError) or not _is_retryable(e):
                     err = self._error(e, uri, f"GetObject bytes [{start}, {end})")
                     if isinstance(err, PreconditionFailed):
-                        err = S3Error(f"{uri}: object changed while reading bytes [{start}, {end}) "
-                                      "(its ETag no longer matches); retry the operation",
-                                      "PreconditionFailed", 412)
+                        err = S3Error(
+                            f"{uri}: object changed while reading bytes [{start}, {end}) "
+                            "(its ETag no longer matches); retry the operation",
+                            "PreconditionFailed",
+                            412,
+                        )
                     raise err from None
                 failures += 1 + _retry_attempts(e)
                 if failures >= self.read_attempts:
-                    code, status = (_client_error_parts(e)[:2] if hasattr(e, "response") else (None, None))
-                    raise S3Error(f"{uri}: GetObject bytes [{start}, {end}) failed after {failures} "
-                                  f"attempts (last error: {self._redact(_describe(e))}; {pos} bytes "
-                                  "received); the store is unavailable or overloaded, retry later",
-                                  code, status) from None
-                log.debug("%s bytes [%d, %d): attempt %d failed (%s), resuming at byte %d",
-                          uri, start, end, failures, _describe(e), start + pos)
+                    code, status = _client_error_parts(e)[:2] if hasattr(e, "response") else (None, None)
+                    raise S3Error(
+                        f"{uri}: GetObject bytes [{start}, {end}) failed after {failures} "
+                        f"attempts (last error: {self._redact(_describe(e))}; {pos} bytes "
+                        "received); the store is unavailable or overloaded, retry later",
+                        code,
+                        status,
+                    ) from None
+                log.debug(
+                    "%s bytes [%d, %d): attempt %d failed (%s), resuming at byte %d",
+                    uri,
+                    start,
+                    end,
+                    failures,
+                    _describe(e),
+                    start + pos,
+                )
                 self._sleep(failures - 1)
             finally:
                 if body is not None:
@@ -514,8 +582,7 @@ class S3Storage(Storage):
         results = [f.result() for f in futs]
         etags = {r[2] for r in results if r[2]}
         if len(etags) > 1:
-            raise S3Error(f"{uri}: object changed while reading ({len(etags)} different ETags); "
-                          "retry the operation")
+            raise S3Error(f"{uri}: object changed while reading ({len(etags)} different ETags); retry the operation")
         return [r[0] for r in results]
 
     def read_header(self, uri: str, role: Role, speculative: int = 64 * KiB) -> bytes:
@@ -535,20 +602,30 @@ class S3Storage(Storage):
             first, total, etag = self._get_range(uri, 0, max(8, speculative), allow_short=True)
         except S3Error as e:
             if e.code == "InvalidRange":
-                raise S3Error(f"{uri}: object is empty, not a safetensors file (no 8-byte header "
-                              "length); re-export or re-upload it", e.code, e.status) from None
+                raise S3Error(
+                    f"{uri}: object is empty, not a safetensors file (no 8-byte header "
+                    "length); re-export or re-upload it",
+                    e.code,
+                    e.status,
+                ) from None
             raise
         self.counters.add_read(role, len(first), 1)
         if len(first) < 8:
-            raise S3Error(f"{uri}: object is {len(first)} bytes, shorter than the 8-byte safetensors "
-                          "header length; it is truncated or not a safetensors file")
+            raise S3Error(
+                f"{uri}: object is {len(first)} bytes, shorter than the 8-byte safetensors "
+                "header length; it is truncated or not a safetensors file"
+            )
         n = int.from_bytes(first[:8], "little")
         if n > MAX_HEADER_BYTES:
-            raise S3Error(f"{uri}: safetensors header length {n} bytes exceeds the 100 MB limit; the "
-                          "object is corrupt or not a safetensors file")
+            raise S3Error(
+                f"{uri}: safetensors header length {n} bytes exceeds the 100 MB limit; the "
+                "object is corrupt or not a safetensors file"
+            )
         if total is not None and 8 + n > total:
-            raise S3Error(f"{uri}: safetensors header length {n} bytes runs past the end of the "
-                          f"object ({total} bytes); it is truncated or not a safetensors file")
+            raise S3Error(
+                f"{uri}: safetensors header length {n} bytes runs past the end of the "
+                f"object ({total} bytes); it is truncated or not a safetensors file"
+            )
         if 8 + n <= len(first):
             return bytes(first[: 8 + n])
         rest, _, _ = self._get_range(uri, len(first), 8 + n, etag=etag)
@@ -573,7 +650,8 @@ class S3Storage(Storage):
         keys: builtins.list[str] = []
         try:
             pages = self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=bucket, Prefix=key_prefix, PaginationConfig={"PageSize": self.list_page_size})
+                Bucket=bucket, Prefix=key_prefix, PaginationConfig={"PageSize": self.list_page_size}
+            )
             for page in pages:
                 keys.extend(o["Key"] for o in page.get("Contents", ()) or ())
         except Exception as e:  # noqa: BLE001
@@ -602,8 +680,7 @@ class S3Storage(Storage):
             raise S3Error(f"{uri}: names a bucket, not an object; expected s3://bucket/key")
         body = bytes(data)
         sha = _b64_sha256(body)
-        kw = {"Bucket": bucket, "Key": key, "Body": body, "ChecksumAlgorithm": "SHA256",
-              "ChecksumSHA256": sha}
+        kw = {"Bucket": bucket, "Key": key, "Body": body, "ChecksumAlgorithm": "SHA256", "ChecksumSHA256": sha}
         if if_none_match:
             kw["IfNoneMatch"] = "*"
         conflicts = 0
@@ -618,15 +695,19 @@ class S3Storage(Storage):
                     if conflicts < self.read_attempts:
                         self._sleep(conflicts - 1)
                         continue
-                    raise S3Error(f"{uri}: conditional create kept conflicting with concurrent writes "
-                                  f"({conflicts} attempts, 409 ConditionalRequestConflict); retry later",
-                                  code, status) from None
+                    raise S3Error(
+                        f"{uri}: conditional create kept conflicting with concurrent writes "
+                        f"({conflicts} attempts, 409 ConditionalRequestConflict); retry later",
+                        code,
+                        status,
+                    ) from None
                 if if_none_match and (code == "PreconditionFailed" or status == 412):
                     if _retry_attempts(e) > 0 and self._stored_sha256(bucket, key) == sha:
                         log.debug("%s: 412 after a resend, but the stored object is ours", uri)
                         break
-                    raise PreconditionFailed(f"{uri}: already exists; the conditional create "
-                                             "(If-None-Match: *) lost to another writer") from None
+                    raise PreconditionFailed(
+                        f"{uri}: already exists; the conditional create (If-None-Match: *) lost to another writer"
+                    ) from None
                 raise self._error(e, uri, "PutObject") from None
             except Exception as e:  # noqa: BLE001
                 raise self._error(e, uri, "PutObject") from None
@@ -670,13 +751,17 @@ class S3Storage(Storage):
             for i in range(0, len(keys), 1000):
                 batch = keys[i : i + 1000]
                 r = self.client.delete_objects(
-                    Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+                    Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+                )
                 errs = r.get("Errors") or []
                 if errs:
                     e0 = errs[0]
-                    raise S3Error(f"{uri}: could not delete {len(errs)} object(s), e.g. "
-                                  f"s3://{bucket}/{e0.get('Key')}: {e0.get('Code')}; check permissions",
-                                  e0.get("Code"), None)
+                    raise S3Error(
+                        f"{uri}: could not delete {len(errs)} object(s), e.g. "
+                        f"s3://{bucket}/{e0.get('Key')}: {e0.get('Code')}; check permissions",
+                        e0.get("Code"),
+                        None,
+                    )
         except ClientError as e:
             code, _, _ = _client_error_parts(e)
             if code == "NoSuchBucket":
@@ -770,8 +855,11 @@ class S3Writer(Writer):
 
     def __del__(self) -> None:
         if getattr(self, "_state", None) == "open" and getattr(self, "_upload_id", None) is not None:
-            log.warning("%s: S3Writer dropped without close() or abort(); its multipart upload stays "
-                        "open (and billed) until aborted or expired by a lifecycle rule", self.uri)
+            log.warning(
+                "%s: S3Writer dropped without close() or abort(); its multipart upload stays "
+                "open (and billed) until aborted or expired by a lifecycle rule",
+                self.uri,
+            )
 
     def __repr__(self) -> str:
         return f"S3Writer({self.uri!r}, role={self.role!r}, state={self._state!r}, size={self._size})"
@@ -787,21 +875,21 @@ class S3Writer(Writer):
             assert self._pool is not None  # created with the upload
             return self._pool
         try:
-            r = self._client.create_multipart_upload(Bucket=self.bucket, Key=self.key,
-                                                      ChecksumAlgorithm="SHA256")
+            r = self._client.create_multipart_upload(Bucket=self.bucket, Key=self.key, ChecksumAlgorithm="SHA256")
         except Exception as e:  # noqa: BLE001
             raise self.storage._error(e, self.uri, "CreateMultipartUpload") from None
         self._upload_id = r["UploadId"]
-        self._pool = ThreadPoolExecutor(self.storage.max_inflight_parts,
-                                        thread_name_prefix="mergepipe-s3-part")
+        self._pool = ThreadPoolExecutor(self.storage.max_inflight_parts, thread_name_prefix="mergepipe-s3-part")
         return self._pool
 
     def _take_part_number(self) -> int:
         self._ensure_upload()
         pn = self._next_part
         if pn > MAX_PARTS:
-            raise S3Error(f"{self.uri}: more than {MAX_PARTS} multipart parts; the object is too large "
-                          f"for part_size={self.part_size} bytes, raise part_size")
+            raise S3Error(
+                f"{self.uri}: more than {MAX_PARTS} multipart parts; the object is too large "
+                f"for part_size={self.part_size} bytes, raise part_size"
+            )
         self._next_part += 1
         return pn
 
@@ -832,22 +920,32 @@ class S3Writer(Writer):
     def _upload_part(self, pn: int, data: bytearray) -> None:
         sha = _b64_sha256(data)
         try:
-            r = self._client.upload_part(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
-                                         PartNumber=pn, Body=data, ChecksumAlgorithm="SHA256",
-                                         ChecksumSHA256=sha)
+            r = self._client.upload_part(
+                Bucket=self.bucket,
+                Key=self.key,
+                UploadId=self._upload_id,
+                PartNumber=pn,
+                Body=data,
+                ChecksumAlgorithm="SHA256",
+                ChecksumSHA256=sha,
+            )
         except Exception as e:  # noqa: BLE001
             raise self.storage._error(e, self.uri, f"UploadPart {pn} ({len(data)} bytes)") from None
         with self._parts_lock:
-            self._parts[pn] = {"PartNumber": pn, "ETag": r["ETag"],
-                               "ChecksumSHA256": r.get("ChecksumSHA256") or sha}
+            self._parts[pn] = {"PartNumber": pn, "ETag": r["ETag"], "ChecksumSHA256": r.get("ChecksumSHA256") or sha}
         self.storage.counters.add_write(self.role, len(data))
 
     def _copy_part(self, pn: int, src_uri: str, start: int, end: int) -> None:
         sb, sk = split_uri(src_uri)
         try:
-            r = self._client.upload_part_copy(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
-                                              PartNumber=pn, CopySource={"Bucket": sb, "Key": sk},
-                                              CopySourceRange=f"bytes={start}-{end - 1}")
+            r = self._client.upload_part_copy(
+                Bucket=self.bucket,
+                Key=self.key,
+                UploadId=self._upload_id,
+                PartNumber=pn,
+                CopySource={"Bucket": sb, "Key": sk},
+                CopySourceRange=f"bytes={start}-{end - 1}",
+            )
         except Exception as e:  # noqa: BLE001
             err = self.storage._error(e, src_uri, f"UploadPartCopy bytes [{start}, {end}) into {self.uri}")
             raise err from None
@@ -954,15 +1052,14 @@ class S3Writer(Writer):
                 self._raise_if_failed()
                 parts = [self._parts[pn] for pn in sorted(self._parts)]
                 if len(parts) != self._next_part - 1:
-                    raise S3Error(f"{self.uri}: internal error: {len(parts)} parts finished of "
-                                  f"{self._next_part - 1}")
+                    raise S3Error(f"{self.uri}: internal error: {len(parts)} parts finished of {self._next_part - 1}")
                 if not all("ChecksumSHA256" in p for p in parts):
                     for p in parts:
                         p.pop("ChecksumSHA256", None)
                 try:
                     self._client.complete_multipart_upload(
-                        Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
-                        MultipartUpload={"Parts": parts})
+                        Bucket=self.bucket, Key=self.key, UploadId=self._upload_id, MultipartUpload={"Parts": parts}
+                    )
                 except Exception as e:  # noqa: BLE001
                     raise self.storage._error(e, self.uri, "CompleteMultipartUpload") from None
                 if self._pool is not None:  # started with the first part
@@ -989,16 +1086,16 @@ class S3Writer(Writer):
             if self._upload_id is not None:
                 for attempt in range(3):
                     try:
-                        self._client.abort_multipart_upload(Bucket=self.bucket, Key=self.key,
-                                                            UploadId=self._upload_id)
+                        self._client.abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id)
                         break
                     except Exception as e:  # noqa: BLE001
                         code, _, _ = _client_error_parts(e) if hasattr(e, "response") else ("", None, "")
                         if code == "NoSuchUpload":
                             break
                         if attempt == 2:
-                            log.warning("%s: could not abort multipart upload: %s", self.uri,
-                                        self.storage._redact(_describe(e)))
+                            log.warning(
+                                "%s: could not abort multipart upload: %s", self.uri, self.storage._redact(_describe(e))
+                            )
                         else:
                             time.sleep(0.2 * (attempt + 1))
         except Exception as e:  # noqa: BLE001

@@ -47,7 +47,6 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 FAILED_REASONS = frozenset({"InvalidSpec", "JobFailed"})
 
 
-
 #: Headers of a create: kubernetes-client 37 sends the JSON body of a create (or replace) without
 #: a Content-Type, which an API server refuses (415 Unsupported Media Type); kmock did not mind.
 JSON_BODY = {"Content-Type": "application/json"}
@@ -62,7 +61,9 @@ def kube_api() -> Any:
     try:
         from kubernetes import client, config
     except ImportError:
-        raise InputError("--worker-backend kubernetes needs the kubernetes client: pip install 'mergepipe[kube]'.") from None
+        raise InputError(
+            "--worker-backend kubernetes needs the kubernetes client: pip install 'mergepipe[kube]'."
+        ) from None
     try:
         config.load_incluster_config()
     except config.ConfigException:
@@ -110,9 +111,20 @@ class KubernetesMerger(CandidateMerger):
         sleep, clock: injected for tests.
     """
 
-    def __init__(self, api: Any, namespace: str, search_name: str, search_uid: str, output_prefix: str, *,
-                 template: dict | None = None, poll_seconds: float = 10.0, timeout_seconds: float | None = None,
-                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        api: Any,
+        namespace: str,
+        search_name: str,
+        search_uid: str,
+        output_prefix: str,
+        *,
+        template: dict | None = None,
+        poll_seconds: float = 10.0,
+        timeout_seconds: float | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not output_prefix.startswith("s3://"):
             raise ValueError(f"output prefix {output_prefix!r}: candidates commit to object storage (s3://...)")
         self.api, self.namespace, self.search_name, self.search_uid = api, namespace, search_name, search_uid
@@ -131,8 +143,10 @@ class KubernetesMerger(CandidateMerger):
         name = candidate_name(self.search_name, int(cand["id"]))
         spec: dict[str, Any] = {
             "base": {"uri": cfg.base.rstrip("/") + "/"},
-            "experts": [{"name": n, "uri": u.rstrip("/") + "/", **({"parameters": p} if p else {})}
-                        for (n, u), p in zip(cfg.experts, per)],
+            "experts": [
+                {"name": n, "uri": u.rstrip("/") + "/", **({"parameters": p} if p else {})}
+                for (n, u), p in zip(cfg.experts, per)
+            ],
             "method": cfg.method,
             "output": {"uri": f"{self.output_prefix}/c{int(cand['id']):04d}/"},
             "seed": int(cfg.seed),
@@ -148,11 +162,21 @@ class KubernetesMerger(CandidateMerger):
             "metadata": {
                 "name": name,
                 "namespace": self.namespace,
-                "labels": {LABEL_SEARCH: label_value(self.search_name), LABEL_CANDIDATE: str(int(cand["id"])),
-                           LABEL_MANAGED_BY: "mergepipe-search"},
-                "ownerReferences": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "MergeSearch",
-                                     "name": self.search_name, "uid": self.search_uid, "controller": True,
-                                     "blockOwnerDeletion": True}],
+                "labels": {
+                    LABEL_SEARCH: label_value(self.search_name),
+                    LABEL_CANDIDATE: str(int(cand["id"])),
+                    LABEL_MANAGED_BY: "mergepipe-search",
+                },
+                "ownerReferences": [
+                    {
+                        "apiVersion": f"{GROUP}/{VERSION}",
+                        "kind": "MergeSearch",
+                        "name": self.search_name,
+                        "uid": self.search_uid,
+                        "controller": True,
+                        "blockOwnerDeletion": True,
+                    }
+                ],
             },
             "spec": spec,
         }
@@ -170,7 +194,9 @@ class KubernetesMerger(CandidateMerger):
         body = self.candidate_body(cfg, cand)
         name = body["metadata"]["name"]
         try:
-            self.api.create_namespaced_custom_object(GROUP, VERSION, self.namespace, "modelmerges", body, _headers=JSON_BODY)
+            self.api.create_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, "modelmerges", body, _headers=JSON_BODY
+            )
         except Exception as e:  # noqa: BLE001 - ApiException without importing kubernetes here
             if getattr(e, "status", None) != 409:
                 raise
@@ -183,8 +209,9 @@ class KubernetesMerger(CandidateMerger):
             if ready and current and ready.get("status") == "True" and st.get("snapshot"):
                 snap = self._get("mergedsnapshots", st["snapshot"])
                 realized = (st.get("realized") or {}).get("expertReadBytes")
-                return Merged(snap["spec"]["uri"], snap["spec"]["manifestHash"],
-                              int(realized) if realized is not None else None)
+                return Merged(
+                    snap["spec"]["uri"], snap["spec"]["manifestHash"], int(realized) if realized is not None else None
+                )
             if ready and current and ready.get("status") == "False" and ready.get("reason") in FAILED_REASONS:
                 raise CandidateFailed(f"ModelMerge {name}: {ready['reason']}: {ready.get('message', '')}")
             if self.timeout_seconds is not None and self.clock() - t0 > self.timeout_seconds:
@@ -213,9 +240,22 @@ class KubernetesJobEvaluator(Evaluator):
 
     in_process = False
 
-    def __init__(self, batch: Any, namespace: str, search_name: str, search_uid: str, template: dict, command: str,
-                 metrics_prefix: str, storage: Any, *, timeout: float | None = None, poll_seconds: float = 10.0,
-                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        batch: Any,
+        namespace: str,
+        search_name: str,
+        search_uid: str,
+        template: dict,
+        command: str,
+        metrics_prefix: str,
+        storage: Any,
+        *,
+        timeout: float | None = None,
+        poll_seconds: float = 10.0,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.batch, self.namespace, self.search_name, self.search_uid = batch, namespace, search_name, search_uid
         self.template, self.command, self.storage = template, command, storage
         self.metrics_prefix = metrics_prefix.rstrip("/")
@@ -243,8 +283,16 @@ class KubernetesJobEvaluator(Evaluator):
         meta["namespace"] = self.namespace
         labels = {**(meta.get("labels") or {}), LABEL_SEARCH: label_value(self.search_name), LABEL_CANDIDATE: str(cid)}
         meta["labels"] = labels
-        meta["ownerReferences"] = [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "MergeSearch", "name": self.search_name,
-                                    "uid": self.search_uid, "controller": True, "blockOwnerDeletion": True}]
+        meta["ownerReferences"] = [
+            {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": "MergeSearch",
+                "name": self.search_name,
+                "uid": self.search_uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
         tmpl = job.setdefault("spec", {}).setdefault("template", {})
         tmpl.setdefault("metadata", {})["labels"] = {**(tmpl.get("metadata", {}).get("labels") or {}), **labels}
         (c,) = tmpl["spec"]["containers"]
@@ -283,7 +331,9 @@ class KubernetesJobEvaluator(Evaluator):
                 try:
                     doc = json.loads(self.storage.read_object(metrics_uri, role="other"))
                 except Exception as e:  # noqa: BLE001 - missing or unreadable object
-                    raise EvaluationFailed(f"evaluation Job {name} completed without metrics at {metrics_uri} ({e})") from None
+                    raise EvaluationFailed(
+                        f"evaluation Job {name} completed without metrics at {metrics_uri} ({e})"
+                    ) from None
                 if "error" in doc:
                     raise EvaluationFailed(str(doc["error"]))
                 return doc["metrics"]

@@ -91,11 +91,15 @@ DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
 #: An extended resource name such as "nvidia.com/gpu" or "amd.com/gpu".
-RESOURCE_NAME_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+RESOURCE_NAME_PATTERN = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
 #: A duration such as "30m", "24h", "7d", "1h30m" (s, m, h, d, w).
 DURATION_PATTERN = r"^([0-9]+[smhdw])+$"
 IMAGE_PATTERN = r"^[^\s]+$"
-CONDITION_TYPE_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$"
+CONDITION_TYPE_PATTERN = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$"
+)
 CONDITION_REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
 
 
@@ -258,10 +262,8 @@ class ResourcesSpec(K8sModel):
     """Compute resources of the merge Job."""
 
     gpu: GPUSpec | None = None
-    cpu: K8sQuantity | None = Field(default=None, description="CPU request, e.g. \"4\" or \"500m\".")
-    memory: K8sQuantity | None = Field(
-        default=None, description="Memory request and limit, e.g. \"32Gi\"."
-    )
+    cpu: K8sQuantity | None = Field(default=None, description='CPU request, e.g. "4" or "500m".')
+    memory: K8sQuantity | None = Field(default=None, description='Memory request and limit, e.g. "32Gi".')
 
 
 class SecretRef(K8sModel):
@@ -322,9 +324,7 @@ class ModelMergeSpec(K8sModel):
         description="Target fraction (0, 1] of the task-vector energy to retain; the planner reads the fewest bytes that reach it.",
     )
     output: OutputSpec
-    seed: Seed | None = Field(
-        default=None, description="Seed of random sparsification (DARE, DELLA): 0 to 2^53-1."
-    )
+    seed: Seed | None = Field(default=None, description="Seed of random sparsification (DARE, DELLA): 0 to 2^53-1.")
     resources: ResourcesSpec | None = None
     image: Annotated[str, StringConstraints(pattern=IMAGE_PATTERN, max_length=512)] | None = Field(
         default=None, description="Merger image override."
@@ -364,7 +364,9 @@ class PlanStatus(K8sModel):
     its digest, the I/O it will do per role, the task-vector energy it retains and where the full
     plan object is (the merge Job executes that object)."""
 
-    digest: Sha256 = Field(description="Plan digest (SHA-256 hex of the canonical plan); also on the merge Job's annotation.")
+    digest: Sha256 = Field(
+        description="Plan digest (SHA-256 hex of the canonical plan); also on the merge Job's annotation."
+    )
     uri: Annotated[str, StringConstraints(max_length=2048)] | None = Field(
         default=None, description="Where the full plan object is: <plans.prefix>/<namespace>/<name>/<digest>.json."
     )
@@ -385,7 +387,9 @@ class ModelMergeStatus(ObservedStatus):
     )
     budget_bytes: NonNegInt | None = None
     plan: PlanStatus | None = Field(default=None, description="The plan the merge Job executes.")
-    realized: IOBytes | None = Field(default=None, description="Bytes per role the committed merge read and wrote (its manifest).")
+    realized: IOBytes | None = Field(
+        default=None, description="Bytes per role the committed merge read and wrote (its manifest)."
+    )
     expert_read: Annotated[str, StringConstraints(max_length=32)] | None = Field(
         default=None, description="Realized expert read (human-readable)."
     )
@@ -527,8 +531,9 @@ class VarySpec(K8sModel):
     """A parameter the search varies: one value per layer block, in [min, max] (the CLI's
     mergepipe search --vary [EXPERT:]NAME=MIN:MAX)."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        {"rule": "self.min < self.max", "message": _VARY_BOUNDS}]})
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [{"rule": "self.min < self.max", "message": _VARY_BOUNDS}]}
+    )
 
     name: Annotated[str, StringConstraints(pattern=PARAM_NAME_PATTERN, max_length=64)] = Field(
         description="Merge parameter (mergekit name), e.g. weight or density."
@@ -560,8 +565,13 @@ class EvaluatorSpec(K8sModel):
     """How each candidate is scored; without command: the built-in eval losses on the demo zoo's
     held-out sets."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        {"rule": "!(has(self.command) && has(self.zooBatches))", "message": _ONE_EVALUATOR}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "!(has(self.command) && has(self.zooBatches))", "message": _ONE_EVALUATOR}
+            ]
+        }
+    )
 
     command: Annotated[str, StringConstraints(min_length=1, max_length=4096)] | None = Field(
         default=None,
@@ -585,16 +595,27 @@ class MergeSearchSpec(K8sModel):
     """A layer-wise multi-objective search over merge parameters: every candidate is a budgeted
     merge followed by an evaluation; the result is a Pareto set of snapshots."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        {"rule": "self.evaluations >= self.initial", "message": _EVALS_VS_INITIAL},
-        {"rule": "!has(self.refPoint) || size(self.refPoint) == size(self.objectives)", "message": _REF_POINT_SIZE},
-        {"rule": "self.vary.all(v, !has(v.expert) || self.experts.exists(e, has(e.name) && e.name == v.expert))",
-         "message": _VARY_EXPERT},
-    ]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "self.evaluations >= self.initial", "message": _EVALS_VS_INITIAL},
+                {
+                    "rule": "!has(self.refPoint) || size(self.refPoint) == size(self.objectives)",
+                    "message": _REF_POINT_SIZE,
+                },
+                {
+                    "rule": "self.vary.all(v, !has(v.expert) || self.experts.exists(e, has(e.name) && e.name == v.expert))",
+                    "message": _VARY_EXPERT,
+                },
+            ]
+        }
+    )
 
     base: CheckpointRef
     experts: list[ExpertSpec] = Field(
-        min_length=1, max_length=64, description="The source models; their weight and parameters are fixed for every candidate."
+        min_length=1,
+        max_length=64,
+        description="The source models; their weight and parameters are fixed for every candidate.",
     )
     method: Literal[METHODS] = Field(default="task_arithmetic", description="Merge method (mergekit name).")  # type: ignore[valid-type]
     parameters: ParamMap = Field(default_factory=dict)
@@ -603,7 +624,8 @@ class MergeSearchSpec(K8sModel):
         default=4, description="Contiguous blocks of decoder layers; one value per block and varied parameter."
     )
     objectives: list[ObjectiveSpec] = Field(
-        min_length=1, max_length=8,
+        min_length=1,
+        max_length=8,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["metric"]},
         description="Metrics to optimise (each metric once).",
     )
@@ -611,15 +633,20 @@ class MergeSearchSpec(K8sModel):
     evaluations: Annotated[int, Field(ge=1, le=10_000)] = Field(
         default=24, description="Candidates in total (a merge and an evaluation each, failed ones included)."
     )
-    initial: Annotated[int, Field(ge=1, le=1_000)] = Field(default=8, description="Sobol design points before the optimizer.")
-    workers: Annotated[int, Field(ge=1, le=64)] = Field(default=1, description="Candidates merged and evaluated at once (worker Jobs).")
+    initial: Annotated[int, Field(ge=1, le=1_000)] = Field(
+        default=8, description="Sobol design points before the optimizer."
+    )
+    workers: Annotated[int, Field(ge=1, le=64)] = Field(
+        default=1, description="Candidates merged and evaluated at once (worker Jobs)."
+    )
     strategy: Literal[SEARCH_STRATEGIES] = Field(  # type: ignore[valid-type]
         default="async",
         description="async (prior-guided, pending-aware), sync (batch qNEHVI, no prior) or random.",
     )
     prior: bool = Field(default=True, description="Use the parameter-discrepancy prior and frontier reranking (async).")
     ref_point: list[float] | None = Field(
-        default=None, max_length=8,
+        default=None,
+        max_length=8,
         description="Hypervolume reference point, one value per objective in the metric's units (default: from the first observations).",
     )
     budget: ByteQuantity | None = Field(
@@ -646,7 +673,9 @@ class MergeSearchSpec(K8sModel):
         if self.evaluations < self.initial:
             raise ValueError(f"{_EVALS_VS_INITIAL}: evaluations={self.evaluations}, initial={self.initial}")
         if self.ref_point is not None and len(self.ref_point) != len(self.objectives):
-            raise ValueError(f"{_REF_POINT_SIZE}: {len(self.ref_point)} value(s) for {len(self.objectives)} objective(s)")
+            raise ValueError(
+                f"{_REF_POINT_SIZE}: {len(self.ref_point)} value(s) for {len(self.objectives)} objective(s)"
+            )
         names = {e.name for e in self.experts if e.name}
         for v in self.vary:
             if v.expert is not None and v.expert not in names:
@@ -665,7 +694,9 @@ class ParetoPoint(K8sModel):
         default_factory=dict, json_schema_extra={"maxProperties": 8}, description="Its metric values, by objective."
     )
     snapshot: DnsSubdomain | None = Field(default=None, description="Name of its MergedSnapshot.")
-    uri: Annotated[str, StringConstraints(max_length=2048)] | None = Field(default=None, description="Where its snapshot is.")
+    uri: Annotated[str, StringConstraints(max_length=2048)] | None = Field(
+        default=None, description="Where its snapshot is."
+    )
 
 
 class MergeSearchStatus(ObservedStatus):
@@ -684,7 +715,11 @@ class MergeSearchStatus(ObservedStatus):
     pareto_size: NonNegInt | None = None
     pareto: list[ParetoPoint] = Field(
         default_factory=list,
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["candidate"], "maxItems": 64},
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["candidate"],
+            "maxItems": 64,
+        },
     )
     state_uri: Annotated[str, StringConstraints(max_length=2048)] | None = Field(
         default=None, alias="stateURI", description="The search state (resume)."

@@ -54,7 +54,9 @@ def peering_priority() -> int:
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="mergepipe.io")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="mergepipe.io", key="last-handled-configuration")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="mergepipe.io", key="last-handled-configuration"
+    )
     settings.posting.level = logging.WARNING
     settings.execution.max_workers = 8
     if not settings.peering.standalone and settings.peering.priority == 0:

@@ -36,7 +36,9 @@ class ObjectStore:
     """
 
     def __init__(self, storage: Storage | None = None, *, endpoint: str | None = None):
-        self.storage: Any = storage if storage is not None else open_storage(None, IOCounters(), endpoint_url=endpoint or None)
+        self.storage: Any = (
+            storage if storage is not None else open_storage(None, IOCounters(), endpoint_url=endpoint or None)
+        )
 
     def get(self, uri: str) -> bytes | None:
         """The object's bytes, or ``None`` when there is no such object."""

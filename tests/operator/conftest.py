@@ -47,8 +47,10 @@ def real_crd_server():
     from realapi import ROOT, RealCrdServer, bin_dir, binaries_present, load_crds
 
     if not binaries_present():
-        why = (f"no real API server binaries in {bin_dir()}: run tests/k8s_apiserver/build.sh "
-               "(downloads ~300 MB of Debian sid packages, builds for 5-18 min)")
+        why = (
+            f"no real API server binaries in {bin_dir()}: run tests/k8s_apiserver/build.sh "
+            "(downloads ~300 MB of Debian sid packages, builds for 5-18 min)"
+        )
         if in_ci():
             pytest.fail(why + " (CI=true: the real-API-server tests must run)")
         pytest.skip(why)

@@ -55,11 +55,20 @@ def _parse_path(path: str) -> parsing.ParsedPath:
     """kmock 0.8 reads ``/api/v1/namespaces[/NAME[/status]]`` as a namespace prefix without a
     resource (``POST /api/v1/namespaces`` fails with 500): there, ``namespaces`` is the resource."""
     parts = path.strip("/").split("/")
-    if len(parts) in (3, 4, 5) and parts[0] == "api" and parts[2] == "namespaces" and (
-            len(parts) < 5 or parts[4] in ("status", "finalize")):
-        return parsing.ParsedPath(group="", version=parts[1], plural="namespaces", namespace=None,
-                                  name=parts[3] if len(parts) > 3 else None,
-                                  subresource=parts[4] if len(parts) > 4 else None)
+    if (
+        len(parts) in (3, 4, 5)
+        and parts[0] == "api"
+        and parts[2] == "namespaces"
+        and (len(parts) < 5 or parts[4] in ("status", "finalize"))
+    ):
+        return parsing.ParsedPath(
+            group="",
+            version=parts[1],
+            plural="namespaces",
+            namespace=None,
+            name=parts[3] if len(parts) > 3 else None,
+            subresource=parts[4] if len(parts) > 4 else None,
+        )
     return _kmock_parse_path(path)
 
 
@@ -171,7 +180,7 @@ class RealisticEmulator(k8s.KubernetesEmulator):
 
     def _kind(self, res: references.resource) -> str:
         info = self._info(res)
-        return (info.kind if info is not None and info.kind else (res.plural or "").capitalize())
+        return info.kind if info is not None and info.kind else (res.plural or "").capitalize()
 
     async def _emit(self, res: references.resource, type_: str, obj: dict[str, Any]) -> None:
         await self._buses[res].put({"type": type_, "object": copy.deepcopy(obj)})
@@ -234,11 +243,22 @@ class RealisticEmulator(k8s.KubernetesEmulator):
             if method in ("POST", "PUT") and ctype not in ("application/json", "application/yaml"):
                 # like an API server: a body needs its media type (kubernetes-client 37 sends none
                 # on creates and replaces unless told)
-                raise _error(415, "UnsupportedMediaType", f"the body of the request was in an unknown format ({ctype!r}) - "
-                                                          "accepted media types include: application/json, application/yaml")
+                raise _error(
+                    415,
+                    "UnsupportedMediaType",
+                    f"the body of the request was in an unknown format ({ctype!r}) - "
+                    "accepted media types include: application/json, application/yaml",
+                )
             if method in ("PATCH", "PUT", "DELETE") and request.name is not None:
-                self.writes.append((method, request.resource.plural, request.namespace, request.name,
-                                    request.headers.get("User-Agent") or ""))
+                self.writes.append(
+                    (
+                        method,
+                        request.resource.plural,
+                        request.namespace,
+                        request.name,
+                        request.headers.get("User-Agent") or "",
+                    )
+                )
             async with self._lock:
                 if method == "GET":
                     body, status = self._get(request), 200
@@ -306,8 +326,12 @@ class RealisticEmulator(k8s.KubernetesEmulator):
                 raise _error(400, "BadRequest", "the body must be a JSON object")
             want = (data.get("metadata") or {}).get("resourceVersion")
             if want and want != cur["metadata"]["resourceVersion"]:
-                raise _error(409, "Conflict", f'Operation cannot be fulfilled on {res.plural} "{request.name}": '
-                                              "the object has been modified; please apply your changes to the latest version and try again")
+                raise _error(
+                    409,
+                    "Conflict",
+                    f'Operation cannot be fulfilled on {res.plural} "{request.name}": '
+                    "the object has been modified; please apply your changes to the latest version and try again",
+                )
             new = copy.deepcopy(data)
         elif ctype == "application/json-patch+json":
             if not isinstance(data, list):
@@ -315,16 +339,26 @@ class RealisticEmulator(k8s.KubernetesEmulator):
             try:
                 new = jsonpatch.apply_patch(copy.deepcopy(cur), data, in_place=False)
             except jsonpatch.JsonPatchTestFailed as e:
-                raise _error(422, "Invalid", f"the server rejected our request due to an error in our request: {e}") from None
+                raise _error(
+                    422, "Invalid", f"the server rejected our request due to an error in our request: {e}"
+                ) from None
             except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as e:
                 raise _error(422, "Invalid", str(e)) from None
-        elif ctype in ("application/merge-patch+json", "application/strategic-merge-patch+json", "application/json", ""):
+        elif ctype in (
+            "application/merge-patch+json",
+            "application/strategic-merge-patch+json",
+            "application/json",
+            "",
+        ):
             if not isinstance(data, dict):
                 raise _error(400, "BadRequest", "a merge patch is a JSON object")
             want = (data.get("metadata") or {}).get("resourceVersion")
             if want and want != cur["metadata"]["resourceVersion"]:
-                raise _error(409, "Conflict", f'Operation cannot be fulfilled on {res.plural} "{request.name}": '
-                                              "the object has been modified")
+                raise _error(
+                    409,
+                    "Conflict",
+                    f'Operation cannot be fulfilled on {res.plural} "{request.name}": the object has been modified',
+                )
             new = merge_patch_dict(copy.deepcopy(cur), data)
         else:
             raise _error(415, "UnsupportedMediaType", f"the content type {ctype!r} is not supported here")
@@ -404,10 +438,14 @@ class RealisticEmulator(k8s.KubernetesEmulator):
             raise _error(400, "BadRequest", str(e)) from None
         res = request.resource
         api_version = f"{res.group}/{res.version}" if res.group else res.version
-        return aiohttp.web.json_response({
-            "apiVersion": api_version, "kind": f"{self._kind(res)}List",
-            "metadata": {"resourceVersion": rv}, "items": items,
-        })
+        return aiohttp.web.json_response(
+            {
+                "apiVersion": api_version,
+                "kind": f"{self._kind(res)}List",
+                "metadata": {"resourceVersion": rv},
+                "items": items,
+            }
+        )
 
     async def _watch(self, request):
         res = request.resource
@@ -416,7 +454,11 @@ class RealisticEmulator(k8s.KubernetesEmulator):
         except ValueError as e:
             raise _error(400, "BadRequest", str(e)) from None
         fields = dict(p.split("=", 1) for p in (request.params.get("fieldSelector") or "").split(",") if "=" in p)
-        since = int(request.params.get("resourceVersion") or 0) if (request.params.get("resourceVersion") or "0").isdigit() else 0
+        since = (
+            int(request.params.get("resourceVersion") or 0)
+            if (request.params.get("resourceVersion") or "0").isdigit()
+            else 0
+        )
         timeout = float(request.params.get("timeoutSeconds") or 0) or None
         bus = self._buses[res]
         async with self._lock:  # snapshot + subscription under the writers' lock: no event is lost
@@ -427,14 +469,19 @@ class RealisticEmulator(k8s.KubernetesEmulator):
         try:
             await resp.prepare(request._raw_request)
             for o in initial:
-                await resp.write(json.dumps({"type": "ADDED" if since == 0 else "MODIFIED", "object": o}).encode() + b"\n")
+                await resp.write(
+                    json.dumps({"type": "ADDED" if since == 0 else "MODIFIED", "object": o}).encode() + b"\n"
+                )
 
             async def follow():
                 async for ev in bus.stream(since=mark):
                     obj = ev.get("object") or {}
                     if int((obj.get("metadata") or {}).get("resourceVersion") or 0) <= since:
                         continue
-                    if request.namespace is not None and (obj.get("metadata") or {}).get("namespace") != request.namespace:
+                    if (
+                        request.namespace is not None
+                        and (obj.get("metadata") or {}).get("namespace") != request.namespace
+                    ):
                         continue
                     if not self._matches(obj, labels, fields):
                         continue

@@ -35,8 +35,12 @@ from mergepipe_operator.crd import GROUP, RESOURCES, VERSION
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 #: Kueue's resources (kueue.x-k8s.io/v1beta2): plural -> (kind, namespaced)
-KUEUE_RESOURCES = {"workloads": ("Workload", True), "localqueues": ("LocalQueue", True),
-                   "clusterqueues": ("ClusterQueue", False), "admissionchecks": ("AdmissionCheck", False)}
+KUEUE_RESOURCES = {
+    "workloads": ("Workload", True),
+    "localqueues": ("LocalQueue", True),
+    "clusterqueues": ("ClusterQueue", False),
+    "admissionchecks": ("AdmissionCheck", False),
+}
 
 
 class KubeServer:
@@ -71,20 +75,29 @@ class KubeServer:
             if self.real is not None:
                 break
             self.kmock.resources[f"{GROUP}/{VERSION}/{r['plural']}"] = ResourceInfo(
-                kind=kind, singular=r["singular"], shortnames=set(r["short_names"]), namespaced=True,
+                kind=kind,
+                singular=r["singular"],
+                shortnames=set(r["short_names"]),
+                namespaced=True,
                 subresources={"status"},
                 verbs={"list", "watch", "get", "create", "patch", "update", "delete", "deletecollection"},
             )
         # kopf's peering objects (chart replicas > 1): no status subresource, as kopf ships them
-        for kind, plural, namespaced in (("ClusterKopfPeering", "clusterkopfpeerings", False),
-                                         ("KopfPeering", "kopfpeerings", True)):
+        for kind, plural, namespaced in (
+            ("ClusterKopfPeering", "clusterkopfpeerings", False),
+            ("KopfPeering", "kopfpeerings", True),
+        ):
             self.kmock.resources[f"kopf.dev/v1/{plural}"] = ResourceInfo(
-                kind=kind, singular=plural[:-1], namespaced=namespaced,
+                kind=kind,
+                singular=plural[:-1],
+                namespaced=namespaced,
                 verbs={"list", "watch", "get", "create", "patch", "update", "delete"},
             )
         for plural, (kind, namespaced) in KUEUE_RESOURCES.items():  # Kueue's API (its part is played: KueuePlayer)
             self.kmock.resources[f"kueue.x-k8s.io/v1beta2/{plural}"] = ResourceInfo(
-                kind=kind, namespaced=namespaced, subresources={"status"},
+                kind=kind,
+                namespaced=namespaced,
+                subresources={"status"},
                 verbs={"list", "watch", "get", "create", "patch", "update", "delete"},
             )
         self.server = apps.Server(self.kmock)
@@ -130,7 +143,9 @@ class KubeServer:
 
     def kubeconfig(self, path: Path) -> Path:
         cfg = {
-            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "kmock",
             "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
             "users": [{"name": "test", "user": {"token": "test-token"}}],
             "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "test"}}],
@@ -153,9 +168,14 @@ class Api:
         for plural, (k, _) in KUEUE_RESOURCES.items():
             if k == kind:
                 return "kueue.x-k8s.io", "v1beta2", plural
-        return {"Job": ("batch", "v1", "jobs"), "Pod": ("", "v1", "pods"), "Secret": ("", "v1", "secrets"),
-                "ClusterKopfPeering": ("kopf.dev", "v1", "clusterkopfpeerings"),
-                "Namespace": ("", "v1", "namespaces"), "Event": ("", "v1", "events")}[kind]
+        return {
+            "Job": ("batch", "v1", "jobs"),
+            "Pod": ("", "v1", "pods"),
+            "Secret": ("", "v1", "secrets"),
+            "ClusterKopfPeering": ("kopf.dev", "v1", "clusterkopfpeerings"),
+            "Namespace": ("", "v1", "namespaces"),
+            "Event": ("", "v1", "events"),
+        }[kind]
 
     def _path(self, kind: str, ns: str | None, name: str | None = None, sub: str | None = None) -> str:
         g, v, plural = self._res(kind)
@@ -174,8 +194,12 @@ class Api:
         import urllib.request
 
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": content_type, "Accept": "application/json"})
+        req = urllib.request.Request(
+            self.url + path,
+            data=data,
+            method=method,
+            headers={"Content-Type": content_type, "Accept": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=30) as r:
                 return json.loads(r.read() or b"null")
@@ -219,7 +243,9 @@ def wait_for(what: str, fn: Callable[[], Any], timeout: float = 60.0, interval: 
         if last:
             return last
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {json.dumps(last, default=str)[:2000]}")
+    raise AssertionError(
+        f"timed out after {timeout:.0f}s waiting for {what}; last: {json.dumps(last, default=str)[:2000]}"
+    )
 
 
 @contextlib.contextmanager
@@ -235,8 +261,9 @@ def operator(timeout: float = 30.0) -> Iterator[Any]:
     settings.watching.reconnect_backoff = 0.1
     settings.queueing.idle_timeout = 1.0
     settings.queueing.exit_timeout = 1.0
-    with KopfRunner(["run", "--standalone", "--all-namespaces", "-m", "mergepipe_operator.main"],
-                    settings=settings, timeout=timeout) as runner:
+    with KopfRunner(
+        ["run", "--standalone", "--all-namespaces", "-m", "mergepipe_operator.main"], settings=settings, timeout=timeout
+    ) as runner:
         yield runner
     assert runner.exception is None, runner.output[-5000:]
     assert runner.exit_code == 0, runner.output[-5000:]
@@ -247,12 +274,20 @@ def operator_process(name: str, kubeconfig: Path, log: Path, *args: str) -> Iter
     """The real operator as its own OS process (``python -m kopf run ... -m
     mergepipe_operator.main``) with kopf identity ``name`` (``POD_ID``, as the chart sets it) and
     this process's environment; stopped with SIGTERM (kopf's clean shutdown) at the end."""
-    env = dict(os.environ, KUBECONFIG=str(kubeconfig), POD_ID=name,
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "operator")]))
+    env = dict(
+        os.environ,
+        KUBECONFIG=str(kubeconfig),
+        POD_ID=name,
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "operator")]),
+    )
     env.pop("KUBERNETES_SERVICE_HOST", None)
     with open(log, "wb") as out:
-        p = subprocess.Popen([sys.executable, "-m", "kopf", "run", "--verbose", "-m", "mergepipe_operator.main", *args],
-                             env=env, stdout=out, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "kopf", "run", "--verbose", "-m", "mergepipe_operator.main", *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
         try:
             yield p
         finally:
@@ -342,21 +377,51 @@ def record_pod(api: Api, job: dict[str, Any], r: subprocess.CompletedProcess, wo
     if not message and r.returncode != 0 and c.get("terminationMessagePolicy") == "FallbackToLogsOnError":
         log = (r.stdout or "") + (r.stderr or "")
         message = "\n".join(log.splitlines()[-80:])[-2048:]
-    labels = {"job-name": name, "batch.kubernetes.io/job-name": name,
-              "controller-uid": job["metadata"].get("uid", ""), "batch.kubernetes.io/controller-uid": job["metadata"].get("uid", "")}
+    labels = {
+        "job-name": name,
+        "batch.kubernetes.io/job-name": name,
+        "controller-uid": job["metadata"].get("uid", ""),
+        "batch.kubernetes.io/controller-uid": job["metadata"].get("uid", ""),
+    }
     pod_name = f"{name[:57]}-{os.urandom(3).hex()[:5]}"
-    api.create({"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": pod_name, "namespace": ns, "labels": labels},
-                "spec": {"restartPolicy": "Never", "containers": [{"name": c["name"], "image": c["image"]}]}})
+    api.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": pod_name, "namespace": ns, "labels": labels},
+            "spec": {"restartPolicy": "Never", "containers": [{"name": c["name"], "image": c["image"]}]},
+        }
+    )
     t = _now()
-    terminated = {"exitCode": r.returncode, "reason": "Completed" if r.returncode == 0 else "Error",
-                  "startedAt": t, "finishedAt": t, "containerID": "containerd://" + os.urandom(8).hex()}
+    terminated = {
+        "exitCode": r.returncode,
+        "reason": "Completed" if r.returncode == 0 else "Error",
+        "startedAt": t,
+        "finishedAt": t,
+        "containerID": "containerd://" + os.urandom(8).hex(),
+    }
     if message:
         terminated["message"] = message
-    return api.patch("Pod", ns, pod_name, {"status": {
-        "phase": "Succeeded" if r.returncode == 0 else "Failed",
-        "containerStatuses": [{"name": c["name"], "image": c["image"], "ready": False, "restartCount": 0,
-                               "state": {"terminated": terminated}}]}}, sub="status")
+    return api.patch(
+        "Pod",
+        ns,
+        pod_name,
+        {
+            "status": {
+                "phase": "Succeeded" if r.returncode == 0 else "Failed",
+                "containerStatuses": [
+                    {
+                        "name": c["name"],
+                        "image": c["image"],
+                        "ready": False,
+                        "restartCount": 0,
+                        "state": {"terminated": terminated},
+                    }
+                ],
+            }
+        },
+        sub="status",
+    )
 
 
 def _now() -> str:
@@ -370,17 +435,50 @@ def mark_job(api: Api, job: dict[str, Any], state: str, message: str = "") -> No
     if state == "Running":
         st: dict[str, Any] = {"active": 1, "ready": 1, "startTime": t}
     elif state == "Succeeded":
-        st = {"active": 0, "succeeded": 1, "ready": 0, "completionTime": t, "conditions": [
-            {"type": "SuccessCriteriaMet", "status": "True", "reason": "CompletionsReached", "lastTransitionTime": t,
-             "message": "Reached expected number of succeeded pods"},
-            {"type": "Complete", "status": "True", "reason": "CompletionsReached", "lastTransitionTime": t,
-             "message": "Reached expected number of succeeded pods"}]}
+        st = {
+            "active": 0,
+            "succeeded": 1,
+            "ready": 0,
+            "completionTime": t,
+            "conditions": [
+                {
+                    "type": "SuccessCriteriaMet",
+                    "status": "True",
+                    "reason": "CompletionsReached",
+                    "lastTransitionTime": t,
+                    "message": "Reached expected number of succeeded pods",
+                },
+                {
+                    "type": "Complete",
+                    "status": "True",
+                    "reason": "CompletionsReached",
+                    "lastTransitionTime": t,
+                    "message": "Reached expected number of succeeded pods",
+                },
+            ],
+        }
     else:
-        st = {"active": 0, "failed": 1, "ready": 0, "conditions": [
-            {"type": "FailureTarget", "status": "True", "reason": "BackoffLimitExceeded", "lastTransitionTime": t,
-             "message": message or "Job has reached the specified backoff limit"},
-            {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "lastTransitionTime": t,
-             "message": message or "Job has reached the specified backoff limit"}]}
+        st = {
+            "active": 0,
+            "failed": 1,
+            "ready": 0,
+            "conditions": [
+                {
+                    "type": "FailureTarget",
+                    "status": "True",
+                    "reason": "BackoffLimitExceeded",
+                    "lastTransitionTime": t,
+                    "message": message or "Job has reached the specified backoff limit",
+                },
+                {
+                    "type": "Failed",
+                    "status": "True",
+                    "reason": "BackoffLimitExceeded",
+                    "lastTransitionTime": t,
+                    "message": message or "Job has reached the specified backoff limit",
+                },
+            ],
+        }
     api.patch("Job", ns, name, {"status": st}, sub="status")
 
 
@@ -457,44 +555,75 @@ class KueuePlayer:
             self._stop.wait(0.1)
 
     def _patch_status(self, wl: dict[str, Any], status: dict[str, Any]) -> None:
-        self.api.patch("Workload", wl["metadata"]["namespace"], wl["metadata"]["name"],
-                       {"metadata": {"resourceVersion": wl["metadata"]["resourceVersion"]}, "status": status}, sub="status")
+        self.api.patch(
+            "Workload",
+            wl["metadata"]["namespace"],
+            wl["metadata"]["name"],
+            {"metadata": {"resourceVersion": wl["metadata"]["resourceVersion"]}, "status": status},
+            sub="status",
+        )
 
     def step(self) -> None:
         now = time.time()
         for ns in self.namespaces:
-            workloads = {(w["metadata"].get("ownerReferences") or [{}])[0].get("uid"): w for w in self.api.list("Workload", ns)}
+            workloads = {
+                (w["metadata"].get("ownerReferences") or [{}])[0].get("uid"): w for w in self.api.list("Workload", ns)
+            }
             for job in self.api.list("Job", ns):
                 queue = (job["metadata"].get("labels") or {}).get(QUEUE_LABEL)
                 if not queue:
                     continue
                 wl = workloads.get(job["metadata"]["uid"])
                 if wl is None:
-                    self.api.create({
-                        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload",
-                        "metadata": {"name": f"job-{job['metadata']['name']}"[:57] + "-" + job["metadata"]["uid"][:5],
-                                     "namespace": ns, "labels": {"kueue.x-k8s.io/job-uid": job["metadata"]["uid"]},
-                                     "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": job["metadata"]["name"],
-                                                          "uid": job["metadata"]["uid"], "controller": True,
-                                                          "blockOwnerDeletion": True}]},
-                        "spec": {"queueName": queue, "active": True,
-                                 "podSets": [{"name": "main", "count": 1, "template": job["spec"]["template"]}]}})
+                    self.api.create(
+                        {
+                            "apiVersion": "kueue.x-k8s.io/v1beta2",
+                            "kind": "Workload",
+                            "metadata": {
+                                "name": f"job-{job['metadata']['name']}"[:57] + "-" + job["metadata"]["uid"][:5],
+                                "namespace": ns,
+                                "labels": {"kueue.x-k8s.io/job-uid": job["metadata"]["uid"]},
+                                "ownerReferences": [
+                                    {
+                                        "apiVersion": "batch/v1",
+                                        "kind": "Job",
+                                        "name": job["metadata"]["name"],
+                                        "uid": job["metadata"]["uid"],
+                                        "controller": True,
+                                        "blockOwnerDeletion": True,
+                                    }
+                                ],
+                            },
+                            "spec": {
+                                "queueName": queue,
+                                "active": True,
+                                "podSets": [{"name": "main", "count": 1, "template": job["spec"]["template"]}],
+                            },
+                        }
+                    )
                     continue
                 self._advance(job, wl, now)
 
     def _reserved(self, ns: str) -> int:
-        return sum(1 for w in self.api.list("Workload", ns)
-                   if _cond(w, "QuotaReserved") == "True" and _cond(w, "Finished") != "True")
+        return sum(
+            1
+            for w in self.api.list("Workload", ns)
+            if _cond(w, "QuotaReserved") == "True" and _cond(w, "Finished") != "True"
+        )
 
     def _advance(self, job: dict[str, Any], wl: dict[str, Any], now: float) -> None:
         ns, name = wl["metadata"]["namespace"], wl["metadata"]["name"]
         st = copy.deepcopy(wl.get("status") or {})
         t = _now()
-        finished = any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
-                       for c in (job.get("status") or {}).get("conditions") or [])
+        finished = any(
+            c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
+            for c in (job.get("status") or {}).get("conditions") or []
+        )
         if finished:
             if _cond(wl, "Finished") != "True":
-                self._patch_status(wl, dict(st, conditions=_set(st, "Finished", "True", "JobFinished", "Job finished", t)))
+                self._patch_status(
+                    wl, dict(st, conditions=_set(st, "Finished", "True", "JobFinished", "Job finished", t))
+                )
             return
         if not (wl.get("spec") or {}).get("active", True):
             return
@@ -505,8 +634,20 @@ class KueuePlayer:
             lq = self.api.get("LocalQueue", ns, wl["spec"]["queueName"])
             cq = self.api.get("ClusterQueue", None, lq["spec"]["clusterQueue"]) if lq else None
             if cq is None:
-                self._patch_status(wl, dict(st, conditions=_set(st, "QuotaReserved", "False", "Inadmissible",
-                                                                f"LocalQueue {wl['spec']['queueName']} doesn't exist", t)))
+                self._patch_status(
+                    wl,
+                    dict(
+                        st,
+                        conditions=_set(
+                            st,
+                            "QuotaReserved",
+                            "False",
+                            "Inadmissible",
+                            f"LocalQueue {wl['spec']['queueName']} doesn't exist",
+                            t,
+                        ),
+                    ),
+                )
                 return
             if self._reserved(ns) >= self.capacity:
                 msg = "couldn't assign flavors to pod set main: insufficient unused quota for cpu in flavor default"
@@ -515,13 +656,31 @@ class KueuePlayer:
                 return
             names = [r["name"] for r in (cq["spec"].get("admissionChecksStrategy") or {}).get("admissionChecks") or []]
             st["admissionChecks"] = [
-                checks[n] if n in checks and checks[n].get("state") == "Ready" else
-                {"name": n, "state": "Pending", "message": "", "lastTransitionTime": t} for n in names]
-            st["admission"] = {"clusterQueue": cq["metadata"]["name"],
-                               "podSetAssignments": [{"name": "main", "count": 1, "flavors": {"cpu": "default"}}]}
-            conds = _set(st, "QuotaReserved", "True", "QuotaReserved", f"Quota reserved in ClusterQueue {cq['metadata']['name']}", t)
-            st["conditions"] = _set({"conditions": conds}, "Admitted", "False", "UnsatisfiedAdmissionChecks",
-                                    "The workload has not all admission checks", t)
+                checks[n]
+                if n in checks and checks[n].get("state") == "Ready"
+                else {"name": n, "state": "Pending", "message": "", "lastTransitionTime": t}
+                for n in names
+            ]
+            st["admission"] = {
+                "clusterQueue": cq["metadata"]["name"],
+                "podSetAssignments": [{"name": "main", "count": 1, "flavors": {"cpu": "default"}}],
+            }
+            conds = _set(
+                st,
+                "QuotaReserved",
+                "True",
+                "QuotaReserved",
+                f"Quota reserved in ClusterQueue {cq['metadata']['name']}",
+                t,
+            )
+            st["conditions"] = _set(
+                {"conditions": conds},
+                "Admitted",
+                "False",
+                "UnsatisfiedAdmissionChecks",
+                "The workload has not all admission checks",
+                t,
+            )
             self._patch_status(wl, st)
             return
         states = {c.get("state") for c in checks.values()}
@@ -533,9 +692,15 @@ class KueuePlayer:
             self.requeue_at[name] = now + delay
             st["admission"] = None
             conds = _set(st, "QuotaReserved", "False", "Pending", "The workload was evicted by an admission check", t)
-            conds = _set({"conditions": conds}, "Evicted", "True", "AdmissionCheck", "At least one admission check is false", t)
-            st["conditions"] = _set({"conditions": conds}, "Admitted", "False", "NoReservation", "The workload has no reservation", t)
-            st["admissionChecks"] = [dict(c, state="Pending") if c.get("state") == "Retry" else c for c in checks.values()]
+            conds = _set(
+                {"conditions": conds}, "Evicted", "True", "AdmissionCheck", "At least one admission check is false", t
+            )
+            st["conditions"] = _set(
+                {"conditions": conds}, "Admitted", "False", "NoReservation", "The workload has no reservation", t
+            )
+            st["admissionChecks"] = [
+                dict(c, state="Pending") if c.get("state") == "Retry" else c for c in checks.values()
+            ]
             # Kueue resets a Retry to Pending when it requeues; the check is decided again then
             self._patch_status(wl, st)
             return

@@ -54,7 +54,11 @@ def _strict(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     out = {k: _strict(v) for k, v in node.items()}
-    if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -77,7 +81,9 @@ def k8s_validate(obj: dict[str, Any], versions: tuple[str, ...] = K8S_VERSIONS) 
             kv.validate(obj, v, strict=True)
         except kv.ValidationError as e:
             path = ".".join(str(p) for p in e.path)
-            raise AssertionError(f"{obj['kind']}/{obj['metadata'].get('name')} invalid for Kubernetes {v}: {path}: {e.message}") from None
+            raise AssertionError(
+                f"{obj['kind']}/{obj['metadata'].get('name')} invalid for Kubernetes {v}: {path}: {e.message}"
+            ) from None
 
 
 class FakeKube:
@@ -114,8 +120,11 @@ class FakeKube:
         want = dict(s.split("=", 1) for s in label_selector.split(",")) if label_selector else {}
         with self.lock:
             out = [
-                copy.deepcopy(o) for (r, n, _), o in self.objects.items()
-                if r == res[2] and n == ns and all((o["metadata"].get("labels") or {}).get(k) == v for k, v in want.items())
+                copy.deepcopy(o)
+                for (r, n, _), o in self.objects.items()
+                if r == res[2]
+                and n == ns
+                and all((o["metadata"].get("labels") or {}).get(k) == v for k, v in want.items())
             ]
         return sorted(out, key=lambda o: o["metadata"]["name"])
 
@@ -159,7 +168,6 @@ class FakeKube:
             cur["metadata"]["resourceVersion"] = str(next(self.rv))
             self.writes.append(("replace_status", res[2], meta["name"]))
             return copy.deepcopy(cur)
-
 
     # cluster-scoped objects (Kueue's ClusterQueues and AdmissionChecks) live under namespace None
     def get_cluster(self, res, name):
@@ -207,13 +215,26 @@ def make_merge(name: str = "mm1", namespace: str = "ns1", **spec_overrides: Any)
     return {
         "apiVersion": "mergepipe.io/v1alpha1",
         "kind": "ModelMerge",
-        "metadata": {"name": name, "namespace": namespace, "uid": "0f0e0d0c-0000-4000-8000-000000000001", "generation": 1},
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": "0f0e0d0c-0000-4000-8000-000000000001",
+            "generation": 1,
+        },
         "spec": spec,
     }
 
 
-def make_quota(name: str = "q", namespace: str = "ns1", *, bytes_: Any = "100Gi", merges: int | None = None,
-               window: str | None = "24h", enforcement: str = "Reject", status: dict | None = None) -> dict[str, Any]:
+def make_quota(
+    name: str = "q",
+    namespace: str = "ns1",
+    *,
+    bytes_: Any = "100Gi",
+    merges: int | None = None,
+    window: str | None = "24h",
+    enforcement: str = "Reject",
+    status: dict | None = None,
+) -> dict[str, Any]:
     hard: dict[str, Any] = {}
     if bytes_ is not None:
         hard["expertReadBytes"] = bytes_
@@ -222,8 +243,12 @@ def make_quota(name: str = "q", namespace: str = "ns1", *, bytes_: Any = "100Gi"
     spec: dict[str, Any] = {"hard": hard, "enforcement": enforcement}
     if window:
         spec["window"] = window
-    q = {"apiVersion": "mergepipe.io/v1alpha1", "kind": "MergeQuota",
-         "metadata": {"name": name, "namespace": namespace, "generation": 1}, "spec": spec}
+    q = {
+        "apiVersion": "mergepipe.io/v1alpha1",
+        "kind": "MergeQuota",
+        "metadata": {"name": name, "namespace": namespace, "generation": 1},
+        "spec": spec,
+    }
     if status is not None:
         q["status"] = status
     return q

@@ -92,12 +92,20 @@ class _AuthHandler(BaseHTTPRequestHandler):
         n = int(self.headers.get("Content-Length") or 0)
         review = json.loads(self.rfile.read(n) or b"{}")
         if self.path.endswith("/tokenreviews"):
-            review["status"] = {"authenticated": True,
-                                "user": {"username": "mergepipe-test", "uid": "0", "groups": ["system:masters", "system:authenticated"]}}
+            review["status"] = {
+                "authenticated": True,
+                "user": {
+                    "username": "mergepipe-test",
+                    "uid": "0",
+                    "groups": ["system:masters", "system:authenticated"],
+                },
+            }
         elif self.path.endswith("/subjectaccessreviews"):
             review["status"] = {"allowed": True, "reason": "mergepipe tests allow everything"}
         else:
-            return self._send(404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404})
+            return self._send(
+                404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404}
+            )
         self._send(201, review)
 
     def do_GET(self) -> None:  # noqa: N802
@@ -106,8 +114,17 @@ class _AuthHandler(BaseHTTPRequestHandler):
         if q.get("sendInitialEvents", [""])[0] == "true":
             # a streaming list (client-go's WatchList): refused, so the informer falls back to
             # LIST + WATCH (what client-go does against servers without it)
-            return self._send(400, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "BadRequest",
-                                    "message": "sendInitialEvents is not supported here", "code": 400})
+            return self._send(
+                400,
+                {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "status": "Failure",
+                    "reason": "BadRequest",
+                    "message": "sendInitialEvents is not supported here",
+                    "code": 400,
+                },
+            )
         if q.get("watch", [""])[0] in ("true", "1"):
             # a watch with no events, open until its timeout (an informer treats an early close
             # as an error), then ended; the informer reconnects
@@ -123,7 +140,9 @@ class _AuthHandler(BaseHTTPRequestHandler):
                 pass
             return
         if url.path in ("/api", "/apis", "/version"):
-            return self._send(404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404})
+            return self._send(
+                404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404}
+            )
         # any list (the generic apiserver's informers on its "core" cluster: Services, flow
         # control, admission configuration, ...) is empty
         self._send(200, {"kind": "List", "apiVersion": "v1", "metadata": {"resourceVersion": "1"}, "items": []})
@@ -178,29 +197,58 @@ class RealCrdServer:
         threading.Thread(target=self.auth.serve_forever, name="apiserver-auth", daemon=True).start()
         auth_url = f"http://127.0.0.1:{self.auth.server_address[1]}"
         kubeconfig = self.dir / "auth.kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "auth",
-            "clusters": [{"name": "auth", "cluster": {"server": auth_url}}],
-            "users": [{"name": "auth", "user": {"token": "auth"}}],
-            "contexts": [{"name": "auth", "context": {"cluster": "auth", "user": "auth"}}],
-        }))
+        kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "auth",
+                    "clusters": [{"name": "auth", "cluster": {"server": auth_url}}],
+                    "users": [{"name": "auth", "user": {"token": "auth"}}],
+                    "contexts": [{"name": "auth", "context": {"cluster": "auth", "user": "auth"}}],
+                }
+            )
+        )
         etcd_client, etcd_peer = free_port(), free_port()
-        self._spawn("etcd", [str(self.bins / "etcd"), "--data-dir", str(self.dir / "etcd"),
-                             "--listen-client-urls", f"http://127.0.0.1:{etcd_client}",
-                             "--advertise-client-urls", f"http://127.0.0.1:{etcd_client}",
-                             "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
-                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
-                             "--initial-cluster", f"default=http://127.0.0.1:{etcd_peer}",
-                             "--log-level", "warn", "--quota-backend-bytes", str(1 << 30)])
+        self._spawn(
+            "etcd",
+            [
+                str(self.bins / "etcd"),
+                "--data-dir",
+                str(self.dir / "etcd"),
+                "--listen-client-urls",
+                f"http://127.0.0.1:{etcd_client}",
+                "--advertise-client-urls",
+                f"http://127.0.0.1:{etcd_client}",
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{etcd_peer}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{etcd_peer}",
+                "--initial-cluster",
+                f"default=http://127.0.0.1:{etcd_peer}",
+                "--log-level",
+                "warn",
+                "--quota-backend-bytes",
+                str(1 << 30),
+            ],
+        )
         self.port = free_port()
-        self._spawn("apiserver", [
-            str(self.bins / "apiextensions-apiserver"), f"--etcd-servers=http://127.0.0.1:{etcd_client}",
-            f"--secure-port={self.port}", "--bind-address=127.0.0.1", f"--cert-dir={self.dir / 'certs'}",
-            f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
-            f"--authorization-kubeconfig={kubeconfig}", "--authentication-skip-lookup",
-            "--disable-admission-plugins=NamespaceLifecycle,MutatingAdmissionWebhook,ValidatingAdmissionWebhook,"
-            "ValidatingAdmissionPolicy,MutatingAdmissionPolicy",
-        ])
+        self._spawn(
+            "apiserver",
+            [
+                str(self.bins / "apiextensions-apiserver"),
+                f"--etcd-servers=http://127.0.0.1:{etcd_client}",
+                f"--secure-port={self.port}",
+                "--bind-address=127.0.0.1",
+                f"--cert-dir={self.dir / 'certs'}",
+                f"--kubeconfig={kubeconfig}",
+                f"--authentication-kubeconfig={kubeconfig}",
+                f"--authorization-kubeconfig={kubeconfig}",
+                "--authentication-skip-lookup",
+                "--disable-admission-plugins=NamespaceLifecycle,MutatingAdmissionWebhook,ValidatingAdmissionWebhook,"
+                "ValidatingAdmissionPolicy,MutatingAdmissionPolicy",
+            ],
+        )
         deadline = time.monotonic() + timeout
         last = ""
         while time.monotonic() < deadline:
@@ -244,12 +292,17 @@ class RealCrdServer:
 
     # --- plain HTTP calls -------------------------------------------------------------------
 
-    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
-                timeout: float = 30) -> tuple[int, Any]:
+    def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json", timeout: float = 30
+    ) -> tuple[int, Any]:
         """``(HTTP status, parsed JSON body or text)``; errors are returned, not raised."""
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers={
-            "Authorization": f"Bearer {TOKEN}", "Content-Type": content_type, "Accept": "application/json"})
+        req = urllib.request.Request(
+            self.url + path,
+            data=data,
+            method=method,
+            headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": content_type, "Accept": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout, context=self._ctx) as r:
                 code, raw = r.status, r.read()
@@ -273,12 +326,17 @@ class RealCrdServer:
         else:
             code, out = self.request("POST", path, crd)
         if code not in (200, 201):
-            raise AssertionError(f"CRD {name} refused: HTTP {code}: {out.get('message') if isinstance(out, dict) else out}")
+            raise AssertionError(
+                f"CRD {name} refused: HTTP {code}: {out.get('message') if isinstance(out, dict) else out}"
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             code, cur = self.request("GET", f"{path}/{name}")
             conds = {c["type"]: c for c in (cur.get("status") or {}).get("conditions") or []}
-            if conds.get("Established", {}).get("status") == "True" and conds.get("NamesAccepted", {}).get("status") == "True":
+            if (
+                conds.get("Established", {}).get("status") == "True"
+                and conds.get("NamesAccepted", {}).get("status") == "True"
+            ):
                 # the storage of a new version is served a moment after Established
                 g, v, plural = crd["spec"]["group"], crd["spec"]["versions"][0]["name"], crd["spec"]["names"]["plural"]
                 if self.request("GET", f"/apis/{g}/{v}/{plural}")[0] == 200:
@@ -355,7 +413,11 @@ class CompositeProxy:
     async def _discovery(self, request: Any) -> Any:
         import aiohttp.web
 
-        mine = await self._get_json(self.kmock_url, "/apis", False) or {"kind": "APIGroupList", "apiVersion": "v1", "groups": []}
+        mine = await self._get_json(self.kmock_url, "/apis", False) or {
+            "kind": "APIGroupList",
+            "apiVersion": "v1",
+            "groups": [],
+        }
         groups = [g for g in mine.get("groups") or [] if g.get("name") not in REAL_GROUPS]
         for name in REAL_GROUPS:  # the apiextensions-apiserver has no /apis: ask per group
             g = await self._get_json(self.real.url, f"/apis/{name}", True)
@@ -370,8 +432,7 @@ class CompositeProxy:
         if request.path == "/apis" and request.method == "GET":
             return await self._discovery(request)
         base, real = self._target(request.path)
-        headers = {k: v for k, v in request.headers.items()
-                   if k.lower() in ("accept", "content-type", "user-agent")}
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("accept", "content-type", "user-agent")}
         if "application/json;g=apidiscovery" in headers.get("Accept", ""):
             headers["Accept"] = "application/json"
         if real:
@@ -379,13 +440,26 @@ class CompositeProxy:
         data = await request.read()
         try:
             upstream = await self.session.request(
-                request.method, base + request.path_qs, headers=headers, data=data or None,
-                ssl=False if real else None, timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-                auto_decompress=True)
+                request.method,
+                base + request.path_qs,
+                headers=headers,
+                data=data or None,
+                ssl=False if real else None,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                auto_decompress=True,
+            )
         except aiohttp.ClientError as e:
-            return aiohttp.web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                              "message": f"proxy: {e}", "reason": "ServiceUnavailable", "code": 503},
-                                             status=503)
+            return aiohttp.web.json_response(
+                {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "status": "Failure",
+                    "message": f"proxy: {e}",
+                    "reason": "ServiceUnavailable",
+                    "code": 503,
+                },
+                status=503,
+            )
         async with upstream:
             resp = aiohttp.web.StreamResponse(status=upstream.status)
             ctype = upstream.headers.get("Content-Type")

@@ -41,8 +41,22 @@ def obj(generation=2, observed=2, ready=None, cond_gen=None, status=True):
     st = {"observedGeneration": observed} if observed is not None else {}
     if ready is not None:
         st["conditions"] = cond.set_condition(
-            [{"type": "QuotaAdmitted", "status": "True", "reason": "Admitted", "message": "", "lastTransitionTime": "2026-11-22T00:00:00Z"}],
-            "Ready", ready[0], ready[1], ready[2], cond_gen if cond_gen is not None else observed, NOW)
+            [
+                {
+                    "type": "QuotaAdmitted",
+                    "status": "True",
+                    "reason": "Admitted",
+                    "message": "",
+                    "lastTransitionTime": "2026-11-22T00:00:00Z",
+                }
+            ],
+            "Ready",
+            ready[0],
+            ready[1],
+            ready[2],
+            cond_gen if cond_gen is not None else observed,
+            NOW,
+        )
     o["status"] = st
     return o
 

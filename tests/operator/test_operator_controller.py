@@ -43,15 +43,22 @@ class Planner:
     def __call__(self, spec, catalog_uri):
         self.calls.append((spec.get("budget"), catalog_uri))
         if self.missing:
-            return planning.PlanSummary(missing_experts=self.missing,
-                                    analysis_id=mmd.analysis_id("b" * 64, ["e" * 64], catalog_uri, spec["method"]))
+            return planning.PlanSummary(
+                missing_experts=self.missing,
+                analysis_id=mmd.analysis_id("b" * 64, ["e" * 64], catalog_uri, spec["method"]),
+            )
         budget = spec.get("budget")
         read = self.full if budget is None else min(self.full, budget)
         digest = hashlib.sha256(f"{read}".encode()).hexdigest()
         return planning.PlanSummary(
-            digest=digest, plan_json=json.dumps({"digest": digest}).encode(), base_read_bytes=GI,
-            expert_read_bytes=read, output_write_bytes=GI, budget_bytes=budget,
-            retained_energy=read / self.full, missing_experts=self.missing,
+            digest=digest,
+            plan_json=json.dumps({"digest": digest}).encode(),
+            base_read_bytes=GI,
+            expert_read_bytes=read,
+            output_write_bytes=GI,
+            budget_bytes=budget,
+            retained_energy=read / self.full,
+            missing_experts=self.missing,
         )
 
 
@@ -81,10 +88,16 @@ def commit(store, out, plan_digest, realized, files_prefix="runs/r1"):
     store.put(f"{out}{files_prefix}/model.safetensors", shard)
     outputs = {"model.safetensors": {"size": 100, "sha256": hashlib.sha256(shard).hexdigest()}}
     m = {
-        "format": "mergepipe.manifest/v1", "snapshot_id": snapshot_id(plan_digest, outputs), "plan_digest": plan_digest,
-        "files_prefix": files_prefix, "outputs": outputs,
-        "io": {"expert_budget_bytes": 10 * GI, "estimated": {"expert_read_bytes": 8 * GI},
-               "realized": {"base_read_bytes": GI, "expert_read_bytes": realized, "output_write_bytes": 100}},
+        "format": "mergepipe.manifest/v1",
+        "snapshot_id": snapshot_id(plan_digest, outputs),
+        "plan_digest": plan_digest,
+        "files_prefix": files_prefix,
+        "outputs": outputs,
+        "io": {
+            "expert_budget_bytes": 10 * GI,
+            "estimated": {"expert_read_bytes": 8 * GI},
+            "realized": {"base_read_bytes": GI, "expert_read_bytes": realized, "output_write_bytes": 100},
+        },
     }
     raw = manifest_bytes(m)
     store.put(out + "manifest.json", raw)
@@ -150,15 +163,25 @@ def test_happy_path_budget_mode(settings):
     assert (r["status"], r["reason"]) == ("True", "Committed")
     assert mm["status"]["expertRead"] == "7Gi" and mm["status"]["realized"]["expertReadBytes"] == 7 * GI
     q = kube.get(QUOTAS, "ns1", "q")
-    assert q["status"]["ledger"][0]["state"] == "Charged" and q["status"]["used"] == {"expertReadBytes": 7 * GI, "merges": 1}
+    assert q["status"]["ledger"][0]["state"] == "Charged" and q["status"]["used"] == {
+        "expertReadBytes": 7 * GI,
+        "merges": 1,
+    }
     (snap,) = kube.list(SNAPSHOTS, "ns1")
-    assert snap["metadata"]["name"] == mm["status"]["snapshot"] == snapd.snapshot_name("mm1", snapd.manifest_hash(manifest))
+    assert (
+        snap["metadata"]["name"]
+        == mm["status"]["snapshot"]
+        == snapd.snapshot_name("mm1", snapd.manifest_hash(manifest))
+    )
     assert "ownerReferences" not in snap["metadata"]  # not garbage-collected with its ModelMerge
     assert snap["spec"]["manifestHash"] == snapd.manifest_hash(manifest)
     # the snapshot becomes Ready only through verification
     assert ready(snap) is None
     sst = c.verify_snapshot(snap)
-    assert (cond.get_condition(sst["conditions"], "Ready")["status"], sst["sizes"]) == ("True", {"totalBytes": 100, "files": 1})
+    assert (cond.get_condition(sst["conditions"], "Ready")["status"], sst["sizes"]) == (
+        "True",
+        {"totalBytes": 100, "files": 1},
+    )
     # the committed model folder (what KServe's storageUri loads): the run prefix the manifest names
     assert sst["storageUri"] == "s3://snapshots/mm1/runs/r1/" and store.get(sst["storageUri"] + "model.safetensors")
     # replays are harmless
@@ -199,13 +222,21 @@ def test_a_broken_quota_blocks_admission(settings):
     with pytest.raises(reconcile.RetryWithStatus) as e:
         c.reconcile_merge(mm)
     r = cond.get_condition(e.value.status["conditions"], "Ready")
-    assert r["reason"] == "QuotaExceeded" and "invalid MergeQuota" in r["message"] and "spec.hard.expertReadBytes" in r["message"]
+    assert (
+        r["reason"] == "QuotaExceeded"
+        and "invalid MergeQuota" in r["message"]
+        and "spec.hard.expertReadBytes" in r["message"]
+    )
 
 
 def test_quota_clamp_in_fidelity_mode_replans_under_the_lower_budget(settings):
     planner = Planner(full=8 * GI)
-    c, kube, store, mm = setup(settings, make_quota(bytes_="3Gi", enforcement="Clamp"), planner=planner,
-                               mm=make_merge(budget=None, fidelity=0.99))
+    c, kube, store, mm = setup(
+        settings,
+        make_quota(bytes_="3Gi", enforcement="Clamp"),
+        planner=planner,
+        mm=make_merge(budget=None, fidelity=0.99),
+    )
     st = c.reconcile_merge(mm)
     assert planner.calls == [(None, "s3://mergepipe/catalog/"), (3 * GI, "s3://mergepipe/catalog/")]
     assert st["budgetBytes"] == 3 * GI and st["admission"]["clamped"] is True
@@ -225,18 +256,29 @@ def test_missing_statistics_start_one_analyze_job_then_the_merge_is_planned(sett
         assert cond.get_condition(e.value.status["conditions"], "Analyzed")["reason"] == "Analyzing"
     (job,) = kube.list(JOBS, "ns1")
     assert job["metadata"]["name"] == mmd.analyze_job_name(
-        "mm1", mmd.analysis_id("b" * 64, ["e" * 64], settings.catalog_uri, "ties"))
+        "mm1", mmd.analysis_id("b" * 64, ["e" * 64], settings.catalog_uri, "ties")
+    )
     assert job["metadata"]["labels"][names.LABEL_COMPONENT] == "analyze"
     assert job["spec"]["template"]["spec"]["containers"][0]["args"] == [
-        "analyze", "--base", "s3://models/base", "--expert", "s3://models/math",
-        "--catalog", settings.catalog_uri, "--json"]
+        "analyze",
+        "--base",
+        "s3://models/base",
+        "--expert",
+        "s3://models/math",
+        "--catalog",
+        settings.catalog_uri,
+        "--json",
+    ]
     assert kube.get(QUOTAS, "ns1", "q").get("status") is None  # nothing reserved while analyzing
     # the Job finished and wrote the statistics: the next retry plans and starts the merge Job
     planner.missing = ()
     st = c.reconcile_merge(mm)
     assert cond.get_condition(st["conditions"], "Ready")["reason"] == "JobRunning"
     assert cond.get_condition(st["conditions"], "Analyzed")["status"] == "True"
-    assert sorted(j["metadata"]["labels"][names.LABEL_COMPONENT] for j in kube.list(JOBS, "ns1")) == ["analyze", "merge"]
+    assert sorted(j["metadata"]["labels"][names.LABEL_COMPONENT] for j in kube.list(JOBS, "ns1")) == [
+        "analyze",
+        "merge",
+    ]
 
 
 @pytest.mark.parametrize("outcome", ["Failed", "Complete"])
@@ -247,7 +289,8 @@ def test_a_failed_or_useless_analyze_job_fails_the_merge(settings, outcome):
         c.reconcile_merge(mm)
     (job,) = kube.list(JOBS, "ns1")
     kube.objects[("jobs", "ns1", job["metadata"]["name"])]["status"] = {
-        "conditions": [{"type": outcome, "status": "True", "reason": "BackoffLimitExceeded", "message": "exit 2"}]}
+        "conditions": [{"type": outcome, "status": "True", "reason": "BackoffLimitExceeded", "message": "exit 2"}]
+    }
     st = c.reconcile_merge(mm)
     r = cond.get_condition(st["conditions"], "Ready")
     assert (r["status"], r["reason"]) == ("False", "JobFailed") and job["metadata"]["name"] in r["message"]
@@ -265,7 +308,8 @@ def test_an_analysis_that_completes_while_planning_is_not_a_failure(settings):
         c.reconcile_merge(mm)
     (job,) = kube.list(JOBS, "ns1")
     kube.objects[("jobs", "ns1", job["metadata"]["name"])]["status"] = {
-        "conditions": [{"type": "Complete", "status": "True"}]}
+        "conditions": [{"type": "Complete", "status": "True"}]
+    }
 
     def racing(spec, catalog):  # missing on the first read, there on the next
         plan = planner(spec, catalog)
@@ -278,8 +322,14 @@ def test_an_analysis_that_completes_while_planning_is_not_a_failure(settings):
 
 
 def test_no_analysis_for_a_merge_the_quota_cannot_admit(settings):
-    used = {"ledger": [{"key": "other.1", "merge": "other", "bytes": 0, "state": "Reserved", "time": "2026-11-22T11:00:00Z"}]}
-    c, kube, store, mm = setup(settings, make_quota(merges=1, status=used), planner=Planner(missing=["s3://models/math"]))
+    used = {
+        "ledger": [
+            {"key": "other.1", "merge": "other", "bytes": 0, "state": "Reserved", "time": "2026-11-22T11:00:00Z"}
+        ]
+    }
+    c, kube, store, mm = setup(
+        settings, make_quota(merges=1, status=used), planner=Planner(missing=["s3://models/math"])
+    )
     with pytest.raises(reconcile.RetryWithStatus) as e:
         c.reconcile_merge(mm)
     assert e.value.delay == settings.quota_retry_seconds
@@ -289,9 +339,15 @@ def test_no_analysis_for_a_merge_the_quota_cannot_admit(settings):
 
 
 def test_pair_statistics_methods_analyze_with_pairs(settings):
-    mm = make_merge(method="nuslerp", parameters={"nuslerp_flatten": False}, seed=3,
-                    experts=[{"uri": "s3://models/code/", "weight": 0.3},
-                             {"name": "7", "uri": "s3://models/math/", "parameters": {"weight": [0.2, 0.8]}}])
+    mm = make_merge(
+        method="nuslerp",
+        parameters={"nuslerp_flatten": False},
+        seed=3,
+        experts=[
+            {"uri": "s3://models/code/", "weight": 0.3},
+            {"name": "7", "uri": "s3://models/math/", "parameters": {"weight": [0.2, 0.8]}},
+        ],
+    )
     # a missing pair names both of its experts (MissingAnalysis.uris)
     planner = Planner(missing=["s3://models/code", "s3://models/math/"])
     c, kube, store, mm = setup(settings, make_quota(), planner=planner, mm=mm)
@@ -299,10 +355,28 @@ def test_pair_statistics_methods_analyze_with_pairs(settings):
         c.reconcile_merge(mm)
     (job,) = kube.list(JOBS, "ns1")
     assert job["spec"]["template"]["spec"]["containers"][0]["args"] == [
-        "analyze", "--base", "s3://models/base", "--expert", "s3://models/code", "--expert", "s3://models/math",
-        "--pairs", "--catalog", settings.catalog_uri, "--json"]
+        "analyze",
+        "--base",
+        "s3://models/base",
+        "--expert",
+        "s3://models/code",
+        "--expert",
+        "s3://models/math",
+        "--pairs",
+        "--catalog",
+        settings.catalog_uri,
+        "--json",
+    ]
     assert mmd.analyze_args({"base": {"uri": "s3://m/b/"}, "method": "ties"}, ["s3://m/e/"], "s3://c") == [
-        "analyze", "--base", "s3://m/b", "--expert", "s3://m/e", "--catalog", "s3://c", "--json"]  # no pairs for ties
+        "analyze",
+        "--base",
+        "s3://m/b",
+        "--expert",
+        "s3://m/e",
+        "--catalog",
+        "s3://c",
+        "--json",
+    ]  # no pairs for ties
 
 
 def test_superseding_keeps_the_analyze_job(settings):
@@ -315,7 +389,9 @@ def test_superseding_keeps_the_analyze_job(settings):
     kube.objects[("modelmerges", "ns1", "mm1")]["spec"]["budget"] = "4Gi"
     kube.objects[("modelmerges", "ns1", "mm1")]["metadata"]["generation"] = 2
     mm = apply(kube, kube.get(MERGES, "ns1", "mm1"), c.reconcile_merge(kube.get(MERGES, "ns1", "mm1")))
-    comps = sorted((j["metadata"]["labels"][names.LABEL_COMPONENT], j["metadata"]["name"]) for j in kube.list(JOBS, "ns1"))
+    comps = sorted(
+        (j["metadata"]["labels"][names.LABEL_COMPONENT], j["metadata"]["name"]) for j in kube.list(JOBS, "ns1")
+    )
     assert [k for k, _ in comps] == ["analyze", "merge"] and comps[1][1] == mm["status"]["jobName"]
 
 
@@ -323,7 +399,12 @@ def test_job_failure_charges_the_reservation(settings):
     c, kube, store, mm = setup(settings, make_quota())
     mm = apply(kube, mm, c.reconcile_merge(mm))
     (job,) = kube.list(JOBS, "ns1")
-    failed = dict(job, status={"conditions": [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded", "message": "too slow"}]})
+    failed = dict(
+        job,
+        status={
+            "conditions": [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded", "message": "too slow"}]
+        },
+    )
     mm = apply(kube, mm, c.sync_job(mm, failed))
     assert (ready(mm)["reason"], ready(mm)["message"]) == ("JobFailed", "too slow")
     (entry,) = kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]
@@ -334,9 +415,21 @@ def test_job_failure_charges_the_reservation(settings):
 def _failed_pod(kube, job, message):
     """The Job's pod as the kubelet leaves it: the worker's one-line error as the termination message."""
     name = job["metadata"]["name"]
-    kube.put(PODS, {"metadata": {"name": name + "-x7k2p", "namespace": "ns1", "labels": {"job-name": name}},
-                    "status": {"phase": "Failed", "containerStatuses": [{"name": "merge", "state": {"terminated": {
-                        "exitCode": 2, "reason": "Error", "message": message + "\n"}}}]}})
+    kube.put(
+        PODS,
+        {
+            "metadata": {"name": name + "-x7k2p", "namespace": "ns1", "labels": {"job-name": name}},
+            "status": {
+                "phase": "Failed",
+                "containerStatuses": [
+                    {
+                        "name": "merge",
+                        "state": {"terminated": {"exitCode": 2, "reason": "Error", "message": message + "\n"}},
+                    }
+                ],
+            },
+        },
+    )
 
 
 SHARD_GONE = "error: s3://models/math/model-00001.safetensors: missing; it was present when the plan was made. Restore it or re-plan."
@@ -347,10 +440,18 @@ def test_job_failed_names_the_pods_cause(settings):
     mm = apply(kube, mm, c.reconcile_merge(mm))
     (job,) = kube.list(JOBS, "ns1")
     _failed_pod(kube, job, SHARD_GONE)
-    kube.put(PODS, {"metadata": {"name": "other", "namespace": "ns1", "labels": {"job-name": "another-job"}},
-                    "status": {"containerStatuses": [_term_status(1, "not this one")]}})
+    kube.put(
+        PODS,
+        {
+            "metadata": {"name": "other", "namespace": "ns1", "labels": {"job-name": "another-job"}},
+            "status": {"containerStatuses": [_term_status(1, "not this one")]},
+        },
+    )
     mm = apply(kube, mm, c.sync_job(mm, _fail_job(kube, job, "Job has reached the specified backoff limit")))
-    assert (ready(mm)["reason"], ready(mm)["message"]) == ("JobFailed", SHARD_GONE + " (Job has reached the specified backoff limit)")
+    assert (ready(mm)["reason"], ready(mm)["message"]) == (
+        "JobFailed",
+        SHARD_GONE + " (Job has reached the specified backoff limit)",
+    )
 
 
 def test_a_failed_analyze_job_names_the_pods_cause(settings):
@@ -370,7 +471,8 @@ def _term_status(code, message):
 
 def _fail_job(kube, job, message="OOMKilled"):
     kube.objects[("jobs", "ns1", job["metadata"]["name"])]["status"] = {
-        "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": message}]}
+        "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": message}]
+    }
     return kube.get(JOBS, "ns1", job["metadata"]["name"])
 
 
@@ -414,7 +516,10 @@ def test_spec_change_after_a_failed_analysis_retries_it(settings):
     names = sorted(j["metadata"]["name"] for j in kube.list(JOBS, "ns1"))
     retry = mmd.analyze_job_name("mm1", an["metadata"]["annotations"][mmd.ANN_ANALYSIS], 2)
     assert names == sorted([an["metadata"]["name"], retry])
-    assert kube.get(JOBS, "ns1", retry)["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.local/merger:fixed"
+    assert (
+        kube.get(JOBS, "ns1", retry)["spec"]["template"]["spec"]["containers"][0]["image"]
+        == "registry.local/merger:fixed"
+    )
 
 
 def test_job_success_without_manifest_retries_then_bad_manifest_fails(settings):
@@ -454,19 +559,34 @@ def test_spec_change_supersedes_the_running_job(settings):
 
 def _pod_of(kube, job, status):
     name = job["metadata"]["name"]
-    kube.put(PODS, {"metadata": {"name": name + "-p0d01", "namespace": "ns1", "labels": {"job-name": name}}, "status": status})
+    kube.put(
+        PODS,
+        {"metadata": {"name": name + "-p0d01", "namespace": "ns1", "labels": {"job-name": name}}, "status": status},
+    )
 
 
-@pytest.mark.parametrize("pods", [
-    [],  # no pod yet (or a suspended Job)
-    [{"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]}],
-    [{"phase": "Pending", "containerStatuses": [{"name": "merge", "state": {"waiting": {"reason": "ImagePullBackOff"}}}]}],
-], ids=["no-pod", "unschedulable", "image-pull"])
+@pytest.mark.parametrize(
+    "pods",
+    [
+        [],  # no pod yet (or a suspended Job)
+        [{"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]}],
+        [
+            {
+                "phase": "Pending",
+                "containerStatuses": [{"name": "merge", "state": {"waiting": {"reason": "ImagePullBackOff"}}}],
+            }
+        ],
+    ],
+    ids=["no-pod", "unschedulable", "image-pull"],
+)
 def test_a_superseded_job_that_never_started_is_released_not_charged(settings, pods):
     c, kube, store, mm = setup(settings, make_quota())
     mm = apply(kube, mm, c.reconcile_merge(mm))
     (old_job,) = kube.list(JOBS, "ns1")
-    kube.objects[("jobs", "ns1", old_job["metadata"]["name"])]["status"] = {"active": 1, "startTime": "2026-11-22T12:00:00Z"}
+    kube.objects[("jobs", "ns1", old_job["metadata"]["name"])]["status"] = {
+        "active": 1,
+        "startTime": "2026-11-22T12:00:00Z",
+    }
     for st in pods:
         _pod_of(kube, old_job, st)
     mm = bump(kube, budget="4Gi")
@@ -485,10 +605,30 @@ def test_job_ever_started():
     assert job_ever_started({"status": {"ready": 1}}, [])
     assert job_ever_started({"status": {"failed": 1}}, [])
     assert job_ever_started({}, [{"status": {"phase": "Failed"}}])
-    assert job_ever_started({}, [{"status": {"phase": "Pending", "containerStatuses": [
-        {"name": "merge", "state": {"waiting": {}}, "lastState": {"terminated": {"exitCode": 1}}}]}}])
-    assert not job_ever_started({}, [{"status": {"phase": "Pending", "containerStatuses": [
-        {"name": "merge", "state": {"waiting": {"reason": "ContainerCreating"}}}]}}])
+    assert job_ever_started(
+        {},
+        [
+            {
+                "status": {
+                    "phase": "Pending",
+                    "containerStatuses": [
+                        {"name": "merge", "state": {"waiting": {}}, "lastState": {"terminated": {"exitCode": 1}}}
+                    ],
+                }
+            }
+        ],
+    )
+    assert not job_ever_started(
+        {},
+        [
+            {
+                "status": {
+                    "phase": "Pending",
+                    "containerStatuses": [{"name": "merge", "state": {"waiting": {"reason": "ContainerCreating"}}}],
+                }
+            }
+        ],
+    )
 
 
 def bump(kube, **spec):
@@ -623,7 +763,9 @@ def test_kopf_handlers_are_registered():
 def test_run_maps_retries_to_kopf_errors():
     patch = kopf.Patch()
     with pytest.raises(kopf.TemporaryError):
-        ctl.run(lambda: (_ for _ in ()).throw(reconcile.RetryWithStatus("wait", 7, {"observedGeneration": 3})), patch, {})
+        ctl.run(
+            lambda: (_ for _ in ()).throw(reconcile.RetryWithStatus("wait", 7, {"observedGeneration": 3})), patch, {}
+        )
     assert patch["status"] == {"observedGeneration": 3}
     patch = kopf.Patch()
     ctl.run(lambda: {"x": 1}, patch, {})
@@ -642,7 +784,9 @@ def test_quota_gauges_follow_the_quota_status(settings):
     mm = apply(kube, mm, c.reconcile_merge(mm))
     assert sample("mergepipe_quota_used", "expertReadBytes") == 8 * GI  # reserved: the plan's bytes
     assert sample("mergepipe_quota_used", "merges") == 1
-    assert sample("mergepipe_quota_hard", "expertReadBytes") == 100 * GI and sample("mergepipe_quota_hard", "merges") == 5
+    assert (
+        sample("mergepipe_quota_hard", "expertReadBytes") == 100 * GI and sample("mergepipe_quota_hard", "merges") == 5
+    )
     commit(store, "s3://snapshots/mm1/", mm["status"]["plan"]["digest"], realized=3 * GI)
     job = kube.get(JOBS, "ns1", mm["status"]["jobName"])
     apply(kube, mm, c.sync_job(mm, dict(job, status={"conditions": [{"type": "Complete", "status": "True"}]})))
@@ -653,4 +797,7 @@ def test_quota_gauges_follow_the_quota_status(settings):
     c.refresh_quota(kube.get(QUOTAS, "ns1", "q"))
     assert sample("mergepipe_quota_hard", "merges") is None and sample("mergepipe_quota_used", "merges") == 1
     ctl.Controller.forget_quota("ns1", "q")
-    assert sample("mergepipe_quota_used", "expertReadBytes") is None and sample("mergepipe_quota_hard", "expertReadBytes") is None
+    assert (
+        sample("mergepipe_quota_used", "expertReadBytes") is None
+        and sample("mergepipe_quota_hard", "expertReadBytes") is None
+    )

@@ -42,21 +42,62 @@ def test_crdgen_check_mode_passes_and_detects_drift(tmp_path, capsys):
 
 _INT_OR_STRING = [{"type": "integer"}, {"type": "string"}]
 _FORBIDDEN_IN_JUNCTORS = {
-    "type", "description", "default", "nullable", "additionalProperties", "title",
-    "x-kubernetes-preserve-unknown-fields", "x-kubernetes-int-or-string", "x-kubernetes-embedded-resource",
-    "x-kubernetes-list-type", "x-kubernetes-list-map-keys", "x-kubernetes-map-type", "x-kubernetes-validations",
+    "type",
+    "description",
+    "default",
+    "nullable",
+    "additionalProperties",
+    "title",
+    "x-kubernetes-preserve-unknown-fields",
+    "x-kubernetes-int-or-string",
+    "x-kubernetes-embedded-resource",
+    "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys",
+    "x-kubernetes-map-type",
+    "x-kubernetes-validations",
 }
 _OPENAPI_KEYS = {
-    "type", "format", "description", "default", "enum", "pattern", "minimum", "maximum", "exclusiveMinimum",
-    "exclusiveMaximum", "minLength", "maxLength", "minItems", "maxItems", "uniqueItems", "multipleOf",
-    "minProperties", "maxProperties", "required", "items", "properties", "additionalProperties", "allOf",
-    "anyOf", "oneOf", "not", "nullable", "example", "x-kubernetes-preserve-unknown-fields",
-    "x-kubernetes-int-or-string", "x-kubernetes-embedded-resource", "x-kubernetes-list-type",
-    "x-kubernetes-list-map-keys", "x-kubernetes-map-type", "x-kubernetes-validations",
+    "type",
+    "format",
+    "description",
+    "default",
+    "enum",
+    "pattern",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "uniqueItems",
+    "multipleOf",
+    "minProperties",
+    "maxProperties",
+    "required",
+    "items",
+    "properties",
+    "additionalProperties",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "not",
+    "nullable",
+    "example",
+    "x-kubernetes-preserve-unknown-fields",
+    "x-kubernetes-int-or-string",
+    "x-kubernetes-embedded-resource",
+    "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys",
+    "x-kubernetes-map-type",
+    "x-kubernetes-validations",
 }
 
 
-def structural_errors(node: dict[str, Any], path: str = "", level: str = "root", untyped: list | None = None) -> list[str]:
+def structural_errors(
+    node: dict[str, Any], path: str = "", level: str = "root", untyped: list | None = None
+) -> list[str]:
     errs: list[str] = []
     unknown = set(node) - _OPENAPI_KEYS
     if unknown:
@@ -106,7 +147,10 @@ def structural_errors(node: dict[str, Any], path: str = "", level: str = "root",
             if (items.get("properties", {}).get(k) or {}).get("type") not in ("string", "integer", "boolean"):
                 errs.append(f"{path}: map key {k} must be a scalar")
     for rule in node.get("x-kubernetes-validations") or []:
-        if set(rule) - {"rule", "message", "messageExpression", "reason", "fieldPath", "optionalOldSelf"} or "rule" not in rule:
+        if (
+            set(rule) - {"rule", "message", "messageExpression", "reason", "fieldPath", "optionalOldSelf"}
+            or "rule" not in rule
+        ):
             errs.append(f"{path}: bad x-kubernetes-validations entry {rule}")
     for k, v in (node.get("properties") or {}).items():
         errs += structural_errors(v, f"{path}.{k}", "field", untyped)
@@ -153,7 +197,11 @@ def test_structural_checker_catches_violations():
         "properties": {
             "a": {"description": "no type"},
             "b": {"type": "array"},
-            "c": {"type": "object", "properties": {"x": {"type": "string"}}, "additionalProperties": {"type": "string"}},
+            "c": {
+                "type": "object",
+                "properties": {"x": {"type": "string"}},
+                "additionalProperties": {"type": "string"},
+            },
             "d": {"anyOf": [{"type": "number"}, {"type": "array", "items": {"type": "number"}}]},
             "e": {"type": "number", "exclusiveMinimum": 0},
             "f": {"type": "object", "additionalProperties": False},
@@ -161,8 +209,16 @@ def test_structural_checker_catches_violations():
         },
     }
     errs = "\n".join(structural_errors(bad))
-    for needle in (".a: no type", ".b: array without items", "mutually exclusive", ".d: no type",
-                   ".d.anyOf[0]", "exclusiveMinimum must be a boolean", "additionalProperties: false", "not OpenAPI"):
+    for needle in (
+        ".a: no type",
+        ".b: array without items",
+        "mutually exclusive",
+        ".d: no type",
+        ".d.anyOf[0]",
+        "exclusiveMinimum must be a boolean",
+        "additionalProperties: false",
+        "not OpenAPI",
+    ):
         assert needle in errs, (needle, errs)
 
 
@@ -175,8 +231,10 @@ def test_crd_shape(kind):
     spec = doc["spec"]
     assert spec["group"] == GROUP and spec["scope"] == "Namespaced"
     assert spec["names"]["kind"] == kind and spec["names"]["plural"] == r["plural"]
-    assert spec["names"]["shortNames"] == {"ModelMerge": ["mm"], "MergedSnapshot": ["msnap"], "MergeQuota": ["mq"],
-                                         "MergeSearch": ["msearch"]}[kind]
+    assert (
+        spec["names"]["shortNames"]
+        == {"ModelMerge": ["mm"], "MergedSnapshot": ["msnap"], "MergeQuota": ["mq"], "MergeSearch": ["msearch"]}[kind]
+    )
     (v,) = spec["versions"]
     assert v["name"] == VERSION and v["served"] and v["storage"]
     assert v["subresources"] == {"status": {}}
@@ -217,9 +275,21 @@ def test_printer_columns_point_at_schema_fields(kind):
     assert names[-1] == "Age" and cols[-1]["jsonPath"] == ".metadata.creationTimestamp"
     if kind == "ModelMerge":
         # the issue's columns by default; the plan and its snapshot with -o wide (priority 1)
-        assert [c["name"] for c in cols if not c.get("priority")] == ["Ready", "Reason", "Method", "Experts", "Budget", "ExpertRead", "Age"]
+        assert [c["name"] for c in cols if not c.get("priority")] == [
+            "Ready",
+            "Reason",
+            "Method",
+            "Experts",
+            "Budget",
+            "ExpertRead",
+            "Age",
+        ]
         wide = {c["name"]: c["jsonPath"] for c in cols if c.get("priority") == 1}
-        assert wide == {"Retained": ".status.plan.retainedEnergy", "Plan": ".status.plan.digest", "Snapshot": ".status.snapshot"}
+        assert wide == {
+            "Retained": ".status.plan.retainedEnergy",
+            "Plan": ".status.plan.digest",
+            "Snapshot": ".status.snapshot",
+        }
     if kind != "MergeQuota":
         assert names[:2] == ["Ready", "Reason"]
         assert cols[0]["jsonPath"] == '.status.conditions[?(@.type=="Ready")].status'
@@ -246,9 +316,13 @@ def test_the_core_implements_every_method_of_the_crd():
     for name, spec in CORE.items():
         for n in range(1, 6):  # the operator's spec check gives the core's verdict on model counts
             core_ok = spec.min_experts <= n and (spec.max_experts is None or n <= spec.max_experts)
-            body = {"base": {"uri": "s3://m/base/"}, "method": name, "output": {"uri": "s3://out/x/"},
-                    "experts": [{"uri": f"s3://m/e{i}/"} for i in range(n)],
-                    "parameters": {"t": 0.5} if name == "slerp" else {}}
+            body = {
+                "base": {"uri": "s3://m/base/"},
+                "method": name,
+                "output": {"uri": "s3://out/x/"},
+                "experts": [{"uri": f"s3://m/e{i}/"} for i in range(n)],
+                "parameters": {"t": 0.5} if name == "slerp" else {},
+            }
             assert ("spec.experts" in dict(validate_merge_spec(body))) != core_ok, (name, n)
 
 

@@ -56,21 +56,38 @@ def test_example_snapshot_status_and_quota_status_validate():
     q["status"]["conditions"] = cond.set_condition(None, "Ready", "True", "Active", "quota enforced", 1, now)
     assert cr_errors(q) == []
     snap = {
-        "apiVersion": "mergepipe.io/v1alpha1", "kind": "MergedSnapshot",
+        "apiVersion": "mergepipe.io/v1alpha1",
+        "kind": "MergedSnapshot",
         "metadata": {"name": "llama-code-math-chat-0123456789ab", "namespace": "team-llm"},
-        "spec": {"uri": "s3://snapshots/llama/", "manifestHash": "ab" * 32, "planDigest": "cd" * 32,
-                 "source": {"name": "llama-code-math-chat", "uid": "u", "generation": 1}},
-        "status": {"observedGeneration": 1, "verifiedTime": "2026-11-22T00:00:00Z", "planDigest": "cd" * 32,
-                   "sizes": {"totalBytes": 10, "files": 2}, "totalSize": "10B",
-                   "realized": {"baseReadBytes": 1, "expertReadBytes": 2, "outputWriteBytes": 3}, "expertRead": "2B",
-                   "conditions": cond.set_condition(None, "Ready", "True", "Verified", "ok", 1, now)},
+        "spec": {
+            "uri": "s3://snapshots/llama/",
+            "manifestHash": "ab" * 32,
+            "planDigest": "cd" * 32,
+            "source": {"name": "llama-code-math-chat", "uid": "u", "generation": 1},
+        },
+        "status": {
+            "observedGeneration": 1,
+            "verifiedTime": "2026-11-22T00:00:00Z",
+            "planDigest": "cd" * 32,
+            "sizes": {"totalBytes": 10, "files": 2},
+            "totalSize": "10B",
+            "realized": {"baseReadBytes": 1, "expertReadBytes": 2, "outputWriteBytes": 3},
+            "expertRead": "2B",
+            "conditions": cond.set_condition(None, "Ready", "True", "Verified", "ok", 1, now),
+        },
     }
     assert cr_errors(snap) == []
     mm = merges()[0]
-    mm["status"] = {"observedGeneration": 1, "expertCount": 3, "budget": "10Gi", "budgetBytes": 10 * 1024**3,
-                    "plan": mmd.plan_status("cd" * 32, "s3://p/x.json", 1, 2, 3, 0.75), "jobName": "llama-cdcdcdcdcd",
-                    "admission": {"key": "uid.1", "budgetBytes": 1, "clamped": False, "quotas": ["q"]},
-                    "conditions": cond.set_condition(None, "Ready", "False", "JobRunning", "running", 1, now)}
+    mm["status"] = {
+        "observedGeneration": 1,
+        "expertCount": 3,
+        "budget": "10Gi",
+        "budgetBytes": 10 * 1024**3,
+        "plan": mmd.plan_status("cd" * 32, "s3://p/x.json", 1, 2, 3, 0.75),
+        "jobName": "llama-cdcdcdcdcd",
+        "admission": {"key": "uid.1", "budgetBytes": 1, "clamped": False, "quotas": ["q"]},
+        "conditions": cond.set_condition(None, "Ready", "False", "JobRunning", "running", 1, now),
+    }
     assert cr_errors(mm) == []
     flat = copy.deepcopy(mm)  # the flat plan fields of earlier versions are gone from the schema
     flat["status"]["planDigest"] = flat["status"].pop("plan")["digest"]
@@ -140,7 +157,10 @@ OPERATOR_REJECTS = [  # a structural schema (or an unevaluated CEL rule) lets th
     ((("spec", "parameters", "density"), 1.5), "spec.parameters.density"),
     ((("spec", "parameters", "densty"), 0.5), "spec.parameters.densty"),
     ((("spec", "parameters", "normalize"), "yes"), "spec.parameters.normalize"),
-    ((("spec", "experts", 1, "parameters", "density"), [{"value": 0.5}, {"filter": "mlp", "value": 0.3}]), "spec.experts[1].parameters.density[0]"),
+    (
+        (("spec", "experts", 1, "parameters", "density"), [{"value": 0.5}, {"filter": "mlp", "value": 0.3}]),
+        "spec.experts[1].parameters.density[0]",
+    ),
     ((("spec", "experts", 1, "parameters", "lambda"), 1.0), "spec.experts[1].parameters.lambda"),
     ((("spec", "budget"), "0"), "spec.budget"),
     ((("spec", "output", "uri"), "s3://models/llama-3.1-8b/merged/"), "spec.output.uri"),
@@ -163,8 +183,13 @@ def test_slerp_with_two_experts_is_rejected_by_the_operator():
 
 @pytest.mark.parametrize(
     "path, value",
-    [(("spec", "enforcement"), "Soft"), (("spec", "window"), "1 day"), (("spec", "hard", "expertReadBytes"), "lots"),
-     (("spec", "hard", "merges"), -1), (("spec", "hard"), DELETE)],
+    [
+        (("spec", "enforcement"), "Soft"),
+        (("spec", "window"), "1 day"),
+        (("spec", "hard", "expertReadBytes"), "lots"),
+        (("spec", "hard", "merges"), -1),
+        (("spec", "hard"), DELETE),
+    ],
     ids=str,
 )
 def test_schema_rejects_broken_quotas(path, value):
@@ -180,7 +205,8 @@ def test_argocd_application_example():
     chart_app, merges_app = apps
     assert chart_app["spec"]["source"]["path"] == "helm/mergepipe"
     assert int(chart_app["metadata"]["annotations"]["argocd.argoproj.io/sync-wave"]) < int(
-        merges_app["metadata"]["annotations"]["argocd.argoproj.io/sync-wave"])
+        merges_app["metadata"]["annotations"]["argocd.argoproj.io/sync-wave"]
+    )
     helm_values = chart_app["spec"]["source"]["helm"]["valuesObject"]
     pytest.importorskip("jsonschema")
     import json
@@ -217,8 +243,15 @@ def test_kserve_example_serves_a_snapshot_storage_uri():
     out = merges()[0]["spec"]["output"]["uri"]
     rid = re.fullmatch(re.escape(out) + r"runs/([0-9a-f]{16})/", uri)
     assert rid, uri
-    facts = snapd.ManifestFacts(plan_digest=None, snapshot_id=None, files_prefix=f"runs/{rid.group(1)}",
-                                budget_bytes=None, outputs={}, estimated={}, realized={})
+    facts = snapd.ManifestFacts(
+        plan_digest=None,
+        snapshot_id=None,
+        files_prefix=f"runs/{rid.group(1)}",
+        budget_bytes=None,
+        outputs={},
+        estimated={},
+        realized={},
+    )
     assert snapd.storage_uri(out, facts) == uri
     snap = isvc["metadata"]["labels"]["mergepipe.io/snapshot"]
     assert re.fullmatch(re.escape(merges()[0]["metadata"]["name"]) + r"-[0-9a-f]{12}", snap)

@@ -80,7 +80,11 @@ def test_deployment_is_single_and_locked_down(chart, vfile):
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     c, env = operator_env(dep)
     sc = c["securityContext"]
-    assert sc["readOnlyRootFilesystem"] and sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+    assert (
+        sc["readOnlyRootFilesystem"]
+        and sc["allowPrivilegeEscalation"] is False
+        and sc["capabilities"] == {"drop": ["ALL"]}
+    )
     assert c["command"] == ["kopf"] and c["args"][:3] == ["run", "--standalone", "--module=mergepipe_operator.main"]
     for name, e in env.items():
         if name.startswith("AWS_"):
@@ -193,17 +197,35 @@ def test_search_driver_rbac_is_least_privilege(chart, values):
 
 def test_search_driver_service_account_per_watched_namespace(chart):
     objs = render(chart, {"watchNamespaces": ["team-a", "team-b"]})
-    sas = sorted((o["metadata"]["namespace"], o["metadata"]["name"]) for o in objs
-                 if o["kind"] == "ServiceAccount" and o["metadata"].get("namespace") in ("team-a", "team-b"))
+    sas = sorted(
+        (o["metadata"]["namespace"], o["metadata"]["name"])
+        for o in objs
+        if o["kind"] == "ServiceAccount" and o["metadata"].get("namespace") in ("team-a", "team-b")
+    )
     assert sas == [("team-a", "mergepipe-search-driver"), ("team-b", "mergepipe-search-driver")]
     for b in (o for o in objs if o["kind"] == "RoleBinding" and is_driver(o)):
         ns = b["metadata"]["namespace"]
         assert b["roleRef"]["kind"] == "Role" and b["roleRef"]["name"].endswith("-search-driver")
         assert b["subjects"] == [{"kind": "ServiceAccount", "name": "mergepipe-search-driver", "namespace": ns}]
-    s = settings_from(deployment(render(chart, {"search": {"driver": {"serviceAccountName": "searcher", "cpu": "1",
-                                                                      "memory": "2Gi"}, "pollSeconds": 5}})))
+    s = settings_from(
+        deployment(
+            render(
+                chart,
+                {
+                    "search": {
+                        "driver": {"serviceAccountName": "searcher", "cpu": "1", "memory": "2Gi"},
+                        "pollSeconds": 5,
+                    }
+                },
+            )
+        )
+    )
     assert (s.search_service_account, s.search_driver_cpu, s.search_driver_memory, s.search_poll_seconds) == (
-        "searcher", "1", "2Gi", 5)
+        "searcher",
+        "1",
+        "2Gi",
+        5,
+    )
 
 
 def test_rbac_can_be_disabled(chart):
@@ -221,7 +243,11 @@ def test_values_reach_the_operator_settings(chart):
     s = settings_from(deployment(render(chart, {})))
     assert (s.merger_image, s.gpu_resource_name, s.gpu_count) == ("ghcr.io/mergepipe/merger:0.1.0", "nvidia.com/gpu", 1)
     assert (s.s3_secret_name, s.catalog_uri, s.plan_prefix, s.default_budget) == (
-        "mergepipe-s3", "s3://mergepipe/catalog/", "s3://mergepipe/plans/", None)
+        "mergepipe-s3",
+        "s3://mergepipe/catalog/",
+        "s3://mergepipe/plans/",
+        None,
+    )
     assert (s.backoff_limit, s.active_deadline_seconds, s.ttl_seconds_after_finished) == (2, 21600, 86400)
     assert s.metrics_port == 9090 and s.watch_namespaces == ()
     assert (s.quota_retry_seconds, s.analyze_poll_seconds) == (300, 15)
@@ -229,7 +255,11 @@ def test_values_reach_the_operator_settings(chart):
     custom = settings_from(deployment(render(chart, values_of(CHART / "ci" / "custom-values.yaml"))))
     assert custom.merger_image == "registry.internal/mergepipe/merger:0.1.0-rocm"
     assert (custom.gpu_resource_name, custom.gpu_count, custom.tmp_size_limit) == ("amd.com/gpu", 2, "100Gi")
-    assert (custom.s3_endpoint, custom.s3_region, custom.s3_secret_name) == ("https://minio.storage.svc:9000", "eu-central-1", "minio-creds")
+    assert (custom.s3_endpoint, custom.s3_region, custom.s3_secret_name) == (
+        "https://minio.storage.svc:9000",
+        "eu-central-1",
+        "minio-creds",
+    )
     assert (custom.s3_access_key_id_key, custom.s3_secret_access_key_key) == ("accesskey", "secretkey")
     assert custom.job_service_account == "merger-irsa" and custom.node_selector == {"pool": "gpu"}
     assert custom.tolerations == [{"key": "amd.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
@@ -245,14 +275,21 @@ def test_values_reach_the_operator_settings(chart):
 
 def test_chart_ships_the_generated_crds(chart):
     crds = {c["filename"].removeprefix("mergepipe/"): c["data"] for c in chart.crds}
-    assert sorted(crds) == ["crds/kopf-peerings.yaml", "crds/mergedsnapshots.yaml", "crds/mergequotas.yaml",
-                            "crds/mergesearches.yaml", "crds/modelmerges.yaml"]
+    assert sorted(crds) == [
+        "crds/kopf-peerings.yaml",
+        "crds/mergedsnapshots.yaml",
+        "crds/mergequotas.yaml",
+        "crds/mergesearches.yaml",
+        "crds/modelmerges.yaml",
+    ]
     peering = crds.pop("crds/kopf-peerings.yaml")
     for name, data in crds.items():
         assert data == (ROOT / name).read_text()
     docs = [d for d in yaml.safe_load_all(peering) if d]
     assert sorted((d["spec"]["names"]["kind"], d["spec"]["scope"], d["spec"]["group"]) for d in docs) == [
-        ("ClusterKopfPeering", "Cluster", "kopf.dev"), ("KopfPeering", "Namespaced", "kopf.dev")]
+        ("ClusterKopfPeering", "Cluster", "kopf.dev"),
+        ("KopfPeering", "Namespaced", "kopf.dev"),
+    ]
 
 
 @pytest.mark.parametrize("watch", [[], ["team-a", "team-b"]], ids=["cluster", "namespaced"])
@@ -277,7 +314,6 @@ def test_replicas_run_kopf_peering(chart, watch):
         assert got[("kopf.dev", "clusterkopfpeerings")] == {"get", "list", "watch", "patch"}
         assert ("kopf.dev", "kopfpeerings") not in got
     assert {k: v for k, v in got.items() if k[0] != "kopf.dev"} == grants(one)  # nothing else changes
-
 
 
 @pytest.mark.parametrize(

@@ -66,9 +66,7 @@ def test_parse_quantity(value, expected):
 def test_parse_quantity_errors_name_the_field_and_fix(value, needle):
     with pytest.raises(qty.QuantityError) as e:
         qty.parse_quantity(value, field="spec.budget")
-    assert str(e.value).startswith("spec.budget: ") and needle in str(e.value), str(
-        e.value
-    )
+    assert str(e.value).startswith("spec.budget: ") and needle in str(e.value), str(e.value)
 
 
 def test_human_bytes():
@@ -106,9 +104,7 @@ def test_set_condition_follows_api_conventions():
             "observedGeneration": 1,
         }
     ]
-    c1 = cond.set_condition(
-        c0, "Ready", "False", "JobRunning", "running", 2, t1
-    )  # same status
+    c1 = cond.set_condition(c0, "Ready", "False", "JobRunning", "running", 2, t1)  # same status
     assert c1[0]["lastTransitionTime"] == "2026-11-22T12:00:00Z"
     assert (c1[0]["reason"], c1[0]["message"], c1[0]["observedGeneration"]) == (
         "JobRunning",
@@ -116,17 +112,11 @@ def test_set_condition_follows_api_conventions():
         2,
     )
     c2 = cond.set_condition(c1, "Ready", True, "Committed", "done", 2, t2)  # flip
-    assert (
-        c2[0]["status"] == "True"
-        and c2[0]["lastTransitionTime"] == "2026-11-22T12:02:00Z"
-    )
+    assert c2[0]["status"] == "True" and c2[0]["lastTransitionTime"] == "2026-11-22T12:02:00Z"
     c3 = cond.set_condition(c2, "QuotaAdmitted", "True", "Admitted", "", 2, t2)
     assert [c["type"] for c in c3] == ["Ready", "QuotaAdmitted"]
     assert c0[0]["reason"] == "Planning"  # inputs untouched
-    assert (
-        cond.get_condition(c3, "Ready")["reason"] == "Committed"
-        and cond.get_condition(c3, "Nope") is None
-    )
+    assert cond.get_condition(c3, "Ready")["reason"] == "Committed" and cond.get_condition(c3, "Nope") is None
     assert cond.condition_current(c3[0], 2) and not cond.condition_current(c3[0], 3)
     with pytest.raises(ValueError):
         cond.set_condition([], "Ready", "Maybe", "X", "", 1, t0)
@@ -144,18 +134,10 @@ def test_label_value():
 def test_job_outcome():
     assert kjobs.job_outcome({"status": {"active": 1}}).state == "Running"
     assert (
-        kjobs.job_outcome(
-            {
-                "status": {
-                    "conditions": [{"type": "SuccessCriteriaMet", "status": "True"}]
-                }
-            }
-        ).state
+        kjobs.job_outcome({"status": {"conditions": [{"type": "SuccessCriteriaMet", "status": "True"}]}}).state
         == "Running"
     )
-    ok = kjobs.job_outcome(
-        {"status": {"conditions": [{"type": "Complete", "status": "True"}]}}
-    )
+    ok = kjobs.job_outcome({"status": {"conditions": [{"type": "Complete", "status": "True"}]}})
     assert ok.state == "Succeeded"
     bad = kjobs.job_outcome(
         {
@@ -175,9 +157,7 @@ def test_job_outcome():
         "Failed",
         "BackoffLimitExceeded",
     ) and "backoff" in bad.message
-    assert kjobs.job_outcome(None) == kjobs.JobOutcome(
-        "Failed", "JobMissing", "the merge Job no longer exists"
-    )
+    assert kjobs.job_outcome(None) == kjobs.JobOutcome("Failed", "JobMissing", "the merge Job no longer exists")
 
 
 # --- events --------------------------------------------------------------------------------------------
@@ -211,30 +191,22 @@ def test_transition_events_one_per_reason_ready_last():
     assert (
         cond.transition_events(
             new,
-            cond.set_condition(
-                new, "Ready", "False", "JobRunning", "1 active pod", 1, NOW
-            ),
+            cond.set_condition(new, "Ready", "False", "JobRunning", "1 active pod", 1, NOW),
         )
         == []
     )
-    (ev,) = cond.transition_events(
-        running, _conds(("Ready", "True", "Committed", "snapshot s1"))
-    )
+    (ev,) = cond.transition_events(running, _conds(("Ready", "True", "Committed", "snapshot s1")))
     assert (ev.type, ev.reason, ev.message) == ("Normal", "Committed", "snapshot s1")
 
 
-@pytest.mark.parametrize(
-    "reason", ["QuotaExceeded", "JobFailed", "InvalidSpec", "ManifestHashMismatch"]
-)
+@pytest.mark.parametrize("reason", ["QuotaExceeded", "JobFailed", "InvalidSpec", "ManifestHashMismatch"])
 def test_transition_events_warn_on_failures(reason):
     old = _conds(("Ready", "False", "Planning", "planning"))
     new = _conds(
         ("QuotaAdmitted", "False", reason, "short"),
         ("Ready", "False", reason, "the full story"),
     )
-    (ev,) = cond.transition_events(
-        old, new
-    )  # QuotaAdmitted and Ready say the same: one Event, Ready's message
+    (ev,) = cond.transition_events(old, new)  # QuotaAdmitted and Ready say the same: one Event, Ready's message
     assert (ev.type, ev.reason, ev.message) == ("Warning", reason, "the full story")
 
 
@@ -247,10 +219,7 @@ def test_transition_events_new_generation_same_reason_is_an_event():
         "InvalidSpec",
         "spec.fidelity: bad",
     )
-    assert (
-        cond.transition_events(new, new) == []
-        and cond.transition_events(None, None) == []
-    )
+    assert cond.transition_events(new, new) == [] and cond.transition_events(None, None) == []
 
 
 # --- pod failure causes --------------------------------------------------------------------------
@@ -286,7 +255,9 @@ def test_pod_failure_message_is_the_latest_failed_containers_last_line():
 
 def test_with_cause_puts_the_cause_first_only_for_failures():
     failed = kjobs.JobOutcome("Failed", "BackoffLimitExceeded", "Job has reached the specified backoff limit")
-    assert kjobs.with_cause(failed, "error: boom").message == "error: boom (Job has reached the specified backoff limit)"
+    assert (
+        kjobs.with_cause(failed, "error: boom").message == "error: boom (Job has reached the specified backoff limit)"
+    )
     assert kjobs.with_cause(failed, None) == failed
     running = kjobs.JobOutcome("Running", "JobRunning", "merge Job running (1 active pod(s))")
     assert kjobs.with_cause(running, "error: boom") == running

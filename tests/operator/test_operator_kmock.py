@@ -56,45 +56,71 @@ class Cluster:
     #: both API variants of a test would otherwise find each other's snapshots and search state)
     out: str = ""
 
-    def merge(self, name: str, ns: str = NS, *, experts: int = 2, out: str | None = None, **spec: Any) -> dict[str, Any]:
+    def merge(
+        self, name: str, ns: str = NS, *, experts: int = 2, out: str | None = None, **spec: Any
+    ) -> dict[str, Any]:
         body = {
             "base": {"uri": self.models.base + "/"},
-            "experts": [{"name": n, "uri": u + "/", "weight": 0.5, "parameters": {"density": 0.5}}
-                        for n, u in zip(("code", "math", "chat"), self.models.experts[:experts])],
+            "experts": [
+                {"name": n, "uri": u + "/", "weight": 0.5, "parameters": {"density": 0.5}}
+                for n, u in zip(("code", "math", "chat"), self.models.experts[:experts])
+            ],
             "method": "ties",
             "parameters": {"normalize": True},
             "output": {"uri": out or f"{self.out}/snapshots/{ns}/{name}/"},
         }
         body.update(spec)
-        return self.api.create({"apiVersion": "mergepipe.io/v1alpha1", "kind": "ModelMerge",
-                                "metadata": {"name": name, "namespace": ns}, "spec": body})
+        return self.api.create(
+            {
+                "apiVersion": "mergepipe.io/v1alpha1",
+                "kind": "ModelMerge",
+                "metadata": {"name": name, "namespace": ns},
+                "spec": body,
+            }
+        )
 
-    def quota(self, name: str, ns: str = NS, *, bytes_: Any = None, merges: int | None = None,
-              enforcement: str = "Reject") -> dict[str, Any]:
+    def quota(
+        self, name: str, ns: str = NS, *, bytes_: Any = None, merges: int | None = None, enforcement: str = "Reject"
+    ) -> dict[str, Any]:
         hard = {k: v for k, v in (("expertReadBytes", bytes_), ("merges", merges)) if v is not None}
-        return self.api.create({"apiVersion": "mergepipe.io/v1alpha1", "kind": "MergeQuota",
-                                "metadata": {"name": name, "namespace": ns},
-                                "spec": {"hard": hard, "window": "24h", "enforcement": enforcement}})
+        return self.api.create(
+            {
+                "apiVersion": "mergepipe.io/v1alpha1",
+                "kind": "MergeQuota",
+                "metadata": {"name": name, "namespace": ns},
+                "spec": {"hard": hard, "window": "24h", "enforcement": enforcement},
+            }
+        )
 
     def mm(self, name: str, ns: str = NS) -> dict[str, Any] | None:
         return self.api.get("ModelMerge", ns, name)
 
-    def wait_reason(self, name: str, reasons: str | tuple[str, ...], ns: str = NS, timeout: float = 60) -> dict[str, Any]:
+    def wait_reason(
+        self, name: str, reasons: str | tuple[str, ...], ns: str = NS, timeout: float = 60
+    ) -> dict[str, Any]:
         reasons = (reasons,) if isinstance(reasons, str) else reasons
         try:
-            return wait_for(f"ModelMerge {ns}/{name} Ready reason in {reasons}",
-                            lambda: (o := self.mm(name, ns)) and ready(o).get("reason") in reasons and o, timeout)
+            return wait_for(
+                f"ModelMerge {ns}/{name} Ready reason in {reasons}",
+                lambda: (o := self.mm(name, ns)) and ready(o).get("reason") in reasons and o,
+                timeout,
+            )
         except AssertionError as e:
-            raise AssertionError(f"{e}; its status: {json.dumps((self.mm(name, ns) or {}).get('status'))[:3000]}") from None
+            raise AssertionError(
+                f"{e}; its status: {json.dumps((self.mm(name, ns) or {}).get('status'))[:3000]}"
+            ) from None
 
     def jobs(self, ns: str = NS, component: str | None = None) -> list[dict[str, Any]]:
-        sel = f"{names.LABEL_MANAGED_BY}={names.MANAGER}" + (f",{names.LABEL_COMPONENT}={component}" if component else "")
+        sel = f"{names.LABEL_MANAGED_BY}={names.MANAGER}" + (
+            f",{names.LABEL_COMPONENT}={component}" if component else ""
+        )
         return self.api.list("Job", ns, sel)
 
     def job(self, component: str, ns: str = NS, name: str | None = None) -> dict[str, Any]:
         def one():
             js = [j for j in self.jobs(ns, component) if name is None or j["metadata"]["name"] == name]
             return js[0] if len(js) == 1 else None
+
         return wait_for(f"one {component} Job in {ns}", one)
 
     def events(self, name: str, ns: str = NS, kind: str = "ModelMerge") -> list[tuple[str, str, str]]:
@@ -104,19 +130,32 @@ class Cluster:
 
         reasons = {v for k, v in vars(cond.Reason).items() if k.isupper()} | {"Analyzed", "Planned"}
         reasons |= {v for k, v in vars(SearchReason).items() if k.isupper()}
-        evs = [e for e in self.api.list("Event", ns)
-               if e["involvedObject"].get("name") == name and e["involvedObject"].get("kind") == kind
-               and e["reason"] in reasons]
+        evs = [
+            e
+            for e in self.api.list("Event", ns)
+            if e["involvedObject"].get("name") == name
+            and e["involvedObject"].get("kind") == kind
+            and e["reason"] in reasons
+        ]
         return [(e["type"], e["reason"], e["message"]) for e in sorted(evs, key=lambda e: e["eventTime"])]
 
-    def wait_events(self, name: str, reasons: list[str], ns: str = NS, kind: str = "ModelMerge",
-                    timeout: float = 30, tail: bool = False) -> list[tuple[str, str, str]]:
+    def wait_events(
+        self,
+        name: str,
+        reasons: list[str],
+        ns: str = NS,
+        kind: str = "ModelMerge",
+        timeout: float = 30,
+        tail: bool = False,
+    ) -> list[tuple[str, str, str]]:
         """Wait until the Events of ``name`` have exactly these reasons, in this order (with
         ``tail``: the last Events have them); returns those Events."""
+
         def got():
             e = self.events(name, ns, kind)
-            e = e[-len(reasons):] if tail else e
+            e = e[-len(reasons) :] if tail else e
             return [r for _, r, _ in e] == reasons and e
+
         try:
             return wait_for(f"Events {reasons} on {kind} {ns}/{name}", got, timeout)
         except AssertionError as e:
@@ -164,11 +203,28 @@ def cluster(tmp_path, monkeypatch, s3_env, s3_models, seaweed, request):
         api = Api(ks.url)
         for ns in (NS, "team-b"):
             api.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
-            api.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": SECRET, "namespace": ns}, "type": "Opaque",
-                        "data": {"AWS_ACCESS_KEY_ID": base64.b64encode(seaweed.access_key.encode()).decode(),
-                                 "AWS_SECRET_ACCESS_KEY": base64.b64encode(seaweed.secret_key.encode()).decode()}})
-        yield Cluster(api=api, models=s3_models, catalog=catalog, plans=plans, tmp=tmp_path, seaweed=seaweed, ks=ks,
-                      out=f"s3://{s3_models.bucket}/{request.param}")
+            api.create(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Secret",
+                    "metadata": {"name": SECRET, "namespace": ns},
+                    "type": "Opaque",
+                    "data": {
+                        "AWS_ACCESS_KEY_ID": base64.b64encode(seaweed.access_key.encode()).decode(),
+                        "AWS_SECRET_ACCESS_KEY": base64.b64encode(seaweed.secret_key.encode()).decode(),
+                    },
+                }
+            )
+        yield Cluster(
+            api=api,
+            models=s3_models,
+            catalog=catalog,
+            plans=plans,
+            tmp=tmp_path,
+            seaweed=seaweed,
+            ks=ks,
+            out=f"s3://{s3_models.bucket}/{request.param}",
+        )
         if ks.proxy is not None:  # every field the operator wrote is in the schema (none pruned)
             assert [w for w in ks.proxy.warnings if "unknown field" in w[2]] == []
 
@@ -178,9 +234,13 @@ def planned_expert_bytes(c: Cluster, **spec: Any) -> int:
     from op_testlib import core_storage
 
     s = {
-        "base": {"uri": c.models.base}, "method": "ties", "parameters": {"normalize": True},
-        "experts": [{"name": n, "uri": u, "weight": 0.5, "parameters": {"density": 0.5}}
-                    for n, u in zip(("code", "math"), c.models.experts[:2])],
+        "base": {"uri": c.models.base},
+        "method": "ties",
+        "parameters": {"normalize": True},
+        "experts": [
+            {"name": n, "uri": u, "weight": 0.5, "parameters": {"density": 0.5}}
+            for n, u in zip(("code", "math"), c.models.experts[:2])
+        ],
     }
     s.update(spec)
     return planning.plan_merge(s, c.catalog, storage=core_storage(c.seaweed)).expert_read_bytes
@@ -195,8 +255,16 @@ def test_invalid_spec_names_the_field_then_a_fix_proceeds(cluster):
     # (it does, at times, with the real API server), that generation's Job would exist, and an
     # invalid generation does not retire it
     bad = c.merge("bad", experts=2, budget="10Gi")
-    c.api.patch("ModelMerge", NS, "bad", {"spec": {"experts": [
-        dict(bad["spec"]["experts"][0], parameters={"density": 1.5}), bad["spec"]["experts"][1]]}})
+    c.api.patch(
+        "ModelMerge",
+        NS,
+        "bad",
+        {
+            "spec": {
+                "experts": [dict(bad["spec"]["experts"][0], parameters={"density": 1.5}), bad["spec"]["experts"][1]]
+            }
+        },
+    )
     with operator():
         o = c.wait_reason("bad", "InvalidSpec")
         r = ready(o)
@@ -206,8 +274,16 @@ def test_invalid_spec_names_the_field_then_a_fix_proceeds(cluster):
         ev = c.wait_events("bad", ["InvalidSpec"], tail=True)
         assert ev[-1][0] == "Warning" and "spec.experts[0].parameters.density" in ev[-1][2]
         # fixing the spec is a new generation: reconciled again, now planned and running
-        c.api.patch("ModelMerge", NS, "bad", {"spec": {"experts": [
-            dict(bad["spec"]["experts"][0], parameters={"density": 0.5}), bad["spec"]["experts"][1]]}})
+        c.api.patch(
+            "ModelMerge",
+            NS,
+            "bad",
+            {
+                "spec": {
+                    "experts": [dict(bad["spec"]["experts"][0], parameters={"density": 0.5}), bad["spec"]["experts"][1]]
+                }
+            },
+        )
         o = c.wait_reason("bad", "JobRunning")
         assert o["status"]["observedGeneration"] == 3 and ready(o)["observedGeneration"] == 3
         assert names.FINALIZER in o["metadata"]["finalizers"]
@@ -246,8 +322,18 @@ def test_merge_end_to_end_analyze_plan_merge_commit_charge_delete(cluster):
         assert [j["metadata"]["name"] for j in c.jobs()] == [an["metadata"]["name"]]
         assert ready(c.mm("e2e"))["reason"] == "Analyzing"
         (ac,) = an["spec"]["template"]["spec"]["containers"]
-        assert ac["args"] == ["analyze", "--base", c.models.base, "--expert", c.models.experts[0], "--expert",
-                              c.models.experts[1], "--catalog", c.catalog, "--json"]
+        assert ac["args"] == [
+            "analyze",
+            "--base",
+            c.models.base,
+            "--expert",
+            c.models.experts[0],
+            "--expert",
+            c.models.experts[1],
+            "--catalog",
+            c.catalog,
+            "--json",
+        ]
         assert an["metadata"]["ownerReferences"][0]["uid"] == uid
         assert "nvidia.com/gpu" not in ac["resources"].get("limits", {})  # analysis is numpy: no GPU
         r = play_job(c.api, an, c.tmp / "analyze")
@@ -260,17 +346,30 @@ def test_merge_end_to_end_analyze_plan_merge_commit_charge_delete(cluster):
         assert st["plan"]["uri"] == f"{c.plans}{NS}/e2e/{st['plan']['digest']}.json"
         bucket, key = st["plan"]["uri"][5:].split("/", 1)
         plan = Plan.from_json(c.models.client.get_object(Bucket=bucket, Key=key)["Body"].read().decode())
-        assert plan.digest == st["plan"]["digest"] and plan.budget_bytes == st["budgetBytes"] == 1024**2 and plan.seed == 7
+        assert (
+            plan.digest == st["plan"]["digest"] and plan.budget_bytes == st["budgetBytes"] == 1024**2 and plan.seed == 7
+        )
         assert st["plan"]["estimated"]["expertReadBytes"] == plan.io.expert_read_bytes <= 1024**2
         assert (st["budget"], st["expertCount"], st["method"]) == ("1Mi", 2, "ties")
         job = c.job("merge")
         (mc,) = job["spec"]["template"]["spec"]["containers"]
         assert job["metadata"]["name"] == st["jobName"] == mmd.job_name("e2e", st["plan"]["digest"])
-        assert job["metadata"]["ownerReferences"] == [{"apiVersion": "mergepipe.io/v1alpha1", "kind": "ModelMerge",
-                                                       "name": "e2e", "uid": uid, "controller": True, "blockOwnerDeletion": True}]
+        assert job["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "mergepipe.io/v1alpha1",
+                "kind": "ModelMerge",
+                "name": "e2e",
+                "uid": uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
         assert mc["args"] == ["execute", st["plan"]["uri"], "--out", out, "--json"]  # GPU count 0: CPU
         env = {e["name"]: e for e in mc["env"]}
-        assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": SECRET, "key": "AWS_SECRET_ACCESS_KEY"}
+        assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {
+            "name": SECRET,
+            "key": "AWS_SECRET_ACCESS_KEY",
+        }
         assert env["AWS_ENDPOINT_URL"]["value"] == c.seaweed.endpoint_url
         (entry,) = quota_ledger(c.api, NS, "daily")
         assert (entry["state"], entry["bytes"], entry["merge"]) == ("Reserved", plan.io.expert_read_bytes, "e2e")
@@ -280,7 +379,11 @@ def test_merge_end_to_end_analyze_plan_merge_commit_charge_delete(cluster):
         result = json.loads(r.stdout)
         o = c.wait_reason("e2e", "Committed")
         ev = c.wait_events("e2e", ["Analyzing", "Analyzed", "Admitted", "Planned", "JobRunning", "Committed"])
-        assert {t for t, *_ in ev} == {"Normal"} and an["metadata"]["name"] in ev[0][2] and o["status"]["snapshot"] in ev[-1][2]
+        assert (
+            {t for t, *_ in ev} == {"Normal"}
+            and an["metadata"]["name"] in ev[0][2]
+            and o["status"]["snapshot"] in ev[-1][2]
+        )
         c.wait_events(o["status"]["snapshot"], ["Verified"], kind="MergedSnapshot")
         assert (REGISTRY.get_sample_value("mergepipe_merges_committed_total") or 0.0) == before + 1
         assert REGISTRY.get_sample_value("mergepipe_realized_bytes_total", {"role": "expertReadBytes"}) > 0
@@ -291,32 +394,50 @@ def test_merge_end_to_end_analyze_plan_merge_commit_charge_delete(cluster):
         realized = manifest["io"]["realized"]["expert_read_bytes"]
         assert 0 < realized <= plan.io.expert_read_bytes <= 1024**2
         assert st["realized"]["expertReadBytes"] == realized and ready(o)["status"] == "True"
-        snap = wait_for("MergedSnapshot Ready", lambda: (s := c.api.get("MergedSnapshot", NS, st["snapshot"])) and
-                        ready(s).get("status") == "True" and s)
+        snap = wait_for(
+            "MergedSnapshot Ready",
+            lambda: (s := c.api.get("MergedSnapshot", NS, st["snapshot"])) and ready(s).get("status") == "True" and s,
+        )
         assert snap["spec"]["manifestHash"] == snapd.manifest_hash(raw) and snap["spec"]["uri"] == out
         assert ready(snap)["reason"] == "Verified" and snap["status"]["sizes"]["files"] == len(manifest["outputs"])
         # the committed Hugging Face folder, what a model server loads (KServe's storageUri)
         assert snap["status"]["storageUri"] == f"{out}{manifest['files_prefix']}/"
         bucket, key = snap["status"]["storageUri"][5:].split("/", 1)
-        files = {o["Key"][len(key):] for o in c.models.client.list_objects_v2(Bucket=bucket, Prefix=key)["Contents"]}
+        files = {o["Key"][len(key) :] for o in c.models.client.list_objects_v2(Bucket=bucket, Prefix=key)["Contents"]}
         assert "config.json" in files and set(manifest["outputs"]) <= files, files
         assert "ownerReferences" not in snap["metadata"]
         (entry,) = quota_ledger(c.api, NS, "daily")
         assert (entry["state"], entry["bytes"]) == ("Charged", realized)  # from the manifest, not the plan
         assert c.api.get("MergeQuota", NS, "daily")["status"]["used"] == {"expertReadBytes": realized, "merges": 1}
-        gauge = {(m, r): REGISTRY.get_sample_value(m, {"namespace": NS, "quota": "daily", "resource": r})
-                 for m in ("mergepipe_quota_used", "mergepipe_quota_hard") for r in ("expertReadBytes", "merges")}
-        assert gauge == {("mergepipe_quota_used", "expertReadBytes"): realized, ("mergepipe_quota_used", "merges"): 1,
-                         ("mergepipe_quota_hard", "expertReadBytes"): 1024**3, ("mergepipe_quota_hard", "merges"): 10}
+        gauge = {
+            (m, r): REGISTRY.get_sample_value(m, {"namespace": NS, "quota": "daily", "resource": r})
+            for m in ("mergepipe_quota_used", "mergepipe_quota_hard")
+            for r in ("expertReadBytes", "merges")
+        }
+        assert gauge == {
+            ("mergepipe_quota_used", "expertReadBytes"): realized,
+            ("mergepipe_quota_used", "merges"): 1,
+            ("mergepipe_quota_hard", "expertReadBytes"): 1024**3,
+            ("mergepipe_quota_hard", "merges"): 10,
+        }
 
         # a new generation (new output, lower budget) starts a new merge Job; then the merge is deleted
         out2 = f"{c.out}/snapshots/e2e-2/"
         c.api.patch("ModelMerge", NS, "e2e", {"spec": {"output": {"uri": out2}, "budget": "200Ki"}})
-        o = wait_for("generation 2 running", lambda: (x := c.mm("e2e")) and x["status"].get("observedGeneration") == 2
-                     and ready(x).get("reason") == "JobRunning" and x)
+        o = wait_for(
+            "generation 2 running",
+            lambda: (
+                (x := c.mm("e2e"))
+                and x["status"].get("observedGeneration") == 2
+                and ready(x).get("reason") == "JobRunning"
+                and x
+            ),
+        )
         job2 = c.job("merge", name=o["status"]["jobName"])
         assert job2["metadata"]["name"] != job["metadata"]["name"]
-        assert [j["metadata"]["name"] for j in c.jobs(component="merge")] == [job2["metadata"]["name"]]  # old one retired
+        assert [j["metadata"]["name"] for j in c.jobs(component="merge")] == [
+            job2["metadata"]["name"]
+        ]  # old one retired
         mark_job(c.api, job2, "Running")
         c.api.delete("ModelMerge", NS, "e2e")
         wait_for("the ModelMerge is gone", lambda: c.mm("e2e") is None)
@@ -338,7 +459,11 @@ def test_quota_reject_and_clamp(cluster):
         c.merge("clamped", "team-b")  # no budget: unbounded, lowered to what is left
         o = c.wait_reason("rejected", "QuotaExceeded")
         r = ready(o)
-        assert r["status"] == "False" and "MergeQuota tight (Reject)" in r["message"] and "only 1000B is left" in r["message"]
+        assert (
+            r["status"] == "False"
+            and "MergeQuota tight (Reject)" in r["message"]
+            and "only 1000B is left" in r["message"]
+        )
         assert {x["type"]: x for x in o["status"]["conditions"]}["QuotaAdmitted"]["status"] == "False"
         assert c.jobs(NS) == [] and quota_ledger(c.api, NS, "tight") == []
         ev = c.wait_events("rejected", ["Analyzed", "QuotaExceeded"])
@@ -373,14 +498,39 @@ def test_kueue_queued_jobs_and_the_io_budget_admission_check(cluster, monkeypatc
     assert kueue_handlers.workload_event  # imported: its handlers are registered (main does it when enabled)
     full = planned_expert_bytes(c)
     c.quota("budget", bytes_=full * 3 // 2, enforcement="Reject")
-    c.api.create({"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "AdmissionCheck", "metadata": {"name": "io-budget"},
-                  "spec": {"controllerName": "mergepipe.io/io-budget"}})
-    c.api.create({"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": "gpu"},
-                  "spec": {"namespaceSelector": {}, "admissionChecksStrategy": {"admissionChecks": [{"name": "io-budget"}]},
-                           "resourceGroups": [{"coveredResources": ["cpu"], "flavors": [
-                               {"name": "default", "resources": [{"name": "cpu", "nominalQuota": "64"}]}]}]}})
-    c.api.create({"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue", "metadata": {"name": "llm", "namespace": NS},
-                  "spec": {"clusterQueue": "gpu"}})
+    c.api.create(
+        {
+            "apiVersion": "kueue.x-k8s.io/v1beta2",
+            "kind": "AdmissionCheck",
+            "metadata": {"name": "io-budget"},
+            "spec": {"controllerName": "mergepipe.io/io-budget"},
+        }
+    )
+    c.api.create(
+        {
+            "apiVersion": "kueue.x-k8s.io/v1beta2",
+            "kind": "ClusterQueue",
+            "metadata": {"name": "gpu"},
+            "spec": {
+                "namespaceSelector": {},
+                "admissionChecksStrategy": {"admissionChecks": [{"name": "io-budget"}]},
+                "resourceGroups": [
+                    {
+                        "coveredResources": ["cpu"],
+                        "flavors": [{"name": "default", "resources": [{"name": "cpu", "nominalQuota": "64"}]}],
+                    }
+                ],
+            },
+        }
+    )
+    c.api.create(
+        {
+            "apiVersion": "kueue.x-k8s.io/v1beta2",
+            "kind": "LocalQueue",
+            "metadata": {"name": "llm", "namespace": NS},
+            "spec": {"clusterQueue": "gpu"},
+        }
+    )
     kueue = KueuePlayer(c.api, c.ks, (NS,), capacity=2)
     kueue.paused = True
     kueue.start()
@@ -393,8 +543,17 @@ def test_kueue_queued_jobs_and_the_io_budget_admission_check(cluster, monkeypatc
             assert f"merge Job {job1['metadata']['name']} is queued in LocalQueue llm" in ready(o)["message"]
             assert o["status"]["admission"]["admissionCheck"] == "io-budget"
             assert quota_ledger(c.api, NS, "budget") == []  # nothing reserved before Kueue asks
-            wait_for("AdmissionCheck io-budget Active", lambda: (a := c.api.get("AdmissionCheck", None, "io-budget"))
-                          and any(x["type"] == "Active" and x["status"] == "True" for x in (a.get("status") or {}).get("conditions") or []) and a)
+            wait_for(
+                "AdmissionCheck io-budget Active",
+                lambda: (
+                    (a := c.api.get("AdmissionCheck", None, "io-budget"))
+                    and any(
+                        x["type"] == "Active" and x["status"] == "True"
+                        for x in (a.get("status") or {}).get("conditions") or []
+                    )
+                    and a
+                ),
+            )
             time.sleep(1.0)
             assert c.api.get("Job", NS, job1["metadata"]["name"])["spec"]["suspend"] is True  # nobody else unsuspends
             kueue.paused = False  # Kueue reserves quota: the check decides, Kueue admits
@@ -409,7 +568,11 @@ def test_kueue_queued_jobs_and_the_io_budget_admission_check(cluster, monkeypatc
             o2 = c.wait_reason("m2", "Queued")
             job2 = c.job("merge", name=o2["status"]["jobName"])
             assert job2["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "llm"
-            o2 = wait_for("m2's check to say Retry", lambda: (x := c.mm("m2")) and "MergeQuota budget" in ready(x)["message"] and x, 60)
+            o2 = wait_for(
+                "m2's check to say Retry",
+                lambda: (x := c.mm("m2")) and "MergeQuota budget" in ready(x)["message"] and x,
+                60,
+            )
             assert ready(o2)["reason"] == "Queued" and "io-budget" in ready(o2)["message"]
             assert len(quota_ledger(c.api, NS, "budget")) == 1
             assert c.api.get("Job", NS, job2["metadata"]["name"])["spec"]["suspend"] is True
@@ -449,7 +612,10 @@ def test_two_concurrent_merges_against_one_quota(cluster):
         assert entry["bytes"] == full and len(c.jobs(NS, "merge")) == 1
         # Clamp: both run, the second with what the first left
         sts = [c.wait_reason(n, "JobRunning", ns="team-b")["status"] for n in ("m1", "m2")]
-        assert sorted(s.get("budgetBytes") or s["plan"]["estimated"]["expertReadBytes"] for s in sts) == [full * 3 // 2 - full, full]
+        assert sorted(s.get("budgetBytes") or s["plan"]["estimated"]["expertReadBytes"] for s in sts) == [
+            full * 3 // 2 - full,
+            full,
+        ]
         ledger = quota_ledger(c.api, "team-b", "shared")
         assert len(ledger) == 2 and sum(e["bytes"] for e in ledger) <= full * 3 // 2
         assert len(c.jobs("team-b", "merge")) == 2
@@ -474,8 +640,15 @@ def test_failed_merge_job_is_job_failed_then_a_spec_change_retries(cluster):
         assert ev[-1][0] == "Warning" and "OOMKilled" in ev[-1][2]
         # more memory: a new generation with the same plan runs again, in a Job of its own
         c.api.patch("ModelMerge", NS, "fails", {"spec": {"resources": {"memory": "2Gi"}}})
-        o = wait_for("generation 2 running", lambda: (x := c.mm("fails")) and x["status"].get("observedGeneration") == 2
-                     and ready(x).get("reason") == "JobRunning" and x)
+        o = wait_for(
+            "generation 2 running",
+            lambda: (
+                (x := c.mm("fails"))
+                and x["status"].get("observedGeneration") == 2
+                and ready(x).get("reason") == "JobRunning"
+                and x
+            ),
+        )
         st = o["status"]
         assert st["plan"]["digest"] == job["metadata"]["annotations"][names.ANN_PLAN_DIGEST]
         assert st["jobName"] == mmd.job_name("fails", st["plan"]["digest"], 2) != job["metadata"]["name"]
@@ -484,8 +657,21 @@ def test_failed_merge_job_is_job_failed_then_a_spec_change_retries(cluster):
         r = play_job(c.api, retry, c.tmp / "retry")
         assert r.returncode == 0, r.stderr
         o = c.wait_reason("fails", "Committed")
-        ev = c.wait_events("fails", ["Analyzed", "Admitted", "Planned", "JobRunning", "JobFailed",
-                                     "Analyzed", "Admitted", "Planned", "JobRunning", "Committed"])
+        ev = c.wait_events(
+            "fails",
+            [
+                "Analyzed",
+                "Admitted",
+                "Planned",
+                "JobRunning",
+                "JobFailed",
+                "Analyzed",
+                "Admitted",
+                "Planned",
+                "JobRunning",
+                "Committed",
+            ],
+        )
         assert ev[-1][0] == "Normal"
         ledger = {e["key"]: e for e in quota_ledger(c.api, NS, "q")}
         uid = mm["metadata"]["uid"]
@@ -508,12 +694,22 @@ def test_failed_analyze_job_is_job_failed(cluster):
         assert ev[-1][0] == "Warning"
         # a spec change retries the analysis in a new Job (the failed one stays for its logs)
         c.api.patch("ModelMerge", NS, "noanalysis", {"spec": {"image": "ghcr.io/mergepipe/merger:fixed"}})
-        wait_for("generation 2 analyzing", lambda: (x := c.mm("noanalysis")) and x["status"].get("observedGeneration") == 2
-                 and ready(x).get("reason") == "Analyzing" and x)
-        retry = c.job("analyze", name=mmd.analyze_job_name("noanalysis", an["metadata"]["annotations"][mmd.ANN_ANALYSIS], 2))
+        wait_for(
+            "generation 2 analyzing",
+            lambda: (
+                (x := c.mm("noanalysis"))
+                and x["status"].get("observedGeneration") == 2
+                and ready(x).get("reason") == "Analyzing"
+                and x
+            ),
+        )
+        retry = c.job(
+            "analyze", name=mmd.analyze_job_name("noanalysis", an["metadata"]["annotations"][mmd.ANN_ANALYSIS], 2)
+        )
         assert retry["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/mergepipe/merger:fixed"
         assert sorted(j["metadata"]["name"] for j in c.jobs(component="analyze")) == sorted(
-            [an["metadata"]["name"], retry["metadata"]["name"]])
+            [an["metadata"]["name"], retry["metadata"]["name"]]
+        )
 
 
 @pytest.mark.slow
@@ -531,16 +727,21 @@ def test_two_operator_processes_with_peering_one_acts_no_duplicate_job_no_double
     c.api.create({"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "mergepipe"}})
     c.quota("q", bytes_="1Gi")
     args = ("--peering=mergepipe", "--all-namespaces")
-    with operator_process("op-a", kubeconfig, c.tmp / "op-a.log", *args) as a, \
-            operator_process("op-b", kubeconfig, c.tmp / "op-b.log", *args) as b:
+    with (
+        operator_process("op-a", kubeconfig, c.tmp / "op-a.log", *args) as a,
+        operator_process("op-b", kubeconfig, c.tmp / "op-b.log", *args) as b,
+    ):
+
         def peers():
             st = (c.api.get("ClusterKopfPeering", None, "mergepipe") or {}).get("status") or {}
             return len(st) == 2 and st
+
         try:
             st = wait_for("both operators in the peering", peers, timeout=90)
         except AssertionError as err:
-            raise AssertionError((c.tmp / "op-a.log").read_text()[-3000:]
-                                 + (c.tmp / "op-b.log").read_text()[-3000:]) from err
+            raise AssertionError(
+                (c.tmp / "op-a.log").read_text()[-3000:] + (c.tmp / "op-b.log").read_text()[-3000:]
+            ) from err
         assert st["op-a"]["priority"] != st["op-b"]["priority"] and min(p["priority"] for p in st.values()) >= 1
         leader, follower = sorted(("op-a", "op-b"), key=lambda n: -st[n]["priority"])
         procs = {"op-a": a, "op-b": b}
@@ -587,30 +788,44 @@ def test_deleted_shard_job_failed_names_the_shard_and_the_fix(cluster):
     backoff limit was reached)."""
     c = cluster
     client, bucket = c.models.client, c.models.bucket
-    src = c.models.experts[1][len(f"s3://{bucket}/"):]
+    src = c.models.experts[1][len(f"s3://{bucket}/") :]
     dst = "llama/expert-shard-deleted"
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=src + "/")["Contents"]]
     for k in keys:
-        client.copy_object(Bucket=bucket, Key=dst + k[len(src):], CopySource={"Bucket": bucket, "Key": k})
+        client.copy_object(Bucket=bucket, Key=dst + k[len(src) :], CopySource={"Bucket": bucket, "Key": k})
     expert = f"s3://{bucket}/{dst}/"
     with operator():
-        c.api.create({"apiVersion": "mergepipe.io/v1alpha1", "kind": "ModelMerge", "metadata": {"name": "gone", "namespace": NS},
-                      "spec": {"base": {"uri": c.models.base + "/"}, "method": "ties", "parameters": {"normalize": True},
-                               "experts": [{"name": "code", "uri": c.models.experts[0] + "/", "weight": 0.5},
-                                           {"name": "math", "uri": expert, "weight": 0.5}],
-                               "output": {"uri": f"{c.out}/snapshots/{NS}/gone/"}}})
+        c.api.create(
+            {
+                "apiVersion": "mergepipe.io/v1alpha1",
+                "kind": "ModelMerge",
+                "metadata": {"name": "gone", "namespace": NS},
+                "spec": {
+                    "base": {"uri": c.models.base + "/"},
+                    "method": "ties",
+                    "parameters": {"normalize": True},
+                    "experts": [
+                        {"name": "code", "uri": c.models.experts[0] + "/", "weight": 0.5},
+                        {"name": "math", "uri": expert, "weight": 0.5},
+                    ],
+                    "output": {"uri": f"{c.out}/snapshots/{NS}/gone/"},
+                },
+            }
+        )
         c.wait_reason("gone", "Analyzing")
         r = play_job(c.api, c.job("analyze"), c.tmp / "analyze")
         assert r.returncode == 0, r.stderr
         c.wait_reason("gone", "JobRunning")
         shard = sorted(k for k in keys if k.endswith(".safetensors"))[0]
-        client.delete_object(Bucket=bucket, Key=dst + shard[len(src):])
+        client.delete_object(Bucket=bucket, Key=dst + shard[len(src) :])
         job = c.job("merge")
         r = play_job(c.api, job, c.tmp / "merge")
         assert r.returncode == 2
         (pod,) = c.api.list("Pod", NS, f"job-name={job['metadata']['name']}")
-        missing = f"s3://{bucket}/{dst}{shard[len(src):]}"
-        (failed,) = [x for x in c.api.get("Job", NS, job["metadata"]["name"])["status"]["conditions"] if x["type"] == "Failed"]
+        missing = f"s3://{bucket}/{dst}{shard[len(src) :]}"
+        (failed,) = [
+            x for x in c.api.get("Job", NS, job["metadata"]["name"])["status"]["conditions"] if x["type"] == "Failed"
+        ]
         assert missing not in failed["message"]  # the Job controller does not know the cause
         msg = ready(c.wait_reason("gone", "JobFailed"))["message"]
         assert missing in msg and "it was present when the plan was made. Restore it or re-plan." in msg, msg
@@ -630,8 +845,10 @@ def test_operator_restart_mid_merge_creates_no_duplicate_job(cluster):
     mark_job(c.api, job, "Running")  # the pod starts while no operator runs
     with operator():
         # the new operator sees the Job (its replayed event updates the condition) ...
-        wait_for("the restarted operator to see the running Job",
-                 lambda: "1 active pod" in ready(c.mm("restart")).get("message", ""))
+        wait_for(
+            "the restarted operator to see the running Job",
+            lambda: "1 active pod" in ready(c.mm("restart")).get("message", ""),
+        )
         time.sleep(1.0)
         # ... and resumes the merge without a second Job or a new plan
         assert [j["metadata"]["name"] for j in c.jobs()] == [job["metadata"]["name"]]
@@ -654,12 +871,19 @@ def test_search_driver_job_and_status_mirroring(cluster):
 
     c = cluster
     out = f"{c.out}/searches/{NS}/front/"
-    spec = {"base": {"uri": c.models.base + "/"},
-            "experts": [{"name": n, "uri": u + "/"} for n, u in zip(("code", "math"), c.models.experts[:2])],
-            "method": "task_arithmetic", "vary": [{"name": "weight", "min": 0.0, "max": 1.0}], "layerBlocks": 2,
-            "objectives": [{"metric": "loss:python"}, {"metric": "loss:arithmetic"}],
-            "evaluator": {"command": "python -m evalpkg {checkpoint}"}, "evaluations": 6, "initial": 2, "workers": 2,
-            "output": {"uri": out}}
+    spec = {
+        "base": {"uri": c.models.base + "/"},
+        "experts": [{"name": n, "uri": u + "/"} for n, u in zip(("code", "math"), c.models.experts[:2])],
+        "method": "task_arithmetic",
+        "vary": [{"name": "weight", "min": 0.0, "max": 1.0}],
+        "layerBlocks": 2,
+        "objectives": [{"metric": "loss:python"}, {"metric": "loss:arithmetic"}],
+        "evaluator": {"command": "python -m evalpkg {checkpoint}"},
+        "evaluations": 6,
+        "initial": 2,
+        "workers": 2,
+        "output": {"uri": out},
+    }
 
     def search_obj():
         return c.api.get("MergeSearch", NS, "front")
@@ -668,8 +892,14 @@ def test_search_driver_job_and_status_mirroring(cluster):
         return wait_for(f"MergeSearch front {what}", lambda: (o := search_obj()) and pred(o) and o, 30)
 
     with operator():
-        ms = c.api.create({"apiVersion": "mergepipe.io/v1alpha1", "kind": "MergeSearch",
-                           "metadata": {"name": "front", "namespace": NS}, "spec": spec})
+        ms = c.api.create(
+            {
+                "apiVersion": "mergepipe.io/v1alpha1",
+                "kind": "MergeSearch",
+                "metadata": {"name": "front", "namespace": NS},
+                "spec": spec,
+            }
+        )
         job = c.job("search")
         assert job["metadata"]["name"] == "front-search-g1"
         assert job["metadata"]["ownerReferences"][0]["uid"] == ms["metadata"]["uid"]
@@ -677,7 +907,10 @@ def test_search_driver_job_and_status_mirroring(cluster):
         pod = job["spec"]["template"]["spec"]
         assert pod["serviceAccountName"] == "mergepipe-search-driver" and pod["automountServiceAccountToken"]
         args = pod["containers"][0]["args"]
-        assert args[:3] == ["search", "--out", out + "g1/"] and args[args.index("--search-uid") + 1] == ms["metadata"]["uid"]
+        assert (
+            args[:3] == ["search", "--out", out + "g1/"]
+            and args[args.index("--search-uid") + 1] == ms["metadata"]["uid"]
+        )
         o = wait_search(lambda o: ready(o).get("reason") == "Searching", "Searching")
         assert o["status"]["stateURI"] == out + "g1/state.json" and o["status"]["driverJob"] == "front-search-g1"
         # the driver has finished 3 candidates (1 failed) and rewrites its results; its pod runs
@@ -715,20 +948,36 @@ def test_search_end_to_end_driver_candidates_as_modelmerges(cluster, monkeypatch
     monkeypatch.setenv("MERGEPIPE_SEARCH_POLL_SECONDS", "1")
     c.quota("daily", merges=10, enforcement="Reject")
     script = c.tmp / "score.py"
-    script.write_text("import hashlib, json, sys\nh = hashlib.sha256(sys.argv[1].encode()).digest()\n"
-                      "print(json.dumps({'a': h[0] / 255, 'b': h[1] / 255}))\n")
+    script.write_text(
+        "import hashlib, json, sys\nh = hashlib.sha256(sys.argv[1].encode()).digest()\n"
+        "print(json.dumps({'a': h[0] / 255, 'b': h[1] / 255}))\n"
+    )
     out = f"{c.out}/searches/{NS}/e2e/"
-    spec = {"base": {"uri": c.models.base + "/"},
-            "experts": [{"name": n, "uri": u + "/"} for n, u in zip(("code", "math"), c.models.experts[:2])],
-            "method": "task_arithmetic", "vary": [{"name": "weight", "min": 0.0, "max": 1.0}], "layerBlocks": 1,
-            "objectives": [{"metric": "a"}, {"metric": "b"}],
-            "evaluator": {"command": f"{sys.executable} {script} {{checkpoint}}"},
-            "evaluations": 3, "initial": 3, "workers": 2, "strategy": "random", "output": {"uri": out},
-            "resources": {"gpu": {"count": 0}}}
+    spec = {
+        "base": {"uri": c.models.base + "/"},
+        "experts": [{"name": n, "uri": u + "/"} for n, u in zip(("code", "math"), c.models.experts[:2])],
+        "method": "task_arithmetic",
+        "vary": [{"name": "weight", "min": 0.0, "max": 1.0}],
+        "layerBlocks": 1,
+        "objectives": [{"metric": "a"}, {"metric": "b"}],
+        "evaluator": {"command": f"{sys.executable} {script} {{checkpoint}}"},
+        "evaluations": 3,
+        "initial": 3,
+        "workers": 2,
+        "strategy": "random",
+        "output": {"uri": out},
+        "resources": {"gpu": {"count": 0}},
+    }
     played: set[str] = set()
     with operator(timeout=120):
-        ms = c.api.create({"apiVersion": "mergepipe.io/v1alpha1", "kind": "MergeSearch",
-                           "metadata": {"name": "e2e", "namespace": NS}, "spec": spec})
+        ms = c.api.create(
+            {
+                "apiVersion": "mergepipe.io/v1alpha1",
+                "kind": "MergeSearch",
+                "metadata": {"name": "e2e", "namespace": NS},
+                "spec": spec,
+            }
+        )
         driver = c.job("search")
         cmd_env: dict[str, Any] = {}
         result: dict[str, Any] = {}
@@ -763,8 +1012,11 @@ def test_search_end_to_end_driver_candidates_as_modelmerges(cluster, monkeypatch
         r = result["r"]
         assert r.returncode == 0, r.stderr[-3000:]
         mark_job(c.api, driver, "Succeeded")
-        o = wait_for("MergeSearch e2e Completed",
-                     lambda: (x := c.api.get("MergeSearch", NS, "e2e")) and ready(x).get("reason") == "Completed" and x, 60)
+        o = wait_for(
+            "MergeSearch e2e Completed",
+            lambda: (x := c.api.get("MergeSearch", NS, "e2e")) and ready(x).get("reason") == "Completed" and x,
+            60,
+        )
     st = o["status"]
     assert st["evaluations"] == 3 and st["failed"] == 0 and st["paretoSize"] == len(st["pareto"]) >= 1
     children = c.api.list("ModelMerge", NS, "mergepipe.io/merge-search=e2e")

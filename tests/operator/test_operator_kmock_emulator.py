@@ -21,14 +21,22 @@ def api():
 
 
 def mm(name, ns="ns1", **labels):
-    return {"apiVersion": "mergepipe.io/v1alpha1", "kind": "ModelMerge",
-            "metadata": {"name": name, "namespace": ns, "labels": labels},
-            "spec": {"method": "ties"}, "status": {"ignored": True}}
+    return {
+        "apiVersion": "mergepipe.io/v1alpha1",
+        "kind": "ModelMerge",
+        "metadata": {"name": name, "namespace": ns, "labels": labels},
+        "spec": {"method": "ties"},
+        "status": {"ignored": True},
+    }
 
 
 def raw(api, method, path, body=None, ctype="application/json"):
-    req = urllib.request.Request(api.url + path, data=None if body is None else json.dumps(body).encode(),
-                                 method=method, headers={"Content-Type": ctype})
+    req = urllib.request.Request(
+        api.url + path,
+        data=None if body is None else json.dumps(body).encode(),
+        method=method,
+        headers={"Content-Type": ctype},
+    )
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status, json.loads(r.read())
@@ -48,7 +56,9 @@ def test_metadata_generation_and_status_split(api):
     d = api.patch("ModelMerge", "ns1", "a", {"spec": {"method": "linear"}, "metadata": {"uid": "forged"}})
     assert d["metadata"]["generation"] == 2 and d["metadata"]["uid"] == meta["uid"] and d["status"] == {"x": 1}
     rv = d["metadata"]["resourceVersion"]
-    assert api.patch("ModelMerge", "ns1", "a", {"spec": {"method": "linear"}})["metadata"]["resourceVersion"] == rv  # no-op
+    assert (
+        api.patch("ModelMerge", "ns1", "a", {"spec": {"method": "linear"}})["metadata"]["resourceVersion"] == rv
+    )  # no-op
     assert raw(api, "POST", "/apis/mergepipe.io/v1alpha1/namespaces/ns1/modelmerges", mm("a"))[0] == 409
 
 
@@ -59,8 +69,10 @@ def test_optimistic_concurrency(api):
     code, b = raw(api, "PUT", path, body)
     assert code == 200 and b["status"] == {"n": 1}
     assert raw(api, "PUT", path, dict(a, status={"n": 2}))[0] == 409  # stale resourceVersion
-    test = [{"op": "test", "path": "/metadata/resourceVersion", "value": a["metadata"]["resourceVersion"]},
-            {"op": "add", "path": "/metadata/finalizers", "value": ["x/y"]}]
+    test = [
+        {"op": "test", "path": "/metadata/resourceVersion", "value": a["metadata"]["resourceVersion"]},
+        {"op": "add", "path": "/metadata/finalizers", "value": ["x/y"]},
+    ]
     path = "/apis/mergepipe.io/v1alpha1/namespaces/ns1/modelmerges/oc"
     assert raw(api, "PATCH", path, test, "application/json-patch+json")[0] == 422
     test[0]["value"] = b["metadata"]["resourceVersion"]
@@ -81,10 +93,21 @@ def test_label_selectors_and_lists(api):
 
 def test_finalizers_and_garbage_collection(api):
     owner = api.create(dict(mm("own"), metadata={"name": "own", "namespace": "gc", "finalizers": ["x/y"]}))
-    ref = {"apiVersion": "mergepipe.io/v1alpha1", "kind": "ModelMerge", "name": "own", "uid": owner["metadata"]["uid"],
-           "controller": True}
-    api.create({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j", "namespace": "gc", "ownerReferences": [ref]},
-                "spec": {}})
+    ref = {
+        "apiVersion": "mergepipe.io/v1alpha1",
+        "kind": "ModelMerge",
+        "name": "own",
+        "uid": owner["metadata"]["uid"],
+        "controller": True,
+    }
+    api.create(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "j", "namespace": "gc", "ownerReferences": [ref]},
+            "spec": {},
+        }
+    )
     api.create({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "free", "namespace": "gc"}, "spec": {}})
     d = api.delete("ModelMerge", "gc", "own")
     assert d["metadata"]["deletionTimestamp"] and api.get("ModelMerge", "gc", "own") is not None

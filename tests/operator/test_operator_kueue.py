@@ -24,36 +24,83 @@ CHECK = "io-budget"
 def kueue_objects(kube, *, checks=(CHECK,), controller=kq.CONTROLLER_NAME, ns="ns1", queue="llm"):
     """LocalQueue ``queue`` in ``ns`` -> ClusterQueue gpu (v1beta2 admissionChecksStrategy) ->
     AdmissionChecks."""
-    kube.put(kq.LOCAL_QUEUES, {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
-                               "metadata": {"name": queue, "namespace": ns}, "spec": {"clusterQueue": "gpu"}})
-    kube.put(kq.CLUSTER_QUEUES, {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue",
-                                 "metadata": {"name": "gpu"},
-                                 "spec": {"admissionChecksStrategy": {"admissionChecks": [{"name": c} for c in checks]}}})
+    kube.put(
+        kq.LOCAL_QUEUES,
+        {
+            "apiVersion": "kueue.x-k8s.io/v1beta2",
+            "kind": "LocalQueue",
+            "metadata": {"name": queue, "namespace": ns},
+            "spec": {"clusterQueue": "gpu"},
+        },
+    )
+    kube.put(
+        kq.CLUSTER_QUEUES,
+        {
+            "apiVersion": "kueue.x-k8s.io/v1beta2",
+            "kind": "ClusterQueue",
+            "metadata": {"name": "gpu"},
+            "spec": {"admissionChecksStrategy": {"admissionChecks": [{"name": c} for c in checks]}},
+        },
+    )
     for c in checks:
-        kube.put(kq.ADMISSION_CHECKS, {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "AdmissionCheck",
-                                       "metadata": {"name": c}, "spec": {"controllerName": controller}})
+        kube.put(
+            kq.ADMISSION_CHECKS,
+            {
+                "apiVersion": "kueue.x-k8s.io/v1beta2",
+                "kind": "AdmissionCheck",
+                "metadata": {"name": c},
+                "spec": {"controllerName": controller},
+            },
+        )
 
 
 def workload_for(kube, job, *, reserved=True, states=(("io-budget", "Pending"),)):
     """The Workload Kueue's job integration creates for ``job``, after Kueue reserved quota."""
-    wl = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload",
-          "metadata": {"name": f"job-{job['metadata']['name']}-1a2b3", "namespace": job["metadata"]["namespace"],
-                       "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": job["metadata"]["name"],
-                                            "uid": "job-uid", "controller": True}]},
-          "spec": {"queueName": kq.job_queue(job), "podSets": [{"name": "main", "count": 1}]},
-          "status": {"conditions": [{"type": "QuotaReserved", "status": "True" if reserved else "False",
-                                     "reason": "QuotaReserved" if reserved else "Pending",
-                                     "message": "Quota reserved in ClusterQueue gpu" if reserved else
-                                     "couldn't assign flavors to pod set main: insufficient quota for nvidia.com/gpu",
-                                     "lastTransitionTime": "2026-11-22T12:00:00Z"}],
-                     "admissionChecks": [{"name": n, "state": s, "message": "", "lastTransitionTime": "2026-11-22T12:00:00Z"}
-                                         for n, s in states]}}
+    wl = {
+        "apiVersion": "kueue.x-k8s.io/v1beta2",
+        "kind": "Workload",
+        "metadata": {
+            "name": f"job-{job['metadata']['name']}-1a2b3",
+            "namespace": job["metadata"]["namespace"],
+            "ownerReferences": [
+                {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "name": job["metadata"]["name"],
+                    "uid": "job-uid",
+                    "controller": True,
+                }
+            ],
+        },
+        "spec": {"queueName": kq.job_queue(job), "podSets": [{"name": "main", "count": 1}]},
+        "status": {
+            "conditions": [
+                {
+                    "type": "QuotaReserved",
+                    "status": "True" if reserved else "False",
+                    "reason": "QuotaReserved" if reserved else "Pending",
+                    "message": "Quota reserved in ClusterQueue gpu"
+                    if reserved
+                    else "couldn't assign flavors to pod set main: insufficient quota for nvidia.com/gpu",
+                    "lastTransitionTime": "2026-11-22T12:00:00Z",
+                }
+            ],
+            "admissionChecks": [
+                {"name": n, "state": s, "message": "", "lastTransitionTime": "2026-11-22T12:00:00Z"} for n, s in states
+            ],
+        },
+    }
     return kube.put(kq.WORKLOADS, wl)
 
 
 def check_state(kube, wl, name=CHECK):
-    (c,) = [c for c in kube.get(kq.WORKLOADS, wl["metadata"]["namespace"], wl["metadata"]["name"])["status"]["admissionChecks"]
-            if c["name"] == name]
+    (c,) = [
+        c
+        for c in kube.get(kq.WORKLOADS, wl["metadata"]["namespace"], wl["metadata"]["name"])["status"][
+            "admissionChecks"
+        ]
+        if c["name"] == name
+    ]
     return c
 
 
@@ -69,7 +116,10 @@ def test_jobs_carry_the_queue_label_from_the_spec_or_the_default(settings):
     an = mmd.build_analyze_job(mm, ["s3://models/code/"], "cd" * 32, settings)
     assert an["metadata"]["labels"][kq.QUEUE_LABEL] == "llm"
     dflt = dataclasses.replace(settings, queue_name="team-default")
-    assert mmd.build_job(make_merge(), "s3://p/x.json", "ab" * 32, dflt)["metadata"]["labels"][kq.QUEUE_LABEL] == "team-default"
+    assert (
+        mmd.build_job(make_merge(), "s3://p/x.json", "ab" * 32, dflt)["metadata"]["labels"][kq.QUEUE_LABEL]
+        == "team-default"
+    )
     assert mmd.build_job(mm, "s3://p/x.json", "ab" * 32, dflt)["metadata"]["labels"][kq.QUEUE_LABEL] == "llm"
     assert kq.QUEUE_LABEL not in mmd.build_job(make_merge(), "s3://p/x.json", "ab" * 32, settings)["metadata"]["labels"]
 
@@ -92,12 +142,29 @@ def test_a_suspended_job_is_queued_naming_its_local_queue():
     o = job_outcome(job)
     assert (o.state, o.reason) == ("Running", cond.Reason.QUEUED)
     assert o.message == "merge Job mm1-abc is queued in LocalQueue llm (suspended until Kueue admits it)"
-    wl = {"status": {"conditions": [{"type": "QuotaReserved", "status": "False",
-                                     "message": "couldn't assign flavors to pod set main: insufficient quota"}]}}
-    assert kq.queued_message("merge Job", job, wl).endswith("; Kueue: couldn't assign flavors to pod set main: insufficient quota")
-    wl = {"status": {"conditions": [{"type": "QuotaReserved", "status": "True"}],
-                     "admissionChecks": [{"name": "io-budget", "state": "Retry", "message": "MergeQuota q: only 1000B left"}]}}
-    assert kq.queued_message("merge Job", job, wl).endswith("; admission checks: io-budget Retry (MergeQuota q: only 1000B left)")
+    wl = {
+        "status": {
+            "conditions": [
+                {
+                    "type": "QuotaReserved",
+                    "status": "False",
+                    "message": "couldn't assign flavors to pod set main: insufficient quota",
+                }
+            ]
+        }
+    }
+    assert kq.queued_message("merge Job", job, wl).endswith(
+        "; Kueue: couldn't assign flavors to pod set main: insufficient quota"
+    )
+    wl = {
+        "status": {
+            "conditions": [{"type": "QuotaReserved", "status": "True"}],
+            "admissionChecks": [{"name": "io-budget", "state": "Retry", "message": "MergeQuota q: only 1000B left"}],
+        }
+    }
+    assert kq.queued_message("merge Job", job, wl).endswith(
+        "; admission checks: io-budget Retry (MergeQuota q: only 1000B left)"
+    )
     done = dict(job, status={"conditions": [{"type": "Complete", "status": "True"}]})
     assert job_outcome(done).state == "Succeeded"  # finished: no longer queued
     assert job_outcome(dict(job, spec={})).reason == cond.Reason.JOB_RUNNING
@@ -126,7 +193,9 @@ def test_queued_then_admitted_merge_in_the_reconciler(settings):
 
 
 def test_cluster_queue_checks_v1beta2_and_v1beta1():
-    assert kq.cluster_queue_checks({"spec": {"admissionChecksStrategy": {"admissionChecks": [{"name": "a"}, {"name": "b", "onFlavors": ["x"]}]}}}) == ["a", "b"]
+    assert kq.cluster_queue_checks(
+        {"spec": {"admissionChecksStrategy": {"admissionChecks": [{"name": "a"}, {"name": "b", "onFlavors": ["x"]}]}}}
+    ) == ["a", "b"]
     assert kq.cluster_queue_checks({"spec": {"admissionChecks": ["a"]}}) == ["a"]
     assert kq.cluster_queue_checks(None) == []
 
@@ -144,9 +213,14 @@ def test_with_an_io_budget_check_the_operator_does_not_reserve_before_the_job(se
     assert len(kube.list(JOBS, "ns1")) == 1
 
 
-@pytest.mark.parametrize("controller, queue, want", [(kq.CONTROLLER_NAME, "llm", CHECK),
-                                                     ("kueue.x-k8s.io/provisioning-request", "llm", None),
-                                                     (kq.CONTROLLER_NAME, "other", None)])
+@pytest.mark.parametrize(
+    "controller, queue, want",
+    [
+        (kq.CONTROLLER_NAME, "llm", CHECK),
+        ("kueue.x-k8s.io/provisioning-request", "llm", None),
+        (kq.CONTROLLER_NAME, "other", None),
+    ],
+)
 def test_io_budget_check_lookup(settings, controller, queue, want):
     c, kube, *_ = setup(settings)
     kueue_objects(kube, controller=controller)
@@ -182,7 +256,12 @@ def test_the_check_reserves_the_plan_ready_then_retry_then_rejected(settings):
     st = check_state(kube, wl1)
     assert st["state"] == "Ready" and "admitted by MergeQuota q" in st["message"]
     (entry,) = kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]
-    assert (entry["key"], entry["bytes"], entry["state"], entry["merge"]) == (mm1["status"]["admission"]["key"], full, "Reserved", "mm1")
+    assert (entry["key"], entry["bytes"], entry["state"], entry["merge"]) == (
+        mm1["status"]["admission"]["key"],
+        full,
+        "Reserved",
+        "mm1",
+    )
     assert not c.check_workload(kube.get(kq.WORKLOADS, "ns1", wl1["metadata"]["name"]))  # decided: nothing more
 
     mm2, job2 = _plan_and_job(c, kube, "mm2")
@@ -262,8 +341,10 @@ def test_our_admission_checks_are_marked_active(settings):
     kueue_objects(kube, checks=("prov",), controller="kueue.x-k8s.io/provisioning-request")
     for ac in kube.list_cluster(kq.ADMISSION_CHECKS):
         c.activate_check(ac)
-    got = {a["metadata"]["name"]: cond.get_condition((a.get("status") or {}).get("conditions"), "Active")
-           for a in kube.list_cluster(kq.ADMISSION_CHECKS)}
+    got = {
+        a["metadata"]["name"]: cond.get_condition((a.get("status") or {}).get("conditions"), "Active")
+        for a in kube.list_cluster(kq.ADMISSION_CHECKS)
+    }
     assert got["prov"] is None and got[CHECK]["status"] == "True"
     assert kq.active_condition(kube.get_cluster(kq.ADMISSION_CHECKS, CHECK), NOW) is None  # idempotent
 

@@ -88,21 +88,15 @@ def test_parameter_names_scopes_and_ranges():
         got = paths(parameters={"density": bad})
         assert any(p.startswith("spec.parameters.density") for p in got), (bad, got)
     assert paths(parameters={"density": 1}) == set()
-    assert paths(parameters={"normalize": 1}) == {
-        "spec.parameters.normalize"
-    }  # booleans are booleans
+    assert paths(parameters={"normalize": 1}) == {"spec.parameters.normalize"}  # booleans are booleans
     assert paths(parameters={"normalize": [True]}) == {"spec.parameters.normalize"}
-    assert paths(
-        method="slerp", experts=[{"uri": "s3://models/a/"}], parameters={"t": 1.2}
-    ) == {"spec.parameters.t"}
-    assert paths(method="breadcrumbs", parameters={"gamma": 1.5}) == {
-        "spec.parameters.gamma"
-    }
+    assert paths(method="slerp", experts=[{"uri": "s3://models/a/"}], parameters={"t": 1.2}) == {"spec.parameters.t"}
+    assert paths(method="breadcrumbs", parameters={"gamma": 1.5}) == {"spec.parameters.gamma"}
     assert paths(method="breadcrumbs", parameters={"gamma": 0.01}) == set()
     assert paths(method="della", parameters={"epsilon": 0.15}) == set()
-    assert paths(
-        method="linear", experts=[{"uri": "s3://models/a/"}], parameters={"lambda": 1}
-    ) == {"spec.parameters.lambda"}
+    assert paths(method="linear", experts=[{"uri": "s3://models/a/"}], parameters={"lambda": 1}) == {
+        "spec.parameters.lambda"
+    }
 
 
 def test_layer_wise_values():
@@ -117,9 +111,7 @@ def test_layer_wise_values():
     ]
     for v in good:
         assert issues(parameters={"density": v}) == [], v
-    got = issues(
-        parameters={"density": [{"value": 0.5}, {"filter": "mlp", "value": 0.4}]}
-    )
+    got = issues(parameters={"density": [{"value": 0.5}, {"filter": "mlp", "value": 0.4}]})
     assert got == [
         (
             "spec.parameters.density[0]",
@@ -132,9 +124,7 @@ def test_layer_wise_values():
     got = dict(issues(parameters={"density": [{"filter": "", "value": 0.4}]}))
     assert "spec.parameters.density[0].filter" in got
     got = dict(issues(parameters={"density": [{"filter": "mlp", "value": [0.5, 0]}]}))
-    assert got == {
-        "spec.parameters.density[0].value[1]": "density=0 is outside (0, 1]."
-    }
+    assert got == {"spec.parameters.density[0].value[1]": "density=0 is outside (0, 1]."}
 
 
 def test_expert_checks():
@@ -170,10 +160,7 @@ def test_schema_level_problems_are_reported_with_paths():
     assert got["spec.extra_field"].startswith("unknown field")
     assert "not a bucket root" in got["spec.output.uri"]
     assert "spec.experts" in got
-    assert (
-        dict(mmspec.validate_merge_spec({}))["spec.base"]
-        == "required field is missing."
-    )
+    assert dict(mmspec.validate_merge_spec({}))["spec.base"] == "required field is missing."
     assert mmspec.validate_merge_spec("nope") == [("spec", "spec must be an object.")]
 
 
@@ -187,9 +174,7 @@ def test_requested_budget(settings):
     assert mmspec.requested_budget(spec, settings) == 10 * GI
     s2 = dataclasses.replace(settings, default_budget="5Gi")
     assert mmspec.requested_budget({**spec, "budget": None}, s2) == 5 * GI
-    assert (
-        mmspec.requested_budget({**spec, "budget": None, "fidelity": 0.9}, s2) is None
-    )
+    assert mmspec.requested_budget({**spec, "budget": None, "fidelity": 0.9}, s2) is None
     assert mmspec.requested_budget({**spec, "budget": None}, settings) is None
 
 
@@ -221,18 +206,12 @@ def test_job_name_is_deterministic_and_valid():
         mmd.job_name("mm1", "XYZ")
     assert snapd.snapshot_name("mm1", "sha256:" + DIGEST) == "mm1-" + DIGEST[:12]
     # a retry after a failed generation is a Job of its own, still a valid label
-    assert (
-        mmd.job_name("mm1", DIGEST, 3)
-        == f"mm1-{DIGEST[:10]}-g3"
-        != mmd.job_name("mm1", DIGEST, 4)
-    )
+    assert mmd.job_name("mm1", DIGEST, 3) == f"mm1-{DIGEST[:10]}-g3" != mmd.job_name("mm1", DIGEST, 4)
     assert (
         DNS1123_LABEL.match(mmd.job_name("a" * 253, DIGEST, 12345))
         and len(mmd.job_name("a" * 253, DIGEST, 12345)) <= 63
     )
-    assert (
-        mmd.analyze_job_name("mm1", "cd" * 32, 2) == "mm1-analyze-" + "cd" * 5 + "-g2"
-    )
+    assert mmd.analyze_job_name("mm1", "cd" * 32, 2) == "mm1-analyze-" + "cd" * 5 + "-g2"
     for bad in (0, -1, True, "2"):
         with pytest.raises(ValueError):
             mmd.job_name("mm1", DIGEST, bad)
@@ -250,9 +229,7 @@ def _job(name, gen, state=None, value=DIGEST, deleting=False):
         "status": {},
     }
     if state in ("Complete", "Failed"):
-        j["status"]["conditions"] = [
-            {"type": state, "status": "True", "reason": "BackoffLimitExceeded"}
-        ]
+        j["status"]["conditions"] = [{"type": state, "status": "True", "reason": "BackoffLimitExceeded"}]
     if deleting:
         j["metadata"]["deletionTimestamp"] = "2026-11-22T00:00:00Z"
     return j
@@ -325,18 +302,10 @@ def test_plan_status_is_nested_and_complete():
         "retainedEnergy": 0.5,
     }
     # every key present, so a merge patch replaces an earlier plan's retained energy with "unknown"
-    assert (
-        mmd.plan_status(DIGEST, "s3://p/x.json", 0, 0, 0, None)["retainedEnergy"]
-        is None
-    )
+    assert mmd.plan_status(DIGEST, "s3://p/x.json", 0, 0, 0, None)["retainedEnergy"] is None
     assert mmd.status_plan_digest({"plan": st}) == DIGEST
-    assert (
-        mmd.status_plan_digest({"planDigest": DIGEST}) is None
-    )  # the flat field of older operators is not read
-    assert (
-        mmd.status_plan_digest(None) is None
-        and mmd.status_plan_digest({"plan": None}) is None
-    )
+    assert mmd.status_plan_digest({"planDigest": DIGEST}) is None  # the flat field of older operators is not read
+    assert mmd.status_plan_digest(None) is None and mmd.status_plan_digest({"plan": None}) is None
     with pytest.raises(ValueError, match="64 lowercase hex"):
         mmd.plan_status("ABC", "s3://p/x.json", 0, 0, 0, None)
     with pytest.raises(ValueError, match="expertReadBytes"):
@@ -348,14 +317,9 @@ def test_choose_job_for_analysis_treats_a_complete_job_as_spent():
     jobs = [_job("an", 1, "Complete")]
     only_running = frozenset({"Running"})
     assert (
-        mmd.choose_job(
-            jobs, names.ANN_PLAN_DIGEST, DIGEST, 1, usable=only_running
-        ).follow["metadata"]["name"]
-        == "an"
+        mmd.choose_job(jobs, names.ANN_PLAN_DIGEST, DIGEST, 1, usable=only_running).follow["metadata"]["name"] == "an"
     )
-    assert mmd.choose_job(
-        jobs, names.ANN_PLAN_DIGEST, DIGEST, 2, usable=only_running
-    ) == mmd.JobChoice(None, 2)
+    assert mmd.choose_job(jobs, names.ANN_PLAN_DIGEST, DIGEST, 2, usable=only_running) == mmd.JobChoice(None, 2)
 
 
 @pytest.mark.parametrize(
@@ -380,9 +344,7 @@ def test_generation_settled(observed, reason, gen, settled):
         if reason is None
         else {
             "observedGeneration": observed,
-            "conditions": cond.set_condition(
-                [], "Ready", "False", reason, "m", observed, NOW
-            ),
+            "conditions": cond.set_condition([], "Ready", "False", reason, "m", observed, NOW),
         }
     )
     assert mmd.generation_settled(st, gen) is settled
@@ -409,22 +371,17 @@ def test_build_job_defaults(settings):
             "blockOwnerDeletion": True,
         }
     ]
-    assert (
-        meta["labels"][names.LABEL_MERGE] == "mm1"
-        and meta["annotations"][names.ANN_PLAN_DIGEST] == DIGEST
-    )
+    assert meta["labels"][names.LABEL_MERGE] == "mm1" and meta["annotations"][names.ANN_PLAN_DIGEST] == DIGEST
     assert (
         spec["backoffLimit"],
         spec["activeDeadlineSeconds"],
         spec["ttlSecondsAfterFinished"],
     ) == (2, 21600, 86400)
     pod = spec["template"]["spec"]
-    assert (
-        pod["restartPolicy"] == "Never" and pod["automountServiceAccountToken"] is False
-    )
-    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"][
-        "seccompProfile"
-    ] == {"type": "RuntimeDefault"}
+    assert pod["restartPolicy"] == "Never" and pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["seccompProfile"] == {
+        "type": "RuntimeDefault"
+    }
     (c,) = pod["containers"]
     assert c["image"] == "ghcr.io/mergepipe/merger:test"
     assert c["command"] == ["mergepipe"]
@@ -438,14 +395,8 @@ def test_build_job_defaults(settings):
         "cuda",
     ]
     sc = c["securityContext"]
-    assert (
-        sc["runAsNonRoot"]
-        and sc["readOnlyRootFilesystem"]
-        and sc["allowPrivilegeEscalation"] is False
-    )
-    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["seccompProfile"] == {
-        "type": "RuntimeDefault"
-    }
+    assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["seccompProfile"] == {"type": "RuntimeDefault"}
     assert c["resources"] == {
         "requests": {"cpu": "4", "memory": "32Gi"},
         "limits": {"memory": "32Gi", "nvidia.com/gpu": "1"},
@@ -478,9 +429,7 @@ def test_build_job_overrides(settings):
     job = mmd.build_job(make_merge(), PLAN_URI, DIGEST, s)
     pod = job["spec"]["template"]["spec"]
     assert pod["containers"][0]["resources"]["limits"]["amd.com/gpu"] == "2"
-    assert pod["serviceAccountName"] == "merger" and pod["nodeSelector"] == {
-        "pool": "gpu"
-    }
+    assert pod["serviceAccountName"] == "merger" and pod["nodeSelector"] == {"pool": "gpu"}
     assert pod["volumes"][0]["emptyDir"] == {"sizeLimit": "50Gi"}
     mm = make_merge(
         resources={"gpu": {"count": 0}, "cpu": "500m", "memory": "8Gi"},
@@ -520,16 +469,13 @@ def test_build_job_overrides(settings):
         "key": "tok",
         "optional": True,
     }
-    assert (
-        env["AWS_ENDPOINT_URL"]["value"] == "https://s3.team.local"
-        and env["AWS_REGION"]["value"] == "eu-west-1"
-    )
+    assert env["AWS_ENDPOINT_URL"]["value"] == "https://s3.team.local" and env["AWS_REGION"]["value"] == "eu-west-1"
     assert env["CUDA_VISIBLE_DEVICES"]["value"] == ""
     mm = make_merge(resources={"gpu": {"resourceName": "nvidia.com/mig-1g.10gb"}})
     assert (
-        mmd.build_job(mm, PLAN_URI, DIGEST, s)["spec"]["template"]["spec"][
-            "containers"
-        ][0]["resources"]["limits"]["nvidia.com/mig-1g.10gb"]
+        mmd.build_job(mm, PLAN_URI, DIGEST, s)["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"][
+            "nvidia.com/mig-1g.10gb"
+        ]
         == "2"
     )
 
@@ -543,9 +489,7 @@ JOB_VARIANTS = {
             "job_service_account": "merger",
             "tmp_size_limit": "50Gi",
             "node_selector": {"pool": "gpu"},
-            "tolerations": [
-                {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}
-            ],
+            "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
         },
         {},
     ),
@@ -573,9 +517,7 @@ def test_built_jobs_pass_kubernetes_validate_strict(settings, variant):
 
 def test_build_job_without_secret_and_owner(settings):
     s = dataclasses.replace(settings, s3_secret_name=None)
-    job = mmd.build_job(
-        make_merge(), PLAN_URI, DIGEST, s
-    )  # e.g. IRSA: no credentials in env at all
+    job = mmd.build_job(make_merge(), PLAN_URI, DIGEST, s)  # e.g. IRSA: no credentials in env at all
     names = {e["name"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert not names & {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
     mm = make_merge()
@@ -589,9 +531,7 @@ def test_build_job_without_secret_and_owner(settings):
         "uid": "u",
         "controller": True,
     }
-    assert mmd.build_job(mm, PLAN_URI, DIGEST, s, owner=own)["metadata"][
-        "ownerReferences"
-    ] == [own]
+    assert mmd.build_job(mm, PLAN_URI, DIGEST, s, owner=own)["metadata"]["ownerReferences"] == [own]
 
 
 # --- the spec in the core planner's terms; the analyze Job ---------------------------------------
@@ -611,9 +551,7 @@ def test_the_spec_is_the_cores_merge_request():
             },
             {
                 "uri": "s3://models/math",
-                "parameters": {
-                    "density": [{"filter": "mlp", "value": 0.4}, {"value": 0.6}]
-                },
+                "parameters": {"density": [{"filter": "mlp", "value": 0.4}, {"value": 0.6}]},
             },
             {"name": "12", "uri": "s3://models/chat/", "weight": 1},
         ],
@@ -641,15 +579,9 @@ def test_the_spec_is_the_cores_merge_request():
 
 def test_analysis_id_is_a_content_address():
     a = mmd.analysis_id("b" * 64, ["e1", "e2"], "s3://c/cat/", "ties")
-    assert a == mmd.analysis_id(
-        "b" * 64, ["e2", "e1", "e1"], "s3://c/cat", "linear"
-    )  # order, duplicates, slash
-    assert a != mmd.analysis_id(
-        "b" * 64, ["e1", "e3"], "s3://c/cat/", "ties"
-    )  # a changed checkpoint
-    assert a != mmd.analysis_id(
-        "b" * 64, ["e1", "e2"], "s3://c/cat/", "model_stock"
-    )  # pair statistics too
+    assert a == mmd.analysis_id("b" * 64, ["e2", "e1", "e1"], "s3://c/cat", "linear")  # order, duplicates, slash
+    assert a != mmd.analysis_id("b" * 64, ["e1", "e3"], "s3://c/cat/", "ties")  # a changed checkpoint
+    assert a != mmd.analysis_id("b" * 64, ["e1", "e2"], "s3://c/cat/", "model_stock")  # pair statistics too
     name = mmd.analyze_job_name("m" * 80, a)
     assert len(name) <= 63 and name.endswith("-analyze-" + a[:10])
     with pytest.raises(ValueError):
@@ -659,9 +591,7 @@ def test_analysis_id_is_a_content_address():
 def test_analyze_job_matches_the_merge_job_security_and_credentials(settings):
     mm = make_merge(resources={"gpu": {"count": 2}, "cpu": "2", "memory": "8Gi"})
     merge = mmd.build_job(mm, PLAN_URI, DIGEST, settings)
-    job = mmd.build_analyze_job(
-        mm, ["s3://models/math/", "s3://models/code"], ANALYSIS, settings
-    )
+    job = mmd.build_analyze_job(mm, ["s3://models/math/", "s3://models/code"], ANALYSIS, settings)
     assert job["metadata"]["name"] == mmd.analyze_job_name("mm1", ANALYSIS)
     assert job["metadata"]["ownerReferences"] == merge["metadata"]["ownerReferences"]
     assert (
@@ -682,10 +612,7 @@ def test_analyze_job_matches_the_merge_job_security_and_credentials(settings):
         "s3://mergepipe/catalog/",
         "--json",
     ]
-    assert (
-        c["securityContext"] == mc["securityContext"]
-        and pod["securityContext"] == mpod["securityContext"]
-    )
+    assert c["securityContext"] == mc["securityContext"] and pod["securityContext"] == mpod["securityContext"]
     for k in (
         "automountServiceAccountToken",
         "enableServiceLinks",
@@ -699,10 +626,7 @@ def test_analyze_job_matches_the_merge_job_security_and_credentials(settings):
         "limits": {"memory": "8Gi"},
     }  # never a GPU
     env = {e["name"]: e for e in c["env"]}
-    assert (
-        env["CUDA_VISIBLE_DEVICES"]["value"] == ""
-        and "MERGEPIPE_PLAN_DIGEST" not in env
-    )
+    assert env["CUDA_VISIBLE_DEVICES"]["value"] == "" and "MERGEPIPE_PLAN_DIGEST" not in env
     menv = {e["name"]: e for e in mc["env"]}
     for k in (
         "AWS_ACCESS_KEY_ID",

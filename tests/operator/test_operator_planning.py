@@ -28,8 +28,11 @@ def merge_spec(m, *, experts=None, **over):
     names = ["code", "math", "chat"]
     spec = make_merge(**over)["spec"]
     spec["base"] = {"uri": m.base + "/"}
-    spec["experts"] = experts if experts is not None else [
-        {"name": names[i], "uri": u + "/", "weight": 0.5} for i, u in enumerate(m.experts[:2])]
+    spec["experts"] = (
+        experts
+        if experts is not None
+        else [{"name": names[i], "uri": u + "/", "weight": 0.5} for i, u in enumerate(m.experts[:2])]
+    )
     spec["output"] = {"uri": f"s3://{m.bucket}/snapshots/x/"}
     return spec
 
@@ -60,12 +63,17 @@ def test_layer_wise_parameters_reach_the_plan(s3_models, seaweed):
 
     experts = [
         {"name": "code", "uri": s3_models.experts[0], "weight": 0.5, "parameters": {"density": [0.2, 0.8]}},
-        {"name": "math", "uri": s3_models.experts[1],
-         "parameters": {"weight": [{"filter": "mlp", "value": 0.25}, {"value": 0.75}], "density": 0.5}},
+        {
+            "name": "math",
+            "uri": s3_models.experts[1],
+            "parameters": {"weight": [{"filter": "mlp", "value": 0.25}, {"value": 0.75}], "density": 0.5},
+        },
     ]
     spec = merge_spec(s3_models, experts=experts, budget=None, parameters={"normalize": False, "lambda": 1.5})
     assert mmspec.validate_merge_spec(spec) == []
-    plan = Plan.from_json(planning.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed)).plan_json.decode())
+    plan = Plan.from_json(
+        planning.plan_merge(spec, s3_models.catalog, storage=core_storage(seaweed)).plan_json.decode()
+    )
     by = {t.name: t for t in plan.tensors}
 
     def te(tensor, i):
@@ -96,8 +104,9 @@ def test_missing_statistics_are_named_and_content_addressed(s3_models, seaweed):
     assert p.analysis_id == mmd.analysis_id(base_id, [math_id], catalog, "ties")
     assert after["base"] == before["base"] and after["expert"] == before["expert"]  # nothing analyzed here
     # model_stock also needs the pair statistics, which `mergepipe analyze` does not record
-    ms = merge_spec(s3_models, method="model_stock", parameters={}, budget=None,
-                    experts=[{"uri": u} for u in s3_models.experts[:2]])
+    ms = merge_spec(
+        s3_models, method="model_stock", parameters={}, budget=None, experts=[{"uri": u} for u in s3_models.experts[:2]]
+    )
     ready = planning.plan_merge(ms, s3_models.catalog, storage=st)
     assert set(ready.missing_experts) == set(s3_models.experts[:2])
 
@@ -140,8 +149,12 @@ print(json.dumps({{"digest": p.digest, "torch": "torch" in sys.modules,
                    "kopf": "kopf" in sys.modules, "numpy": "numpy" in sys.modules}}))
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(seaweed.env(), AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
-               AWS_EC2_METADATA_DISABLED="true")
+    env.update(
+        seaweed.env(),
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+        AWS_EC2_METADATA_DISABLED="true",
+    )
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -154,17 +167,30 @@ def test_the_analyze_command_records_what_planning_needs(s3_models, seaweed, tmp
     """The analyze Job's command (decisions.analyze_args) run with the real CLI fills the catalog:
     per-expert statistics, and for model_stock the pair statistics too (`mergepipe analyze --pairs`)."""
     catalog = f"s3://{s3_models.bucket}/catalog-pairs"
-    spec = merge_spec(s3_models, method="model_stock", parameters={"filter_wise": False}, budget=None,
-                      experts=[{"uri": u + "/"} for u in s3_models.experts[:2]])
+    spec = merge_spec(
+        s3_models,
+        method="model_stock",
+        parameters={"filter_wise": False},
+        budget=None,
+        experts=[{"uri": u + "/"} for u in s3_models.experts[:2]],
+    )
     assert mmspec.validate_merge_spec(spec) == []
     p = planning.plan_merge(spec, catalog, storage=core_storage(seaweed))
     assert set(p.missing_experts) == set(s3_models.experts[:2])
     args = mmd.analyze_args(spec, p.missing_experts, catalog)
     assert args[:2] == ["analyze", "--base"] and "--pairs" in args
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(seaweed.env(), AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
-               AWS_EC2_METADATA_DISABLED="true", PYTHONPATH=str(ROOT), MERGEPIPE_HOME=str(tmp_path / "home"))
-    r = subprocess.run([sys.executable, "-m", "mergepipe.cli", *args], env=env, capture_output=True, text=True, timeout=300)
+    env.update(
+        seaweed.env(),
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+        AWS_EC2_METADATA_DISABLED="true",
+        PYTHONPATH=str(ROOT),
+        MERGEPIPE_HOME=str(tmp_path / "home"),
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "mergepipe.cli", *args], env=env, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr
     (pair,) = json.loads(r.stdout)["pairs"]
     assert sorted(pair["experts"]) == sorted(s3_models.experts[:2]) and pair["tensors"] > 0

@@ -34,25 +34,60 @@ def search(gen: int = 1, **spec_changes) -> dict:
     return doc
 
 
-def core_results(objectives=("loss:python", "loss:arithmetic"), points=((1.0, 2.0), (2.0, 1.0), (3.0, 3.0)),
-                 failed: int = 1) -> dict:
+def core_results(
+    objectives=("loss:python", "loss:arithmetic"), points=((1.0, 2.0), (2.0, 1.0), (3.0, 3.0)), failed: int = 1
+) -> dict:
     """Results as the driver writes them: the core's own ``results()`` of a search state."""
     from mergepipe.search.runner import results
 
     t = time.time()
     cands = []
     for i, y in enumerate(points):
-        cands.append({"id": i, "x": [0.1 * i], "params": [f"weight={i}"], "values": {}, "phase": "initial",
-                      "status": "done", "worker": 0, "snapshot": f"s3://snapshots/x/g1/c{i:04d}",
-                      "manifest_hash": hashlib.sha256(str(i).encode()).hexdigest(), "metrics": {}, "objectives": list(y), "error": None,
-                      "proposal": {}, "times": {"proposed": t, "ended": t + i + 1}})
+        cands.append(
+            {
+                "id": i,
+                "x": [0.1 * i],
+                "params": [f"weight={i}"],
+                "values": {},
+                "phase": "initial",
+                "status": "done",
+                "worker": 0,
+                "snapshot": f"s3://snapshots/x/g1/c{i:04d}",
+                "manifest_hash": hashlib.sha256(str(i).encode()).hexdigest(),
+                "metrics": {},
+                "objectives": list(y),
+                "error": None,
+                "proposal": {},
+                "times": {"proposed": t, "ended": t + i + 1},
+            }
+        )
     for _ in range(failed):
-        cands.append({"id": len(cands), "x": [0.9], "params": [], "values": {}, "phase": "bo", "status": "failed",
-                      "worker": 0, "snapshot": None, "manifest_hash": None, "metrics": None, "objectives": None,
-                      "error": "merge failed: boom", "proposal": {}, "times": {"proposed": t, "ended": t + 9}})
-    state = {"search_id": "abcdef0123456789", "config": {"objectives": list(objectives), "strategy": "async",
-                                                         "ref_point": None},
-             "ref_point": [4.0, 4.0], "candidates": cands, "events": [], "sessions": [{"started": t, "ended": t + 10}]}
+        cands.append(
+            {
+                "id": len(cands),
+                "x": [0.9],
+                "params": [],
+                "values": {},
+                "phase": "bo",
+                "status": "failed",
+                "worker": 0,
+                "snapshot": None,
+                "manifest_hash": None,
+                "metrics": None,
+                "objectives": None,
+                "error": "merge failed: boom",
+                "proposal": {},
+                "times": {"proposed": t, "ended": t + 9},
+            }
+        )
+    state = {
+        "search_id": "abcdef0123456789",
+        "config": {"objectives": list(objectives), "strategy": "async", "ref_point": None},
+        "ref_point": [4.0, 4.0],
+        "candidates": cands,
+        "events": [],
+        "sessions": [{"started": t, "ended": t + 10}],
+    }
     res = results(state)
     res.pop("trace")
     return res
@@ -65,17 +100,26 @@ def test_the_example_is_valid():
     assert sd.validate_search_spec(search()["spec"]) == []
 
 
-@pytest.mark.parametrize("changes, field, needle", [
-    ({"vary": [{"name": "density", "min": 0.1, "max": 0.9}]}, "spec.vary[0].name", "takes no parameter 'density'"),
-    ({"method": "ties", "vary": [{"name": "lambda", "expert": "code", "min": 0.5, "max": 1.5}]}, "spec.vary[0].expert",
-     "global parameter"),
-    ({"method": "ties", "parameters": {"lambda": 1.0}, "vary": [{"name": "lambda", "min": 0.5, "max": 1.5}]},
-     "spec.vary[0].name", "also fixed"),
-    ({"vary": [{"name": "weight", "min": 1.0, "max": 0.0}]}, "spec.vary[0]", "min must be below max"),
-    ({"evaluations": 4, "initial": 8}, "spec", "evaluations must be at least initial"),
-    ({"budget": "lots"}, "spec.budget", ""),
-    ({"base": {"uri": "/local/base"}}, "spec.base.uri", "s3://"),
-])
+@pytest.mark.parametrize(
+    "changes, field, needle",
+    [
+        ({"vary": [{"name": "density", "min": 0.1, "max": 0.9}]}, "spec.vary[0].name", "takes no parameter 'density'"),
+        (
+            {"method": "ties", "vary": [{"name": "lambda", "expert": "code", "min": 0.5, "max": 1.5}]},
+            "spec.vary[0].expert",
+            "global parameter",
+        ),
+        (
+            {"method": "ties", "parameters": {"lambda": 1.0}, "vary": [{"name": "lambda", "min": 0.5, "max": 1.5}]},
+            "spec.vary[0].name",
+            "also fixed",
+        ),
+        ({"vary": [{"name": "weight", "min": 1.0, "max": 0.0}]}, "spec.vary[0]", "min must be below max"),
+        ({"evaluations": 4, "initial": 8}, "spec", "evaluations must be at least initial"),
+        ({"budget": "lots"}, "spec.budget", ""),
+        ({"base": {"uri": "/local/base"}}, "spec.base.uri", "s3://"),
+    ],
+)
 def test_invalid_specs_name_the_field(changes, field, needle):
     issues = sd.validate_search_spec(search(**changes)["spec"])
     assert any(p == field and needle in m for p, m in issues), issues
@@ -84,8 +128,10 @@ def test_invalid_specs_name_the_field(changes, field, needle):
 def test_a_varied_weight_cannot_also_be_fixed_per_expert():
     spec = search()["spec"]
     spec["experts"][1]["weight"] = 0.5
-    assert ("spec.experts[1].parameters.weight", "weight is varied by spec.vary[0]; do not fix it here.") in \
-        sd.validate_search_spec(spec)
+    assert (
+        "spec.experts[1].parameters.weight",
+        "weight is varied by spec.vary[0]; do not fix it here.",
+    ) in sd.validate_search_spec(spec)
 
 
 # --- the driver Job -----------------------------------------------------------------------------
@@ -98,10 +144,20 @@ def test_driver_job_is_deterministic_owned_and_secure():
     assert job == sd.build_driver_job(copy.deepcopy(ms), s)
     meta = job["metadata"]
     assert meta["name"] == "llama-code-math-front-search-g3" == sd.driver_job_name("llama-code-math-front", 3)
-    assert meta["ownerReferences"] == [{"apiVersion": "mergepipe.io/v1alpha1", "kind": "MergeSearch",
-                                        "name": "llama-code-math-front", "uid": UID, "controller": True,
-                                        "blockOwnerDeletion": True}]
-    assert meta["labels"][sd.LABEL_SEARCH] == "llama-code-math-front" and meta["labels"]["app.kubernetes.io/component"] == "search"
+    assert meta["ownerReferences"] == [
+        {
+            "apiVersion": "mergepipe.io/v1alpha1",
+            "kind": "MergeSearch",
+            "name": "llama-code-math-front",
+            "uid": UID,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+    assert (
+        meta["labels"][sd.LABEL_SEARCH] == "llama-code-math-front"
+        and meta["labels"]["app.kubernetes.io/component"] == "search"
+    )
     assert sd.job_generation(job) == 3
     assert job["spec"]["activeDeadlineSeconds"] == 7 * 86400 and job["spec"]["backoffLimit"] >= 6
     pod = job["spec"]["template"]["spec"]
@@ -139,13 +195,27 @@ def test_driver_args_are_the_spec_as_mergepipe_search_options():
 
     from mergepipe.cli import app
 
-    ms = search(gen=2, evaluator={"command": "python eval.py {checkpoint}", "timeoutSeconds": 600},
-                refPoint=[3.0, 3.5], prior=False)
+    ms = search(
+        gen=2,
+        evaluator={"command": "python eval.py {checkpoint}", "timeoutSeconds": 600},
+        refPoint=[3.0, 3.5],
+        prior=False,
+    )
     ms["spec"]["objectives"][1]["sense"] = "max"
     args = sd.driver_args(ms, make_settings())
     k = args.index("--worker-backend")
-    assert args[k:] == ["--worker-backend", "kubernetes", "--namespace", "team-llm", "--search-name",
-                        "llama-code-math-front", "--search-uid", UID, "--resume-existing", "--json"]
+    assert args[k:] == [
+        "--worker-backend",
+        "kubernetes",
+        "--namespace",
+        "team-llm",
+        "--search-name",
+        "llama-code-math-front",
+        "--search-uid",
+        UID,
+        "--resume-existing",
+        "--json",
+    ]
     cmd = typer.main.get_command(app).commands["search"]
     p = cmd.make_context("search", args[1:k] + ["--json"]).params
     assert str(p["out"]).startswith("s3:") and args[2] == "s3://snapshots/team-llm/llama-code-math-front/g2/"
@@ -164,18 +234,23 @@ def test_driver_args_are_the_spec_as_mergepipe_search_options():
 def test_status_mirrors_the_core_results():
     ms = search()
     res = core_results()
-    st = sd.search_status(ms, res, JobOutcome("Running", "JobRunning", "running"), "llama-code-math-front-search-g1", NOW)
+    st = sd.search_status(
+        ms, res, JobOutcome("Running", "JobRunning", "running"), "llama-code-math-front-search-g1", NOW
+    )
     assert (st["evaluations"], st["failed"], st["paretoSize"]) == (4, 1, 2)
     assert [p["candidate"] for p in st["pareto"]] == [0, 1]
     assert st["pareto"][0]["objectives"] == {"loss:python": 1.0, "loss:arithmetic": 2.0}
-    assert st["pareto"][1]["snapshot"] == snapshot_name(sd.candidate_merge_name("llama-code-math-front", 1),
-                                                 hashlib.sha256(b"1").hexdigest())
+    assert st["pareto"][1]["snapshot"] == snapshot_name(
+        sd.candidate_merge_name("llama-code-math-front", 1), hashlib.sha256(b"1").hexdigest()
+    )
     assert st["pareto"][1]["uri"] == "s3://snapshots/x/g1/c0001"
     # exact hypervolume of {(1,2), (2,1)} against (4,4): 3*2 + 2*3 - 2*2 = 8
     assert st["hypervolume"] == pytest.approx(8.0) and st["refPoint"] == [4.0, 4.0]
     assert st["stateURI"] == "s3://snapshots/team-llm/llama-code-math-front/g1/state.json"
     r = get_condition(st["conditions"], "Ready")
-    assert (r["status"], r["reason"]) == ("False", "Searching") and "4/32 candidates evaluated (1 failed)" in r["message"]
+    assert (r["status"], r["reason"]) == ("False", "Searching") and "4/32 candidates evaluated (1 failed)" in r[
+        "message"
+    ]
     ms["status"] = st
     assert cr_errors(ms) == []
 
@@ -187,12 +262,19 @@ def test_maximised_objectives_are_reported_in_their_own_units():
     assert st["refPoint"][1] == -4.0
 
 
-@pytest.mark.parametrize("outcome, results, want", [
-    (JobOutcome("Succeeded", "Complete", "done"), True, ("True", "Completed")),
-    (JobOutcome("Succeeded", "Complete", "done"), False, ("False", "Failed")),
-    (JobOutcome("Failed", "BackoffLimitExceeded", "the merge Job failed (BackoffLimitExceeded)"), True, ("False", "Failed")),
-    (JobOutcome("Running", "JobRunning", "running"), False, ("False", "Searching")),
-])
+@pytest.mark.parametrize(
+    "outcome, results, want",
+    [
+        (JobOutcome("Succeeded", "Complete", "done"), True, ("True", "Completed")),
+        (JobOutcome("Succeeded", "Complete", "done"), False, ("False", "Failed")),
+        (
+            JobOutcome("Failed", "BackoffLimitExceeded", "the merge Job failed (BackoffLimitExceeded)"),
+            True,
+            ("False", "Failed"),
+        ),
+        (JobOutcome("Running", "JobRunning", "running"), False, ("False", "Searching")),
+    ],
+)
 def test_ready_follows_the_driver_job(outcome, results, want):
     st = sd.search_status(search(), core_results() if results else None, outcome, "j", NOW)
     r = get_condition(st["conditions"], "Ready")
@@ -206,8 +288,10 @@ def test_a_vanished_driver_fails_the_search_naming_the_driver():
 
     st = sd.search_status(search(), None, job_outcome(None, "driver Job"), "j", NOW)
     r = get_condition(st["conditions"], "Ready")
-    assert (r["reason"], r["message"]) == ("Failed", "driver Job j failed (JobMissing): the driver Job no longer exists; "
-                                                     "0/32 candidates evaluated")
+    assert (r["reason"], r["message"]) == (
+        "Failed",
+        "driver Job j failed (JobMissing): the driver Job no longer exists; 0/32 candidates evaluated",
+    )
 
 
 def test_pareto_list_is_bounded_but_counted():
@@ -233,7 +317,9 @@ def test_parse_results_refuses_what_the_driver_does_not_write():
 
 def test_status_changed_ignores_condition_times():
     st = sd.search_status(search(), None, JobOutcome("Running", "", "r"), "j", NOW)
-    later = sd.search_status({**search(), "status": st}, None, JobOutcome("Running", "", "r"), "j", NOW.replace(hour=13))
+    later = sd.search_status(
+        {**search(), "status": st}, None, JobOutcome("Running", "", "r"), "j", NOW.replace(hour=13)
+    )
     assert not sd.status_changed(st, later)
     assert sd.status_changed(st, {**later, "failed": 1})
 
@@ -272,12 +358,36 @@ def test_a_failed_driver_names_the_pods_cause():
     c, kube, store, ms = setup()
     c.reconcile_search(ms)
     jname = "llama-code-math-front-search-g1"
-    kube.put(PODS, {"metadata": {"name": jname + "-abcde", "namespace": "team-llm", "labels": {"job-name": jname}},
-                    "status": {"containerStatuses": [{"name": "search", "state": {"terminated": {
-                        "exitCode": 2, "message": "error: --eval-command: the evaluator exited 127 (not found)"}}}]}})
+    kube.put(
+        PODS,
+        {
+            "metadata": {"name": jname + "-abcde", "namespace": "team-llm", "labels": {"job-name": jname}},
+            "status": {
+                "containerStatuses": [
+                    {
+                        "name": "search",
+                        "state": {
+                            "terminated": {
+                                "exitCode": 2,
+                                "message": "error: --eval-command: the evaluator exited 127 (not found)",
+                            }
+                        },
+                    }
+                ]
+            },
+        },
+    )
     job = kube.get(JOBS, "team-llm", jname)
-    job["status"] = {"conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
-                                     "message": "Job has reached the specified backoff limit"}]}
+    job["status"] = {
+        "conditions": [
+            {
+                "type": "Failed",
+                "status": "True",
+                "reason": "BackoffLimitExceeded",
+                "message": "Job has reached the specified backoff limit",
+            }
+        ]
+    }
     st = c.sync_search(kube.get(SEARCHES, "team-llm", "llama-code-math-front"), job)
     r = get_condition(st["conditions"], "Ready")
     assert r["reason"] == "Failed" and "the evaluator exited 127 (not found)" in r["message"], r
@@ -322,13 +432,30 @@ def test_a_candidate_of_the_example_is_a_valid_modelmerge():
 
     ms = search()
     spec = ms["spec"]
-    cfg = SearchConfig(base=spec["base"]["uri"], experts=[[e["name"], e["uri"]] for e in spec["experts"]],
-                       method=spec["method"], vary=["weight=0:1"], objectives=["loss:python", "loss:arithmetic"],
-                       evaluations=32, initial=8, budget=spec["budget"], seed=7)
-    params = {"parameters": {"weight": [{"filter": "layers.0.", "value": 0.2}, {"filter": "layers.1.", "value": 0.8},
-                                        {"value": 0.5}]}}
-    m = KubernetesMerger(None, "team-llm", ms["metadata"]["name"], UID, sd.state_prefix(spec, 1),
-                         template={k: spec[k] for k in ("resources",) if k in spec})
+    cfg = SearchConfig(
+        base=spec["base"]["uri"],
+        experts=[[e["name"], e["uri"]] for e in spec["experts"]],
+        method=spec["method"],
+        vary=["weight=0:1"],
+        objectives=["loss:python", "loss:arithmetic"],
+        evaluations=32,
+        initial=8,
+        budget=spec["budget"],
+        seed=7,
+    )
+    params = {
+        "parameters": {
+            "weight": [{"filter": "layers.0.", "value": 0.2}, {"filter": "layers.1.", "value": 0.8}, {"value": 0.5}]
+        }
+    }
+    m = KubernetesMerger(
+        None,
+        "team-llm",
+        ms["metadata"]["name"],
+        UID,
+        sd.state_prefix(spec, 1),
+        template={k: spec[k] for k in ("resources",) if k in spec},
+    )
     body = m.candidate_body(cfg, {"id": 3, "params": params})
     assert cr_errors(body) == []
     assert validate_merge_spec(body["spec"]) == []

@@ -35,12 +35,21 @@ def core_config(spec: dict):
 
     vary = [f"{v['expert'] + ':' if v.get('expert') else ''}{v['name']}={v['min']}:{v['max']}" for v in spec["vary"]]
     objectives = [o["metric"] + ("@max" if o.get("sense") == "max" else "") for o in spec["objectives"]]
-    return SearchConfig(base=spec["base"]["uri"], experts=[[e["name"], e["uri"]] for e in spec["experts"]],
-                        method=spec.get("method", "task_arithmetic"), vary=vary, objectives=objectives,
-                        evaluations=spec.get("evaluations", 24), initial=spec.get("initial", 8),
-                        workers=spec.get("workers", 1), layer_blocks=spec.get("layerBlocks", 4),
-                        budget=spec.get("budget"), seed=spec.get("seed", 0), strategy=spec.get("strategy", "async"),
-                        ref_point=spec.get("refPoint"))
+    return SearchConfig(
+        base=spec["base"]["uri"],
+        experts=[[e["name"], e["uri"]] for e in spec["experts"]],
+        method=spec.get("method", "task_arithmetic"),
+        vary=vary,
+        objectives=objectives,
+        evaluations=spec.get("evaluations", 24),
+        initial=spec.get("initial", 8),
+        workers=spec.get("workers", 1),
+        layer_blocks=spec.get("layerBlocks", 4),
+        budget=spec.get("budget"),
+        seed=spec.get("seed", 0),
+        strategy=spec.get("strategy", "async"),
+        ref_point=spec.get("refPoint"),
+    )
 
 
 def test_example_validates_and_is_a_search_the_core_accepts():
@@ -62,8 +71,13 @@ def test_schema_enums_and_defaults_follow_the_core():
     assert tuple(spec["strategy"]["enum"]) == SEARCH_STRATEGIES == STRATEGIES
     assert spec["method"]["enum"] == list(METHODS)
     d = SearchConfig(base="b", experts=[], method="m", vary=[], objectives=[], evaluations=24, initial=8)
-    assert (spec["workers"]["default"], spec["layerBlocks"]["default"], spec["strategy"]["default"],
-            spec["seed"]["default"], spec["prior"]["default"]) == (d.workers, d.layer_blocks, d.strategy, d.seed, d.prior)
+    assert (
+        spec["workers"]["default"],
+        spec["layerBlocks"]["default"],
+        spec["strategy"]["default"],
+        spec["seed"]["default"],
+        spec["prior"]["default"],
+    ) == (d.workers, d.layer_blocks, d.strategy, d.seed, d.prior)
     assert spec["objectives"]["x-kubernetes-list-map-keys"] == ["metric"]  # the API server refuses a metric twice
 
 
@@ -79,8 +93,10 @@ def _rules(schema: dict) -> dict[str, str]:
         (lambda s: s.update(evaluations=4, initial=8), "evaluations must be at least initial"),
         (lambda s: s.update(refPoint=[1.0]), "refPoint needs one value per objective"),
         (lambda s: s["vary"][0].update(expert="chat"), "vary[].expert must name one of spec.experts"),
-        (lambda s: s.update(evaluator={"command": "eval.sh {checkpoint}", "zooBatches": 2}),
-         "set at most one of command and zooBatches"),
+        (
+            lambda s: s.update(evaluator={"command": "eval.sh {checkpoint}", "zooBatches": 2}),
+            "set at most one of command and zooBatches",
+        ),
     ],
 )
 def test_cross_field_rules_in_the_model_and_as_cel(mutate, message):
@@ -92,8 +108,11 @@ def test_cross_field_rules_in_the_model_and_as_cel(mutate, message):
     with pytest.raises(ValidationError, match=message.replace("[", r"\[").replace("]", r"\]")):
         MergeSearchSpec.model_validate(doc["spec"])
     schema = crd_schema("MergeSearch")["properties"]["spec"]
-    rules = {**_rules(schema), **_rules(schema["properties"]["vary"]["items"]),
-             **_rules(schema["properties"]["evaluator"])}
+    rules = {
+        **_rules(schema),
+        **_rules(schema["properties"]["vary"]["items"]),
+        **_rules(schema["properties"]["evaluator"]),
+    }
     assert any(m.startswith(message) for m in rules), (message, rules)
 
 
@@ -138,13 +157,34 @@ def test_schema_refuses_bad_fields(changes, where):
 def test_status_as_the_operator_would_write_it_validates():
     doc = example()
     doc["status"] = {
-        "observedGeneration": 1, "searchID": "3f2a", "evaluations": 12, "running": 4, "failed": 1,
-        "hypervolume": 0.125, "refPoint": [2.5, 3.0], "paretoSize": 2, "stateURI": "s3://snapshots/x/state.json",
-        "pareto": [{"candidate": 3, "objectives": {"loss:python": 1.9, "loss:arithmetic": 2.2},
-                    "snapshot": "llama-code-math-front-c3", "uri": "s3://snapshots/x/snapshots/c3/"},
-                   {"candidate": 7, "objectives": {"loss:python": 2.1, "loss:arithmetic": 2.0}}],
-        "conditions": [{"type": "Ready", "status": "False", "reason": "Searching", "message": "12 of 32",
-                        "lastTransitionTime": "2026-11-22T00:00:00Z", "observedGeneration": 1}],
+        "observedGeneration": 1,
+        "searchID": "3f2a",
+        "evaluations": 12,
+        "running": 4,
+        "failed": 1,
+        "hypervolume": 0.125,
+        "refPoint": [2.5, 3.0],
+        "paretoSize": 2,
+        "stateURI": "s3://snapshots/x/state.json",
+        "pareto": [
+            {
+                "candidate": 3,
+                "objectives": {"loss:python": 1.9, "loss:arithmetic": 2.2},
+                "snapshot": "llama-code-math-front-c3",
+                "uri": "s3://snapshots/x/snapshots/c3/",
+            },
+            {"candidate": 7, "objectives": {"loss:python": 2.1, "loss:arithmetic": 2.0}},
+        ],
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": "False",
+                "reason": "Searching",
+                "message": "12 of 32",
+                "lastTransitionTime": "2026-11-22T00:00:00Z",
+                "observedGeneration": 1,
+            }
+        ],
     }
     assert cr_errors(doc) == []
     bad = copy.deepcopy(doc)

@@ -53,9 +53,7 @@ def manifest(**over):
             "snapshot_id",
             snapshot_id(str(m.get("plan_digest") or ""), m.get("outputs") or {}),
         )
-    except (
-        KeyError
-    ):  # an output without size or digest: the core cannot compute an id either
+    except KeyError:  # an output without size or digest: the core cannot compute an id either
         m.setdefault("snapshot_id", "snap-" + "0" * 16)
     return manifest_bytes(m)
 
@@ -71,9 +69,7 @@ def test_snapshot_ready_accepts_tree_digests_of_copied_shards():
         "model.safetensors": {"size": 1000, "tree_sha256": "ab" * 32},
         "config.json": {"size": 10, "sha256": "ef" * 32},
     }
-    ok, reason, _ = snapd.snapshot_ready(
-        manifest(outputs=outputs), DIGEST, None, object_sizes=SIZES
-    )
+    ok, reason, _ = snapd.snapshot_ready(manifest(outputs=outputs), DIGEST, None, object_sizes=SIZES)
     assert (ok, reason) == (True, Reason.VERIFIED)
 
 
@@ -81,40 +77,36 @@ def test_snapshot_ready_accepts_a_consistent_manifest():
     raw = manifest()
     h = hashlib.sha256(raw).hexdigest()
     ok, reason, msg = snapd.snapshot_ready(raw, DIGEST, h, object_sizes=SIZES)
-    assert (
-        (ok, reason) == (True, Reason.VERIFIED)
-        and "2 file(s)" in msg
-        and "3Gi expert reads" in msg
-    )
+    assert (ok, reason) == (True, Reason.VERIFIED) and "2 file(s)" in msg and "3Gi expert reads" in msg
     assert snapd.snapshot_ready(raw, DIGEST, "sha256:" + h)[0]
     assert snapd.snapshot_ready(raw, None, None)[0]
     facts = snapd.manifest_facts(json.loads(raw))
-    assert (
-        facts.total_bytes == 1010
-        and facts.realized["expertReadBytes"] == 3 * GI
-        and facts.budget_bytes == 10 * GI
-    )
-    assert (
-        snapd.output_path(facts, "config.json") == "runs/0123456789abcdef/config.json"
-    )
+    assert facts.total_bytes == 1010 and facts.realized["expertReadBytes"] == 3 * GI and facts.budget_bytes == 10 * GI
+    assert snapd.output_path(facts, "config.json") == "runs/0123456789abcdef/config.json"
     doc = json.loads(raw)
-    assert snapd.snapshot_ready(doc, DIGEST, h)[
-        0
-    ]  # a parsed manifest hashes as the core serializes it
+    assert snapd.snapshot_ready(doc, DIGEST, h)[0]  # a parsed manifest hashes as the core serializes it
     local = manifest(files_prefix="")
-    assert snapd.snapshot_ready(
-        local, DIGEST, None, object_sizes={"model.safetensors": 1000, "config.json": 10}
-    )[0]
+    assert snapd.snapshot_ready(local, DIGEST, None, object_sizes={"model.safetensors": 1000, "config.json": 10})[0]
 
 
-@pytest.mark.parametrize("uri, prefix, want", [
-    ("s3://snapshots/llama/", "runs/20261122-abc", "s3://snapshots/llama/runs/20261122-abc/"),
-    ("s3://snapshots/llama", "/runs/r1/", "s3://snapshots/llama/runs/r1/"),
-    ("s3://snapshots/llama", "", "s3://snapshots/llama/"),  # files beside the manifest (local commits)
-])
+@pytest.mark.parametrize(
+    "uri, prefix, want",
+    [
+        ("s3://snapshots/llama/", "runs/20261122-abc", "s3://snapshots/llama/runs/20261122-abc/"),
+        ("s3://snapshots/llama", "/runs/r1/", "s3://snapshots/llama/runs/r1/"),
+        ("s3://snapshots/llama", "", "s3://snapshots/llama/"),  # files beside the manifest (local commits)
+    ],
+)
 def test_storage_uri_is_the_committed_model_folder(uri, prefix, want):
-    facts = snapd.ManifestFacts(plan_digest=None, snapshot_id=None, files_prefix=prefix, budget_bytes=None,
-                                outputs={}, estimated={}, realized={})
+    facts = snapd.ManifestFacts(
+        plan_digest=None,
+        snapshot_id=None,
+        files_prefix=prefix,
+        budget_bytes=None,
+        outputs={},
+        estimated={},
+        realized={},
+    )
     assert snapd.storage_uri(uri, facts) == want
 
 

@@ -29,9 +29,11 @@ pytestmark = pytest.mark.apiserver
 
 #: Kinds in examples/ whose CRDs are other projects' (not installable offline); every other
 #: example must be one of ours and is applied.
-FOREIGN_KINDS = {("argoproj.io/v1alpha1", "Application"), ("serving.kserve.io/v1beta1", "InferenceService"),
-                 ("v1", "ServiceAccount")} | {("kueue.x-k8s.io/v1beta2", k) for k in
-                                              ("ResourceFlavor", "AdmissionCheck", "ClusterQueue", "LocalQueue")}
+FOREIGN_KINDS = {
+    ("argoproj.io/v1alpha1", "Application"),
+    ("serving.kserve.io/v1beta1", "InferenceService"),
+    ("v1", "ServiceAccount"),
+} | {("kueue.x-k8s.io/v1beta2", k) for k in ("ResourceFlavor", "AdmissionCheck", "ClusterQueue", "LocalQueue")}
 
 
 def _path(obj: dict[str, Any], name: bool = False) -> str:
@@ -80,7 +82,9 @@ def test_every_crd_is_accepted_and_served(server, folder):
     in full either way), becomes Established, and its kind is served with the printer columns."""
     crds = load_crds(ROOT / folder)  # the chart's include kopf's peering CRDs (replicas > 1)
     ours = [c for c in crds if c["spec"]["group"] == GROUP]
-    assert {c["spec"]["names"]["kind"] for c in ours} == {k for k, r in RESOURCES.items() if r.get("chart", True) or folder == "crds"}
+    assert {c["spec"]["names"]["kind"] for c in ours} == {
+        k for k, r in RESOURCES.items() if r.get("chart", True) or folder == "crds"
+    }
     for crd in crds:
         got = server.apply_crd(crd)
         assert got["status"]["acceptedNames"]["kind"] == crd["spec"]["names"]["kind"]
@@ -104,10 +108,16 @@ def test_the_old_seed_bound_is_refused_by_a_real_server(server):
     assert spec["seed"]["maximum"] == SEED_MAX == 2**53 - 1
     bad = copy.deepcopy(crd)
     bad["metadata"]["name"] = "oldmergesearches.mergepipe.io"
-    bad["spec"]["names"] = {"kind": "OldMergeSearch", "plural": "oldmergesearches", "singular": "oldmergesearch",
-                            "listKind": "OldMergeSearchList"}
+    bad["spec"]["names"] = {
+        "kind": "OldMergeSearch",
+        "plural": "oldmergesearches",
+        "singular": "oldmergesearch",
+        "listKind": "OldMergeSearchList",
+    }
     bad["spec"]["versions"][0].pop("additionalPrinterColumns", None)
-    bad["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["seed"]["maximum"] = 2**63 - 1
+    bad["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["seed"]["maximum"] = (
+        2**63 - 1
+    )
     code, body = server.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions?dryRun=All", bad)
     assert code == 422 and "Maximum boundary value must be of type integer" in message(body), body
 
@@ -148,8 +158,10 @@ def _table(server, doc) -> tuple[int, Any]:
 
     from realapi import TOKEN
 
-    req = urllib.request.Request(server.url + _path(doc), headers={
-        "Authorization": f"Bearer {TOKEN}", "Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"})
+    req = urllib.request.Request(
+        server.url + _path(doc),
+        headers={"Authorization": f"Bearer {TOKEN}", "Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=30, context=server._ctx) as r:
             return r.status, json.loads(r.read())
@@ -165,18 +177,30 @@ def test_operator_written_status_is_kept_whole(server):
     now = datetime(2026, 11, 22, tzinfo=timezone.utc)
     q = quota()
     adm = qd.admit(q, 10 * 1024**3, now, key="uid.1", merge="llama-code-math-chat")
-    q_status = dict(adm.new_status, conditions=cond.set_condition(None, "Ready", "True", "Active", "quota enforced", 1, now))
+    q_status = dict(
+        adm.new_status, conditions=cond.set_condition(None, "Ready", "True", "Active", "quota enforced", 1, now)
+    )
     mm = merges()[0]
-    mm_status = {"observedGeneration": 1, "expertCount": 3, "budget": "10Gi", "budgetBytes": 10 * 1024**3,
-                 "plan": mmd.plan_status("cd" * 32, "s3://p/x.json", 1, 2, 3, 0.75), "jobName": "llama-cdcdcdcdcd",
-                 "admission": {"key": "uid.1", "budgetBytes": 1, "clamped": False, "quotas": ["q"]},
-                 "conditions": cond.set_condition(None, "Ready", "False", "JobRunning", "running", 1, now)}
+    mm_status = {
+        "observedGeneration": 1,
+        "expertCount": 3,
+        "budget": "10Gi",
+        "budgetBytes": 10 * 1024**3,
+        "plan": mmd.plan_status("cd" * 32, "s3://p/x.json", 1, 2, 3, 0.75),
+        "jobName": "llama-cdcdcdcdcd",
+        "admission": {"key": "uid.1", "budgetBytes": 1, "clamped": False, "quotas": ["q"]},
+        "conditions": cond.set_condition(None, "Ready", "False", "JobRunning", "running", 1, now),
+    }
     try:
         for obj, status in ((q, q_status), (mm, mm_status)):
             code, got = create(server, obj, dry_run=False)
             assert code == 201, message(got)
-            code, got = server.request("PATCH", _path(obj, name=True) + "/status?fieldValidation=Strict",
-                                       {"status": status}, "application/merge-patch+json")
+            code, got = server.request(
+                "PATCH",
+                _path(obj, name=True) + "/status?fieldValidation=Strict",
+                {"status": status},
+                "application/merge-patch+json",
+            )
             assert code == 200, message(got)
             assert contains(got["status"], status), (status, got["status"])
             assert got["metadata"]["generation"] == 1  # status writes are not a new generation
@@ -196,8 +220,13 @@ def _merge_rejects() -> list[tuple[str, dict[str, Any]]]:
 
 
 def _quota_rejects() -> list[tuple[str, dict[str, Any]]]:
-    changes = [(("spec", "enforcement"), "Soft"), (("spec", "window"), "1 day"), (("spec", "hard", "expertReadBytes"), "lots"),
-               (("spec", "hard", "merges"), -1), (("spec", "hard"), DELETE)]
+    changes = [
+        (("spec", "enforcement"), "Soft"),
+        (("spec", "window"), "1 day"),
+        (("spec", "hard", "expertReadBytes"), "lots"),
+        (("spec", "hard", "merges"), -1),
+        (("spec", "hard"), DELETE),
+    ]
     return [(f"quota {'.'.join(map(str, p))}", mutate(quota(), p, v)) for p, v in changes]
 
 
@@ -215,7 +244,9 @@ def _search_rejects() -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
-@pytest.mark.parametrize("name, bad", _merge_rejects() + _quota_rejects() + _search_rejects(), ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize(
+    "name, bad", _merge_rejects() + _quota_rejects() + _search_rejects(), ids=lambda x: x if isinstance(x, str) else ""
+)
 def test_schema_violations_are_refused_like_the_offline_check_says(server, name, bad):
     assert cr_errors(bad), f"the offline check accepted {name}"
     code, body = create(server, bad)
@@ -229,15 +260,29 @@ def test_schema_violations_are_refused_like_the_offline_check_says(server, name,
 #: Cross-field rules a structural schema cannot state: CEL rules in the CRD, evaluated only by a
 #: real server (the offline check passes them; the operator/model check them too).
 CEL_REJECTS = [
-    ("budget and fidelity", lambda: mutate(merges()[0], ("spec", "fidelity"), 0.9), "set at most one of budget and fidelity"),
+    (
+        "budget and fidelity",
+        lambda: mutate(merges()[0], ("spec", "fidelity"), 0.9),
+        "set at most one of budget and fidelity",
+    ),
     ("slerp with two experts", lambda: _slerp_two(), "slerp"),
     ("search min >= max", lambda: _search(lambda s: s["vary"][0].update(min=1.0, max=0.5)), "min must be below max"),
-    ("search evaluations < initial", lambda: _search(lambda s: s.update(evaluations=4, initial=8)),
-     "evaluations must be at least initial"),
-    ("search refPoint size", lambda: _search(lambda s: s.update(refPoint=[1.0])), "refPoint needs one value per objective"),
+    (
+        "search evaluations < initial",
+        lambda: _search(lambda s: s.update(evaluations=4, initial=8)),
+        "evaluations must be at least initial",
+    ),
+    (
+        "search refPoint size",
+        lambda: _search(lambda s: s.update(refPoint=[1.0])),
+        "refPoint needs one value per objective",
+    ),
     ("search vary.expert", lambda: _search(lambda s: s["vary"][0].update(expert="chat")), "vary[].expert must name"),
-    ("search two evaluators", lambda: _search(lambda s: s.update(evaluator={"command": "e {checkpoint}", "zooBatches": 2})),
-     "set at most one of command and zooBatches"),
+    (
+        "search two evaluators",
+        lambda: _search(lambda s: s.update(evaluator={"command": "e {checkpoint}", "zooBatches": 2})),
+        "set at most one of command and zooBatches",
+    ),
 ]
 
 
@@ -261,7 +306,9 @@ def test_cel_rules_are_enforced_by_the_server(server, name, make, text):
     assert code == 422 and text in message(body), (code, message(body))
 
 
-@pytest.mark.parametrize("change, field", [c for c in OPERATOR_REJECTS if c[1] != "spec.fidelity"], ids=lambda x: str(x))
+@pytest.mark.parametrize(
+    "change, field", [c for c in OPERATOR_REJECTS if c[1] != "spec.fidelity"], ids=lambda x: str(x)
+)
 def test_what_no_schema_can_say_is_accepted_then_reported_as_invalid_spec(server, change, field):
     """Values the schema leaves free-form (layer-wise parameters) pass the server; the operator
     reports them (Ready=False, InvalidSpec naming the field: the end-to-end tests show it)."""

@@ -82,13 +82,16 @@ class Kube:
         except NotFound:
             return None
 
-    def list(self, res: tuple[str, str, str], namespace: str, label_selector: str | None = None) -> list[dict[str, Any]]:
+    def list(
+        self, res: tuple[str, str, str], namespace: str, label_selector: str | None = None
+    ) -> list[dict[str, Any]]:
         kw = {"label_selector": label_selector} if label_selector else {}
         if res == PODS:  # the core group: not served by CustomObjectsApi
             from kubernetes import client
 
-            resp = self._call(client.CoreV1Api(self.api.api_client).list_namespaced_pod, namespace,
-                              _preload_content=False, **kw)
+            resp = self._call(
+                client.CoreV1Api(self.api.api_client).list_namespaced_pod, namespace, _preload_content=False, **kw
+            )
             out = json.loads(resp.data)
         else:
             out = self._call(self.api.list_namespaced_custom_object, *res[:2], namespace, res[2], **kw)
@@ -96,13 +99,23 @@ class Kube:
 
     def create(self, res: tuple[str, str, str], namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         """Create; raises :class:`Conflict` when it already exists."""
-        return self._call(self.api.create_namespaced_custom_object, *res[:2], namespace, res[2], body,
-                          _headers={"Content-Type": _JSON})  # the client sets none: an API server answers 415
+        return self._call(
+            self.api.create_namespaced_custom_object,
+            *res[:2],
+            namespace,
+            res[2],
+            body,
+            _headers={"Content-Type": _JSON},
+        )  # the client sets none: an API server answers 415
 
     def delete(self, res: tuple[str, str, str], namespace: str, name: str) -> bool:
         try:
             self._call(
-                self.api.delete_namespaced_custom_object, *res[:2], namespace, res[2], name,
+                self.api.delete_namespaced_custom_object,
+                *res[:2],
+                namespace,
+                res[2],
+                name,
                 propagation_policy="Background",
             )
             return True
@@ -120,20 +133,37 @@ class Kube:
         out = self._call(self.api.list_cluster_custom_object, *res[:2], res[2])
         return sorted(out.get("items") or [], key=lambda o: o["metadata"]["name"])
 
-    def replace_cluster_status(self, res: tuple[str, str, str], obj: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    def replace_cluster_status(
+        self, res: tuple[str, str, str], obj: dict[str, Any], status: dict[str, Any]
+    ) -> dict[str, Any]:
         """PUT a cluster-scoped object's ``status`` conditioned on its resourceVersion."""
         meta = obj["metadata"]
-        body = {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"),
-                "metadata": {"name": meta["name"], "resourceVersion": meta["resourceVersion"]},
-                "spec": obj.get("spec"), "status": status}
-        return self._call(self.api.replace_cluster_custom_object_status, *res[:2], res[2], meta["name"], body,
-                          _headers={"Content-Type": _JSON})
+        body = {
+            "apiVersion": obj.get("apiVersion"),
+            "kind": obj.get("kind"),
+            "metadata": {"name": meta["name"], "resourceVersion": meta["resourceVersion"]},
+            "spec": obj.get("spec"),
+            "status": status,
+        }
+        return self._call(
+            self.api.replace_cluster_custom_object_status,
+            *res[:2],
+            res[2],
+            meta["name"],
+            body,
+            _headers={"Content-Type": _JSON},
+        )
 
     def patch_status(self, res: tuple[str, str, str], namespace: str, name: str, status: dict[str, Any]) -> None:
         """JSON merge patch of ``status`` (lists are replaced whole)."""
         self._call(
-            self.api.patch_namespaced_custom_object_status, *res[:2], namespace, res[2], name,
-            {"status": status}, _content_type=_MERGE_PATCH,
+            self.api.patch_namespaced_custom_object_status,
+            *res[:2],
+            namespace,
+            res[2],
+            name,
+            {"status": status},
+            _content_type=_MERGE_PATCH,
         )
 
     def replace_status(self, res: tuple[str, str, str], obj: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
@@ -144,11 +174,20 @@ class Kube:
         body = {
             "apiVersion": obj.get("apiVersion"),
             "kind": obj.get("kind"),
-            "metadata": {"name": meta["name"], "namespace": meta["namespace"], "resourceVersion": meta["resourceVersion"]},
+            "metadata": {
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "resourceVersion": meta["resourceVersion"],
+            },
             "spec": obj.get("spec"),
             "status": status,
         }
         return self._call(
-            self.api.replace_namespaced_custom_object_status, *res[:2], meta["namespace"], res[2], meta["name"], body,
+            self.api.replace_namespaced_custom_object_status,
+            *res[:2],
+            meta["namespace"],
+            res[2],
+            meta["name"],
+            body,
             _headers={"Content-Type": _JSON},  # the client sets none for a replace: an API server answers 415
         )

@@ -50,8 +50,6 @@ class Reason:
     SEARCH_FAILED = "Failed"
 
 
-
-
 _REASON_RE = re.compile(CONDITION_REASON_PATTERN)
 
 
@@ -109,8 +107,14 @@ def set_condition(
 
 #: Reasons whose transition is posted as a Warning Event (the rest are Normal).
 WARNING_REASONS = frozenset({Reason.INVALID_SPEC, Reason.JOB_FAILED, Reason.QUOTA_EXCEEDED}) | frozenset(
-    {Reason.MANIFEST_INVALID, Reason.MANIFEST_HASH_MISMATCH, Reason.PLAN_DIGEST_MISMATCH, Reason.OUTPUT_MISMATCH,
-     Reason.BUDGET_EXCEEDED, Reason.SEARCH_FAILED}
+    {
+        Reason.MANIFEST_INVALID,
+        Reason.MANIFEST_HASH_MISMATCH,
+        Reason.PLAN_DIGEST_MISMATCH,
+        Reason.OUTPUT_MISMATCH,
+        Reason.BUDGET_EXCEEDED,
+        Reason.SEARCH_FAILED,
+    }
 )
 
 
@@ -136,6 +140,7 @@ def transition_events(
     ``Ready=False`` both saying ``QuotaExceeded`` give one Event, with Ready's message). Warning
     for ``status=False`` with a reason in :data:`WARNING_REASONS`, else Normal.
     """
+
     def key(c: Mapping[str, Any]) -> tuple[Any, Any, Any]:
         return c.get("status"), c.get("reason"), c.get("observedGeneration")
 
@@ -157,5 +162,3 @@ def condition_current(cond: Mapping[str, Any] | None, generation: int | None) ->
         return False
     og = cond.get("observedGeneration")
     return generation is None or og is None or og >= generation
-
-

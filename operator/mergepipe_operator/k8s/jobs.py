@@ -72,6 +72,7 @@ def worker_job(
 
     env: list[dict[str, Any]] = []
     if secret:
+
         def ref(var: str, key: str, optional: bool = False) -> dict[str, Any]:
             sk = {"name": secret["name"], "key": key}
             if optional:
@@ -222,8 +223,6 @@ def job_outcome(job: Mapping[str, Any] | None, what: str = "merge Job") -> JobOu
     msg = f"{what} running ({active} active pod(s)"
     msg += f", {failed} failed attempt(s))" if failed else ")"
     return JobOutcome("Running", Reason.JOB_RUNNING, msg)
-
-
 
 
 #: Longest pod failure message put into a condition (the kubelet keeps at most 4096 bytes).

@@ -54,20 +54,24 @@ def parse_quantity(value: Any, *, field: str = "quantity") -> int:
         return value
     if isinstance(value, float):
         raise QuantityError(
-            f"{field}: {value!r} is a floating-point number; write an integer number of bytes or a string such as \"1.5Gi\"."
+            f'{field}: {value!r} is a floating-point number; write an integer number of bytes or a string such as "1.5Gi".'
         )
     if not isinstance(value, str):
         raise QuantityError(f"{field}: expected a byte quantity such as 10Gi, got {type(value).__name__}.")
     s = value
     if s != s.strip() or " " in s:
-        raise QuantityError(f"{field}: {value!r} contains spaces; write the number and unit together, e.g. \"10Gi\".")
+        raise QuantityError(f'{field}: {value!r} contains spaces; write the number and unit together, e.g. "10Gi".')
     if s.startswith("-"):
         raise QuantityError(f"{field}: {value!r} is negative; a byte quantity is >= 0.")
     if re.match(r"^[0-9.]+[eE][-+]?[0-9]+$", s):
-        raise QuantityError(f"{field}: {value!r} uses exponent notation, which is not accepted; write e.g. \"1G\" or an integer.")
+        raise QuantityError(
+            f'{field}: {value!r} uses exponent notation, which is not accepted; write e.g. "1G" or an integer.'
+        )
     m = _NUM_UNIT_RE.match(s)
     if not m:
-        raise QuantityError(f"{field}: {value!r} is not a byte quantity; write a number and a unit, e.g. \"512MiB\" or \"10Gi\".")
+        raise QuantityError(
+            f'{field}: {value!r} is not a byte quantity; write a number and a unit, e.g. "512MiB" or "10Gi".'
+        )
     number, unit = m.groups()
     if unit not in UNITS or not _BYTES_RE.match(s):
         hint = ""
@@ -106,7 +110,9 @@ _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 def parse_duration(value: Any, *, field: str = "duration") -> timedelta:
     """``"30m"``, ``"24h"``, ``"7d"``, ``"1h30m"`` (units s, m, h, d, w) -> timedelta (> 0)."""
     if not isinstance(value, str) or not value or _DURATION_RE.sub("", value) != "":
-        raise QuantityError(f"{field}: {value!r} is not a duration; write e.g. \"24h\", \"7d\" or \"1h30m\" (units s, m, h, d, w).")
+        raise QuantityError(
+            f'{field}: {value!r} is not a duration; write e.g. "24h", "7d" or "1h30m" (units s, m, h, d, w).'
+        )
     seconds = sum(int(n) * _DURATION_UNITS[u] for n, u in _DURATION_RE.findall(value))
     if seconds <= 0:
         raise QuantityError(f"{field}: {value!r} is zero; a window must be positive.")
@@ -129,5 +135,3 @@ def parse_time(s: str | datetime | None) -> datetime | None:
     if s is None or isinstance(s, datetime):
         return s if s is None or s.tzinfo else s.replace(tzinfo=timezone.utc)
     return datetime.fromisoformat(s.replace("Z", "+00:00"))
-
-

@@ -114,12 +114,22 @@ class IOBudgetCheck(QuotaLedger):
         mm = self.kube.get(MERGES, ns, mm_name) if mm_name else None
         status = (mm or {}).get("status") or {}
         if mm is None or not mm_name:
-            return "Retry", f"ModelMerge {mm_name} does not (yet) name Job {jname} with a plan", self.settings.quota_retry_seconds
+            return (
+                "Retry",
+                f"ModelMerge {mm_name} does not (yet) name Job {jname} with a plan",
+                self.settings.quota_retry_seconds,
+            )
         plan = status.get("plan") or {}
         need = (plan.get("estimated") or {}).get("expertReadBytes")
         if mm is None or status.get("jobName") != jname or need is None:
-            return "Retry", f"ModelMerge {mm_name} does not (yet) name Job {jname} with a plan", self.settings.quota_retry_seconds
-        key = (status.get("admission") or {}).get("key") or admission_key(mm["metadata"]["uid"], status.get("observedGeneration"))
+            return (
+                "Retry",
+                f"ModelMerge {mm_name} does not (yet) name Job {jname} with a plan",
+                self.settings.quota_retry_seconds,
+            )
+        key = (status.get("admission") or {}).get("key") or admission_key(
+            mm["metadata"]["uid"], status.get("observedGeneration")
+        )
         adm, quotas = self.reserve(ns, mm_name, key, int(need), self.clock(), clamp=False)
         if adm.allowed:
             return "Ready", f"plan {str(plan.get('digest', ''))[:12]}: {adm.message}", None
@@ -129,7 +139,10 @@ class IOBudgetCheck(QuotaLedger):
             except Exception:  # noqa: BLE001 - a broken quota: Retry (its owner may fix it)
                 continue
             if hard is not None and int(need) > hard:
-                return ("Rejected", f"the plan reads {need} expert bytes, more than MergeQuota "
-                        f"{q['metadata']['name']} ever allows ({hard}); lower the budget", None)
+                return (
+                    "Rejected",
+                    f"the plan reads {need} expert bytes, more than MergeQuota "
+                    f"{q['metadata']['name']} ever allows ({hard}); lower the budget",
+                    None,
+                )
         return "Retry", adm.message, self.settings.quota_retry_seconds
-

@@ -78,16 +78,21 @@ def queued_message(what: str, job: Mapping[str, Any], workload: Mapping[str, Any
     admission checks that are not Ready)."""
     name = job["metadata"]["name"]
     queue = job_queue(job)
-    msg = f"{what} {name} is queued in LocalQueue {queue} (suspended until Kueue admits it)" if queue else (
-        f"{what} {name} is suspended (not started until it is unsuspended)")
+    msg = (
+        f"{what} {name} is queued in LocalQueue {queue} (suspended until Kueue admits it)"
+        if queue
+        else (f"{what} {name} is suspended (not started until it is unsuspended)")
+    )
     if workload:
         st = workload.get("status") or {}
         reserved = get_condition(st.get("conditions"), "QuotaReserved")
         if reserved and reserved.get("status") != "True" and reserved.get("message"):
             msg += f"; Kueue: {reserved['message']}"
-        waiting = [f"{c.get('name')} {c.get('state')}" + (f" ({c['message']})" if c.get("message") else "")
-                   for c in st.get("admissionChecks") or [] if c.get("state") != "Ready" and (c.get("message") or (
-                       reserved and reserved.get("status") == "True"))]
+        waiting = [
+            f"{c.get('name')} {c.get('state')}" + (f" ({c['message']})" if c.get("message") else "")
+            for c in st.get("admissionChecks") or []
+            if c.get("state") != "Ready" and (c.get("message") or (reserved and reserved.get("status") == "True"))
+        ]
         if waiting:
             msg += "; admission checks: " + "; ".join(waiting)
     return msg
@@ -97,7 +102,11 @@ def cluster_queue_checks(cq: Mapping[str, Any] | None) -> list[str]:
     """Names of the AdmissionChecks a ClusterQueue applies (v1beta2 ``admissionChecksStrategy``;
     v1beta1's ``admissionChecks`` list too)."""
     spec = (cq or {}).get("spec") or {}
-    names = [str(r.get("name")) for r in (spec.get("admissionChecksStrategy") or {}).get("admissionChecks") or [] if r.get("name")]
+    names = [
+        str(r.get("name"))
+        for r in (spec.get("admissionChecksStrategy") or {}).get("admissionChecks") or []
+        if r.get("name")
+    ]
     names += [str(n) for n in spec.get("admissionChecks") or [] if n not in names]
     return names
 
@@ -127,8 +136,14 @@ def pending_checks(workload: Mapping[str, Any], ours: set[str]) -> list[str]:
     return [c["name"] for c in st.get("admissionChecks") or [] if c.get("name") in ours and c.get("state") == "Pending"]
 
 
-def with_check_state(workload: Mapping[str, Any], name: str, state: CheckState, message: str, now: Any,
-                     requeue_after_seconds: int | None = None) -> list[dict[str, Any]]:
+def with_check_state(
+    workload: Mapping[str, Any],
+    name: str,
+    state: CheckState,
+    message: str,
+    now: Any,
+    requeue_after_seconds: int | None = None,
+) -> list[dict[str, Any]]:
     """``status.admissionChecks`` with check ``name`` set to ``state`` (other checks unchanged;
     ``lastTransitionTime`` moves only when the state changes)."""
     out = []
@@ -154,7 +169,12 @@ def active_condition(check: Mapping[str, Any], now: Any) -> list[dict[str, Any]]
     cur = get_condition(conds, "Active")
     if cur and cur.get("status") == "True" and cur.get("observedGeneration") == gen:
         return None
-    new = {"type": "Active", "status": "True", "reason": "Active", "observedGeneration": gen,
-           "message": "the mergepipe operator checks merge Jobs' expert-I/O plans against the namespace's MergeQuotas",
-           "lastTransitionTime": cur.get("lastTransitionTime") if cur and cur.get("status") == "True" else rfc3339(now)}
+    new = {
+        "type": "Active",
+        "status": "True",
+        "reason": "Active",
+        "observedGeneration": gen,
+        "message": "the mergepipe operator checks merge Jobs' expert-I/O plans against the namespace's MergeQuotas",
+        "lastTransitionTime": cur.get("lastTransitionTime") if cur and cur.get("status") == "True" else rfc3339(now),
+    }
     return [c for c in conds if c.get("type") != "Active"] + [new]

@@ -67,6 +67,7 @@ from .spec import format_issues, requested_budget, validate_merge_spec
 
 log = logging.getLogger("mergepipe.operator")
 
+
 def _count_commit(facts: Any, raw: bytes) -> None:
     """Prometheus: one more committed merge, its realized bytes per role and its wall time."""
     COMMITTED.inc()
@@ -108,7 +109,11 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             return None  # this generation already went as far as reconcile takes it
         now = self.clock()
         conds = status.get("conditions") or []
-        out: dict[str, Any] = {"observedGeneration": gen, "expertCount": len(spec.get("experts") or []), "method": spec.get("method")}
+        out: dict[str, Any] = {
+            "observedGeneration": gen,
+            "expertCount": len(spec.get("experts") or []),
+            "method": spec.get("method"),
+        }
 
         def finish(ready_status: str, reason: str, message: str, **extra: Any) -> dict[str, Any]:
             out.update(extra)
@@ -125,16 +130,31 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         # Planning is in-process and cheap: plan first, so the quota is charged with what the
         # plan will read (<= the budget), not with the whole budget.
         first = self._plan(body, requested, out, conds, gen, now)
-        conds = set_condition(conds, "Analyzed", "True", "Analyzed",
-                                f"the catalog has statistics for all {len(spec['experts'])} expert(s)", gen, now)
+        conds = set_condition(
+            conds,
+            "Analyzed",
+            "True",
+            "Analyzed",
+            f"the catalog has statistics for all {len(spec['experts'])} expert(s)",
+            gen,
+            now,
+        )
         if ready and ready.get("reason") == Reason.COMMITTED and status_plan_digest(status) == first.digest:
             # the new generation plans to the same digest: its snapshot is already committed
             return finish("True", Reason.COMMITTED, f"plan unchanged; {ready.get('message', '')}".strip())
         check = self.io_budget_check(ns, queue_name(spec, self.settings.queue_name))
         quotas: list[str]
         if check:  # Kueue's AdmissionCheck reserves the plan when Kueue admits the Job
-            adm, quotas = Admission(True, requested, Reason.ADMITTED, f"MergeQuotas are checked by Kueue AdmissionCheck "
-                                    f"{check} when Kueue admits the merge Job", {}), []
+            adm, quotas = (
+                Admission(
+                    True,
+                    requested,
+                    Reason.ADMITTED,
+                    f"MergeQuotas are checked by Kueue AdmissionCheck {check} when Kueue admits the merge Job",
+                    {},
+                ),
+                [],
+            )
         else:
             adm, quotas = self.reserve(ns, name, key, first.expert_read_bytes, now)
             ADMISSIONS.labels(adm.reason).inc()
@@ -145,10 +165,22 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         if check:
             conds = set_condition(conds, "QuotaAdmitted", "Unknown", "AdmissionCheck", adm.message, gen, now)
         else:
-            conds = set_condition(conds, "QuotaAdmitted", "True", adm.reason if adm.reason != Reason.ALREADY_ADMITTED else Reason.ADMITTED, adm.message, gen, now)
+            conds = set_condition(
+                conds,
+                "QuotaAdmitted",
+                "True",
+                adm.reason if adm.reason != Reason.ALREADY_ADMITTED else Reason.ADMITTED,
+                adm.message,
+                gen,
+                now,
+            )
         budget = adm.budget if adm.clamped else requested
         try:
-            plan = first if budget is None or first.expert_read_bytes <= budget else self._plan(body, budget, out, conds, gen, now)
+            plan = (
+                first
+                if budget is None or first.expert_read_bytes <= budget
+                else self._plan(body, budget, out, conds, gen, now)
+            )
         except (RetryWithStatus, Done):
             self.unreserve(ns, key, quotas, job_started=False)
             raise
@@ -159,13 +191,19 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         if other is not None and other != plan.digest:
             # snapshots are immutable: the worker would refuse this output (and fail the Job)
             self.unreserve(ns, key, quotas, job_started=False)
-            return finish("False", Reason.INVALID_SPEC,
-                          f"spec.output.uri: {out_uri} already holds a committed snapshot of another plan "
-                          f"({other[:12]}); snapshots are immutable, choose a new output.uri")
+            return finish(
+                "False",
+                Reason.INVALID_SPEC,
+                f"spec.output.uri: {out_uri} already holds a committed snapshot of another plan "
+                f"({other[:12]}); snapshots are immutable, choose a new output.uri",
+            )
         uri = plan_uri(self.settings, ns, name, plan.digest)
         self.store.put(uri, plan.plan_json)
-        merge_jobs = [j for j in self.kube.list(JOBS, ns, f"{LABEL_MERGE}={label_value(name)}")
-                      if (j["metadata"].get("labels") or {}).get(LABEL_COMPONENT, "merge") == "merge"]
+        merge_jobs = [
+            j
+            for j in self.kube.list(JOBS, ns, f"{LABEL_MERGE}={label_value(name)}")
+            if (j["metadata"].get("labels") or {}).get(LABEL_COMPONENT, "merge") == "merge"
+        ]
         choice = choose_job(merge_jobs, ANN_PLAN_DIGEST, plan.digest, gen)
         job = choice.follow
         if job is None:
@@ -176,22 +214,46 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             except Conflict:
                 pass  # same name = same merge, plan and attempt: created by an earlier attempt
         old_adm = status.get("admission") or {}
-        if check and choice.follow is not None and old_adm.get("admissionCheck") and status_plan_digest(status) == plan.digest:
+        if (
+            check
+            and choice.follow is not None
+            and old_adm.get("admissionCheck")
+            and status_plan_digest(status) == plan.digest
+        ):
             key = old_adm.get("key") or key  # the same (admitted) Job carries on: its reservation stays
         self._supersede(ns, name, status, plan.digest, key, now)
         out.update(
             budget=human_bytes(budget) if budget is not None else "unbounded",
             budgetBytes=budget,
-            plan=plan_status(plan.digest, uri, plan.base_read_bytes, plan.expert_read_bytes,
-                               plan.output_write_bytes, plan.retained_energy),
+            plan=plan_status(
+                plan.digest,
+                uri,
+                plan.base_read_bytes,
+                plan.expert_read_bytes,
+                plan.output_write_bytes,
+                plan.retained_energy,
+            ),
             realized=None,
             expertRead=None,
             snapshot=None,
             jobName=job["metadata"]["name"],
-            admission={"key": key, "budgetBytes": budget, "clamped": adm.clamped, "quotas": quotas,
-                       **({"admissionCheck": check} if check else {})},
+            admission={
+                "key": key,
+                "budgetBytes": budget,
+                "clamped": adm.clamped,
+                "quotas": quotas,
+                **({"admissionCheck": check} if check else {}),
+            },
         )
-        conds = set_condition(conds, "Planned", "True", "Planned", f"plan {plan.digest[:12]}: {human_bytes(plan.expert_read_bytes)} expert reads", gen, now)
+        conds = set_condition(
+            conds,
+            "Planned",
+            "True",
+            "Planned",
+            f"plan {plan.digest[:12]}: {human_bytes(plan.expert_read_bytes)} expert reads",
+            gen,
+            now,
+        )
         verb = "created" if choice.follow is None else "carries on (same plan)"
         if job_suspended(job):  # Kueue holds it until it admits it
             return finish("False", Reason.QUEUED, f"merge Job {verb}; " + queued_message("merge Job", job))
@@ -207,7 +269,9 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         except (ValueError, AttributeError):
             return ""
 
-    def _plan(self, body: dict[str, Any], budget: int | None, out: dict[str, Any], conds: list, gen: Any, now: datetime) -> PlanSummary:
+    def _plan(
+        self, body: dict[str, Any], budget: int | None, out: dict[str, Any], conds: list, gen: Any, now: datetime
+    ) -> PlanSummary:
         """Plan under ``budget``; when the catalog lacks statistics, see to the analyze Job
         (:meth:`_await_analysis`). Raises :class:`RetryWithStatus` (come back later) or
         :class:`Done` (Ready=False for good: invalid inputs, failed analysis)."""
@@ -226,13 +290,22 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             raise RuntimeError(f"planner broke the budget: {plan.expert_read_bytes} > {budget}")
         return plan
 
-    def _call_planner(self, body: dict[str, Any], planned_spec: dict[str, Any], out: dict[str, Any], conds: list, gen: Any,
-                      now: datetime) -> PlanSummary:
+    def _call_planner(
+        self,
+        body: dict[str, Any],
+        planned_spec: dict[str, Any],
+        out: dict[str, Any],
+        conds: list,
+        gen: Any,
+        now: datetime,
+    ) -> PlanSummary:
         """``self.planner`` with its errors mapped to statuses (see :meth:`_plan`)."""
         try:
             return self.planner(planned_spec, self.settings.catalog_uri)
         except NotImplementedError as e:
-            out["conditions"] = set_condition(conds, "Ready", "False", Reason.PLANNING, f"cannot plan yet: {e}", gen, now)
+            out["conditions"] = set_condition(
+                conds, "Ready", "False", Reason.PLANNING, f"cannot plan yet: {e}", gen, now
+            )
             raise RetryWithStatus(str(e), 300, out) from None
         except PlanInputError as e:
             msg = f"{e.field}: the planner refused the inputs: {e}"
@@ -244,8 +317,17 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             out["conditions"] = set_condition(conds, "Ready", "False", Reason.PLANNING, msg, gen, now)
             raise RetryWithStatus(msg, 30, out) from None
 
-    def _await_analysis(self, body: dict[str, Any], plan: PlanSummary, out: dict[str, Any], conds: list, gen: Any,
-                        now: datetime, *, final: bool) -> bool:
+    def _await_analysis(
+        self,
+        body: dict[str, Any],
+        plan: PlanSummary,
+        out: dict[str, Any],
+        conds: list,
+        gen: Any,
+        now: datetime,
+        *,
+        final: bool,
+    ) -> bool:
         """The catalog lacks statistics for ``plan.missing_experts``: create the analyze Job
         (deterministic name: a retry or a restarted operator finds it), then come back every
         ``analyze_poll_seconds`` until it finished. Returns ``True`` when the Job has completed
@@ -271,21 +353,34 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
                 out["conditions"] = set_condition(c, "Ready", "False", Reason.QUOTA_EXCEEDED, refusal, gen, now)
                 raise RetryWithStatus(refusal, self.settings.quota_retry_seconds, out)
             try:
-                job = self.kube.create(JOBS, ns, build_analyze_job(body, plan.missing_experts, plan.analysis_id, self.settings,
-                                                                     retry_generation=choice.retry_generation))
+                job = self.kube.create(
+                    JOBS,
+                    ns,
+                    build_analyze_job(
+                        body,
+                        plan.missing_experts,
+                        plan.analysis_id,
+                        self.settings,
+                        retry_generation=choice.retry_generation,
+                    ),
+                )
                 ANALYZE_JOBS_CREATED.inc()
                 log.info("%s/%s: analyze Job %s created for %s", ns, name, jname, what)
             except Conflict:  # created by an earlier attempt
                 job = self.kube.get(JOBS, ns, jname)
-        outcome = self.job_outcome(job, "analyze Job") if job is not None else JobOutcome("Running", Reason.JOB_RUNNING, "")
+        outcome = (
+            self.job_outcome(job, "analyze Job") if job is not None else JobOutcome("Running", Reason.JOB_RUNNING, "")
+        )
         if outcome.state == "Succeeded" and not final:
             return True
         if outcome.state != "Running":
             if outcome.state == "Failed":
                 msg = f"analyze Job {jname} failed ({outcome.reason}): {outcome.message}"
             else:
-                msg = (f"analyze Job {jname} completed, but the catalog {self.settings.catalog_uri} still has no "
-                       f"statistics for {what}; check that the Job and the operator use the same catalog and S3 endpoint")
+                msg = (
+                    f"analyze Job {jname} completed, but the catalog {self.settings.catalog_uri} still has no "
+                    f"statistics for {what}; check that the Job and the operator use the same catalog and S3 endpoint"
+                )
             msg += "; fix the cause, then change the spec (or delete and re-create the ModelMerge) to retry"
             c = set_condition(conds, "Analyzed", "False", Reason.JOB_FAILED, msg, gen, now)
             out["conditions"] = set_condition(c, "Ready", "False", Reason.JOB_FAILED, msg, gen, now)
@@ -387,8 +482,15 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             new = set_condition(conds, "Ready", "False", reason, message, gen, now)
             admitted = get_condition(conds, "QuotaAdmitted") or {}
             if reason == Reason.JOB_RUNNING and adm.get("admissionCheck") and admitted.get("status") != "True":
-                new = set_condition(new, "QuotaAdmitted", "True", Reason.ADMITTED,
-                                    f"reserved by Kueue AdmissionCheck {adm['admissionCheck']}; Kueue admitted the Job", gen, now)
+                new = set_condition(
+                    new,
+                    "QuotaAdmitted",
+                    "True",
+                    Reason.ADMITTED,
+                    f"reserved by Kueue AdmissionCheck {adm['admissionCheck']}; Kueue admitted the Job",
+                    gen,
+                    now,
+                )
             return {"conditions": new}
         raw = self.store.get(manifest_uri(out_uri)) if out_uri and self.store else None
         if outcome.state == "Failed" and raw is None:
@@ -401,23 +503,41 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             if reason == Reason.MANIFEST_MISSING:
                 raise Retry(f"Job {outcome.reason}; waiting for the committed manifest", 30)
             self.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=True)
-            return {"conditions": set_condition(conds, "Ready", "False", Reason.JOB_FAILED, f"snapshot verification failed ({reason}): {message}", gen, now)}
+            return {
+                "conditions": set_condition(
+                    conds,
+                    "Ready",
+                    "False",
+                    Reason.JOB_FAILED,
+                    f"snapshot verification failed ({reason}): {message}",
+                    gen,
+                    now,
+                )
+            }
         assert raw is not None  # snapshot_ready found the manifest
         mhash = manifest_hash(raw)
         facts = manifest_facts(json.loads(raw))
         snap = snapshot_name(name, mhash)
         try:
-            self.kube.create(SNAPSHOTS, ns, {
-                "apiVersion": API_VERSION,
-                "kind": "MergedSnapshot",
-                "metadata": {"name": snap, "namespace": ns, "labels": {LABEL_MERGE: label_value(name), LABEL_MANAGED_BY: MANAGER}},
-                "spec": {
-                    "uri": out_uri,
-                    "manifestHash": mhash,
-                    "planDigest": digest,
-                    "source": {"name": name, "uid": mm["metadata"]["uid"], "generation": gen},
+            self.kube.create(
+                SNAPSHOTS,
+                ns,
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": "MergedSnapshot",
+                    "metadata": {
+                        "name": snap,
+                        "namespace": ns,
+                        "labels": {LABEL_MERGE: label_value(name), LABEL_MANAGED_BY: MANAGER},
+                    },
+                    "spec": {
+                        "uri": out_uri,
+                        "manifestHash": mhash,
+                        "planDigest": digest,
+                        "source": {"name": name, "uid": mm["metadata"]["uid"], "generation": gen},
+                    },
                 },
-            })
+            )
             _count_commit(facts, raw)  # once: a replayed reconcile gets the 409 below
         except Conflict:
             pass
@@ -427,7 +547,9 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             "realized": facts.realized,
             "expertRead": human_bytes(rx),
             "snapshot": snap,
-            "conditions": set_condition(conds, "Ready", "True", Reason.COMMITTED, f"snapshot {snap}: {message}", gen, now),
+            "conditions": set_condition(
+                conds, "Ready", "True", Reason.COMMITTED, f"snapshot {snap}: {message}", gen, now
+            ),
         }
 
     def finalize_merge(self, body: dict[str, Any]) -> None:
@@ -440,4 +562,6 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         adm = status.get("admission") or {}
         ready = get_condition(status.get("conditions"), "Ready") or {}
         if adm.get("key") and ready.get("reason") != Reason.COMMITTED:
-            self.unreserve(ns, adm["key"], self.admission_quotas(ns, adm), job_started=bool(jobs or status.get("jobName")))
+            self.unreserve(
+                ns, adm["key"], self.admission_quotas(ns, adm), job_started=bool(jobs or status.get("jobName"))
+            )

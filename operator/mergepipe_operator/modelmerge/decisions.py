@@ -101,7 +101,8 @@ def choose_job(
     """
     gen = int(generation or 0)
     mine = [
-        j for j in jobs
+        j
+        for j in jobs
         if ((j.get("metadata") or {}).get("annotations") or {}).get(annotation) == value
         and not (j.get("metadata") or {}).get("deletionTimestamp")
     ]
@@ -129,7 +130,8 @@ def generation_settled(status: Mapping[str, Any] | None, generation: int | None)
     return bool(
         ready is not None
         and status.get("observedGeneration") == generation
-        and ready.get("reason") in (Reason.COMMITTED, Reason.JOB_RUNNING, Reason.QUEUED, Reason.JOB_FAILED, Reason.INVALID_SPEC)
+        and ready.get("reason")
+        in (Reason.COMMITTED, Reason.JOB_RUNNING, Reason.QUEUED, Reason.JOB_FAILED, Reason.INVALID_SPEC)
     )
 
 
@@ -140,8 +142,14 @@ def plan_uri(settings: Settings, namespace: str, name: str, plan_digest: str) ->
     return f"{settings.plan_prefix.rstrip('/')}/{namespace}/{name}/{plan_digest}.json"
 
 
-def plan_status(digest: str, uri: str, base_read_bytes: int, expert_read_bytes: int, output_write_bytes: int,
-                retained_energy: float | None) -> dict[str, Any]:
+def plan_status(
+    digest: str,
+    uri: str,
+    base_read_bytes: int,
+    expert_read_bytes: int,
+    output_write_bytes: int,
+    retained_energy: float | None,
+) -> dict[str, Any]:
     """A ModelMerge's ``status.plan`` (crd.PlanStatus, camelCase): the plan's digest (64 hex), the
     URI of the full plan object, its estimated bytes per role and the retained task-vector
     energy fraction in [0, 1] (``None``: unknown). Every key is present (a merge patch replaces
@@ -152,7 +160,11 @@ def plan_status(digest: str, uri: str, base_read_bytes: int, expert_read_bytes: 
     """
     if not DIGEST_RE.match(digest or ""):
         raise ValueError(f"plan digest must be 64 lowercase hex characters, got {digest!r}")
-    sizes = {"baseReadBytes": base_read_bytes, "expertReadBytes": expert_read_bytes, "outputWriteBytes": output_write_bytes}
+    sizes = {
+        "baseReadBytes": base_read_bytes,
+        "expertReadBytes": expert_read_bytes,
+        "outputWriteBytes": output_write_bytes,
+    }
     for k, v in sizes.items():
         if v is None or int(v) < 0:
             raise ValueError(f"plan {k} must be a byte count >= 0, got {v!r}")
@@ -188,7 +200,9 @@ def needs_pair_statistics(method: str | None) -> bool:
     return bool(m is not None and m.needs_gram)
 
 
-def analysis_id(base_identity: str, expert_identities: Iterable[str], catalog_uri: str | None, method: str | None) -> str:
+def analysis_id(
+    base_identity: str, expert_identities: Iterable[str], catalog_uri: str | None, method: str | None
+) -> str:
     """Content address of one analysis run: the base's and the missing experts' identity digests,
     the catalog, the block size, and (for methods that need pair statistics) the method. A changed
     checkpoint has a new identity, so it gets a new analyze Job rather than the finished one."""
@@ -265,9 +279,16 @@ def build_job(
         ANN_GENERATION: str(meta.get("generation") or 0),
     }
     return worker_job(
-        mm, jname, "merge", ["execute", plan_uri, "--out", out_uri, "--json"], settings, gpu=True,
-        labels=labels, annotations=annotations,
-        env_extra=[{"name": "MERGEPIPE_PLAN_DIGEST", "value": plan_digest}], owner=owner,
+        mm,
+        jname,
+        "merge",
+        ["execute", plan_uri, "--out", out_uri, "--json"],
+        settings,
+        gpu=True,
+        labels=labels,
+        annotations=annotations,
+        env_extra=[{"name": "MERGEPIPE_PLAN_DIGEST", "value": plan_digest}],
+        owner=owner,
     )
 
 
@@ -302,8 +323,14 @@ def build_analyze_job(
     }
     args = analyze_args(mm.get("spec") or {}, missing_uris, settings.catalog_uri)
     return worker_job(
-        mm, analyze_job_name(name, analysis, retry_generation), "analyze", args, settings, gpu=False,
-        labels=labels, annotations=annotations, env_extra=[], owner=owner,
+        mm,
+        analyze_job_name(name, analysis, retry_generation),
+        "analyze",
+        args,
+        settings,
+        gpu=False,
+        labels=labels,
+        annotations=annotations,
+        env_extra=[],
+        owner=owner,
     )
-
-

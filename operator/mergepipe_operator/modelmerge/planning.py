@@ -78,8 +78,14 @@ def plan_merge(spec: dict[str, Any], catalog_uri: str | None, *, storage: Any = 
         budget = parse_quantity(budget, field="spec.budget")
     where = spec_where(spec)
     try:
-        plan = build_plan(ObjectCatalog(storage, catalog_uri), storage, merge_request(spec, budget=budget), where=where,
-                          block_bytes=ANALYZE_BLOCK_BYTES, analyze=False)
+        plan = build_plan(
+            ObjectCatalog(storage, catalog_uri),
+            storage,
+            merge_request(spec, budget=budget),
+            where=where,
+            block_bytes=ANALYZE_BLOCK_BYTES,
+            analyze=False,
+        )
     except MissingAnalysis as e:
         return PlanSummary(
             missing_experts=tuple(e.uris),

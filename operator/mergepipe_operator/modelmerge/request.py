@@ -40,11 +40,18 @@ def merge_request(spec: Mapping[str, Any], *, budget: int | str | None = None) -
             server's schema refuses such specs first).
     """
     glob, per = spec_settings(spec)
-    experts = [ExpertRequest(name=name, uri=str(ex["uri"]).rstrip("/"), parameters=own)
-               for name, ex, own in zip(expert_names(spec), spec.get("experts") or [], per)]
+    experts = [
+        ExpertRequest(name=name, uri=str(ex["uri"]).rstrip("/"), parameters=own)
+        for name, ex, own in zip(expert_names(spec), spec.get("experts") or [], per)
+    ]
     return MergeRequest(
-        base=str(spec["base"]["uri"]).rstrip("/"), experts=experts, method=spec["method"], parameters=glob,
-        budget=budget, fidelity=spec.get("fidelity"), seed=int(spec.get("seed") or 0),
+        base=str(spec["base"]["uri"]).rstrip("/"),
+        experts=experts,
+        method=spec["method"],
+        parameters=glob,
+        budget=budget,
+        fidelity=spec.get("fidelity"),
+        seed=int(spec.get("seed") or 0),
         output=(spec.get("output") or {}).get("uri"),
     )
 

@@ -31,7 +31,19 @@ def _pydantic_issues(err: ValidationError) -> list[Issue]:
         if loc and loc[0] in ("budget", "fidelity"):  # checked below with better messages
             continue
         # drop the union-branch names pydantic inserts ("str", "int", "constrained-str", ...)
-        parts = [p for p in loc if not (isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p or p.startswith("constrained") or p.startswith("function")))]
+        parts = [
+            p
+            for p in loc
+            if not (
+                isinstance(p, str)
+                and (
+                    p in ("str", "int", "float", "bool")
+                    or "[" in p
+                    or p.startswith("constrained")
+                    or p.startswith("function")
+                )
+            )
+        ]
         path = "spec"
         for p in parts:
             path += f"[{p}]" if isinstance(p, int) else f".{p}"
@@ -60,7 +72,8 @@ def _method_issues(spec: Mapping[str, Any], method: Any, experts: list) -> list[
     if method not in CORE_METHODS or not all(isinstance(ex, Mapping) for ex in experts):
         return []
     if not isinstance(spec.get("parameters") or {}, Mapping) or not all(
-            isinstance(ex.get("parameters") or {}, Mapping) for ex in experts):
+        isinstance(ex.get("parameters") or {}, Mapping) for ex in experts
+    ):
         return []
     where = spec_where(spec)
     try:
@@ -89,7 +102,12 @@ def validate_merge_spec(spec: Mapping[str, Any]) -> list[Issue]:
         out.extend(_pydantic_issues(e))
 
     if spec.get("budget") is not None and spec.get("fidelity") is not None:
-        out.append(("spec.fidelity", "set at most one of spec.budget and spec.fidelity (budget caps expert reads; fidelity targets retained task-vector energy)."))
+        out.append(
+            (
+                "spec.fidelity",
+                "set at most one of spec.budget and spec.fidelity (budget caps expert reads; fidelity targets retained task-vector energy).",
+            )
+        )
     if spec.get("budget") is not None:
         try:
             if parse_quantity(spec["budget"], field="spec.budget") < 1:
@@ -133,7 +151,12 @@ def validate_merge_spec(spec: Mapping[str, Any]) -> list[Issue]:
         if isinstance(uri, str) and isinstance(out_uri, str):
             a, b = _prefix(uri), _prefix(out_uri)
             if a.startswith(b) or b.startswith(a):
-                out.append(("spec.output.uri", f"the output prefix {out_uri} overlaps the input {path} ({uri}); write the snapshot elsewhere."))
+                out.append(
+                    (
+                        "spec.output.uri",
+                        f"the output prefix {out_uri} overlaps the input {path} ({uri}); write the snapshot elsewhere.",
+                    )
+                )
     return list(dict.fromkeys(out))  # without repeats, in order
 
 
@@ -154,5 +177,3 @@ def requested_budget(spec: Mapping[str, Any], settings: Settings) -> int | None:
     if spec.get("fidelity") is None and settings.default_budget:
         return parse_quantity(settings.default_budget, field="default budget")
     return None
-
-

@@ -44,7 +44,9 @@ class QuotaLedger(Reconciler):
     """MergeQuota reads and conditioned writes (every status write carries the resourceVersion it
     was computed from; a lost race re-reads and tries again)."""
 
-    def update_quota(self, ns: str, name: str, change: Callable[[dict[str, Any]], dict[str, Any] | None], attempts: int = 8) -> bool:
+    def update_quota(
+        self, ns: str, name: str, change: Callable[[dict[str, Any]], dict[str, Any] | None], attempts: int = 8
+    ) -> bool:
         """Read-modify-write of a quota's status, conditioned on its resourceVersion."""
         for _ in range(attempts):
             q = self.kube.get(QUOTAS, ns, name)
@@ -61,8 +63,9 @@ class QuotaLedger(Reconciler):
             return True
         raise Retry(f"MergeQuota {name}: too much contention", 5)
 
-    def reserve(self, ns: str, merge: str, key: str, requested: int | None, now: datetime, *,
-                clamp: bool = True) -> tuple[Admission, list[str]]:
+    def reserve(
+        self, ns: str, merge: str, key: str, requested: int | None, now: datetime, *, clamp: bool = True
+    ) -> tuple[Admission, list[str]]:
         """Admit under every MergeQuota of ``ns``: the final budget is the smallest any quota
         allows; a reservation for it is written to each quota with its resourceVersion. A lost
         race rolls back this attempt's reservations and starts over, so concurrent merges never
@@ -81,8 +84,13 @@ class QuotaLedger(Reconciler):
                 if not a.allowed:
                     return a, []
                 if a.clamped and not clamp:
-                    return Admission(False, None, Reason.QUOTA_EXCEEDED,
-                                     f"{a.message}; the planned Job needs {requested} bytes", a.new_used), []
+                    return Admission(
+                        False,
+                        None,
+                        Reason.QUOTA_EXCEEDED,
+                        f"{a.message}; the planned Job needs {requested} bytes",
+                        a.new_used,
+                    ), []
                 budget, clamped = a.budget, clamped or a.clamped
                 messages.append(a.message)
             written: list[str] = []
@@ -109,7 +117,9 @@ class QuotaLedger(Reconciler):
             return Admission(True, budget, reason, "; ".join(messages), {}), names
         raise Retry("MergeQuota contention; will retry", 5)
 
-    def unreserve(self, ns: str, key: str, quotas: list[str], *, job_started: bool, realized: int | None = None) -> None:
+    def unreserve(
+        self, ns: str, key: str, quotas: list[str], *, job_started: bool, realized: int | None = None
+    ) -> None:
         now = self.clock()
         for q in quotas:
             if job_started:

@@ -44,9 +44,13 @@ def quota_limits(quota: Mapping[str, Any]) -> QuotaLimits:
     if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 0):
         raise QuantityError(f"MergeQuota {name}: spec.hard.merges must be an integer >= 0, got {m!r}.")
     return QuotaLimits(
-        expert_read_bytes=None if b is None else parse_quantity(b, field=f"MergeQuota {name}: spec.hard.expertReadBytes"),
+        expert_read_bytes=None
+        if b is None
+        else parse_quantity(b, field=f"MergeQuota {name}: spec.hard.expertReadBytes"),
         merges=m,
-        window=None if not spec.get("window") else parse_duration(spec["window"], field=f"MergeQuota {name}: spec.window"),
+        window=None
+        if not spec.get("window")
+        else parse_duration(spec["window"], field=f"MergeQuota {name}: spec.window"),
         enforcement=cast(Literal["Clamp", "Reject"], enforcement),  # checked above
         window_text=spec.get("window") or None,
     )
@@ -182,11 +186,19 @@ def admit(
             if e.get("key") == key:
                 budget = requested_budget
                 if limits.expert_read_bytes is not None:
-                    budget = int(e.get("bytes") or 0) if requested_budget is None else min(requested_budget, int(e.get("bytes") or 0))
-                return Admission(True, budget, Reason.ALREADY_ADMITTED, f"already admitted by MergeQuota {name}", used, None)
+                    budget = (
+                        int(e.get("bytes") or 0)
+                        if requested_budget is None
+                        else min(requested_budget, int(e.get("bytes") or 0))
+                    )
+                return Admission(
+                    True, budget, Reason.ALREADY_ADMITTED, f"already admitted by MergeQuota {name}", used, None
+                )
     if limits.merges is not None and used_m + 1 > limits.merges:
         return Admission(
-            False, None, Reason.QUOTA_EXCEEDED,
+            False,
+            None,
+            Reason.QUOTA_EXCEEDED,
             f"MergeQuota {name}: {used_m} of {limits.merges} merges used {_window_text(limits)}; wait or raise spec.hard.merges",
             used,
         )
@@ -211,7 +223,9 @@ def admit(
             else:
                 why = f"requested {human_bytes(requested_budget)} but only {human_bytes(left)} is left"
             return Admission(
-                False, None, Reason.QUOTA_EXCEEDED,
+                False,
+                None,
+                Reason.QUOTA_EXCEEDED,
                 f"MergeQuota {name} ({limits.enforcement}): {why}; {used_text}",
                 used,
             )
@@ -259,5 +273,3 @@ def release(quota: Mapping[str, Any], key: str, now: datetime) -> dict[str, Any]
 def admission_key(uid: str, generation: int | None) -> str:
     """Ledger key of one merge run: one per ModelMerge generation."""
     return f"{uid}.{generation or 0}"
-
-

@@ -43,14 +43,27 @@ class SearchReconciler(Reconciler):
         status = body.get("status") or {}
         gen = meta.get("generation")
         ready = get_condition(status.get("conditions"), "Ready")
-        if status.get("observedGeneration") == gen and ready and ready.get("reason") in (
-                SearchReason.COMPLETED, *TERMINAL_SEARCH_REASONS):
+        if (
+            status.get("observedGeneration") == gen
+            and ready
+            and ready.get("reason") in (SearchReason.COMPLETED, *TERMINAL_SEARCH_REASONS)
+        ):
             return None
         issues = validate_search_spec(spec)
         if issues:
             now = self.clock()
-            return {"observedGeneration": gen, "conditions": set_condition(
-                status.get("conditions"), "Ready", "False", SearchReason.INVALID_SPEC, format_issues(issues), gen, now)}
+            return {
+                "observedGeneration": gen,
+                "conditions": set_condition(
+                    status.get("conditions"),
+                    "Ready",
+                    "False",
+                    SearchReason.INVALID_SPEC,
+                    format_issues(issues),
+                    gen,
+                    now,
+                ),
+            }
         ns, name = meta["namespace"], meta["name"]
         job = build_driver_job(body, self.settings)
         jname = job["metadata"]["name"]

@@ -107,7 +107,9 @@ def validate_search_spec(spec: Mapping[str, Any]) -> list[Issue]:
         path, name, expert = f"spec.vary[{i}]", v.get("name"), v.get("expert")
         p = table.get(name) if isinstance(name, str) else None
         if p is None:
-            out.append((f"{path}.name", f"method {method} takes no parameter {name!r}; allowed: {', '.join(table) or 'none'}."))
+            out.append(
+                (f"{path}.name", f"method {method} takes no parameter {name!r}; allowed: {', '.join(table) or 'none'}.")
+            )
             continue
         if p.kind == "bool":
             out.append((f"{path}.name", f"{name} is a boolean; only numeric parameters vary per layer block."))
@@ -121,11 +123,18 @@ def validate_search_spec(spec: Mapping[str, Any]) -> list[Issue]:
         for j, e in enumerate(experts):
             if p.scope != "global" and (expert is None or e.get("name") == expert):
                 if name in (e.get("parameters") or {}) or (name == "weight" and e.get("weight") is not None):
-                    out.append((f"spec.experts[{j}].parameters.{name}", f"{name} is varied by {path}; do not fix it here."))
+                    out.append(
+                        (f"spec.experts[{j}].parameters.{name}", f"{name} is varied by {path}; do not fix it here.")
+                    )
     if not ((spec.get("evaluator") or {}).get("command")):
-        out.append(("spec.evaluator.command", "a MergeSearch needs an evaluator command: it runs in an evaluation "
-                    "Job per candidate with {checkpoint} = the candidate's snapshot URI (s3://...) and prints a JSON "
-                    "object of metrics (the built-in zoo evaluator reads local folders only)."))
+        out.append(
+            (
+                "spec.evaluator.command",
+                "a MergeSearch needs an evaluator command: it runs in an evaluation "
+                "Job per candidate with {checkpoint} = the candidate's snapshot URI (s3://...) and prints a JSON "
+                "object of metrics (the built-in zoo evaluator reads local folders only).",
+            )
+        )
     return list(dict.fromkeys(out))  # without repeats, in order
 
 
@@ -200,9 +209,18 @@ def driver_args(ms: Mapping[str, Any], settings: Settings) -> list[str]:
         args += ["--eval-timeout", str(ev["timeoutSeconds"])]
     if ev.get("zooBatches"):
         args += ["--eval-batches", str(ev["zooBatches"])]
-    args += ["--evaluations", str(spec.get("evaluations", 24)), "--initial", str(spec.get("initial", 8)),
-             "--workers", str(spec.get("workers", 1)), "--strategy", spec.get("strategy", "async"),
-             "--seed", str(spec.get("seed", 0))]
+    args += [
+        "--evaluations",
+        str(spec.get("evaluations", 24)),
+        "--initial",
+        str(spec.get("initial", 8)),
+        "--workers",
+        str(spec.get("workers", 1)),
+        "--strategy",
+        spec.get("strategy", "async"),
+        "--seed",
+        str(spec.get("seed", 0)),
+    ]
     if spec.get("prior") is False:
         args.append("--no-prior")
     if spec.get("refPoint"):
@@ -211,8 +229,18 @@ def driver_args(ms: Mapping[str, Any], settings: Settings) -> list[str]:
         args += ["--budget", str(spec["budget"])]
     if settings.catalog_uri:
         args += ["--catalog", settings.catalog_uri]
-    args += ["--worker-backend", "kubernetes", "--namespace", meta["namespace"], "--search-name", meta["name"],
-             "--search-uid", meta["uid"], "--resume-existing", "--json"]
+    args += [
+        "--worker-backend",
+        "kubernetes",
+        "--namespace",
+        meta["namespace"],
+        "--search-name",
+        meta["name"],
+        "--search-uid",
+        meta["uid"],
+        "--resume-existing",
+        "--json",
+    ]
     return args
 
 
@@ -235,20 +263,42 @@ def build_driver_job(ms: Mapping[str, Any], settings: Settings) -> dict[str, Any
     if not meta.get("namespace"):
         raise ValueError("the MergeSearch needs metadata.namespace")
     name, gen = meta["name"], meta.get("generation")
-    driver = {"metadata": meta, "spec": {**(ms.get("spec") or {}),
-                                         "resources": {"cpu": settings.search_driver_cpu,
-                                                       "memory": settings.search_driver_memory}}}
-    labels = {LABEL_NAME: "mergepipe-search-driver", LABEL_COMPONENT: "search", LABEL_MANAGED_BY: MANAGER,
-              LABEL_SEARCH: label_value(name)}
+    driver = {
+        "metadata": meta,
+        "spec": {
+            **(ms.get("spec") or {}),
+            "resources": {"cpu": settings.search_driver_cpu, "memory": settings.search_driver_memory},
+        },
+    }
+    labels = {
+        LABEL_NAME: "mergepipe-search-driver",
+        LABEL_COMPONENT: "search",
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_SEARCH: label_value(name),
+    }
     annotations = {ANN_SEARCH: name, ANN_GENERATION: str(int(gen or 0))}
     spec = ms.get("spec") or {}
     template = {k: spec[k] for k in ("resources", "image", "s3", "queueName") if spec.get(k) is not None}
-    env = [{"name": "MERGEPIPE_CANDIDATE_TEMPLATE", "value": json.dumps(template, sort_keys=True, separators=(",", ":"))},
-           {"name": "MERGEPIPE_EVAL_JOB_TEMPLATE",
-            "value": json.dumps(eval_job_template(ms, settings), sort_keys=True, separators=(",", ":"))},
-           {"name": "MERGEPIPE_SEARCH_POLL_SECONDS", "value": str(settings.search_poll_seconds)}]
-    job = worker_job(driver, driver_job_name(name, gen), "search", driver_args(ms, settings), settings, gpu=False,
-                      labels=labels, annotations=annotations, env_extra=env, owner=owner_reference(ms))
+    env = [
+        {"name": "MERGEPIPE_CANDIDATE_TEMPLATE", "value": json.dumps(template, sort_keys=True, separators=(",", ":"))},
+        {
+            "name": "MERGEPIPE_EVAL_JOB_TEMPLATE",
+            "value": json.dumps(eval_job_template(ms, settings), sort_keys=True, separators=(",", ":")),
+        },
+        {"name": "MERGEPIPE_SEARCH_POLL_SECONDS", "value": str(settings.search_poll_seconds)},
+    ]
+    job = worker_job(
+        driver,
+        driver_job_name(name, gen),
+        "search",
+        driver_args(ms, settings),
+        settings,
+        gpu=False,
+        labels=labels,
+        annotations=annotations,
+        env_extra=env,
+        owner=owner_reference(ms),
+    )
     pod = job["spec"]["template"]["spec"]
     pod["serviceAccountName"] = settings.search_service_account
     pod["automountServiceAccountToken"] = True
@@ -267,11 +317,25 @@ def eval_job_template(ms: Mapping[str, Any], settings: Settings) -> dict[str, An
     (the user's command runs here), owned by the MergeSearch."""
     meta = ms.get("metadata") or {}
     name = meta["name"]
-    labels = {LABEL_NAME: "mergepipe-search-evaluator", LABEL_COMPONENT: "evaluate", LABEL_MANAGED_BY: MANAGER,
-              LABEL_SEARCH: label_value(name)}
+    labels = {
+        LABEL_NAME: "mergepipe-search-evaluator",
+        LABEL_COMPONENT: "evaluate",
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_SEARCH: label_value(name),
+    }
     annotations = {ANN_SEARCH: name, ANN_GENERATION: str(int(meta.get("generation") or 0))}
-    return worker_job(ms, dns_label(name, "e0000"), "evaluate", [], settings, gpu=True, labels=labels,
-                       annotations=annotations, env_extra=[], owner=owner_reference(ms))
+    return worker_job(
+        ms,
+        dns_label(name, "e0000"),
+        "evaluate",
+        [],
+        settings,
+        gpu=True,
+        labels=labels,
+        annotations=annotations,
+        env_extra=[],
+        owner=owner_reference(ms),
+    )
 
 
 def job_generation(job: Mapping[str, Any]) -> int | None:
@@ -351,8 +415,11 @@ def search_status(
     meta, spec = ms["metadata"], ms.get("spec") or {}
     gen = meta.get("generation")
     status = ms.get("status") or {}
-    out: dict[str, Any] = {"observedGeneration": gen, "stateURI": f"{state_prefix(spec, gen)}/{STATE_NAME}",
-                           "driverJob": job_name}
+    out: dict[str, Any] = {
+        "observedGeneration": gen,
+        "stateURI": f"{state_prefix(spec, gen)}/{STATE_NAME}",
+        "driverJob": job_name,
+    }
     total = int(spec.get("evaluations", 24))
     summary = f"0/{total} candidates evaluated"
     if results is not None:
@@ -360,9 +427,14 @@ def search_status(
         done, failed = int(results["evaluations"]), int(results["failed"])
         pareto = []
         for p in sorted(results["pareto"], key=lambda p: int(p["id"])):
-            point: dict[str, Any] = {"candidate": int(p["id"]),
-                                     "objectives": {o.split("@")[0]: _user_value(o, p["objectives"][o])
-                                                    for o in objs if o in (p.get("objectives") or {})}}
+            point: dict[str, Any] = {
+                "candidate": int(p["id"]),
+                "objectives": {
+                    o.split("@")[0]: _user_value(o, p["objectives"][o])
+                    for o in objs
+                    if o in (p.get("objectives") or {})
+                },
+            }
             if _SHA256.match(str(p.get("manifest_hash") or "")):
                 point["snapshot"] = snapshot_name(candidate_merge_name(meta["name"], int(p["id"])), p["manifest_hash"])
             if p.get("snapshot"):
@@ -390,11 +462,17 @@ def search_status(
     elif outcome.state == "Succeeded" and results is not None:
         ready = ("True", SearchReason.COMPLETED, summary)
     elif outcome.state == "Succeeded":
-        ready = ("False", SearchReason.FAILED, f"driver Job {job_name} completed but wrote no results at "
-                 f"{results_uri(spec, gen)}")
+        ready = (
+            "False",
+            SearchReason.FAILED,
+            f"driver Job {job_name} completed but wrote no results at {results_uri(spec, gen)}",
+        )
     else:
-        ready = ("False", SearchReason.FAILED, f"driver Job {job_name} failed ({outcome.reason}): {outcome.message}; "
-                 f"{summary}")
+        ready = (
+            "False",
+            SearchReason.FAILED,
+            f"driver Job {job_name} failed ({outcome.reason}): {outcome.message}; {summary}",
+        )
     out["conditions"] = set_condition(status.get("conditions"), "Ready", *ready, gen, now)
     return out
 

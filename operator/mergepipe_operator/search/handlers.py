@@ -49,7 +49,12 @@ def search_job_event(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
     name = (body["metadata"].get("annotations") or {}).get(ANN_SEARCH)
     ms = c.kube.get(SEARCHES, ns, name) if name else None
     gen = (ms or {}).get("metadata", {}).get("generation")
-    if ms is None or not name or job_generation(body) != gen or (ms.get("status") or {}).get("observedGeneration") != gen:
+    if (
+        ms is None
+        or not name
+        or job_generation(body) != gen
+        or (ms.get("status") or {}).get("observedGeneration") != gen
+    ):
         return  # owner gone, an earlier generation's driver, or the search handler has not written its status yet
     result = c.sync_search(ms, dict(body))
     if result:

@@ -35,8 +35,6 @@ def snapshot_name(merge_name: str, manifest_hash: str) -> str:
     return dns_label(merge_name, h[:12])
 
 
-
-
 def manifest_hash(raw: bytes | str) -> str:
     """SHA-256 (hex) of the manifest object's bytes as stored (as ``mergepipe.commit``)."""
     if isinstance(raw, str):
@@ -71,7 +69,11 @@ class ManifestFacts:
         return sum(int(o.get("size") or 0) for o in self.outputs.values())
 
 
-_ROLES = (("base_read_bytes", "baseReadBytes"), ("expert_read_bytes", "expertReadBytes"), ("output_write_bytes", "outputWriteBytes"))
+_ROLES = (
+    ("base_read_bytes", "baseReadBytes"),
+    ("expert_read_bytes", "expertReadBytes"),
+    ("output_write_bytes", "outputWriteBytes"),
+)
 
 
 def _io(d: Any) -> dict[str, int | None]:
@@ -166,7 +168,8 @@ def snapshot_ready(
         return False, Reason.MANIFEST_INVALID, str(e)
     if expected_plan_digest and facts.plan_digest != expected_plan_digest:
         return (
-            False, Reason.PLAN_DIGEST_MISMATCH,
+            False,
+            Reason.PLAN_DIGEST_MISMATCH,
             f"the manifest's plan digest is {str(facts.plan_digest)[:16]}…, expected {expected_plan_digest[:16]}…",
         )
     if facts.snapshot_id != snapshot_id(str(facts.plan_digest or ""), facts.outputs):
