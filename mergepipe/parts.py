@@ -34,8 +34,8 @@ from mergepipe.engine.executor import ExecResult, default_compute_threads, execu
 from mergepipe.engine.partition import PartSpec, partition
 from mergepipe.errors import CommitConflict, MergepipeError
 from mergepipe.formats.safetensors import INDEX_NAME
-from mergepipe.pipeline import MergeResult, _build_manifest, output_storage, realized_io, versions
 from mergepipe.planner.plan import Plan
+from mergepipe.result import MergeResult, build_manifest, output_storage, realized_io, versions
 from mergepipe.storage.base import Storage, is_s3
 
 
@@ -256,7 +256,7 @@ def commit_run(
         }
         for r in records
     ]
-    manifest = _build_manifest(
+    manifest = build_manifest(
         plan,
         res,
         None,

@@ -5,12 +5,10 @@ The CLI (:mod:`mergepipe.cli`) is a thin layer over these functions.
 
 from __future__ import annotations
 
-import platform
 import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, Catalog, CheckpointRecord, check_compatible
@@ -28,6 +26,7 @@ from mergepipe.planner.planner import (
     make_plan,
 )
 from mergepipe.request import MAX_BYTES, MergeRequest, ResolvedRequest, Where, parse_bytes  # noqa: F401  (re-exported)
+from mergepipe.result import MergeResult, build_manifest, output_storage, realized_io, versions  # noqa: F401  (re-exported)
 from mergepipe.storage.base import IOCounters, Storage, is_s3
 from mergepipe.storage.routing import open_storage
 
@@ -58,57 +57,6 @@ def parse_expert(arg: str) -> tuple[str, str]:
         return m.group(1), m.group(2).rstrip("/")
     uri = arg.rstrip("/")
     return uri.rsplit("/", 1)[-1] or uri, uri
-
-
-def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for mod in ("mergepipe", "numpy", "torch", "safetensors", "pydantic"):
-        try:
-            m = __import__(mod)
-            out[mod] = getattr(m, "__version__", "?")
-        except Exception:
-            pass
-    return out
-
-
-@dataclass
-class MergeResult:
-    """Outcome of a committed merge (also the ``--json`` output)."""
-
-    out: str
-    manifest: dict
-    manifest_hash: str
-    plan: Plan
-    already_committed: bool = False
-    analyze_s: float = 0.0
-    total_s: float | None = None
-    extra: dict = field(default_factory=dict)
-
-    def summary(self) -> dict:
-        m = self.manifest
-        return {
-            "snapshot_id": m["snapshot_id"],
-            "manifest_hash": self.manifest_hash,
-            "plan_digest": m["plan_digest"],
-            "out": self.out,
-            "method": m["method"],
-            "already_committed": self.already_committed,
-            "io": {
-                "base_read_bytes": m["io"]["realized"]["base_read_bytes"],
-                "expert_read_bytes": m["io"]["realized"]["expert_read_bytes"],
-                "output_write_bytes": m["io"]["realized"]["output_write_bytes"],
-                "expert_budget_bytes": m["io"]["expert_budget_bytes"],
-                "planned_expert_read_bytes": m["io"]["estimated"]["expert_read_bytes"],
-                "expert_bytes_total": m["io"]["expert_bytes_total"],
-            },
-            "retained_energy": m["retained_energy"],
-            "wall_s": m["time"]["wall_s"],
-            **(
-                {"analyze_plan_s": round(self.analyze_s, 3), "total_s": round(self.total_s, 3)}
-                if self.total_s is not None
-                else {}
-            ),
-        }
 
 
 class MissingAnalysis(InputError):
@@ -323,107 +271,6 @@ def _require_analysis(
         )
 
 
-def realized_io(before: dict, after: dict) -> dict[str, int]:
-    """Bytes moved between two :meth:`IOCounters.snapshot` results, as the manifest's
-    ``io.realized`` records them (base/expert/catalog read, output written/copied)."""
-
-    def d(kind: str, role: str) -> int:
-        return after[kind].get(role, 0) - before[kind].get(role, 0)
-
-    return {
-        "base_read_bytes": d("read", "base"),
-        "expert_read_bytes": d("read", "expert"),
-        "output_write_bytes": d("written", "output"),
-        "output_copied_bytes": d("copied", "output"),
-        "catalog_read_bytes": d("read", "catalog"),
-    }
-
-
-def _build_manifest(
-    plan: Plan,
-    res,
-    before: dict | None,
-    after: dict | None,
-    started: float,
-    device: str,
-    files_prefix: str = "",
-    lineage: dict | None = None,
-    realized: dict | None = None,
-    parts: list | None = None,
-) -> dict:
-    """The manifest of a finished execution (see :mod:`mergepipe.commit.manifest`); ``lineage``
-    (e.g. ``{"search": {...}}`` for a candidate of ``mergepipe search``) is merged in as
-    top-level keys. ``realized`` (default: :func:`realized_io` of ``before``/``after``) is the
-    bytes moved; ``parts`` (a partitioned run's parts) adds a ``parts`` entry."""
-    from mergepipe.commit.manifest import snapshot_id
-    from mergepipe.formats.safetensors import FLOAT_DTYPES as floating
-
-    if realized is None:
-        if before is None or after is None:
-            raise ValueError("_build_manifest needs `realized` or both counter snapshots")
-        realized = realized_io(before, after)
-
-    out = {
-        "format": "mergepipe.manifest/v1",
-        "snapshot_id": snapshot_id(plan.digest, res.files),
-        "plan_digest": plan.digest,
-        "method": plan.method,
-        "parameters": {"globals": plan.globals, "experts": {e.name: e.params for e in plan.experts}},
-        "seed": plan.seed,
-        "inputs": {
-            "base": {
-                "uri": plan.base.uri,
-                "identity": plan.base.identity,
-                "files": plan.base.signature,
-                "content_digest": res.base_content_digest(),
-            },
-            "experts": [
-                {
-                    "name": e.name,
-                    "uri": e.uri,
-                    "identity": e.identity,
-                    "files": e.signature,
-                    "content_digest": e.content_digest,
-                }
-                for e in plan.experts
-            ],
-        },
-        "files_prefix": files_prefix,
-        "outputs": res.files,
-        "touched_blocks": res.touched_blocks,
-        "blocks_total": {e.name: sum(t.n_blocks for t in plan.tensors if t.dtype in floating) for e in plan.experts},
-        "io": {
-            "expert_budget_bytes": plan.budget_bytes,
-            "fidelity": plan.fidelity,
-            "expert_bytes_total": plan.expert_bytes_total,
-            "estimated": plan.io.model_dump(),
-            "realized": realized,
-        },
-        "retained_energy": plan.retained_energy,
-        "dtype": {"compute": "float32", "requested": plan.requested_dtype, "out": plan.out_dtype},
-        "config": plan.source or None,
-        "time": {"started_at": started, "wall_s": round(res.wall_s, 3)},
-        "device": device,
-        "versions": versions(),
-    }
-    if parts is not None:
-        out["parts"] = parts
-    if lineage:
-        clash = set(lineage) & set(out)
-        if clash:
-            raise ValueError(f"lineage keys {sorted(clash)} would overwrite manifest fields")
-        out.update(lineage)
-    return out
-
-
-def output_storage(plan: Plan, storage: Storage, out: str) -> Storage:
-    """The storage to write ``out`` with: ``storage`` itself when it can (a routing storage, or
-    input and output of the same kind), else one for ``out`` sharing ``storage``'s counters."""
-    if hasattr(storage, "gap_for") or is_s3(out) == is_s3(plan.base.uri):
-        return storage
-    return open_storage(out, storage.counters)
-
-
 def execute_and_commit(
     plan: Plan,
     storage: Storage,
@@ -480,7 +327,7 @@ def execute_and_commit(
         try:
             before = storage.counters.snapshot()
             res = execute(plan, storage, out_storage, run, device=device, progress=progress, prefetch_bytes=pf)
-            manifest = _build_manifest(
+            manifest = build_manifest(
                 plan,
                 res,
                 before,
@@ -511,7 +358,7 @@ def execute_and_commit(
         try:
             before = storage.counters.snapshot()
             res = execute(plan, storage, out_storage, str(staging), device=device, progress=progress, prefetch_bytes=pf)
-            manifest = _build_manifest(plan, res, before, storage.counters.snapshot(), started, device, lineage=lineage)
+            manifest = build_manifest(plan, res, before, storage.counters.snapshot(), started, device, lineage=lineage)
             mh = publish_local(staging, out, manifest, lock)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)

@@ -91,15 +91,9 @@ def test_the_graph_finds_a_circle_when_there_is_one():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-#: Circles known and not yet broken: partitioned execution (issue 15, in progress) imports the
-#: pipeline's result and manifest helpers while the pipeline's ``merge --workers`` defers to it.
-#: Remove an entry once its circle is gone; never add one.
-KNOWN = {("mergepipe.parts", "mergepipe.pipeline")}
-
-
 def test_no_import_circle_in_the_core_or_the_operator():
     modules = _modules()
     assert "mergepipe.storage.routing" in modules and "mergepipe_operator.main" in modules
     graph = {m: _edges(m, p, modules) for m, p in modules.items()}
     assert "mergepipe.storage.base" in graph["mergepipe.storage.routing"]  # edges are found
-    assert {tuple(c) for c in _cycles(graph)} <= KNOWN
+    assert _cycles(graph) == []

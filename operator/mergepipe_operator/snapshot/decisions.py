@@ -45,7 +45,7 @@ def manifest_hash(raw: bytes | str) -> str:
 @dataclass(frozen=True)
 class ManifestFacts:
     """What the operator reads from a committed manifest (written by
-    ``mergepipe.pipeline._build_manifest``, format ``mergepipe.manifest/v1``)::
+    ``mergepipe.result.build_manifest``, format ``mergepipe.manifest/v1``)::
 
         {"format": "mergepipe.manifest/v1", "snapshot_id": "snap-<16 hex>", "plan_digest": "<64 hex>",
          "files_prefix": "runs/<id>",                      # outputs live under <out>/<files_prefix>/
