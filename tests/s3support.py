@@ -195,6 +195,10 @@ def start_seaweed(workdir: str, *, timeout: float = 30.0) -> SeaweedServer:
         f"-s3.config={cfg}",
         "-s3.autoCreateBucket=false",
         "-volume.preStopSeconds=0",
+        # Every bucket is a collection with volumes of its own; with -volume.max at its default
+        # (0: derived at start-up) `weed mini` ran out after 41 buckets and answered the 42nd
+        # bucket's first PutObject with 500 InternalError (measured). Volume files are sparse.
+        "-volume.max=2000",
         f"-master.port={master}",
         f"-master.port.grpc={master_g}",
         f"-volume.port={volume}",
