@@ -363,7 +363,40 @@ def test_put_object_fsyncs(tmp_path, monkeypatch):
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.fstat(fd).st_size), real(fd))[1])
     LocalStorage().put_object(str(tmp_path / "x"), b"12345")
-    assert synced == [5]
+    assert synced[0] == 5, "the object's bytes are durable before it is published"
+    assert len(synced) == 2, "then the folder holding the new name"
+
+
+@pytest.mark.parametrize("if_none_match", [True, False])
+def test_put_object_never_visible_partially(tmp_path, monkeypatch, if_none_match):
+    """A reader sees no object or the whole object: the name appears only after the bytes are
+    written and synced (a reader racing an O_EXCL create once saw an empty manifest)."""
+    target = tmp_path / "manifest.json"
+    if not if_none_match:
+        target.write_bytes(b'{"old": 1}')
+    seen = []
+    real = os.fsync
+
+    def spy(fd):
+        if os.path.isfile(os.readlink(f"/proc/self/fd/{fd}")):
+            seen.append(target.read_bytes() if target.exists() else None)
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    data = b'{"new": ' + b"1" * 100_000 + b"}"
+    LocalStorage().put_object(str(target), data, if_none_match=if_none_match)
+    assert seen == [None if if_none_match else b'{"old": 1}']
+    assert target.read_bytes() == data
+    assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"], "no temporary file left"
+
+
+def test_put_object_if_none_match_refuses_and_keeps_existing(tmp_path):
+    target = tmp_path / "m.json"
+    LocalStorage().put_object(str(target), b"first", if_none_match=True)
+    with pytest.raises(PreconditionFailed, match="already exists"):
+        LocalStorage().put_object(str(target), b"second", if_none_match=True)
+    assert target.read_bytes() == b"first"
+    assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
 
 
 def test_writer_writes_fsyncs_and_counts(tmp_path, monkeypatch):

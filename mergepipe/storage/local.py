@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,20 @@ from mergepipe.storage.base import (
 
 def _path(uri: str) -> str:
     return uri[len("file://") :] if uri.startswith("file://") else str(uri)
+
+
+def _fsync_folder(folder: str) -> None:
+    """Make a rename/link in ``folder`` durable (best effort where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class LocalWriter(Writer):
@@ -163,20 +178,40 @@ class LocalStorage(Storage):
         os.makedirs(_path(uri), exist_ok=True)
 
     def put_object(self, uri: str, data: bytes, role: Role = "output", *, if_none_match: bool = False) -> None:
+        """Write object ``uri`` whole: readers see either no object or all of ``data``, never a
+        prefix of it (the bytes go to a hidden temporary file in the same folder first, then are
+        published by ``link`` -- fails if ``uri`` exists -- or ``replace``).
+
+        Raises:
+            PreconditionFailed: ``if_none_match`` and ``uri`` already exists (S3's
+                ``If-None-Match: *`` answered 412).
+        """
         p = _path(uri)
-        os.makedirs(os.path.dirname(p) or ".", exist_ok=True)
-        if if_none_match:
-            try:
-                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                raise PreconditionFailed(f"{uri}: already exists") from None
-        else:
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        folder = os.path.dirname(p) or "."
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(p)}.", suffix=".tmp", dir=folder)
         try:
-            os.write(fd, data)
-            os.fsync(fd)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fchmod(fd, 0o644)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if if_none_match:
+                try:
+                    os.link(tmp, p)  # atomic create-if-absent with the full content
+                except FileExistsError:
+                    raise PreconditionFailed(f"{uri}: already exists") from None
+            else:
+                os.replace(tmp, p)
         finally:
-            os.close(fd)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        _fsync_folder(folder)
         self.counters.add_write(role, len(data))
 
     def delete(self, uri: str) -> None:
