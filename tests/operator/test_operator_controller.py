@@ -665,10 +665,42 @@ def test_committed_merge_with_an_unchanged_plan_stays_committed(settings):
 def test_finalizer_deletes_jobs_and_settles(settings):
     c, kube, store, mm = setup(settings, make_quota())
     mm = apply(kube, mm, c.reconcile_merge(mm))
+    (job,) = kube.list(JOBS, "ns1")
+    _failed_pod(kube, job, "killed")  # a container of it ran
     c.finalize_merge(mm)
     assert kube.list(JOBS, "ns1") == []
     (entry,) = kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]
     assert entry["state"] == "Charged"  # it may have read: charge the reservation
+
+
+def test_finalizer_releases_a_merge_whose_job_never_started(settings):
+    """Deleted while its Job's pod was still pending (or suspended, no pod): nothing was read."""
+    c, kube, store, mm = setup(settings, make_quota())
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    (job,) = kube.list(JOBS, "ns1")
+    name = job["metadata"]["name"]
+    kube.put(
+        PODS,
+        {
+            "metadata": {"name": name + "-p", "namespace": "ns1", "labels": {"job-name": name}},
+            "status": {"phase": "Pending", "containerStatuses": [{"name": "merge", "state": {"waiting": {}}}]},
+        },
+    )
+    assert [e["state"] for e in kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]] == ["Reserved"]
+    c.finalize_merge(mm)
+    assert kube.list(JOBS, "ns1") == []
+    assert kube.get(QUOTAS, "ns1", "q")["status"]["ledger"] == []  # the reservation is dropped, not charged
+
+
+def test_finalizer_charges_when_the_recorded_job_is_gone(settings):
+    """status.jobName names a Job that no longer exists: it may have run, charge."""
+    c, kube, store, mm = setup(settings, make_quota())
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    (job,) = kube.list(JOBS, "ns1")
+    kube.delete(JOBS, "ns1", job["metadata"]["name"])
+    c.finalize_merge(mm)
+    (entry,) = kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]
+    assert entry["state"] == "Charged"
     c2, kube2, _, mm2 = setup(settings, make_quota())
     c2.finalize_merge(mm2)  # never admitted: nothing to do
     assert kube2.get(QUOTAS, "ns1", "q").get("status") is None

@@ -553,15 +553,22 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         }
 
     def finalize_merge(self, body: dict[str, Any]) -> None:
-        """Delete the merge's Jobs (a running merge stops) and settle its reservation."""
+        """Delete the merge's Jobs (a running merge stops) and settle its reservation: charged
+        when a merge Job of it ever started (it may have read) or when its recorded Job is gone
+        (it may have run), released when its Jobs never started (pending, unschedulable,
+        suspended: nothing was read; checked before the Jobs are deleted, as in
+        :meth:`_supersede`)."""
         meta, status = body["metadata"], body.get("status") or {}
         ns, name = meta["namespace"], meta["name"]
         jobs = self.kube.list(JOBS, ns, f"{LABEL_MERGE}={label_value(name)}")
+        merge_jobs = [j for j in jobs if (j["metadata"].get("labels") or {}).get(LABEL_COMPONENT, "merge") == "merge"]
+        job_name = status.get("jobName")
+        started = any(self._job_started(ns, j) for j in merge_jobs) or bool(
+            job_name and job_name not in {j["metadata"]["name"] for j in merge_jobs}
+        )
         for job in jobs:
             self.kube.delete(JOBS, ns, job["metadata"]["name"])
         adm = status.get("admission") or {}
         ready = get_condition(status.get("conditions"), "Ready") or {}
         if adm.get("key") and ready.get("reason") != Reason.COMMITTED:
-            self.unreserve(
-                ns, adm["key"], self.admission_quotas(ns, adm), job_started=bool(jobs or status.get("jobName"))
-            )
+            self.unreserve(ns, adm["key"], self.admission_quotas(ns, adm), job_started=started)
