@@ -557,6 +557,27 @@ def test_spec_change_supersedes_the_running_job(settings):
     assert ledger[f"{uid}.1"]["state"] == "Charged" and ledger[f"{uid}.2"]["state"] == "Reserved"
 
 
+@pytest.mark.parametrize("started", [True, False], ids=["running", "pending"])
+def test_a_spec_made_invalid_retires_the_running_job(settings, started):
+    """The new generation is refused (InvalidSpec): the previous generation's Job stops and its
+    reservation is settled (charged if it ran, released if not), not left Reserved forever."""
+    c, kube, store, mm = setup(settings, make_quota())
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    (old_job,) = kube.list(JOBS, "ns1")
+    if started:
+        _pod_of(kube, old_job, {"phase": "Running", "containerStatuses": [{"name": "merge", "state": {"running": {}}}]})
+    mm = bump(kube, budget="10 GB")  # refused: not a Kubernetes quantity
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    assert ready(mm)["reason"] == "InvalidSpec" and "spec.budget" in ready(mm)["message"]
+    assert kube.list(JOBS, "ns1") == []
+    uid = mm["metadata"]["uid"]
+    ledger = [(e["key"], e["state"]) for e in kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]]
+    assert ledger == ([(f"{uid}.1", "Charged")] if started else [])
+    assert not mm["status"].get("admission") and not mm["status"].get("jobName")
+    c.finalize_merge(mm)  # deleting it now settles nothing twice
+    assert [(e["key"], e["state"]) for e in kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]] == ledger
+
+
 def _pod_of(kube, job, status):
     name = job["metadata"]["name"]
     kube.put(

@@ -120,11 +120,13 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             out["conditions"] = set_condition(conds, "Ready", ready_status, reason, message, gen, now)
             return out
 
+        ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
         issues = validate_merge_spec(spec)
         if issues:
+            # the previous generation's run is retired as on any spec change
+            self._retire(ns, name, status, out, now)
             return finish("False", Reason.INVALID_SPEC, format_issues(issues))
 
-        ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
         key = admission_key(uid, gen)
         requested = requested_budget(spec, self.settings)
         # Planning is in-process and cheap: plan first, so the quota is charged with what the
@@ -191,6 +193,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         if other is not None and other != plan.digest:
             # snapshots are immutable: the worker would refuse this output (and fail the Job)
             self.unreserve(ns, key, quotas, job_started=False)
+            self._retire(ns, name, status, out, now)
             return finish(
                 "False",
                 Reason.INVALID_SPEC,
@@ -440,6 +443,16 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
                 self.update_quota(ns, q, lambda quota: release(quota, adm["key"], now))
             else:
                 self.update_quota(ns, q, lambda quota: settle(quota, adm["key"], None, now))
+
+    def _retire(self, ns: str, name: str, old: dict[str, Any], out: dict[str, Any], now: datetime) -> None:
+        """The new generation runs nothing (invalid spec, output taken): stop the previous
+        generation's merge Jobs and settle its reservation as :meth:`_supersede` does (released
+        if its Job never started, else charged), then clear ``admission``/``jobName`` in ``out``
+        so that nothing settles it twice. A committed generation keeps its charge and snapshot."""
+        if not (old.get("admission") or old.get("jobName")):
+            return
+        self._supersede(ns, name, old, "", "", now)
+        out.update(admission=None, jobName=None)
 
     def _job_started(self, ns: str, job: dict[str, Any]) -> bool:
         """Did any container of ``job`` ever run? (Its pods, label ``job-name``; pods that cannot
