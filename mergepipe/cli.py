@@ -909,7 +909,32 @@ def search(
         str,
         typer.Option("--strategy", help="async (prior-guided, pending-aware), sync (batch qNEHVI, no prior) or random"),
     ] = "async",
-    no_prior: Annotated[bool, typer.Option("--no-prior", help="No discrepancy prior, no reranking")] = False,
+    no_prior: Annotated[
+        bool, typer.Option("--no-prior", help="No discrepancy prior (and no reranking unless --rerank)")
+    ] = False,
+    prior_kind: Annotated[
+        str,
+        typer.Option(
+            "--prior",
+            help="How the discrepancy prior sets the lengthscales: scaled (multipliers on botorch's "
+            "default prior) or rank (AP-BMM: rank quartile -> initial lengthscale 0.5/1/2/5)",
+        ),
+    ] = "scaled",
+    rerank: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--rerank/--no-rerank",
+            help="Frontier-coverage reranking of async proposals [default: on with the prior]",
+        ),
+    ] = None,
+    search_outer: Annotated[
+        bool,
+        typer.Option(
+            "--search-outer",
+            help="Give the embeddings and lm_head coordinates of their own (per varied parameter and "
+            "expert) instead of the mean of the layer blocks",
+        ),
+    ] = False,
     probe: Annotated[
         Optional[Path],
         typer.Option(
@@ -1111,6 +1136,9 @@ def search(
             seed=seed,
             strategy=strategy,
             prior=not no_prior,
+            prior_kind=prior_kind,
+            rerank=rerank,
+            outer=search_outer,
             probe=texts,
             ref_point=refs,
             catalog=catalog,

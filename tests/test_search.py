@@ -299,7 +299,10 @@ def test_missing_objective_is_a_clear_error(family, tmp_path):
     from mergepipe.search.evaluators import CallableEvaluator, MissingObjective
     from mergepipe.search.runner import run_search
 
-    with pytest.raises(MissingObjective, match=r"did not produce metric 'dist1'; it printed \['accuracy', 'dist0'\]"):
+    with pytest.raises(
+        MissingObjective,
+        match=r"did not produce metric 'dist1'; it printed \['accuracy', 'dist0', 'io:expert_read_bytes', 'io:expert_read_fraction'\]",
+    ):
         run_search(
             tmp_path / "m",
             _config(family, tmp_path, strategy="random"),
@@ -463,3 +466,129 @@ def test_seeds_beyond_64_bits_seed_torch():
     torch.manual_seed(torch_seed(big))
     assert torch_seed(12345) == 12345 and torch_seed(big) == big % 2**64 != big
     assert sobol(4, 2, 2**70) == sobol(4, 2, 2**70 % 2**64) != sobol(4, 2, 1)
+
+
+# -- issue 17: statistics, outer/shared/budget coordinates, rank prior, latency -------------------
+def test_hypervolume_and_igd_on_known_fronts():
+    from mergepipe.search.optimizer import hypervolume
+    from mergepipe.search.stats import igd
+
+    # boxes [1,4]x[3,4] + [2,4]x[2,3] + [3,4]x[1,2] = 3 + 2 + 1; a point beyond ref adds nothing
+    assert hypervolume([[1, 3], [2, 2], [3, 1], [5, 0]], [4, 4]) == pytest.approx(6.0)
+    assert hypervolume([[4, 4]], [4, 4]) == 0.0
+    ref = [[0, 1], [1, 0]]
+    assert igd([[0, 0]], ref) == pytest.approx(1.0)
+    assert igd([[0, 0]], ref, scale=[2, 2]) == pytest.approx(0.5)
+    assert igd(ref, ref) == 0.0
+    assert igd([[0, 1]], ref) == pytest.approx(math.sqrt(2) / 2)  # (0 + √2) / 2
+    assert igd([], ref) == math.inf
+
+
+def test_bootstrap_and_paired_wilcoxon_on_known_samples():
+    from mergepipe.search.stats import bootstrap_ci, paired_test, time_to_target
+
+    assert bootstrap_ci([1.0, 1.0, 1.0]) == (1.0, 1.0, 1.0)
+    # resampled means of [0, 10] are 0, 5, 10 with probabilities 1/4, 1/2, 1/4
+    m, lo, hi = bootstrap_ci([0.0, 10.0])
+    assert (m, lo, hi) == (5.0, 0.0, 10.0)
+    m, lo, hi = bootstrap_ci([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert m == 3.0 and 1.0 < lo < 3.0 < hi < 5.0
+    # all five differences positive: exact two-sided p = 2 / 2^5
+    r = paired_test([2, 3, 4, 5, 6], [1, 1, 1, 1, 1])
+    assert r["p"] == pytest.approx(2 / 32) and r["wins"] == 5 and r["mean_diff"] == 3.0
+    # differences 1,-2,3,4,5,6: W- = 2; rank sums <= 2 come from {}, {1}, {2}: p = 2 * 3 / 64
+    r = paired_test([1, -2, 3, 4, 5, 6], [0] * 6)
+    assert r["p"] == pytest.approx(6 / 64) and (r["wins"], r["losses"]) == (5, 1)
+    assert paired_test([1, 2], [1, 2])["p"] == 1.0
+    with pytest.raises(ValueError):
+        paired_test([1], [1, 2])
+    tr = [(1, 0.1), (2, 0.5), (3, 0.7)]
+    assert time_to_target(tr, 0.5) == 2 and time_to_target(tr, 0.8) is None
+
+
+_NAMES = [
+    "model.embed_tokens.weight",
+    "lm_head.weight",
+    "model.norm.weight",
+    *[f"model.layers.{i}.mlp.up_proj.weight" for i in range(4)],
+]
+
+
+def test_outer_coordinates_give_embeddings_and_lm_head_their_own_values():
+    from mergepipe.methods.params import resolve_params
+    from mergepipe.search.space import SearchSpace, outer_parts, parse_vary, space_for_base
+
+    assert outer_parts(_NAMES) == [["embed", ["model.embed_tokens.weight"]], ["head", ["lm_head.weight"]]]
+    sp = space_for_base(_NAMES, "task_arithmetic", ["a", "b"], parse_vary(["weight=0:1"]), 2, outer=True)
+    assert sp.d == 2 * (2 + 2)
+    assert [d.label for d in sp.dims][:4] == ["a:weight@L0-1", "a:weight@L2-3", "a:weight@embed", "a:weight@head"]
+    x = [0.2, 0.4, 0.9, 0.1, 0.5, 0.5, 0.5, 0.5]
+    params = sp.to_params(x)
+    rp = resolve_params("task_arithmetic", params["parameters"], [params["experts"][n] for n in ("a", "b")])
+    w = lambda name: rp.for_tensor(name, 0.0).experts[0]["weight"]  # noqa: E731
+    assert w("model.embed_tokens.weight") == pytest.approx(0.9)
+    assert w("lm_head.weight") == pytest.approx(0.1)
+    assert w("model.norm.weight") == pytest.approx(0.3)  # mean of the layer blocks
+    assert w("model.layers.3.mlp.up_proj.weight") == pytest.approx(0.4)
+    assert SearchSpace.from_json(sp.to_json()).dims == sp.dims
+    with pytest.raises(InputError, match="--search-outer"):
+        space_for_base(_NAMES[2:], "task_arithmetic", ["a"], parse_vary(["weight=0:1"]), 2, outer=True)
+
+
+def test_shared_and_budget_coordinates(family, tmp_path):
+    from mergepipe.search.space import SearchSpace, parse_vary
+
+    sp = SearchSpace("ties", ["a", "b"], parse_vary(["*:weight=0:1", "*:density=0.1:0.9", "budget=0.2:1"]), 4, 1)
+    assert [d.label for d in sp.dims] == ["*:weight@L0-3", "*:density@L0-3", "budget"]
+    p = sp.to_params([0.5, 0.5, 0.5])
+    assert p["experts"]["a"] == p["experts"]["b"] and p["experts"]["a"]["density"][-1]["value"] == pytest.approx(0.5)
+    assert p["budget"] == "60%"
+    assert _config(family, tmp_path).request(p).budget == "60%"
+    with pytest.raises(InputError, match="0 < LO < HI <= 1"):
+        SearchSpace("ties", ["a"], parse_vary(["budget=0:2"]), 4, 1)
+
+
+def test_rank_prior_maps_relevance_quartiles_to_lengthscales():
+    from mergepipe.search.optimizer import _kernel
+    from mergepipe.search.prior import Prior, rank_lengthscales
+
+    assert rank_lengthscales([3, 1, 2, 0.5]) == [0.5, 2.0, 1.0, 5.0]
+    assert rank_lengthscales([1, 1, 1, 1, 1, 1, 1, 1]) == [0.5, 0.5, 1, 1, 2, 2, 5, 5]  # ties: coordinate order
+    assert rank_lengthscales([2.0, None, 1.0, 4.0]) == [1.0, 2.0, 5.0, 0.5]  # None: neutral (geometric mean 2)
+    pr = Prior.from_json(Prior(["a", "b"], [1.0, 4.0]).to_json())
+    assert pr.lengthscales == [2.0, 0.5] and pr.multipliers[0] > pr.multipliers[1]
+    k = _kernel(4, None, [0.5, 2.0, 1.0, 5.0])
+    assert k.lengthscale.view(-1).tolist() == pytest.approx([0.5, 2.0, 1.0, 5.0])
+
+
+def test_latency_and_io_metrics_plumbed(family, tmp_path):
+    from mergepipe.search.evaluators import CallableEvaluator
+    from mergepipe.search.runner import evaluation_delay, run_search
+
+    cfg = _config(family, tmp_path, worker_delays=[0.0, 2.0], latency=[0.5, 4.0])
+    assert evaluation_delay(cfg, 0, 0.25) == pytest.approx(1.5)
+    assert evaluation_delay(cfg, 1, 0.25) == pytest.approx(3.5)
+    assert evaluation_delay(cfg, 0, None) == pytest.approx(4.5)  # unknown cost: a full read
+    with pytest.raises(InputError, match="latency"):
+        _config(family, tmp_path, latency=[1.0]).check()
+    base, experts = family
+    res = run_search(
+        tmp_path / "io",
+        _config(
+            family,
+            tmp_path,
+            strategy="random",
+            vary=["weight=0:1", "budget=0.1:1"],
+            objectives=["dist0", "io:expert_read_fraction"],
+            latency=[0.0, 0.01],
+        ),
+        CallableEvaluator(lambda p: _distances(p, experts)),
+    )
+    state = json.loads((tmp_path / "io" / "state.json").read_text())
+    done = [c for c in state["candidates"] if c["status"] == "done"]
+    assert len(done) == 6
+    for c in done:
+        frac = c["metrics"]["io:expert_read_fraction"]
+        assert 0 < frac <= float(c["params"]["budget"].rstrip("%")) / 100 + 1e-9  # realized <= budget
+        assert c["metrics"]["io:expert_read_bytes"] == c["expert_read_bytes"]
+    assert res["pareto"]

@@ -22,6 +22,10 @@ Proposals (:func:`propose`):
   filling gaps along the frontier —, and ``proximity`` = ``max_j exp(−‖x − x_j‖²/(2h²))`` over
   evaluated, failed and pending points (``h = 0.1·√d``), a penalty against re-sampling the same
   place. This is AP-BMM's frontier-coverage reranking in spirit; the weights are ours.
+* the **``rank`` prior** (AP-BMM's mapping, :func:`mergepipe.search.prior.rank_lengthscales`):
+  the initial lengthscales are 0.5/1/2/5 by relevance quartile, each with a log-normal prior
+  (σ = :data:`RANK_SCALE`) whose mode is that value.
+* without reranking (``rerank=False``) the proposal is the acquisition's optimum.
 * **synchronous batch** (the baseline): ``q`` candidates jointly (sequential greedy) with the
   same acquisition, botorch's default priors, no reranking.
 
@@ -93,28 +97,39 @@ def default_ref_point(Y: Sequence[Sequence[float]], margin: float = 0.1) -> list
     return out
 
 
-def _kernel(d: int, multipliers: Sequence[float] | None):
-    """RBF ARD kernel; with ``multipliers`` the lengthscale prior of dimension i is botorch's
-    dimension-scaled log-normal shifted by ``log(multipliers[i])`` and the lengthscale starts at
-    its mode."""
+#: log-space σ of the ``rank`` prior's log-normal lengthscale prior (botorch's default is √3).
+RANK_SCALE = 0.5
+
+
+def _kernel(d: int, multipliers: Sequence[float] | None, lengthscales: Sequence[float] | None = None):
+    """RBF ARD kernel (None: botorch's default). With ``multipliers`` the lengthscale prior of
+    dimension i is botorch's dimension-scaled log-normal (σ = √3) shifted by
+    ``log(multipliers[i])``; with ``lengthscales`` (the ``rank`` prior) a log-normal of σ =
+    :data:`RANK_SCALE` whose mode is ``lengthscales[i]``. Either way the fit starts at the mode."""
     import torch
     from gpytorch.constraints import GreaterThan
     from gpytorch.kernels import RBFKernel
     from gpytorch.priors import LogNormalPrior
 
-    if multipliers is None:
+    if lengthscales is not None:
+        scale = RANK_SCALE
+        loc = torch.tensor([math.log(v) + scale**2 for v in lengthscales], dtype=torch.float64)
+    elif multipliers is not None:
+        scale = SQRT3
+        loc = torch.tensor([SQRT2 + 0.5 * math.log(d) + math.log(m) for m in multipliers], dtype=torch.float64)
+    else:
         return None
-    loc = torch.tensor([SQRT2 + 0.5 * math.log(d) + math.log(m) for m in multipliers], dtype=torch.float64)
-    prior = LogNormalPrior(loc=loc, scale=torch.full_like(loc, SQRT3))
+    prior = LogNormalPrior(loc=loc, scale=torch.full_like(loc, scale))
     k = RBFKernel(ard_num_dims=d, lengthscale_prior=prior, lengthscale_constraint=GreaterThan(2.5e-2, transform=None))
     k = k.to(torch.float64)
-    k.lengthscale = torch.exp(loc - SQRT3**2).view(1, d)
+    k.lengthscale = torch.exp(loc - scale**2).view(1, d)
     return k
 
 
-def fit_model(X, Y, multipliers: Sequence[float] | None = None):
+def fit_model(X, Y, multipliers: Sequence[float] | None = None, lengthscales: Sequence[float] | None = None):
     """Fit one GP per objective on ``X`` ``[n, d]`` (unit cube) and ``Y`` ``[n, m]`` (minimised;
-    negated inside). Returns a botorch ``ModelListGP``."""
+    negated inside); ``multipliers``/``lengthscales``: the prior (:func:`_kernel`). Returns a
+    botorch ``ModelListGP``."""
     import torch
     from botorch.fit import fit_gpytorch_mll
     from botorch.models import ModelListGP, SingleTaskGP
@@ -126,7 +141,10 @@ def fit_model(X, Y, multipliers: Sequence[float] | None = None):
     models = []
     for k in range(Yn.shape[1]):
         gp = SingleTaskGP(
-            X, Yn[:, k : k + 1], covar_module=_kernel(X.shape[1], multipliers), outcome_transform=Standardize(m=1)
+            X,
+            Yn[:, k : k + 1],
+            covar_module=_kernel(X.shape[1], multipliers, lengthscales),
+            outcome_transform=Standardize(m=1),
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -167,6 +185,7 @@ def propose(
     pending: Sequence[Sequence[float]] = (),
     avoid: Sequence[Sequence[float]] = (),
     multipliers: Sequence[float] | None = None,
+    lengthscales: Sequence[float] | None = None,
     rerank: bool = True,
     q: int = 1,
     seed: int = 0,
@@ -182,7 +201,8 @@ def propose(
         ref: reference point ``[m]`` (minimised; a worse-than-acceptable value per objective).
         pending: points being evaluated (``X_pending``: the acquisition conditions on them).
         avoid: further points to keep away from in the proximity penalty (failed candidates).
-        multipliers: lengthscale multipliers from the prior (None: botorch's default priors).
+        multipliers: lengthscale multipliers of the ``scaled`` prior (None: botorch's default priors).
+        lengthscales: initial lengthscales of the ``rank`` prior (overrides ``multipliers``).
         rerank: frontier-coverage reranking of the candidate pool (``q`` must be 1).
         q: batch size (``q > 1``: sequential-greedy joint batch, no reranking).
         seed: seeds torch's generator (any non-negative integer; see :func:`torch_seed`).
@@ -195,19 +215,21 @@ def propose(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small matrices: threads only contend with the running evaluations
     try:
-        return _propose(X, Y, ref, pending, avoid, multipliers, rerank, q, seed, restarts, raw_samples, pool_random)
+        return _propose(
+            X, Y, ref, pending, avoid, multipliers, lengthscales, rerank, q, seed, restarts, raw_samples, pool_random
+        )
     finally:
         torch.set_num_threads(threads)
 
 
-def _propose(X, Y, ref, pending, avoid, multipliers, rerank, q, seed, restarts, raw_samples, pool_random):
+def _propose(X, Y, ref, pending, avoid, multipliers, lengthscales, rerank, q, seed, restarts, raw_samples, pool_random):
     import torch
     from botorch.optim import optimize_acqf
 
     torch.manual_seed(torch_seed(seed))
     Xt = torch.as_tensor(X, dtype=torch.float64)
     d = Xt.shape[1]
-    model = fit_model(X, Y, multipliers)
+    model = fit_model(X, Y, multipliers, lengthscales)
     Xp = torch.as_tensor(pending, dtype=torch.float64).view(-1, d) if len(pending) else None
     acq = _acqf(model, X, ref, Xp)
     bounds = torch.stack([torch.zeros(d, dtype=torch.float64), torch.ones(d, dtype=torch.float64)])

@@ -17,10 +17,18 @@ measures two discrepancies per layer block:
 
 Each discrepancy is normalised to geometric mean 1 over the coordinates; the relevance of a
 coordinate is the geometric mean of the available ones, and its lengthscale multiplier
-``m = clip(relevance^(−1/2), 1/4, 4)`` (renormalised to geometric mean 1). The optimizer
-centres the log-normal lengthscale prior of each ARD dimension at botorch's default times
-``m`` and starts the fit there (:mod:`mergepipe.search.optimizer`): a prior, not a constraint —
-the marginal-likelihood fit may move any lengthscale.
+``m = clip(relevance^(−1/2), 1/4, 4)`` (renormalised to geometric mean 1). Two ways to use it
+(``SearchConfig.prior_kind``; the optimizer is :mod:`mergepipe.search.optimizer`):
+
+* ``scaled``: the log-normal lengthscale prior of each ARD dimension is botorch's default
+  (dimension-scaled, wide) times ``m``, and the fit starts at its mode;
+* ``rank`` (AP-BMM's mapping): coordinates are ranked by relevance and the rank quartile sets the
+  initial lengthscale, 0.5 / 1 / 2 / 5 (most relevant quarter → 0.5), with a narrower log-normal
+  prior (σ = 0.5 in log space) whose mode is that value — a prior with a real spread.
+
+Either is a prior, not a constraint: the marginal-likelihood fit may move any lengthscale.
+Coordinates without a discrepancy of their own (the ``budget`` coordinate) are neutral (the
+geometric mean of the others).
 """
 
 from __future__ import annotations
@@ -32,9 +40,11 @@ from pathlib import Path
 
 from mergepipe.errors import InputError
 from mergepipe.methods.params import layer_index
-from mergepipe.search.space import SearchSpace
+from mergepipe.search.space import BUDGET, SHARED, Dim, SearchSpace
 
 _CLIP = 4.0
+#: AP-BMM's initial lengthscales by relevance-rank quartile (most relevant first).
+RANK_LENGTHSCALES = (0.5, 1.0, 2.0, 5.0)
 
 
 @dataclass
@@ -46,16 +56,21 @@ class Prior:
         param: parameter discrepancy per coordinate (relative task-vector energy, unitless).
         activation: activation discrepancy per coordinate, or None when not measured.
         multipliers: lengthscale multiplier per coordinate (geometric mean 1; < 1 = more relevant).
+        lengthscales: initial lengthscale per coordinate of the ``rank`` prior
+            (:data:`RANK_LENGTHSCALES` by relevance quartile).
     """
 
     labels: list[str]
-    param: list[float]
-    activation: list[float] | None = None
+    param: list[float | None]
+    activation: list[float | None] | None = None
     multipliers: list[float] = field(default_factory=list)
+    lengthscales: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.multipliers:
             self.multipliers = lengthscale_multipliers(self.param, self.activation)
+        if not self.lengthscales:
+            self.lengthscales = rank_lengthscales(self.param, self.activation)
 
     def to_json(self) -> dict:
         return {
@@ -63,11 +78,14 @@ class Prior:
             "param": self.param,
             "activation": self.activation,
             "multipliers": self.multipliers,
+            "lengthscales": self.lengthscales,
         }
 
     @classmethod
     def from_json(cls, d: dict) -> Prior:
-        return cls(d["labels"], d["param"], d.get("activation"), d.get("multipliers") or [])
+        return cls(
+            d["labels"], d["param"], d.get("activation"), d.get("multipliers") or [], d.get("lengthscales") or []
+        )
 
 
 def _gnorm(v: Sequence[float]) -> list[float]:
@@ -77,14 +95,42 @@ def _gnorm(v: Sequence[float]) -> list[float]:
     return [x / g for x in v]
 
 
-def lengthscale_multipliers(param: Sequence[float], activation: Sequence[float] | None = None) -> list[float]:
+def _neutral(v: Sequence[float | None]) -> list[float]:
+    """``None`` entries (coordinates without a discrepancy) become the geometric mean of the rest."""
+    known = [max(float(x), 1e-12) for x in v if x is not None]
+    g = math.exp(sum(math.log(x) for x in known) / len(known)) if known else 1.0
+    return [g if x is None else float(x) for x in v]
+
+
+def relevance(param: Sequence[float | None], activation: Sequence[float | None] | None = None) -> list[float]:
+    """Relevance per coordinate: the geometric mean of its normalised discrepancies (geometric
+    mean 1 over the coordinates; ``None``: neutral)."""
+    parts = [_gnorm(_neutral(param))]
+    if activation is not None:
+        parts.append(_gnorm(_neutral(activation)))
+    return [math.exp(sum(math.log(p[i]) for p in parts) / len(parts)) for i in range(len(param))]
+
+
+def rank_lengthscales(param: Sequence[float | None], activation: Sequence[float | None] | None = None) -> list[float]:
+    """AP-BMM's rank → initial-lengthscale map: coordinate ``i`` of relevance rank ``r`` (0 = most
+    relevant; ties keep coordinate order) of ``d`` gets ``RANK_LENGTHSCALES[⌊4r/d⌋]``.
+
+    Example: relevances ``[3, 1, 2, 0.5]`` give ``[0.5, 2, 1, 5]``."""
+    rel = relevance(param, activation)
+    order = sorted(range(len(rel)), key=lambda i: (-rel[i], i))
+    out = [0.0] * len(rel)
+    for r, i in enumerate(order):
+        out[i] = RANK_LENGTHSCALES[r * len(RANK_LENGTHSCALES) // len(rel)]
+    return out
+
+
+def lengthscale_multipliers(
+    param: Sequence[float | None], activation: Sequence[float | None] | None = None
+) -> list[float]:
     """Lengthscale multiplier per coordinate from its discrepancies (see the module docstring):
     relevance = geometric mean of the normalised discrepancies; ``m = clip(relevance^-1/2, 1/4, 4)``,
     renormalised to geometric mean 1."""
-    parts = [_gnorm(param)]
-    if activation is not None:
-        parts.append(_gnorm(activation))
-    rel = [math.exp(sum(math.log(p[i]) for p in parts) / len(parts)) for i in range(len(param))]
+    rel = relevance(param, activation)
     m = [min(_CLIP, max(1 / _CLIP, r**-0.5)) for r in rel]
     return [round(x, 6) for x in _gnorm(m)]
 
@@ -98,23 +144,33 @@ def parameter_discrepancy(space: SearchSpace, tensor_stats: Sequence[dict]) -> l
             (``Analysis.tensors`` from the catalog).
 
     Returns:
-        float per coordinate of ``space.dims``: ``Σ‖δ‖² / Σ‖θ_base‖²`` over the block's tensors.
+        float per coordinate of ``space.dims``: ``Σ‖δ‖² / Σ‖θ_base‖²`` over the block's tensors
+        (an outer part's: over its tensors); None for the budget coordinate (neutral).
     """
 
-    def block_energy(stats: dict, layers: tuple[int, ...]) -> float:
+    def block_energy(stats: dict, dm: Dim) -> float:
         num = den = 0.0
         for name, s in stats.items():
             li = layer_index(name)
-            if li is not None and li in layers:
+            if (name in dm.tensors) if dm.part else (li is not None and li in dm.layers):
                 num += s.delta_sq if s.sums is not None else s.energy
                 den += s.base_sq if s.sums is not None else 0.0
         return num / den if den > 0 else num
 
-    out = []
+    out: list = []
     for dm in space.dims:
-        idx = [space.experts.index(dm.expert)] if dm.expert else range(len(space.experts))
-        out.append(sum(block_energy(tensor_stats[i], dm.layers) for i in idx))
+        if dm.name == BUDGET:
+            out.append(None)
+            continue
+        out.append(sum(block_energy(tensor_stats[i], dm) for i in _expert_idx(space, dm)))
     return out
+
+
+def _expert_idx(space: SearchSpace, dm: Dim) -> list[int]:
+    """The experts a coordinate acts on (all for a global or shared coordinate)."""
+    if dm.expert and dm.expert != SHARED:
+        return [space.experts.index(dm.expert)]
+    return list(range(len(space.experts)))
 
 
 def hidden_state_discrepancy(base_dir: str | Path, expert_dirs: Sequence[str | Path], input_ids) -> list[list[float]]:
@@ -152,10 +208,14 @@ def hidden_state_discrepancy(base_dir: str | Path, expert_dirs: Sequence[str | P
 
 def activation_discrepancy(space: SearchSpace, per_layer: Sequence[Sequence[float]]) -> list[float]:
     """Per coordinate, the sum over its block's layers of its expert(s)' per-layer activation
-    discrepancy (``per_layer[expert][layer]``, from :func:`hidden_state_discrepancy`)."""
-    out = []
+    discrepancy (``per_layer[expert][layer]``, from :func:`hidden_state_discrepancy`); None
+    (neutral) for the budget and outer coordinates, which have no layer of their own."""
+    out: list = []
     for dm in space.dims:
-        idx = [space.experts.index(dm.expert)] if dm.expert else range(len(space.experts))
+        if dm.name == BUDGET or dm.part:
+            out.append(None)
+            continue
+        idx = _expert_idx(space, dm)
         out.append(sum(per_layer[i][ell] for i in idx for ell in dm.layers if ell < len(per_layer[i])))
     return out
 
@@ -194,6 +254,8 @@ def compute_prior(
     act = None
     if input_ids is not None:
         act = activation_discrepancy(space, hidden_state_discrepancy(base_dir, expert_dirs, input_ids))
-    return Prior(
-        [d.label for d in space.dims], [round(p, 9) for p in param], None if act is None else [round(a, 9) for a in act]
-    )
+
+    def r9(v):
+        return [None if x is None else round(x, 9) for x in v]
+
+    return Prior([d.label for d in space.dims], r9(param), None if act is None else r9(act))

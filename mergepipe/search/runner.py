@@ -55,6 +55,22 @@ from mergepipe.storage.base import IOCounters, NotFoundError
 from mergepipe.storage.routing import open_storage
 
 STRATEGIES = ("async", "sync", "random")
+PRIOR_KINDS = ("scaled", "rank")
+#: Metrics the runner adds to every candidate's evaluator metrics (usable as objectives):
+#: realized expert bytes read by its merge, and that as a fraction of the experts' total bytes.
+IO_METRICS = ("io:expert_read_bytes", "io:expert_read_fraction")
+
+
+def evaluation_delay(cfg: SearchConfig, worker: int, read_fraction: float | None) -> float:
+    """Seconds an evaluation waits before it runs (simulated slow devices and costly candidates;
+    benchmarks): ``worker_delays[worker]`` plus, with ``latency = [fixed_s, full_s]``,
+    ``fixed_s + full_s · read_fraction`` (``read_fraction``: the candidate's realized expert bytes
+    over the experts' total, clipped to [0, 1]; None, unknown: 1)."""
+    delay = cfg.worker_delays[worker] if worker < len(cfg.worker_delays) else 0.0
+    if cfg.latency:
+        f = 1.0 if read_fraction is None else min(1.0, max(0.0, read_fraction))
+        delay += cfg.latency[0] + cfg.latency[1] * f
+    return delay
 
 
 class SearchFailed(InputError):
@@ -81,6 +97,14 @@ class SearchConfig:
         devices; benchmarks); ``catalog``: catalog location; ``block_bytes``: catalog block size;
         ``design``: explicit unit-cube points used instead of the Sobol design for the first
         ``len(design)`` candidates (e.g. a grid; ``initial`` must equal ``len(design)``);
+        ``prior_kind``: ``scaled`` (lengthscale multipliers on botorch's default prior) or
+        ``rank`` (AP-BMM's rank → initial lengthscale 0.5/1/2/5), see :mod:`mergepipe.search.prior`;
+        ``rerank``: frontier-coverage reranking (``async`` only; None: on when ``prior`` is);
+        ``outer``: the embeddings and ``lm_head`` get coordinates of their own
+        (:func:`mergepipe.search.space.outer_parts`);
+        ``latency``: ``[fixed_s, full_s]``: each evaluation waits ``fixed_s + full_s·f`` seconds
+        before it runs, ``f`` = the candidate's realized expert bytes / the experts' total bytes
+        (a candidate-dependent cost, e.g. a device that streams what the merge read; benchmarks);
         ``lookahead``: ``async``/``random`` only: a proposer thread keeps one candidate queued
         ahead (proposed with every running one pending), so a freed worker starts at once instead
         of proposing itself (False: the freed worker proposes, AP-BMM's plain loop).
@@ -107,6 +131,10 @@ class SearchConfig:
     block_bytes: int = 128 * 1024
     design: list[list[float]] | None = None
     lookahead: bool = True
+    prior_kind: str = "scaled"
+    rerank: bool | None = None
+    outer: bool = False
+    latency: list[float] | None = None
 
     def __post_init__(self) -> None:
         from mergepipe.search.space import as_params
@@ -125,7 +153,7 @@ class SearchConfig:
             method=self.method,
             parameters=dict(params.get("parameters") or {}),
             experts=[ExpertRequest(name=n, uri=u, parameters=dict(own.get(n) or {})) for n, u in self.experts],
-            budget=self.budget,
+            budget=params.get("budget", self.budget),
             seed=self.seed,
             output=output,
         )
@@ -145,6 +173,10 @@ class SearchConfig:
             raise InputError(f"--workers {self.workers}: must be at least 1.")
         if self.strategy not in STRATEGIES:
             raise InputError(f"strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}.")
+        if self.prior_kind not in PRIOR_KINDS:
+            raise InputError(f"--prior {self.prior_kind!r}: use one of {', '.join(PRIOR_KINDS)} (or --no-prior).")
+        if self.latency is not None and (len(self.latency) != 2 or any(not 0 <= v < 1e6 for v in self.latency)):
+            raise InputError(f"latency {self.latency}: give [fixed seconds, seconds at a full read], both >= 0.")
         if not self.objectives:
             raise InputError("--objective: give at least one metric to optimise, e.g. --objective loss:python.")
         objs = [Objective.parse(o) for o in self.objectives]
@@ -345,15 +377,17 @@ class _Search:
         if self.cfg.strategy == "sync":
             xs, info = propose(X, Y, ref, avoid=failed, q=k, rerank=False, seed=self.cfg.seed * 7919 + n)
             return [self._new(x, "bo-batch", info) for x in xs]
-        mult = self.state["prior"]["multipliers"] if (self.cfg.prior and self.state.get("prior")) else None
+        prior = self.state.get("prior") if self.cfg.prior else None
+        kind = self.cfg.prior_kind
         xs, info = propose(
             X,
             Y,
             ref,
             pending=pending,
             avoid=failed,
-            multipliers=mult,
-            rerank=self.cfg.prior,
+            multipliers=prior["multipliers"] if prior and kind == "scaled" else None,
+            lengthscales=prior.get("lengthscales") if prior and kind == "rank" else None,
+            rerank=self.cfg.prior if self.cfg.rerank is None else self.cfg.rerank,
             seed=self.cfg.seed * 7919 + n,
         )
         info["n_pending"] = len(pending)
@@ -479,7 +513,9 @@ class _Search:
             c["times"]["merged"] = t1
             self.event(w, "merge", c["id"], t0, t1)
             self.save()
-        delay = self.cfg.worker_delays[w] if w < len(self.cfg.worker_delays) else 0.0
+        total = self.state.get("expert_bytes_total")
+        frac = merged.expert_read_bytes / total if (merged.expert_read_bytes is not None and total) else None
+        delay = evaluation_delay(self.cfg, w, frac)
         try:
             if delay:
                 time.sleep(delay)
@@ -487,6 +523,11 @@ class _Search:
                 metrics = call_with_timeout(lambda: self.ev.metrics(snap), self.ev.timeout)
             else:
                 metrics = self.ev.metrics(snap)
+            metrics = dict(metrics)
+            if merged.expert_read_bytes is not None:
+                metrics.setdefault(IO_METRICS[0], merged.expert_read_bytes)
+            if frac is not None:
+                metrics.setdefault(IO_METRICS[1], frac)
             objs = objective_values(self.objectives, metrics)
         except MissingObjective as e:
             with self.cv:
@@ -550,6 +591,7 @@ def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log) -> dict
     objs = [Objective.parse(o) for o in cfg.objectives]
     known = evaluator.known_metrics()
     if known is not None:
+        known = list(known) + [m for m in IO_METRICS if m not in known]
         miss = [str(o) for o in objs if o.metric not in known]
         if miss:
             raise MissingObjective(f"--objective {', '.join(miss)}: the evaluator produces {known}; name one of those.")
@@ -558,10 +600,12 @@ def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log) -> dict
     cat = open_catalog(cfg.catalog)
     st = open_storage(None, IOCounters())  # local folders and s3:// checkpoints
     base = cat.register(st, cfg.base)
-    space = space_for_base(list(base.layout.tensors), cfg.method, names, vary, cfg.layer_blocks, cfg.fixed)
+    space = space_for_base(
+        list(base.layout.tensors), cfg.method, names, vary, cfg.layer_blocks, cfg.fixed, outer=cfg.outer
+    )
     # Validate a candidate (the centre point) exactly as every candidate will be planned; this
     # also analyzes the experts once (cached in the catalog), which the prior reads.
-    build_plan(cat, st, cfg.request(space.to_params([0.5] * space.d)), block_bytes=cfg.block_bytes)
+    plan = build_plan(cat, st, cfg.request(space.to_params([0.5] * space.d)), block_bytes=cfg.block_bytes)
     prior = None
     if cfg.prior and cfg.strategy == "async":
         _, recs, ans = register_and_analyze(cat, st, cfg.base, [u for _, u in cfg.experts], cfg.block_bytes)
@@ -571,9 +615,10 @@ def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log) -> dict
         prior = compute_prior(
             space, [a.tensors for a in ans], base_dir=cfg.base, expert_dirs=[u for _, u in cfg.experts], input_ids=ids
         ).to_json()
+        key = "multipliers" if cfg.prior_kind == "scaled" else "lengthscales"
         log(
-            "prior lengthscale multipliers: "
-            + ", ".join(f"{lab}={m:.2f}" for lab, m in zip(prior["labels"], prior["multipliers"]))
+            f"prior ({cfg.prior_kind}) lengthscale {key}: "
+            + ", ".join(f"{lab}={m:.2f}" for lab, m in zip(prior["labels"], prior[key]))
         )
     return {
         "format": STATE_FORMAT,
@@ -582,6 +627,7 @@ def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log) -> dict
         "space": space.to_json(),
         "prior": prior,
         "ref_point": cfg.ref_point,
+        "expert_bytes_total": plan.expert_bytes_total,
         "evaluator": evaluator.spec(),
         "candidates": [],
         "events": [],

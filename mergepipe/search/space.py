@@ -17,7 +17,17 @@ settings, structured values), from which the search builds a :class:`mergepipe.r
 that goes through the normal validation of :func:`mergepipe.pipeline.build_plan`, so a candidate is
 planned exactly like a user's merge.
 This layout follows AP-BMM's per-layer merge weights (MiLab-HITSZ/AP-BMM), generalised to any
-numeric parameter and to blocks of layers.
+numeric parameter and to blocks of layers. Three extensions:
+
+* **outer coordinates** (``outer_parts(...)``, ``--search-outer``): the embeddings and ``lm_head``
+  (on a small model most of the task-vector energy) get coordinates of their own per varied
+  (expert, parameter) instead of the mean of the block values: filter entries naming those
+  tensors exactly; the final norm keeps the mean.
+* a **shared** coordinate ``*:NAME=LO:HI``: one value per layer block applied to *every* expert
+  (``*:weight=0:1 *:density=0.1:1 --layer-blocks 1`` is the 2-D model-level space).
+* a **budget** coordinate ``budget=LO:HI`` (fractions in (0, 1]): the candidate's expert-I/O
+  budget, ``100·v %`` of the experts' bytes, so a search can trade quality against bytes read
+  (objective ``io:expert_read_bytes``).
 """
 
 from __future__ import annotations
@@ -58,6 +68,11 @@ def as_params(fixed: Any, method: str, experts: Sequence[str]) -> Params:
     }
 
 
+#: ``--vary budget=LO:HI``: the candidate's expert-I/O budget as a fraction of the experts' bytes.
+BUDGET = "budget"
+#: ``--vary *:NAME=LO:HI``: one coordinate per block shared by every expert.
+SHARED = "*"
+
 _VARY_RE = re.compile(r"(?:([^:=]+):)?([A-Za-z_][A-Za-z0-9_]*)=([^:]+):([^:]+)")
 
 
@@ -77,8 +92,11 @@ class Dim:
     """One coordinate of the search space.
 
     Attributes:
-        name: the parameter; ``expert``: the expert it applies to (None: global parameter);
-        block: layer block index; ``layers``: the decoder layers of that block; ``lo, hi``: bounds.
+        name: the parameter (or :data:`BUDGET`); ``expert``: the expert it applies to (None:
+        global parameter; :data:`SHARED`: every expert); block: layer block index; ``layers``:
+        the decoder layers of that block (empty for an outer part and the budget); ``lo, hi``:
+        bounds; ``part``: the outer part (``embed``/``head``) or None; ``tensors``: an outer
+        part's tensor names.
     """
 
     name: str
@@ -87,16 +105,23 @@ class Dim:
     layers: tuple[int, ...]
     lo: float
     hi: float
+    part: str | None = None
+    tensors: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
+        if self.name == BUDGET:
+            return BUDGET
         who = f"{self.expert}:" if self.expert else ""
+        if self.part:
+            return f"{who}{self.name}@{self.part}"
         span = f"{self.layers[0]}" if len(self.layers) == 1 else f"{self.layers[0]}-{self.layers[-1]}"
         return f"{who}{self.name}@L{span}"
 
 
 def parse_vary(items: Sequence[str]) -> list[Vary]:
-    """Parse ``--vary`` items ``[EXPERT:]NAME=LO:HI`` (e.g. ``weight=0:1``, ``math:density=0.2:0.9``).
+    """Parse ``--vary`` items ``[EXPERT:]NAME=LO:HI`` (e.g. ``weight=0:1``, ``math:density=0.2:0.9``,
+    ``*:weight=0:1`` shared by every expert, ``budget=0.1:1``).
 
     Raises:
         InputError: malformed item, non-numeric bounds, or reversed/empty bounds (``LO >= HI``).
@@ -121,6 +146,17 @@ def parse_vary(items: Sequence[str]) -> list[Vary]:
     return out
 
 
+def outer_parts(layout_names: Sequence[str]) -> list[list]:
+    """The outer parts of a checkpoint (tensors outside the decoder layers) that get their own
+    coordinates with ``--search-outer``: ``[["embed", [names]], ["head", [names]]]`` — token and
+    position embeddings (a name containing ``embed``, ``wte`` or ``wpe``) and the output head
+    (``lm_head``); a part with no tensor is left out (tied embeddings: no ``head``)."""
+    outer = [n for n in layout_names if LAYER_RE.search(n) is None]
+    embed = sorted(n for n in outer if any(k in n for k in ("embed", "wte", "wpe")))
+    head = sorted(n for n in outer if "lm_head" in n and n not in embed)
+    return [[p, names] for p, names in (("embed", embed), ("head", head)) if names]
+
+
 def space_for_base(
     layout_names: Sequence[str],
     method: str,
@@ -128,13 +164,31 @@ def space_for_base(
     vary: Sequence[Vary],
     n_blocks: int,
     fixed: Params | None = None,
+    outer: bool = False,
 ) -> SearchSpace:
     """The :class:`SearchSpace` of a base checkpoint whose tensor names are ``layout_names``
-    (the number of layers and the layer path component come from the names)."""
+    (the number of layers and the layer path component come from the names); ``outer``: give
+    the embeddings and ``lm_head`` coordinates of their own (:func:`outer_parts`).
+
+    Raises:
+        InputError: ``outer`` but the checkpoint has no embedding or head tensor outside the layers.
+    """
     words = {m.group(0).strip(".").split(".")[0] for m in (LAYER_RE.search(n) for n in layout_names) if m}
     word = "layers" if "layers" in words or not words else sorted(words)[0]
+    parts = outer_parts(layout_names) if outer else []
+    if outer and not parts:
+        raise InputError(
+            "--search-outer: the base has no embedding or lm_head tensor outside its layers; drop --search-outer."
+        )
     return SearchSpace(
-        method, list(experts), list(vary), layer_count(layout_names), n_blocks, as_params(fixed, method, experts), word
+        method,
+        list(experts),
+        list(vary),
+        layer_count(layout_names),
+        n_blocks,
+        as_params(fixed, method, experts),
+        word,
+        parts,
     )
 
 
@@ -166,7 +220,8 @@ class SearchSpace:
         varying parameters; ``n_layers``: decoder layers of the base; ``n_blocks``: layer blocks;
         ``fixed``: the other settings (:data:`Params`), applied to every candidate; ``layer_word``:
         the path component before the layer index in the base's tensor names (``layers`` in
-        ``model.layers.3.mlp…``, ``h`` in ``transformer.h.3…``).
+        ``model.layers.3.mlp…``, ``h`` in ``transformer.h.3…``); ``outer``: the outer parts with
+        coordinates of their own (:func:`outer_parts`; empty: they take the mean of the blocks).
     """
 
     method: str
@@ -176,6 +231,7 @@ class SearchSpace:
     n_blocks: int
     fixed: Params = field(default_factory=dict)
     layer_word: str = "layers"
+    outer: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.fixed = as_params(self.fixed, self.method, self.experts)
@@ -191,6 +247,7 @@ class SearchSpace:
             "n_blocks": self.n_blocks,
             "fixed": copy.deepcopy(self.fixed),
             "layer_word": self.layer_word,
+            "outer": copy.deepcopy(self.outer),
         }
 
     @classmethod
@@ -203,6 +260,7 @@ class SearchSpace:
             int(d["n_blocks"]),
             d["fixed"],
             d.get("layer_word", "layers"),
+            d.get("outer") or [],
         )
 
     def validate(self) -> None:
@@ -218,9 +276,20 @@ class SearchSpace:
         if not self.vary:
             raise InputError("--vary: nothing varies; give e.g. --vary weight=0:1 (one value per layer block).")
         layer_blocks(self.n_layers, self.n_blocks)
-        seen = set()
+        seen: set[tuple[str | None, str]] = set()
         for v in self.vary:
             where = f"--vary {(v.expert + ':') if v.expert else ''}{v.name}={v.lo:g}:{v.hi:g}"
+            if v.name == BUDGET:
+                if v.expert is not None:
+                    raise InputError(f"{where}: the budget is the merge's; vary it without an expert name.")
+                if not 0 < v.lo < v.hi <= 1:
+                    raise InputError(
+                        f"{where}: the budget varies as a fraction of the experts' bytes; give 0 < LO < HI <= 1."
+                    )
+                if (None, BUDGET) in seen:
+                    raise InputError(f"{where}: the budget already varies; vary it once.")
+                seen.add((None, BUDGET))
+                continue
             p = spec.param(v.name, where)
             if p.kind == "bool":
                 raise InputError(f"{where}: {v.name} is a boolean; only numeric parameters vary per layer block.")
@@ -233,13 +302,16 @@ class SearchSpace:
                     raise InputError(
                         f"{where}: {v.name} is a global parameter of {self.method}; vary it without an expert name."
                     )
-                if v.expert not in self.experts:
+                if v.expert != SHARED and v.expert not in self.experts:
                     raise InputError(f"{where}: no expert named {v.expert!r}; experts are {', '.join(self.experts)}.")
             for e in self._targets(v, p.scope):
-                if (e, v.name) in seen:
-                    raise InputError(f"{where}: {v.name} already varies for {e or 'the merge'}; vary it once.")
-                seen.add((e, v.name))
+                for who in self.experts if e == SHARED else [e]:
+                    if (who, v.name) in seen:
+                        raise InputError(f"{where}: {v.name} already varies for {who or 'the merge'}; vary it once.")
+                    seen.add((who, v.name))
         for e, name in seen:
+            if name == BUDGET:
+                continue
             if name in self.fixed["parameters"]:
                 raise InputError(f"--param {name}: {name} is also varied by --vary; drop one of the two.")
             for who, own in self.fixed["experts"].items():
@@ -262,9 +334,14 @@ class SearchSpace:
         spec = get_method(self.method)
         out = []
         for v in self.vary:
+            if v.name == BUDGET:
+                out.append(Dim(BUDGET, None, 0, (), v.lo, v.hi))
+                continue
             for e in self._targets(v, spec.param(v.name, v.name).scope):
                 for b, layers in enumerate(self.blocks):
                     out.append(Dim(v.name, e, b, layers, v.lo, v.hi))
+                for j, (part, names) in enumerate(self.outer):
+                    out.append(Dim(v.name, e, self.n_blocks + j, (), v.lo, v.hi, part, tuple(names)))
         return out
 
     @property
@@ -290,20 +367,34 @@ class SearchSpace:
 
     def to_params(self, x: Sequence[float]) -> Params:
         """The settings of point ``x`` (:data:`Params`): the fixed ones plus one filter list per
-        varied (expert, parameter): an entry per decoder layer with its block's value and a
-        catch-all with the mean of the block values (embeddings, final norm, ``lm_head``)."""
+        varied (expert, parameter): an entry per decoder layer with its block's value, with
+        outer coordinates an entry per outer tensor (exact name) with its part's value, and a
+        catch-all with the mean of the block values (the other tensors outside the layers:
+        final norm; without outer coordinates also embeddings and ``lm_head``). A shared
+        coordinate's list goes to every expert; a budget coordinate ``v`` sets
+        ``out["budget"] = "<100·v>%"``."""
         vals = self.values(x)
         groups: dict[tuple[str | None, str], list[float]] = {}
-        for v, dm in zip(vals, self.dims):
-            groups.setdefault((dm.expert, dm.name), []).append(v)
         out = copy.deepcopy(self.fixed)
-        for (e, name), bv in groups.items():
+        for v, dm in zip(vals, self.dims):
+            if dm.name == BUDGET:
+                out["budget"] = f"{round(100 * v, 4):g}%"
+                continue
+            groups.setdefault((dm.expert, dm.name), []).append(v)
+        nb = self.n_blocks
+        for (e, name), gv in groups.items():
+            bv, ov = gv[:nb], gv[nb:]
             entries: list[dict] = []
             for b, layers in enumerate(self.blocks):
                 entries += [{"filter": f"{self.layer_word}.{ell}.", "value": bv[b]} for ell in layers]
+            for (_, names), pv in zip(self.outer, ov):
+                entries += [{"filter": n, "value": pv} for n in names]
             entries.append({"value": round(sum(bv) / len(bv), 6)})
             if e is None:
                 out["parameters"][name] = entries
+            elif e == SHARED:
+                for who in self.experts:
+                    out["experts"].setdefault(who, {})[name] = copy.deepcopy(entries)
             else:
                 out["experts"].setdefault(e, {})[name] = entries
         return out
