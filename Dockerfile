@@ -17,7 +17,7 @@ COPY operator ./operator
 # kubernetes, boto3, prometheus-client; no torch). A local path, so the name `mergepipe`
 # resolves to this checkout, never to an index.
 RUN pip install "./[operator]" \
-    && python -c "import mergepipe_operator.main, mergepipe.pipeline, kopf" \
+    && python -c "import mergepipe_operator.main, mergepipe.pipeline, mergepipe.parts, kopf" \
     && ! python -c "import torch" 2>/dev/null \
     && rm -rf /src
 

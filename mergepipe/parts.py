@@ -267,6 +267,7 @@ def commit_run(
         lineage=lineage,
         realized=realized,
         parts=summary,
+        worker_versions=records[0].get("versions"),
     )
     if object_mode:
         obj.require_conditional_writes(out_storage, out, unsafe_single_writer)

@@ -96,11 +96,15 @@ def build_manifest(
     lineage: dict | None = None,
     realized: dict | None = None,
     parts: list | None = None,
+    worker_versions: dict | None = None,
 ) -> dict:
     """The manifest of a finished execution (see :mod:`mergepipe.commit.manifest`); ``lineage``
     (e.g. ``{"search": {...}}`` for a candidate of ``mergepipe search``) is merged in as
     top-level keys. ``realized`` (default: :func:`realized_io` of ``before``/``after``) is the
-    bytes moved; ``parts`` (a partitioned run's parts) adds a ``parts`` entry."""
+    bytes moved; ``parts`` (a partitioned run's parts) adds a ``parts`` entry;
+    ``worker_versions`` (default: this process's :func:`versions`) are the versions of the
+    processes that did the arithmetic (a partitioned run may commit in a process without torch,
+    such as the Kubernetes operator)."""
     if realized is None:
         if before is None or after is None:
             raise ValueError("build_manifest needs `realized` or both counter snapshots")
@@ -147,7 +151,7 @@ def build_manifest(
         "config": plan.source or None,
         "time": {"started_at": started, "wall_s": round(res.wall_s, 3)},
         "device": device,
-        "versions": versions(),
+        "versions": worker_versions or versions(),
     }
     if parts is not None:
         out["parts"] = parts

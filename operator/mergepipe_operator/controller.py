@@ -14,6 +14,7 @@ import kopf
 
 from .k8s.api import Kube
 from .k8s.conditions import transition_events
+from .modelmerge.committing import commit_parts
 from .modelmerge.controller import MergeReconciler
 from .modelmerge.planning import PlanSummary, plan_merge
 from .objectstore import ObjectStore
@@ -32,6 +33,8 @@ class Controller(MergeReconciler, SearchReconciler):
         store: object storage for plans and manifests (``None``: none configured).
         planner: plans a merge; default :func:`~mergepipe_operator.modelmerge.planning.plan_merge`
             over :meth:`core_storage`.
+        committer: commits a partitioned merge's parts; default
+            :func:`~mergepipe_operator.modelmerge.committing.commit_parts` over :meth:`core_storage`.
         clock: the current time (timezone-aware).
     """
 
@@ -42,11 +45,15 @@ class Controller(MergeReconciler, SearchReconciler):
         store: ObjectStore | None,
         planner: Callable[[dict[str, Any], str | None], PlanSummary] | None = None,
         clock: Callable[[], datetime] = utcnow,
+        committer: Callable[[str, str, int], str] | None = None,
     ):
         self.settings = settings
         self.kube = kube
         self.store = store
         self.planner = planner or (lambda spec, catalog: plan_merge(spec, catalog, storage=self.core_storage()))
+        self.committer = committer or (
+            lambda plan_uri, out_uri, n: commit_parts(self.core_storage(), plan_uri, out_uri, n)
+        )
         self.clock = clock
         self._core_storage: Any = None
 

@@ -144,6 +144,10 @@ Duration = Annotated[str, StringConstraints(pattern=DURATION_PATTERN, max_length
 Timestamp = Annotated[datetime, WithJsonSchema({"type": "string", "format": "date-time"})]
 NonNegInt = Annotated[int, Field(ge=0)]
 
+#: The most pods one merge may run as (spec.parallelism); the chart's merges.parallelism.max bounds
+#: it further. Kubernetes allows 100,000 completions for an Indexed Job with per-index backoff.
+MAX_PARALLELISM = 1024
+
 #: The largest seed the CRDs accept: 2**53 - 1, the largest integer every JSON reader keeps exactly
 #: (JavaScript, Argo CD's UI, any float64 parser). A seed only names random streams (the DARE/DELLA
 #: streams are keyed by a SHA-256 of its decimal string; the search seeds torch generators with it),
@@ -330,6 +334,17 @@ class ModelMergeSpec(K8sModel):
         default=None, description="Merger image override."
     )
     s3: S3Spec | None = None
+    parallelism: Annotated[int, Field(ge=1, le=MAX_PARALLELISM)] | None = Field(
+        default=None,
+        description=(
+            "Pods that execute the merge: N > 1 runs it as an Indexed Job of N pods, pod i "
+            "executing part i of the plan (its output shards, balanced by bytes; mergepipe execute "
+            "--part i/N) with retries per index, and the operator commits the parts when every "
+            "index succeeded; 1 runs one pod. Unset: chosen from the plan's bytes (chart values "
+            "merges.parallelism.bytesPerPart and max). At most the chart's merges.parallelism.max "
+            "and the plan's number of output shards. Each pod gets spec.resources (GPUs included)."
+        ),
+    )
     queue_name: DnsLabel | None = Field(
         default=None,
         description=(
@@ -377,6 +392,25 @@ class PlanStatus(K8sModel):
     )
 
 
+class PartsStatus(K8sModel):
+    """Progress of a partitioned merge (an Indexed Job; ModelMergeSpec.parallelism)."""
+
+    total: Annotated[int, Field(ge=1, le=MAX_PARALLELISM)] = Field(description="N, the number of parts (Job indexes).")
+    succeeded: NonNegInt = Field(default=0, description="Parts (indexes) that succeeded.")
+    progress: Annotated[str, StringConstraints(max_length=16)] | None = Field(
+        default=None, description="succeeded/total, e.g. 3/4 (the Parts printer column)."
+    )
+    completed_indexes: Annotated[str, StringConstraints(max_length=4096)] | None = Field(
+        default=None, description="The Job's completedIndexes, e.g. 0-2,4."
+    )
+    failed_indexes: Annotated[str, StringConstraints(max_length=4096)] | None = Field(
+        default=None, description="The Job's failedIndexes (indexes out of retries), e.g. 3."
+    )
+    failed_pods: NonNegInt | None = Field(
+        default=None, description="Pods that failed, retries included (each index is retried on its own)."
+    )
+
+
 class ModelMergeStatus(ObservedStatus):
     """Observed state of a ModelMerge."""
 
@@ -394,6 +428,9 @@ class ModelMergeStatus(ObservedStatus):
         default=None, description="Realized expert read (human-readable)."
     )
     job_name: DnsLabel | None = None
+    parts: PartsStatus | None = Field(
+        default=None, description="Parts done / total of a partitioned merge (unset: one pod)."
+    )
     snapshot: DnsSubdomain | None = Field(default=None, description="Name of the MergedSnapshot.")
     admission: AdmissionStatus | None = None
 
@@ -751,6 +788,7 @@ RESOURCES: dict[str, dict[str, Any]] = {
             {"name": "Experts", "type": "integer", "jsonPath": ".status.expertCount"},
             {"name": "Budget", "type": "string", "jsonPath": ".status.budget"},
             {"name": "ExpertRead", "type": "string", "jsonPath": ".status.expertRead"},
+            {"name": "Parts", "type": "string", "jsonPath": ".status.parts.progress"},
             {"name": "Retained", "type": "number", "jsonPath": ".status.plan.retainedEnergy", "priority": 1},
             {"name": "Plan", "type": "string", "jsonPath": ".status.plan.digest", "priority": 1},
             {"name": "Snapshot", "type": "string", "jsonPath": ".status.snapshot", "priority": 1},

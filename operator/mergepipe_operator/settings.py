@@ -82,6 +82,12 @@ class Settings:
     quota_retry_seconds: int = 300
     #: seconds between checks of a running analyze Job (the merge is planned when it finished)
     analyze_poll_seconds: int = 15
+    #: partitioned merges (an Indexed Job of N pods, each ``execute --part i/N``): the most pods
+    #: one merge may use (chart ``merges.parallelism.max``; bounds ``spec.parallelism`` and the
+    #: automatic choice) and the bytes one pod should move (base + expert read + output write)
+    #: when the ModelMerge leaves ``spec.parallelism`` unset (``merges.parallelism.bytesPerPart``)
+    max_parallelism: int = 8
+    bytes_per_part: int = 100 * 1024**3
     metrics_port: int | None = None
     # merge searches: the driver Job's ServiceAccount (a Role lets it create ModelMerges and Jobs in
     # its namespace) and its resources (botorch on CPU; the candidates' merge Jobs get the GPUs)
@@ -104,6 +110,19 @@ class Settings:
         if gpu_count < 0:
             raise ValueError(f"{ENV_PREFIX}GPU_COUNT must be >= 0, got {gpu_count}")
         metrics = _opt(env, "METRICS_PORT")
+        max_parallelism = _int(env, "MAX_PARALLELISM", d.max_parallelism)
+        if max_parallelism < 1:
+            raise ValueError(f"{ENV_PREFIX}MAX_PARALLELISM must be >= 1, got {max_parallelism}")
+        bytes_per_part = d.bytes_per_part
+        if _opt(env, "BYTES_PER_PART"):
+            from .k8s.quantities import QuantityError, parse_quantity
+
+            try:
+                bytes_per_part = parse_quantity(_opt(env, "BYTES_PER_PART"), field=f"{ENV_PREFIX}BYTES_PER_PART")
+            except QuantityError as e:
+                raise ValueError(str(e)) from None
+            if bytes_per_part < 1:
+                raise ValueError(f"{ENV_PREFIX}BYTES_PER_PART must be at least 1 byte")
         ns = _opt(env, "WATCH_NAMESPACES")
         return cls(
             merger_image=_opt(env, "MERGER_IMAGE") or d.merger_image,
@@ -131,6 +150,8 @@ class Settings:
             watch_namespaces=tuple(n.strip() for n in ns.split(",") if n.strip()) if ns else (),
             quota_retry_seconds=_int(env, "QUOTA_RETRY_SECONDS", d.quota_retry_seconds),
             analyze_poll_seconds=_int(env, "ANALYZE_POLL_SECONDS", d.analyze_poll_seconds),
+            max_parallelism=max_parallelism,
+            bytes_per_part=bytes_per_part,
             metrics_port=int(metrics) if metrics else None,
             search_service_account=_opt(env, "SEARCH_SERVICE_ACCOUNT") or d.search_service_account,
             search_driver_cpu=_opt(env, "SEARCH_DRIVER_CPU") or d.search_driver_cpu,

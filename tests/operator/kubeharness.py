@@ -15,6 +15,7 @@ import contextlib
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -318,10 +319,14 @@ def _secret_value(api: Api, ns: str, ref: dict[str, Any]) -> str | None:
     return base64.b64decode(data[ref["key"]]).decode()
 
 
-def job_command(api: Api, job: dict[str, Any], workdir: Path) -> tuple[list[str], dict[str, str]]:
+def job_command(
+    api: Api, job: dict[str, Any], workdir: Path, index: int | None = None
+) -> tuple[list[str], dict[str, str]]:
     """The Job's container command and environment, as its pod would run them: ``mergepipe`` is
     this checkout's CLI, secretKeyRef values come from the Secret in the Job's namespace, and the
-    pod's emptyDir /tmp is a fresh folder."""
+    pod's emptyDir /tmp is a fresh folder. ``index``: the pod's completion index in an Indexed
+    Job (the Job controller sets ``JOB_COMPLETION_INDEX``; the kubelet expands ``$(VAR)`` in the
+    arguments from the container's environment)."""
     ns = job["metadata"]["namespace"]
     (c,) = job["spec"]["template"]["spec"]["containers"]
     cmd = list(c["command"]) + list(c.get("args") or [])
@@ -347,14 +352,30 @@ def job_command(api: Api, job: dict[str, Any], workdir: Path) -> tuple[list[str]
     for k in ("HOME", "TMPDIR"):  # /tmp in the pod: the emptyDir
         env[k] = str(tmp)
     env["XDG_CACHE_HOME"] = str(tmp / ".cache")
+    if index is not None:
+        assert job["spec"].get("completionMode") == "Indexed", "only an Indexed Job's pods have an index"
+        env["JOB_COMPLETION_INDEX"] = str(index)
+    cmd = [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), a) for a in cmd]
     return cmd, env
 
 
-def run_job(api: Api, job: dict[str, Any], workdir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_job(
+    api: Api,
+    job: dict[str, Any],
+    workdir: Path,
+    timeout: float = 300,
+    *,
+    index: int | None = None,
+    prelude: str | None = None,
+) -> subprocess.CompletedProcess:
     """Run the Job's command as its container would. The container's ``terminationMessagePath``
     is the local file ``workdir/termination-log`` (the kubelet mounts a file there); environment
-    values naming that path point to it."""
-    cmd, env = job_command(api, job, workdir)
+    values naming that path point to it. ``index``: an Indexed Job's pod index; ``prelude``:
+    Python run in the worker process before the CLI (a test's fault injection)."""
+    cmd, env = job_command(api, job, workdir) if index is None else job_command(api, job, workdir, index)
+    if prelude is not None:
+        assert cmd[1:3] == ["-m", "mergepipe.cli"], cmd
+        cmd = [cmd[0], "-c", prelude + "\nfrom mergepipe.cli import main\nmain()\n", *cmd[3:]]
     (c,) = job["spec"]["template"]["spec"]["containers"]
     term = workdir / "termination-log"
     term.unlink(missing_ok=True)
@@ -365,11 +386,14 @@ def run_job(api: Api, job: dict[str, Any], workdir: Path, timeout: float = 300) 
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(workdir))
 
 
-def record_pod(api: Api, job: dict[str, Any], r: subprocess.CompletedProcess, workdir: Path) -> dict[str, Any]:
+def record_pod(
+    api: Api, job: dict[str, Any], r: subprocess.CompletedProcess, workdir: Path, index: int | None = None
+) -> dict[str, Any]:
     """Create the Job's pod with the status the kubelet reports after its container exited: the
     container's termination message is the file it wrote at ``terminationMessagePath``, or with
     ``FallbackToLogsOnError`` and a failure, the tail of its log (the last 80 lines, at most 2048
-    bytes), as Kubernetes does."""
+    bytes), as Kubernetes does. A process killed by signal S exits 128 + S. ``index``: an
+    Indexed Job's pod index (label ``batch.kubernetes.io/job-completion-index``)."""
     ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
     (c,) = job["spec"]["template"]["spec"]["containers"]
     term = workdir / "termination-log"
@@ -383,6 +407,9 @@ def record_pod(api: Api, job: dict[str, Any], r: subprocess.CompletedProcess, wo
         "controller-uid": job["metadata"].get("uid", ""),
         "batch.kubernetes.io/controller-uid": job["metadata"].get("uid", ""),
     }
+    if index is not None:
+        labels["batch.kubernetes.io/job-completion-index"] = str(index)
+    code = r.returncode if r.returncode >= 0 else 128 - r.returncode
     pod_name = f"{name[:57]}-{os.urandom(3).hex()[:5]}"
     api.create(
         {
@@ -394,8 +421,8 @@ def record_pod(api: Api, job: dict[str, Any], r: subprocess.CompletedProcess, wo
     )
     t = _now()
     terminated = {
-        "exitCode": r.returncode,
-        "reason": "Completed" if r.returncode == 0 else "Error",
+        "exitCode": code,
+        "reason": "Completed" if code == 0 else "Error",
         "startedAt": t,
         "finishedAt": t,
         "containerID": "containerd://" + os.urandom(8).hex(),
@@ -408,7 +435,7 @@ def record_pod(api: Api, job: dict[str, Any], r: subprocess.CompletedProcess, wo
         pod_name,
         {
             "status": {
-                "phase": "Succeeded" if r.returncode == 0 else "Failed",
+                "phase": "Succeeded" if code == 0 else "Failed",
                 "containerStatuses": [
                     {
                         "name": c["name"],
@@ -479,6 +506,39 @@ def mark_job(api: Api, job: dict[str, Any], state: str, message: str = "") -> No
                 },
             ],
         }
+    api.patch("Job", ns, name, {"status": st}, sub="status")
+
+
+def mark_indexed_job(
+    api: Api, job: dict[str, Any], completed: list[int], failed_pods: int = 0, active: int = 0
+) -> None:
+    """Write the status the Job controller keeps for an Indexed Job: ``completedIndexes`` (ranges,
+    e.g. ``0-2,4``), ``succeeded``, ``failed`` pods, ``active`` pods; once every index of
+    ``spec.completions`` completed, the ``SuccessCriteriaMet`` and ``Complete`` conditions."""
+    ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+    done = sorted(set(completed))
+    ranges: list[str] = []
+    for i in done:
+        if ranges and int(ranges[-1].split("-")[-1]) == i - 1:
+            ranges[-1] = f"{ranges[-1].split('-')[0]}-{i}"
+        else:
+            ranges.append(str(i))
+    t = _now()
+    st: dict[str, Any] = {
+        "active": active,
+        "ready": active,
+        "succeeded": len(done),
+        "failed": failed_pods,
+        "completedIndexes": ",".join(ranges),
+        "startTime": t,
+    }
+    if len(done) == job["spec"]["completions"]:
+        st["completionTime"] = t
+        st["conditions"] = [
+            {"type": c, "status": "True", "reason": "CompletionsReached", "lastTransitionTime": t,
+             "message": "Reached expected number of succeeded pods"}
+            for c in ("SuccessCriteriaMet", "Complete")
+        ]  # fmt: skip
     api.patch("Job", ns, name, {"status": st}, sub="status")
 
 

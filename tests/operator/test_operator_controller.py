@@ -854,3 +854,93 @@ def test_quota_gauges_follow_the_quota_status(settings):
         sample("mergepipe_quota_used", "expertReadBytes") is None
         and sample("mergepipe_quota_hard", "expertReadBytes") is None
     )
+
+
+# --- partitioned merges: an Indexed Job, then the operator commits ---------------------------------
+
+
+class ShardedPlanner(Planner):
+    """Plans with ``shards`` output shards (the most parts a plan splits into)."""
+
+    def __init__(self, shards, **kw):
+        super().__init__(**kw)
+        self.shards = shards
+
+    def __call__(self, spec, catalog_uri):
+        import dataclasses
+
+        return dataclasses.replace(super().__call__(spec, catalog_uri), shards=self.shards)
+
+
+def test_parallelism_runs_an_indexed_job_and_the_operator_commits_its_parts(settings):
+    import dataclasses
+
+    calls = []
+
+    def committer(plan_uri, out_uri, n):
+        calls.append((plan_uri, out_uri, n))
+        commit(store, out_uri, st["plan"]["digest"], realized=6 * GI)
+        return "h" * 64
+
+    settings = dataclasses.replace(settings, bytes_per_part=4 * GI)  # 1 + 8 + 1 GiB moved: auto = 3 parts
+    c, kube, store, mm = setup(settings, make_quota(bytes_="100Gi", merges=5), planner=ShardedPlanner(6))
+    c.committer = committer
+    st = c.reconcile_merge(mm)
+    mm = apply(kube, mm, st)
+    (job,) = kube.list(JOBS, "ns1")
+    assert (job["spec"]["completions"], mmd.job_parts(job)) == (3, 3) and st["parts"]["progress"] == "0/3"
+    assert "Indexed Job of 3 parts" in ready(mm)["message"]
+    running = dict(job, status={"active": 2, "completedIndexes": "1", "failed": 1})
+    p = c.sync_job(mm, running)
+    assert p["parts"]["progress"] == "1/3" and p["parts"]["failedPods"] == 1
+    assert cond.get_condition(p["conditions"], "Ready")["message"] == (
+        f"merge Job {job['metadata']['name']}: 1/3 parts done, 2 pod(s) running, 1 failed attempt(s) retried per index"
+    )
+    mm = apply(kube, mm, p)
+    assert c.sync_job(mm, running) is None  # nothing new
+    assert calls == []  # nothing is committed before every index succeeded
+    done = dict(
+        job, status={"completedIndexes": "0-2", "succeeded": 3, "conditions": [{"type": "Complete", "status": "True"}]}
+    )
+    mm = apply(kube, mm, c.sync_job(mm, done))
+    assert calls == [(st["plan"]["uri"], "s3://snapshots/mm1/", 3)]
+    assert ready(mm)["reason"] == "Committed" and mm["status"]["parts"]["progress"] == "3/3"
+    assert kube.get(QUOTAS, "ns1", "q")["status"]["used"]["expertReadBytes"] == 6 * GI  # the manifest's sum
+    assert c.sync_job(mm, done) is None and len(calls) == 1  # a replayed event commits nothing more
+
+
+def test_an_explicit_parallelism_above_the_chart_limit_is_an_invalid_spec(settings):
+    c, kube, store, mm = setup(settings, mm=make_merge(parallelism=settings.max_parallelism + 1))
+    st = c.reconcile_merge(mm)
+    r = cond.get_condition(st["conditions"], "Ready")
+    assert r["reason"] == "InvalidSpec" and "spec.parallelism" in r["message"] and kube.list(JOBS, "ns1") == []
+
+
+def test_a_refused_commit_fails_the_merge_and_storage_trouble_retries(settings):
+    from mergepipe.errors import CommitConflict
+
+    c, kube, store, mm = setup(
+        settings, make_quota(bytes_="100Gi", merges=5), mm=make_merge(parallelism=2), planner=ShardedPlanner(2)
+    )
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    (job,) = kube.list(JOBS, "ns1")
+    done = dict(
+        job, status={"completedIndexes": "0-1", "succeeded": 2, "conditions": [{"type": "Complete", "status": "True"}]}
+    )
+
+    def flaky(plan_uri, out_uri, n):
+        raise ConnectionError("endpoint unreachable")
+
+    c.committer = flaky
+    with pytest.raises(reconcile.Retry, match="endpoint unreachable"):
+        c.sync_job(mm, done)
+
+    def refuses(plan_uri, out_uri, n):
+        raise CommitConflict("run plan-x: part 1/2 has no record; run `mergepipe execute ...` again.")
+
+    c.committer = refuses
+    st = c.sync_job(mm, done)
+    r = cond.get_condition(st["conditions"], "Ready")
+    assert r["reason"] == "JobFailed" and "part 1/2 has no record" in r["message"]
+    q = kube.get(QUOTAS, "ns1", "q")
+    assert q["status"]["ledger"][0]["state"] == "Charged"  # the pods ran: the reservation is charged

@@ -282,6 +282,7 @@ def test_printer_columns_point_at_schema_fields(kind):
             "Experts",
             "Budget",
             "ExpertRead",
+            "Parts",  # parts done / total of a partitioned merge (empty for one pod)
             "Age",
         ]
         wide = {c["name"]: c["jsonPath"] for c in cols if c.get("priority") == 1}

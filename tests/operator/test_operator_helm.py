@@ -251,6 +251,7 @@ def test_values_reach_the_operator_settings(chart):
     assert (s.backoff_limit, s.active_deadline_seconds, s.ttl_seconds_after_finished) == (2, 21600, 86400)
     assert s.metrics_port == 9090 and s.watch_namespaces == ()
     assert (s.quota_retry_seconds, s.analyze_poll_seconds) == (300, 15)
+    assert (s.max_parallelism, s.bytes_per_part) == (8, 100 * 1024**3)
 
     custom = settings_from(deployment(render(chart, values_of(CHART / "ci" / "custom-values.yaml"))))
     assert custom.merger_image == "registry.internal/mergepipe/merger:0.1.0-rocm"
@@ -264,6 +265,7 @@ def test_values_reach_the_operator_settings(chart):
     assert custom.job_service_account == "merger-irsa" and custom.node_selector == {"pool": "gpu"}
     assert custom.tolerations == [{"key": "amd.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert (custom.default_budget, custom.backoff_limit, custom.image_pull_policy) == ("512MiB", 0, "Always")
+    assert (custom.max_parallelism, custom.bytes_per_part) == (4, 50 * 1024**3)
     _, env = operator_env(deployment(render(chart, values_of(CHART / "ci" / "custom-values.yaml"))))
     assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": "minio-creds", "key": "accesskey"}
 

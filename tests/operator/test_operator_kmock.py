@@ -20,7 +20,19 @@ import pytest
 pytest.importorskip("kopf", reason="kopf (the operator framework) is not installed")
 pytest.importorskip("kmock", reason="kmock (fake Kubernetes API) is not installed")
 
-from kubeharness import Api, KubeServer, mark_job, operator, play_job, quota_ledger, ready, wait_for  # noqa: E402
+from kubeharness import (  # noqa: E402
+    Api,
+    KubeServer,
+    mark_indexed_job,
+    mark_job,
+    operator,
+    play_job,
+    quota_ledger,
+    ready,
+    record_pod,
+    run_job,
+    wait_for,
+)
 from op_testlib import S3Models  # noqa: E402
 
 from mergepipe_operator import (
@@ -447,6 +459,116 @@ def test_merge_end_to_end_analyze_plan_merge_commit_charge_delete(cluster):
     assert c.manifest(out)[1] == raw  # and so is the committed snapshot
     ledger = {e["key"]: e for e in quota_ledger(c.api, NS, "daily")}
     assert ledger[f"{uid}.1"]["bytes"] == realized and ledger[f"{uid}.2"]["state"] == "Charged"  # settled
+
+
+#: Python run in a merge pod before the CLI: the pod is killed (SIGKILL, as an OOM kill or a lost
+#: node would) right after its first output file is durable and recorded.
+KILL_AFTER_FIRST_FILE = """
+import os, signal
+from mergepipe.commit import runs
+_record = runs.write_file_record
+def _record_then_die(*a, **k):
+    _record(*a, **k)
+    os.kill(os.getpid(), signal.SIGKILL)
+runs.write_file_record = _record_then_die
+"""
+
+
+@pytest.mark.slow
+def test_indexed_merge_job_retries_an_index_and_commits_in_process(cluster):
+    """spec.parallelism: 2 runs the merge as an Indexed Job of two pods, each `execute --part
+    $(JOB_COMPLETION_INDEX)/2`; the status counts parts done; index 1's first pod is killed after its
+    first file and its retry resumes (keeps that file, reads none of its bytes again); when both
+    indexes succeeded the operator commits in-process: the snapshot of a single-process execution
+    of the same plan, charged to the quota with the parts' summed realized bytes."""
+    from op_testlib import core_storage
+
+    from mergepipe.pipeline import execute_and_commit
+    from mergepipe.planner.plan import Plan
+
+    c = cluster
+    c.quota("daily", bytes_="1Gi", merges=10)
+    out = f"{c.out}/snapshots/indexed/"
+    with operator():
+        c.merge("par", out=out, parallelism=2)
+        o = c.wait_reason("par", "JobRunning")
+        st = o["status"]
+        job = c.job("merge")
+        spec = job["spec"]
+        assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["maxFailedIndexes"]) == (
+            "Indexed",
+            2,
+            2,
+            0,
+        )
+        (mc,) = spec["template"]["spec"]["containers"]
+        assert mc["args"] == [
+            "execute",
+            st["plan"]["uri"],
+            "--out",
+            out,
+            "--part",
+            "$(JOB_COMPLETION_INDEX)/2",
+            "--json",
+        ]
+        assert st["parts"]["progress"] == "0/2" and st["parts"]["total"] == 2
+        assert "Indexed Job of 2 parts" in ready(o)["message"]
+
+        mark_indexed_job(c.api, job, [], active=2)
+        r0 = run_job(c.api, job, c.tmp / "pod-0", index=0)
+        assert r0.returncode == 0, r0.stderr
+        record_pod(c.api, job, r0, c.tmp / "pod-0", index=0)
+        mark_indexed_job(c.api, job, [0], active=1)
+        o = wait_for(
+            "1/2 parts", lambda: (x := c.mm("par")) and (x["status"].get("parts") or {}).get("progress") == "1/2" and x
+        )
+        assert ready(o)["reason"] == "JobRunning" and "1/2 parts done" in ready(o)["message"]
+
+        # index 1: the first pod dies after its first file; the Job controller starts another
+        r1 = run_job(c.api, job, c.tmp / "pod-1a", index=1, prelude=KILL_AFTER_FIRST_FILE)
+        assert r1.returncode == -9, r1.stderr
+        assert (
+            record_pod(c.api, job, r1, c.tmp / "pod-1a", index=1)["status"]["containerStatuses"][0]["state"][
+                "terminated"
+            ]["exitCode"]
+            == 137
+        )
+        mark_indexed_job(c.api, job, [0], failed_pods=1, active=1)
+        o = wait_for("a failed attempt", lambda: (x := c.mm("par")) and "1 failed attempt" in ready(x)["message"] and x)
+        assert o["status"]["parts"]["failedPods"] == 1 and ready(o)["reason"] == "JobRunning"
+        assert o["status"].get("snapshot") is None
+        r1b = run_job(c.api, job, c.tmp / "pod-1b", index=1)
+        assert r1b.returncode == 0, r1b.stderr
+        part1 = json.loads(r1b.stdout)
+        assert part1["part"] == "1/2" and part1["kept"] and set(part1["kept"]) <= set(part1["files"])
+        if set(part1["kept"]) == set(part1["files"]):  # everything was done: nothing is read again
+            assert part1["realized"]["base_read_bytes"] == part1["realized"]["expert_read_bytes"] == 0
+        record_pod(c.api, job, r1b, c.tmp / "pod-1b", index=1)
+        mark_indexed_job(c.api, job, [0, 1], failed_pods=1)
+
+        o = c.wait_reason("par", "Committed")
+        st = o["status"]
+        assert st["parts"]["progress"] == "2/2" and st["parts"]["completedIndexes"] == "0-1"
+        manifest, raw = c.manifest(out)
+        assert [p["part"] for p in manifest["parts"]] == [0, 1] and manifest["parts"][1]["kept"] == part1["kept"]
+        realized = manifest["io"]["realized"]
+        assert realized["expert_read_bytes"] == sum(p["realized"]["expert_read_bytes"] for p in manifest["parts"])
+        assert 0 < realized["expert_read_bytes"] <= st["plan"]["estimated"]["expertReadBytes"]
+        assert st["realized"]["expertReadBytes"] == realized["expert_read_bytes"]
+        (entry,) = quota_ledger(c.api, NS, "daily")
+        assert (entry["state"], entry["bytes"]) == ("Charged", realized["expert_read_bytes"])
+        snap = wait_for(
+            "MergedSnapshot Ready",
+            lambda: (s := c.api.get("MergedSnapshot", NS, st["snapshot"])) and ready(s).get("status") == "True" and s,
+        )
+        assert snap["spec"]["manifestHash"] == snapd.manifest_hash(raw)
+        c.wait_events("par", ["Committed"], tail=True)
+
+    # bit for bit the snapshot one process makes of the same plan
+    bucket, key = st["plan"]["uri"][5:].split("/", 1)
+    plan = Plan.from_json(c.models.client.get_object(Bucket=bucket, Key=key)["Body"].read().decode())
+    one = execute_and_commit(plan, core_storage(c.seaweed), f"{c.out}/snapshots/indexed-one/")
+    assert one.manifest["snapshot_id"] == manifest["snapshot_id"] and one.manifest["outputs"] == manifest["outputs"]
 
 
 def test_quota_reject_and_clamp(cluster):

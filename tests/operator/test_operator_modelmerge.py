@@ -653,3 +653,93 @@ def test_analyze_job_matches_the_merge_job_security_and_credentials(settings):
             ANALYSIS,
             dataclasses.replace(settings, catalog_uri=None),
         )
+
+
+# --- partitioned merges (Indexed Jobs) -------------------------------------------------------------
+
+GiB = 1024**3
+
+
+@pytest.mark.parametrize(
+    "requested, plan_bytes, shards, maxp, per, want",
+    [
+        (None, 0, 8, 8, 100 * GiB, 1),  # nothing to move: one pod
+        (None, 100 * GiB, 8, 8, 100 * GiB, 1),  # exactly one part's worth
+        (None, 100 * GiB + 1, 8, 8, 100 * GiB, 2),  # a byte more: two
+        (None, 1400 * GiB, 30, 8, 100 * GiB, 8),  # 70B x 8 at full budget: bounded by the chart
+        (None, 1400 * GiB, 3, 8, 100 * GiB, 3),  # bounded by the plan's shards
+        (None, 10**15, 1, 8, 100 * GiB, 1),  # one shard: one pod, whatever the bytes
+        (4, 1, 8, 8, 100 * GiB, 4),  # an explicit N wins over the bytes
+        (6, 1, 4, 8, 100 * GiB, 4),  # ... but not over the shards (pods would idle)
+        (1, 1400 * GiB, 30, 8, 100 * GiB, 1),  # 1: the single-pod Job
+    ],
+)
+def test_choose_parallelism(requested, plan_bytes, shards, maxp, per, want):
+    assert mmd.choose_parallelism(requested, plan_bytes, shards, maxp, per) == want
+
+
+def test_choose_parallelism_refuses_bad_settings():
+    with pytest.raises(ValueError):
+        mmd.choose_parallelism(None, 1, 2, 0, 1)
+    with pytest.raises(ValueError):
+        mmd.choose_parallelism(None, 1, 2, 2, 0)
+
+
+def test_parallelism_issue_names_the_field_and_the_chart_value(settings):
+    s = dataclasses.replace(settings, max_parallelism=4)
+    assert mmd.parallelism_issue({}, s) is None and mmd.parallelism_issue({"parallelism": 4}, s) is None
+    msg = mmd.parallelism_issue({"parallelism": 5}, s)
+    assert msg.startswith("spec.parallelism: 5") and "merges.parallelism.max" in msg and "4" in msg
+
+
+def test_parts_status_from_an_indexed_job():
+    job = {"status": {"completedIndexes": "0-2,5", "failedIndexes": "4", "failed": 3, "succeeded": 4, "active": 1}}
+    assert mmd.parts_status(job, 6) == {
+        "total": 6,
+        "succeeded": 4,
+        "progress": "4/6",
+        "completedIndexes": "0-2,5",
+        "failedIndexes": "4",
+        "failedPods": 3,
+    }
+    assert mmd.parts_status({"status": {}}, 3)["progress"] == "0/3"
+    assert mmd.parts_status(None, 2)["succeeded"] == 0
+    assert mmd.job_parts(None) == 1 and mmd.job_parts({"metadata": {"annotations": {names.ANN_PARTS: "x"}}}) == 1
+
+
+def test_build_job_indexed(settings):
+    mm = make_merge()
+    one = mmd.build_job(mm, PLAN_URI, DIGEST, settings)
+    job = mmd.build_job(mm, PLAN_URI, DIGEST, settings, parts=3)
+    spec = job["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 3, 3)
+    assert spec["backoffLimitPerIndex"] == settings.backoff_limit and spec["maxFailedIndexes"] == 0
+    assert "backoffLimit" not in spec and "completionMode" not in one["spec"]
+    assert job["metadata"]["annotations"][names.ANN_PARTS] == "3" and mmd.job_parts(job) == 3
+    assert names.ANN_PARTS not in one["metadata"]["annotations"] and mmd.job_parts(one) == 1
+    assert job["metadata"]["name"] == one["metadata"]["name"]  # the same plan is the same work
+    (c,) = spec["template"]["spec"]["containers"]
+    assert c["args"] == [
+        "execute",
+        PLAN_URI,
+        "--out",
+        "s3://snapshots/mm1/",
+        "--part",
+        "$(JOB_COMPLETION_INDEX)/3",
+        "--json",
+        "--device",
+        "cuda",
+    ]
+    rules = spec["podFailurePolicy"]["rules"]
+    assert rules[0]["action"] == "Ignore"  # evictions and preemptions are not failures
+    assert rules[1] == {
+        "action": "FailIndex",
+        "onExitCodes": {"containerName": "merge", "operator": "In", "values": [2]},
+    }
+    # everything else is the single-pod Job's
+    strip = lambda j: {k: v for k, v in j["spec"].items() if k not in ("template", "podFailurePolicy", "backoffLimit")}  # noqa: E731
+    assert {k: v for k, v in strip(job).items() if k not in spec.keys() - one["spec"].keys()} == strip(one)
+    assert spec["template"]["spec"]["securityContext"] == one["spec"]["template"]["spec"]["securityContext"]
+    k8s_validate(job)
+    with pytest.raises(ValueError):
+        mmd.build_job(mm, PLAN_URI, DIGEST, settings, parts=0)

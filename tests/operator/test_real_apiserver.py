@@ -188,6 +188,9 @@ def test_operator_written_status_is_kept_whole(server):
         "budgetBytes": 10 * 1024**3,
         "plan": mmd.plan_status("cd" * 32, "s3://p/x.json", 1, 2, 3, 0.75),
         "jobName": "llama-cdcdcdcdcd",
+        "parts": {
+            k: v for k, v in mmd.parts_status({"status": {"completedIndexes": "0,2", "failed": 1}}, 4).items() if v
+        },
         "admission": {"key": "uid.1", "budgetBytes": 1, "clamped": False, "quotas": ["q"]},
         "conditions": cond.set_condition(None, "Ready", "False", "JobRunning", "running", 1, now),
     }
@@ -216,6 +219,7 @@ def _merge_rejects() -> list[tuple[str, dict[str, Any]]]:
     out = [(f"{'.'.join(map(str, p))}={v!r}", mutate(merges()[0], p, v)) for p, v in SCHEMA_REJECTS]
     out += [(f"fidelity={v!r}", mutate(merges()[1], ("spec", "fidelity"), v)) for v in FIDELITY_REJECTS]
     out += [(f"seed={v}", mutate(merges()[0], ("spec", "seed"), v)) for v in (SEED_MAX + 1, 2**63 - 1)]
+    out += [(f"parallelism={v!r}", mutate(merges()[0], ("spec", "parallelism"), v)) for v in (0, 1025, "2")]
     return out
 
 
@@ -325,3 +329,9 @@ def test_seed_range_ends_at_2_pow_53_minus_1(server):
         assert code == 201 and body["spec"]["seed"] == SEED_MAX, (kind, message(body))
         code, body = create(server, mutate(doc, ("spec", "seed"), SEED_MAX + 1))
         assert code == 422 and "spec.seed" in message(body), (kind, message(body))
+
+
+def test_parallelism_is_accepted_from_1_to_1024(server):
+    for n in (1, 8, 1024):
+        code, body = create(server, mutate(merges()[0], ("spec", "parallelism"), n))
+        assert code == 201 and body["spec"]["parallelism"] == n, message(body)

@@ -24,4 +24,6 @@ ANN_PLAN_DIGEST = f"{GROUP}/plan-digest"
 ANN_PLAN_URI = f"{GROUP}/plan-uri"
 ANN_MERGE = f"{GROUP}/model-merge"
 ANN_GENERATION = f"{GROUP}/generation"
+#: N of a partitioned merge Job (an Indexed Job of N pods; absent: one pod)
+ANN_PARTS = f"{GROUP}/parts"
 FINALIZER = f"{GROUP}/finalizer"

@@ -1,9 +1,11 @@
 """The ModelMerge reconciler: validate the spec -> (fidelity mode: plan to get the estimate) ->
 admit under every MergeQuota of the namespace (reservation written with the quota's
 resourceVersion *before* any Job exists) -> plan with the admitted budget -> write the plan to
-object storage -> create the Job (deterministic name; 409 = already created) -> follow the Job ->
-on success verify the committed manifest, create the MergedSnapshot, charge the quotas with the
-realized bytes -> Ready=True (Committed). One pass per generation, idempotent under kopf's retries.
+object storage -> create the Job (deterministic name; 409 = already created; an Indexed Job of N
+pods for a partitioned merge) -> follow the Job -> on success (for an Indexed Job: commit its
+parts in-process, :mod:`.committing`) verify the committed manifest, create the MergedSnapshot,
+charge the quotas with the realized bytes -> Ready=True (Committed). One pass per generation,
+idempotent under kopf's retries.
 
 When the catalog lacks an expert's statistics, an analyze Job (``mergepipe analyze ...
 --catalog <catalog>``) records them first and the merge waits in ``Analyzing``.
@@ -24,6 +26,7 @@ from ..k8s.conditions import Reason, get_condition, set_condition
 from ..k8s.jobs import JobOutcome, job_ever_started
 from ..k8s.names import (
     ANN_PLAN_DIGEST,
+    ANN_PLAN_URI,
     LABEL_COMPONENT,
     LABEL_MANAGED_BY,
     LABEL_MERGE,
@@ -57,7 +60,11 @@ from .decisions import (
     build_analyze_job,
     build_job,
     choose_job,
+    choose_parallelism,
     generation_settled,
+    job_parts,
+    parallelism_issue,
+    parts_status,
     plan_status,
     plan_uri,
     status_plan_digest,
@@ -81,15 +88,30 @@ def _count_commit(facts: Any, raw: bytes) -> None:
     MERGE_SECONDS.observe(wall)
 
 
+def _parts_message(job: dict[str, Any] | None, parts: dict[str, Any]) -> str:
+    """The Ready message of a running Indexed merge Job: parts done / total, pods running, failed
+    attempts (each retried on its own index)."""
+    st = (job or {}).get("status") or {}
+    name = (job or {}).get("metadata", {}).get("name", "")
+    msg = f"merge Job {name}: {parts['progress']} parts done, {int(st.get('active') or 0)} pod(s) running"
+    if parts.get("failedPods"):
+        msg += f", {parts['failedPods']} failed attempt(s) retried per index"
+    return msg
+
+
 class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
     """ModelMerge reconciliation (uses the quota ledger and the snapshot verification of the same controller).
 
     Attributes:
         planner: ``(spec with the admitted budget in bytes, catalog URI) -> PlanSummary``
             (:func:`~mergepipe_operator.modelmerge.planning.plan_merge` in production).
+        committer: ``(plan URI, output URI, N) -> manifest hash``: commits the N parts of an
+            Indexed merge Job (:func:`~mergepipe_operator.modelmerge.committing.commit_parts`
+            in production).
     """
 
     planner: Callable[[dict[str, Any], str | None], PlanSummary]
+    committer: Callable[[str, str, int], str]
 
     def reconcile_merge(self, body: dict[str, Any]) -> dict[str, Any] | None:
         """One reconciliation of a ModelMerge; returns the status fields to patch (``None``: no
@@ -122,10 +144,11 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
 
         ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
         issues = validate_merge_spec(spec)
-        if issues:
+        too_many = parallelism_issue(spec, self.settings)
+        if issues or too_many:
             # the previous generation's run is retired as on any spec change
             self._retire(ns, name, status, out, now)
-            return finish("False", Reason.INVALID_SPEC, format_issues(issues))
+            return finish("False", Reason.INVALID_SPEC, format_issues(issues) if issues else str(too_many))
 
         key = admission_key(uid, gen)
         requested = requested_budget(spec, self.settings)
@@ -210,12 +233,22 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         choice = choose_job(merge_jobs, ANN_PLAN_DIGEST, plan.digest, gen)
         job = choice.follow
         if job is None:
-            job = build_job(body, uri, plan.digest, self.settings, retry_generation=choice.retry_generation)
+            parts = choose_parallelism(
+                spec.get("parallelism"),
+                plan.base_read_bytes + plan.expert_read_bytes + plan.output_write_bytes,
+                plan.shards,
+                self.settings.max_parallelism,
+                self.settings.bytes_per_part,
+            )
+            job = build_job(
+                body, uri, plan.digest, self.settings, retry_generation=choice.retry_generation, parts=parts
+            )
             try:
                 job = self.kube.create(JOBS, ns, job) or job  # as stored: Kueue's webhook may have suspended it
                 JOBS_CREATED.inc()
             except Conflict:
                 pass  # same name = same merge, plan and attempt: created by an earlier attempt
+        parts = job_parts(job)  # a followed Job keeps the N it was created with
         old_adm = status.get("admission") or {}
         if (
             check
@@ -240,6 +273,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             expertRead=None,
             snapshot=None,
             jobName=job["metadata"]["name"],
+            parts=parts_status(job, parts) if parts > 1 else None,
             admission={
                 "key": key,
                 "budgetBytes": budget,
@@ -258,6 +292,8 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             now,
         )
         verb = "created" if choice.follow is None else "carries on (same plan)"
+        if parts > 1:
+            verb += f" as an Indexed Job of {parts} parts"
         if job_suspended(job):  # Kueue holds it until it admits it
             return finish("False", Reason.QUEUED, f"merge Job {verb}; " + queued_message("merge Job", job))
         return finish("False", Reason.JOB_RUNNING, f"merge Job {job['metadata']['name']} {verb}")
@@ -485,12 +521,16 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         adm = status.get("admission") or {}
         outcome = self.job_outcome(job, "merge Job")
         out_uri = (mm.get("spec") or {}).get("output", {}).get("uri")
+        n = job_parts(job) if job is not None else int((status.get("parts") or {}).get("total") or 1)
+        parts = parts_status(job, n) if n > 1 and job is not None else status.get("parts")
         if outcome.state == "Running":
             message = outcome.message
             if outcome.reason == Reason.QUEUED and job is not None and self.settings.kueue_admission_check:
                 message = queued_message("merge Job", job, self.workload_of(ns, job))
             reason = Reason.QUEUED if outcome.reason == Reason.QUEUED else Reason.JOB_RUNNING
-            if ready.get("message") == message and ready.get("reason") == reason:
+            if n > 1 and reason == Reason.JOB_RUNNING and parts:
+                message = _parts_message(job, parts)
+            if ready.get("message") == message and ready.get("reason") == reason and status.get("parts") == parts:
                 return None
             new = set_condition(conds, "Ready", "False", reason, message, gen, now)
             admitted = get_condition(conds, "QuotaAdmitted") or {}
@@ -504,11 +544,25 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
                     gen,
                     now,
                 )
-            return {"conditions": new}
+            return {"conditions": new, **({"parts": parts} if n > 1 else {})}
         raw = self.store.get(manifest_uri(out_uri)) if out_uri and self.store else None
+        extra: dict[str, Any] = {"parts": parts} if n > 1 and parts else {}
         if outcome.state == "Failed" and raw is None:
             self.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=True)
-            return {"conditions": set_condition(conds, "Ready", "False", Reason.JOB_FAILED, outcome.message, gen, now)}
+            return {
+                "conditions": set_condition(conds, "Ready", "False", Reason.JOB_FAILED, outcome.message, gen, now),
+                **extra,
+            }
+        if outcome.state == "Succeeded" and raw is None and n > 1 and out_uri:
+            # every index succeeded: commit the parts here, with the core's `mergepipe commit` code
+            failure = self._commit_parts(mm, job, out_uri, n)
+            if failure is not None:
+                self.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=True)
+                return {
+                    "conditions": set_condition(conds, "Ready", "False", Reason.JOB_FAILED, failure, gen, now),
+                    **extra,
+                }
+            raw = self.store.get(manifest_uri(out_uri)) if self.store else None
         # Succeeded (or the Job is gone but a manifest is there): verify what was committed
         sizes = self._output_sizes(out_uri, raw)
         ok, reason, message = snapshot_ready(raw, digest, None, object_sizes=sizes)
@@ -557,6 +611,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         rx = facts.realized.get("expertReadBytes")
         self.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=True, realized=rx)
         return {
+            **extra,
             "realized": facts.realized,
             "expertRead": human_bytes(rx),
             "snapshot": snap,
@@ -564,6 +619,32 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
                 conds, "Ready", "True", Reason.COMMITTED, f"snapshot {snap}: {message}", gen, now
             ),
         }
+
+    def _commit_parts(self, mm: dict[str, Any], job: dict[str, Any] | None, out_uri: str, n: int) -> str | None:
+        """Commit the N parts of a succeeded Indexed merge Job (``self.committer``, the core's
+        ``mergepipe commit``). Returns ``None`` when committed (by this call or an earlier one),
+        else why it was refused (a missing or mismatched part record; the condition message).
+        Raises :class:`Retry` when object storage failed (transient)."""
+        from mergepipe.errors import MergepipeError
+
+        plan_uri = ((job or {}).get("metadata", {}).get("annotations") or {}).get(ANN_PLAN_URI) or (
+            (mm.get("status") or {}).get("plan") or {}
+        ).get("uri")
+        jname = (job or {}).get("metadata", {}).get("name", "")
+        if not plan_uri:
+            return f"merge Job {jname} completed, but the plan it executed is not recorded; change the spec to retry"
+        try:
+            mh = self.committer(plan_uri, out_uri, n)
+        except MergepipeError as e:  # CommitConflict, InputError: the parts cannot be committed as they are
+            return (
+                f"merge Job {jname} completed all {n} parts, but the commit refused them: {e}; "
+                "change the spec (or delete and re-create the ModelMerge) to run the merge again"
+            )
+        except Exception as e:  # object storage unreachable, throttled, ...: transient
+            raise Retry(f"commit of the {n} parts of merge Job {jname} failed ({type(e).__name__}): {e}", 30) from None
+        meta = mm["metadata"]
+        log.info("%s/%s: committed the %d parts of %s: manifest %s", meta["namespace"], meta["name"], n, jname, mh[:12])
+        return None
 
     def finalize_merge(self, body: dict[str, Any]) -> None:
         """Delete the merge's Jobs (a running merge stops) and settle its reservation: charged

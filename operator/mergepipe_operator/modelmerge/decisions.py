@@ -1,7 +1,9 @@
 """ModelMerge decisions as pure functions (no Kubernetes client, no object storage, no clock):
 the merge and analyze Jobs (:func:`job_name`, :func:`build_job`, :func:`choose_job`,
-:func:`analysis_id`, :func:`build_analyze_job`), the plan's status and object URI, and
-:func:`generation_settled` (whether a generation needs reconciling at all)."""
+:func:`analysis_id`, :func:`build_analyze_job`), how many pods a merge runs as
+(:func:`choose_parallelism`, :func:`parallelism_issue`, :func:`job_parts`, :func:`parts_status`),
+the plan's status and object URI, and :func:`generation_settled` (whether a generation needs
+reconciling at all)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from ..k8s.jobs import job_outcome, worker_job
 from ..k8s.names import (
     ANN_GENERATION,
     ANN_MERGE,
+    ANN_PARTS,
     ANN_PLAN_DIGEST,
     ANN_PLAN_URI,
     DIGEST_RE,
@@ -241,6 +244,95 @@ def analyze_args(spec: Mapping[str, Any], missing_uris: Iterable[str], catalog_u
     return args + ["--catalog", catalog_uri, "--json"]
 
 
+def parallelism_issue(spec: Mapping[str, Any], settings: Settings) -> str | None:
+    """Why ``spec.parallelism`` cannot be honoured by this operator (``None``: it can): it asks
+    for more pods than the chart's ``merges.parallelism.max`` allows one merge. (The CRD bounds
+    it to 1..:data:`~mergepipe_operator.crd.MAX_PARALLELISM`; the chart's bound is the platform
+    team's, e.g. GPUs per merge, so it is checked here and reported as ``InvalidSpec``.)"""
+    n = spec.get("parallelism")
+    if n is None or isinstance(n, bool) or not isinstance(n, int):
+        return None if n is None else f"spec.parallelism: {n!r} is not an integer"
+    if n < 1:
+        return f"spec.parallelism: {n} is below 1"
+    if n > settings.max_parallelism:
+        return (
+            f"spec.parallelism: {n} pods exceed this operator's limit of {settings.max_parallelism} per merge "
+            "(chart value merges.parallelism.max); lower it, or leave it unset for the automatic choice"
+        )
+    return None
+
+
+def choose_parallelism(
+    requested: int | None, plan_bytes: int, shards: int, max_parallelism: int, bytes_per_part: int
+) -> int:
+    """How many parts (pods of an Indexed Job) a merge runs as.
+
+    Args:
+        requested: ``spec.parallelism`` (``None``: automatic).
+        plan_bytes: the bytes the plan moves: base read + expert read + output write (bytes).
+        shards: the plan's output shards; parts are unions of whole shards, so more parts than
+            shards would leave pods with nothing to do.
+        max_parallelism: the chart's ``merges.parallelism.max`` (>= 1).
+        bytes_per_part: the chart's ``merges.parallelism.bytesPerPart`` (bytes, >= 1).
+
+    Returns:
+        ``requested`` when given, else ``ceil(plan_bytes / bytes_per_part)``; in both cases at
+        least 1 and at most ``min(max_parallelism, shards)``. 1 means today's single-pod Job.
+
+    Raises:
+        ValueError: ``max_parallelism`` or ``bytes_per_part`` below 1.
+    """
+    if max_parallelism < 1 or bytes_per_part < 1:
+        raise ValueError(f"max_parallelism and bytes_per_part must be >= 1, got {max_parallelism}, {bytes_per_part}")
+    limit = max(1, min(max_parallelism, shards))
+    want = requested if requested is not None else -(-max(0, plan_bytes) // bytes_per_part)
+    return max(1, min(limit, want))
+
+
+def job_parts(job: Mapping[str, Any] | None) -> int:
+    """N of a merge Job: its ``mergepipe.io/parts`` annotation (1 when absent or unreadable: a
+    single-pod Job, which commits by itself)."""
+    ann = ((job or {}).get("metadata") or {}).get("annotations") or {}
+    try:
+        return max(1, int(ann.get(ANN_PARTS) or 1))
+    except (TypeError, ValueError):
+        return 1
+
+
+def _count_indexes(spec: str | None) -> int:
+    """Number of indexes in a Job's ``completedIndexes``/``failedIndexes`` (e.g. ``"0-2,4"`` -> 4)."""
+    n = 0
+    for part in (spec or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        a, _, b = part.partition("-")
+        try:
+            n += (int(b) - int(a) + 1) if b else 1
+        except ValueError:
+            continue
+    return n
+
+
+def parts_status(job: Mapping[str, Any] | None, total: int) -> dict[str, Any]:
+    """A ModelMerge's ``status.parts`` (crd.PartsStatus) from its Indexed merge Job's status:
+    parts (indexes) succeeded out of ``total``, the Job's ``completedIndexes`` and
+    ``failedIndexes``, and the pods that failed (each index retries on its own, up to
+    ``backoffLimitPerIndex``). Every key is present (a merge patch replaces each of them)."""
+    st = (job or {}).get("status") or {}
+    done = st.get("completedIndexes") or None
+    succeeded = _count_indexes(done) if done else int(st.get("succeeded") or 0)
+    succeeded = min(total, succeeded)
+    return {
+        "total": total,
+        "succeeded": succeeded,
+        "progress": f"{succeeded}/{total}",
+        "completedIndexes": done,
+        "failedIndexes": st.get("failedIndexes") or None,
+        "failedPods": int(st.get("failed") or 0),
+    }
+
+
 def build_job(
     mm: Mapping[str, Any],
     plan_uri: str,
@@ -249,9 +341,21 @@ def build_job(
     *,
     owner: Mapping[str, Any] | None = None,
     retry_generation: int | None = None,
+    parts: int = 1,
 ) -> dict[str, Any]:
     """The batch/v1 Job that runs ``mergepipe execute <plan-uri> --out <output-uri> --json``
     (plus ``--device cuda`` when it has GPUs).
+
+    With ``parts`` = N > 1 it is an Indexed Job (``completionMode: Indexed``, completions =
+    parallelism = N) whose pod of index i runs ``execute ... --part i/N`` (the index from the
+    ``JOB_COMPLETION_INDEX`` variable the Job controller sets, expanded by the kubelet as
+    ``$(JOB_COMPLETION_INDEX)``): each pod writes its part's shards and part record under the
+    run's prefix, and the operator commits when every index succeeded. Each index is retried on
+    its own (``backoffLimitPerIndex`` = the chart's ``backoffLimit``; a retried pod resumes: it
+    keeps the files its earlier attempt finished), the Job fails as soon as one index is out of
+    retries (``maxFailedIndexes: 0``: the merge cannot commit without it), and a pod that exits 2
+    (the worker's "bad input" exit: retrying cannot help) fails its index at once
+    (``podFailurePolicy`` ``FailIndex``). Its annotation ``mergepipe.io/parts`` holds N.
 
     ``mm`` is the ModelMerge object; its metadata (name, namespace, uid) gives the owner reference
     unless ``owner`` (an ownerReference dict) is passed. Per-merge overrides come from
@@ -278,11 +382,17 @@ def build_job(
         ANN_MERGE: name,
         ANN_GENERATION: str(meta.get("generation") or 0),
     }
-    return worker_job(
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    args = ["execute", plan_uri, "--out", out_uri]
+    if parts > 1:
+        annotations[ANN_PARTS] = str(parts)
+        args += ["--part", f"$(JOB_COMPLETION_INDEX)/{parts}"]
+    job = worker_job(
         mm,
         jname,
         "merge",
-        ["execute", plan_uri, "--out", out_uri, "--json"],
+        args + ["--json"],
         settings,
         gpu=True,
         labels=labels,
@@ -290,6 +400,20 @@ def build_job(
         env_extra=[{"name": "MERGEPIPE_PLAN_DIGEST", "value": plan_digest}],
         owner=owner,
     )
+    if parts > 1:
+        js = job["spec"]
+        js.pop("backoffLimit", None)  # per index instead (the Job-wide default is then unbounded)
+        js.update(
+            completionMode="Indexed",
+            completions=parts,
+            parallelism=parts,
+            backoffLimitPerIndex=settings.backoff_limit,
+            maxFailedIndexes=0,
+        )
+        js["podFailurePolicy"]["rules"].append(
+            {"action": "FailIndex", "onExitCodes": {"containerName": "merge", "operator": "In", "values": [2]}}
+        )
+    return job
 
 
 def build_analyze_job(

@@ -8,6 +8,7 @@ from typing import Any
 
 from mergepipe.catalog.objectstore import ObjectCatalog
 from mergepipe.errors import InputError
+from mergepipe.parts import max_useful_parts
 from mergepipe.pipeline import MissingAnalysis, build_plan
 from mergepipe.storage.base import IOCounters
 from mergepipe.storage.routing import open_storage
@@ -30,6 +31,8 @@ class PlanSummary:
         retained_energy: fraction of the task-vector energy the plan retains (``status.plan.retainedEnergy``).
         missing_experts: URIs the catalog has no statistics for (an analyze Job must run first).
         analysis_id: content address of that missing analysis (``decisions.analysis_id``).
+        shards: the plan's output shards, the most parts it can be split into
+            (:func:`mergepipe.parts.max_useful_parts`).
     """
 
     digest: str = ""
@@ -41,6 +44,7 @@ class PlanSummary:
     retained_energy: float | None = None
     missing_experts: tuple[str, ...] = field(default_factory=tuple)
     analysis_id: str = ""
+    shards: int = 1
 
 
 class PlanInputError(Exception):
@@ -102,4 +106,5 @@ def plan_merge(spec: dict[str, Any], catalog_uri: str | None, *, storage: Any = 
         output_write_bytes=int(plan.io.output_write_bytes),
         budget_bytes=plan.budget_bytes,
         retained_energy=None if fid is None or fid != fid else min(1.0, max(0.0, float(fid))),
+        shards=max_useful_parts(plan),
     )
