@@ -288,6 +288,9 @@ def analyze(
             "Fisher sensitivity on it (for plans with --value fisher; cached by base and calibration identity)",
         ),
     ] = None,
+    device: Annotated[
+        str, typer.Option("--device", help="torch device for the Fisher sensitivity (--calibration): cpu, cuda, cuda:N")
+    ] = "cpu",
     catalog: CatalogOpt = None,
     json_out: JsonOpt = False,
 ):
@@ -304,7 +307,15 @@ def analyze(
     t0 = time.perf_counter()
     with _Progress(True) as prog:
         b, recs, ans = register_and_analyze(
-            c, st, base, uris, bb, progress=lambda n: prog("analyze", n, None), pairs=pairs, calibration=calibration
+            c,
+            st,
+            base,
+            uris,
+            bb,
+            progress=lambda n: prog("analyze", n, None),
+            pairs=pairs,
+            calibration=calibration,
+            device=device,
         )
     rd = st.counters.snapshot()["read"]
     res: dict[str, Any] = {
@@ -431,7 +442,7 @@ CalibrationOpt = Annotated[
     typer.Option(
         "--calibration",
         help='JSON-lines file of {"text": ...} documents (local or s3://): the base\'s per-block '
-        "Fisher sensitivity is measured on it once and kept in the catalog (causal LMs)",
+        "Fisher sensitivity is measured on it once and kept in the catalog (causal LMs and encoders)",
     ),
 ]
 MemOpt = Annotated[

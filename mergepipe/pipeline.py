@@ -63,19 +63,29 @@ class MissingAnalysis(InputError):
     """Planning without analysis: the catalog lacks statistics for ``uris`` (run analyze).
 
     Attributes:
-        uris: the experts whose statistics (or pair statistics) are missing.
+        uris: the experts whose statistics (or pair statistics) are missing (may be empty when
+            only the base's sensitivity is).
         base_identity: identity digest of the base they are relative to ("" if unknown).
         identities: identity digest of each of ``uris`` (same order; empty if unknown), so a
             caller can name the missing analysis by content, not by URI.
+        calibration: the calibration set's digest when the base's sensitivity on it is missing
+            (``mergepipe analyze --calibration`` records it), else ``None``.
     """
 
-    def __init__(self, uris: Sequence[str], *, base_identity: str = "", identities: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        uris: Sequence[str],
+        *,
+        base_identity: str = "",
+        identities: Sequence[str] = (),
+        calibration: str | None = None,
+    ) -> None:
         self.uris = list(uris)
         self.base_identity = base_identity
         self.identities = list(identities)
-        super().__init__(
-            "the catalog has no analysis of " + ", ".join(self.uris) + "; run `mergepipe analyze` for them first."
-        )
+        self.calibration = calibration
+        what = ", ".join(self.uris) if self.uris else "the base's sensitivity on the calibration set"
+        super().__init__(f"the catalog has no analysis of {what}; run `mergepipe analyze` for them first.")
 
 
 def register_and_analyze(
@@ -88,6 +98,7 @@ def register_and_analyze(
     analyze: bool = True,
     pairs: bool = False,
     calibration: str | None = None,
+    device: str | None = None,
 ) -> tuple[CheckpointRecord, list[CheckpointRecord], list[Analysis]]:
     """Register the base and experts and analyze the experts (cached).
 
@@ -101,7 +112,7 @@ def register_and_analyze(
 
     With ``calibration`` (a JSON-lines file of ``{"text": ...}``) the base's per-block Fisher
     sensitivity on it is recorded too (once; :mod:`mergepipe.catalog.sensitivity`), for plans
-    with ``value="fisher"``.
+    with ``value="fisher"``, on torch ``device`` (default CPU).
     """
     cal = load_calibration(storage, calibration) if calibration else None
     base = catalog.register(storage, base_uri)
@@ -111,7 +122,7 @@ def register_and_analyze(
         if missing:
             raise MissingAnalysis(missing)
     analyses = catalog.analyze(
-        storage, base, experts, block_bytes=block_bytes, progress=progress, pairs=pairs, calibration=cal
+        storage, base, experts, block_bytes=block_bytes, progress=progress, pairs=pairs, calibration=cal, device=device
     )
     return base, experts, analyses
 
@@ -195,7 +206,7 @@ def build_plan(
         sens = catalog.find_sensitivity(base.identity, cal.digest, block_bytes)
         if sens is None:
             if not analyze:
-                raise MissingAnalysis([base.uri])
+                raise MissingAnalysis([], base_identity=base.identity, calibration=cal.digest)
             sens = catalog.sensitivity(storage, base, cal, block_bytes)
     total = sum(r.total_bytes for r in recs)
     budget_bytes = parse_bytes(req.budget, total=total) if isinstance(req.budget, str) else req.budget

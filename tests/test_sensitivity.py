@@ -193,3 +193,64 @@ def test_cli_value_fisher_without_calibration_exits_2(tiny, tmp_path, monkeypatc
         capsys,
     )
     assert code == 2 and "--calibration" in err and out == ""
+
+
+@pytest.mark.slow
+def test_encoder_fisher_is_the_gaussian_output_fisher_and_plans_within_budget(tmp_path):
+    """A real encoder (all-MiniLM-L6-v2, BertModel): the recorded statistic is the block mean of
+    ``(J^T eps)^2`` averaged over the calibration sentences (eps the seeded per-sequence probe),
+    checked against a direct computation; the pooler, unused by mean pooling, gets 0; the
+    ``fisher`` plan stays within its budget and differs from the energy plan."""
+    from mergepipe.catalog.sensitivity import compute_fisher
+    from tests.minilm import make_minilm_family
+
+    base_dir, experts = make_minilm_family(tmp_path / "m", n_experts=2)
+    cal = tmp_path / "cal.jsonl"
+    sents = [
+        "Return the message body as a string, decoding it when needed.",
+        "The event loop runs coroutines until they complete.",
+        "Create a new toplevel window with a title bar.",
+        "Parse the header block of an email and return a dictionary.",
+    ]
+    cal.write_text("".join(json.dumps({"text": s}) + "\n" for s in sents))
+    st = LocalStorage(IOCounters())
+    cat = Catalog(tmp_path / "c.sqlite")
+    bb = 64 * 1024
+    base = cat.register(st, str(base_dir))
+    c = load_calibration(st, str(cal), seq_len=32, max_sequences=4)
+    f = compute_fisher(st, base, c, bb)
+
+    from tokenizers import Tokenizer
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(base_dir, dtype=torch.float32, local_files_only=True)
+    model.eval()
+    tok = Tokenizer.from_file(str(base_dir / "tokenizer.json"))
+    tok.no_padding()
+    tok.enable_truncation(max_length=32)
+    probes = torch.randn(4, 384, generator=torch.Generator().manual_seed(int(c.digest[:15], 16)))
+    name = "encoder.layer.3.intermediate.dense.weight"
+    p = dict(model.named_parameters())[name]
+    acc = torch.zeros_like(p, dtype=torch.float64)
+    for i, s in enumerate(sents):
+        x = torch.tensor([tok.encode(s).ids])
+        model.zero_grad()
+        (model(input_ids=x).last_hidden_state[0].mean(0) * probes[i]).sum().backward()
+        acc += p.grad.double() ** 2
+    bt = base.layout.tensors[name]
+    want = (acc / 4).reshape(bt.rows, -1)
+    rpb = rows_per_block(bt, bb)
+    np.testing.assert_allclose(f[name], [want[i : i + rpb].mean().item() for i in range(0, bt.rows, rpb)], rtol=1e-4)
+    assert (f[name] > 0).all()
+    assert not f["pooler.dense.weight"].any()
+    # word-embedding rows of tokens the sentences lack get nothing, the others something
+    wf = f["embeddings.word_embeddings.weight"]
+    assert (wf == 0).any() and (wf > 0).any()
+
+    register_and_analyze(cat, st, str(base_dir), [str(e) for e in experts], bb, calibration=str(cal))
+    ex = [(f"e{i}", str(e)) for i, e in enumerate(experts)]
+    req = request_from_args(str(base_dir), ex, "task_arithmetic", ["weight=0.5"], budget="20%")
+    pf = build_plan(cat, st, req, block_bytes=bb, value="fisher", calibration=str(cal))
+    pe = build_plan(cat, st, req, block_bytes=bb, value="energy")
+    assert pf.io.expert_read_bytes <= pf.budget_bytes and pe.io.expert_read_bytes <= pe.budget_bytes
+    assert pf.block_value["kind"] == "fisher" and pf.digest != pe.digest

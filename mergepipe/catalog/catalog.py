@@ -317,6 +317,7 @@ class Catalog:
         progress: Callable[[int], None] | None = None,
         pairs: bool = False,
         calibration=None,
+        device: str | None = None,
     ) -> list[Analysis]:
         """Analyze each expert against ``base`` (cached ones are not read again).
 
@@ -330,6 +331,8 @@ class Catalog:
                 (see the module docstring; read them with :meth:`pair_dots`).
             calibration: a :class:`~mergepipe.catalog.sensitivity.Calibration`: also make sure
                 the base's Fisher sensitivity on it exists (:meth:`sensitivity`).
+            device: torch device the sensitivity is computed on (``"cuda"``, ``"cpu"``; default
+                CPU).
 
         Raises:
             InputError: an expert lacks a base tensor, or shape/dtype differ (checked for all
@@ -377,7 +380,7 @@ class Catalog:
         if not self.tensor_digests(base.identity):
             self._store_digests(base.identity, _hash_tensors(storage, base, list(base.layout.tensors)))
         if calibration is not None:
-            self.sensitivity(storage, base, calibration, block_bytes)
+            self.sensitivity(storage, base, calibration, block_bytes, device=device)
         out = []
         for e in experts:
             found = self.find_analysis(base.identity, e.identity, block_bytes)
@@ -454,8 +457,25 @@ class Catalog:
             ).fetchone()
         return None if row is None else fisher_from_bytes(row[0])
 
+    def _store_sensitivity(
+        self, base_identity: str, calibration: str, block_bytes: int, kind: str, f: dict, seconds: float
+    ) -> None:
+        from mergepipe.catalog.sensitivity import fisher_to_bytes
+
+        with self._lock, self.db:
+            self.db.execute(
+                "INSERT OR REPLACE INTO sensitivity VALUES (?,?,?,?,?,?,?)",
+                (base_identity, calibration, block_bytes, kind, time.time(), seconds, fisher_to_bytes(f)),
+            )
+
     def sensitivity(
-        self, storage: Storage, base: CheckpointRecord, calibration, block_bytes: int, kind: str = "fisher"
+        self,
+        storage: Storage,
+        base: CheckpointRecord,
+        calibration,
+        block_bytes: int,
+        kind: str = "fisher",
+        device: str | None = None,
     ) -> dict[str, np.ndarray]:
         """The base's per-block sensitivity on ``calibration`` (a
         :class:`~mergepipe.catalog.sensitivity.Calibration`): from the catalog, or computed once
@@ -463,9 +483,10 @@ class Catalog:
         transformers needed) and stored.
 
         Raises:
-            InputError: unknown ``kind``, or the base is not a causal LM checkpoint.
+            InputError: unknown ``kind``, or the base is neither a causal LM nor an encoder
+                checkpoint (:func:`~mergepipe.catalog.sensitivity.model_kind`).
         """
-        from mergepipe.catalog.sensitivity import compute_fisher, fisher_to_bytes
+        from mergepipe.catalog.sensitivity import compute_fisher
 
         if kind != "fisher":
             raise InputError(f"sensitivity kind {kind!r}: only 'fisher' is recorded.")
@@ -473,20 +494,8 @@ class Catalog:
         if got is not None:
             return got
         t0 = time.perf_counter()
-        f = compute_fisher(storage, base, calibration, block_bytes)
-        with self._lock, self.db:
-            self.db.execute(
-                "INSERT OR REPLACE INTO sensitivity VALUES (?,?,?,?,?,?,?)",
-                (
-                    base.identity,
-                    calibration.digest,
-                    block_bytes,
-                    kind,
-                    time.time(),
-                    time.perf_counter() - t0,
-                    fisher_to_bytes(f),
-                ),
-            )
+        f = compute_fisher(storage, base, calibration, block_bytes, device=device)
+        self._store_sensitivity(base.identity, calibration.digest, block_bytes, kind, f, time.perf_counter() - t0)
         return f
 
 

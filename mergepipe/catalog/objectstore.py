@@ -6,7 +6,10 @@ The operator plans in-process from these objects and never reads a checkpoint:
   (identity, per-file ``[size, version]`` signature with S3 ETags, layout with all shard headers);
 * ``<prefix>/analyses/<base identity>/<expert identity>/<block bytes>-v<stats version>.zip``: one
   zip with ``meta.json`` and one entry per tensor holding its
-  :class:`~mergepipe.catalog.stats.TensorStats` (numpy ``.npz`` bytes).
+  :class:`~mergepipe.catalog.stats.TensorStats` (numpy ``.npz`` bytes);
+* ``<prefix>/sensitivity/<base identity>/<calibration digest>/<block bytes>-<kind>.npz``: the base's
+  per-block sensitivity on a calibration set (:mod:`mergepipe.catalog.sensitivity`), written by
+  ``mergepipe analyze --calibration`` (the operator's analyze Job).
 
 Analyses are immutable and keyed by identities, so concurrent analyze Jobs writing the same
 object write the same content; writes use a conditional create and a lost race is success.
@@ -170,6 +173,34 @@ class ObjectCatalog(Catalog):
             )
         except PreconditionFailed:
             pass  # identity-keyed: another analyzer stored the same content first
+
+    # sensitivity (planner value "fisher"): immutable, keyed by base and calibration identity
+    def _sensitivity_uri(self, base: str, calibration: str, block_bytes: int, kind: str) -> str:
+        return self.storage.join(self.prefix, "sensitivity", base, calibration, f"{block_bytes}-{kind}.npz")
+
+    def find_sensitivity(self, base_identity: str, calibration: str, block_bytes: int, kind: str = "fisher"):
+        from mergepipe.catalog.sensitivity import fisher_from_bytes
+
+        try:
+            data = self.storage.read_object(
+                self._sensitivity_uri(base_identity, calibration, block_bytes, kind), "catalog"
+            )
+        except NotFoundError:
+            return None
+        return fisher_from_bytes(data)
+
+    def _store_sensitivity(self, base_identity: str, calibration: str, block_bytes: int, kind: str, f, seconds) -> None:
+        from mergepipe.catalog.sensitivity import fisher_to_bytes
+
+        try:
+            self.storage.put_object(
+                self._sensitivity_uri(base_identity, calibration, block_bytes, kind),
+                fisher_to_bytes(f),
+                "catalog",
+                if_none_match=True,
+            )
+        except PreconditionFailed:
+            pass  # identity-keyed: another analyzer stored the same statistic first
 
 
 def open_catalog(location: str | None):

@@ -12,11 +12,28 @@ NeurIPS 2022). The catalog records, once per (base, calibration set, block size)
 constant inside a block).
 
 Calibration set: a JSON-lines file of ``{"text": ...}`` documents, tokenized with the base's own
-tokenizer (``tokenizer.json`` next to its shards), joined with the EOS token and cut into
-``seq_len``-token sequences (at most ``max_sequences``); its identity (SHA-256 of the file's bytes
-and these two settings) is part of the catalog key. Causal language models only (the loss is
-next-token cross-entropy); the model is built from the base's ``config.json`` and its tensors
-read through the storage layer, so S3 bases work the same as local ones.
+tokenizer (``tokenizer.json`` next to its shards); its identity (SHA-256 of the file's bytes and
+the two settings below) is part of the catalog key. The model is built from the base's
+``config.json`` and its tensors read through the storage layer, so S3 bases work the same as
+local ones. Two kinds of base are understood (:func:`model_kind`):
+
+* **causal LMs** (``architectures`` ``*ForCausalLM``): the documents are joined with the EOS token
+  and cut into ``seq_len``-token sequences (at most ``max_sequences``); the loss is the sequence's
+  mean next-token cross-entropy, so ``F`` is the diagonal *empirical* Fisher of the language model;
+* **encoders** (``architectures`` ``*Model``, e.g. ``BertModel``: a sentence encoder without a
+  task head, what task-arithmetic papers merge): one sequence per document (the tokenizer's own
+  special tokens, truncated to ``seq_len``; at most ``max_sequences``). An encoder has no labels
+  to take an empirical Fisher of, and its task heads are not part of the checkpoint, so the
+  statistic is the Fisher of its output, the mean-pooled last hidden state ``e(x)`` (the
+  representation every task head reads), under a unit-variance Gaussian observation model
+  ``y ~ N(e(x), I)``: ``F = E_x E_y[g²]`` with ``g = ∇_θ ½‖y − e(x)‖² = −J(x)ᵀε``, i.e. the
+  diagonal of ``E_x[J(x)ᵀJ(x)]``, how much a weight change moves the embedding. It is estimated
+  by Monte Carlo with one sampled ``ε ~ N(0, I)`` per sequence (deterministic: seeded by the
+  calibration digest), the sampled-label Fisher of Kirkpatrick et al. and of Matena & Raffel
+  applied to the Gaussian output of a representation model (cf. the output-sensitivity Fisher
+  of Amari, "Natural gradient works efficiently in learning", Neural Computation 1998). Blocks
+  the loss does not touch (BERT's ``pooler``, unused by mean pooling; embedding rows of tokens
+  the text lacks) get ``F = 0``, and the planner reads them last.
 """
 
 from __future__ import annotations
@@ -99,12 +116,34 @@ def load_calibration(
     return Calibration(uri=uri, digest=digest, texts=tuple(texts), seq_len=seq_len, max_sequences=max_sequences)
 
 
+def model_kind(config) -> str:
+    """``"causal-lm"`` or ``"encoder"`` for a transformers config: ``architectures`` naming a
+    ``*ForCausalLM``/``*LMHeadModel`` class is a causal LM; one naming a bare ``*Model`` class
+    (``BertModel``, ``XLMRobertaModel``, ...) is an encoder; no ``architectures``: a causal LM (the
+    zoo's and most merge candidates' kind).
+
+    Raises:
+        InputError: any other architecture (a classification or seq2seq head): the statistic
+            is defined for these two kinds only.
+    """
+    archs = list(getattr(config, "architectures", None) or [])
+    if not archs or any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return "causal-lm"
+    if all(a.endswith("Model") and not a.endswith("PreTrainedModel") for a in archs):
+        return "encoder"
+    raise InputError(
+        f"config.json architectures {archs}: the Fisher statistic is defined for causal LMs (*ForCausalLM) "
+        "and bare encoders (*Model, e.g. BertModel); use --value energy for this base."
+    )
+
+
 def _build_model(storage, base):
-    """The base as a float32 torch causal LM, built from its config.json and its tensors read
-    through ``storage``; and its tokenizer (``tokenizers.Tokenizer``)."""
+    """The base as a float32 torch model (a causal LM, or for an encoder the bare ``AutoModel``),
+    built from its config.json with its tensors read through ``storage``; its tokenizer
+    (``tokenizers.Tokenizer``), config and kind (:func:`model_kind`)."""
     import torch
     from tokenizers import Tokenizer
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     from mergepipe.formats.safetensors import FLOAT_DTYPES
     from mergepipe.numerics import decode
@@ -119,7 +158,9 @@ def _build_model(storage, base):
     with tempfile.TemporaryDirectory() as d:
         Path(d, "config.json").write_bytes(cfg_bytes)
         config = AutoConfig.from_pretrained(d, local_files_only=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    kind = model_kind(config)
+    auto = AutoModelForCausalLM if kind == "causal-lm" else AutoModel
+    model = auto.from_config(config, dtype=torch.float32)
     params = dict(model.named_parameters())
     state = {}
     for name, t in base.layout.tensors.items():
@@ -127,56 +168,86 @@ def _build_model(storage, base):
             continue
         raw = storage.read_range(storage.join(base.uri, t.file), t.start, t.end, "base")
         state[name] = torch.from_numpy(decode(raw, t.dtype).reshape(t.shape).copy())
-    missing = [n for n in params if n not in state]
+    # an encoder's pooler is not used by the mean-pooled output: it may be absent
+    missing = [n for n in params if n not in state and not (kind == "encoder" and n.startswith("pooler."))]
     if missing:
         raise InputError(
             f"{base.uri}: parameters {missing[:3]} of the model built from config.json are not in the "
-            "checkpoint; the Fisher statistic needs a transformers causal LM checkpoint."
+            f"checkpoint; the Fisher statistic needs a transformers {kind} checkpoint."
         )
     model.load_state_dict(state, strict=False)
     tok = Tokenizer.from_str(tok_bytes.decode("utf-8"))
-    return model, tok, config
+    return model, tok, config, kind
 
 
-def compute_fisher(storage, base, calibration: Calibration, block_bytes: int) -> dict[str, np.ndarray]:
-    """``{tensor: float64[n_blocks]}``: block means of the base's diagonal empirical Fisher.
+def compute_fisher(
+    storage, base, calibration: Calibration, block_bytes: int, device: str | None = None
+) -> dict[str, np.ndarray]:
+    """``{tensor: float64[n_blocks]}``: block means of the base's diagonal Fisher.
 
-    ``F = (1/N) Σ_n g_n²`` over the ``N`` calibration sequences, ``g_n`` the gradient of sequence
-    ``n``'s mean next-token cross-entropy (one backward pass per sequence), accumulated in float64;
-    each tensor's ``F`` is averaged over the rows of every block (the catalog's block grid for
-    ``block_bytes``). Runs on CPU in float32 with 1 thread.
+    ``F = (1/N) Σ_n g_n²`` over the ``N`` calibration sequences, one backward pass per sequence,
+    accumulated in float64, with ``g_n`` (module docstring): for a causal LM the gradient of
+    sequence ``n``'s mean next-token cross-entropy (empirical Fisher); for an encoder
+    ``J_nᵀε_n``, the gradient of ``ε_n · e_n`` with ``e_n`` the mean-pooled last hidden state and
+    ``ε_n ~ N(0, I)`` (Monte-Carlo Fisher of the Gaussian output). Each tensor's ``F`` is averaged
+    over the rows of every block (the catalog's block grid for ``block_bytes``). Runs in float32
+    on ``device`` (``"cuda"`` on a GPU worker; default CPU, with 1 thread there), the sums in
+    float64.
 
     Raises:
-        InputError: not a causal LM checkpoint, no tokenizer, or too little calibration text.
+        InputError: ``device`` is not available, neither a causal LM nor an encoder checkpoint, no tokenizer, or too little
+            calibration text.
     """
     import torch
 
     from mergepipe.formats.safetensors import rows_per_block
 
+    try:
+        dev = torch.device(device or "cpu")
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as e:
+        raise InputError(f"--device {device}: not available here ({e}); use --device cpu.") from None
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model, tok, config = _build_model(storage, base)
-        eos_id = getattr(config, "eos_token_id", None)
-        if isinstance(eos_id, list):
-            eos_id = eos_id[0]
-        ids: list[int] = []
-        for enc in tok.encode_batch(list(calibration.texts), add_special_tokens=False):
-            ids.extend(enc.ids)
-            if eos_id is not None:
-                ids.append(int(eos_id))
+        model, tok, config, kind = _build_model(storage, base)
+        model.to(dev)
         L = calibration.seq_len
-        n = min(len(ids) // L, calibration.max_sequences)
-        if n == 0:
-            raise InputError(f"--calibration {calibration.uri}: fewer than seq_len={L} tokens of text.")
-        seqs = torch.tensor(ids[: n * L], dtype=torch.long).view(n, L)
+        if kind == "causal-lm":
+            eos_id = getattr(config, "eos_token_id", None)
+            if isinstance(eos_id, list):
+                eos_id = eos_id[0]
+            ids: list[int] = []
+            for enc in tok.encode_batch(list(calibration.texts), add_special_tokens=False):
+                ids.extend(enc.ids)
+                if eos_id is not None:
+                    ids.append(int(eos_id))
+            n = min(len(ids) // L, calibration.max_sequences)
+            if n == 0:
+                raise InputError(f"--calibration {calibration.uri}: fewer than seq_len={L} tokens of text.")
+            seqs = [torch.tensor(ids[i * L : (i + 1) * L], dtype=torch.long, device=dev).view(1, L) for i in range(n)]
+        else:
+            tok.no_padding()
+            tok.enable_truncation(max_length=min(L, int(getattr(config, "max_position_embeddings", L))))
+            encs = [e.ids for e in tok.encode_batch(list(calibration.texts), add_special_tokens=True) if e.ids]
+            seqs = [
+                torch.tensor(e, dtype=torch.long, device=dev).view(1, -1) for e in encs[: calibration.max_sequences]
+            ]
+            n = len(seqs)
+            if n == 0:
+                raise InputError(f"--calibration {calibration.uri}: no document gives a token.")
+            g = torch.Generator().manual_seed(int(calibration.digest[:15], 16))
+            probes = torch.randn(n, int(config.hidden_size), generator=g, dtype=torch.float32).to(dev)
         model.train(False)
         params = {k: p for k, p in model.named_parameters() if k in base.layout.tensors}
-        acc = {k: torch.zeros(p.shape, dtype=torch.float64) for k, p in params.items()}
-        for i in range(n):
+        acc = {k: torch.zeros(p.shape, dtype=torch.float64, device=dev) for k, p in params.items()}
+        for i, x in enumerate(seqs):
             model.zero_grad(set_to_none=True)
-            x = seqs[i : i + 1]
-            loss = model(input_ids=x, labels=x, use_cache=False).loss
+            if kind == "causal-lm":
+                loss = model(input_ids=x, labels=x, use_cache=False).loss
+            else:
+                emb = model(input_ids=x, attention_mask=torch.ones_like(x)).last_hidden_state[0].mean(dim=0)
+                loss = (emb * probes[i]).sum()
             loss.backward()
             for k, p in params.items():
                 if p.grad is not None:
@@ -184,7 +255,8 @@ def compute_fisher(storage, base, calibration: Calibration, block_bytes: int) ->
         out = {}
         for k, f in acc.items():
             bt = base.layout.tensors[k]
-            f = (f / n).reshape(bt.rows, -1) if bt.rows else f.reshape(1, -1)
+            f = (f / n).cpu()
+            f = f.reshape(bt.rows, -1) if bt.rows else f.reshape(1, -1)
             rpb = rows_per_block(bt, block_bytes)
             per_row = f.sum(dim=1).numpy()
             nb = max(1, -(-bt.rows // rpb))
