@@ -296,6 +296,19 @@ class S3Spec(K8sModel):
     region: Annotated[str, StringConstraints(pattern=r"^[a-z0-9-]+$", max_length=64)] | None = None
 
 
+class CalibrationSpec(K8sModel):
+    """A calibration set: text the base's per-block sensitivity (diagonal Fisher) is measured on,
+    once per (base, calibration set) by the analyze Job; the planner then values blocks by it."""
+
+    uri: S3Uri = Field(
+        description=(
+            's3://bucket/key of a JSON-lines file of {"text": ...} documents: a few dozen documents '
+            "like the merge's target text (never its evaluation set). Its content digest is part of "
+            "the catalog key and of the plan digest."
+        )
+    )
+
+
 class ModelMergeSpec(K8sModel):
     """What to merge and under which expert-I/O budget."""
 
@@ -326,6 +339,20 @@ class ModelMergeSpec(K8sModel):
     fidelity: Annotated[float, Field(gt=0, le=1)] | None = Field(
         default=None,
         description="Target fraction (0, 1] of the task-vector energy to retain; the planner reads the fewest bytes that reach it.",
+    )
+    calibration: CalibrationSpec | None = Field(
+        default=None,
+        description=(
+            "Calibration set for the planner's fisher block value (default: the operator's, chart "
+            "value merges.calibration.uri; none: energy only)."
+        ),
+    )
+    block_value: Literal["energy", "fisher"] | None = Field(
+        default=None,
+        description=(
+            "How the planner values an expert block: fisher (task-vector energy weighted by the base's "
+            "Fisher sensitivity on the calibration set; the default when there is one) or energy."
+        ),
     )
     output: OutputSpec
     seed: Seed | None = Field(default=None, description="Seed of random sparsification (DARE, DELLA): 0 to 2^53-1.")

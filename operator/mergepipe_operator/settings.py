@@ -63,6 +63,9 @@ class Settings:
     s3_secret_access_key_key: str = "AWS_SECRET_ACCESS_KEY"
     catalog_uri: str | None = None
     plan_prefix: str | None = None
+    #: calibration set (s3:// JSON lines) of merges whose spec names none: their plans use the
+    #: fisher block value, and the analyze Job records the base's sensitivity on it
+    calibration_uri: str | None = None
     # merges
     default_budget: str | None = None
     gpu_resource_name: str = "nvidia.com/gpu"
@@ -134,6 +137,7 @@ class Settings:
             s3_secret_access_key_key=_opt(env, "S3_SECRET_ACCESS_KEY_KEY") or d.s3_secret_access_key_key,
             catalog_uri=_opt(env, "CATALOG_URI"),
             plan_prefix=_opt(env, "PLAN_PREFIX"),
+            calibration_uri=_opt(env, "CALIBRATION_URI"),
             default_budget=_opt(env, "DEFAULT_BUDGET"),
             gpu_resource_name=_opt(env, "GPU_RESOURCE_NAME") or d.gpu_resource_name,
             gpu_count=gpu_count,

@@ -944,3 +944,83 @@ def test_a_refused_commit_fails_the_merge_and_storage_trouble_retries(settings):
     assert r["reason"] == "JobFailed" and "part 1/2 has no record" in r["message"]
     q = kube.get(QUOTAS, "ns1", "q")
     assert q["status"]["ledger"][0]["state"] == "Charged"  # the pods ran: the reservation is charged
+class CalibrationPlanner(Planner):
+    """The catalog has the experts' statistics but not the base's sensitivity on the merge's
+    calibration set until ``sensitivity`` is set (what plan_merge reports, planning.PlanSummary)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sensitivity, self.specs = False, []
+
+    def __call__(self, spec, catalog_uri):
+        self.specs.append(spec)
+        cal = (spec.get("calibration") or {}).get("uri")
+        if cal and not self.sensitivity:
+            return planning.PlanSummary(
+                missing_sensitivity=True,
+                analysis_id=mmd.analysis_id("b" * 64, [], catalog_uri, spec["method"], "c" * 64),
+                calibration_uri=cal,
+                block_value="fisher",
+            )
+        return super().__call__(spec, catalog_uri)
+
+
+@pytest.mark.parametrize("gpus", [1, 0])
+def test_a_missing_sensitivity_starts_an_analyze_job_with_the_calibration_set_on_the_gpu(settings, gpus):
+    """spec.calibration.uri: the analyze Job records the base's Fisher on it (`--calibration`),
+    with the merge Job's GPU (`--device cuda`, the GPU limit) unless the merge runs on CPU; the
+    spec's experts are passed (their cached statistics are not recomputed); then the merge is planned."""
+    cal = "s3://models/calibration/code.jsonl"
+    mm = make_merge(calibration={"uri": cal}, resources={"gpu": {"count": gpus}})
+    planner = CalibrationPlanner()
+    c, kube, store, mm = setup(settings, make_quota(), planner=planner, mm=mm)
+    with pytest.raises(reconcile.RetryWithStatus) as e:
+        c.reconcile_merge(mm)
+    r = cond.get_condition(e.value.status["conditions"], "Ready")
+    assert r["reason"] == "Analyzing" and f"sensitivity on {cal}" in r["message"]
+    (job,) = kube.list(JOBS, "ns1")
+    assert job["metadata"]["name"] == mmd.analyze_job_name(
+        "mm1", mmd.analysis_id("b" * 64, [], settings.catalog_uri, "ties", "c" * 64)
+    )
+    assert job["metadata"]["annotations"][mmd.ANN_CALIBRATION] == cal
+    pod = job["spec"]["template"]["spec"]
+    (ctr,) = pod["containers"]
+    assert ctr["args"] == [
+        "analyze",
+        "--base",
+        "s3://models/base",
+        "--expert",
+        "s3://models/code",
+        "--expert",
+        "s3://models/math",
+        "--calibration",
+        cal,
+        "--catalog",
+        settings.catalog_uri,
+        "--json",
+        *(["--device", "cuda"] if gpus else []),
+    ]
+    assert (ctr["resources"].get("limits", {}).get(settings.gpu_resource_name) == "1") == bool(gpus)
+    planner.sensitivity = True
+    st = c.reconcile_merge(mm)
+    assert cond.get_condition(st["conditions"], "Ready")["reason"] == "JobRunning"
+    assert cond.get_condition(st["conditions"], "Analyzed")["status"] == "True"
+
+
+def test_the_operators_default_calibration_set_applies_to_merges_without_one(settings):
+    import dataclasses
+
+    s = dataclasses.replace(settings, calibration_uri="s3://models/calibration/default.jsonl")
+    planner = CalibrationPlanner()
+    planner.sensitivity = True
+    c, kube, store, mm = setup(s, make_quota(), planner=planner)
+    c.reconcile_merge(mm)
+    assert planner.specs[0]["calibration"] == {"uri": s.calibration_uri}
+    own = make_merge(name="mm2", calibration={"uri": "s3://models/calibration/own.jsonl"})
+    c2, _, _, mm2 = setup(s, make_quota(), planner=planner, mm=own)
+    c2.reconcile_merge(mm2)
+    assert planner.specs[-1]["calibration"] == {"uri": "s3://models/calibration/own.jsonl"}
+    # the analyze Job of a merge without a calibration set gets no GPU (task-vector statistics are numpy)
+    plain = mmd.build_analyze_job(make_merge(), ["s3://models/math"], "a" * 64, settings)
+    assert "--calibration" not in plain["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--device" not in plain["spec"]["template"]["spec"]["containers"][0]["args"]

@@ -132,6 +132,9 @@ SCHEMA_REJECTS = [
     (("spec", "seed"), -1),
     (("spec", "s3", "credentialsSecretRef", "name"), "Bad_Name"),
     (("spec", "typo"), 1),
+    (("spec", "calibration", "uri"), "/local/calibration.jsonl"),
+    (("spec", "calibration"), {"configMap": "cal"}),
+    (("spec", "blockValue"), "magnitude"),
 ]
 
 

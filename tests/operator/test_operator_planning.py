@@ -196,3 +196,126 @@ def test_the_analyze_command_records_what_planning_needs(s3_models, seaweed, tmp
     assert sorted(pair["experts"]) == sorted(s3_models.experts[:2]) and pair["tensors"] > 0
     done = planning.plan_merge(spec, catalog, storage=core_storage(seaweed))
     assert done.missing_experts == () and len(done.digest) == 64
+
+
+@pytest.fixture(scope="module")
+def s3_llm(seaweed, tmp_path_factory):
+    """A real (tiny, randomly initialised) transformers Llama with a BPE tokenizer, base + 2
+    experts in SeaweedFS, their statistics in an object catalog (no sensitivity yet), and a
+    calibration file: what the Fisher statistic needs (config.json, tokenizer.json)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("llm")
+    text = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n# f{i} grows with x" for i in range(120)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(
+        text,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<pad>", "<s>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        bos_token_id=1,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(cfg).state_dict()
+    client = seaweed.client()
+    bucket = seaweed.make_bucket("llm")
+    uris = {}
+    for name, scale in (("base", 0.0), ("code", 0.01), ("math", 0.02)):
+        m = LlamaForCausalLM(cfg)
+        m.load_state_dict(ref)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(scale * torch.randn_like(p))
+        m.save_pretrained(root / name, max_shard_size="40KB")
+        tok.save(str(root / name / "tokenizer.json"))
+        uris[name] = upload_dir(client, bucket, root / name, f"llama/{name}")
+    client.put_object(
+        Bucket=bucket,
+        Key="calibration/code.jsonl",
+        Body="".join(json.dumps({"text": t}) + "\n" for t in text[:40]).encode(),
+    )
+    catalog = f"s3://{bucket}/catalog"
+    analyze_into(seaweed, catalog, uris["base"], [uris["code"], uris["math"]])
+    return uris, f"s3://{bucket}/calibration/code.jsonl", catalog, bucket
+
+
+@pytest.mark.slow
+def test_a_calibration_set_in_the_spec_is_analyzed_once_and_plans_with_fisher(s3_llm, seaweed, tmp_path):
+    """spec.calibration.uri: planning reports the base's sensitivity missing (content-addressed by
+    the calibration file's digest, nothing but headers and catalog objects read); the analyze Job's
+    command (real CLI) records it in the object catalog; then the plan uses the fisher value with
+    the calibration digest in the plan (and its digest); blockValue energy plans without it."""
+    from mergepipe.catalog.objectstore import ObjectCatalog
+    from mergepipe.catalog.sensitivity import load_calibration
+    from mergepipe.planner.plan import Plan
+
+    uris, cal, catalog, bucket = s3_llm
+    st = core_storage(seaweed)
+    spec = make_merge(method="task_arithmetic", parameters={}, budget=None)["spec"]
+    spec.update(
+        base={"uri": uris["base"] + "/"},
+        experts=[{"name": n, "uri": uris[n] + "/", "weight": 0.5} for n in ("code", "math")],
+        output={"uri": f"s3://{bucket}/snapshots/x/"},
+        calibration={"uri": cal},
+        budget=30_000,
+    )
+    assert mmspec.validate_merge_spec(spec) == []
+    p = planning.plan_merge(spec, catalog, storage=st)
+    read = st.counters.snapshot()["read"]
+    assert p.digest == "" and p.missing_experts == () and p.missing_sensitivity and p.needs_analysis
+    base_id = ObjectCatalog(st, catalog).register(st, uris["base"]).identity
+    digest = load_calibration(st, cal).digest
+    assert p.analysis_id == mmd.analysis_id(base_id, [], catalog, "task_arithmetic", digest)
+    assert p.analysis_id != mmd.analysis_id(base_id, [], catalog, "task_arithmetic")
+    assert read["base"] == 0 and read["expert"] == 0
+    args = mmd.analyze_args(spec, p.missing_experts, catalog, p.calibration_uri)
+    assert args[args.index("--calibration") + 1] == cal
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(
+        seaweed.env(),
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+        AWS_EC2_METADATA_DISABLED="true",
+        PYTHONPATH=str(ROOT),
+        MERGEPIPE_HOME=str(tmp_path / "home"),
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "mergepipe.cli", *args], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["calibration"]["digest"] == digest
+    assert ObjectCatalog(st, catalog).find_sensitivity(base_id, digest, mmd.ANALYZE_BLOCK_BYTES) is not None
+    done = planning.plan_merge(spec, catalog, storage=st)
+    assert not done.needs_analysis and len(done.digest) == 64 and done.block_value == "fisher"
+    plan = Plan.from_json(done.plan_json.decode())
+    assert plan.block_value == {"kind": "fisher", "calibration": digest} and plan.digest == done.digest
+    assert 0 < done.expert_read_bytes <= 30_000
+    energy = planning.plan_merge({**spec, "blockValue": "energy"}, catalog, storage=st)
+    assert energy.block_value == "energy" and energy.digest not in ("", done.digest)
+    # fisher without any calibration set is refused at the field
+    nocal = {k: v for k, v in spec.items() if k != "calibration"}
+    with pytest.raises(planning.PlanInputError) as e:
+        planning.plan_merge({**nocal, "blockValue": "fisher"}, catalog, storage=st)
+    assert e.value.field == "spec.blockValue"
+    # a calibration URI that is no s3:// object is refused by the schema check
+    bad = mmspec.validate_merge_spec({**spec, "calibration": {"uri": "/local/file.jsonl"}})
+    assert [f for f, _ in bad] == ["spec.calibration.uri"]

@@ -319,11 +319,13 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         planned_spec.pop("budget", None)
         if budget is not None:
             planned_spec["budget"] = budget
+        if not (planned_spec.get("calibration") or {}).get("uri") and self.settings.calibration_uri:
+            planned_spec["calibration"] = {"uri": self.settings.calibration_uri}  # the operator's default
         plan = self._call_planner(body, planned_spec, out, conds, gen, now)
-        if plan.missing_experts and self._await_analysis(body, plan, out, conds, gen, now, final=False):
+        if plan.needs_analysis and self._await_analysis(body, plan, out, conds, gen, now, final=False):
             # the analyze Job completed, possibly after the planner read the catalog: plan again
             plan = self._call_planner(body, planned_spec, out, conds, gen, now)
-            if plan.missing_experts:
+            if plan.needs_analysis:
                 self._await_analysis(body, plan, out, conds, gen, now, final=True)
         if budget is not None and plan.expert_read_bytes > budget:
             raise RuntimeError(f"planner broke the budget: {plan.expert_read_bytes} > {budget}")
@@ -379,7 +381,14 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         ns, name = meta["namespace"], meta["name"]
         if not plan.analysis_id:
             raise RuntimeError("the planner reported missing statistics without an analysis id")
-        what = f"{len(plan.missing_experts)} expert(s) ({', '.join(plan.missing_experts)})"
+        what = " and ".join(
+            (
+                [f"{len(plan.missing_experts)} expert(s) ({', '.join(plan.missing_experts)})"]
+                if plan.missing_experts
+                else []
+            )
+            + ([f"the base's sensitivity on {plan.calibration_uri}"] if plan.missing_sensitivity else [])
+        )
         analyze_jobs = self.kube.list(JOBS, ns, f"{LABEL_MERGE}={label_value(name)},{LABEL_COMPONENT}=analyze")
         # a complete analyze Job whose statistics are still missing is as good as failed
         choice = choose_job(analyze_jobs, ANN_ANALYSIS, plan.analysis_id, gen, usable=frozenset({"Running"}))
@@ -401,6 +410,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
                         plan.analysis_id,
                         self.settings,
                         retry_generation=choice.retry_generation,
+                        calibration_uri=plan.calibration_uri,
                     ),
                 )
                 ANALYZE_JOBS_CREATED.inc()

@@ -188,6 +188,7 @@ def status_plan_digest(status: Mapping[str, Any] | None) -> str | None:
 #: The catalog's block size the operator plans with (the core's default; the analyze Job uses it too).
 ANALYZE_BLOCK_BYTES = 128 * 1024
 ANN_ANALYSIS = f"{GROUP}/analysis-id"
+ANN_CALIBRATION = f"{GROUP}/calibration"
 
 
 def expert_names(spec: Mapping[str, Any]) -> list[str]:
@@ -204,18 +205,26 @@ def needs_pair_statistics(method: str | None) -> bool:
 
 
 def analysis_id(
-    base_identity: str, expert_identities: Iterable[str], catalog_uri: str | None, method: str | None
+    base_identity: str,
+    expert_identities: Iterable[str],
+    catalog_uri: str | None,
+    method: str | None,
+    calibration: str | None = None,
 ) -> str:
     """Content address of one analysis run: the base's and the missing experts' identity digests,
-    the catalog, the block size, and (for methods that need pair statistics) the method. A changed
-    checkpoint has a new identity, so it gets a new analyze Job rather than the finished one."""
-    key = {
+    the catalog, the block size, (for methods that need pair statistics) the method, and (when
+    the Job also records the base's sensitivity) the calibration set's content digest. A changed
+    checkpoint or calibration file has a new identity, so it gets a new analyze Job rather than
+    the finished one."""
+    key: dict[str, Any] = {
         "base": base_identity,
         "experts": sorted(set(expert_identities)),
         "catalog": (catalog_uri or "").rstrip("/"),
         "block_bytes": ANALYZE_BLOCK_BYTES,
         "pairs": method if needs_pair_statistics(method) else None,
     }
+    if calibration:  # absent otherwise: analysis ids of merges without calibration are unchanged
+        key["calibration"] = calibration
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
@@ -228,19 +237,29 @@ def analyze_job_name(merge_name: str, analysis: str, retry_generation: int | Non
     return dns_label(merge_name, f"analyze-{analysis[:10]}{_retry_suffix(retry_generation)}")
 
 
-def analyze_args(spec: Mapping[str, Any], missing_uris: Iterable[str], catalog_uri: str) -> list[str]:
+def analyze_args(
+    spec: Mapping[str, Any], missing_uris: Iterable[str], catalog_uri: str, calibration_uri: str | None = None
+) -> list[str]:
     """Arguments of the analyze Job's ``mergepipe`` command:
-    ``mergepipe analyze --base B --expert E... [--pairs] --catalog C --json``.
+    ``mergepipe analyze --base B --expert E... [--pairs] [--calibration CAL] --catalog C --json``.
 
     ``missing_uris`` are the experts the planner named (``MissingAnalysis.uris``: those without
-    statistics and, for methods that need pair statistics, both experts of every missing pair).
-    For model_stock and nuslerp ``--pairs`` also records the pair statistics of every two of
-    them; pairs already in the catalog are not recomputed."""
+    statistics and, for methods that need pair statistics, both experts of every missing pair);
+    when only the base's sensitivity is missing (none named) the spec's experts are passed,
+    whose cached statistics are not recomputed. For model_stock and nuslerp ``--pairs`` also
+    records the pair statistics of every two of them; pairs already in the catalog are not
+    recomputed. With ``calibration_uri`` the Job records the base's per-block Fisher on that
+    calibration set (:mod:`mergepipe.catalog.sensitivity`; once per base and set)."""
     args = ["analyze", "--base", spec["base"]["uri"].rstrip("/")]
-    for uri in missing_uris:
-        args += ["--expert", uri.rstrip("/")]
+    uris = [u.rstrip("/") for u in missing_uris] or [
+        str(ex["uri"]).rstrip("/") for ex in spec.get("experts") or [] if isinstance(ex, Mapping)
+    ]
+    for uri in uris:
+        args += ["--expert", uri]
     if needs_pair_statistics(spec.get("method")):
         args.append("--pairs")
+    if calibration_uri:
+        args += ["--calibration", calibration_uri]
     return args + ["--catalog", catalog_uri, "--json"]
 
 
@@ -424,10 +443,14 @@ def build_analyze_job(
     *,
     owner: Mapping[str, Any] | None = None,
     retry_generation: int | None = None,
+    calibration_uri: str | None = None,
 ) -> dict[str, Any]:
     """The batch/v1 Job that records the missing experts' statistics in the catalog
     (:func:`analyze_args`), before the operator plans. Same image, security settings,
-    Secret-only credentials, CPU and memory as the merge Job; never a GPU (analysis is numpy).
+    Secret-only credentials, CPU and memory as the merge Job. Without ``calibration_uri`` it gets
+    no GPU (task-vector statistics are numpy); with one it also computes the base's Fisher
+    sensitivity (backward passes of the base: torch) and gets the merge Job's GPUs, running it
+    with ``--device cuda`` (CPU when the merge's GPU count is 0).
     Its name is deterministic (:func:`analyze_job_name`): a retry, a restarted operator or a
     second reconciliation finds the Job already there (409) instead of starting another."""
     if not settings.catalog_uri:
@@ -445,14 +468,16 @@ def build_analyze_job(
         ANN_MERGE: name,
         ANN_GENERATION: str(meta.get("generation") or 0),
     }
-    args = analyze_args(mm.get("spec") or {}, missing_uris, settings.catalog_uri)
+    args = analyze_args(mm.get("spec") or {}, missing_uris, settings.catalog_uri, calibration_uri)
+    if calibration_uri:
+        annotations[ANN_CALIBRATION] = calibration_uri
     return worker_job(
         mm,
         analyze_job_name(name, analysis, retry_generation),
         "analyze",
         args,
         settings,
-        gpu=False,
+        gpu=bool(calibration_uri),
         labels=labels,
         annotations=annotations,
         env_extra=[],

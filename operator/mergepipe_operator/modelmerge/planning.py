@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mergepipe.catalog.objectstore import ObjectCatalog
+from mergepipe.catalog.sensitivity import load_calibration
 from mergepipe.errors import InputError
 from mergepipe.parts import max_useful_parts
 from mergepipe.pipeline import MissingAnalysis, build_plan
@@ -30,9 +31,13 @@ class PlanSummary:
         budget_bytes: the budget the plan was made under (``None``: unbounded).
         retained_energy: fraction of the task-vector energy the plan retains (``status.plan.retainedEnergy``).
         missing_experts: URIs the catalog has no statistics for (an analyze Job must run first).
+        missing_sensitivity: the catalog has no sensitivity of the base on the calibration set
+            (the analyze Job records it too).
         analysis_id: content address of that missing analysis (``decisions.analysis_id``).
         shards: the plan's output shards, the most parts it can be split into
             (:func:`mergepipe.parts.max_useful_parts`).
+        calibration_uri: the calibration set the plan uses (``spec.calibration.uri``), or None.
+        block_value: the planner's block value (``"energy"`` or ``"fisher"``).
     """
 
     digest: str = ""
@@ -43,8 +48,16 @@ class PlanSummary:
     budget_bytes: int | None = None
     retained_energy: float | None = None
     missing_experts: tuple[str, ...] = field(default_factory=tuple)
+    missing_sensitivity: bool = False
     analysis_id: str = ""
     shards: int = 1
+    calibration_uri: str | None = None
+    block_value: str = "energy"
+
+    @property
+    def needs_analysis(self) -> bool:
+        """The catalog lacks expert statistics or the base's sensitivity: analyze first."""
+        return bool(self.missing_experts or self.missing_sensitivity)
 
 
 class PlanInputError(Exception):
@@ -61,7 +74,11 @@ def plan_merge(spec: dict[str, Any], catalog_uri: str | None, *, storage: Any = 
     """Plan a merge in-process from the catalog's index objects (numpy, no torch).
 
     ``spec`` is the ModelMerge spec with ``budget`` replaced by the admitted budget in bytes (or
-    absent for an unbounded/fidelity-driven plan). Calls
+    absent for an unbounded/fidelity-driven plan) and ``calibration`` filled in with the
+    operator's default calibration set when the merge names none. With a calibration set the
+    plan's block value is ``spec.blockValue`` (default ``fisher``): the base's sensitivity on it
+    must be in the catalog (else ``missing_sensitivity``; the calibration file itself is read, a
+    few kB, for its digest). Calls
     ``mergepipe.pipeline.build_plan(ObjectCatalog(storage, catalog_uri), storage,
     merge_request(spec), analyze=False)``: only shard headers and catalog objects are read, never
     a tensor. The core's errors name the request field, rendered as the spec field
@@ -81,6 +98,14 @@ def plan_merge(spec: dict[str, Any], catalog_uri: str | None, *, storage: Any = 
     if budget is not None and not isinstance(budget, int):
         budget = parse_quantity(budget, field="spec.budget")
     where = spec_where(spec)
+    cal_uri = ((spec.get("calibration") or {}).get("uri") or "").strip() or None
+    value = spec.get("blockValue") or ("fisher" if cal_uri else "energy")
+    if value == "fisher" and not cal_uri:
+        raise PlanInputError(
+            "blockValue fisher needs a calibration set: set spec.calibration.uri (or the operator's "
+            "merges.calibration.uri), or use blockValue energy",
+            "spec.blockValue",
+        )
     try:
         plan = build_plan(
             ObjectCatalog(storage, catalog_uri),
@@ -89,14 +114,23 @@ def plan_merge(spec: dict[str, Any], catalog_uri: str | None, *, storage: Any = 
             where=where,
             block_bytes=ANALYZE_BLOCK_BYTES,
             analyze=False,
+            value=value,
+            calibration=cal_uri,
         )
     except MissingAnalysis as e:
+        cal_digest = e.calibration
+        if cal_uri and cal_digest is None:  # experts missing: the same Job records the sensitivity too
+            cal_digest = load_calibration(storage, cal_uri).digest
         return PlanSummary(
             missing_experts=tuple(e.uris),
-            analysis_id=analysis_id(e.base_identity, e.identities, catalog_uri, spec.get("method")),
+            missing_sensitivity=e.calibration is not None,
+            analysis_id=analysis_id(e.base_identity, e.identities, catalog_uri, spec.get("method"), cal_digest),
+            calibration_uri=cal_uri,
+            block_value=value,
         )
     except InputError as e:  # the core names the request field (e.loc); message without that prefix
-        raise PlanInputError(e.problem, where(e.loc) if e.loc else "spec") from None
+        field_ = where(e.loc) if e.loc else ("spec.calibration.uri" if "--calibration" in e.problem else "spec")
+        raise PlanInputError(e.problem, field_) from None
     fid = plan.retained_energy
     return PlanSummary(
         digest=plan.digest,
@@ -107,4 +141,6 @@ def plan_merge(spec: dict[str, Any], catalog_uri: str | None, *, storage: Any = 
         budget_bytes=plan.budget_bytes,
         retained_energy=None if fid is None or fid != fid else min(1.0, max(0.0, float(fid))),
         shards=max_useful_parts(plan),
+        calibration_uri=cal_uri,
+        block_value=value,
     )
