@@ -944,6 +944,8 @@ def test_a_refused_commit_fails_the_merge_and_storage_trouble_retries(settings):
     assert r["reason"] == "JobFailed" and "part 1/2 has no record" in r["message"]
     q = kube.get(QUOTAS, "ns1", "q")
     assert q["status"]["ledger"][0]["state"] == "Charged"  # the pods ran: the reservation is charged
+
+
 class CalibrationPlanner(Planner):
     """The catalog has the experts' statistics but not the base's sensitivity on the merge's
     calibration set until ``sensitivity`` is set (what plan_merge reports, planning.PlanSummary)."""
