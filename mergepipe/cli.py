@@ -390,11 +390,11 @@ def _merge_request(config, base, expert, method, param, budget, fidelity, seed, 
             )
         c = load_config(config)
         return c.with_overrides(output=out, budget=budget, fidelity=fidelity, seed=seed), c.where
-    if not base or not expert:
+    if not base or (not expert and (method or "ties") != "passthrough"):
         _fail("--base and --expert are required (or give a mergekit config with --config merge.yml).")
     req = request_from_args(
         base,
-        [parse_expert(e) for e in expert],
+        [parse_expert(e) for e in expert or []],
         method or "ties",
         param or [],
         budget=budget,

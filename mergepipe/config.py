@@ -248,7 +248,16 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
     if not cfg.models:
         raise InputError(f"{p}: models: required (a non-empty list of {{model: <folder or s3:// URI>, parameters}}).")
     linear = cfg.merge_method == "linear"
-    if cfg.base_model is None and not linear:
+    # mergekit averages every input model, base_model included, in linear and karcher (its
+    # karcher ignores which model is the base): the base takes part as a zero task vector
+    averaged = linear or cfg.merge_method == "karcher"
+    passthrough = cfg.merge_method == "passthrough"
+    if passthrough and len(cfg.models) != 1:
+        raise InputError(
+            f"{p}: models: passthrough takes exactly one model (mergekit: at most one input), got "
+            f"{len(cfg.models)}; slices (frankenmerges) are not supported."
+        )
+    if cfg.base_model is None and not (averaged or passthrough):
         raise InputError(
             f"{p}: base_model: required; mergepipe merges task vectors (expert − base) against a base "
             "model, so give the experts' common base."
@@ -269,6 +278,13 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
     expert_params: list[dict] = []
     model_index: list[int] = []
     base_listed = False
+    global_params = dict(cfg.parameters or {})
+    own_params: set[str] = set()
+    if passthrough and _model_uri(cfg.models[0].model, f"{p}: models[0].model") != base:
+        raise InputError(
+            f"{p}: base_model: passthrough takes one model and mergekit adds base_model as a second input; "
+            "remove base_model or make it the model listed."
+        )
     for j, m in enumerate(cfg.models):
         w = f"{p}: models[{j}]"
         uri = _model_uri(m.model, f"{w}.model")
@@ -276,7 +292,11 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
             if base_listed:
                 raise InputError(f"{w}.model: the base {uri!r} is listed twice; list it once.")
             base_listed = True
-            if not linear:
+            if passthrough:  # the one input: its parameters (scale) are the merge's
+                global_params = {**global_params, **dict(m.parameters or {})}
+                own_params = set(m.parameters or {})
+                continue
+            if not averaged:
                 if m.parameters:
                     raise InputError(
                         f"{w}.parameters: parameters on the base model are not used by mergepipe (the "
@@ -294,7 +314,7 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
         experts.append((name, uri))
         expert_params.append(dict(m.parameters or {}))
         model_index.append(j)
-    if linear and not base_listed:  # mergekit: "Base model specified but not in input models - adding"
+    if averaged and not base_listed:  # mergekit: "Base model specified but not in input models - adding"
         name = base.rstrip("/").rsplit("/", 1)[-1] or base
         if any(name == n for n, _ in experts):
             raise InputError(
@@ -334,9 +354,9 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
             i, name, rest = pl
             key = f"parameters.{name}{sub_text(rest)}"
             if i is None:
-                return f"{p}: {key}"
+                return f"{p}: models[0].{key}" if name in own_params else f"{p}: {key}"
             if model_index[i] == n_models:
-                return f"{p}: base_model (averaged in by linear): {key}"
+                return f"{p}: base_model (averaged in by {cfg.merge_method}): {key}"
             return f"{p}: models[{model_index[i]}].{key}"
         if loc and loc[0] == "experts":
             return f"{p}: models[{model_index[loc[1]]}].model" if len(loc) > 1 else f"{p}: models"
@@ -347,7 +367,7 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
     request = MergeRequest(
         base=base,
         method=cfg.merge_method,
-        parameters=dict(cfg.parameters or {}),
+        parameters=global_params,
         experts=[ExpertRequest(name=n, uri=u, parameters=ep) for (n, u), ep in zip(experts, expert_params)],
         budget=cfg.budget,
         fidelity=cfg.fidelity,

@@ -452,3 +452,125 @@ def model_stock_t(n_models: int, sq: Sequence, dots: dict) -> np.ndarray:
     singular = np.abs(den) < 1e-6
     t = np.where(singular, 0.0, n_models * c / np.where(singular, 1.0, den))
     return t.astype(np.float32)
+
+
+def multislerp_coefficients(
+    weights: Sequence[float], gram: np.ndarray, normalize_weights: bool = True, eps: float = 1e-8
+) -> list[float]:
+    """Coefficients ``cᵢ`` of mergekit's ``multislerp`` with a base: the result is
+    ``base + Σ cᵢ·δᵢ`` (float32 ``cᵢ``).
+
+    mergekit 0.1.5 (``merge_methods/multislerp.py``) projects the task vectors onto the unit
+    sphere, ``uᵢ = δᵢ/(‖δᵢ‖ + eps)``, takes their weighted mean ``m`` (normalised), maps each
+    ``uᵢ`` to the tangent space at ``m`` (``uᵢ − ⟨uᵢ,m⟩m``), averages the tangents with the
+    weights (``τ``), maps back with the exponential map, ``m·cos‖τ‖ + τ·sin‖τ‖/‖τ‖`` (with
+    ``‖τ‖ + eps``), and scales by ``Σ wᵢ‖δᵢ‖``. Every step is a linear combination of the δᵢ whose
+    coefficients need only the Gram matrix ``Gᵢⱼ = ⟨δᵢ,δⱼ⟩``, so they are computed here in float64
+    from the catalog's exact sums; one expert gives ``c = [1]`` (mergekit returns that expert);
+    a zero weighted mean (antipodal inputs) falls back, for two experts, to ``w₀δ₀ + w₁δ₁``.
+
+    Args:
+        weights: one weight per expert (``weight``).
+        gram: float64 ``(K, K)`` of ``⟨δᵢ,δⱼ⟩``.
+
+    Raises:
+        ValueError: the weighted mean is zero for more than two experts (mergekit raises too);
+            weights summing to 0 with ``normalize_weights``.
+    """
+    k = len(weights)
+    if k == 1:
+        return [1.0]
+    g = np.asarray(gram, dtype=np.float64)
+    w = np.asarray(weights, dtype=np.float64)
+    if normalize_weights:
+        w = w / w.sum()
+    norms = np.sqrt(np.maximum(np.diag(g), 0.0))
+    inv = 1.0 / (norms + eps)  # u_i = inv_i * δ_i
+    gu = g * np.outer(inv, inv)  # ⟨u_i, u_j⟩
+    a = w.copy()  # mean = Σ a_j u_j
+    mean_norm = math.sqrt(max(float(a @ gu @ a), 0.0))
+    if mean_norm < eps:
+        if k == 2:
+            return [f32(w[0]), f32(w[1])]
+        raise ValueError("the weighted sum of the task vectors is zero (antipodal experts with balanced weights)")
+    a = a / mean_norm
+    dots = gu @ a  # ⟨u_i, mean⟩
+    # tangent_result = Σ w_i (u_i − dots_i·mean): coefficients over u
+    tau = w - float(w @ dots) * a
+    tn = math.sqrt(max(float(tau @ gu @ tau), 0.0)) + eps
+    res = a * math.cos(tn) + tau * (math.sin(tn) / tn if tn > 0 else 1.0)
+    res = res * float((norms * w).sum())
+    return [f32(x) for x in (res * inv)]
+
+
+def karcher_coefficients(gram: np.ndarray, max_iter: int = 10, tol: float = 1e-5) -> list[float]:
+    """Coefficients ``cᵢ`` of mergekit's ``karcher`` over points ``θᵢ``: the result is ``Σ cᵢ·θᵢ``.
+
+    mergekit 0.1.5 (``merge_methods/karcher.py``): the weighted Karcher (Riemannian) mean of the
+    unit vectors ``θᵢ/‖θᵢ‖`` with equal weights ``1/N`` over the points of norm above ``tol``,
+    started at their normalised mean, ``max_iter`` fixed-point steps of the log/exp maps
+    (``θ = acos⟨m,uᵢ⟩``, skipped below ``tol``; stop when the tangent is shorter than ``tol``),
+    then scaled by ``Σ ‖θᵢ‖/N``. Each iterate is a linear combination of the ``θᵢ`` whose
+    coefficients need only the Gram matrix ``⟨θᵢ,θⱼ⟩``; here in float64 (mergekit computes in
+    float32), rounded to float32 at the end.
+
+    Args:
+        gram: float64 ``(N, N)`` of ``⟨θᵢ,θⱼ⟩``.
+
+    Returns:
+        N float32 coefficients; all 0 when no point has a norm above ``tol``.
+    """
+    g = np.asarray(gram, dtype=np.float64)
+    n = len(g)
+    if n == 1:
+        return [1.0]
+    norms = np.sqrt(np.maximum(np.diag(g), 0.0))
+    inv = np.where(norms == 0.0, 0.0, 1.0 / np.where(norms == 0.0, 1.0, norms))
+    gu = g * np.outer(inv, inv)  # ⟨u_i, u_j⟩
+    valid = [i for i in range(n) if norms[i] > tol]
+    if not valid:
+        return [0.0] * n
+    alpha = np.zeros(n)
+    alpha[valid] = 1.0 / len(valid)
+
+    def norm_of(c: np.ndarray) -> float:
+        return math.sqrt(max(float(c @ gu @ c), 0.0))
+
+    m = alpha.copy()  # mean = Σ m_j u_j
+    mn = norm_of(m)
+    if mn < tol:
+        m = np.zeros(n)
+        m[valid[0]] = 1.0
+    else:
+        m = m / mn
+    for _ in range(max_iter):
+        tangent = np.zeros(n)
+        gm = gu @ m  # ⟨u_i, mean⟩
+        for i in valid:
+            dot = max(-1.0, min(1.0, float(gm[i])))
+            theta = math.acos(dot)
+            if theta < tol or math.sin(theta) == 0.0:
+                continue
+            unit = np.zeros(n)
+            unit[i] = 1.0
+            tangent += alpha[i] * (theta / math.sin(theta)) * (unit - dot * m)
+        tn = norm_of(tangent)
+        if tn < tol:
+            break
+        m = math.cos(tn) * m + math.sin(tn) * (tangent / tn)
+        un = norm_of(m)
+        if un > tol:
+            m = m / un
+    scale = float(norms.sum()) / n
+    return [f32(x) for x in (scale * m * inv)]
+
+
+def sce_weights(delta_sq: Sequence[float], numel: int) -> list[float]:
+    """SCE's per-expert weights (mergekit 0.1.5 ``sce.sce_weight``): ``mean(δᵢ²)`` over the
+    tensor, divided by their sum; equal weights ``1/K`` when that sum is below 1e-6. From the
+    catalog's exact ``Σδᵢ²`` (float64), rounded to float32."""
+    means = [float(s) / max(1, numel) for s in delta_sq]
+    total = math.fsum(means)
+    if abs(total) < 1e-6:
+        return [f32(1.0 / len(means))] * len(means)
+    return [f32(m / total) for m in means]

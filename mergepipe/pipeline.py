@@ -103,7 +103,7 @@ def register_and_analyze(
     """Register the base and experts and analyze the experts (cached).
 
     With ``pairs`` the catalog also records the pair statistics (per tensor ``⟨δᵢ,δⱼ⟩``) of every
-    two distinct experts, which model_stock and nuslerp plan with (``mergepipe analyze --pairs``:
+    two distinct experts, which model_stock, nuslerp, multislerp and karcher plan with (``mergepipe analyze --pairs``:
     the operator's analyze Job for those methods); cached pairs are not recomputed.
 
     With ``analyze=False`` nothing but shard headers (and, for checkpoints the catalog already

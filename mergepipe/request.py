@@ -170,7 +170,30 @@ class MergeRequest(BaseModel):
         elif self.budget is not None and self.budget < 0:
             problem = f"{self.budget} is negative; give bytes like 512MiB or a percentage like 25%."
             raise InputError(f"{w(('budget',))}: {problem}", loc=("budget",), problem=problem)
+        self._check_budget_supported(params, w)
         return ResolvedRequest(self, params, w)
+
+    def _check_budget_supported(self, params: ResolvedParams, w: Where) -> None:
+        """Refuse a budget (or a fidelity below 1) for a method that needs every expert block
+        (:func:`mergepipe.methods.registry.budget_refusal`) rather than silently reading all."""
+        from mergepipe.methods.registry import budget_refusal, get_method
+
+        why = budget_refusal(get_method(self.method), dict(params.globals))
+        if why is None:
+            return
+        limited = self.budget is not None and not (
+            isinstance(self.budget, str) and self.budget.strip().lower() in ("unlimited", "inf", "none", "full", "100%")
+        )
+        for loc, given, on in (
+            (("budget",), limited, f"{short_repr(self.budget)}"),
+            (("fidelity",), self.fidelity is not None and self.fidelity < 1.0, f"{self.fidelity}"),
+        ):
+            if given:
+                problem = (
+                    f"{on}: {self.method} cannot honour an expert-I/O budget or fidelity target: {why}, so it "
+                    "reads every expert block with a non-zero task vector. Remove the budget (or give unlimited)."
+                )
+                raise InputError(f"{w(loc)} {problem}", loc=loc, problem=problem)
 
 
 #: largest byte quantity accepted anywhere (a signed 64-bit count, as S3 and the kernel use)

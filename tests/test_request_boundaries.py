@@ -31,7 +31,16 @@ _METHOD_OF = {
     "filter_wise": "model_stock",
     "nuslerp_flatten": "nuslerp",
     "nuslerp_row_wise": "nuslerp",
+    "normalize_weights": "multislerp",
+    "eps": "multislerp",
+    "max_iter": "karcher",
+    "tol": "karcher",
+    "select_topk": "sce",
+    "r": "ramplus_tl",
+    "alpha": "ramplus_tl",
 }
+#: fixed settings a method needs besides the parameter under test (multislerp's weight has no default)
+_NEEDS = {"slerp": {"t": 0.5}, "multislerp": {"weight": 1.0}}
 
 
 def _method_for(name: str) -> str:
@@ -50,6 +59,15 @@ def _values(p: ParamSpec) -> list[tuple[str, object, str | None]]:
     """``(case id, setting, refused field suffix or None when accepted)`` for parameter ``p``."""
     if p.kind == "bool":
         return [("true", True, None), ("false", False, None), ("number", 0.5, ""), ("list", [True, False], "")]
+    if p.kind == "int":
+        lo = int(p.lo) if p.lo is not None else 0
+        return [
+            ("lo-at", lo, None),
+            ("lo-outside", lo - 1, ""),
+            ("integral-float", float(lo + 3), None),
+            ("fraction", lo + 2.5, ""),
+            ("gradient", [lo + 1, lo + 2], ""),
+        ]
     out: list[tuple[str, object, str | None]] = []
     for end, bound, is_open, step in (("lo", p.lo, p.lo_open, -1), ("hi", p.hi, p.hi_open, 1)):
         if bound is None:
@@ -85,6 +103,8 @@ def _values(p: ParamSpec) -> list[tuple[str, object, str | None]]:
 def _cases():
     seen = set()
     for spec in METHODS.values():
+        if spec.max_experts == 0:  # passthrough (scale): one model, no experts; tests/test_mergekit_methods.py
+            continue
         for p in spec.params:
             if p.name in seen:
                 continue
@@ -118,12 +138,12 @@ def front(family, tmp_path_factory):
     base, experts = family
     root = tmp_path_factory.mktemp("boundaries")
     sqlite, index = root / "cat.sqlite", root / "index"
-    for method in sorted({_method_for(p.name) for s in METHODS.values() for p in s.params}):
+    for method in sorted({_method_for(p.name) for s in METHODS.values() for p in s.params if s.max_experts != 0}):
         ex = experts[:1] if method == "slerp" else experts[:2]
         req = MergeRequest(
             base=str(base),
             method=method,
-            parameters={"t": 0.5} if method == "slerp" else {},
+            parameters=dict(_NEEDS.get(method, {})),
             experts=[ExpertRequest(name=e.name, uri=str(e)) for e in ex],
         )
         build_plan(Catalog(sqlite), LocalStorage(IOCounters()), req)
@@ -136,8 +156,9 @@ def _setup(front, method, name, scope, value):
     experts = front["experts"][:1] if method == "slerp" else front["experts"][:2]
     glob: dict = {}
     own: list[dict] = [{} for _ in experts]
-    if method == "slerp" and not (name == "t" and scope == "merge"):
-        glob["t"] = 0.5
+    for k, v in _NEEDS.get(method, {}).items():
+        if not (name == k and scope == "merge"):
+            glob[k] = v
     (glob if scope == "merge" else own[-1])[name] = value
     return experts, glob, own
 

@@ -9,7 +9,7 @@ Embedded default: one SQLite file, ``$MERGEPIPE_HOME/catalog.sqlite`` (``~/.merg
 * ``analyze`` streams an expert and its base once, with bounded memory (row chunks of at most
   ``chunk_bytes``), and stores :class:`~mergepipe.catalog.stats.TensorStats` per tensor, keyed
   by (base identity, expert identity, block size). A cached analysis is reused without reading.
-* **pair statistics** (``analyze(..., pairs=True)``, for model_stock and nuslerp): per tensor,
+* **pair statistics** (``analyze(..., pairs=True)``, for model_stock, nuslerp, multislerp and karcher): per tensor,
   the exact cross term ``⟨δᵢ,δⱼ⟩`` between two experts' task vectors (``math.fsum`` of per-row
   float64 sums, like the per-expert sums), keyed by (base identity, the two expert identities
   in sorted order) and independent of the block size. A per-expert analysis cannot give them,
@@ -422,7 +422,7 @@ class Catalog:
                 if d is None:
                     raise InputError(
                         f"catalog: no pair statistics for {a.uri} and {b.uri}; re-run the merge "
-                        "(analyze computes them for model_stock and nuslerp)."
+                        "(analyze computes them for model_stock, nuslerp, multislerp and karcher)."
                     )
                 out[(i, j)] = d
         return out

@@ -22,16 +22,23 @@ from mergepipe.engine.worklist import WorkItem
 from mergepipe.formats.safetensors import DTYPES
 from mergepipe.methods.kernels import (
     ExpertTensorParams,
+    arcee_fusion_merge,
     combine,
     elementwise_merge,
     filter_width,
     l1_row_sums,
     l1_rows,
+    lincomb_merge,
     magnitude_key_torch,
     model_stock_merge,
+    nearswap_merge,
     nuslerp_merge,
+    ram_counts,
+    ram_merge,
+    ramplus_gains,
     rescale_factor,
     row_numel_of,
+    sce_merge,
     slerp_merge,
     sparsify,
 )
@@ -231,7 +238,7 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept, groups=Non
         return _encode(b, out_dtype)
     row_numel = row_numel_of(tp.shape)
     offset = it.r0 * row_numel
-    keep_x = spec.kind == "slerp"
+    keep_x = spec.kind in ("slerp", "nearswap", "arcee_fusion")
     present = {}
     for te, parts in zip(tp.experts, exp):
         d = torch.zeros_like(b)
@@ -256,6 +263,33 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept, groups=Non
         dv = tp.derived
         coef = (dv["a"], dv["b"], dv["s"]) if "a" in dv else None
         return _encode(nuslerp_merge(b, d0, d1, coef, filter_width(tp.shape), t=dv["t"]), out_dtype)
+    if spec.kind == "passthrough":  # mergekit: tensor * scale (no experts)
+        return _encode(b * float(tp.params["scale"]), out_dtype)
+    if spec.kind in ("multislerp", "karcher"):
+        dv = tp.derived
+        order = sorted(present)
+        ds = [present[i][1] for i in order]
+        return _encode(lincomb_merge(b, ds, [dv[f"c{i}"] for i in order], dv["c_base"]), out_dtype)
+    if spec.kind == "nearswap":
+        e = present[0][2] if 0 in present else b
+        return _encode(nearswap_merge(b, e, float(tp.params["t"])), out_dtype)
+    if spec.kind in ("ram", "ramplus_tl"):
+        ds = [present[i][1] for i in sorted(present)]
+        if not ds:
+            return _encode(b, out_dtype)
+        eps = float(tp.params["epsilon"])
+        gains = None
+        if spec.kind == "ramplus_tl":  # the whole tensor is this chunk (planner: _whole_tensor)
+            gains = ramplus_gains(ram_counts(ds, eps), float(tp.params["r"]), float(tp.params["alpha"]), eps)
+        return _encode(ram_merge(b, ds, eps, gains), out_dtype)
+    if spec.kind == "sce":
+        ds = [present[i][1] if i in present else torch.zeros_like(b) for i in range(K)]
+        topk = float(tp.params.get("select_topk", 1.0))
+        ws = None if topk < 1.0 else [tp.derived[f"w{i}"] for i in range(K)]
+        return _encode(sce_merge(b, ds, ws, topk), out_dtype)
+    if spec.kind == "arcee_fusion":
+        e = present[0][2] if 0 in present else b
+        return _encode(arcee_fusion_merge(b, e, filter_width(tp.shape)), out_dtype)
     if it.kind == "threshold":
         for te, d, _ in present.values():
             for slot, key, _rank in _bounds(te):

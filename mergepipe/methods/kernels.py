@@ -153,7 +153,7 @@ def elementwise_merge(spec: MethodSpec, params: dict, densities, dtype: str) -> 
         params: the tensor's resolved global parameters.
         densities: the experts' densities for this tensor.
     """
-    if spec.kind in ("model_stock", "slerp", "nuslerp") or spec.sparsify == "della":
+    if spec.kind not in ("gta", "linear") or spec.sparsify == "della":
         return False
     if dtype not in TILE_DTYPES:
         return False
@@ -172,12 +172,14 @@ def work_floats(spec: MethodSpec, n_experts: int, elementwise: bool) -> int:
       enough that two are in flight within the prefetch bytes (measured total incl. inputs:
       ``0.5·K + 2``);
     * model_stock, slerp, nuslerp (whole-chunk float32, row statistics): ``K + 7``
-      (measured ``K + 6.3``);
+      (measured ``K + 6.3``); the same count for mergekit 0.1.5's newer methods (multislerp,
+      karcher, sce, nearswap, ram, ramplus_tl, arcee_fusion: whole-chunk float32; not measured
+      separately);
     * whole-chunk task-vector methods (L1 rescale, DELLA): ``2·K + 11`` (measured ``2·K + 10.3``).
     """
     if elementwise:
         return n_experts + 3
-    if spec.kind in ("model_stock", "slerp", "nuslerp"):
+    if spec.kind != "gta":
         return n_experts + 7
     return 2 * n_experts + 11
 
@@ -378,6 +380,10 @@ def identity_on_zero_delta(spec: MethodSpec, weight_sum: float, globals_: dict) 
     block touches is copied byte for byte). ``weight_sum``: the tensor's sum of weights."""
     if spec.kind == "slerp":
         return globals_.get("t") == 0.0
+    if spec.kind == "passthrough":
+        return globals_.get("scale", 1.0) == 1.0
+    if spec.kind == "karcher":
+        return False  # Σcᵢ·base: see the planner (copy only when the coefficients sum to 1)
     if spec.linear and not globals_.get("normalize", True):
         return weight_sum == 1.0
     return True
@@ -448,3 +454,170 @@ def nuslerp_merge(base, d0, d1, coef, width: int | None = None, t: float = 0.5):
         a, b, s = coef
         mixed = (d0 * a + d1 * b) / s
     return _add(base, mixed)
+
+
+# --- mergekit 0.1.5's newer methods ----------------------------------------------------------
+
+
+def lincomb_merge(base, deltas: list, coefs: list[float], c_base: float = 1.0):
+    """``c_base·base + Σ cᵢ·δᵢ`` (float32, experts summed in plan order): multislerp
+    (``c_base = 1``) and karcher, with the coefficients from whole-tensor statistics (plan:
+    :func:`mergepipe.numerics.multislerp_coefficients`, :func:`~mergepipe.numerics.karcher_coefficients`).
+    With ``c_base = 1`` entries where every δ is 0 are the base bit for bit."""
+    mixed = None
+    for d, c in zip(deltas, coefs):
+        t = d * c
+        mixed = t if mixed is None else mixed + t
+    if c_base == 1.0:
+        return base if mixed is None else _add(base, mixed)
+    out = base * c_base
+    return out if mixed is None else out + mixed
+
+
+def nearswap_merge(base, expert, t: float):
+    """mergekit 0.1.5 ``nearswap``: ``w·θ_e + (1 − w)·θ_b`` with ``w = clamp(t / max(|θ_b − θ_e|,
+    1e-6), 0, 1)`` per entry — the expert's value where it is within ``t`` of the base, else the
+    base moved by ``t`` towards it (the task vector clipped to ``[−t, t]``). Entries where the
+    expert equals the base (or was not read) are the base bit for bit.
+
+    Args:
+        base, expert: float32 ``(n,)``.
+        t: the distance threshold (``t ≥ 0``).
+    """
+    import torch
+
+    absdiff = torch.abs(base - expert)
+    w = (t / absdiff.clamp(min=1e-6)).clamp(min=0, max=1)
+    out = w * expert + (1 - w) * base
+    return torch.where(expert == base, base, out)
+
+
+def ram_merge(base, deltas: list, epsilon: float, gains: list[float] | None = None):
+    """mergekit 0.1.5 ``ram`` / ``ramplus_tl`` on one chunk (float32).
+
+    Per entry, the experts with ``|δᵢ| > epsilon`` contribute: an entry only one expert changes
+    takes its δ (times its gain ``λᵢ`` in ramplus_tl), an entry several change takes the mean of
+    theirs: ``Σᵢ [nzᵢ]·(uniqueᵢ·λᵢ·δᵢ + overlap·δᵢ/count)``, summed over the experts in order, as
+    mergekit does. Unread blocks are δ = 0: they do not count.
+
+    Args:
+        deltas: K float32 ``(n,)`` task vectors (zeros where unread).
+        gains: ramplus_tl's ``λᵢ`` (:func:`ramplus_gains`); None for ram (λ = 1).
+    """
+    import torch
+
+    nz = [d.abs() > epsilon for d in deltas]
+    count = nz[0].to(torch.int64)
+    for m in nz[1:]:
+        count = count + m
+    unique = count == 1
+    overlap = count > 1
+    cnt = count.clamp(min=1)
+    mixed = None
+    for i, (d, m) in enumerate(zip(deltas, nz)):
+        z = d * m
+        u = z * unique
+        if gains is not None:
+            u = u * gains[i]
+        term = u + z * overlap / cnt
+        mixed = term if mixed is None else mixed + term
+    return base if mixed is None else base + mixed
+
+
+def ram_counts(deltas: list, epsilon: float) -> list[tuple[int, int]]:
+    """Per expert ``(shared, unique)``: entries where ``|δᵢ| > epsilon`` and some other expert's
+    too (shared), or only this expert's (unique) — ramplus_tl's whole-tensor counts."""
+    import torch
+
+    nz = [d.abs() > epsilon for d in deltas]
+    count = nz[0].to(torch.int64)
+    for m in nz[1:]:
+        count = count + m
+    return [(int((m & (count > 1)).sum()), int((m & (count == 1)).sum())) for m in nz]
+
+
+def ramplus_gains(counts: list[tuple[int, int]], r: float, alpha: float, epsilon: float) -> list[float]:
+    """ramplus_tl's per-expert gain ``λᵢ = 1 + r·clamp(sharedᵢ / max(uniqueᵢ, epsilon), 0, alpha)``
+    in float32 arithmetic, as mergekit 0.1.5 computes it."""
+    out = []
+    for shared, unique in counts:
+        rho = np.float32(shared) / np.float32(max(float(unique), epsilon))
+        rho = np.float32(min(max(rho, np.float32(0.0)), np.float32(alpha)))
+        out.append(float(np.float32(1.0) + np.float32(r) * rho))
+    return out
+
+
+def sce_merge(base, deltas: list, weights: list[float] | None, select_topk: float = 1.0):
+    """mergekit 0.1.5 ``sce`` (select, calculate, erase) on float32 task vectors.
+
+    With ``select_topk < 1`` the entries whose variance across the experts is among the top
+    ``int(nonzero · select_topk)`` of the tensor are kept (``torch.topk`` of the population
+    variance, as mergekit), the rest zeroed; the weights are then computed from the masked task
+    vectors (``weights`` must be None: this needs the whole tensor in one chunk). With
+    ``select_topk = 1`` ``weights`` are the plan's (:func:`mergepipe.numerics.sce_weights`).
+    Then TIES sign election on ``Σδᵢ`` (zeros never agree) and ``Σ wᵢmᵢδᵢ / max(Σ wᵢmᵢ, 1e-6)``.
+    Entries where no expert agrees (all δ = 0: unread) are the base.
+    """
+    import torch
+
+    if not deltas:
+        return base
+    if select_topk < 1.0:
+        tvs = torch.stack(deltas, dim=0)
+        if select_topk <= 0:
+            mask = torch.zeros_like(tvs[0])
+        else:
+            var = torch.var(tvs, dim=0, unbiased=False)
+            k = int(torch.count_nonzero(var) * select_topk)  # (float32 product, as mergekit)
+            mask = torch.zeros_like(var)
+            if k > 0:
+                _, idx = torch.topk(var.abs().view(-1), k=k, largest=True)
+                mask.view(-1)[idx] = 1
+        deltas = list(tvs * mask.unsqueeze(0))
+        energy = torch.stack(deltas).square().reshape(len(deltas), -1).mean(dim=1)
+        ws = float(torch.sum(energy).item())
+        weights = [1.0 / len(deltas)] * len(deltas) if abs(ws) < 1e-6 else (energy / ws).tolist()
+    assert weights is not None
+    total = deltas[0]
+    for d in deltas[1:]:
+        total = total + d
+    majority = (total >= 0).to(base.dtype) * 2 - 1
+    num = den = None
+    for d, wi in zip(deltas, weights):
+        ew = (torch.sign(d) == majority).to(base.dtype) * wi
+        t = d * ew
+        num = t if num is None else num + t
+        den = ew if den is None else den + ew
+    assert num is not None and den is not None  # deltas is not empty
+    return base + num / den.clamp(min=1e-6)
+
+
+def arcee_fusion_merge(base, expert, width: int):
+    """mergekit 0.1.5 ``arcee_fusion`` on a whole tensor (float32, flat).
+
+    Importance ``|θ_e − θ_b| · KL(softmax(θ_e) ‖ softmax(θ_b))`` with the KL divergence per row
+    (over the last dimension, ``width`` entries; a 1-D tensor is one row); the threshold is
+    ``median + 1.5·(q3 − q1)`` of the importance over the whole tensor, each quantile the entry
+    at index ``⌊q·(n − 1)⌋`` of the sorted values (mergekit samples 10⁶ entries with replacement
+    for larger tensors; here all entries: deterministic); the output is
+    ``θ_b + (θ_e − θ_b)·[importance ≥ threshold]``.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    if base.numel() == 0:
+        return base
+    p2 = expert.reshape(-1, width)
+    b2 = base.reshape(-1, width)
+    diff = (p2 - b2).abs()
+    eps = 1e-8
+    p = F.softmax(p2, dim=-1) + eps
+    q = F.softmax(b2, dim=-1) + eps
+    kl = torch.sum(p * torch.log(p / q), dim=-1, keepdim=True)
+    imp = (diff * kl).reshape(-1)
+    s, _ = torch.sort(imp)
+    idx = (torch.tensor([0.25, 0.5, 0.75]) * (s.numel() - 1)).long()
+    q1, med, q3 = s[idx]
+    thr = med + 1.5 * (q3 - q1)
+    mask = (imp >= thr).float()
+    return base + (expert - base) * mask

@@ -150,6 +150,12 @@ def parse_setting(p: ParamSpec, raw: Any, loc: Loc, where: Where) -> Any:
             f"{p.name} is a boolean and takes one value (true or false), not a list; "
             "boolean parameters are not layer-wise.",
         )
+    if p.kind == "int":
+        raise _fail(
+            where,
+            loc,
+            f"{p.name} is an integer and takes one value, not a list; integer parameters are not layer-wise.",
+        )
     if not raw:
         raise _fail(
             where,
@@ -307,12 +313,19 @@ class ResolvedParams:
                         'no default); add a catch-all entry {"value": ...} at the end.',
                     )
                 g[p.name] = v
-        es = []
+        es: list[dict] = []
         for ep in self.experts:
             d = {}
             for p in spec.params:
                 if p.scope == "expert":
                     v = evaluate(ep.get(p.name, p.default), name, t)
+                    if v is None and p.default is None:
+                        raise _fail(
+                            self.where,
+                            ("experts", len(es), "parameters", p.name),
+                            f"no value for tensor {name!r} (no filter entry matches it and {self.method} has no "
+                            'default); add a catch-all entry {"value": ...} at the end.',
+                        )
                     d[p.name] = p.default if v is None else v
             es.append(d)
         out = TensorParams(g, tuple(es))
@@ -413,6 +426,14 @@ def resolve_params(
                     view[p.name] = own + [{"filter": None, "value": fb}]
             else:
                 view[p.name] = own
+            if view[p.name] is None:  # a required per-expert parameter (multislerp's weight)
+                w = where(("experts", i, "parameters", p.name))
+                raise _fail(
+                    where,
+                    ("experts", i, "parameters", p.name),
+                    f"{method} needs {p.name} for every expert (it has no default, as in mergekit); e.g. "
+                    f"{w}=0.5, or set it for the merge.",
+                )
         experts.append(view)
     for p in spec.params:  # what is missing, after what is given
         if p.scope == "global" and p.name not in g:

@@ -31,7 +31,23 @@ from mergepipe.errors import InputError
 from mergepipe.limits import short_repr
 
 Sparsify = Literal["none", "magnitude", "random", "outliers", "della"]
-Kind = Literal["gta", "linear", "model_stock", "slerp", "nuslerp"]
+Kind = Literal[
+    "gta",
+    "linear",
+    "model_stock",
+    "slerp",
+    "nuslerp",
+    "multislerp",
+    "karcher",
+    "sce",
+    "nearswap",
+    "ram",
+    "ramplus_tl",
+    "arcee_fusion",
+    "passthrough",
+]
+#: How a method meets an expert-I/O budget (see :attr:`MethodSpec.budget`).
+Budget = Literal["blocks", "whole"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +58,7 @@ class ParamSpec:
     name: str
     default: float | bool | None
     scope: Literal["expert", "global"]
-    kind: Literal["float", "bool"] = "float"
+    kind: Literal["float", "bool", "int"] = "float"
     lo: float | None = None
     hi: float | None = None
     lo_open: bool = False
@@ -53,6 +69,10 @@ class ParamSpec:
     def range_text(self) -> str:
         if self.kind == "bool":
             return "true or false"
+        if self.kind == "int":
+            lo = "-inf" if self.lo is None else f"{int(self.lo)}"
+            hi = "inf" if self.hi is None else f"{int(self.hi)}"
+            return f"integers in [{lo}, {hi}{')' if self.hi is None else ']'}"
         lo = "-inf" if self.lo is None else f"{self.lo:g}"
         hi = "inf" if self.hi is None else f"{self.hi:g}"
         return f"{'(' if self.lo_open or self.lo is None else '['}{lo}, {hi}{')' if self.hi_open or self.hi is None else ']'}"
@@ -79,6 +99,8 @@ class ParamSpec:
             raise bad(f"{self.name} must be true or false, got {short_repr(value)}.")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad(f"{self.name} must be a number in {self.range_text}, got {short_repr(value)}.")
+        if self.kind == "int" and not (isinstance(value, int) or float(value).is_integer()):
+            raise bad(f"{self.name} must be an integer in {self.range_text}, got {short_repr(value)}.")
         v = float(value)
         if v != v or v in (float("inf"), float("-inf")):
             raise bad(f"{self.name} must be a finite number in {self.range_text}, got {short_repr(value)}.")
@@ -87,7 +109,7 @@ class ParamSpec:
         )
         if out:
             raise bad(f"{self.name}={v:g} is outside {self.range_text}.")
-        return v
+        return int(v) if self.kind == "int" else v
 
 
 WEIGHT = ParamSpec("weight", 1.0, "expert", doc="scale of this expert's task vector")
@@ -123,6 +145,39 @@ NUSLERP_ROW_WISE = ParamSpec(
 )
 
 
+WEIGHT_REQUIRED = ParamSpec(
+    "weight", None, "expert", doc="interpolation weight of this expert (required, as in mergekit)"
+)
+NORMALIZE_WEIGHTS = ParamSpec("normalize_weights", True, "global", kind="bool", doc="divide the weights by their sum")
+MULTISLERP_EPS = ParamSpec(
+    "eps", 1e-8, "global", lo=0.0, lo_open=True, doc="added to every norm before dividing by it (0 divides 0 by 0)"
+)
+MAX_ITER = ParamSpec("max_iter", 10, "global", kind="int", lo=0, doc="iterations of the Karcher-mean fixed point")
+KARCHER_TOL = ParamSpec(
+    "tol",
+    1e-5,
+    "global",
+    lo=0.0,
+    lo_open=True,
+    doc="stop when the tangent step is shorter; smaller norms and angles are 0 (0 divides 0 by 0)",
+)
+SELECT_TOPK = ParamSpec(
+    "select_topk",
+    1.0,
+    "global",
+    lo=0.0,
+    hi=1.0,
+    doc="fraction of entries kept by the experts' variance (1: all; below 1 needs whole tensors)",
+)
+NEARSWAP_T = ParamSpec(
+    "t", None, "global", lo=0.0, doc="distance below which the expert's value is taken (|δ| clipped at t)"
+)
+RAM_EPSILON = ParamSpec("epsilon", 1e-5, "global", lo=0.0, doc="|δ| above which an expert contributes an entry")
+RAM_R = ParamSpec("r", 0.1, "global", doc="gain on the experts' unique entries")
+RAM_ALPHA = ParamSpec("alpha", 0.2, "global", lo=0.0, doc="cap of the shared/unique ratio")
+SCALE = ParamSpec("scale", 1.0, "global", doc="factor on every floating tensor of the one input model")
+
+
 def _normalize(default: bool) -> ParamSpec:
     return ParamSpec("normalize", default, "global", kind="bool", doc="divide by the sum of (agreeing) weights")
 
@@ -144,6 +199,15 @@ class MethodSpec:
             ``nuslerp``.
         min_experts, max_experts: how many experts (models besides the base) it takes.
         paper: the algorithm's source.
+        budget: how the method meets an expert-I/O budget. ``blocks``: every output entry
+            depends only on the same entry of the inputs, given coefficients fixed at plan time
+            from the catalog's whole-tensor statistics, so any subset of expert blocks can be
+            read (an unread block counts as an expert equal to the base there). ``whole``: the
+            method needs whole-tensor statistics of the expert values that the catalog does not
+            keep (a quantile, a top-k across experts, counts of overlapping entries), so every
+            expert block with a non-zero task vector is read and a budget is refused
+            (:func:`budget_refusal`).
+        budget_doc: one line on what a budget does with this method (README, ``explain``).
     """
 
     name: str
@@ -155,6 +219,8 @@ class MethodSpec:
     max_experts: int | None = None
     paper: str = ""
     extra: dict = field(default_factory=dict)
+    budget: Budget = "blocks"
+    budget_doc: str = ""
 
     def param(self, name: str, where: str = "", loc: tuple = ()) -> ParamSpec:
         """The parameter ``name``.
@@ -185,7 +251,7 @@ class MethodSpec:
     @property
     def needs_gram(self) -> bool:
         """Needs the experts' pairwise task-vector dot products from the catalog."""
-        return self.kind in ("model_stock", "nuslerp")
+        return self.kind in ("model_stock", "nuslerp", "multislerp", "karcher")
 
     @property
     def experts_text(self) -> str:
@@ -324,6 +390,105 @@ register(
     )
 )
 
+register(
+    MethodSpec(
+        "multislerp",
+        "none",
+        None,
+        (WEIGHT_REQUIRED, NORMALIZE_WEIGHTS, MULTISLERP_EPS),
+        kind="multislerp",
+        min_experts=1,
+        paper="Multi-SLERP (Goddard, goddard.blog/posts/multislerp-wow-what-a-cool-idea); mergekit 0.1.5 "
+        "merge_methods/multislerp.py",
+        budget_doc="blocks: base + Σ cᵢδᵢ with cᵢ from the catalog's norms and pair statistics; unread blocks "
+        "are the base",
+    )
+)
+register(
+    MethodSpec(
+        "karcher",
+        "none",
+        None,
+        (MAX_ITER, KARCHER_TOL),
+        kind="karcher",
+        min_experts=1,
+        paper="Karcher mean on the unit sphere (Karcher, 1977; arXiv:2603.04972); mergekit 0.1.5 "
+        "merge_methods/karcher.py",
+        budget_doc="blocks: c_b·base + Σ cᵢδᵢ from the catalog's norms and pair statistics; every tensor is "
+        "rescaled (c_b ≠ 1), unread blocks are c_b·base",
+    )
+)
+register(
+    MethodSpec(
+        "sce",
+        "none",
+        "sum",
+        (SELECT_TOPK, INT8_MASK),
+        kind="sce",
+        min_experts=1,
+        paper="SCE: select, calculate, erase (Wan et al., FuseChat, 2024, arXiv:2408.07990); mergekit 0.1.5 "
+        "merge_methods/sce.py",
+        budget_doc="blocks with select_topk = 1 (weights from the catalog's ‖δᵢ‖²); select_topk < 1 refuses a "
+        "budget (a top-k of the experts' variance over whole tensors)",
+    )
+)
+register(
+    MethodSpec(
+        "nearswap",
+        "none",
+        None,
+        (NEARSWAP_T,),
+        kind="nearswap",
+        min_experts=1,
+        max_experts=1,
+        paper="NearSwap (alchemonaut, huggingface.co/alchemonaut/QuartetAnemoi-70B-t0.0001); mergekit 0.1.5 "
+        "merge_methods/nearswap.py",
+        budget_doc="blocks: elementwise (base + δ clipped to [−t, t]); unread blocks are the base",
+    )
+)
+register(
+    MethodSpec(
+        "ram",
+        "none",
+        None,
+        (RAM_EPSILON,),
+        kind="ram",
+        min_experts=1,
+        paper="Reinforced Agent Merging (arXiv:2601.13572); mergekit 0.1.5 merge_methods/ram.py",
+        budget_doc="blocks: elementwise (mean of the experts with |δ| > epsilon); unread blocks do not count",
+    )
+)
+register(
+    MethodSpec(
+        "ramplus_tl",
+        "none",
+        None,
+        (RAM_R, RAM_ALPHA, RAM_EPSILON),
+        kind="ramplus_tl",
+        min_experts=1,
+        paper="Reinforced Agent Merging Plus, tensor-local (arXiv:2601.13572); mergekit 0.1.5 merge_methods/ram.py",
+        budget="whole",
+        budget_doc="whole: refuses a budget (each expert's gain counts its shared and unique entries over the "
+        "whole tensor)",
+        extra={"whole": "each expert's gain counts its shared and unique entries over the whole tensor"},
+    )
+)
+register(
+    MethodSpec(
+        "arcee_fusion",
+        "none",
+        None,
+        (),
+        kind="arcee_fusion",
+        min_experts=1,
+        max_experts=1,
+        paper="Arcee Fusion (arcee.ai); mergekit 0.1.5 merge_methods/arcee_fusion.py",
+        budget="whole",
+        budget_doc="whole: refuses a budget (its threshold is a quantile of the importance over the whole tensor)",
+        extra={"whole": "its threshold is a quantile of the importance over the whole tensor"},
+    )
+)
+
 
 def method_names() -> tuple[str, ...]:
     """mergekit's names of the registered merge methods, in registration order.
@@ -332,6 +497,43 @@ def method_names() -> tuple[str, ...]:
     CRD enum) take theirs from here rather than keeping a copy.
     """
     return tuple(METHODS)
+
+
+register(
+    MethodSpec(
+        "passthrough",
+        "none",
+        None,
+        (SCALE,),
+        kind="passthrough",
+        min_experts=0,
+        max_experts=0,
+        paper="mergekit 0.1.5 merge_methods/passthrough.py (one input model, optionally scaled)",
+        budget_doc="no experts: reads only the one model (the base), expert bytes 0 under any budget",
+    )
+)
+
+
+def budget_refusal(spec: MethodSpec, globals_: dict) -> str | None:
+    """Why ``spec`` with the merge-wide settings ``globals_`` (as given: scalars, gradients or
+    filter lists) cannot honour an expert-I/O budget or a fidelity target, or None when it can
+    (see :attr:`MethodSpec.budget`). ``sce`` reads whole tensors only when ``select_topk`` is
+    below 1 for some tensor."""
+    if spec.budget == "whole":
+        return str(spec.extra["whole"])
+    if spec.kind == "sce":
+        v = globals_.get("select_topk", 1.0)
+        items = v if isinstance(v, list) else [v]
+        flat: list = []
+        for e in items:
+            e = e.get("value") if isinstance(e, dict) else e
+            flat.extend(e if isinstance(e, list) else [e])
+        if any(isinstance(x, (int, float)) and float(x) < 1.0 for x in flat):
+            return (
+                "with select_topk < 1 its mask is a top-k of the experts' per-entry variance over the whole "
+                "tensor, and its weights are means over that mask"
+            )
+    return None
 
 
 def get_method(name: str) -> MethodSpec:

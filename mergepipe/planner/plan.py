@@ -96,7 +96,9 @@ class TensorPlan(BaseModel):
         weight_sum: sum of all experts' weights for this tensor (experts without a selected
             block included).
         derived: coefficients computed at plan time from whole-tensor catalog statistics:
-            slerp ``c_base``/``c_expert``; nuslerp ``a``/``b``/``s``; model_stock ``t``.
+            slerp ``c_base``/``c_expert``; nuslerp ``a``/``b``/``s``; model_stock ``t``;
+            multislerp and karcher ``c_base`` and ``c<i>`` per expert (output ``c_base·base +
+            Σ cᵢδᵢ``); sce ``w<i>`` per expert (its weights, with ``select_topk = 1``).
         out_dtype: dtype written (the base's unless the merge asks for another).
         experts: contributing experts (experts with no selected block are absent).
         copy_base: True when the output tensor is the base tensor byte for byte.

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mergepipe.catalog.catalog import Analysis, CheckpointRecord
+from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, CheckpointRecord
 from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import FLOAT_DTYPES, TensorInfo, n_blocks, rows_per_block
 from mergepipe.methods.kernels import elementwise_merge, identity_on_zero_delta, needs_row_stats, work_floats
@@ -49,10 +49,14 @@ from mergepipe.methods.params import layer_count, layer_t
 from mergepipe.methods.registry import get_method
 from mergepipe.numerics import (
     N_KEYS,
+    f32,
+    karcher_coefficients,
     model_stock_t,
+    multislerp_coefficients,
     nuslerp_coefficients,
     outlier_counts,
     outlier_window,
+    sce_weights,
     slerp_coefficients,
     stream_key,
     topk_rank,
@@ -227,7 +231,7 @@ def make_plan(
     requested_dtype, source = request.request.options.requested_dtype, request.request.options.source
     expert_names = request.names
     K = len(experts)
-    if K == 0:
+    if K == 0 and get_method(method).min_experts > 0:
         raise InputError("no experts given; pass at least one --expert.")
     if budget_bytes is not None and budget_bytes < 0:
         raise InputError(f"--budget {budget_bytes} is negative; give bytes like 512MiB or a percentage like 25%.")
@@ -252,7 +256,7 @@ def make_plan(
     spec = get_method(method)
     if len(params.experts) != K:
         raise InputError(f"{len(params.experts)} expert parameter sets for {K} experts.")
-    block_bytes = analyses[0].block_bytes
+    block_bytes = analyses[0].block_bytes if analyses else DEFAULT_BLOCK_BYTES  # (passthrough: no experts)
     if spec.needs_gram and gram is None:
         raise InputError(f"{method} needs the experts' pair statistics; analyze with pairs (the pipeline does).")
     n_layers = layer_count(base.layout.tensors)
@@ -269,8 +273,8 @@ def make_plan(
         row_stats = floating and needs_row_stats(spec, g)
         ew = elementwise_merge(spec, g, [float(e.get("density", 1.0)) for e in eps], bt.dtype)
         cr = chunk_rows(bt, rpb, K, work_bytes, floats=work_floats(spec, K, ew))
-        if row_stats and len(bt.shape) < 2:
-            cr = max(rpb, -(-bt.rows // rpb) * rpb)  # a 1-D tensor is one row: one chunk
+        if (row_stats and len(bt.shape) < 2) or (floating and _whole_tensor(spec, g)):
+            cr = max(rpb, -(-bt.rows // rpb) * rpb)  # a 1-D tensor is one row / whole-tensor statistics: one chunk
         weights = [float(e.get("weight", 1.0)) for e in eps]
         tp = TensorPlan(
             name=name,
@@ -451,6 +455,8 @@ def make_plan(
             tp.copy_base = True
         elif spec.kind == "slerp":
             tp.copy_base = tp.params["t"] == 0.0  # t = 0 is the base; otherwise slerp rescales even the base
+        elif spec.kind == "karcher":
+            tp.copy_base = not tp.experts and tp.derived.get("c_base") == 1.0  # (else the base is rescaled)
         else:
             tp.copy_base = not tp.experts and identity_on_zero_delta(spec, tp.weight_sum, tp.params)
         tp.explain = _explain_tensor(tp, spec, [e for e in (expert_names or [])])
@@ -718,7 +724,45 @@ def _coefficients(
         t = float(model_stock_t(K, [st.delta_sq for st in stats], {k: float(v[name]) for k, v in gram.items()}))
         tp.derived = {} if g.get("filter_wise") else {"t": t}
         return [t / K] * K
+    if spec.kind in ("multislerp", "karcher"):
+        dd = np.zeros((K, K))
+        for i in range(K):
+            dd[i, i] = stats[i].delta_sq
+            for j in range(i + 1, K):
+                dd[i, j] = dd[j, i] = float(gram[(i, j)][name])
+        if spec.kind == "multislerp":
+            try:
+                cs = multislerp_coefficients(weights, dd, bool(g["normalize_weights"]), float(g["eps"]))
+            except ValueError as e:
+                raise InputError(f"multislerp: tensor {name!r}: {e}; change the weights.") from None
+            tp.derived = {"c_base": 1.0, **{f"c{i}": c for i, c in enumerate(cs)}}
+            return cs
+        # karcher over the points θᵢ = base + δᵢ: ⟨θᵢ,θⱼ⟩ = ⟨b,θᵢ⟩ + ⟨b,θⱼ⟩ − ‖b‖² + ⟨δᵢ,δⱼ⟩
+        bb = stats[0].base_sq
+        bx = np.array([st.base_dot_expert for st in stats])
+        gt = dd + bx[:, None] + bx[None, :] - bb
+        for i in range(K):
+            gt[i, i] = stats[i].expert_sq
+        cs = karcher_coefficients(gt, int(g["max_iter"]), float(g["tol"]))
+        tp.derived = {
+            "c_base": f32(math.fsum(float(np.float32(c)) for c in cs)),
+            **{f"c{i}": c for i, c in enumerate(cs)},
+        }
+        return cs
+    if spec.kind == "sce" and not _whole_tensor(spec, g):
+        ws = sce_weights([st.delta_sq for st in stats], stats[0].numel)
+        tp.derived = {f"w{i}": w for i, w in enumerate(ws)}
+        return ws
     return [1.0] * K
+
+
+def _whole_tensor(spec, g: dict) -> bool:
+    """The engine merges this tensor in one chunk: its statistics are whole-tensor functions of
+    the expert values that the catalog does not keep (arcee_fusion's importance quantiles,
+    ramplus_tl's overlap counts, sce's variance top-k with select_topk < 1)."""
+    return spec.kind in ("arcee_fusion", "ramplus_tl") or (
+        spec.kind == "sce" and float(g.get("select_topk", 1.0)) < 1.0
+    )
 
 
 def _explain_tensor(tp: TensorPlan, spec, names: list[str]) -> str:
@@ -760,6 +804,18 @@ def _explain_tensor(tp: TensorPlan, spec, names: list[str]) -> str:
             if "a" in d
             else f"nuslerp t={d['t']:.6g}: per-row coefficients computed by the engine from the rows it reads; "
         )
+    elif spec.kind in ("multislerp", "karcher"):
+        cs = ", ".join(
+            f"{d[k]:.6g}" for k in sorted(d, key=lambda k: (len(k), k)) if k.startswith("c") and k != "c_base"
+        )
+        head = (
+            f"{spec.kind}: base·{d.get('c_base', 1.0):.6g} + Σ cᵢδᵢ, c = [{cs}] from the catalog's norms and pair "
+            "statistics; "
+        )
+    elif spec.kind == "sce" and d:
+        head = f"sce: weights [{', '.join(f'{d[k]:.6g}' for k in sorted(d))}] from the catalog's ‖δᵢ‖²; "
+    elif spec.budget == "whole" or spec.kind == "sce":
+        head = f"{spec.kind}: whole-tensor statistics computed by the engine over the whole tensor (one chunk); "
     elif spec.sparsify == "della":
         head = "della: per-row magnitude ranks computed by the engine from the rows it reads; "
     if not parts:

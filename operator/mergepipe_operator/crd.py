@@ -42,8 +42,12 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 
 #: mergekit's names of the merge methods the CRD accepts: the core's registry
-#: (:data:`mergepipe.methods.registry.METHODS`), in its order.
-METHODS: tuple[str, ...] = tuple(CORE_METHODS)
+#: (:data:`mergepipe.methods.registry.METHODS`), in its order, except the methods that take no
+#: experts (passthrough copies one checkpoint, optionally scaled: not a merge of experts, and a
+#: ModelMerge has at least one expert).
+METHODS: tuple[str, ...] = tuple(n for n, m in CORE_METHODS.items() if m.max_experts != 0)
+#: every parameter name some method of the registry takes, in first-seen order
+PARAMETER_NAMES: tuple[str, ...] = tuple(dict.fromkeys(p.name for m in CORE_METHODS.values() for p in m.params))
 
 
 def expert_count_message(method: str) -> str:
@@ -59,6 +63,8 @@ def expert_count_rules() -> list[dict[str, Any]]:
     registry: one ``{rule, message}`` per method whose expert count is bounded beyond "at least 1"."""
     out = []
     for name, m in CORE_METHODS.items():
+        if name not in METHODS:
+            continue
         if m.max_experts is not None and m.max_experts == m.min_experts:
             cond = f"size(self.experts) == {m.min_experts}"
         else:
@@ -174,8 +180,7 @@ ParamMap = Annotated[
     Field(
         json_schema_extra={"maxProperties": 32},
         description=(
-            "Merge parameters by mergekit name (weight, density, lambda, normalize, rescale, "
-            "int8_mask, gamma, epsilon, t, filter_wise, nuslerp_flatten, nuslerp_row_wise); "
+            f"Merge parameters by mergekit name ({', '.join(PARAMETER_NAMES)}); "
             "which names a method takes is checked by the operator."
         ),
     ),

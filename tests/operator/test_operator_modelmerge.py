@@ -176,6 +176,23 @@ def test_requested_budget(settings):
     assert mmspec.requested_budget({**spec, "budget": None}, s2) == 5 * GI
     assert mmspec.requested_budget({**spec, "budget": None, "fidelity": 0.9}, s2) is None
     assert mmspec.requested_budget({**spec, "budget": None}, settings) is None
+    # methods that need whole tensors get no default budget (an explicit one is refused by the core)
+    whole = {**spec, "budget": None, "method": "arcee_fusion"}
+    assert mmspec.requested_budget(whole, s2) is None
+    sce = {**spec, "budget": None, "method": "sce", "parameters": {"select_topk": 0.5}}
+    assert mmspec.requested_budget(sce, s2) is None
+    assert mmspec.requested_budget({**sce, "parameters": {}}, s2) == 5 * GI
+
+
+def test_budget_refused_for_whole_tensor_method_names_spec_budget():
+    from mergepipe.errors import InputError
+    from mergepipe_operator.modelmerge.request import merge_request, spec_where
+
+    spec = {**make_merge()["spec"], "method": "ramplus_tl", "parameters": {}}
+    spec["experts"] = [{k: v for k, v in ex.items() if k not in ("weight", "parameters")} for ex in spec["experts"]]
+    with pytest.raises(InputError) as e:
+        merge_request(spec, budget=10 * GI).resolve(spec_where(spec))
+    assert str(e.value).startswith("spec.budget ") and "ramplus_tl cannot honour" in str(e.value)
 
 
 # --- names -------------------------------------------------------------------------------------------

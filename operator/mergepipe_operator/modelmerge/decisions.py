@@ -246,10 +246,11 @@ def analyze_args(
     ``missing_uris`` are the experts the planner named (``MissingAnalysis.uris``: those without
     statistics and, for methods that need pair statistics, both experts of every missing pair);
     when only the base's sensitivity is missing (none named) the spec's experts are passed,
-    whose cached statistics are not recomputed. For model_stock and nuslerp ``--pairs`` also
-    records the pair statistics of every two of them; pairs already in the catalog are not
-    recomputed. With ``calibration_uri`` the Job records the base's per-block Fisher on that
-    calibration set (:mod:`mergepipe.catalog.sensitivity`; once per base and set)."""
+    whose cached statistics are not recomputed. For the methods that plan with pair statistics
+    (model_stock, nuslerp, multislerp, karcher) ``--pairs`` also records the pair statistics of
+    every two of them; pairs already in the catalog are not recomputed. With ``calibration_uri``
+    the Job records the base's per-block Fisher on that calibration set
+    (:mod:`mergepipe.catalog.sensitivity`; once per base and set)."""
     args = ["analyze", "--base", spec["base"]["uri"].rstrip("/")]
     uris = [u.rstrip("/") for u in missing_uris] or [
         str(ex["uri"]).rstrip("/") for ex in spec.get("experts") or [] if isinstance(ex, Mapping)

@@ -169,11 +169,21 @@ def format_issues(issues: Iterable[Issue], limit: int = 10) -> str:
     return text
 
 
+def _needs_whole_tensors(spec: Mapping[str, Any]) -> bool:
+    from mergepipe.methods.registry import METHODS, budget_refusal
+
+    m = METHODS.get(str(spec.get("method")))
+    return m is not None and budget_refusal(m, dict(spec.get("parameters") or {})) is not None
+
+
 def requested_budget(spec: Mapping[str, Any], settings: Settings) -> int | None:
     """The budget a merge asks for: ``spec.budget``, else (without a fidelity target) the
-    operator's default budget, else ``None`` (unbounded / fidelity-driven)."""
+    operator's default budget, else ``None`` (unbounded / fidelity-driven). Methods that cannot
+    honour a budget (:func:`mergepipe.methods.registry.budget_refusal`: arcee_fusion, ramplus_tl,
+    sce with select_topk < 1) get no default budget; an explicit ``spec.budget`` is refused for
+    them by the core's validator."""
     if spec.get("budget") is not None:
         return parse_quantity(spec["budget"], field="spec.budget")
-    if spec.get("fidelity") is None and settings.default_budget:
+    if spec.get("fidelity") is None and settings.default_budget and not _needs_whole_tensors(spec):
         return parse_quantity(settings.default_budget, field="default budget")
     return None
