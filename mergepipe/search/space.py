@@ -291,8 +291,11 @@ class SearchSpace:
                 seen.add((None, BUDGET))
                 continue
             p = spec.param(v.name, where)
-            if p.kind == "bool":
-                raise InputError(f"{where}: {v.name} is a boolean; only numeric parameters vary per layer block.")
+            if p.kind in ("bool", "int"):
+                raise InputError(
+                    f"{where}: {v.name} is {'a boolean' if p.kind == 'bool' else 'an integer'}; only real-valued "
+                    "parameters vary per layer block."
+                )
             if not v.lo < v.hi:
                 raise InputError(f"{where}: the bounds are reversed or empty (LO >= HI); give LO < HI.")
             p.check(v.lo, f"{where} (LO)")
