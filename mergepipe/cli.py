@@ -607,6 +607,14 @@ def merge(
             "(a rerun after a failure resumes); default one process",
         ),
     ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="In one process, run resumably: a rerun after a crash keeps the files the interrupted "
+            "run finished (digests checked) and merges only the rest",
+        ),
+    ] = False,
     catalog: CatalogOpt = None,
     json_out: JsonOpt = False,
 ):
@@ -628,6 +636,7 @@ def merge(
             value=value,
             calibration=calibration,
             workers=workers,
+            resume=resume,
         )
     _emit_merge(res, json_out)
 
@@ -670,11 +679,14 @@ def execute(
     ] = None,
     run: RunOpt = None,
     resume: Annotated[
-        bool,
+        Optional[bool],
         typer.Option(
-            "--resume/--no-resume", help="With --part: keep files an earlier attempt finished (digests checked)"
+            "--resume/--no-resume",
+            help="Keep files an earlier attempt of this plan finished (digests checked) and merge only the "
+            "rest [default: with --part, --resume; without, --no-resume: a rerun starts over]",
+            show_default=False,
         ),
-    ] = True,
+    ] = None,
     unsafe_single_writer: UnsafeOpt = False,
     json_out: JsonOpt = False,
 ):
@@ -692,7 +704,14 @@ def execute(
         with _Progress(not json_out) as prog:
             prog("merge", 0, None)
             rec = execute_part(
-                p, st, out, spec, run=run, device=device, resume=resume, progress=lambda n: prog("merge", n, None)
+                p,
+                st,
+                out,
+                spec,
+                run=run,
+                device=device,
+                resume=resume is not False,
+                progress=lambda n: prog("merge", n, None),
             )
         if rec is None:
             s = {"out": out, "part": str(spec), "already_committed": True}
@@ -721,14 +740,27 @@ def execute(
         return
     with _Progress(True) as prog:
         prog("merge", 0, p.io.output_write_bytes)
-        res = execute_and_commit(
-            p,
-            st,
-            out,
-            device=device,
-            progress=lambda n: prog("merge", n, None),
-            unsafe_single_writer=unsafe_single_writer,
-        )
+        if resume:
+            from mergepipe.parts import execute_resumable
+
+            res = execute_resumable(
+                p,
+                st,
+                out,
+                run=run,
+                device=device,
+                progress=lambda n: prog("merge", n, None),
+                unsafe_single_writer=unsafe_single_writer,
+            )
+        else:
+            res = execute_and_commit(
+                p,
+                st,
+                out,
+                device=device,
+                progress=lambda n: prog("merge", n, None),
+                unsafe_single_writer=unsafe_single_writer,
+            )
     _emit_merge(res, json_out)
 
 

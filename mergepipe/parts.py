@@ -16,6 +16,16 @@ Resume: a part re-executed in the same run keeps every file whose record is ther
 bytes, read back, give the recorded size and digest, and merges only the rest; the reads of
 kept files count under the role ``other``, never ``base`` or ``expert``. Runs are named after
 the plan by default, so rerunning the same command after a crash resumes it.
+:func:`execute_resumable` runs a whole plan this way (one part), for ``merge/execute --resume``.
+
+Bytes across attempts. Every execution of a part is an *attempt* (a random id); each file
+record carries its attempt's id and the bytes that attempt had moved when the file was durable.
+A part record's ``realized`` is its final attempt's bytes (which read only what was missing),
+and its ``earlier_attempts`` list, for each earlier attempt whose files were kept, the bytes it
+had moved by its last recorded file: a lower bound of what it cost (what it read after that was
+lost with it). The manifest's ``io.realized`` sums the final attempts, so realized <= planned
+holds for every run, resumed or not; ``io.earlier_attempts`` sums the earlier ones (present only
+after a resume): ``io.realized`` + ``io.earlier_attempts`` is what the snapshot cost in all.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -121,6 +132,7 @@ def _execute_part(
         if part.writes_side_files
         else []
     )
+    attempt = uuid.uuid4().hex[:16]
     kept = runs.kept_files(out_storage, layout, plan.digest, shards + side) if resume else {}
     side_done = all(f in kept for f in side)
     todo = [s for s in shards if s not in kept]
@@ -137,10 +149,12 @@ def _execute_part(
         if n in files:
             base_sha.update(r.get("base_tensor_sha256") or {})
 
-    def on_file(name: str, info: dict, base: dict[str, str]) -> None:
-        runs.write_file_record(out_storage, layout, plan.digest, name, info, base)
-
     before = storage.counters.snapshot()
+
+    def on_file(name: str, info: dict, base: dict[str, str]) -> None:
+        spent = {"id": attempt, "realized": realized_io(before, storage.counters.snapshot())}
+        runs.write_file_record(out_storage, layout, plan.digest, name, info, base, attempt=spent)
+
     if todo or not side_done:
         res = execute(
             plan,
@@ -167,6 +181,8 @@ def _execute_part(
         "kept": sorted(n for n in kept if n in files),
         "base_tensor_sha256": base_sha,
         "realized": realized_io(before, storage.counters.snapshot()),
+        "attempt": attempt,
+        "earlier_attempts": _earlier_attempts([kept[n] for n in kept if n in files]),
         "started_at": t_start,
         "wall_s": round(time.perf_counter() - t0, 3),
         "device": device,
@@ -174,6 +190,22 @@ def _execute_part(
     }
     runs.write_part_record(out_storage, layout, record)
     return record
+
+
+def _earlier_attempts(kept_records: list[dict]) -> list[dict]:
+    """The earlier attempts whose files were kept, each with the bytes it had moved by its last
+    recorded file (the largest of its files' cumulative counts), sorted by attempt id."""
+    best: dict[str, dict] = {}
+    for rec in kept_records:
+        a = rec.get("attempt") or {}
+        if not isinstance(a, dict) or not isinstance(a.get("realized"), dict) or not a.get("id"):
+            continue  # a record written before attempts were recorded
+        r = a["realized"]
+        moved = r.get("base_read_bytes", 0) + r.get("expert_read_bytes", 0) + r.get("output_write_bytes", 0)
+        old = best.get(a["id"])
+        if old is None or moved > old["_moved"]:
+            best[a["id"]] = {"attempt": a["id"], "realized": dict(r), "_moved": moved}
+    return [{k: v for k, v in best[i].items() if k != "_moved"} for i in sorted(best)]
 
 
 def _part_counts(out_storage: Storage, layout: runs.RunLayout) -> list[int]:
@@ -240,6 +272,8 @@ def commit_run(
             res.touched_blocks[nm] = res.touched_blocks.get(nm, 0) + sum(b - a for a, b in te.blocks)
     res.wall_s = max(r["wall_s"] for r in records)
     realized = {k: sum(r["realized"].get(k, 0) for r in records) for k in records[0]["realized"]}
+    earlier_list = [a["realized"] for r in records for a in r.get("earlier_attempts") or []]
+    earlier = {k: sum(a.get(k, 0) for a in earlier_list) for k in realized} if earlier_list else None
     if realized["expert_read_bytes"] > plan.io.expert_read_bytes:
         raise RuntimeError(
             f"realized expert bytes {realized['expert_read_bytes']} exceed the planned "
@@ -252,6 +286,7 @@ def commit_run(
             "files": sorted(r["files"]),
             "kept": r["kept"],
             "realized": r["realized"],
+            **({"earlier_attempts": r["earlier_attempts"]} if r.get("earlier_attempts") else {}),
             "wall_s": r["wall_s"],
         }
         for r in records
@@ -269,6 +304,8 @@ def commit_run(
         parts=summary,
         worker_versions=records[0].get("versions"),
     )
+    if earlier is not None:
+        manifest["io"]["earlier_attempts"] = earlier
     if object_mode:
         obj.require_conditional_writes(out_storage, out, unsafe_single_writer)
         manifest, mh, won = obj.publish_obj(out_storage, out, layout.files, manifest)
@@ -276,6 +313,60 @@ def commit_run(
         mh, won = publish_local(Path(layout.files), out, manifest), True
     out_storage.delete(layout.records.rstrip("/") + "/")
     return MergeResult(out=str(out), manifest=manifest, manifest_hash=mh, plan=plan, already_committed=not won)
+
+
+def execute_resumable(
+    plan: Plan,
+    storage: Storage,
+    out: str,
+    *,
+    run: str | None = None,
+    device: str = "cpu",
+    progress: Callable[[int], None] | None = None,
+    prefetch_bytes: int | None = None,
+    unsafe_single_writer: bool = False,
+    lineage: dict | None = None,
+) -> MergeResult:
+    """Execute the whole plan as the one part of a run (``--part 0/1``), then commit it: what
+    ``mergepipe merge/execute --resume`` do. Unlike the single-process staging of
+    :func:`mergepipe.pipeline.execute_and_commit` (a killed run starts over), a rerun of the
+    same plan keeps every file an interrupted attempt finished and merges only the rest (see the
+    module docstring). The snapshot is the same (same shards, same snapshot id); its manifest
+    has a one-entry ``parts`` list and, on object storage, ``files_prefix`` ``runs/<run id>``.
+
+    Raises:
+        what :func:`execute_part` and :func:`commit_run` raise.
+    """
+    object_mode = is_s3(out)
+    out_storage = output_storage(plan, storage, out)
+    done = _committed(plan, out_storage, out, object_mode)
+    if done is not None:
+        return MergeResult(out=str(out), manifest=done[0], manifest_hash=done[1], plan=plan, already_committed=True)
+    if object_mode:
+        obj.require_conditional_writes(out_storage, out, unsafe_single_writer)
+    execute_part(
+        plan,
+        storage,
+        out,
+        PartSpec(0, 1),
+        run=run,
+        device=device,
+        progress=progress,
+        prefetch_bytes=prefetch_bytes,
+        out_storage=out_storage,
+        object_mode=object_mode,
+    )
+    return commit_run(
+        plan,
+        storage,
+        out,
+        run=run,
+        parts=1,
+        out_storage=out_storage,
+        object_mode=object_mode,
+        unsafe_single_writer=unsafe_single_writer,
+        lineage=lineage,
+    )
 
 
 def run_workers(

@@ -391,6 +391,7 @@ def merge_request(
     value: str | None = None,
     calibration: str | None = None,
     workers: int | None = None,
+    resume: bool = False,
 ) -> MergeResult:
     """register → analyze → plan → execute → commit in one call (what ``mergepipe merge`` runs),
     committing at ``request.output``.
@@ -401,6 +402,9 @@ def merge_request(
         value, calibration: the planner's block value (see :func:`build_plan`).
         workers: run the plan as this many parts in parallel processes and commit the run
             (:func:`mergepipe.parts.run_workers`; a rerun resumes); default one process.
+        resume: in one process, run the plan as the one part of a resumable run
+            (:func:`mergepipe.parts.execute_resumable`): a rerun after a crash keeps what the
+            interrupted attempt finished. Default: the single-process staging (a rerun starts over).
 
     Raises:
         InputError: no ``request.output``, an invalid request, or an unusable output path.
@@ -435,6 +439,17 @@ def merge_request(
         from mergepipe.parts import run_workers
 
         res = run_workers(plan, storage, out, workers, device=device)
+    elif resume:
+        from mergepipe.parts import execute_resumable
+
+        res = execute_resumable(
+            plan,
+            storage,
+            out,
+            device=device,
+            prefetch_bytes=prefetch_bytes,
+            progress=(lambda n: progress("merge", n, None)) if progress else None,
+        )
     else:
         res = execute_and_commit(
             plan,

@@ -20,7 +20,7 @@ from mergepipe.engine.executor import execute
 from mergepipe.engine.partition import PartSpec, parse_part, partition, partition_costs
 from mergepipe.engine.worklist import build_work_list
 from mergepipe.errors import CommitConflict, InputError
-from mergepipe.parts import commit_run, execute_part
+from mergepipe.parts import commit_run, execute_part, execute_resumable
 from mergepipe.pipeline import build_plan, execute_and_commit
 from mergepipe.planner.plan import InputRef, IOEstimate, Plan, TensorExpert, TensorPlan
 from mergepipe.request import request_from_args
@@ -402,3 +402,116 @@ def test_a_part_running_elsewhere_is_not_executed_twice(fam4, tmp_path):
     finally:
         os.close(fd)
     assert execute_part(plan, stg, out, PartSpec(0, 2))["files"]  # lock released: it runs
+
+
+# ---- plain merges resume (`execute/merge --resume`); bytes across attempts -------------------------
+
+KILL_PRELUDE = """
+import os, signal
+from mergepipe.commit import runs
+_real, _count = runs.write_file_record, [0]
+def _write_then_die(*a, **k):
+    _real(*a, **k)
+    _count[0] += 1
+    if _count[0] == {after}:
+        os.kill(os.getpid(), signal.SIGKILL)
+runs.write_file_record = _write_then_die
+from mergepipe.cli import main
+main()
+"""
+
+
+@pytest.mark.parametrize("kill_after", [1, 3, 5])
+def test_plain_execute_resume_after_kill_at_several_points(fam4, tmp_path, monkeypatch, capsys, kill_after):
+    """`execute PLAN --out DIR --resume` killed after its k-th durable file, then rerun: the rerun
+    reads and writes only the missing files (byte counters), the snapshot is bit-identical to
+    an uninterrupted single-process merge, and the manifest keeps what each attempt moved."""
+    from tests.conftest import run_cli
+
+    plan = _plan(fam4, tmp_path)
+    base = str(fam4[0])
+    pf = tmp_path / "plan.json"
+    pf.write_text(plan.to_json())
+    out = str(tmp_path / "snap")
+    p = subprocess.run(
+        [sys.executable, "-c", KILL_PRELUDE.format(after=kill_after), "execute", str(pf), "--out", out, "--resume"],
+        capture_output=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert p.returncode == -signal.SIGKILL, p.stderr.decode()
+    assert not Path(out).exists()  # nothing a reader could take for a snapshot
+    layout = runs.run_layout(open_storage(base, IOCounters()), out, runs.default_run_id(plan.digest), False)
+    recorded = {q.name[: -len(".json")] for q in Path(layout.records, "files").glob("*.json")}
+    assert len(recorded) == kill_after
+
+    rc, so, err = run_cli(["execute", str(pf), "--out", out, "--resume", "--json"], monkeypatch, capsys)
+    assert rc == 0, err
+    manifest = json.loads((Path(out) / "manifest.json").read_text())
+    (part,) = manifest["parts"]
+    assert set(part["kept"]) == recorded
+    alone = _per_shard_bytes(plan, tmp_path)
+    shards = partition(plan, 1)[0]
+    side_out = [f for f in manifest["outputs"] if f not in shards]  # index, config, tokenizer files
+    side_redone = not all(f in recorded for f in side_out)  # side files are redone together
+    side = sum(
+        os.path.getsize(os.path.join(base, f)) for f in plan.extra_files if os.path.exists(os.path.join(base, f))
+    )
+    missing = [s for s in shards if s not in recorded]
+    rz = manifest["io"]["realized"]
+    assert rz["base_read_bytes"] + rz["expert_read_bytes"] == sum(alone[s] for s in missing) + (
+        side if side_redone else 0
+    )
+    size = {f: o["size"] for f, o in manifest["outputs"].items()}
+    written = sum(size[f] for f in missing) + (sum(size[f] for f in side_out) if side_redone else 0)
+    assert rz["output_write_bytes"] == written  # only the missing files are written again
+    # what the killed attempt moved by its last recorded file: counted apart, never in realized
+    (earlier,) = part["earlier_attempts"]
+    assert manifest["io"]["earlier_attempts"] == earlier["realized"]
+    assert earlier["realized"]["output_write_bytes"] == sum(manifest["outputs"][f]["size"] for f in recorded)
+    assert rz["expert_read_bytes"] <= plan.io.expert_read_bytes
+    assert rz["expert_read_bytes"] + earlier["realized"]["expert_read_bytes"] >= plan.io.expert_read_bytes
+
+    one = execute_and_commit(plan, open_storage(base, IOCounters()), str(tmp_path / "one"))
+    assert manifest["snapshot_id"] == one.manifest["snapshot_id"] and manifest["outputs"] == one.manifest["outputs"]
+    assert _files(out).keys() - {"manifest.json"} == _files(tmp_path / "one").keys() - {"manifest.json"}
+    for f, data in _files(tmp_path / "one").items():
+        if f != "manifest.json":
+            assert _files(out)[f] == data, f
+    assert verify_snapshot(out)["ok"]
+    # an uninterrupted run records no earlier attempt
+    assert "earlier_attempts" not in one.manifest["io"]
+
+
+def test_gc_removes_abandoned_local_runs_only(fam4, tmp_path):
+    """`gc` removes the `.<name>.run-plan-<hex>` folders a killed partitioned/resumable merge left,
+    unless a part is executing (its lock is held) or they are younger than the grace period."""
+    import fcntl
+
+    from mergepipe.commit.gc import collect
+
+    plan = _plan(fam4, tmp_path)
+    base = str(fam4[0])
+    out = str(tmp_path / "snaps" / "a")
+    execute_part(plan, open_storage(base, IOCounters()), out, PartSpec(0, 2))  # part 1 never ran
+    layout = runs.run_layout(open_storage(base, IOCounters()), out, runs.default_run_id(plan.digest), False)
+    assert Path(layout.files).is_dir() and Path(layout.records).is_dir()
+    st = open_storage(base, IOCounters())
+    root = str(tmp_path / "snaps")
+    rep = collect(st, root, grace_s=3600)
+    assert rep.kept_young == [layout.files] and Path(layout.files).is_dir()
+    lock = Path(layout.records) / "part-00001-of-00002.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # part 1 is being executed
+    try:
+        rep = collect(st, root, grace_s=0)
+        assert rep.kept_in_use == [layout.files] and Path(layout.files).is_dir()
+    finally:
+        os.close(fd)
+    rep = collect(st, root, grace_s=0, dry_run=True)
+    assert rep.deleted_runs == [layout.files] and Path(layout.files).is_dir()
+    rep = collect(st, root, grace_s=0)
+    assert rep.deleted_runs == [layout.files]
+    assert not Path(layout.files).exists() and not Path(layout.records).exists()
+    # a committed snapshot beside it is untouched
+    res = execute_resumable(plan, open_storage(base, IOCounters()), str(tmp_path / "snaps" / "b"))
+    assert collect(st, root, grace_s=0).deleted_runs == [] and verify_snapshot(res.out)["ok"]

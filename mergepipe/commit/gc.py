@@ -6,8 +6,10 @@ A merge never leaves anything a reader could take for a snapshot, but it may lea
   manifest references, and multipart uploads that were never completed or aborted (a lost
   CreateMultipartUpload response leaks one even when the merge succeeds); S3 bills both.
 * **local folders**: a dead writer's hidden staging folder ``.<name>.staging`` and its lock file
-  ``.<name>.lock`` (reclaimed anyway by the next merge to the same ``--out``), and staging
-  folders ``.<name>.staging-<id>`` of mergepipe versions before the lock.
+  ``.<name>.lock`` (reclaimed anyway by the next merge to the same ``--out``), staging
+  folders ``.<name>.staging-<id>`` of mergepipe versions before the lock, and the run folders of
+  an abandoned partitioned or resumable merge, ``.<name>.run-<run-id>`` and its ``.records``
+  (:mod:`mergepipe.commit.runs`; kept by a crash so that a rerun can resume).
 
 :func:`collect` removes, under one root (a snapshot's ``--out`` or a prefix/folder holding
 several), only what mergepipe's own naming identifies as its own and nothing is using:
@@ -21,7 +23,11 @@ several), only what mergepipe's own naming identifies as its own and nothing is 
 * a local staging folder whose lock is free (its writer is provably dead, see
   :mod:`mergepipe.commit.manifest`); its lock file is removed with it; a pre-lock staging folder
   ``.<name>.staging-<hex>`` older than ``grace``; a lock file without staging folder older than
-  ``grace`` whose lock is free.
+  ``grace`` whose lock is free;
+* a local run folder ``.<name>.run-plan-<16 hex>`` (and its ``.records`` folder) whose newest
+  file is older than ``grace`` and none of whose parts is being executed (every part lock in its
+  records folder is free). A committed run was renamed onto ``<name>`` and its records removed,
+  so what is left is an abandoned run; removing it means a rerun starts over.
 
 ``grace`` must exceed the longest merge (a run prefix is written for the whole merge before its
 manifest references it); the default is 24 hours. The same clean-up is available without
@@ -52,6 +58,8 @@ DEFAULT_GRACE_S = 24 * 3600.0
 #: (``plan-`` + 16 hex, :func:`mergepipe.commit.runs.default_run_id`) and its ``.records`` prefix
 _RUN = re.compile(r"^(?P<out>(?:.*/)?)runs/(?P<rid>(?:plan-)?[0-9a-f]{16}(?:\.records)?)/")
 _LEGACY_STAGING = re.compile(r"^\.(?P<name>.+)\.staging-[0-9a-f]{12}$")
+#: a local run folder of a partitioned/resumable merge with a mergepipe-made run id, or its records
+_LOCAL_RUN = re.compile(r"^\.(?P<name>.+)\.run-(?P<rid>plan-[0-9a-f]{16})(?P<records>\.records)?$")
 
 
 @dataclass
@@ -224,6 +232,12 @@ def _collect_local_staging(root: Path, rep: GcReport, now: float, say) -> None:
             if e.name.endswith(STAGING_SUFFIX) and e.is_dir(follow_symlinks=False):
                 out = p.parent / e.name[1 : -len(STAGING_SUFFIX)]
                 _reclaim(out, p, rep, say)
+            elif (m := _LOCAL_RUN.match(e.name)) and e.is_dir(follow_symlinks=False):
+                files = p.parent / f".{m.group('name')}.run-{m.group('rid')}"
+                if files in seen and m.group("records"):
+                    continue
+                seen.update({files, Path(str(files) + ".records")})
+                _collect_local_run(files, Path(str(files) + ".records"), rep, now, say)
             elif _LEGACY_STAGING.match(e.name) and e.is_dir(follow_symlinks=False):
                 if now - e.stat(follow_symlinks=False).st_mtime < rep.grace_s:
                     rep.kept_young.append(str(p))
@@ -246,8 +260,53 @@ def _collect_local_staging(root: Path, rep: GcReport, now: float, say) -> None:
 
 def _walk_dirs(root: Path):
     for dp, dns, fns in os.walk(root):
-        dns[:] = [d for d in dns if not d.endswith(STAGING_SUFFIX) and not _LEGACY_STAGING.match(d) and d != "runs"]
+        dns[:] = [
+            d
+            for d in dns
+            if not d.endswith(STAGING_SUFFIX)
+            and not _LEGACY_STAGING.match(d)
+            and not _LOCAL_RUN.match(d)
+            and d != "runs"
+        ]
         yield dp, dns, fns
+
+
+def _collect_local_run(files: Path, records: Path, rep: GcReport, now: float, say) -> None:
+    """Remove an abandoned local run (``files`` and ``records`` folders) unless one of its part
+    locks is held (a part is executing) or its newest file is younger than ``grace``."""
+    import fcntl
+
+    newest = 0.0
+    for folder in (files, records):
+        for dp, _, fns in os.walk(folder):
+            for fn in [*fns, "."]:
+                try:
+                    newest = max(newest, os.lstat(os.path.join(dp, fn)).st_mtime)
+                except FileNotFoundError:
+                    continue
+    label = str(files)
+    if now - newest < rep.grace_s:
+        rep.kept_young.append(label)
+        return
+    held: list[int] = []
+    try:
+        for lock in sorted(records.glob("part-*.lock")) if records.is_dir() else []:
+            fd = os.open(lock, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                rep.kept_in_use.append(label)
+                return
+            held.append(fd)  # held until removed: no part starts meanwhile
+        say(f"{'would remove' if rep.dry_run else 'removing'} abandoned run {files}")
+        if not rep.dry_run:
+            shutil.rmtree(files, ignore_errors=True)
+            shutil.rmtree(records, ignore_errors=True)
+        rep.deleted_runs.append(label)
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 def _reclaim(out: Path, staging: Path | None, rep: GcReport, say) -> None:

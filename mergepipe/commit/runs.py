@@ -12,12 +12,13 @@ and a rerun of the same plan finds what an interrupted one wrote). Layout:
 Records are small JSON objects:
 
 - a *file record* (``files/<name>.json``) is written as soon as an output file is complete
-  and durable: its size, content key (``tree_sha256`` of a shard, ``sha256`` of another file)
-  and the SHA-256 of the base tensors it holds. A resumed run keeps a file whose record is
-  there and whose bytes, read back, still give the recorded size and digest;
+  and durable: its size, content key (``tree_sha256`` of a shard, ``sha256`` of another file),
+  the SHA-256 of the base tensors it holds, and its attempt (id, bytes moved so far). A
+  resumed run keeps a file whose record is there and whose bytes, read back, still give the
+  recorded size and digest;
 - a *part record* (``part-<i>-of-<N>.json``) is written when part ``i`` of ``N`` is done: its
   shards, its files, the base tensors' SHA-256, the bytes it read and wrote per role, wall
-  time and which files it kept from an earlier attempt.
+  time, which files it kept from an earlier attempt and what those attempts had moved.
 
 The commit (:func:`check_parts`) requires the records of every part ``0..N-1``, each made for
 this plan and this partition, and every file they list present with its recorded size.
@@ -152,9 +153,18 @@ def _read_json(storage: Storage, uri: str) -> dict | None:
 
 
 def write_file_record(
-    storage: Storage, layout: RunLayout, plan_digest: str, name: str, info: dict, base_sha256: dict[str, str]
+    storage: Storage,
+    layout: RunLayout,
+    plan_digest: str,
+    name: str,
+    info: dict,
+    base_sha256: dict[str, str],
+    *,
+    attempt: dict | None = None,
 ) -> None:
-    """Record that output file ``name`` (``info``: size and content key) is complete."""
+    """Record that output file ``name`` (``info``: size and content key) is complete.
+    ``attempt``: ``{"id", "realized"}``, the attempt that wrote it and the bytes per role that
+    attempt had moved by then (see :mod:`mergepipe.parts`)."""
     rec = {
         "format": FILE_FORMAT,
         "plan_digest": plan_digest,
@@ -163,6 +173,8 @@ def write_file_record(
         "info": info,
         "base_tensor_sha256": base_sha256,
     }
+    if attempt is not None:
+        rec["attempt"] = attempt
     storage.put_object(file_record_uri(storage, layout, name), _record_bytes(rec), "other")
 
 
