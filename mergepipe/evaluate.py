@@ -58,6 +58,8 @@ class Testbed:
         seq_len, batch_size: window/sequence length in tokens, examples per forward pass.
         max_windows: causal-lm only: windows scored per task.
         eos_token: causal-lm only: the document separator.
+        calibration: the testbed's calibration set (``"calibration"``: a JSON-lines file of
+            ``{"text": ...}`` training text, for ``mergepipe analyze --calibration``), or None.
         raw: the JSON object as read.
     """
 
@@ -69,6 +71,7 @@ class Testbed:
     batch_size: int
     max_windows: int = 0
     eos_token: str = ""
+    calibration: Path | None = None
     raw: dict = field(default_factory=dict)
 
 
@@ -108,6 +111,9 @@ def load_testbed(path: str | Path) -> Testbed:
             if not entry[k].is_file():
                 raise InputError(f"{f}: tasks.{name}.{k} = {t[k]!r} does not exist under {root}.")
         out[name] = entry
+    cal = raw.get("calibration")
+    if cal is not None and not (isinstance(cal, str) and (root / cal).is_file()):
+        raise InputError(f"{f}: calibration = {cal!r} must name a file under {root}.")
     try:
         return Testbed(
             root=root,
@@ -118,6 +124,7 @@ def load_testbed(path: str | Path) -> Testbed:
             batch_size=int(raw.get("batch_size", 16)),
             max_windows=int(raw.get("max_windows", 0)),
             eos_token=str(raw.get("eos_token", "")),
+            calibration=root / cal if cal is not None else None,
             raw=raw,
         )
     except (KeyError, TypeError, ValueError) as e:

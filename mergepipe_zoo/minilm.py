@@ -31,7 +31,9 @@ Layout of a built testbed (``root/<config.key()>/``)::
 
     testbed.json            kind sequence-classification (read by ``mergepipe eval``)
     tokenizer/              the encoder's tokenizer files
-    base/model.safetensors  the pretrained encoder (float32) + config.json
+    base/model.safetensors  the pretrained encoder (float32) + config.json + tokenizer files
+    calibration.jsonl       a little training text of every task (``{"text": ...}``), for
+                            ``mergepipe analyze --calibration`` (the encoder's Fisher statistic)
     experts/<task>/         the fine-tuned encoder per task (float32)
     heads/<task>.safetensors  the task's head: weight float32[C, 384], bias float32[C]
     eval/<task>.jsonl       held-out examples {"text", "label"}
@@ -52,7 +54,10 @@ from pathlib import Path
 
 TASKS: tuple[str, ...] = ("topic", "order", "next")
 TOPICS: tuple[str, ...] = ("tkinter", "distutils", "asyncio", "email")
-FORMAT = 1
+FORMAT = 1  # bump when data or recipe change; files added since (tokenizer in base/,
+# calibration.jsonl) are added to older entries in place (_add_extras), the weights do not change
+CALIBRATION = "calibration.jsonl"
+CALIBRATION_PER_TASK = 12  # 3 tasks x 12 = 36 training texts (the Fisher uses at most 32 sequences)
 
 
 @dataclass(frozen=True)
@@ -212,6 +217,15 @@ def make_tasks(cfg: MiniLMConfig) -> dict[str, tuple[list[dict], list[dict]]]:
     return out
 
 
+def calibration_texts(
+    tasks: dict[str, tuple[list[dict], list[dict]]], per_task: int = CALIBRATION_PER_TASK
+) -> list[str]:
+    """The testbed's calibration set (``calibration.jsonl``): the first ``per_task`` *training*
+    texts of every task (never held-out ones), tasks interleaved, for the encoder's Fisher
+    statistic (:mod:`mergepipe.catalog.sensitivity`: one sequence per text, at most 32)."""
+    return [tasks[t][0][i]["text"] for i in range(per_task) for t in tasks if i < len(tasks[t][0])]
+
+
 # ------------------------------------------------------------------------------------------ training
 
 
@@ -305,12 +319,14 @@ def build_minilm(
     root = Path(root or default_root()).expanduser().absolute()
     entry = root / cfg.key()
     say = log or (lambda m: None)
-    if (entry / "testbed.json").is_file():
+    if (entry / "testbed.json").is_file() and _has_extras(entry):
         return _load(entry, cfg)
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f".{cfg.key()}.lock", "a+") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         if (entry / "testbed.json").is_file():
+            if not _has_extras(entry):
+                _add_extras(entry, cfg, say)
             return _load(entry, cfg)
         tmp = root / f".{cfg.key()}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -322,6 +338,34 @@ def build_minilm(
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return _load(entry, cfg)
+
+
+def _has_extras(entry: Path) -> bool:
+    return (entry / "base" / "tokenizer.json").is_file() and (entry / CALIBRATION).is_file()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _add_extras(entry: Path, cfg: MiniLMConfig, log: Callable[[str], None]) -> None:
+    """Bring an entry built before they existed up to date, without retraining (caller holds the
+    lock): the tokenizer files in ``base/`` (the Fisher statistic reads ``base/tokenizer.json``)
+    and ``calibration.jsonl`` (from the same deterministic task data), named in testbed.json.
+    Every file is written to a temp name and renamed, the testbed.json last."""
+    for f in sorted((entry / "tokenizer").iterdir()):
+        if f.is_file() and not (entry / "base" / f.name).exists():
+            _write_atomic(entry / "base" / f.name, f.read_bytes())
+    if not (entry / CALIBRATION).is_file():
+        texts = calibration_texts(make_tasks(cfg))
+        _write_atomic(entry / CALIBRATION, "".join(json.dumps({"text": t}) + "\n" for t in texts).encode())
+    meta = json.loads((entry / "testbed.json").read_text())
+    if meta.get("calibration") != CALIBRATION:
+        meta["calibration"] = CALIBRATION
+        _write_atomic(entry / "testbed.json", (json.dumps(meta, indent=1) + "\n").encode())
+    log(f"MiniLM testbed {cfg.key()}: tokenizer in base/ and {CALIBRATION} added")
 
 
 def _load(entry: Path, cfg: MiniLMConfig) -> MiniLMTestbed:
@@ -354,6 +398,7 @@ def _build_into(tmp: Path, cfg: MiniLMConfig, log: Callable[[str], None]) -> Non
         _save_base(src, tmp / "base")
         tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
         tok.save_pretrained(tmp / "tokenizer")
+        tok.save_pretrained(tmp / "base")  # a complete HF checkpoint: the Fisher statistic reads its tokenizer.json
         (tmp / "eval").mkdir()
         (tmp / "heads").mkdir()
         spec = {}
@@ -375,6 +420,9 @@ def _build_into(tmp: Path, cfg: MiniLMConfig, log: Callable[[str], None]) -> Non
                 if task == "topic"
                 else (["shuffled", "original"] if task == "order" else ["other", "next"]),
             }
+        (tmp / CALIBRATION).write_text(
+            "".join(json.dumps({"text": t}) + "\n" for t in calibration_texts(tasks)), encoding="utf-8"
+        )
         (tmp / "testbed.json").write_text(
             json.dumps(
                 {
@@ -389,6 +437,7 @@ def _build_into(tmp: Path, cfg: MiniLMConfig, log: Callable[[str], None]) -> Non
                     "experts": {t: f"experts/{t}" for t in TASKS},
                     "expert_task": {t: t for t in TASKS},
                     "metric": "accuracy",
+                    "calibration": CALIBRATION,
                     "config": asdict(cfg),
                     "key": cfg.key(),
                     "recommended_params": {"task_arithmetic": {"weight": 0.5}},

@@ -22,6 +22,9 @@ Layout of a built zoo (``root/<config.key()>/``)::
                               model-0000i-of-0000n.safetensors (bf16), model.safetensors.index.json
     experts/<name>/           one HF checkpoint per expert (name = domain, or domain-2, ...)
     eval/<domain>.jsonl       held-out documents, one ``{"text": ...}`` object per line
+    calibration.jsonl         a little *training* text of every domain (``{"text": ...}`` lines,
+                              domains interleaved) for ``mergepipe analyze --calibration``
+    testbed.json              what ``mergepipe eval`` reads (tasks, probe sets, calibration)
 
 Builds are cached, atomic (a temp dir beside the cache entry is renamed into place at the end)
 and serialised between processes with an ``fcntl`` lock. On one machine (same Python, torch,
@@ -52,9 +55,11 @@ __all__ = ["DOMAINS", "ZooConfig", "Zoo", "default_zoo_root", "build_zoo", "eval
 DOMAINS: tuple[str, ...] = ("python", "prose", "arithmetic", "json")
 """The text domains of the zoo; every build has one expert (or more) per domain."""
 
-ZOO_FORMAT = 2  # 2: a well-trained base, short low-LR fine-tunes, build gates, testbed.json. Bump when the data, training recipe or layout changes (invalidates the cache)
+ZOO_FORMAT = 3  # 3: fine-tunes at about the base's final learning rate, calibration.jsonl; 2: a well-trained base, short low-LR fine-tunes, build gates, testbed.json. Bump when the data, training recipe or layout changes (invalidates the cache)
 _MANIFEST = "zoo.json"
 TESTBED = "testbed.json"
+CALIBRATION = "calibration.jsonl"
+CALIBRATION_DOCS = 8  # training documents per domain in calibration.jsonl
 GATE_MIN_GAIN = 0.30  # the merge must keep >= 30% of every expert's normalised gain
 _PAD, _BOS, _EOS = "<pad>", "<s>", "</s>"  # token ids 0, 1, 2
 _NUM_THREADS = 1  # fixed so that results do not depend on the core count; 1 is also fastest on a shared machine
@@ -68,8 +73,15 @@ _NUM_THREADS = 1  # fixed so that results do not depend on the core count; 1 is 
 @dataclass(frozen=True)
 class ZooConfig:
     """Sizes and training recipe of a zoo. The defaults are the demo size (~5.3 M parameters,
-    every 2-D weight >= 128 KiB in bf16; 740 optimizer steps in all, build times in
+    every 2-D weight >= 128 KiB in bf16; 820 optimizer steps in all, build times in
     docs/QUALITY.md); :meth:`tiny` is a minutes-scale variant for tests and the quality benchmark.
+
+    The recipe is the regime task arithmetic works in: a base trained on the four-domain mixture
+    with a cosine schedule down to 10 % of ``lr``, then short fine-tunes that continue at about
+    that final learning rate (``expert_lr`` <= 2 x ``lr / 10``) with replay. Fine-tuning at a
+    learning rate several times the base's final one re-warms the optimiser: every expert then
+    moves the whole model (loss up on the other domains) and the merged task vectors interfere
+    (measured in docs/QUALITY.md, "The zoo's recipe").
 
     Attributes:
         hidden_size: model width ``d``. Must be divisible by ``num_heads`` with an even head dim.
@@ -111,10 +123,10 @@ class ZooConfig:
     vocab_size: int = 4096
     seq_len: int = 128
     base_steps: int = 500
-    expert_steps: int = 60
+    expert_steps: int = 80
     batch_size: int = 16
     lr: float = 2e-3
-    expert_lr: float = 5e-4
+    expert_lr: float = 3e-4
     seed: int = 0
     n_experts_per_domain: int = 1
     max_shard_size: str = "4MB"
@@ -159,9 +171,9 @@ class ZooConfig:
 
     @classmethod
     def tiny(cls, **overrides) -> ZooConfig:
-        """A small config for tests and bench/quality.py: ~0.2 M parameters, 460 optimizer steps
-        (about 4 min on one thread of a loaded 2-core machine), still >= 2 shards per checkpoint
-        and passing the build gates. Keyword arguments override fields."""
+        """A small config for tests and bench/quality.py: ~0.2 M parameters, 620 optimizer steps
+        (about 4-8 min on one thread of a loaded 2-core machine), still >= 2 shards per checkpoint
+        and passing the build gates (seeds 0, 1, 2 measured). Keyword arguments override fields."""
         base: dict[str, Any] = dict(
             hidden_size=64,
             intermediate_size=176,
@@ -170,10 +182,10 @@ class ZooConfig:
             vocab_size=1024,
             seq_len=64,
             base_steps=300,
-            expert_steps=40,
+            expert_steps=80,
             batch_size=16,
             lr=3e-3,
-            expert_lr=1e-3,
+            expert_lr=5e-4,
             max_shard_size="200KB",
             corpus_chars=200_000,
             eval_sequences=32,
@@ -695,6 +707,21 @@ def _expert_streams(streams: dict, domain: str, mix: float) -> list:
     return [streams[domain]] * (8 - n_mix) + [streams[DOMAINS[i % len(DOMAINS)]] for i in range(n_mix)]
 
 
+def _calibration_docs(corpora: dict[str, tuple[list[str], list[str]]]) -> list[str]:
+    """The zoo's calibration set: the first :data:`CALIBRATION_DOCS` *training* documents of every
+    domain (never held-out text), each cut to at most 600 characters at a line end, domains
+    interleaved (python, prose, arithmetic, json, python, ...) so that the first sequences of the
+    Fisher statistic (:mod:`mergepipe.catalog.sensitivity`, at most 32 x 128 tokens) see every
+    domain."""
+    out = []
+    for i in range(CALIBRATION_DOCS):
+        for d in DOMAINS:
+            train = corpora[d][0]
+            if i < len(train):
+                out.append(_head(train[i], 600))
+    return out
+
+
 class ZooGateError(ValueError):
     """A built zoo failed its gates (:func:`check_gates`): merging would not help on it."""
 
@@ -714,6 +741,7 @@ def _testbed_json(cfg: ZooConfig, eval_files: dict[str, str]) -> dict:
         "experts": {n: f"experts/{n}" for n in cfg.expert_names()},
         "expert_task": {n: (n if n in DOMAINS else n.rsplit("-", 1)[0]) for n in cfg.expert_names()},
         "metric": "loss",
+        "calibration": CALIBRATION,
         "recommended_params": {"task_arithmetic": {"weight": cfg.merge_weight / cfg.n_experts_per_domain}},
     }
 
@@ -807,6 +835,9 @@ def _build_into(tmp: Path, cfg: ZooConfig, log: Callable[[str], None]) -> dict:
         (tmp / rel).write_text("".join(json.dumps({"text": t}) + "\n" for t in docs), encoding="utf-8")
         eval_files[d] = rel
 
+    (tmp / CALIBRATION).write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in _calibration_docs(corpora)), encoding="utf-8"
+    )
     streams = {d: _token_stream(tok, corpora[d][0], eos) for d in DOMAINS}
     for d, st in streams.items():
         if len(st) < cfg.seq_len + 1:

@@ -16,6 +16,18 @@ def _isolated_home(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def tiny_zoo_home(tmp_path_factory):
+    """A ``MERGEPIPE_HOME`` whose zoo cache holds the tiny zoo (``ZooConfig.tiny()``, seed 0),
+    built once per test session (its build gates are checked by the build) and shared by the
+    tests that need it (test_zoo, test_demo), so the suite trains it once."""
+    from mergepipe_zoo import ZooConfig, build_zoo
+
+    home = tmp_path_factory.mktemp("zoo-home")
+    build_zoo(home / "zoo", ZooConfig.tiny())
+    return home
+
+
+@pytest.fixture(scope="session")
 def family(tmp_path_factory):
     """A bf16 base + 3 experts (2 shards each) with fine-tuning-like task vectors."""
     from tests.synth import make_family

@@ -13,10 +13,11 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_demo_default_runs_and_the_full_merge_helps(tmp_path):
+def test_demo_default_runs_and_the_full_merge_helps(tiny_zoo_home):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    env = {**os.environ, "MERGEPIPE_HOME": str(tmp_path / "home")}
+    home = tiny_zoo_home  # the session's tiny zoo (conftest.tiny_zoo_home): the demo reuses it
+    env = {**os.environ, "MERGEPIPE_HOME": str(home)}
     p = subprocess.run(
         [sys.executable, "-c", "from mergepipe.cli import main; main()", "demo", "--json"],
         env=env,
@@ -26,7 +27,12 @@ def test_demo_default_runs_and_the_full_merge_helps(tmp_path):
     )
     assert p.returncode == 0, p.stderr[-2000:]
     rows = json.loads(p.stdout)
-    assert "gates: passed" in p.stderr
+    # the zoo passed its build gates (checked when tiny_zoo_home built it; the demo reused it)
+    from mergepipe_zoo import ZooConfig
+
+    key = ZooConfig.tiny().key()
+    assert "zoo ready in" in p.stderr and key in p.stderr
+    assert json.loads((home / "zoo" / key / "zoo.json").read_text())["gates"]["passed"]
     models = [r["model"] for r in rows]
     assert models[0] == "base" and len(rows) == 1 + 4 + 4  # base, four experts, four budgets
     merges = rows[5:]
@@ -40,7 +46,7 @@ def test_demo_default_runs_and_the_full_merge_helps(tmp_path):
     assert all(isinstance(b, int) for b in read), merges[0].keys()
     assert read == sorted(read, reverse=True)
     # every snapshot the demo reports was committed and verifies
-    snaps = sorted((tmp_path / "home" / "demo").glob("*/task_arithmetic-*"))
+    snaps = sorted((home / "demo").glob("*/task_arithmetic-*"))
     assert len(snaps) == 4
     ids = set()
     for snap in snaps:

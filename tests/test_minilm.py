@@ -26,3 +26,41 @@ def test_tasks_are_deterministic_balanced_and_held_out():
         assert not {e["text"] for e in train} & {e["text"] for e in held}, task
     # next: every example is a pair
     assert all(" [SEP] " in e["text"] for e in a["next"][0] + a["next"][1])
+
+
+@pytest.mark.slow
+def test_an_entry_built_before_the_calibration_set_gets_it_in_place(tmp_path):
+    """build_minilm brings an older cache entry (no tokenizer in base/, no calibration.jsonl) up to
+    date without retraining: the Fisher statistic needs base/tokenizer.json, the planner a
+    calibration set of training text (never held-out text)."""
+    import json
+    import shutil
+
+    from mergepipe.evaluate import load_testbed
+    from mergepipe_zoo.minilm import CALIBRATION, build_minilm, minilm_folder
+
+    cfg = MiniLMConfig(train_examples=64, eval_examples=32)
+    entry = tmp_path / cfg.key()
+    (entry / "base").mkdir(parents=True)
+    (entry / "tokenizer").mkdir()
+    (entry / "eval").mkdir()
+    for f in ("tokenizer.json", "vocab.txt", "tokenizer_config.json"):
+        shutil.copy(minilm_folder() / f, entry / "tokenizer" / f)
+    tasks = make_tasks(cfg)
+    for t, (_, held) in tasks.items():
+        (entry / "eval" / f"{t}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in held))
+    meta = {
+        "format": 1,
+        "kind": "causal-lm",
+        "seq_len": 40,
+        "tasks": {t: {"probe": f"eval/{t}.jsonl"} for t in TASKS},
+    }
+    (entry / "testbed.json").write_text(json.dumps(meta))
+    tb = build_minilm(tmp_path, cfg)
+    assert tb.root == entry and (entry / "base" / "tokenizer.json").is_file()
+    cal = [json.loads(line)["text"] for line in (entry / CALIBRATION).read_text().splitlines()]
+    train = {e["text"] for t in TASKS for e in tasks[t][0]}
+    held = {e["text"] for t in TASKS for e in tasks[t][1]}
+    assert len(cal) == 36 and set(cal) <= train and not set(cal) & held
+    assert load_testbed(entry).calibration == entry / CALIBRATION
+    assert json.loads((entry / "testbed.json").read_text())["tasks"] == meta["tasks"]  # the rest unchanged

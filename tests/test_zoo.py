@@ -153,25 +153,25 @@ print("ROOT", z.root)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # one tiny build (460 steps), a merge and 12 evaluations; slow on a loaded machine
-def test_tiny_zoo_end_to_end(tmp_path, monkeypatch, capsys):
+@pytest.mark.timeout(1500)  # one tiny build (620 steps, shared), a merge and 12 evaluations; slow on a loaded machine
+def test_tiny_zoo_end_to_end(tmp_path, monkeypatch, capsys, tiny_zoo_home):
     import torch
     from safetensors import safe_open
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     cfg = ZooConfig.tiny()
-    root_a = tmp_path / "a"
-    stale = root_a / f".{cfg.key()}.tmp-999999"  # as left by a killed build
-    stale.mkdir(parents=True)
-    (stale / "junk").write_text("x")
-    threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    root_a = tiny_zoo_home / "zoo"  # built once per session (conftest.tiny_zoo_home), gates checked then
     z = build_zoo(root_a, cfg)
-    assert (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()) == (threads, det)
-    assert not stale.exists()
     assert z.root == root_a / cfg.key() and z.config == cfg
     assert list(z.experts) == list(DOMAINS)
     assert set(z.eval_sets) == set(DOMAINS)
     assert all(p.is_file() and p.stat().st_size > 0 for p in z.eval_sets.values())
+    # the calibration set: training text of every domain, none of it held out
+    tb = z.testbed
+    assert tb.calibration == z.root / "calibration.jsonl"
+    cal = [json.loads(line)["text"] for line in tb.calibration.read_text().splitlines()]
+    held = {json.loads(line)["text"] for p in z.eval_sets.values() for line in p.read_text().splitlines()}
+    assert len(cal) == 4 * zoo_mod.CALIBRATION_DOCS and not set(cal) & held
 
     # --- files: >= 2 bf16 shards + index + configs + tokenizer in every checkpoint
     for name, ckpt in _checkpoints(z).items():
@@ -267,9 +267,17 @@ def test_two_experts_per_domain(tmp_path):
 def test_zoo_cache_lock_and_identical_rebuild(tmp_path):
     """A cached zoo is returned without building; two concurrent builders into one root build once;
     two builds of one config are byte-identical (a cheap recipe: this is about the cache)."""
+    import torch
+
     cfg = ZooConfig.tiny(**CHEAP)
     root_a = tmp_path / "a"
+    stale = root_a / f".{cfg.key()}.tmp-999999"  # as left by a killed build
+    stale.mkdir(parents=True)
+    (stale / "junk").write_text("x")
+    threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     z = build_zoo(root_a, cfg)
+    assert (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()) == (threads, det)
+    assert not stale.exists()
     # --- second call: cached (no build step runs), nothing rewritten
     mtimes = {p: p.stat().st_mtime_ns for p in z.root.rglob("*")}
 
