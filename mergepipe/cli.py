@@ -829,9 +829,9 @@ def demo(
         ZooSize,
         typer.Option(
             "--size",
-            help="Zoo size: tiny (0.2 M parameters, passes the zoo's build gates, ~30 s "
-            "to build on 2 cores) or demo (5.3 M parameters, ~17 min; its gates do "
-            "not pass yet: see docs/QUALITY.md)",
+            help="Zoo size: tiny (0.2 M parameters, passes the zoo's build gates, ~35 s of CPU "
+            "to build) or demo (5.3 M parameters, 820 training steps; its gates are not "
+            "measured for the current recipe: see docs/QUALITY.md)",
         ),
     ] = ZooSize.tiny,
     json_out: JsonOpt = False,
