@@ -401,3 +401,19 @@ def test_passthrough_scales_the_one_model(family, tmp_path):
     with pytest.raises(InputError) as e:
         request_from_args(str(base), [("e", str(experts[0]))], "passthrough").resolve()
     assert e.value.loc == ("experts",)
+
+
+@pytest.mark.parametrize(
+    "method,params,n", [("ramplus_tl", [], 3), ("arcee_fusion", [], 1), ("sce", ["select_topk=0.5"], 3)]
+)
+def test_whole_tensor_methods_ignore_small_work_memory(family, tmp_path, method, params, n):
+    """Tensors of whole-tensor methods are one chunk whatever the working-memory target (their
+    statistics span the tensor): a tiny target gives the same bytes as the default, while
+    block-wise methods are cut into many chunks by it."""
+    small = _merge(family, tmp_path, method, params, n, "small", block_bytes=1024, work_bytes=16 * 1024)
+    assert all(tp.chunk_rows >= tp.shape[0] for tp in small.plan.tensors if tp.experts and tp.shape)
+    full = _merge(family, tmp_path, method, params, n, "full")
+    a, b = merged_tensors(small.out), merged_tensors(full.out)
+    assert all(same_bits(a[k], b[k]) for k in b)
+    ram = _merge(family, tmp_path, "ram", [], n, "ram", block_bytes=1024, work_bytes=16 * 1024)
+    assert any(tp.chunk_rows < tp.shape[0] for tp in ram.plan.tensors if tp.experts and tp.shape)

@@ -546,6 +546,8 @@ def test_shared_and_budget_coordinates(family, tmp_path):
     assert _config(family, tmp_path).request(p).budget == "60%"
     with pytest.raises(InputError, match="0 < LO < HI <= 1"):
         SearchSpace("ties", ["a"], parse_vary(["budget=0:2"]), 4, 1)
+    with pytest.raises(InputError, match="ramplus_tl cannot honour an expert-I/O budget"):
+        SearchSpace("ramplus_tl", ["a", "b"], parse_vary(["r=0:1", "budget=0.2:1"]), 4, 1)
 
 
 def test_rank_prior_maps_relevance_quartiles_to_lengthscales():

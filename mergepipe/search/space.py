@@ -40,7 +40,7 @@ from typing import Any
 
 from mergepipe.errors import InputError
 from mergepipe.methods.params import LAYER_RE, layer_count
-from mergepipe.methods.registry import get_method
+from mergepipe.methods.registry import budget_refusal, get_method
 
 #: A candidate's (or the fixed) parameter settings: ``{"parameters": {name: setting},
 #: "experts": {expert name: {name: setting}}}`` — the parameter part of a merge request.
@@ -286,6 +286,9 @@ class SearchSpace:
                     raise InputError(
                         f"{where}: the budget varies as a fraction of the experts' bytes; give 0 < LO < HI <= 1."
                     )
+                why = budget_refusal(spec, dict(as_params(self.fixed, self.method, self.experts)["parameters"]))
+                if why is not None:
+                    raise InputError(f"{where}: {self.method} cannot honour an expert-I/O budget: {why}.")
                 if (None, BUDGET) in seen:
                     raise InputError(f"{where}: the budget already varies; vary it once.")
                 seen.add((None, BUDGET))
