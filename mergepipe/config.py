@@ -26,8 +26,11 @@ mergepipe's own keys: ``budget`` (``512MiB``, ``25%``, bytes), ``fidelity`` (0�
 
 Refused with a message naming the key (never silently ignored): ``slices``, ``modules``,
 ``tokenizer_source`` other than ``base``, a ``tokenizer:`` block, ``chat_template``,
-``model+lora`` references, ``model@revision`` references (and their mapping forms), Hugging Face
-Hub names (only local folders and ``s3://`` URIs are read), and any unknown key.
+``model@revision`` references (and their mapping forms), Hugging Face Hub names (only local
+folders and ``s3://`` URIs are read), and any unknown key. ``<base_model>+<adapter folder>`` (or
+``{model: <base_model>, lora: <adapter folder>}``) names a PEFT LoRA adapter expert
+(:mod:`mergepipe.lora`): its task vector is ``s·B·A`` on the base; an adapter on any other model
+is refused.
 Every message starts with the config path and the key path.
 """
 
@@ -36,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -155,6 +158,24 @@ class LoadedConfig:
         return self.request.model_copy(update=upd)
 
 
+def _model_ref(ref: Any, where: str) -> tuple[str, str | None]:
+    """A model reference of the config as ``(model URI, LoRA adapter URI or None)``: mergekit's
+    ``model+adapter`` string or ``{model: ..., lora: ...}`` mapping names a PEFT LoRA adapter on
+    a model; anything else is :func:`_model_uri`."""
+    if isinstance(ref, dict) and ref.get("lora") is not None:
+        lora = ref["lora"]
+        if isinstance(lora, dict):
+            if set(lora) - {"path"}:
+                raise InputError(f"{where}.lora: {_REF_REFUSAL['revision']}")
+            lora = lora.get("path")
+        rest = {k: v for k, v in ref.items() if k != "lora"}
+        return _model_uri(rest, where), _model_uri(lora, f"{where}.lora")
+    if isinstance(ref, str) and "+" in ref:
+        m, a = ref.strip().split("+", 1)
+        return _model_uri(m, where), _model_uri(a, where)
+    return _model_uri(ref, where), None
+
+
 def _model_uri(ref: Any, where: str) -> str:
     """A model reference of the config as a URI, refusing what mergepipe cannot read."""
     if isinstance(ref, dict):
@@ -187,8 +208,8 @@ def _model_uri(ref: Any, where: str) -> str:
 
 
 _REF_REFUSAL = {
-    "lora": "LoRA adapters are not supported (mergekit pre-merges them); merge the adapter into a full checkpoint "
-    "first and reference that folder.",
+    "lora": "a LoRA adapter is an expert, not a base or a part of one: list it under models as "
+    "<base_model>+<adapter folder> (or merge it into a full checkpoint first).",
     "revision": "revisions are not supported; mergepipe reads local folders and s3:// URIs — check out the revision "
     "and reference its folder.",
     "override_architecture": "override_architecture is not supported; mergepipe merges tensors by name.",
@@ -275,6 +296,7 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
     base_ref = cfg.base_model if cfg.base_model is not None else cfg.models[0].model
     base = _model_uri(base_ref, f"{p}: base_model" if cfg.base_model is not None else f"{p}: models[0].model")
     experts: list[tuple[str, str]] = []
+    kinds: list[Literal["lora"] | None] = []
     expert_params: list[dict] = []
     model_index: list[int] = []
     base_listed = False
@@ -287,8 +309,18 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
         )
     for j, m in enumerate(cfg.models):
         w = f"{p}: models[{j}]"
-        uri = _model_uri(m.model, f"{w}.model")
-        if uri == base:
+        uri, adapter = _model_ref(m.model, f"{w}.model")
+        if adapter is not None:
+            # mergekit's model+lora: the adapter on that model. mergepipe merges it as the task
+            # vector s·B·A against the merge's base, so the model must be that base.
+            if uri != base:
+                raise InputError(
+                    f"{w}.model: the LoRA adapter {adapter!r} is given on {uri!r}, which is not the merge's "
+                    f"base_model {base!r}; mergepipe merges an adapter as its task vector s·B·A on the base "
+                    "— write <base_model>+<adapter>, or merge the adapter into its model first and list that folder."
+                )
+            uri = adapter
+        elif uri == base:
             if base_listed:
                 raise InputError(f"{w}.model: the base {uri!r} is listed twice; list it once.")
             base_listed = True
@@ -312,6 +344,7 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
                 "their folder's last component, so give them distinct folder names."
             )
         experts.append((name, uri))
+        kinds.append("lora" if adapter is not None else None)
         expert_params.append(dict(m.parameters or {}))
         model_index.append(j)
     if averaged and not base_listed:  # mergekit: "Base model specified but not in input models - adding"
@@ -322,6 +355,7 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
                 "named by their folder's last component, so give them distinct folder names."
             )
         experts.append((name, base))
+        kinds.append(None)
         expert_params.append({})
         model_index.append(len(cfg.models))  # messages about it name models[<n>], i.e. the base_model entry
     if linear:
@@ -368,7 +402,10 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
         base=base,
         method=cfg.merge_method,
         parameters=global_params,
-        experts=[ExpertRequest(name=n, uri=u, parameters=ep) for (n, u), ep in zip(experts, expert_params)],
+        experts=[
+            ExpertRequest(name=n, uri=u, parameters=ep, kind=k)
+            for (n, u), ep, k in zip(experts, expert_params, kinds, strict=True)
+        ],
         budget=cfg.budget,
         fidelity=cfg.fidelity,
         seed=cfg.seed or 0,

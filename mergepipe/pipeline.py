@@ -51,12 +51,15 @@ def parse_block_size(text: str, what: str = "--block-size") -> int:
 
 
 def parse_expert(arg: str) -> tuple[str, str]:
-    """``NAME=URI`` or ``URI`` -> (name, uri); the default name is the URI's last component."""
+    """``NAME=URI`` or ``URI`` -> (name, uri); the default name is the URI's last component.
+    A ``lora:`` prefix (``lora:PATH``, ``NAME=lora:PATH``) stays on the URI: it marks a PEFT
+    LoRA adapter (:class:`mergepipe.request.ExpertRequest` reads it)."""
     m = re.fullmatch(r"([A-Za-z0-9_.-]+)=(.+)", arg)
-    if m and not arg.startswith("s3://"):
+    if m and not arg.startswith("s3://") and not arg.startswith("lora:"):
         return m.group(1), m.group(2).rstrip("/")
     uri = arg.rstrip("/")
-    return uri.rsplit("/", 1)[-1] or uri, uri
+    path = uri[len("lora:") :] if uri.startswith("lora:") else uri
+    return path.rsplit("/", 1)[-1] or path, uri
 
 
 class MissingAnalysis(InputError):
@@ -114,9 +117,11 @@ def register_and_analyze(
     sensitivity on it is recorded too (once; :mod:`mergepipe.catalog.sensitivity`), for plans
     with ``value="fisher"``, on torch ``device`` (default CPU).
     """
+    from mergepipe.lora import split_kind
+
     cal = load_calibration(storage, calibration) if calibration else None
     base = catalog.register(storage, base_uri)
-    experts = [catalog.register(storage, u) for u in expert_uris]
+    experts = [catalog.register(storage, split_kind(u)[1], kind=split_kind(u)[0]) for u in expert_uris]
     if not analyze:
         missing = [e.uri for e in experts if not catalog.has_analysis(base.identity, e.identity, block_bytes)]
         if missing:
@@ -187,7 +192,7 @@ def build_plan(
     recs = []
     for i, ex in enumerate(req.experts):
         try:
-            recs.append(catalog.register(storage, ex.uri))
+            recs.append(catalog.register(storage, ex.uri, kind=ex.kind))
         except InputError as e:
             raise rr.at(("experts", i, "uri"), e) from None
     rr.params.check_tensors([n for n, t in base.layout.tensors.items() if t.dtype in FLOAT_DTYPES and t.numel > 0])

@@ -22,9 +22,9 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 from mergepipe.errors import InputError
 from mergepipe.limits import json_depth, short_repr
@@ -61,9 +61,13 @@ class ExpertRequest(BaseModel):
 
     Attributes:
         name: how plans, manifests and messages name it (unique within the request).
-        uri: checkpoint folder or ``s3://`` prefix (no trailing slash needed).
+        uri: checkpoint folder or ``s3://`` prefix (no trailing slash needed); a PEFT LoRA
+            adapter folder may be marked ``lora:PATH`` (the prefix sets ``kind``).
         parameters: its own settings of the method's expert-scoped parameters (``weight``,
             ``density``, ...), overriding the merge-wide ones.
+        kind: ``"lora"``: a PEFT LoRA adapter folder whose task vector is ``s·B·A``
+            (:mod:`mergepipe.lora`); ``"checkpoint"``: a full checkpoint; None: detected from
+            the folder (``adapter_config.json`` without ``model.safetensors``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -71,6 +75,17 @@ class ExpertRequest(BaseModel):
     name: str
     uri: str
     parameters: dict[str, Setting] = Field(default_factory=dict)
+    kind: Literal["checkpoint", "lora"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lora_prefix(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("uri"), str) and data["uri"].startswith("lora:"):
+            data = {**data, "uri": data["uri"][len("lora:") :]}
+            if data.get("kind") not in (None, "lora"):
+                raise ValueError(f"uri lora:{data['uri']} marks a LoRA adapter but kind is {data['kind']!r}")
+            data["kind"] = "lora"
+        return data
 
 
 class RequestOptions(BaseModel):
@@ -378,6 +393,7 @@ def request_from_args(
     the other request fields (``budget``, ``fidelity``, ``seed``, ``output``, ``options``)."""
     names = [n for n, _ in experts]
     glob, per = parse_param_args(params, method, names)
+    # (a ``lora:`` prefix on a URI marks an adapter: ExpertRequest sets its kind)
     return MergeRequest(
         base=base,
         method=method,

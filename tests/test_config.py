@@ -92,11 +92,12 @@ def test_model_reference_refusals(family, tmp_path):
     cases = [
         (
             f"{experts[0]}+{experts[1]}",
-            r"models\[1\].model: .* mergekit model\+LoRA reference; LoRA adapters are not supported",
+            r"models\[1\].model: the LoRA adapter .* is given on .*, which is not the merge's base_model",
         ),
         (f"{experts[0]}@main", r"models\[1\].model: .* model@revision reference; revisions are not supported"),
         ({"model": {"path": str(experts[0]), "revision": "v1"}}, r"models\[1\].model.model.revision: revisions"),
-        ({"model": str(experts[0]), "lora": "adapter"}, r"models\[1\].model.lora: LoRA adapters"),
+        ({"model": str(experts[0]), "lora": "adapter"}, r"models\[1\].model.lora: 'adapter' is not a folder"),
+        (f"{base}@main+{experts[0]}", r"models\[1\].model: .* model@revision reference"),
         (
             "mistralai/Mistral-7B-v0.1",
             r"models\[1\].model: 'mistralai/Mistral-7B-v0.1' is not a folder .* Hugging Face Hub",

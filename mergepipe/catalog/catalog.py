@@ -41,11 +41,24 @@ from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import (
     FLOAT_DTYPES,
     INDEX_NAME,
+    SINGLE_NAME,
     CheckpointLayout,
     layout_from_dict,
     layout_to_dict,
     load_layout,
+    read_shard_header,
     rows_per_block,
+)
+from mergepipe.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    MAX_ADAPTER_CONFIG_BYTES,
+    AdapterConfig,
+    LoraModule,
+    adapter_modules,
+    delta_rows,
+    map_modules,
+    parse_adapter_config,
 )
 from mergepipe.numerics import decode, exact_total, segment_dots
 from mergepipe.storage.base import NotFoundError, Storage
@@ -130,13 +143,17 @@ class CheckpointRecord:
         uri: where it lives.
         identity: identity digest (hex SHA-256), see module docstring.
         signature: per-file ``{name: [size, version]}`` JSON used to detect changes by stat.
-        layout: shard headers and tensor locations.
+        layout: shard headers and tensor locations (of a LoRA adapter: its
+            ``adapter_model.safetensors``).
+        adapter: for a PEFT LoRA adapter expert, its parsed ``adapter_config.json``
+            (:mod:`mergepipe.lora`); None for a full checkpoint.
     """
 
     uri: str
     identity: str
     signature: dict
     layout: CheckpointLayout
+    adapter: AdapterConfig | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -207,28 +224,77 @@ class Catalog:
             ).fetchall()
         return [(i, json.loads(s), json.loads(lj)) for i, s, lj in rows]
 
-    def register(self, storage: Storage, uri: str) -> CheckpointRecord:
+    def register(self, storage: Storage, uri: str, kind: str | None = None) -> CheckpointRecord:
         """Register ``uri`` (idempotent). An unchanged checkpoint costs only ``stat`` calls.
 
+        Args:
+            kind: ``"lora"``: a PEFT LoRA adapter folder (``adapter_config.json`` +
+                ``adapter_model.safetensors``); ``"checkpoint"``: a full checkpoint; None:
+                detected (a folder with an ``adapter_config.json`` and no ``model.safetensors``
+                or index is an adapter).
+
         Raises:
-            InputError: not a safetensors checkpoint, or any header/index error.
+            InputError: not a safetensors checkpoint (nor an adapter), any header/index error, or
+                an adapter mergepipe does not support (:func:`mergepipe.lora.parse_adapter_config`).
         """
         uri = uri.rstrip("/") if uri != "/" else uri
         for ident, sig, ld in self._cached(uri):
             files = list(sig)
+            if (kind == "lora") != (ADAPTER_CONFIG in sig) and kind is not None:
+                continue
             try:
                 now = _signature(storage, uri, files)
             except NotFoundError:
                 continue
             idx_uri = storage.join(uri, INDEX_NAME)
             idx_known = INDEX_NAME in sig
-            if now == sig and (idx_known or not storage.exists(idx_uri)):
-                return CheckpointRecord(uri, ident, sig, layout_from_dict(ld, root=uri))
+            if now == sig and (idx_known or ADAPTER_CONFIG in sig or not storage.exists(idx_uri)):
+                adapter = None
+                if ld.get("adapter_config") is not None:
+                    adapter = parse_adapter_config(ld["adapter_config"].encode(), storage.join(uri, ADAPTER_CONFIG))
+                return CheckpointRecord(uri, ident, sig, layout_from_dict(ld, root=uri), adapter)
+        if kind == "lora" or (
+            kind is None
+            and storage.exists(storage.join(uri, ADAPTER_CONFIG))
+            and not storage.exists(storage.join(uri, SINGLE_NAME))
+            and not storage.exists(storage.join(uri, INDEX_NAME))
+        ):
+            return self._register_adapter(storage, uri)
         layout = load_layout(storage, uri, role="catalog")
         files = list(layout.shards) + ([INDEX_NAME] if layout.sharded else [])
         sig = _signature(storage, uri, files)
         ident = _identity(sig, layout)
         rec = CheckpointRecord(uri, ident, sig, layout)
+        self._save_checkpoint(rec)
+        return rec
+
+    def _register_adapter(self, storage: Storage, uri: str) -> CheckpointRecord:
+        """Register a PEFT LoRA adapter folder: its config (checked) and its weights' header.
+        Its identity covers the weights file (as for a checkpoint) and the config's bytes (the
+        scale lives there)."""
+        cfg_uri = storage.join(uri, ADAPTER_CONFIG)
+        try:
+            raw = storage.read_object(cfg_uri, "catalog", MAX_ADAPTER_CONFIG_BYTES)
+        except NotFoundError:
+            raise InputError(
+                f"{uri}: no {ADAPTER_CONFIG}; a LoRA expert (lora:PATH) is a PEFT adapter folder saved with "
+                "save_pretrained()."
+            ) from None
+        cfg = parse_adapter_config(raw, cfg_uri)
+        w_uri = storage.join(uri, ADAPTER_WEIGHTS)
+        if not storage.exists(w_uri):
+            raise InputError(
+                f"{uri}: no {ADAPTER_WEIGHTS}; save the adapter with safetensors (save_pretrained(..., "
+                "safe_serialization=True); adapter_model.bin is not read)."
+            )
+        sh = read_shard_header(storage, w_uri, ADAPTER_WEIGHTS, "catalog")
+        layout = CheckpointLayout(root=uri, shards={ADAPTER_WEIGHTS: sh}, tensors=dict(sh.tensors))
+        adapter_modules(cfg, layout.tensors, w_uri)
+        sig = _signature(storage, uri, [ADAPTER_WEIGHTS, ADAPTER_CONFIG])
+        ident = hashlib.sha256(
+            json.dumps({"weights": _identity(sig, layout), "adapter_config": cfg.sha256}).encode()
+        ).hexdigest()
+        rec = CheckpointRecord(uri, ident, sig, layout, cfg)
         self._save_checkpoint(rec)
         return rec
 
@@ -240,7 +306,7 @@ class Catalog:
                     rec.uri,
                     rec.identity,
                     json.dumps(rec.signature),
-                    json.dumps(layout_to_dict(rec.layout)),
+                    json.dumps(record_layout_dict(rec)),
                     rec.total_bytes,
                     time.time(),
                 ),
@@ -499,9 +565,42 @@ class Catalog:
         return f
 
 
+def record_layout_dict(rec: CheckpointRecord) -> dict:
+    """The stored form of a record's layout (:func:`layout_to_dict`), with an adapter's
+    ``adapter_config.json`` text under ``adapter_config``."""
+    d = layout_to_dict(rec.layout)
+    if rec.adapter is not None:
+        d["adapter_config"] = rec.adapter.raw_text
+    return d
+
+
+_LORA_MAPS: dict[tuple[str, str], dict[str, LoraModule]] = {}
+
+
+def lora_map(base: CheckpointRecord, expert: CheckpointRecord) -> dict[str, LoraModule]:
+    """``{base tensor: LoraModule}`` of a LoRA expert against ``base`` (cached per identities).
+
+    Raises:
+        InputError: the adapter does not fit the base (:func:`mergepipe.lora.map_modules`).
+    """
+    assert expert.adapter is not None
+    key = (base.identity, expert.identity)
+    got = _LORA_MAPS.get(key)
+    if got is None:
+        src = f"{expert.uri}/{ADAPTER_WEIGHTS}"
+        factors = adapter_modules(expert.adapter, expert.layout.tensors, src)
+        got = map_modules(expert.adapter, factors, base.layout.tensors, expert.uri, base.uri)
+        if len(_LORA_MAPS) > 256:
+            _LORA_MAPS.clear()
+        _LORA_MAPS[key] = got
+    return got
+
+
 def check_compatible(base: CheckpointRecord, experts: Sequence[CheckpointRecord]) -> None:
     """Every base tensor must exist in each expert with the same shape and dtype, and each
     expert may hold no tensor the base lacks (it would be dropped from the merge silently).
+    A LoRA adapter expert must map every adapted module onto a base tensor of its shape
+    (:func:`lora_map`).
 
     Raises:
         InputError: naming the expert, the tensor and what differs.
@@ -509,6 +608,9 @@ def check_compatible(base: CheckpointRecord, experts: Sequence[CheckpointRecord]
     if not base.layout.tensors:
         raise InputError(f"{base.uri}: the base checkpoint holds no tensors; nothing to merge.")
     for e in experts:
+        if e.adapter is not None:
+            lora_map(base, e)
+            continue
         extra = [n for n in e.layout.tensors if n not in base.layout.tensors]
         if extra:
             more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
@@ -554,6 +656,7 @@ def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, 
         bs = {e.identity: TensorStatsBuilder(name, bt.rows, row_numel, rpb) for e in stat_readers}
         hashes = {e.identity: hashlib.sha256() for e in stat_readers}
         prow: dict[tuple[str, str], list[np.ndarray]] = {p: [] for p in pair_ids}
+        lora_a: dict[str, np.ndarray] = {}  # per LoRA expert: this tensor's A, read once
         bh = hashlib.sha256()
         for r0 in range(0, bt.rows, chunk_rows):
             r1 = min(bt.rows, r0 + chunk_rows)
@@ -565,6 +668,13 @@ def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, 
             bsq = (b64 * b64).reshape(-1, row_numel).sum(axis=1) if stat_readers else None
             deltas = {}
             for e in readers:
+                if e.adapter is not None:  # a LoRA expert: δ rows from its factors, never its full weight
+                    x, d = _lora_chunk(storage, base, e, name, r0, r1, b, b64, lora_a, hashes.get(e.identity))
+                    if e.identity in bs:
+                        bs[e.identity].add(r0, d, expert=x, base=b64, base_sq_rows=bsq)
+                    if e.identity in held:
+                        deltas[e.identity] = d
+                    continue
                 et = e.layout.tensors[name]
                 es, ee = et.row_range(r0, r1)
                 raw = storage.read_range(storage.join(e.uri, et.file), es, ee, "expert")
@@ -585,6 +695,30 @@ def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, 
         for p in pair_ids:
             dots[p][name] = exact_total(np.concatenate(prow[p])) if prow[p] else 0.0
     return builders, dots, base_digests
+
+
+def _lora_chunk(storage, base, e, name, r0, r1, b, b64, a_cache, h):
+    """Rows ``[r0, r1)`` of a LoRA expert ``e`` on base tensor ``name``: ``(θ_e, δ)`` with
+    ``δ = s·B·A`` from its factors (A read once per tensor into ``a_cache``, the rows of B per
+    chunk; role expert, the factor bytes fed to ``h``) and ``θ_e = θ_b + δ`` (float64); δ = 0 on
+    tensors the adapter does not touch (nothing read)."""
+    mod = lora_map(base, e).get(name)
+    if mod is None:
+        return b64 if b64 is not None else b, np.zeros(b.shape, dtype=np.float32)
+    uri = storage.join(e.uri, mod.a.file)
+    a = a_cache.get(e.identity)
+    if a is None:
+        raw_a = storage.read_range(uri, mod.a.start, mod.a.end, "expert")
+        if h is not None:
+            h.update(raw_a)
+        a = a_cache[e.identity] = decode(raw_a, mod.a.dtype).reshape(mod.a.shape)
+    s, t = mod.b.row_range(r0, r1)
+    raw_b = storage.read_range(storage.join(e.uri, mod.b.file), s, t, "expert")
+    if h is not None:
+        h.update(raw_b)
+    d = delta_rows(a, decode(raw_b, mod.b.dtype).reshape(r1 - r0, mod.rank), mod.scale).reshape(-1)
+    x = (b64 if b64 is not None else b.astype(np.float64)) + d
+    return x, d
 
 
 def _hash_tensors(storage, rec: CheckpointRecord, names: Sequence[str], step: int = 16 << 20) -> dict[str, str]:

@@ -26,9 +26,8 @@ import threading
 import time
 import zipfile
 
-from mergepipe.catalog.catalog import STATS_VERSION, Analysis, Catalog, CheckpointRecord
+from mergepipe.catalog.catalog import STATS_VERSION, Analysis, Catalog, CheckpointRecord, record_layout_dict
 from mergepipe.catalog.stats import TensorStats
-from mergepipe.formats.safetensors import layout_to_dict
 from mergepipe.storage.base import IOCounters, NotFoundError, PreconditionFailed, Storage, is_s3
 from mergepipe.storage.routing import open_storage
 
@@ -68,7 +67,7 @@ class ObjectCatalog(Catalog):
             "uri": rec.uri,
             "identity": rec.identity,
             "signature": rec.signature,
-            "layout": layout_to_dict(rec.layout),
+            "layout": record_layout_dict(rec),
             "registered_at": time.time(),
         }
         self.storage.put_object(self._ckpt_uri(rec.uri), json.dumps(d).encode(), "catalog")

@@ -73,6 +73,15 @@ def _elementwise(tp, spec) -> bool:
     return elementwise_merge(spec, tp.params, [te.density for te in tp.experts], tp.dtype)
 
 
+def _lora_delta(te, buf, rows: int):
+    """float32 numpy ``δ = scale·B·A`` (flat) of ``rows`` rows of a LoRA expert from its
+    :class:`~mergepipe.engine.reader.LoraBytes` (the catalog's arithmetic, bit for bit)."""
+    from mergepipe.lora import delta_from_bytes
+
+    lf = te.lora
+    return delta_from_bytes(lf.a_dtype, buf.a, lf.b_dtype, buf.b, lf.rank, lf.scale).reshape(-1)
+
+
 def _raw_tensor(raw, dtype: str):
     """Zero-copy torch view of little-endian safetensors bytes (BF16, F16, F32)."""
     import torch
@@ -135,8 +144,16 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None):
     base_t = _raw_tensor(base_raw, tp.dtype).to(dev)
     eparts = []  # per expert: (params, [(elem0, elem1, raw view)])
     for te, parts in zip(tp.experts, exp):
+        # (elem0, elem1, values, is_delta): a LoRA run holds its task vector itself (float32)
         runs = [
-            ((a - it.r0) * row_numel, (z - it.r0) * row_numel, _raw_tensor(buf, tp.dtype).to(dev))
+            (
+                (a - it.r0) * row_numel,
+                (z - it.r0) * row_numel,
+                torch.from_numpy(_lora_delta(te, buf, z - a)).to(dev)
+                if te.lora is not None
+                else _raw_tensor(buf, tp.dtype).to(dev),
+                te.lora is not None,
+            )
             for (a, z), buf in parts
             if z > a
         ]
@@ -148,10 +165,11 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None):
 
                 def values_of(slot, key, runs=runs):
                     vals = []
-                    for a, z, x in runs:
+                    for a, z, x, dl in runs:
                         for s in range(a, z, TILE_ELEMS):
                             e = min(z, s + TILE_ELEMS)
-                            vals.append(_group_values(torch.sub(x[s - a : e - a], base_t[s:e].float()), key))
+                            dd = x[s - a : e - a] if dl else torch.sub(x[s - a : e - a], base_t[s:e].float())
+                            vals.append(_group_values(dd, key))
                     return _concat(vals)
 
                 shrink, shrink_hi = _shrinks(values_of, te)
@@ -174,16 +192,18 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None):
         deltas = []
         for ep, runs in eparts:
             d = None
-            for a, z, x in runs:
+            for a, z, x, dl in runs:
                 lo, hi = max(a, s), min(z, e)
                 if hi <= lo:
                     continue
                 if lo == s and hi == e:
-                    d = torch.sub(x[lo - a : hi - a], b)  # widened exactly to float32, then subtracted
+                    # widened exactly to float32, then subtracted (a LoRA run: δ itself, copied
+                    # since sparsify may write into it)
+                    d = x[lo - a : hi - a].clone() if dl else torch.sub(x[lo - a : hi - a], b)
                     break
                 if d is None:
                     d = torch.zeros_like(b)
-                d[lo - s : hi - s] = torch.sub(x[lo - a : hi - a], b[lo - s : hi - s])
+                d[lo - s : hi - s] = x[lo - a : hi - a] if dl else torch.sub(x[lo - a : hi - a], b[lo - s : hi - s])
             if d is None:
                 d = torch.zeros_like(b)
             deltas.append(sparsify(d, spec, ep, offset + s, tp.shape))
@@ -244,8 +264,13 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept, groups=Non
         d = torch.zeros_like(b)
         xf = b.clone() if keep_x else None
         for (a, z), buf in parts:
-            x = torch.from_numpy(decode(buf, tp.dtype)).to(dev).float()
             sl = slice((a - it.r0) * row_numel, (z - it.r0) * row_numel)
+            if te.lora is not None:  # δ = s·B·A from the factors; θ_e = θ_b + δ
+                d[sl] = torch.from_numpy(_lora_delta(te, buf, z - a)).to(dev)
+                if xf is not None:
+                    xf[sl] = b[sl] + d[sl]
+                continue
+            x = torch.from_numpy(decode(buf, tp.dtype)).to(dev).float()
             d[sl] = x - b[sl]
             if xf is not None:
                 xf[sl] = x

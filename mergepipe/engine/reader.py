@@ -15,10 +15,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from mergepipe.engine.worklist import WorkItem, base_byte_range, expert_runs, n_rows, row_bytes
+from mergepipe.formats.safetensors import DTYPES
 from mergepipe.planner.plan import Plan
 from mergepipe.storage.base import Storage
 
 Buffer = bytes | memoryview
+
+
+@dataclass(slots=True)
+class LoraBytes:
+    """A LoRA expert's input for a run of rows: all of A and the run's rows of B (raw bytes;
+    the engine computes ``δ = scale·B·A`` from them, :func:`mergepipe.lora.delta_rows`)."""
+
+    a: Buffer
+    b: Buffer
 
 
 @dataclass(slots=True)
@@ -28,11 +38,12 @@ class ChunkInputs:
     Attributes:
         base: the base's bytes of rows ``[r0, r1)`` (empty for server-side copies).
         experts: for merges, per contributing expert (in ``tp.experts`` order) a list of
-            ``((row0, row1), bytes)`` runs of its selected rows; None for copies.
+            ``((row0, row1), bytes)`` runs of its selected rows (a LoRA expert:
+            ``((row0, row1), LoraBytes)``); None for copies.
     """
 
     base: Buffer
-    experts: list[list[tuple[tuple[int, int], Buffer]]] | None
+    experts: list[list[tuple[tuple[int, int], Buffer | LoraBytes]]] | None
 
 
 def fetch_inputs(plan: Plan, storage: Storage, it: WorkItem) -> ChunkInputs:
@@ -45,9 +56,19 @@ def fetch_inputs(plan: Plan, storage: Storage, it: WorkItem) -> ChunkInputs:
     base = storage.read_ranges(storage.join(plan.base.uri, tp.file), [(s, e)], "base")[0] if e > s else b""
     if it.kind in ("copy", "convert"):
         return ChunkInputs(base, None)
-    experts = []
+    experts: list[list[tuple[tuple[int, int], Buffer | LoraBytes]]] = []
     for te in tp.experts:
         runs = expert_runs(te, tp.rows_per_block, it.r0, it.r1, n_rows(tp))
+        if te.lora is not None:  # A (whole) and the runs' rows of B, exactly as planned (no gap)
+            if not runs:
+                experts.append([])
+                continue
+            lf = te.lora
+            brow = DTYPES[lf.b_dtype][0] * lf.rank
+            lrng = [(lf.a_start, lf.a_end)] + [(te.start + a * brow, te.start + b * brow) for a, b in runs]
+            bufs = storage.read_ranges(storage.join(plan.experts[te.expert].uri, te.file), lrng, "expert", max_gap=0)
+            experts.append([(run, LoraBytes(bufs[0], buf)) for run, buf in zip(runs, bufs[1:], strict=True)])
+            continue
         rngs = [(te.start + a * rb, te.start + b * rb) for a, b in runs]
         bufs = storage.read_ranges(
             storage.join(plan.experts[te.expert].uri, te.file), rngs, "expert", max_gap=plan.coalesce_gap

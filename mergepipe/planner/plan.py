@@ -35,11 +35,38 @@ class InputRef(BaseModel):
 class ExpertRef(InputRef):
     """An expert: its name, its parameter settings (scalars, gradients or filter lists; the
     per-tensor values are in :class:`TensorExpert`), and the SHA-256 over its tensors' content
-    hashes recorded by the catalog's analysis."""
+    hashes recorded by the catalog's analysis. ``adapter``: for a PEFT LoRA adapter expert, what
+    its ``adapter_config.json`` says (:meth:`mergepipe.lora.AdapterConfig.summary`); None for a
+    full checkpoint (then absent from the digest)."""
 
     name: str
     params: dict[str, Any]
     content_digest: str = ""
+    adapter: dict[str, Any] | None = None
+
+
+class LoraFactors(BaseModel):
+    """Where a LoRA expert's factors of one tensor are, and its scale: the tensor's task vector
+    is ``scale · B · A`` (:func:`mergepipe.lora.delta_rows`).
+
+    Attributes:
+        a_start, a_end: byte range of A ``(rank, in_features)`` in the adapter's
+            ``TensorExpert.file`` (read whole for every chunk of the tensor).
+        a_dtype, b_dtype: the factors' safetensors dtypes.
+        rank: r of this module.
+        scale: ``lora_alpha / r`` (rsLoRA: ``/ √r``).
+        module: the module's key in the model (for messages).
+    B ``(out_features, rank)`` starts at ``TensorExpert.start``; row ``i`` of the tensor needs
+    row ``i`` of B.
+    """
+
+    a_start: int
+    a_end: int
+    a_dtype: str
+    b_dtype: str
+    rank: int
+    scale: float
+    module: str = ""
 
 
 class TensorExpert(BaseModel):
@@ -62,6 +89,9 @@ class TensorExpert(BaseModel):
         bytes: expert bytes these blocks occupy (one pass).
         kept_energy: estimated ``w² Σ δ²`` kept from the selected blocks.
         full_energy: the same over all blocks (the full-budget value).
+        lora: for a LoRA adapter expert, where its factors are (:class:`LoraFactors`); then
+            ``file``/``start`` locate B, and the blocks are all of the tensor or none (a module
+            is read whole: A once per chunk plus B). None for a full checkpoint.
     """
 
     expert: int
@@ -80,6 +110,7 @@ class TensorExpert(BaseModel):
     bytes: int
     kept_energy: float
     full_energy: float
+    lora: LoraFactors | None = None
 
 
 class TensorPlan(BaseModel):
@@ -177,6 +208,11 @@ class Plan(BaseModel):
                 for f in ("exact_rank", "exact_rank_hi"):  # (absent before exact thresholds: digests unchanged)
                     if not te.get(f):
                         te.pop(f, None)
+                if te.get("lora") is None:  # (full checkpoints digest as before LoRA experts existed)
+                    te.pop("lora", None)
+        for e in d["experts"]:
+            if e.get("adapter") is None:
+                e.pop("adapter", None)
         if d.get("block_value") is None:
             d.pop("block_value", None)  # energy plans digest as before the field existed
         return json.dumps(d, sort_keys=True, separators=(",", ":"))

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, CheckpointRecord
+from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, CheckpointRecord, lora_map
 from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import FLOAT_DTYPES, TensorInfo, n_blocks, rows_per_block
 from mergepipe.methods.kernels import elementwise_merge, identity_on_zero_delta, needs_row_stats, work_floats
@@ -66,6 +66,7 @@ from mergepipe.planner.plan import (
     ExpertRef,
     InputRef,
     IOEstimate,
+    LoraFactors,
     Plan,
     TensorExpert,
     TensorPlan,
@@ -108,10 +109,11 @@ def chunk_rows(
 class _Cand:
     tensor: int
     expert: int
-    value: np.ndarray  # per block
+    value: np.ndarray  # per block (a LoRA module: one unit, the whole tensor)
     full: np.ndarray
     cost: np.ndarray  # bytes per block (one pass)
     passes: int
+    lora: bool = False
 
 
 def block_byte_ranges(info: TensorInfo, rpb: int, runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -260,6 +262,8 @@ def make_plan(
     if spec.needs_gram and gram is None:
         raise InputError(f"{method} needs the experts' pair statistics; analyze with pairs (the pipeline does).")
     n_layers = layer_count(base.layout.tensors)
+    # LoRA adapter experts: {base tensor: module} (δ = s·B·A there, 0 elsewhere)
+    lmaps = [lora_map(base, e) if e.adapter is not None else None for e in experts]
 
     tensors: list[TensorPlan] = []
     cands: list[_Cand] = []
@@ -376,16 +380,40 @@ def make_plan(
                         "re-run `mergepipe analyze --calibration ...`."
                     )
                 val = val * (np.asarray(fb, dtype=np.float64) + f_floor)
-            et = e.layout.tensors[name]
-            cost = (
-                np.minimum((np.arange(st.n_blocks) + 1) * rpb, et.rows) - np.arange(st.n_blocks) * rpb
-            ) * et.row_bytes
-            cands.append(_Cand(ti, i, val, val.copy(), cost.astype(np.int64), passes))
+            lf = None
+            lmap = lmaps[i]
+            if lmap is not None:
+                mod = lmap.get(name)
+                if mod is None:  # a tensor the adapter does not touch: δ = 0, nothing to read
+                    continue
+                # one unit: A for every chunk of a pass (the engine reads it with each chunk's
+                # rows of B) plus B once; bytes per pass
+                n_chunks = -(-bt.rows // cr)
+                unit = np.array([n_chunks * mod.a.nbytes + mod.b.nbytes], dtype=np.int64)
+                cands.append(_Cand(ti, i, np.array([val.sum()]), np.array([val.sum()]), unit, passes, lora=True))
+                file, start = mod.b.file, mod.b.start
+                lf = LoraFactors(
+                    a_start=mod.a.start,
+                    a_end=mod.a.end,
+                    a_dtype=mod.a.dtype,
+                    b_dtype=mod.b.dtype,
+                    rank=mod.rank,
+                    scale=mod.scale,
+                    module=mod.module,
+                )
+            else:
+                et = e.layout.tensors[name]
+                cost = (
+                    np.minimum((np.arange(st.n_blocks) + 1) * rpb, et.rows) - np.arange(st.n_blocks) * rpb
+                ) * et.row_bytes
+                cands.append(_Cand(ti, i, val, val.copy(), cost.astype(np.int64), passes))
+                file, start = et.file, et.start
             tp.experts.append(
                 TensorExpert(
                     expert=i,
-                    file=et.file,
-                    start=et.start,
+                    file=file,
+                    start=start,
+                    lora=lf,
                     weight=weights[i] if weights else 1.0,
                     density=dens,
                     gamma=float(ep.get("gamma", 0.0)),
@@ -429,6 +457,9 @@ def make_plan(
             idx = picked(sel, j)
             if len(idx) == 0:
                 continue
+            if c.lora:  # A per chunk + B: exactly the ranges the engine requests (gap 0)
+                total += c.passes * int(c.cost[0])
+                continue
             et = experts[c.expert].layout.tensors[infos[c.tensor].name]
             rng = block_byte_ranges(et, tensors[c.tensor].rows_per_block, _runs(idx))
             total += c.passes * sum(e - s for s, e in coalesce(rng, coalesce_gap, DEFAULT_MAX_REQUEST))
@@ -445,7 +476,7 @@ def make_plan(
     for j, c in enumerate(cands):
         idx = picked(selected, j)
         te = next(t for t in tensors[c.tensor].experts if t.expert == c.expert)
-        te.blocks = _runs(idx)
+        te.blocks = ([(0, tensors[c.tensor].n_blocks)] if len(idx) else []) if c.lora else _runs(idx)
         te.bytes = int(c.cost[idx].sum())
         te.kept_energy = float(c.value[idx].sum())
     for tp, bt in zip(tensors, infos):
@@ -490,6 +521,7 @@ def make_plan(
                 name=names[i],
                 params=params.experts[i],
                 content_digest=_content_digest(analyses[i]),
+                adapter=e.adapter.summary() if e.adapter is not None else None,
             )
             for i, e in enumerate(experts)
         ],
@@ -783,7 +815,10 @@ def _explain_tensor(tp: TensorPlan, spec, names: list[str]) -> str:
         pv = ""
         if spec.has_weights and spec.kind != "nuslerp":
             pv = f" (weight {te.weight:g}" + (f", density {te.density:g}" if spec.uses_density else "") + ")"
-        parts.append(f"{nm}{pv}: {nsel}/{tp.n_blocks} blocks, {frac:.1%} of its energy{thr}")
+        lo = ""
+        if te.lora is not None:
+            lo = f", LoRA {te.lora.module} r={te.lora.rank} scale={te.lora.scale:g}: reads A and B ({te.bytes:,} B)"
+        parts.append(f"{nm}{pv}: {nsel}/{tp.n_blocks} blocks, {frac:.1%} of its energy{thr}{lo}")
     head = ""
     d = tp.derived
     if spec.kind == "slerp":
@@ -846,6 +881,12 @@ def _explain_plan(plan: Plan, seconds: float) -> str:
             f"{math.sqrt(max(0.0, 1.0 - plan.retained_energy)):.1%} of its task vector's norm (exact for one "
             "expert under a linear method; cross terms between experts' task vectors and TIES's "
             "normalization change it: measured 1.0-1.3x this on the demo zoo, see docs/QUALITY.md)."
+        )
+    lora = [e for e in plan.experts if e.adapter is not None]
+    if lora:
+        dt += (
+            f" LoRA adapter experts ({', '.join(e.name for e in lora)}): task vector s·B·A on their adapted "
+            f"modules, 0 elsewhere; only their factors are read ({sum(e.total_bytes for e in lora):,} adapter bytes)."
         )
     return (
         f"{plan.method} over {len(plan.experts)} experts: reads {plan.io.expert_read_bytes:,} of "
