@@ -429,3 +429,100 @@ def test_every_method_takes_lora_experts(zoo, tmp_path, monkeypatch, capsys, met
     with capsys.disabled():
         print(f"{method}: {far}/{n_el} elements differ by more than 2 ulps")
     assert far / n_el < 0.02
+
+
+# ------------------------------------------------------------------------------ extract-lora
+
+
+def _logits(model_dir: Path, ids, adapter: Path | None = None):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        m = PeftModel.from_pretrained(m, str(adapter))
+    m.eval()
+    with torch.no_grad():
+        return m(input_ids=ids).logits.double()
+
+
+def test_extract_lora_loads_in_peft_and_reproduces_the_snapshot(zoo, tmp_path, monkeypatch, capsys):
+    """A snapshot (task_arithmetic of the two pre-merged experts: per module a rank <= 12 task
+    vector plus bf16 rounding) -> extract-lora at r=16 and r=2 -> PeftModel.from_pretrained on
+    the base. Measured and asserted, with the error of the adapter's logits relative to the
+    snapshot-vs-base logit gap (Frobenius norms over 2x32 random tokens): r=16 explains >= 99.9%
+    of every module's energy and is within 1% (measured 0.21%); r=2 explains less (63.5%) and is
+    further off (measured 96%: two of twelve directions)."""
+    from safetensors.torch import load_file
+
+    base, _, fulls = zoo["base"], zoo["adapters"], zoo["full"]
+    snap = tmp_path / "snap"
+    _merge(
+        monkeypatch,
+        capsys,
+        ["--base", str(base), "-e", str(fulls[0]), "-e", str(fulls[1]), "--method", "task_arithmetic"],
+        snap,
+    )
+    ids = torch.randint(3, 1024, (2, 32), generator=torch.Generator().manual_seed(0))
+    ref = _logits(snap, ids)
+    gap = float((ref - _logits(base, ids)).norm())
+    errs = {}
+    for r in (16, 2):
+        out = tmp_path / f"ad{r}"
+        code, so, err = run_cli(
+            ["extract-lora", str(snap), "--base", str(base), "--rank", str(r), "--out", str(out), "--json"],
+            monkeypatch,
+            capsys,
+        )
+        assert code == 0, err
+        rep = json.loads(so)
+        assert rep == json.loads((out / "extract_report.json").read_text())
+        assert {m["module"] for m in rep["modules"]} == {
+            k[: -len(".weight")]
+            for k in _lora_deltas(zoo["adapters"][0], merged_tensors(base))
+            | _lora_deltas(zoo["adapters"][1], merged_tensors(base))
+        }
+        # the report's explained energy is the factors' own: 1 - |δ - BA|²/|δ|², recomputed here
+        f = load_file(str(out / "adapter_model.safetensors"))
+        bt, st = merged_tensors(base), merged_tensors(snap)
+        for m in rep["modules"]:
+            d = st[m["tensor"]].double() - bt[m["tensor"]].double()
+            ba = (
+                f[f"base_model.model.{m['module']}.lora_B.weight"].double()
+                @ f[f"base_model.model.{m['module']}.lora_A.weight"].double()
+            )
+            assert abs((1 - float(((d - ba) ** 2).sum() / (d**2).sum())) - m["explained_energy"]) < 1e-5
+        if r == 16:
+            assert min(m["explained_energy"] for m in rep["modules"]) >= 0.999
+        got = _logits(base, ids, out)
+        errs[r] = float((got - ref).norm()) / gap
+        errs[f"max{r}"] = float((got - ref).abs().max())
+        errs[f"energy{r}"] = rep["explained_energy_linear"]
+    with capsys.disabled():
+        print(f"extract-lora: |logits - snapshot's| / |base's - snapshot's| (Frobenius): {errs}")
+    assert errs[16] <= 0.01
+    assert errs[16] < errs[2] and errs["energy2"] < errs["energy16"]
+
+
+def test_extract_lora_refusals(zoo, tmp_path, monkeypatch, capsys):
+    base, _, fulls = zoo["base"], zoo["adapters"], zoo["full"]
+    (tmp_path / "taken").mkdir()
+    code, _, err = run_cli(
+        ["extract-lora", str(fulls[0]), "--base", str(base), "--rank", "4", "--out", str(tmp_path / "taken")],
+        monkeypatch,
+        capsys,
+    )
+    assert code == 2 and "already exists" in err
+    code, _, err = run_cli(
+        ["extract-lora", str(base), "--base", str(base), "--rank", "4", "--out", str(tmp_path / "o")],
+        monkeypatch,
+        capsys,
+    )
+    assert code == 2 and "no linear weight differs" in err and not (tmp_path / "o").exists()
+    code, _, err = run_cli(
+        ["extract-lora", str(fulls[0]), "--base", str(base), "--rank", "0", "--out", str(tmp_path / "o")],
+        monkeypatch,
+        capsys,
+    )
+    assert code == 2 and "--rank" in err and not (tmp_path / "o").exists()
+    assert not any(p.name.startswith(".o.") for p in tmp_path.iterdir())
