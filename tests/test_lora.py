@@ -412,6 +412,13 @@ def test_minilm_lora_expert_equals_premerged(tmp_path, monkeypatch, capsys):
         ("model_stock", [], 2),
         ("slerp", ["t=0.4"], 1),
         ("nuslerp", ["weight=1"], 2),
+        ("multislerp", ["weight=1"], 2),
+        ("karcher", [], 2),
+        ("sce", ["select_topk=0.5"], 2),
+        ("nearswap", ["t=0.001"], 1),
+        ("ram", [], 2),
+        ("ramplus_tl", [], 2),
+        ("arcee_fusion", [], 1),
     ],
 )
 def test_every_method_takes_lora_experts(zoo, tmp_path, monkeypatch, capsys, method, params, n):
