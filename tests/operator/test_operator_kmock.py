@@ -376,7 +376,7 @@ def test_merge_end_to_end_analyze_plan_merge_commit_charge_delete(cluster):
                 "blockOwnerDeletion": True,
             }
         ]
-        assert mc["args"] == ["execute", st["plan"]["uri"], "--out", out, "--json"]  # GPU count 0: CPU
+        assert mc["args"] == ["execute", st["plan"]["uri"], "--out", out, "--resume", "--json"]  # GPU count 0: CPU
         env = {e["name"]: e for e in mc["env"]}
         assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {
             "name": SECRET,

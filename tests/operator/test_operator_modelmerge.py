@@ -407,6 +407,7 @@ def test_build_job_defaults(settings):
         PLAN_URI,
         "--out",
         "s3://snapshots/mm1/",
+        "--resume",
         "--json",
         "--device",
         "cuda",
@@ -474,6 +475,7 @@ def test_build_job_overrides(settings):
         PLAN_URI,
         "--out",
         "s3://snapshots/mm1/",
+        "--resume",
         "--json",
     ]  # CPU: the CLI default
     env = {e["name"]: e for e in c["env"]}

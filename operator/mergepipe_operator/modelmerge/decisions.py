@@ -363,8 +363,10 @@ def build_job(
     retry_generation: int | None = None,
     parts: int = 1,
 ) -> dict[str, Any]:
-    """The batch/v1 Job that runs ``mergepipe execute <plan-uri> --out <output-uri> --json``
-    (plus ``--device cuda`` when it has GPUs).
+    """The batch/v1 Job that runs ``mergepipe execute <plan-uri> --out <output-uri> --resume
+    --json`` (plus ``--device cuda`` when it has GPUs): one pod executes the plan as the one part
+    of its run and commits it; a pod retried after a failure (``backoffLimit``) keeps the files
+    the failed one finished (:func:`mergepipe.parts.execute_resumable`).
 
     With ``parts`` = N > 1 it is an Indexed Job (``completionMode: Indexed``, completions =
     parallelism = N) whose pod of index i runs ``execute ... --part i/N`` (the index from the
@@ -408,6 +410,8 @@ def build_job(
     if parts > 1:
         annotations[ANN_PARTS] = str(parts)
         args += ["--part", f"$(JOB_COMPLETION_INDEX)/{parts}"]
+    else:  # one pod runs the plan as the one part of its run and commits: a retried pod resumes
+        args.append("--resume")
     job = worker_job(
         mm,
         jname,
