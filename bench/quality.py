@@ -175,7 +175,9 @@ def sweep_seed(a, seed: int, errors: list) -> dict:
     for method in a.methods:
         params = method_params(method, weight)
 
-        def run(tag: str, budget=None, value="energy", method: str = method, params: list = params) -> dict:
+        def run(
+            tag: str, budget=None, value="energy", method: str = method, params: list = params, sketch: str = "none"
+        ) -> dict:
             t = time.perf_counter()
             r = merge(
                 str(base),
@@ -189,13 +191,17 @@ def sweep_seed(a, seed: int, errors: list) -> dict:
                 storage=LocalStorage(IOCounters()),
                 value=value,
                 calibration=str(cal) if value == "fisher" else None,
+                sketch=sketch,
             )
             s = r.summary()
             qm = q(ev(s["snapshot_id"], Path(r.out)))
             pt = {
                 "tag": tag,
                 "budget": budget,
-                "value": value,
+                # the planner setting: block value, with fidelity tiers "+sign1" (sketch reads)
+                "value": value if sketch == "none" else f"{value}+{sketch}",
+                "sketch": sketch,
+                "sketch_read_fraction": s["io"].get("planned_sketch_read_bytes", 0) / s["io"]["expert_bytes_total"],
                 "snapshot_id": s["snapshot_id"],
                 "quality": qm,
                 "read_fraction": s["io"]["expert_read_bytes"] / s["io"]["expert_bytes_total"],
@@ -220,17 +226,18 @@ def sweep_seed(a, seed: int, errors: list) -> dict:
             continue
         points = []
         for b in a.budgets:
-            for v in a.values:
+            for v, sk in [(v, sk) for sk in a.sketches for v in a.values]:
                 if v == "fisher" and cal is None:
                     continue
                 try:
-                    pt = run(f"{b:g}pct-{v}", f"{b:g}%", v)
+                    tag = f"{b:g}pct-{v}" + ("" if sk == "none" else f"-{sk}")
+                    pt = run(tag, f"{b:g}%", v, sketch=sk)
                     if all(x > 0 for x in full["ng"].values()):
                         pt["kept"] = kept_share(pt["ng"], full["ng"])
                         pt["worst_kept"] = worst(pt["kept"])
                     points.append(pt)
                 except Exception as e:
-                    errors.append(f"seed {seed} {method} {b}% {v}: {type(e).__name__}: {e}")
+                    errors.append(f"seed {seed} {method} {b}% {v} {sk}: {type(e).__name__}: {e}")
                     log(errors[-1])
         res["methods"][method] = {"params": params, "full": full, "points": points}
     return res
@@ -259,13 +266,14 @@ def aggregate(res: dict) -> dict:
         }
         keys = sorted(
             {(p["budget"], p["value"]) for r in runs for p in r["points"]},
-            key=lambda k: (float(k[0].rstrip("%")), k[1]),
+            key=lambda k: (float(k[0].rstrip("%")), "+" in k[1], k[1]),
         )
         for b, v in keys:
             pts = [p for r in runs for p in r["points"] if p["budget"] == b and p["value"] == v]
             d = {
                 "n": len(pts),
                 "read_fraction": sum(p["read_fraction"] for p in pts) / len(pts),
+                "sketch_read_fraction": sum(p.get("sketch_read_fraction", 0.0) for p in pts) / len(pts),
                 "worst_ng": summarise([p["worst_ng"][1] for p in pts]),
             }
             kp = [p for p in pts if "kept" in p]
@@ -336,8 +344,10 @@ def tables_md(res: dict) -> str:
     L += [
         "",
         "**Budgeted merges**: share of the full merge's normalised gain kept on the worst task "
-        "(mean over seeds [95% CI]); per task the mean kept share; expert bytes read:\n",
-        "| method | budget | value | read | worst-task kept share | "
+        "(mean over seeds [95% CI]); per task the mean kept share; expert bytes read (of the experts' bytes; "
+        "in parentheses the part read from sketches, charged to the same budget). Value `X+signK`: block value X "
+        "with fidelity tiers (up to K sign planes per block):\n",
+        "| method | budget | value | read (sketches) | worst-task kept share | "
         + " | ".join(f"kept {t}" for t in tasks)
         + " | worst NG |",
         "|---|---|---|---:|---:|" + "---:|" * (len(tasks) + 1),
@@ -348,7 +358,7 @@ def tables_md(res: dict) -> str:
             kept = _ci(d["worst_kept"]) if "worst_kept" in d else "n/a (full NG <= 0)"
             per = [f"{100 * d['kept'][t]['mean']:.0f}%" if t in d.get("kept", {}) else "-" for t in tasks]
             L.append(
-                f"| {m} | {b} | {v} | {100 * d['read_fraction']:.1f}% | {kept} | "
+                f"| {m} | {b} | {v} | {100 * d['read_fraction']:.1f}% ({100 * d['sketch_read_fraction']:.1f}%) | {kept} | "
                 + " | ".join(per)
                 + f" | {_ci(d['worst_ng'], False)} |"
             )
@@ -379,7 +389,9 @@ def plot(res: dict, out: Path, name: str) -> str:
     agg = aggregate(res)
     fig, axes = plt.subplots(1, len(agg), figsize=(5 * len(agg), 3.8), squeeze=False)
     for ax, (m, a) in zip(axes[0], agg.items()):
-        for v, style in (("energy", "o-"), ("fisher", "s--")):
+        labels = sorted({k.split("|")[1] for k in a["points"]}, key=lambda x: ("+" in x, x))
+        for v in labels:
+            style = ("o" if v.startswith("energy") else "s") + ("-" if "+" in v else ":")
             ks = [
                 (float(k.split("|")[0].rstrip("%")), d)
                 for k, d in a["points"].items()
@@ -448,6 +460,14 @@ def main(argv=None) -> None:
         "--budgets", type=float, nargs="+", default=list(BUDGETS), help="expert budgets in %% of the experts' bytes"
     )
     ap.add_argument("--values", nargs="+", default=["energy", "fisher"], choices=("energy", "fisher"))
+    ap.add_argument(
+        "--sketches",
+        nargs="+",
+        default=["none", "sign1", "sign3"],
+        choices=("none", "sign1", "sign2", "sign3"),
+        help="fidelity tiers: none (read or skip a block) and/or signK (a block may be merged from the first "
+        "k <= K sign planes of its sketch)",
+    )
     ap.add_argument("--work", type=Path, default=REPO / "bench" / ".work" / "quality")
     ap.add_argument("--report-only", action="store_true", help="tables and plots from docs/quality/*.json")
     ap.add_argument(

@@ -445,6 +445,15 @@ CalibrationOpt = Annotated[
         "Fisher sensitivity is measured on it once and kept in the catalog (causal LMs and encoders)",
     ),
 ]
+SketchOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--sketch",
+        help="Fidelity tiers under a budget: signK lets the planner merge a block from the first k <= K "
+        "(1-3) sign planes of its sketch (recorded by analyze; their bytes count against the budget) "
+        "instead of reading it exactly or skipping it; none: read exactly or skip [default: sign3]",
+    ),
+]
 MemOpt = Annotated[
     str,
     typer.Option(
@@ -467,6 +476,7 @@ def plan(
     work_memory: MemOpt = "256MiB",
     value: ValueOpt = None,
     calibration: CalibrationOpt = None,
+    sketch: SketchOpt = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the plan JSON here")] = None,
     catalog: CatalogOpt = None,
     json_out: JsonOpt = False,
@@ -486,6 +496,7 @@ def plan(
         work_bytes=_work_bytes(work_memory),
         value=value,
         calibration=calibration,
+        sketch=sketch,
     )
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -637,6 +648,7 @@ def merge(
     work_memory: MemOpt = "256MiB",
     value: ValueOpt = None,
     calibration: CalibrationOpt = None,
+    sketch: SketchOpt = None,
     workers: Annotated[
         Optional[int],
         typer.Option(
@@ -677,6 +689,7 @@ def merge(
             calibration=calibration,
             workers=workers,
             resume=resume,
+            sketch=sketch,
         )
     _emit_merge(res, json_out)
 

@@ -7,7 +7,9 @@ recommended weight) at full budget and at 50%, 25% and 10% of the experts' bytes
 every merged model on every domain beside the base and each expert. Each merge row shows the
 normalised gain per domain (:func:`mergepipe.metrics.normalised_gain`: 1 = as good as the
 domain's expert, 0 = as good as the base) and, for budgeted rows, the share of the full merge's
-gain kept on the worst domain.
+gain kept on the worst domain. Budgeted merges use the planner's default fidelity tiers (a block
+is read exactly, merged from 1-3 sign planes of its sketch, or skipped; sketch bytes count against the budget
+and are shown beside the bytes read).
 
 Needs the ``zoo`` extra (``pip install 'mergepipe[zoo]'``): the zoo lives in the separate
 package ``mergepipe_zoo``, imported only here.
@@ -124,6 +126,7 @@ def run_demo(
                 "model": f"{method} budget {b}",
                 "budget": s["io"]["expert_budget_bytes"],
                 "expert_read_bytes": s["io"]["expert_read_bytes"],
+                "sketch_read_bytes": s["io"].get("planned_sketch_read_bytes", 0),
                 "expert_bytes_total": s["io"]["expert_bytes_total"],
                 "wall_s": round(s["wall_s"] if res.already_committed else wall, 2),
                 "analyze_s": round(res.analyze_s, 2),
@@ -170,7 +173,8 @@ def run_demo(
             else ("unlimited" if r["budget"] is None else f"{r['budget'] / 2**20:.1f} MiB"),
             "-"
             if "expert_read_bytes" not in r
-            else f"{r['expert_read_bytes'] / 2**20:.1f} MiB of {r['expert_bytes_total'] / 2**20:.1f}",
+            else f"{r['expert_read_bytes'] / 2**20:.2f} MiB of {r['expert_bytes_total'] / 2**20:.2f}"
+            + (f" (sketches {r['sketch_read_bytes'] / 2**20:.2f})" if r.get("sketch_read_bytes") else ""),
             "-"
             if "wall_s" not in r
             else f"{r['wall_s']:.2f}" + (" (committed earlier)" if r["already_committed"] else ""),

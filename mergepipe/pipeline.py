@@ -13,6 +13,7 @@ from pathlib import Path
 
 from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, Catalog, CheckpointRecord, check_compatible
 from mergepipe.catalog.sensitivity import load_calibration
+from mergepipe.catalog.sketch import DEFAULT_SKETCH
 from mergepipe.errors import InputError
 from mergepipe.limits import short_repr
 from mergepipe.methods.registry import get_method
@@ -144,6 +145,7 @@ def build_plan(
     analyze: bool = True,
     value: str | None = None,
     calibration: str | None = None,
+    sketch: str | None = None,
 ) -> Plan:
     """Register, analyze and plan a :class:`mergepipe.request.MergeRequest` (the one way into
     planning; the CLI, mergekit configs, the operator and the search build it).
@@ -168,6 +170,9 @@ def build_plan(
             once at analyze time; with ``analyze=False`` it must already be recorded). Default:
             ``"fisher"`` when a calibration set is given (it kept more of the full merge's gain
             in docs/QUALITY.md), ``"energy"`` otherwise.
+        sketch: fidelity tiers (``"none"``, ``"sign1"``..``"sign3"``, see :class:`SelectionOptions`); default
+            :data:`mergepipe.catalog.sketch.DEFAULT_SKETCH` (it kept more of the full merge's
+            gain in docs/QUALITY.md).
 
     Raises:
         InputError: the request is invalid, or a checkpoint is missing or incompatible.
@@ -233,6 +238,7 @@ def build_plan(
             fidelity=req.fidelity,
             value=value,
             calibration=cal.digest if (cal is not None and fisher) else None,
+            sketch=DEFAULT_SKETCH if sketch is None else sketch,
         ),
         EngineOptions(work_bytes=work_bytes, coalesce_gap=gap),
     )
@@ -397,6 +403,7 @@ def merge_request(
     calibration: str | None = None,
     workers: int | None = None,
     resume: bool = False,
+    sketch: str | None = None,
 ) -> MergeResult:
     """register → analyze → plan → execute → commit in one call (what ``mergepipe merge`` runs),
     committing at ``request.output``.
@@ -405,6 +412,7 @@ def merge_request(
         where: renders request fields in the caller's terms for messages (see :func:`build_plan`).
         progress: ``progress(stage, advance_bytes, total_bytes_or_None)``.
         value, calibration: the planner's block value (see :func:`build_plan`).
+        sketch: fidelity tiers (see :func:`build_plan`).
         workers: run the plan as this many parts in parallel processes and commit the run
             (:func:`mergepipe.parts.run_workers`; a rerun resumes); default one process.
         resume: in one process, run the plan as the one part of a resumable run
@@ -436,6 +444,7 @@ def merge_request(
         progress=cb,
         value=value,
         calibration=calibration,
+        sketch=sketch,
     )
     t_an = time.perf_counter() - t0
     if progress and not workers:  # (part processes report no progress to this one)

@@ -58,6 +58,11 @@ class MergeResult:
                 "expert_budget_bytes": m["io"]["expert_budget_bytes"],
                 "planned_expert_read_bytes": m["io"]["estimated"]["expert_read_bytes"],
                 "expert_bytes_total": m["io"]["expert_bytes_total"],
+                **(
+                    {"planned_sketch_read_bytes": m["io"]["estimated"]["sketch_read_bytes"]}
+                    if m["io"]["estimated"].get("sketch_read_bytes")
+                    else {}
+                ),
             },
             "retained_energy": m["retained_energy"],
             "wall_s": m["time"]["wall_s"],
@@ -131,6 +136,7 @@ def build_manifest(
                     "identity": e.identity,
                     "files": e.signature,
                     "content_digest": e.content_digest,
+                    **({"sketch": e.sketch} if e.sketch else {}),
                 }
                 for e in plan.experts
             ],
@@ -153,6 +159,16 @@ def build_manifest(
         "device": device,
         "versions": worker_versions or versions(),
     }
+    if plan.sketch:  # fidelity tiers: blocks merged from the experts' sketches (bytes in io, like expert bytes)
+        sk: dict[str, int] = {}
+        lv: dict[str, int] = {}
+        for tp in plan.tensors:
+            for te in tp.experts:
+                nm = plan.experts[te.expert].name
+                for (a, b), k in zip(te.sketch_blocks, te.sketch_levels, strict=True):
+                    sk[nm] = sk.get(nm, 0) + b - a
+                    lv[str(k)] = lv.get(str(k), 0) + b - a
+        out["sketch"] = {"kind": plan.sketch, "sketched_blocks": sk, "blocks_by_level": lv}
     if parts is not None:
         out["parts"] = parts
     if lineage:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mergepipe.catalog.sketch import PLANES, SketchBuilder
 from mergepipe.catalog.stats import TensorStats, TensorStatsBuilder
 from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import (
@@ -65,7 +66,7 @@ from mergepipe.storage.base import NotFoundError, Storage
 
 DEFAULT_BLOCK_BYTES = 128 * 1024
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
-STATS_VERSION = 2  # 2: exact whole-tensor sums of products; pair statistics
+STATS_VERSION = 3  # 2: exact whole-tensor sums of products; pair statistics; 3: block sketches (sign planes)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS checkpoints (
@@ -97,6 +98,14 @@ CREATE TABLE IF NOT EXISTS tensor_stats (
     content_sha256 TEXT NOT NULL,
     stats BLOB NOT NULL,
     PRIMARY KEY (analysis_id, tensor)
+);
+CREATE TABLE IF NOT EXISTS sketches (
+    analysis_id INTEGER PRIMARY KEY REFERENCES analyses(id) ON DELETE CASCADE,
+    kind TEXT NOT NULL,
+    planes INTEGER NOT NULL,
+    uri TEXT NOT NULL,
+    sha256 TEXT NOT NULL,
+    bytes INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS tensor_digests (
     identity TEXT NOT NULL,
@@ -171,6 +180,9 @@ class Analysis:
     tensors: dict[str, TensorStats]
     seconds: float = 0.0
     bytes_read: int = 0
+    #: the expert's block sketches (:mod:`mergepipe.catalog.sketch`): ``{"kind": "sign-planes",
+    #: "planes", "uri", "sha256", "bytes"}``; None when the analysis has none
+    sketch: dict | None = None
 
 
 def _signature(storage: Storage, uri: str, files: Sequence[str]) -> dict:
@@ -333,6 +345,9 @@ class Catalog:
             ts = self.db.execute(
                 "SELECT tensor, content_sha256, stats FROM tensor_stats WHERE analysis_id=?", (row[0],)
             ).fetchall()
+            sk = self.db.execute(
+                "SELECT kind, planes, uri, sha256, bytes FROM sketches WHERE analysis_id=?", (row[0],)
+            ).fetchone()
         return Analysis(
             id=row[0],
             base_identity=base_identity,
@@ -341,6 +356,7 @@ class Catalog:
             tensors={n: TensorStats.from_bytes(n, b, h) for n, h, b in ts},
             seconds=row[1],
             bytes_read=row[2],
+            sketch=dict(zip(("kind", "planes", "uri", "sha256", "bytes"), sk, strict=True)) if sk else None,
         )
 
     def has_analysis(self, base_identity: str, expert_identity: str, block_bytes: int) -> bool:
@@ -353,9 +369,44 @@ class Catalog:
                 is not None
             )
 
+    def sketch_uri(self, base: str, expert: str, block_bytes: int) -> str:
+        """Where the catalog keeps an expert's block sketches: ``sketches/<base identity>/<expert
+        identity>-<block bytes>-v<stats version>.sketch`` beside the SQLite file."""
+        return str(Path(self.path).parent / "sketches" / base / f"{expert}-{block_bytes}-v{STATS_VERSION}.sketch")
+
+    def _put_sketch(self, uri: str, data: bytes) -> None:
+        """Write a sketch blob (atomically: a reader never sees a partial blob)."""
+        p = Path(uri)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f".{p.name}.tmp{os.getpid()}.{threading.get_ident()}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+
+    def _store_sketch(self, base: str, expert: str, block_bytes: int, data: bytes) -> dict:
+        uri = self.sketch_uri(base, expert, block_bytes)
+        self._put_sketch(uri, data)
+        return {
+            "kind": "sign-planes",
+            "planes": PLANES,
+            "uri": uri,
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "bytes": len(data),
+        }
+
     def _store(
-        self, base: str, expert: str, block_bytes: int, stats: dict[str, TensorStats], seconds: float, nread: int
+        self,
+        base: str,
+        expert: str,
+        block_bytes: int,
+        stats: dict[str, TensorStats],
+        seconds: float,
+        nread: int,
+        sketch: bytes | None = None,
     ) -> int:
+        sk = self._store_sketch(base, expert, block_bytes, sketch) if sketch else None
         with self._lock, self.db:
             cur = self.db.execute(
                 "INSERT OR REPLACE INTO analyses (base_identity, expert_identity, block_bytes, stats_version, created_at, seconds, bytes_read) "
@@ -371,6 +422,11 @@ class Catalog:
                     for n, s in stats.items()
                 ],
             )
+            if sk is not None:
+                self.db.execute(
+                    "INSERT OR REPLACE INTO sketches VALUES (?,?,?,?,?,?)",
+                    (aid, sk["kind"], sk["planes"], sk["uri"], sk["sha256"], sk["bytes"]),
+                )
         return aid
 
     def analyze(
@@ -430,14 +486,16 @@ class Catalog:
             check_compatible(base, readers)
             t0 = time.perf_counter()
             before = storage.counters.snapshot()["read"]
-            results, dots, bdig = _analyze_stream(
+            results, dots, bdig, sketches = _analyze_stream(
                 storage, base, readers, {e.identity for e in todo}, block_bytes, chunk_bytes, progress, missing_pairs
             )
             after = storage.counters.snapshot()["read"]
             secs = time.perf_counter() - t0
             nread = sum(after.values()) - sum(before.values())
             for e in todo:
-                self._store(base.identity, e.identity, block_bytes, results[e.identity], secs, nread)
+                self._store(
+                    base.identity, e.identity, block_bytes, results[e.identity], secs, nread, sketches.get(e.identity)
+                )
             for (a, b), d in dots.items():
                 self._store_pair(base.identity, a, b, d)
             if not self.tensor_digests(base.identity):
@@ -638,9 +696,14 @@ def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, 
     ``stat_ids``, and for each pair of ``pairs`` the exact per-tensor ``⟨δᵢ,δⱼ⟩``.
 
     Returns:
-        ``({identity: {tensor: TensorStats}}, {(id_a, id_b) sorted: {tensor: dot}})``.
+        ``({identity: {tensor: TensorStats}}, {(id_a, id_b) sorted: {tensor: dot}},
+        {tensor: base SHA-256}, {identity: sketch blob})``: the sketch blob holds the sign
+        planes of every floating tensor of two or more dimensions, in base tensor order
+        (:mod:`mergepipe.catalog.sketch`); it is held in memory (3/16 of a bf16 expert's bytes).
     """
     builders: dict[str, dict[str, TensorStats]] = {i: {} for i in stat_ids}
+    blobs: dict[str, list[bytes]] = {i: [] for i in stat_ids}
+    blob_pos: dict[str, int] = {i: 0 for i in stat_ids}
     pair_ids = [tuple(sorted((a.identity, b.identity))) for a, b in pairs]
     dots: dict[tuple[str, str], dict[str, float]] = {p: {} for p in pair_ids}
     held = {i for p in pair_ids for i in p}
@@ -654,6 +717,7 @@ def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, 
         cb = chunk_bytes // max(1, len(held)) if held else chunk_bytes  # pairs hold every delta of a chunk
         chunk_rows = max(rpb, (cb // max(1, bt.row_bytes)) // rpb * rpb)
         bs = {e.identity: TensorStatsBuilder(name, bt.rows, row_numel, rpb) for e in stat_readers}
+        sks = {e.identity: SketchBuilder(bt.rows, row_numel, rpb) for e in stat_readers} if len(bt.shape) >= 2 else {}
         hashes = {e.identity: hashlib.sha256() for e in stat_readers}
         prow: dict[tuple[str, str], list[np.ndarray]] = {p: [] for p in pair_ids}
         lora_a: dict[str, np.ndarray] = {}  # per LoRA expert: this tensor's A, read once
@@ -683,6 +747,8 @@ def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, 
                 if e.identity in bs:
                     hashes[e.identity].update(raw)
                     bs[e.identity].add(r0, d, expert=x, base=b64, base_sq_rows=bsq)
+                    if sks:
+                        sks[e.identity].add(r0, d)
                 if e.identity in held:
                     deltas[e.identity] = d
             for p in pair_ids:
@@ -691,10 +757,16 @@ def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, 
                 progress((t - s) * (1 + len(readers)))
         base_digests[name] = bh.hexdigest()
         for e in stat_readers:
-            builders[e.identity][name] = bs[e.identity].finish(hashes[e.identity].hexdigest())
+            st = bs[e.identity].finish(hashes[e.identity].hexdigest())
+            if sks:
+                data, resid = sks[e.identity].finish()
+                st.sketch_start, st.sketch_sq = blob_pos[e.identity], resid
+                blobs[e.identity].append(data)
+                blob_pos[e.identity] += len(data)
+            builders[e.identity][name] = st
         for p in pair_ids:
             dots[p][name] = exact_total(np.concatenate(prow[p])) if prow[p] else 0.0
-    return builders, dots, base_digests
+    return builders, dots, base_digests, {i: b"".join(v) for i, v in blobs.items()}
 
 
 def _lora_chunk(storage, base, e, name, r0, r1, b, b64, a_cache, h):

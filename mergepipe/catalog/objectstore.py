@@ -10,6 +10,9 @@ The operator plans in-process from these objects and never reads a checkpoint:
 * ``<prefix>/sensitivity/<base identity>/<calibration digest>/<block bytes>-<kind>.npz``: the base's
   per-block sensitivity on a calibration set (:mod:`mergepipe.catalog.sensitivity`), written by
   ``mergepipe analyze --calibration`` (the operator's analyze Job).
+* ``<prefix>/sketches/<base identity>/<expert identity>/<block bytes>-v<stats version>.sketch``: the
+  expert's block sketches (:mod:`mergepipe.catalog.sketch`), written before the analysis object
+  that names them (with their SHA-256) and read by merges through the storage layer.
 
 Analyses are immutable and keyed by identities, so concurrent analyze Jobs writing the same
 object write the same content; writes use a conditional create and a lost race is success.
@@ -124,9 +127,21 @@ class ObjectCatalog(Catalog):
             tensors=tensors,
             seconds=meta["seconds"],
             bytes_read=meta["bytes_read"],
+            sketch=meta.get("sketch"),
         )
 
-    def _store(self, base, expert, block_bytes, stats, seconds, nread) -> int:
+    def sketch_uri(self, base: str, expert: str, block_bytes: int) -> str:
+        """``<prefix>/sketches/<base identity>/<expert identity>/<block bytes>-v<stats version>.sketch``."""
+        return self.storage.join(self.prefix, "sketches", base, expert, f"{block_bytes}-v{STATS_VERSION}.sketch")
+
+    def _put_sketch(self, uri: str, data: bytes) -> None:
+        try:
+            self.storage.put_object(uri, data, "catalog", if_none_match=True)
+        except PreconditionFailed:
+            pass  # identity-keyed: another analyzer stored the same content first
+
+    def _store(self, base, expert, block_bytes, stats, seconds, nread, sketch: bytes | None = None) -> int:
+        sk = self._store_sketch(base, expert, block_bytes, sketch) if sketch else None
         buf = io.BytesIO()
         names = list(stats)
         with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
@@ -142,6 +157,7 @@ class ObjectCatalog(Catalog):
                         "seconds": seconds,
                         "bytes_read": nread,
                         "sha256": {n: stats[n].content_sha256 for n in names},
+                        "sketch": sk,
                     }
                 ),
             )

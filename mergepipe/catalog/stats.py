@@ -48,6 +48,10 @@ class TensorStats:
         content_sha256: SHA-256 of the expert tensor's raw bytes.
         sums: float64[4] exact whole-tensor sums ``[Σδ², Σθ_b², Σθ_e², Σθ_b·θ_e]`` (see the
             module docstring).
+        sketch_start: first byte of this tensor's sign planes in the expert's sketch blob
+            (:mod:`mergepipe.catalog.sketch`); -1: no sketch (1-D tensors, older analyses).
+        sketch_sq: float64[nb, planes] residual energy ``Σ (δ − δ̂_k)²`` of each block after
+            each sign plane ``k`` (None: no sketch).
     """
 
     name: str
@@ -64,6 +68,12 @@ class TensorStats:
     hist_counts: np.ndarray
     content_sha256: str = ""
     sums: np.ndarray | None = None
+    sketch_start: int = -1
+    sketch_sq: np.ndarray | None = None
+
+    @property
+    def has_sketch(self) -> bool:
+        return self.sketch_start >= 0 and self.sketch_sq is not None
 
     def _sum(self, i: int) -> float:
         if self.sums is None:
@@ -176,6 +186,8 @@ class TensorStats:
             oct_energy=self.oct_energy,
             hist_keys=self.hist_keys,
             hist_counts=self.hist_counts,
+            sketch_start=np.array([self.sketch_start if self.has_sketch else -1], dtype=np.int64),
+            sketch_sq=self.sketch_sq if self.sketch_sq is not None else np.zeros((0, 0)),
         )
         return buf.getvalue()
 
@@ -198,6 +210,8 @@ class TensorStats:
             hist_counts=z["hist_counts"],
             content_sha256=content_sha256,
             sums=z["sums"] if "sums" in z.files else np.full(4, np.nan),
+            sketch_start=int(z["sketch_start"][0]) if "sketch_start" in z.files else -1,
+            sketch_sq=z["sketch_sq"] if "sketch_sq" in z.files and int(z["sketch_start"][0]) >= 0 else None,
         )
 
 

@@ -83,8 +83,13 @@ def _lora_delta(te, buf, rows: int):
 
 
 def _raw_tensor(raw, dtype: str):
-    """Zero-copy torch view of little-endian safetensors bytes (BF16, F16, F32)."""
+    """Zero-copy torch view of little-endian safetensors bytes (BF16, F16, F32); a float32
+    numpy array (a sketched run's reconstructed values, :func:`mergepipe.engine.reader.sketch_parts`)
+    as it is."""
     import torch
+
+    if isinstance(raw, np.ndarray):
+        return torch.from_numpy(raw)
 
     with warnings.catch_warnings():  # read-only buffers: the view is only read
         warnings.simplefilter("ignore")
@@ -270,7 +275,7 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept, groups=Non
                 if xf is not None:
                     xf[sl] = b[sl] + d[sl]
                 continue
-            x = torch.from_numpy(decode(buf, tp.dtype)).to(dev).float()
+            x = torch.from_numpy(buf if isinstance(buf, np.ndarray) else decode(buf, tp.dtype)).to(dev).float()
             d[sl] = x - b[sl]
             if xf is not None:
                 xf[sl] = x

@@ -108,6 +108,20 @@ def verify_inputs(plan: Plan, storage: Storage) -> None:
                     f"{uri}: changed since it was analyzed (size {size} -> {st.size}); the catalog is "
                     "stale. Re-run `mergepipe merge` (or analyze + plan) to re-analyze it."
                 )
+    for ref in plan.experts:  # block sketches the plan reads (content digest in the plan; size checked here)
+        if not ref.sketch:
+            continue
+        uri = ref.sketch["uri"]
+        try:
+            size = storage.stat(uri).size
+        except NotFoundError:
+            size = None
+        if size != ref.sketch["bytes"]:
+            raise InputError(
+                f"{uri}: the block sketches of expert {ref.name!r} are "
+                + ("missing" if size is None else f"{size} bytes, the plan expects {ref.sketch['bytes']}")
+                + "; re-run `mergepipe analyze` and re-plan, or plan with --sketch none."
+            )
 
 
 def default_compute_threads() -> int:

@@ -10,9 +10,12 @@ it after merging, so the inputs in memory (fetched, in flight or being merged) s
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+
+import numpy as np
 
 from mergepipe.engine.worklist import WorkItem, base_byte_range, expert_runs, n_rows, row_bytes
 from mergepipe.formats.safetensors import DTYPES
@@ -73,8 +76,47 @@ def fetch_inputs(plan: Plan, storage: Storage, it: WorkItem) -> ChunkInputs:
         bufs = storage.read_ranges(
             storage.join(plan.experts[te.expert].uri, te.file), rngs, "expert", max_gap=plan.coalesce_gap
         )
-        experts.append(list(zip(runs, bufs, strict=True)))
+        parts: list = list(zip(runs, bufs, strict=True))
+        if te.sketch_blocks:
+            parts = sorted(parts + sketch_parts(plan, storage, tp, te, it.r0, it.r1, base), key=lambda p: p[0][0])
+        experts.append(parts)
     return ChunkInputs(base, experts)
+
+
+def sketch_parts(plan: Plan, storage: Storage, tp, te, r0: int, r1: int, base: Buffer) -> list:
+    """The rows of ``te``'s sketched blocks inside ``[r0, r1)`` as ``((row0, row1), values)``
+    runs, ``values`` float32 numpy ``base + δ̂_k`` (the sum of the run's first ``k`` sign planes,
+    :func:`mergepipe.catalog.sketch.decode_blocks`; the merge arithmetic subtracts the base in
+    float32 and gets ``δ̂_k``). A tensor's sketch is plane-major, so level ``k`` of a run is ``k``
+    byte ranges, read through ``storage`` with role ``expert``: they are derived from the expert
+    and count against the same budget (the planner charged them). ``r0`` is a block boundary."""
+    from mergepipe.catalog.sketch import block_offsets, decode_blocks
+    from mergepipe.numerics import decode
+
+    rpb, rows = tp.rows_per_block, n_rows(tp)
+    row_numel = max(1, math.prod(tp.shape[1:]))
+    offs = block_offsets(rows, row_numel, rpb, tp.n_blocks)
+    plane = int(offs[-1])
+    runs, rngs = [], []
+    for (b0, b1), k in zip(te.sketch_blocks, te.sketch_levels, strict=True):
+        a, z = max(r0, b0 * rpb), min(r1, b1 * rpb, rows)
+        if z <= a:
+            continue
+        runs.append(((a, z), k))
+        lo, hi = int(offs[a // rpb]), int(offs[-(-z // rpb)])
+        rngs += [(te.sketch_start + p * plane + lo, te.sketch_start + p * plane + hi) for p in range(k)]
+    if not runs:
+        return []
+    bufs = storage.read_ranges(plan.experts[te.expert].sketch["uri"], rngs, "expert", max_gap=0)
+    b = decode(base, tp.dtype).astype(np.float32, copy=False)
+    out, q = [], 0
+    for (a, z), k in runs:
+        d = np.zeros((z - a) * row_numel, dtype=np.float32)
+        for _ in range(k):  # δ̂_k = plane 1 + … + plane k, then base + δ̂_k (float32)
+            d += decode_blocks(bufs[q], z - a, row_numel, rpb)
+            q += 1
+        out.append(((a, z), b[(a - r0) * row_numel : (z - r0) * row_numel] + d))
+    return out
 
 
 class Prefetcher:

@@ -43,6 +43,9 @@ class ExpertRef(InputRef):
     params: dict[str, Any]
     content_digest: str = ""
     adapter: dict[str, Any] | None = None
+    #: the expert's block sketches when the plan merges some blocks from them:
+    #: ``{"kind": "sign-planes", "planes", "uri", "sha256", "bytes"}`` (:mod:`mergepipe.catalog.sketch`)
+    sketch: dict[str, Any] | None = None
 
 
 class LoraFactors(BaseModel):
@@ -92,6 +95,12 @@ class TensorExpert(BaseModel):
         lora: for a LoRA adapter expert, where its factors are (:class:`LoraFactors`); then
             ``file``/``start`` locate B, and the blocks are all of the tensor or none (a module
             is read whole: A once per chunk plus B). None for a full checkpoint.
+        sketch_blocks: block runs ``[b0, b1)`` merged from the expert's sketch instead of its
+            exact bytes (fidelity tiers; disjoint from ``blocks``), sorted.
+        sketch_levels: per run, the sketch level read (its first ``k`` sign planes).
+        sketch_start: first byte of this tensor's blocks in the expert's sketch blob (-1: none).
+        sketch_bytes: sketch bytes of ``sketch_blocks`` (one pass); ``kept_energy`` includes
+            the energy they keep.
     """
 
     expert: int
@@ -111,6 +120,10 @@ class TensorExpert(BaseModel):
     kept_energy: float
     full_energy: float
     lora: LoraFactors | None = None
+    sketch_blocks: list[tuple[int, int]] = Field(default_factory=list)
+    sketch_levels: list[int] = Field(default_factory=list)
+    sketch_start: int = -1
+    sketch_bytes: int = 0
 
 
 class TensorPlan(BaseModel):
@@ -160,6 +173,8 @@ class IOEstimate(BaseModel):
     base_read_bytes: int = 0
     expert_read_bytes: int = 0
     output_write_bytes: int = 0
+    #: of ``expert_read_bytes``, the bytes of block sketches (derived from experts: same budget)
+    sketch_read_bytes: int = 0
 
 
 class Plan(BaseModel):
@@ -188,6 +203,8 @@ class Plan(BaseModel):
     # the block value the selection maximised when it is not task-vector energy:
     # {"kind": "fisher", "calibration": <calibration digest>} (None: energy; then not in the digest)
     block_value: dict[str, str] | None = None
+    # fidelity tiers: the --sketch setting some blocks are merged under ("sign3"); None: read or skip
+    sketch: str | None = None
     # non-semantic
     requested_dtype: str | None = None
     source: dict = Field(default_factory=dict)
@@ -210,9 +227,20 @@ class Plan(BaseModel):
                         te.pop(f, None)
                 if te.get("lora") is None:  # (full checkpoints digest as before LoRA experts existed)
                     te.pop("lora", None)
+                if not te.get("sketch_blocks"):  # plans without sketches digest as before tiers existed
+                    for f in ("sketch_blocks", "sketch_levels", "sketch_start", "sketch_bytes"):
+                        te.pop(f, None)
         for e in d["experts"]:
             if e.get("adapter") is None:
                 e.pop("adapter", None)
+            if e.get("sketch") is None:
+                e.pop("sketch", None)
+            else:  # the sketch is identified by its content; where a catalog keeps it is not semantic
+                e["sketch"].pop("uri", None)
+        if not d["io"].get("sketch_read_bytes"):
+            d["io"].pop("sketch_read_bytes", None)
+        if d.get("sketch") is None:
+            d.pop("sketch", None)
         if d.get("block_value") is None:
             d.pop("block_value", None)  # energy plans digest as before the field existed
         return json.dumps(d, sort_keys=True, separators=(",", ":"))

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, CheckpointRecord, lora_map
+from mergepipe.catalog.sketch import SKETCH_KINDS, sketch_levels, tensor_sketch_costs
 from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import FLOAT_DTYPES, TensorInfo, n_blocks, rows_per_block
 from mergepipe.methods.kernels import elementwise_merge, identity_on_zero_delta, needs_row_stats, work_floats
@@ -113,6 +114,8 @@ class _Cand:
     full: np.ndarray
     cost: np.ndarray  # bytes per block (one pass)
     passes: int
+    svalue: np.ndarray | None = None  # [block, level-1]: value a level-k sketch read keeps (None: no sketch tier)
+    scost: np.ndarray | None = None  # bytes of one sign plane per block (one pass); level k reads k planes
     lora: bool = False
 
 
@@ -175,12 +178,19 @@ class SelectionOptions:
             the block's mean diagonal Fisher of the base, ``PlanInputs.sensitivity``). With
             ``fisher``, ``retained_energy`` and ``fidelity`` are shares of the Fisher-weighted energy.
         calibration: the calibration set's digest, recorded in the plan (part of its digest).
+        sketch: fidelity tiers per block: ``"none"`` (read a block exactly or skip it) or
+            ``"signK"`` (K = 1..3: a block may also be merged from the first k <= K sign planes
+            of its sketch recorded by the catalog, :mod:`mergepipe.catalog.sketch`, whose bytes
+            count against the budget like expert bytes). Used only under a budget or fidelity,
+            for the task-arithmetic family (``linear``/``gta`` methods) and tensors the catalog
+            sketched.
     """
 
     budget_bytes: int | None = None
     fidelity: float | None = None
     value: str = "energy"
     calibration: str | None = None
+    sketch: str = "none"
 
 
 @dataclass(frozen=True)
@@ -227,6 +237,7 @@ def make_plan(
     base_digests, extra_files, sensitivity = inputs.base_digests, inputs.extra_files, inputs.sensitivity
     budget_bytes, fidelity = selection.budget_bytes, selection.fidelity
     value, calibration = selection.value, selection.calibration
+    sketch = selection.sketch
     work_bytes, coalesce_gap = engine.work_bytes, engine.coalesce_gap
     method, params, seed = request.method, request.params, request.request.seed
     out_dtype = request.request.options.out_dtype
@@ -241,6 +252,24 @@ def make_plan(
         raise InputError(f"--fidelity {fidelity} is outside (0, 1]; e.g. --fidelity 0.99.")
     if value not in ("energy", "fisher"):
         raise InputError(f"--value {value!r}: use 'energy' or 'fisher'.")
+    if sketch not in SKETCH_KINDS:
+        raise InputError(f"--sketch {sketch!r}: use one of {', '.join(SKETCH_KINDS)}.")
+    # fidelity tiers only where a block can be skipped and the method is the task-arithmetic family
+    levels = sketch_levels(sketch) if sketch in SKETCH_KINDS else 0
+    tiers = (
+        sketch != "none"
+        and (budget_bytes is not None or fidelity is not None)
+        and get_method(method).kind in ("gta", "linear")
+    )
+    if tiers:
+        # (LoRA adapter experts have no sketch: their factors are read whole, already small)
+        missing = [e.uri for e, a in zip(experts, analyses) if not a.sketch and getattr(e, "adapter", None) is None]
+        if missing:
+            raise InputError(
+                f"--sketch {sketch}: the catalog has no block sketches of {missing[0]}; "
+                "re-run `mergepipe analyze` (analyses since stats version 3 record them) or pass --sketch none."
+            )
+        coalesce_gap = 0  # exact accounting of two tiers: blocks are read exactly, never bridged
     if value == "fisher" and (sensitivity is None or not calibration):
         raise InputError(
             "--value fisher needs the base's sensitivity on a calibration set; pass --calibration FILE.jsonl."
@@ -381,6 +410,7 @@ def make_plan(
                     )
                 val = val * (np.asarray(fb, dtype=np.float64) + f_floor)
             lf = None
+            svalue = scost = None
             lmap = lmaps[i]
             if lmap is not None:
                 mod = lmap.get(name)
@@ -406,7 +436,15 @@ def make_plan(
                 cost = (
                     np.minimum((np.arange(st.n_blocks) + 1) * rpb, et.rows) - np.arange(st.n_blocks) * rpb
                 ) * et.row_bytes
-                cands.append(_Cand(ti, i, val, val.copy(), cost.astype(np.int64), passes))
+                if tiers and st.has_sketch and len(bt.shape) >= 2:
+                    # level k keeps the share 1 − residual_k/Σδ² of the block's energy; the method's
+                    # value (trim, weights, Fisher) scales like the exact block's
+                    sq = np.asarray(st.sq_norm, dtype=np.float64)[:, None]
+                    res = np.asarray(st.sketch_sq, dtype=np.float64).reshape(len(val), -1)[:, :levels]
+                    rho = np.where(sq > 0, 1.0 - res / np.where(sq > 0, sq, 1.0), 0.0)
+                    svalue = val[:, None] * np.clip(rho, 0.0, 1.0)
+                    scost = tensor_sketch_costs(et.rows, et.numel // max(1, et.rows), rpb, st.n_blocks)
+                cands.append(_Cand(ti, i, val, val.copy(), cost.astype(np.int64), passes, svalue, scost))
                 file, start = et.file, et.start
             tp.experts.append(
                 TensorExpert(
@@ -427,6 +465,7 @@ def make_plan(
                     bytes=0,
                     kept_energy=0.0,
                     full_energy=float(val.sum()),
+                    sketch_start=int(st.sketch_start) if svalue is not None else -1,
                 )
             )
 
@@ -446,7 +485,17 @@ def make_plan(
         return np.nonzero(sel[offs[j] : offs[j + 1]])[0]
 
     total_value = float(values.sum())
-    selected, coalesce_gap = _select_gap(values, costs, cost1, cand_of, coalesce_gap, budget_bytes, fidelity)
+    level = np.zeros(len(values), dtype=np.int64)  # sketch level read per block (0: none)
+    if tiers:
+        svals = np.concatenate(
+            [c.svalue if c.svalue is not None else np.zeros((len(c.value), levels)) for c in cands]
+        ).reshape(len(values), levels)
+        scosts = np.concatenate(
+            [c.scost * c.passes if c.scost is not None else np.zeros(len(c.value), dtype=np.int64) for c in cands]
+        ).astype(np.int64)
+        selected, level = _select_tiers(values, costs, svals, scosts, budget_bytes, fidelity)
+    else:
+        selected, coalesce_gap = _select_gap(values, costs, cost1, cand_of, coalesce_gap, budget_bytes, fidelity)
 
     def plan_cost(sel: np.ndarray) -> int:
         """Expert bytes of a selection as the engine reads them: per expert and tensor, the
@@ -465,8 +514,11 @@ def make_plan(
             total += c.passes * sum(e - s for s, e in coalesce(rng, coalesce_gap, DEFAULT_MAX_REQUEST))
         return total
 
-    expert_read = plan_cost(selected)
-    if expert_read != int(costs[selected].sum()) or (budget_bytes is not None and expert_read > budget_bytes):
+    sketch_read = int((scosts * level).sum()) if tiers else 0
+    expert_read = plan_cost(selected) + sketch_read
+    if expert_read != int(costs[selected].sum()) + sketch_read or (
+        budget_bytes is not None and expert_read > budget_bytes
+    ):
         raise RuntimeError(  # a defect in _select, never bad input
             f"planner: selection costs {expert_read} B coalesced vs {int(costs[selected].sum())} B by blocks "
             f"(budget {budget_bytes}); please report this."
@@ -479,8 +531,22 @@ def make_plan(
         te.blocks = ([(0, tensors[c.tensor].n_blocks)] if len(idx) else []) if c.lora else _runs(idx)
         te.bytes = int(c.cost[idx].sum())
         te.kept_energy = float(c.value[idx].sum())
+        if tiers and c.svalue is not None and c.scost is not None:
+            lv = level[offs[j] : offs[j + 1]]
+            for k in range(1, levels + 1):  # runs split where the level changes, in block order
+                for r in _runs(np.nonzero(lv == k)[0]):
+                    te.sketch_blocks.append(r)
+                    te.sketch_levels.append(k)
+            order = sorted(range(len(te.sketch_blocks)), key=lambda q: te.sketch_blocks[q])
+            te.sketch_blocks = [te.sketch_blocks[q] for q in order]
+            te.sketch_levels = [te.sketch_levels[q] for q in order]
+            sidx = np.nonzero(lv)[0]
+            te.sketch_bytes = int((c.scost[sidx] * lv[sidx]).sum())
+            te.kept_energy += float(c.svalue[sidx, lv[sidx] - 1].sum())
+        if not te.sketch_blocks:
+            te.sketch_start = -1
     for tp, bt in zip(tensors, infos):
-        tp.experts = [t for t in tp.experts if t.blocks]
+        tp.experts = [t for t in tp.experts if t.blocks or t.sketch_blocks]
         floating = bt.dtype in FLOAT_DTYPES and bt.numel > 0
         if not floating:
             tp.copy_base = True
@@ -491,7 +557,11 @@ def make_plan(
         else:
             tp.copy_base = not tp.experts and identity_on_zero_delta(spec, tp.weight_sum, tp.params)
         tp.explain = _explain_tensor(tp, spec, [e for e in (expert_names or [])])
-    retained = float(values[selected].sum()) / total_value if total_value > 0 else 1.0
+    kept_value = float(values[selected].sum())
+    if tiers:
+        sk = np.nonzero(level)[0]
+        kept_value += float(svals[sk, level[sk] - 1].sum())
+    retained = kept_value / total_value if total_value > 0 else 1.0
 
     base_read = 0
     for tp, bt in zip(tensors, infos):
@@ -503,6 +573,7 @@ def make_plan(
         for tp in tensors
         if tp.out_dtype and tp.out_dtype != tp.dtype
     )
+    used_sketch = [any(t.expert == i and t.sketch_blocks for tp in tensors for t in tp.experts) for i in range(K)]
     names = list(expert_names) if expert_names else [e.uri.rstrip("/").rsplit("/", 1)[-1] for e in experts]
     plan = Plan(
         method=method,
@@ -522,13 +593,19 @@ def make_plan(
                 params=params.experts[i],
                 content_digest=_content_digest(analyses[i]),
                 adapter=e.adapter.summary() if e.adapter is not None else None,
+                sketch=_sketch_ref(analyses[i]) if tiers and used_sketch[i] else None,
             )
             for i, e in enumerate(experts)
         ],
         budget_bytes=budget_bytes,
         fidelity=fidelity,
         tensors=tensors,
-        io=IOEstimate(base_read_bytes=base_read, expert_read_bytes=expert_read, output_write_bytes=out_bytes),
+        io=IOEstimate(
+            base_read_bytes=base_read,
+            expert_read_bytes=expert_read,
+            output_write_bytes=out_bytes,
+            sketch_read_bytes=sketch_read,
+        ),
         expert_bytes_total=sum(e.layout.total_bytes for e in experts),
         retained_energy=retained,
         extra_files=sorted(extra_files),
@@ -537,6 +614,7 @@ def make_plan(
         out_dtype=out_dtype if any(tp.out_dtype for tp in tensors) else None,
         n_layers=n_layers,
         block_value={"kind": "fisher", "calibration": calibration} if value == "fisher" and calibration else None,
+        sketch=sketch if tiers else None,
         requested_dtype=requested_dtype,
         source=dict(source or {}),
         created_at=time.time(),
@@ -725,6 +803,104 @@ def _select_gap(
     return sel0, 0
 
 
+def _select_tiers(
+    values: np.ndarray,
+    costs: np.ndarray,
+    svalues: np.ndarray,
+    scosts: np.ndarray,
+    budget: int | None,
+    fidelity: float | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy multiple-choice knapsack over the fidelity tiers of each block: skip (0 bytes,
+    value 0), sketch level ``k = 1..L`` (``k·scosts`` bytes, ``svalues[:, k−1]``) and exact
+    (``costs`` bytes, ``values``).
+
+    Args:
+        values, costs: float64/int64 ``(n,)`` exact value and bytes (all passes) of each block.
+        svalues: float64 ``(n, L)`` value of each sketch level; scosts: int64 ``(n,)`` bytes of
+            one sign plane (all passes; 0: the block has no sketch tier).
+        budget: bytes (None: unlimited); fidelity: share of ``values.sum()`` to reach (None: off).
+
+    Returns:
+        (exact, level): bool ``(n,)`` blocks read exactly and int64 ``(n,)`` the sketch level
+        read instead (0: none; never both), with ``costs[exact].sum() + (level·scosts).sum() <= budget``.
+
+    Each block offers upgrades along the upper convex hull of its (bytes, value) points, the
+    LP-greedy of the multiple-choice knapsack (Sinha & Zoltners, Oper. Res. 1979): a point below
+    the segment between two others is never worth buying, so along the hull value per byte
+    decreases and a global order by value per byte (ties by block, then tier) buys each block's
+    upgrades in order. Upgrades are taken while they fit; one that does not fit is passed over
+    and later, smaller ones may still fill the remainder. With fidelity, upgrades stop once the
+    kept value reaches the target.
+    """
+    n, L = svalues.shape
+    T = L + 2
+    X = np.zeros((n, T), dtype=np.int64)
+    Y = np.zeros((n, T))
+    lv = np.arange(1, L + 1)
+    X[:, 1 : L + 1] = scosts[:, None] * lv[None, :]
+    Y[:, 1 : L + 1] = svalues
+    X[:, -1], Y[:, -1] = costs, values
+    ok = np.ones((n, T), dtype=bool)
+    ok[:, 1 : L + 1] = (scosts[:, None] > 0) & (X[:, 1 : L + 1] < costs[:, None]) & (svalues > 0)
+    ok[:, -1] = values > 0
+    idx = np.broadcast_to(np.arange(T), (n, T))
+    while True:  # drop points on or below the segment between their hull neighbours
+        prev = np.maximum.accumulate(np.where(ok, idx, -1), axis=1)
+        prev = np.concatenate([np.full((n, 1), -1), prev[:, :-1]], axis=1)
+        nxt = np.minimum.accumulate(np.where(ok, idx, T)[:, ::-1], axis=1)[:, ::-1]
+        nxt = np.concatenate([nxt[:, 1:], np.full((n, 1), T)], axis=1)
+        inner = ok & (prev >= 0) & (nxt < T)
+        inner[:, 0] = False
+        pi, ni = np.clip(prev, 0, T - 1), np.clip(nxt, 0, T - 1)
+        xp, yp = np.take_along_axis(X, pi, 1), np.take_along_axis(Y, pi, 1)
+        xn, yn = np.take_along_axis(X, ni, 1), np.take_along_axis(Y, ni, 1)
+        # j is below the chord p–n: (y_j − y_p)(x_n − x_p) <= (y_n − y_p)(x_j − x_p)
+        below = inner & ((Y - yp) * (xn - xp) <= (yn - yp) * (X - xp))
+        if not below.any():
+            break
+        ok &= ~below
+    prev = np.maximum.accumulate(np.where(ok, idx, -1), axis=1)
+    prev = np.concatenate([np.full((n, 1), -1), prev[:, :-1]], axis=1)
+    has = ok & (prev >= 0)
+    has[:, 0] = False
+    ib, it = np.nonzero(has)
+    fr = prev[ib, it]
+    dx = X[ib, it] - X[ib, fr]
+    dy = Y[ib, it] - Y[ib, fr]
+    eff = dy / np.maximum(dx, 1)
+    order = np.lexsort((it, ib, -eff))
+    ib, it, fr, dx, dy = ib[order], it[order], fr[order], dx[order], dy[order]
+    tier = np.zeros(n, dtype=np.int64)
+    m = len(dx)
+    if budget is not None:
+        m = int(np.searchsorted(np.cumsum(dx), budget, side="right"))  # the prefix fits and keeps the order
+    target = fidelity * float(values.sum()) * (1 - 1e-12) if fidelity is not None else None
+    if target is not None:
+        m = min(m, int(np.searchsorted(np.cumsum(dy), target, side="left")) + 1)
+    np.maximum.at(tier, ib[:m], it[:m])
+    if budget is not None:
+        room = budget - int(dx[:m].sum())
+        kept = float(dy[:m].sum())
+        rest_min = int(dx[m:].min()) if m < len(dx) else 0
+        for k in range(m, len(dx)):  # fill the remainder with upgrades that still fit
+            if room < rest_min or (target is not None and kept >= target):
+                break
+            b = ib[k]
+            if tier[b] != fr[k] or dx[k] > room:
+                continue
+            tier[b] = it[k]
+            room -= int(dx[k])
+            kept += float(dy[k])
+    exact = tier == T - 1
+    return exact, np.where(exact, 0, tier)
+
+
+def _sketch_ref(a: Analysis) -> dict | None:
+    """What a plan records of an expert's sketch blob (its location, kind and content digest)."""
+    return {k: a.sketch[k] for k in ("kind", "planes", "uri", "sha256", "bytes")} if a.sketch else None
+
+
 def _content_digest(a: Analysis) -> str:
     import hashlib
     import json
@@ -818,7 +994,13 @@ def _explain_tensor(tp: TensorPlan, spec, names: list[str]) -> str:
         lo = ""
         if te.lora is not None:
             lo = f", LoRA {te.lora.module} r={te.lora.rank} scale={te.lora.scale:g}: reads A and B ({te.bytes:,} B)"
-        parts.append(f"{nm}{pv}: {nsel}/{tp.n_blocks} blocks, {frac:.1%} of its energy{thr}{lo}")
+        sk = ""
+        if te.sketch_blocks:
+            by: dict[int, int] = {}
+            for (b0, b1), k in zip(te.sketch_blocks, te.sketch_levels):
+                by[k] = by.get(k, 0) + b1 - b0
+            sk = " + sketched " + ", ".join(f"{n} at {k} plane{'s' if k > 1 else ''}" for k, n in sorted(by.items()))
+        parts.append(f"{nm}{pv}: {nsel}/{tp.n_blocks} blocks{sk}, {frac:.1%} of its energy{thr}{lo}")
     head = ""
     d = tp.derived
     if spec.kind == "slerp":
@@ -874,6 +1056,13 @@ def _explain_plan(plan: Plan, seconds: float) -> str:
         )
     if plan.out_dtype:
         dt += f" Floating outputs written as {plan.out_dtype}."
+    sk = ""
+    if plan.sketch:
+        nb = sum(b1 - b0 for t in plan.tensors for te in t.experts for b0, b1 in te.sketch_blocks)
+        sk = (
+            f" Fidelity tiers ({plan.sketch}): {nb} blocks merged from their sign-plane sketches, "
+            f"{plan.io.sketch_read_bytes:,} of the bytes read (charged to the budget like expert bytes)."
+        )
     dist = ""
     if plan.retained_energy < 1.0 - 1e-9:  # (a full selection can sum to 1 - 1 ulp)
         dist = (
@@ -892,5 +1081,8 @@ def _explain_plan(plan: Plan, seconds: float) -> str:
         f"{plan.method} over {len(plan.experts)} experts: reads {plan.io.expert_read_bytes:,} of "
         f"{plan.expert_bytes_total:,} expert bytes (budget {b}), retaining {plan.retained_energy:.2%} "
         f"of the weighted task-vector energy kept by {plan.method} at full budget; {touched}/"
-        f"{len(plan.tensors)} tensors merged, the rest copied from the base. Planned in {seconds:.3f} s." + dist + dt
+        f"{len(plan.tensors)} tensors merged, the rest copied from the base. Planned in {seconds:.3f} s."
+        + sk
+        + dist
+        + dt
     )

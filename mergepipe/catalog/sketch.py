@@ -1,0 +1,161 @@
+"""Block sketches: a compact code of each block's task vector, recorded once at analyze time.
+
+A budgeted merge that skips a block merges it as ``δ = 0``. When the gain of a merge is spread
+over all parameters (fine-tunes near a good optimum), block selection alone cannot keep most of
+it at a small budget. A *sketch* is a cheap approximation of a block's task vector that the
+planner may buy instead of the exact block, charged against the same expert-I/O budget.
+
+The code is **progressive residual sign planes**. Plane 1 is BitDelta's one-bit code (Liu et al.,
+"BitDelta: Your Fine-Tune May Only Be Worth One Bit", NeurIPS 2024) with one scale per row
+instead of per matrix; each further plane codes the sign of what the planes before left::
+
+    r₀ = δ,   plane p:  σ_p = +1 where r_{p−1} > 0 else −1,  s_p[row] = mean |r_{p−1}[row]|,
+              r_p = r_{p−1} − s_p·σ_p,          δ̂_k = Σ_{p≤k} s_p·σ_p   (sketch level k)
+
+``s_p`` is the least-squares scale of its sign pattern (closed form, no data or distillation),
+so every plane lowers the residual energy; for a Gaussian row plane 1 keeps 2/π ≈ 64% of the
+energy, and each plane removes about that share of what is left. Level ``k`` is the first
+``k`` planes: a plan upgrading a block from level 1 to 2 reads only plane 2's bytes.
+
+On disk, a plane of a block is ``ceil(n/8)`` bytes of sign bits (row-major over the block's
+``n`` entries, ``numpy.packbits`` big-endian bit order, 1 = positive) followed by one bfloat16
+scale per row (little-endian, round to nearest even): ``sketch_block_bytes(rows, row_numel)``
+bytes, 1/16 of a bf16 block (1/32 of a float32 one) plus 2 bytes per row. A tensor's sketch is
+plane-major (plane 1 of all its blocks, then plane 2, …), so level ``k`` of a run of blocks is
+``k`` contiguous byte ranges; the tensors with two or more dimensions follow each other in the
+base's tensor order in one blob per (base, expert, block size), each tensor's first byte recorded
+in its statistics (``TensorStats.sketch_start``; 1-D tensors have no sketch: a per-row scale
+would cost more than the values).
+
+The residual energy ``Σ r_k²`` of each block after each plane (with the stored, rounded scales)
+is recorded too (``TensorStats.sketch_sq``, float64 ``[n_blocks, PLANES]``): the energy a level-k
+read keeps is ``Σδ² − Σ r_k²``, the planner's value of that tier.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: sign planes recorded per block
+PLANES = 3
+#: ``--sketch`` values: ``none`` (read or skip) or ``signK`` (levels up to K planes may be read)
+SKETCH_KINDS = ("none", "sign1", "sign2", "sign3")
+#: the sketch a plan uses when the caller does not say (see docs/QUALITY.md for the measurements)
+DEFAULT_SKETCH = "sign3"
+
+
+def sketch_levels(kind: str) -> int:
+    """Highest sketch level (planes) a ``--sketch`` kind allows (0 for ``none``)."""
+    return 0 if kind == "none" else int(kind[4:])
+
+
+def sketch_block_bytes(rows: int, row_numel: int) -> int:
+    """Bytes of one plane of one block of ``rows`` rows of ``row_numel`` entries."""
+    return (rows * row_numel + 7) // 8 + 2 * rows
+
+
+def tensor_sketch_costs(rows: int, row_numel: int, rows_per_block: int, n_blocks: int) -> np.ndarray:
+    """int64 ``(n_blocks,)``: bytes of one plane of each block of a tensor (the last may be shorter)."""
+    r = np.minimum((np.arange(n_blocks) + 1) * rows_per_block, max(rows, 1)) - np.arange(n_blocks) * rows_per_block
+    r = np.maximum(r, 0)
+    return (r * row_numel + 7) // 8 + 2 * r
+
+
+def block_offsets(rows: int, row_numel: int, rows_per_block: int, n_blocks: int) -> np.ndarray:
+    """int64 ``(n_blocks + 1,)``: byte offset of each block inside one plane of its tensor's
+    sketch (exclusive prefix sum); the last entry is the plane's size."""
+    return np.concatenate([[0], np.cumsum(tensor_sketch_costs(rows, row_numel, rows_per_block, n_blocks))])
+
+
+def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> uint16 bfloat16 bit patterns, round to nearest even (finite inputs)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    r = ((u >> 16) & 1) + np.uint32(0x7FFF)
+    return ((u + r) >> 16).astype(np.uint16)
+
+
+def _from_bf16_bits(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def encode_block(delta: np.ndarray, planes: int = PLANES) -> tuple[list[bytes], np.ndarray]:
+    """Sketch one block.
+
+    Args:
+        delta: float32 ``(rows, row_numel)`` task vector of the block.
+        planes: sign planes to code.
+
+    Returns:
+        (one ``bytes`` per plane, float64 ``(planes,)`` residual energy ``Σ (δ − δ̂_k)²`` after
+        each plane, with the stored bfloat16 scales and float32 reconstruction).
+    """
+    d = np.asarray(delta, dtype=np.float32)
+    rows, n = d.shape
+    rec = np.zeros_like(d)
+    out, resid = [], np.zeros(planes)
+    for p in range(planes):
+        r = d - rec
+        pos = r > 0
+        s16 = _to_bf16_bits((np.abs(r).astype(np.float64).sum(axis=1) / max(n, 1)).astype(np.float32))
+        s = _from_bf16_bits(s16)
+        rec = rec + np.where(pos, s[:, None], -s[:, None])
+        out.append(np.packbits(pos.reshape(-1)).tobytes() + s16.astype("<u2").tobytes())
+        e = (d - rec).astype(np.float64)
+        resid[p] = float((e * e).sum())
+    return out, resid
+
+
+def decode_blocks(data: bytes | memoryview, rows: int, row_numel: int, rows_per_block: int) -> np.ndarray:
+    """Decode one plane of ``rows`` rows (whole blocks of ``rows_per_block`` rows, the last may
+    be shorter) from its consecutive bytes.
+
+    Returns:
+        float32 ``(rows * row_numel,)``: ``s_p·σ_p`` row-major (sum the planes of a level).
+
+    Raises:
+        ValueError: ``data`` is not exactly one plane's bytes of those blocks.
+    """
+    out = np.empty(rows * row_numel, dtype=np.float32)
+    mv = memoryview(data)
+    pos = 0
+    for r0 in range(0, rows, rows_per_block):
+        r = min(rows_per_block, rows - r0)
+        nb = (r * row_numel + 7) // 8
+        if pos + nb + 2 * r > mv.nbytes:
+            raise ValueError(f"sketch bytes: {mv.nbytes} given, too few for {rows} rows")
+        bits = np.unpackbits(np.frombuffer(mv[pos : pos + nb], dtype=np.uint8), count=r * row_numel)
+        sc = _from_bf16_bits(np.frombuffer(mv[pos + nb : pos + nb + 2 * r], dtype="<u2"))
+        pos += nb + 2 * r
+        sgn = bits.astype(np.float32) * 2.0 - 1.0
+        out[r0 * row_numel : (r0 + r) * row_numel] = (sgn.reshape(r, row_numel) * sc[:, None]).reshape(-1)
+    if pos != mv.nbytes:
+        raise ValueError(f"sketch bytes: {mv.nbytes} given, {pos} expected for {rows} rows")
+    return out
+
+
+class SketchBuilder:
+    """Accumulates one tensor's sketch over row chunks (block-aligned, in row order).
+
+    Args:
+        rows, row_numel, rows_per_block: the tensor's block grid.
+    """
+
+    def __init__(self, rows: int, row_numel: int, rows_per_block: int) -> None:
+        self.rows, self.row_numel, self.rpb = max(rows, 1), row_numel, rows_per_block
+        self.planes: list[list[bytes]] = [[] for _ in range(PLANES)]
+        self.resid: list[np.ndarray] = []
+
+    def add(self, row0: int, delta: np.ndarray) -> None:
+        """Add the float32 task vector (flat) of rows ``[row0, …)``; ``row0`` on a block boundary."""
+        if row0 % self.rpb:
+            raise ValueError("chunks must start on block boundaries")
+        d = np.asarray(delta, dtype=np.float32).reshape(-1, self.row_numel)
+        for r in range(0, d.shape[0], self.rpb):
+            parts, e = encode_block(d[r : r + self.rpb])
+            for p, b in enumerate(parts):
+                self.planes[p].append(b)
+            self.resid.append(e)
+
+    def finish(self) -> tuple[bytes, np.ndarray]:
+        """(the tensor's sketch bytes, plane-major; float64 ``[n_blocks, PLANES]`` residual energies)."""
+        return b"".join(b"".join(p) for p in self.planes), np.asarray(self.resid, dtype=np.float64).reshape(-1, PLANES)

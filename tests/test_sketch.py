@@ -1,0 +1,326 @@
+"""Fidelity tiers: sign-plane block sketches (catalog), tiered plans (budget), reconstruction (engine)."""
+
+import hashlib
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from mergepipe.catalog.catalog import Catalog
+from mergepipe.catalog.sketch import PLANES, decode_blocks, encode_block, sketch_block_bytes, tensor_sketch_costs
+from mergepipe.pipeline import merge
+from mergepipe.planner.planner import EngineOptions, PlanInputs, SelectionOptions, _select_tiers, make_plan
+from mergepipe.request import ExpertRequest, MergeRequest
+from mergepipe.storage.base import IOCounters
+from mergepipe.storage.local import LocalStorage
+
+
+def test_sign_planes_encode_decode_by_hand():
+    d = np.array([[0.5, -1.5, 0.0, 2.0], [0.25, 0.25, -0.25, -0.75]], dtype=np.float32)
+    planes, resids = encode_block(d)
+    data, resid = planes[0], resids[0]
+    # sign bits over the block, row-major, big-endian within a byte: 1001 1100 (δ > 0 is 1; 0 is not)
+    assert data[:1] == bytes([0b10011100])
+    # scales: mean |δ| per row = 1.0 and 0.375, as little-endian bfloat16
+    assert data[1:] == bytes([0x80, 0x3F, 0xC0, 0x3E])
+    assert len(data) == sketch_block_bytes(2, 4) == 1 + 4
+    rec = decode_blocks(data, 2, 4, 2).reshape(2, 4)
+    np.testing.assert_array_equal(rec, [[1, -1, -1, 1], [0.375, 0.375, -0.375, -0.375]])
+    # residual Σ(δ − δ̂)²: row 0: .25 + .25 + 1 + 1; row 1: 3·0.125² + 0.375²
+    assert resid == pytest.approx(2.5 + 3 * 0.015625 + 0.140625, rel=1e-12)
+    assert resid == pytest.approx(float(((d - rec) ** 2).sum()), rel=1e-6)
+    # plane 2 codes the residual r1 = δ − δ̂₁ = [[-.5, -.5, 1, 1], [-.125, -.125, .125, -.375]]:
+    # signs 0011 0010, scales mean|r1| = 0.75 and 0.1875
+    assert planes[1] == bytes([0b00110010]) + np.array([0x3F40, 0x3E40], dtype="<u2").tobytes()
+    rec2 = rec + decode_blocks(planes[1], 2, 4, 2).reshape(2, 4)
+    np.testing.assert_array_equal(rec2, [[0.25, -1.75, -0.25, 1.75], [0.1875, 0.1875, -0.1875, -0.5625]])
+    assert resids[1] == pytest.approx(float(((d - rec2) ** 2).sum()), rel=1e-6)
+    assert resids[0] > resids[1] > resids[2] >= 0  # every plane lowers the residual (least-squares scales)
+
+
+def test_sign1_multi_block_decode_and_costs():
+    rng = np.random.default_rng(0)
+    d = rng.normal(size=(7, 5)).astype(np.float32)
+    parts = [encode_block(d[r : r + 3]) for r in range(0, 7, 3)]
+    data = b"".join(p[0][0] for p in parts)  # plane 1 of the three blocks
+    costs = tensor_sketch_costs(7, 5, 3, 3)
+    assert list(costs) == [len(p[0][0]) for p in parts] == [2 + 6, 2 + 6, 1 + 2]
+    rec = decode_blocks(data, 7, 5, 3).reshape(7, 5)
+    assert np.array_equal(np.sign(rec), np.where(d > 0, 1.0, -1.0))
+    # the scale is the least-squares one: no other scale of these signs has a smaller residual
+    for r in range(7):
+        s = rec[r, 0] * np.sign(rec[r, 0])
+        base = ((d[r] - rec[r]) ** 2).sum()
+        for f in (0.9, 1.1):
+            assert base <= ((d[r] - f * rec[r]) ** 2).sum()
+        assert s == pytest.approx(np.abs(d[r]).mean(), rel=4e-3)  # bfloat16 rounding
+    with pytest.raises(ValueError):
+        decode_blocks(data[:-1], 7, 5, 3)
+
+
+@pytest.fixture(scope="module")
+def analyzed(family, tmp_path_factory):
+    base, experts = family
+    cat = Catalog(tmp_path_factory.mktemp("cat") / "c.sqlite")
+    st_ = LocalStorage(IOCounters())
+    b = cat.register(st_, str(base))
+    es = [cat.register(st_, str(e)) for e in experts]
+    return cat, b, es, cat.analyze(st_, b, es, block_bytes=4096)
+
+
+def test_catalog_records_sketch_blobs(analyzed):
+    import torch
+    from safetensors.torch import load_file
+
+    cat, b, es, an = analyzed
+    bt = {}
+    for f in Path(b.uri).glob("*.safetensors"):
+        bt.update(load_file(str(f)))
+    for e, a in zip(es, an):
+        sk = a.sketch
+        data = Path(sk["uri"]).read_bytes()
+        assert sk["kind"] == "sign-planes" and sk["planes"] == PLANES and sk["bytes"] == len(data)
+        assert sk["sha256"] == hashlib.sha256(data).hexdigest()
+        assert Path(sk["uri"]).is_relative_to(Path(cat.path).parent)
+        et = {}
+        for f in Path(e.uri).glob("*.safetensors"):
+            et.update(load_file(str(f)))
+        expected = 0
+        for name, info in b.layout.tensors.items():  # the blob follows the base's tensor order
+            ts = a.tensors[name]
+            if len(info.shape) < 2:
+                assert not ts.has_sketch
+                continue
+            assert ts.has_sketch and ts.sketch_start == expected
+            rn = info.numel // info.rows
+            n = int(tensor_sketch_costs(info.rows, rn, ts.rows_per_block, ts.n_blocks).sum())  # one plane
+            expected += PLANES * n
+            delta = (et[name].to(torch.float32) - bt[name].to(torch.float32)).numpy().reshape(-1)
+            rec = np.zeros_like(delta)
+            assert ts.sketch_sq.shape == (ts.n_blocks, PLANES)
+            for p in range(PLANES):  # plane-major: plane p of every block, then plane p + 1
+                o = ts.sketch_start + p * n
+                rec = rec + decode_blocks(data[o : o + n], info.rows, rn, ts.rows_per_block)
+                resid = ((delta.astype(np.float64) - rec) ** 2).reshape(-1, rn)
+                per_block = [resid[r : r + ts.rows_per_block].sum() for r in range(0, info.rows, ts.rows_per_block)]
+                np.testing.assert_allclose(ts.sketch_sq[:, p], per_block, rtol=1e-5, atol=1e-12)
+            assert (np.diff(ts.sketch_sq, axis=1) <= 1e-15).all()
+            assert (ts.sketch_sq[:, 0] <= ts.sq_norm * (1 + 1e-9) + 1e-15).all()
+        assert expected == len(data)
+        # cached: a second analyze reads nothing and returns the same sketch
+        st2 = LocalStorage(IOCounters())
+        again = cat.analyze(st2, b, [e], block_bytes=4096)[0]
+        assert again.sketch == sk and sum(st2.counters.snapshot()["read"].values()) == 0
+
+
+def _plan(b, es, an, method, gp, ep, budget, fidelity=None, sketch="sign3", passes_gap=0):
+    req = MergeRequest(
+        base=b.uri,
+        method=method,
+        parameters=dict(gp),
+        experts=[ExpertRequest(name=f"e{i}", uri=e.uri, parameters=dict(p)) for i, (e, p) in enumerate(zip(es, ep))],
+    )
+    return make_plan(
+        req.resolve(),
+        PlanInputs(b, es, an),
+        SelectionOptions(budget, fidelity, sketch=sketch),
+        EngineOptions(coalesce_gap=passes_gap),
+    )
+
+
+METHODS = st.sampled_from([("ties", True), ("dare_ties", True), ("task_arithmetic", False), ("linear", False)])
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    frac=st.floats(0, 1.1),
+    m=METHODS,
+    density=st.floats(0.05, 1.0),
+    gap=st.sampled_from([0, 5000, 1 << 20]),
+    w=st.lists(st.floats(-2, 2), min_size=3, max_size=3),
+    sk=st.sampled_from(["sign1", "sign2", "sign3"]),
+    fid=st.sampled_from([None, 0.5, 0.95]),
+)
+def test_tiered_plans_stay_within_budget(analyzed, frac, m, density, gap, w, sk, fid):
+    _, b, es, an = analyzed
+    total = sum(e.total_bytes for e in es)
+    budget = int(frac * total)
+    method, dens = m
+    plan = _plan(
+        b, es, an, method, {"density": density} if dens else {}, [{"weight": x} for x in w], budget, fid, sketch=sk
+    )
+    assert plan.io.expert_read_bytes <= budget
+    assert 0.0 <= plan.retained_energy <= 1.0 + 1e-9
+    exact = sketch = 0
+    for t in plan.tensors:
+        for te in t.experts:
+            mine = set()
+            for runs in (te.blocks, te.sketch_blocks):
+                prev = 0
+                for b0, b1 in runs:
+                    assert prev <= b0 < b1 <= t.n_blocks
+                    prev = b1
+                    assert mine.isdisjoint(range(b0, b1))  # a block is read exactly or sketched, not both
+                    mine.update(range(b0, b1))
+            assert len(te.sketch_levels) == len(te.sketch_blocks)
+            if te.sketch_blocks:
+                assert len(t.shape) >= 2 and te.sketch_start >= 0
+                assert all(1 <= k <= int(sk[4:]) for k in te.sketch_levels)
+                rn = math.prod(t.shape[1:])
+                costs = tensor_sketch_costs(t.shape[0], rn, t.rows_per_block, t.n_blocks)
+                assert te.sketch_bytes == sum(
+                    k * int(costs[a:z].sum()) for (a, z), k in zip(te.sketch_blocks, te.sketch_levels)
+                )
+            exact += te.bytes * t.passes
+            sketch += te.sketch_bytes * t.passes
+    assert plan.io.sketch_read_bytes == sketch and plan.io.expert_read_bytes == exact + sketch
+    assert plan.digest == plan.compute_digest()
+    if sketch:
+        assert plan.sketch == sk and plan.coalesce_gap == 0
+        assert any(e.sketch for e in plan.experts)
+
+
+def test_sketches_raise_retained_energy_and_none_is_unchanged(analyzed):
+    _, b, es, an = analyzed
+    total = sum(e.total_bytes for e in es)
+    ep = [{"weight": 0.5}] * 3
+    for frac in (0.1, 0.25, 0.5):
+        p0 = _plan(b, es, an, "task_arithmetic", {}, ep, int(frac * total), sketch="none")
+        p1 = _plan(b, es, an, "task_arithmetic", {}, ep, int(frac * total))
+        assert p1.retained_energy > p0.retained_energy
+        assert p0.sketch is None and p0.io.sketch_read_bytes == 0
+        assert "sketch" not in p0.semantic_json()  # read-or-skip plans digest as before tiers existed
+    # unlimited: every block exact, no sketch
+    pu = _plan(b, es, an, "task_arithmetic", {}, ep, None)
+    assert pu.sketch is None and pu.retained_energy == pytest.approx(1.0)
+    # fidelity: reaches its target, with fewer bytes than read-or-skip
+    f0 = _plan(b, es, an, "task_arithmetic", {}, ep, None, fidelity=0.9, sketch="none")
+    f1 = _plan(b, es, an, "task_arithmetic", {}, ep, None, fidelity=0.9)
+    assert f1.retained_energy >= 0.9 * (1 - 1e-9) and f1.io.expert_read_bytes < f0.io.expert_read_bytes
+
+
+def _reference_experts(plan, base: Path, experts: list[Path], out: Path) -> list[Path]:
+    """Experts θ_base + δ̂ (float32): δ̂ the exact task vector on the plan's exact blocks, the
+    decoded sketch on its sketched blocks, 0 elsewhere: the dense reference of a tiered merge."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    def load(folder):
+        out = {}
+        for f in sorted(Path(folder).glob("*.safetensors")):
+            out.update(load_file(str(f)))
+        return out
+
+    bt = load(base)
+    refs = []
+    for i, e in enumerate(experts):
+        et = load(e)
+        deltas = {n: torch.zeros_like(t, dtype=torch.float32) for n, t in bt.items()}
+        for tp in plan.tensors:
+            for te in tp.experts:
+                if te.expert != i:
+                    continue
+                d = deltas[tp.name].view(tp.shape[0], -1) if len(tp.shape) > 1 else deltas[tp.name].view(-1, 1)
+                x = (et[tp.name].float() - bt[tp.name].float()).view(d.shape)
+                rpb = tp.rows_per_block
+                for b0, b1 in te.blocks:
+                    d[b0 * rpb : b1 * rpb] = x[b0 * rpb : b1 * rpb]
+                if te.sketch_blocks:
+                    blob = Path(plan.experts[i].sketch["uri"]).read_bytes()
+                    rn = d.shape[1]
+                    offs = np.concatenate(
+                        [[0], np.cumsum(tensor_sketch_costs(tp.shape[0], rn, rpb, tp.n_blocks))]
+                    ).astype(int)
+                    for (b0, b1), k in zip(te.sketch_blocks, te.sketch_levels):
+                        r0, r1 = b0 * rpb, min(tp.shape[0], b1 * rpb)
+                        acc = np.zeros((r1 - r0) * rn, dtype=np.float32)
+                        for p in range(k):
+                            o = te.sketch_start + p * int(offs[-1])
+                            acc += decode_blocks(blob[o + offs[b0] : o + offs[b1]], r1 - r0, rn, rpb)
+                        d[r0:r1] = torch.from_numpy(acc.reshape(r1 - r0, rn))
+        dst = out / f"ref{i}"
+        shutil.copytree(e, dst)
+        for f in sorted(dst.glob("*.safetensors")):
+            keys = load_file(str(f)).keys()
+            save_file({k: bt[k].float() + deltas[k] for k in keys}, str(f), metadata={"format": "pt"})
+        refs.append(dst)
+    return refs
+
+
+@pytest.mark.parametrize("method, params", [("task_arithmetic", ["weight=0.5"]), ("dare_linear", ["density=0.5"])])
+def test_tiered_merge_equals_dense_reference_on_reconstructed_deltas(tmp_path, method, params):
+    """float32 checkpoints: the tiered merge equals an unlimited read-or-skip merge of experts
+    whose task vectors are the reconstructed ones (the same float32 arithmetic), bit for bit; and
+    realized expert bytes (sketch bytes included) equal the planned ones, within the budget."""
+    import torch
+
+    from tests.conftest import merged_tensors
+    from tests.synth import make_family
+
+    base, experts = make_family(tmp_path / "fam", 3, seed=3, dtype="float32")
+    total = sum(sum(f.stat().st_size for f in e.glob("*.safetensors")) for e in experts)
+    budget = int(0.2 * total)
+    st_ = LocalStorage(IOCounters())
+    cat = Catalog(tmp_path / "c.sqlite")
+    res = merge(
+        str(base),
+        [(e.name, str(e)) for e in experts],
+        method,
+        str(tmp_path / "tiered"),
+        params,
+        budget=budget,
+        seed=5,
+        catalog=cat,
+        storage=st_,
+        block_bytes=4096,
+    )
+    plan = res.plan
+    assert plan.sketch == "sign3" and any(te.sketch_blocks for tp in plan.tensors for te in tp.experts)
+    assert len({k for tp in plan.tensors for te in tp.experts for k in te.sketch_levels}) >= 2
+    io = res.manifest["io"]
+    assert io["realized"]["expert_read_bytes"] == io["estimated"]["expert_read_bytes"] <= budget
+    assert io["estimated"]["sketch_read_bytes"] > 0
+    assert res.manifest["sketch"]["kind"] == "sign3" and sum(res.manifest["sketch"]["sketched_blocks"].values()) > 0
+    refs = _reference_experts(plan, base, experts, tmp_path)
+    merge(
+        str(base),
+        [(e.name, str(r)) for e, r in zip(experts, refs)],
+        method,
+        str(tmp_path / "ref"),
+        params,
+        seed=5,
+        catalog=cat,
+        storage=LocalStorage(IOCounters()),
+        block_bytes=4096,
+    )
+    got, want = merged_tensors(tmp_path / "tiered"), merged_tensors(tmp_path / "ref")
+    assert got.keys() == want.keys()
+    for k in got:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_select_tiers_by_hand():
+    # block 0: levels 1..3 cost 10/20/30 B for values 6/8.5/9.4, exact 100 B for 10;
+    # block 1: exact only (100 B, value 5); block 2: level 1 worth little (1 for 10 B), level 2
+    # 9 for 20 B: level 1 is below the hull's chord and never bought alone
+    values = np.array([10.0, 5.0, 10.0])
+    costs = np.array([100, 100, 100])
+    sv = np.array([[6.0, 8.5, 9.4], [0.0, 0.0, 0.0], [1.0, 9.0, 9.5]])
+    sc = np.array([10, 0, 10])
+    ex, lv = _select_tiers(values, costs, sv, sc, 30, None)
+    # by value per byte: b0 0→1 (.6), b2 0→2 (.45), b0 1→2 (.25), …; 30 B buy the first two
+    assert list(ex) == [False, False, False] and list(lv) == [1, 0, 2]
+    ex, lv = _select_tiers(values, costs, sv, sc, 60, None)
+    # then b0 1→2 (.25, 10 B), b0 2→3 (.09, 10 B), b2 2→3 (.05, 10 B): 60 B
+    assert list(lv) == [3, 0, 3] and not ex.any()
+    ex, lv = _select_tiers(values, costs, sv, sc, 160, None)
+    # b1 exact (.05, 100 B) ties b2 2→3 (.05): by block index, b1 first; then b2 2→3 fits (160 B)
+    assert list(ex) == [False, True, False] and list(lv) == [3, 0, 3]
+    ex, lv = _select_tiers(values, costs, sv, sc, None, None)
+    assert ex.all() and not lv.any()  # unlimited: everything exact
+    ex, lv = _select_tiers(values, costs, sv, sc, None, 0.5)  # 12.5 of 25: b0 level 1 (6), b2 level 2 (9)
+    assert list(lv) == [1, 0, 2] and not ex.any()
