@@ -80,8 +80,9 @@ def ready(obj):
     return cond.get_condition((obj.get("status") or {}).get("conditions"), "Ready")
 
 
-def commit(store, out, plan_digest, realized, files_prefix="runs/r1"):
-    """What the worker leaves behind: shards under a run prefix, then manifest.json (core format)."""
+def commit(store, out, plan_digest, realized, files_prefix="runs/r1", earlier=None):
+    """What the worker leaves behind: shards under a run prefix, then manifest.json (core format);
+    ``earlier``: expert bytes earlier attempts read before a resume (``io.earlier_attempts``)."""
     from mergepipe.commit.manifest import manifest_bytes, snapshot_id
 
     shard = b"x" * 100
@@ -99,6 +100,8 @@ def commit(store, out, plan_digest, realized, files_prefix="runs/r1"):
             "realized": {"base_read_bytes": GI, "expert_read_bytes": realized, "output_write_bytes": 100},
         },
     }
+    if earlier is not None:
+        m["io"]["earlier_attempts"] = {"base_read_bytes": 0, "expert_read_bytes": earlier, "output_write_bytes": 0}
     raw = manifest_bytes(m)
     store.put(out + "manifest.json", raw)
     return raw
@@ -1026,3 +1029,20 @@ def test_the_operators_default_calibration_set_applies_to_merges_without_one(set
     plain = mmd.build_analyze_job(make_merge(), ["s3://models/math"], "a" * 64, settings)
     assert "--calibration" not in plain["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--device" not in plain["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_a_resumed_merge_is_charged_what_every_attempt_read(settings):
+    """A pod that died and was retried resumed: the manifest's realized bytes are the final
+    attempt's, io.earlier_attempts what the dead one had read; the quota is charged both."""
+    c, kube, store, mm = setup(settings, make_quota(bytes_="100Gi", merges=5))
+    st = c.reconcile_merge(mm)
+    mm = apply(kube, mm, st)
+    (job,) = kube.list(JOBS, "ns1")
+    commit(store, "s3://snapshots/mm1/", st["plan"]["digest"], realized=5 * GI, earlier=2 * GI)
+    done = dict(job, status={"succeeded": 1, "failed": 1, "conditions": [{"type": "Complete", "status": "True"}]})
+    mm = apply(kube, mm, c.sync_job(mm, done))
+    assert ready(mm)["reason"] == "Committed" and mm["status"]["realized"]["expertReadBytes"] == 5 * GI
+    q = kube.get(QUOTAS, "ns1", "q")
+    assert q["status"]["ledger"][0]["state"] == "Charged" and q["status"]["used"]["expertReadBytes"] == 7 * GI
+    facts = snapd.manifest_facts(json.loads(store.get("s3://snapshots/mm1/manifest.json")))
+    assert facts.spent_expert_bytes == 7 * GI and facts.earlier["expertReadBytes"] == 2 * GI

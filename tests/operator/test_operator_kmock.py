@@ -480,7 +480,8 @@ def test_indexed_merge_job_retries_an_index_and_commits_in_process(cluster):
     $(JOB_COMPLETION_INDEX)/2`; the status counts parts done; index 1's first pod is killed after its
     first file and its retry resumes (keeps that file, reads none of its bytes again); when both
     indexes succeeded the operator commits in-process: the snapshot of a single-process execution
-    of the same plan, charged to the quota with the parts' summed realized bytes."""
+    of the same plan, charged to the quota with the parts' summed realized bytes plus what the
+    killed attempt had read."""
     from op_testlib import core_storage
 
     from mergepipe.pipeline import execute_and_commit
@@ -555,8 +556,11 @@ def test_indexed_merge_job_retries_an_index_and_commits_in_process(cluster):
         assert realized["expert_read_bytes"] == sum(p["realized"]["expert_read_bytes"] for p in manifest["parts"])
         assert 0 < realized["expert_read_bytes"] <= st["plan"]["estimated"]["expertReadBytes"]
         assert st["realized"]["expertReadBytes"] == realized["expert_read_bytes"]
+        # the killed attempt of index 1 had read the blocks of the file its retry kept: charged too
+        earlier = manifest["io"]["earlier_attempts"]["expert_read_bytes"]
+        assert earlier > 0 and manifest["parts"][1]["earlier_attempts"][0]["realized"]["expert_read_bytes"] == earlier
         (entry,) = quota_ledger(c.api, NS, "daily")
-        assert (entry["state"], entry["bytes"]) == ("Charged", realized["expert_read_bytes"])
+        assert (entry["state"], entry["bytes"]) == ("Charged", realized["expert_read_bytes"] + earlier)
         snap = wait_for(
             "MergedSnapshot Ready",
             lambda: (s := c.api.get("MergedSnapshot", NS, st["snapshot"])) and ready(s).get("status") == "True" and s,

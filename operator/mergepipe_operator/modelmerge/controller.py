@@ -619,7 +619,9 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         except Conflict:
             pass
         rx = facts.realized.get("expertReadBytes")
-        self.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=True, realized=rx)
+        # quotas are charged what was read: after a resumed retry, the earlier attempts' reads too
+        spent = facts.spent_expert_bytes
+        self.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=True, realized=spent)
         return {
             **extra,
             "realized": facts.realized,

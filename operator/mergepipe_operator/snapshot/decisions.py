@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mergepipe.commit.manifest import MANIFEST_FORMAT, manifest_bytes as _core_manifest_bytes, snapshot_id
@@ -52,8 +52,12 @@ class ManifestFacts:
          "outputs": {"model.safetensors": {"size": int, "sha256": "<hex>"}, ...},   # or "tree_sha256"
          "io": {"expert_budget_bytes": int | null, "fidelity": float | null,
                 "estimated": {"base_read_bytes", "expert_read_bytes", "output_write_bytes"},
-                "realized":  {"base_read_bytes", "expert_read_bytes", "output_write_bytes", ...}},
+                "realized":  {"base_read_bytes", "expert_read_bytes", "output_write_bytes", ...},
+                "earlier_attempts": {...}},   # only after a resume: what earlier attempts moved
          ...}
+
+    ``earlier`` holds ``io.earlier_attempts`` (all ``None`` when the run was not resumed): bytes
+    that attempts before a resume had moved (see :mod:`mergepipe.parts`).
     """
 
     plan_digest: str | None
@@ -63,6 +67,15 @@ class ManifestFacts:
     outputs: dict[str, dict[str, Any]]
     estimated: dict[str, int | None]
     realized: dict[str, int | None]
+    earlier: dict[str, int | None] = field(default_factory=dict)
+
+    @property
+    def spent_expert_bytes(self) -> int | None:
+        """Expert bytes the snapshot cost in all: the final attempts' (``realized``) plus what
+        earlier attempts had read before a resume; ``None`` when the manifest has no realized
+        expert bytes."""
+        rx = self.realized.get("expertReadBytes")
+        return None if rx is None else rx + int(self.earlier.get("expertReadBytes") or 0)
 
     @property
     def total_bytes(self) -> int:
@@ -111,6 +124,7 @@ def manifest_facts(doc: Mapping[str, Any]) -> ManifestFacts:
         outputs={str(k): dict(v) for k, v in outputs.items()},
         estimated=_io(io.get("estimated")),
         realized=_io(io.get("realized")),
+        earlier=_io(io.get("earlier_attempts")),
     )
 
 
