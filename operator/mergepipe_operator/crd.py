@@ -243,7 +243,15 @@ class ExpertSpec(K8sModel):
     name: DnsLabel | None = Field(
         default=None, description="Short name used in plans, manifests and status (default expert-<index>)."
     )
-    uri: S3Uri = Field(description="s3://bucket/prefix of the expert checkpoint.")
+    uri: S3Uri = Field(description="s3://bucket/prefix of the expert checkpoint (or PEFT LoRA adapter folder).")
+    format: Literal["checkpoint", "lora"] | None = Field(
+        default=None,
+        description=(
+            "checkpoint: a full Hugging Face checkpoint; lora: a PEFT LoRA adapter folder "
+            "(adapter_config.json + adapter_model.safetensors) whose task vector is s*B*A on its "
+            "modules, read as its factors only; unset: detected from the prefix's files."
+        ),
+    )
     weight: float | None = Field(
         default=None, description="Scale of this expert's task vector (method default when unset)."
     )

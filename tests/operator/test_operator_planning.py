@@ -319,3 +319,84 @@ def test_a_calibration_set_in_the_spec_is_analyzed_once_and_plans_with_fisher(s3
     # a calibration URI that is no s3:// object is refused by the schema check
     bad = mmspec.validate_merge_spec({**spec, "calibration": {"uri": "/local/file.jsonl"}})
     assert [f for f, _ in bad] == ["spec.calibration.uri"]
+
+
+def _synthetic_adapter(base_dir, out, modules, r=4, alpha=8.0, seed=0):
+    """A PEFT-layout LoRA adapter (float32 factors) for ``modules`` of the synthetic family."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from mergepipe.formats.safetensors import load_layout
+    from mergepipe.storage.base import IOCounters
+    from mergepipe.storage.local import LocalStorage
+
+    lay = load_layout(LocalStorage(IOCounters()), str(base_dir))
+    rng = np.random.default_rng(seed)
+    t = {}
+    for m in modules:
+        o, i = lay.tensors[m + ".weight"].shape
+        t[f"base_model.model.{m}.lora_A.weight"] = rng.standard_normal((r, i)).astype(np.float32) * 0.05
+        t[f"base_model.model.{m}.lora_B.weight"] = rng.standard_normal((o, r)).astype(np.float32) * 0.05
+    out.mkdir()
+    save_file(t, str(out / "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": ["q_proj", "up_proj"], "bias": "none"}
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    return sum(a.nbytes for a in t.values())
+
+
+def test_a_lora_adapter_expert_is_analyzed_planned_and_merged_from_its_factors(s3_models, seaweed, family, tmp_path):
+    """spec.experts[i].format: lora — the analyze Job's command names it lora:URI, the in-process
+    plan prices it at its factors' bytes, and the worker's execute reads just those."""
+    base_dir, _ = family
+    mods = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj"]
+    fbytes = _synthetic_adapter(base_dir, tmp_path / "ad", mods)
+    ad = upload_dir(s3_models.client, s3_models.bucket, tmp_path / "ad", "llama/adapter")
+    catalog = f"s3://{s3_models.bucket}/catalog-lora"
+    spec = merge_spec(
+        s3_models,
+        method="ties",
+        budget=None,
+        experts=[{"name": "ad", "uri": ad + "/", "format": "lora"}, {"name": "e0", "uri": s3_models.experts[0] + "/"}],
+    )
+    assert mmspec.validate_merge_spec(spec) == []
+    p = planning.plan_merge(spec, catalog, storage=core_storage(seaweed))
+    assert ad in p.missing_experts
+    args = mmd.analyze_args(spec, p.missing_experts, catalog)
+    assert f"lora:{ad}" in args and s3_models.experts[0] in args
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(
+        seaweed.env(),
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+        AWS_EC2_METADATA_DISABLED="true",
+        PYTHONPATH=str(ROOT),
+        MERGEPIPE_HOME=str(tmp_path / "home"),
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "mergepipe.cli", *args], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    st = core_storage(seaweed)
+    done = planning.plan_merge(spec, catalog, storage=st)
+    assert done.missing_experts == ()
+    from mergepipe.planner.plan import Plan
+
+    plan = Plan.from_json(done.plan_json.decode())
+    assert plan.experts[0].adapter is not None and plan.experts[0].adapter["r"] == 4
+    lora_bytes = sum(te.bytes for tp in plan.tensors for te in tp.experts if te.expert == 0)
+    assert lora_bytes == fbytes and {tp.name for tp in plan.tensors if any(te.expert == 0 for te in tp.experts)} == {
+        m + ".weight" for m in mods
+    }
+    assert st.counters.snapshot()["read"]["expert"] == 0  # planning reads no tensor byte
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    out = f"s3://{s3_models.bucket}/snapshots/lora-op"
+    r = subprocess.run(
+        [sys.executable, "-m", "mergepipe.cli", "execute", str(tmp_path / "plan.json"), "--out", out, "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["io"]["expert_read_bytes"] == plan.io.expert_read_bytes

@@ -255,8 +255,13 @@ def analyze_args(
     uris = [u.rstrip("/") for u in missing_uris] or [
         str(ex["uri"]).rstrip("/") for ex in spec.get("experts") or [] if isinstance(ex, Mapping)
     ]
-    for uri in uris:
-        args += ["--expert", uri]
+    lora = {
+        str(ex["uri"]).rstrip("/")
+        for ex in spec.get("experts") or []
+        if isinstance(ex, Mapping) and ex.get("format") == "lora"
+    }
+    for uri in uris:  # (an expert declared a LoRA adapter is analyzed as one: lora:URI)
+        args += ["--expert", f"lora:{uri}" if uri in lora else uri]
     if needs_pair_statistics(spec.get("method")):
         args.append("--pairs")
     if calibration_uri:

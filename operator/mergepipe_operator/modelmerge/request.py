@@ -32,7 +32,7 @@ def spec_settings(spec: Mapping[str, Any]) -> tuple[dict, list[dict]]:
 
 def merge_request(spec: Mapping[str, Any], *, budget: int | str | None = None) -> MergeRequest:
     """The merge request of a ModelMerge spec: base, experts (named as in status, URIs without the
-    trailing slash, as the catalog keys them), method, settings (:func:`spec_settings`), ``budget``
+    trailing slash, as the catalog keys them; ``format: lora`` marks a PEFT LoRA adapter), method, settings (:func:`spec_settings`), ``budget``
     (the admitted budget in bytes, given by the caller), fidelity, seed and output.
 
     Raises:
@@ -41,7 +41,7 @@ def merge_request(spec: Mapping[str, Any], *, budget: int | str | None = None) -
     """
     glob, per = spec_settings(spec)
     experts = [
-        ExpertRequest(name=name, uri=str(ex["uri"]).rstrip("/"), parameters=own)
+        ExpertRequest(name=name, uri=str(ex["uri"]).rstrip("/"), parameters=own, kind=ex.get("format"))
         for name, ex, own in zip(expert_names(spec), spec.get("experts") or [], per)
     ]
     return MergeRequest(
