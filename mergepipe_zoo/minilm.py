@@ -72,6 +72,12 @@ class MiniLMConfig:
         batch_size: examples per fine-tuning step.
         lr: AdamW learning rate of the full fine-tune (linear decay, no warmup).
         probe_steps: full-batch gradient steps of the linear probe (Adam, lr 1e-2).
+        probe_l2: L2 penalty ``probe_l2 * ||W||²`` of the probe's loss. 0 (the default) lets the
+            probe fit 384 examples in 384 feature dimensions perfectly, which leaves fine-tuning
+            nothing to learn on tasks that are linearly separable in the base's features
+            (``topic``); 1e-2 keeps it from interpolating (docs/QUALITY.md, MiniLM).
+        epochs: passes of full fine-tuning over the training examples (each pass after the first
+            in a new seeded order).
     """
 
     seed: int = 0
@@ -81,9 +87,17 @@ class MiniLMConfig:
     batch_size: int = 16
     lr: float = 5e-5
     probe_steps: int = 200
+    probe_l2: float = 0.0
+    epochs: int = 1
 
     def key(self) -> str:
-        blob = json.dumps({"format": FORMAT, **asdict(self)}, sort_keys=True)
+        """16 hex chars naming the cache entry; fields added after format 1 enter it only when
+        they differ from their defaults, so the keys of existing entries do not change."""
+        fields_ = asdict(self)
+        for k, default in (("probe_l2", 0.0), ("epochs", 1)):
+            if fields_[k] == default:
+                del fields_[k]
+        blob = json.dumps({"format": FORMAT, **fields_}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -270,21 +284,30 @@ def _train_task(
     opt = torch.optim.Adam(head.parameters(), lr=1e-2)
     for _ in range(cfg.probe_steps):
         opt.zero_grad()
-        F.cross_entropy(head(feats), y).backward()
+        loss = F.cross_entropy(head(feats), y)
+        if cfg.probe_l2:
+            loss = loss + cfg.probe_l2 * head.weight.pow(2).sum()
+        loss.backward()
         opt.step()
     with torch.no_grad():
         lp_acc = float((head(feats).argmax(-1) == y).float().mean())
     model.train()
     params = list(model.parameters()) + list(head.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    steps = max(1, len(texts) // cfg.batch_size)
+    per_epoch = max(1, len(texts) // cfg.batch_size)
+    steps = per_epoch * cfg.epochs
+    order = list(range(len(texts)))
+    for e in range(1, cfg.epochs):  # epoch 0 in data order (the format-1 recipe), then reshuffled
+        perm = torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed + e)).tolist()
+        order += perm
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / steps)
     t0, ema = time.perf_counter(), None
     for s in range(steps):
-        sl = slice(s * cfg.batch_size, (s + 1) * cfg.batch_size)
-        enc = tok(texts[sl], padding=True, truncation=True, max_length=cfg.seq_len, return_tensors="pt")
+        e, b = divmod(s, per_epoch)
+        idx = order[e * len(texts) + b * cfg.batch_size : e * len(texts) + (b + 1) * cfg.batch_size]
+        enc = tok([texts[i] for i in idx], padding=True, truncation=True, max_length=cfg.seq_len, return_tensors="pt")
         logits = head(mean_pool(model(**enc).last_hidden_state, enc["attention_mask"]))
-        loss = F.cross_entropy(logits, y[sl])
+        loss = F.cross_entropy(logits, y[idx])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()

@@ -64,3 +64,20 @@ def test_an_entry_built_before_the_calibration_set_gets_it_in_place(tmp_path):
     assert len(cal) == 36 and set(cal) <= train and not set(cal) & held
     assert load_testbed(entry).calibration == entry / CALIBRATION
     assert json.loads((entry / "testbed.json").read_text())["tasks"] == meta["tasks"]  # the rest unchanged
+
+
+def test_recipe_fields_added_later_keep_the_keys_of_existing_entries():
+    """probe_l2 and epochs enter the cache key only when set: entries built with format 1 keep
+    their keys; a changed recipe gets a new entry."""
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    from mergepipe_zoo.minilm import FORMAT
+
+    for cfg in (MiniLMConfig(), MiniLMConfig(seed=2)):
+        old = {k: v for k, v in asdict(cfg).items() if k not in ("probe_l2", "epochs")}
+        blob = json.dumps({"format": FORMAT, **old}, sort_keys=True)
+        assert cfg.key() == hashlib.sha256(blob.encode()).hexdigest()[:16]
+    keys = {MiniLMConfig().key(), MiniLMConfig(probe_l2=1e-2).key(), MiniLMConfig(epochs=2).key()}
+    assert len(keys) == 3
