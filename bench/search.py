@@ -442,10 +442,18 @@ def main() -> None:
     ap.add_argument("--arms", default=",".join(A_ARMS))
     ap.add_argument("--cost-arms", default=",".join(B_ARMS))
     ap.add_argument("--report-only", action="store_true", help="tables and figures from <work>/results.json")
+    ap.add_argument(
+        "--partial",
+        action="store_true",
+        help="tables and figures from the finished runs of a run still going (whole seeds only)",
+    )
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     if args.report_only:
         report(json.loads((args.work / "results.json").read_text()), args.work, args.figures)
+        return
+    if args.partial:
+        partial(args)
         return
 
     from mergepipe_zoo import ZooConfig, build_zoo
@@ -512,6 +520,42 @@ def main() -> None:
     }
     res = rel_paths_in(res)
     (args.work / "results.json").write_text(json.dumps(res))
+    report(res, args.work, args.figures)
+
+
+def partial(args) -> None:
+    """Report the seeds whose every arm has finished (reads ``run.json`` files; recomputes the
+    reference losses, three evaluations)."""
+    from mergepipe_zoo import ZooConfig, build_zoo
+    from mergepipe_zoo.zoo import ZOO_FORMAT
+
+    zcfg = ZooConfig.tiny()
+    zoo = build_zoo(config=zcfg)
+    ev = Evals(zoo, Path("/nonexistent"), args.search_windows)
+    ref_metrics = {"base": ev.compute(zoo.base)} | {n: ev.compute(zoo.experts[n]) for n in DOMAINS}
+    worse = [max(ref_metrics[n][o] for n in DOMAINS) for o in OBJ]
+    runs: dict = {"A": {}, "B": {}}
+    arms = {"A": [x for x in args.arms.split(",") if x], "B": [x for x in args.cost_arms.split(",") if x]}
+    for seed in range(args.seeds):
+        got = {}
+        for prob, names in arms.items():
+            for arm in names:
+                f = args.work / prob / arm / f"s{0 if arm == 'grid' else seed}" / "run.json"
+                if not f.exists():
+                    break
+                got[(prob, arm)] = json.loads(f.read_text())["run"]
+        if len(got) < sum(len(v) for v in arms.values()):
+            break
+        for (prob, arm), r in got.items():
+            runs[prob].setdefault(arm, []).append(r)
+    res = {
+        "machine": {"load_start": None, "load_end": os.getloadavg()},
+        "zoo": {"key": zcfg.key(), "format": ZOO_FORMAT, "seed": zcfg.seed},
+        "reference": {"metrics": ref_metrics, "ref_point": {"A": worse, "B": worse + [1.1]}},
+        "cache": {"hits": None, "misses": None},
+        "total_s": 0.0,
+        "runs": runs,
+    }
     report(res, args.work, args.figures)
 
 
@@ -751,7 +795,8 @@ def plots(res: dict, an: dict, figures: Path) -> None:
 
     figures.mkdir(parents=True, exist_ok=True)
     A = res["runs"]["A"]
-    colors = {a: f"C{i}" for i, a in enumerate(A)}
+    cmap = plt.get_cmap("tab20")
+    colors = {a: cmap(i % 20) for i, a in enumerate(A)}
     fig, ax = plt.subplots(1, 3, figsize=(17, 5))
     for arm, runs in A.items():
         E = max(r["hv"][-1][0] for r in runs)
