@@ -12,7 +12,7 @@ on the module's ``<module>.weight`` tensor of the base, and 0 on every other ten
 ``re.match(rf"(.*\\.)?({key})$", module)``, first key wins).
 
 Rows ``[r0, r1)`` of δ need only rows ``[r0, r1)`` of ``B`` and all of ``A``: the catalog
-computes its block statistics a chunk of rows at a time, and the engine reads ``A`` and the
+computes its block statistics one block of δ at a time, and the engine reads ``A`` and the
 rows of ``B`` it merges, never a materialised δ (:func:`delta_rows`). The product is computed in
 float64 with a fixed summation order over the rank (products of float32 factors are exact in
 float64) and rounded once to float32, so it does not depend on how rows are chunked, on the

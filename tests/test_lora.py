@@ -533,3 +533,30 @@ def test_extract_lora_refusals(zoo, tmp_path, monkeypatch, capsys):
     )
     assert code == 2 and "--rank" in err and not (tmp_path / "o").exists()
     assert not any(p.name.startswith(".o.") for p in tmp_path.iterdir())
+
+
+def test_analysis_from_factors_does_not_depend_on_chunking(zoo, tmp_path):
+    """The catalog's statistics of a LoRA expert (formed block by block from A and B) are the same
+    whether a chunk is one block or the whole tensor, and the analysis reads the factors only."""
+    import numpy as np
+
+    from mergepipe.catalog.catalog import Catalog
+    from mergepipe.storage.base import IOCounters
+    from mergepipe.storage.local import LocalStorage
+
+    base, (a1, _), _ = zoo["base"], zoo["adapters"], zoo["full"]
+    got = []
+    for i, chunk in enumerate((1, 1 << 30)):
+        st = LocalStorage(IOCounters())
+        cat = Catalog(tmp_path / f"c{i}.sqlite")
+        b, e = cat.register(st, str(base)), cat.register(st, f"{a1}", kind="lora")
+        (an,) = cat.analyze(st, b, [e], block_bytes=4096, chunk_bytes=chunk)
+        got.append(an)
+        assert st.counters.snapshot()["read"]["expert"] == _factor_bytes(a1)
+    x, y = got
+    assert x.tensors.keys() == y.tensors.keys()
+    for n, s in x.tensors.items():
+        t = y.tensors[n]
+        for f in ("sq_norm", "l1", "max_abs", "hist_keys", "hist_counts", "sums"):
+            assert np.array_equal(getattr(s, f), getattr(t, f), equal_nan=True), (n, f)
+        assert s.content_sha256 == t.content_sha256

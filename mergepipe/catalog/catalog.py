@@ -732,10 +732,11 @@ def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, 
             bsq = (b64 * b64).reshape(-1, row_numel).sum(axis=1) if stat_readers else None
             deltas = {}
             for e in readers:
-                if e.adapter is not None:  # a LoRA expert: δ rows from its factors, never its full weight
-                    x, d = _lora_chunk(storage, base, e, name, r0, r1, b, b64, lora_a, hashes.get(e.identity))
-                    if e.identity in bs:
-                        bs[e.identity].add(r0, d, expert=x, base=b64, base_sq_rows=bsq)
+                if e.adapter is not None:  # a LoRA expert: δ from its factors, one block at a time
+                    d = _lora_blocks(
+                        storage, base, e, name, r0, r1, rpb, row_numel, b64 if b64 is not None else b,
+                        bsq, lora_a, hashes.get(e.identity), bs.get(e.identity), e.identity in held,
+                    )  # fmt: skip
                     if e.identity in held:
                         deltas[e.identity] = d
                     continue
@@ -769,28 +770,49 @@ def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, 
     return builders, dots, base_digests, {i: b"".join(v) for i, v in blobs.items()}
 
 
-def _lora_chunk(storage, base, e, name, r0, r1, b, b64, a_cache, h):
-    """Rows ``[r0, r1)`` of a LoRA expert ``e`` on base tensor ``name``: ``(θ_e, δ)`` with
-    ``δ = s·B·A`` from its factors (A read once per tensor into ``a_cache``, the rows of B per
-    chunk; role expert, the factor bytes fed to ``h``) and ``θ_e = θ_b + δ`` (float64); δ = 0 on
-    tensors the adapter does not touch (nothing read)."""
+def _lora_blocks(storage, base, e, name, r0, r1, rpb, row_numel, b64, bsq, a_cache, h, builder, keep):
+    """Statistics of rows ``[r0, r1)`` of a LoRA expert ``e`` on base tensor ``name``, from its
+    factors, never holding more than one block of δ (unless ``keep``: pair statistics need the
+    chunk's δ, which is then returned).
+
+    ``δ = s·B·A`` (:func:`mergepipe.lora.delta_rows`): A is read once per tensor (into
+    ``a_cache``), the chunk's rows of B in one read (role expert; the factor bytes are fed to
+    ``h``, the tensor's content hash), then δ and ``θ_e = θ_b + δ`` (float64) are formed block by
+    block (``rpb`` rows; ``r0`` is a block boundary) and added to ``builder``. Tensors the
+    adapter does not touch have δ = 0 and read nothing.
+
+    Returns:
+        float32 flat δ of the chunk when ``keep``, else None.
+    """
     mod = lora_map(base, e).get(name)
-    if mod is None:
-        return b64 if b64 is not None else b, np.zeros(b.shape, dtype=np.float32)
-    uri = storage.join(e.uri, mod.a.file)
-    a = a_cache.get(e.identity)
-    if a is None:
-        raw_a = storage.read_range(uri, mod.a.start, mod.a.end, "expert")
+    a = bm = None
+    if mod is not None:
+        a = a_cache.get(e.identity)
+        if a is None:
+            raw_a = storage.read_range(storage.join(e.uri, mod.a.file), mod.a.start, mod.a.end, "expert")
+            if h is not None:
+                h.update(raw_a)
+            a = a_cache[e.identity] = decode(raw_a, mod.a.dtype).reshape(mod.a.shape)
+        s, t = mod.b.row_range(r0, r1)
+        raw_b = storage.read_range(storage.join(e.uri, mod.b.file), s, t, "expert")
         if h is not None:
-            h.update(raw_a)
-        a = a_cache[e.identity] = decode(raw_a, mod.a.dtype).reshape(mod.a.shape)
-    s, t = mod.b.row_range(r0, r1)
-    raw_b = storage.read_range(storage.join(e.uri, mod.b.file), s, t, "expert")
-    if h is not None:
-        h.update(raw_b)
-    d = delta_rows(a, decode(raw_b, mod.b.dtype).reshape(r1 - r0, mod.rank), mod.scale).reshape(-1)
-    x = (b64 if b64 is not None else b.astype(np.float64)) + d
-    return x, d
+            h.update(raw_b)
+        bm = decode(raw_b, mod.b.dtype).reshape(r1 - r0, mod.rank)
+    parts = []
+    for q0 in range(r0, r1, rpb):
+        q1 = min(r1, q0 + rpb)
+        lo, hi = (q0 - r0) * row_numel, (q1 - r0) * row_numel
+        bq = np.asarray(b64[lo:hi], dtype=np.float64)
+        if mod is None:
+            d = np.zeros(hi - lo, dtype=np.float32)
+        else:
+            d = delta_rows(a, bm[q0 - r0 : q1 - r0], mod.scale).reshape(-1)
+        if builder is not None:
+            bsq_q = bsq[q0 - r0 : q1 - r0] if bsq is not None else None
+            builder.add(q0, d, expert=bq + d, base=bq, base_sq_rows=bsq_q)
+        if keep:
+            parts.append(d)
+    return np.concatenate(parts) if keep else None
 
 
 def _hash_tensors(storage, rec: CheckpointRecord, names: Sequence[str], step: int = 16 << 20) -> dict[str, str]:
