@@ -237,16 +237,21 @@ def init_db(catalog: CatalogOpt = None, json_out: JsonOpt = False):
 
 @app.command()
 def register(
-    uris: Annotated[list[str], typer.Argument(help="Checkpoint folders or s3:// prefixes")],
+    uris: Annotated[
+        list[str], typer.Argument(help="Checkpoint folders or s3:// prefixes (lora:PATH: a PEFT LoRA adapter)")
+    ],
     catalog: CatalogOpt = None,
     json_out: JsonOpt = False,
 ):
     """Register checkpoints: read their shard headers and record layout and identity digest."""
+    from mergepipe.lora import split_kind
+
     c = _catalog(catalog)
     out = []
-    for u in uris:
+    for u0 in uris:
+        kind, u = split_kind(u0)
         st = _storage_for(u)
-        r = c.register(st, u)
+        r = c.register(st, u, kind=kind)
         out.append(
             {
                 "uri": r.uri,
@@ -255,6 +260,7 @@ def register(
                 "shards": len(r.layout.shards),
                 "total_bytes": r.total_bytes,
                 "header_bytes_read": st.counters.snapshot()["read"]["catalog"],
+                **({"adapter": r.adapter.summary()} if r.adapter is not None else {}),
             }
         )
     if json_out:

@@ -282,6 +282,10 @@ def test_ties_mixed_lora_and_full_expert(zoo, tmp_path, monkeypatch, capsys):
 
 def test_adapter_detected_from_folder_and_explained(zoo, tmp_path, monkeypatch, capsys):
     base, (a1, _), _ = zoo["base"], zoo["adapters"], zoo["full"]
+    code, so, err = run_cli(["register", f"lora:{a1}", "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    reg = json.loads(so)
+    assert reg["adapter"]["r"] == 4 and reg["total_bytes"] == (a1 / "adapter_model.safetensors").stat().st_size
     p = tmp_path / "plan.json"
     code, so, err = run_cli(
         ["plan", "--base", str(base), "-e", str(a1), "--method", "task_arithmetic", "--out", str(p), "--json"],
