@@ -170,7 +170,7 @@ def run_demo(
             r["model"],
             "-"
             if "expert_read_bytes" not in r
-            else ("unlimited" if r["budget"] is None else f"{r['budget'] / 2**20:.1f} MiB"),
+            else ("unlimited" if r["budget"] is None else f"{r['budget'] / 2**20:.2f} MiB"),
             "-"
             if "expert_read_bytes" not in r
             else f"{r['expert_read_bytes'] / 2**20:.2f} MiB of {r['expert_bytes_total'] / 2**20:.2f}"
