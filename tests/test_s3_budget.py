@@ -39,7 +39,11 @@ def minilm_family(tmp_path_factory):
     return make_minilm_family(tmp_path_factory.mktemp("minilm"), 3, seed=3, keep=_keep)
 
 
-def test_s3_plan_spends_the_budget_like_local(minilm_family, s3_env, tmp_path):
+@pytest.mark.parametrize("sketch", ["none", "sign3"])
+def test_s3_plan_spends_the_budget_like_local(minilm_family, s3_env, tmp_path, sketch):
+    """Read-or-skip plans (sketch none) bridge coalescing gaps on S3; tiered plans (sign3, the
+    default) read with gap 0. Either way the plan spends the budget like the local one and every
+    byte read is a selected block or a selected block's sketch."""
     import os
 
     base, experts = minilm_family
@@ -61,6 +65,7 @@ def test_s3_plan_spends_the_budget_like_local(minilm_family, s3_env, tmp_path):
             str(tmp_path / f"l{frac}"),
             ["density=0.5"],
             budget=frac,
+            sketch=sketch,
             catalog=Catalog(tmp_path / "l.sqlite"),
             storage=open_storage(None, IOCounters()),
         )
@@ -72,6 +77,7 @@ def test_s3_plan_spends_the_budget_like_local(minilm_family, s3_env, tmp_path):
             f"s3://{bucket}/out{frac}",
             ["density=0.5"],
             budget=frac,
+            sketch=sketch,
             catalog=Catalog(tmp_path / "s.sqlite"),
             storage=st,
         )
@@ -99,5 +105,11 @@ def test_s3_plan_spends_the_budget_like_local(minilm_family, s3_env, tmp_path):
         )
         assert rem.plan.retained_energy >= 0.99 * loc.plan.retained_energy
         # the bridged gap blocks are merged, not read and dropped: every read byte is a selected block
-        sel = sum(te.bytes * tp.passes for tp in rem.plan.tensors for te in tp.experts)
+        sel = sum((te.bytes + te.sketch_bytes) * tp.passes for tp in rem.plan.tensors for te in tp.experts)
         assert sel == realized
+        if sketch == "none":
+            assert rem.plan.io.sketch_read_bytes == 0 and not any(
+                te.sketch_blocks for tp in rem.plan.tensors for te in tp.experts
+            )
+        else:
+            assert rem.plan.coalesce_gap == 0 and rem.plan.io.sketch_read_bytes > 0
