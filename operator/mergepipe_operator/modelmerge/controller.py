@@ -75,6 +75,12 @@ from .spec import format_issues, requested_budget, validate_merge_spec
 log = logging.getLogger("mergepipe.operator")
 
 
+def _is_merge_job(job: dict[str, Any]) -> bool:
+    """A ModelMerge's merge Job (label component ``merge``, or none: Jobs of older operators), not
+    its analyze Job."""
+    return (job["metadata"].get("labels") or {}).get(LABEL_COMPONENT, "merge") == "merge"
+
+
 def _count_commit(facts: Any, raw: bytes) -> None:
     """Prometheus: one more committed merge, its realized bytes per role and its wall time."""
     COMMITTED.inc()
@@ -225,11 +231,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             )
         uri = plan_uri(self.settings, ns, name, plan.digest)
         self.store.put(uri, plan.plan_json)
-        merge_jobs = [
-            j
-            for j in self.kube.list(JOBS, ns, f"{LABEL_MERGE}={label_value(name)}")
-            if (j["metadata"].get("labels") or {}).get(LABEL_COMPONENT, "merge") == "merge"
-        ]
+        merge_jobs = [j for j in self.kube.list(JOBS, ns, f"{LABEL_MERGE}={label_value(name)}") if _is_merge_job(j)]
         choice = choose_job(merge_jobs, ANN_PLAN_DIGEST, plan.digest, gen)
         job = choice.follow
         if job is None:
@@ -473,7 +475,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         old_job_name = old.get("jobName")
         old_started = True
         for job in self.kube.list(JOBS, ns, f"{LABEL_MERGE}={label_value(name)}"):
-            if (job["metadata"].get("labels") or {}).get(LABEL_COMPONENT, "merge") != "merge":
+            if not _is_merge_job(job):
                 continue  # analyze Jobs are not superseded: their statistics serve any plan
             if (job["metadata"].get("annotations") or {}).get(ANN_PLAN_DIGEST) != digest:
                 if job["metadata"]["name"] == old_job_name:
@@ -667,7 +669,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         meta, status = body["metadata"], body.get("status") or {}
         ns, name = meta["namespace"], meta["name"]
         jobs = self.kube.list(JOBS, ns, f"{LABEL_MERGE}={label_value(name)}")
-        merge_jobs = [j for j in jobs if (j["metadata"].get("labels") or {}).get(LABEL_COMPONENT, "merge") == "merge"]
+        merge_jobs = [j for j in jobs if _is_merge_job(j)]
         job_name = status.get("jobName")
         started = any(self._job_started(ns, j) for j in merge_jobs) or bool(
             job_name and job_name not in {j["metadata"]["name"] for j in merge_jobs}
