@@ -171,8 +171,9 @@ def build_plan(
             ``"fisher"`` when a calibration set is given (it kept more of the full merge's gain
             in docs/QUALITY.md), ``"energy"`` otherwise.
         sketch: fidelity tiers (``"none"``, ``"sign1"``..``"sign3"``, see :class:`SelectionOptions`); default
-            :data:`mergepipe.catalog.sketch.DEFAULT_SKETCH` (it kept more of the full merge's
-            gain in docs/QUALITY.md).
+            the request's ``sketch`` (:attr:`MergeRequest.sketch`, how the operator passes
+            ``spec.sketch``), else :data:`mergepipe.catalog.sketch.DEFAULT_SKETCH` (it kept more
+            of the full merge's gain in docs/QUALITY.md).
 
     Raises:
         InputError: the request is invalid, or a checkpoint is missing or incompatible.
@@ -238,7 +239,7 @@ def build_plan(
             fidelity=req.fidelity,
             value=value,
             calibration=cal.digest if (cal is not None and fisher) else None,
-            sketch=DEFAULT_SKETCH if sketch is None else sketch,
+            sketch=sketch if sketch is not None else req.sketch if req.sketch is not None else DEFAULT_SKETCH,
         ),
         EngineOptions(work_bytes=work_bytes, coalesce_gap=gap),
     )

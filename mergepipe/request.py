@@ -122,6 +122,10 @@ class MergeRequest(BaseModel):
         output: where the snapshot is committed (folder or ``s3://`` prefix); None when only
             planning.
         options: output dtype and what is recorded (:class:`RequestOptions`).
+        sketch: fidelity tiers under a budget or fidelity target (``"none"``, ``"sign1"``,
+            ``"sign2"``, ``"sign3"``: :mod:`mergepipe.catalog.sketch`); None: the planner's
+            default (:data:`mergepipe.catalog.sketch.DEFAULT_SKETCH`). ``build_plan``'s own
+            ``sketch`` argument (the CLI's ``--sketch``) overrides it.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -135,6 +139,7 @@ class MergeRequest(BaseModel):
     seed: int = 0
     output: str | None = None
     options: RequestOptions = Field(default_factory=RequestOptions)
+    sketch: str | None = None
 
     @property
     def names(self) -> list[str]:
@@ -185,6 +190,12 @@ class MergeRequest(BaseModel):
         elif self.budget is not None and self.budget < 0:
             problem = f"{self.budget} is negative; give bytes like 512MiB or a percentage like 25%."
             raise InputError(f"{w(('budget',))}: {problem}", loc=("budget",), problem=problem)
+        if self.sketch is not None:
+            from mergepipe.catalog.sketch import SKETCH_KINDS
+
+            if self.sketch not in SKETCH_KINDS:
+                problem = f"{short_repr(self.sketch)}: use one of {', '.join(SKETCH_KINDS)}."
+                raise InputError(f"{w(('sketch',))} {problem}", loc=("sketch",), problem=problem)
         self._check_budget_supported(params, w)
         return ResolvedRequest(self, params, w)
 

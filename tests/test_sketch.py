@@ -324,3 +324,23 @@ def test_select_tiers_by_hand():
     assert ex.all() and not lv.any()  # unlimited: everything exact
     ex, lv = _select_tiers(values, costs, sv, sc, None, 0.5)  # 12.5 of 25: b0 level 1 (6), b2 level 2 (9)
     assert list(lv) == [1, 0, 2] and not ex.any()
+
+
+def test_a_requests_sketch_is_checked_and_named_in_the_front_ends_terms():
+    """MergeRequest.sketch (how the operator passes spec.sketch) is validated with the rest of the
+    request; a bad value names the field (--sketch on the command line)."""
+    from mergepipe.errors import InputError
+
+    def req(kind):
+        return MergeRequest(base="b", experts=[ExpertRequest(name="e0", uri="e")], method="ties", sketch=kind)
+
+    assert req(None).resolve().request.sketch is None
+    assert [req(k).resolve().request.sketch for k in ("none", "sign1", "sign2", "sign3")] == [
+        "none",
+        "sign1",
+        "sign2",
+        "sign3",
+    ]
+    with pytest.raises(InputError) as e:
+        req("sign9").resolve()
+    assert e.value.loc == ("sketch",) and str(e.value) == "--sketch 'sign9': use one of none, sign1, sign2, sign3."

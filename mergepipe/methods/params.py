@@ -102,6 +102,7 @@ _CLI_FIELDS = {
     "fidelity": "--fidelity",
     "seed": "--seed",
     "output": "--out",
+    "sketch": "--sketch",
 }
 
 

@@ -35,6 +35,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
+from mergepipe.catalog.sketch import SKETCH_KINDS
 from mergepipe.methods.registry import METHODS as CORE_METHODS
 
 GROUP = "mergepipe.io"
@@ -367,6 +368,17 @@ class ModelMergeSpec(K8sModel):
             "Fisher sensitivity on the calibration set; the default when there is one) or energy."
         ),
     )
+    sketch: Literal[SKETCH_KINDS] | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description=(
+            "Fidelity tiers under a budget or fidelity target: signK lets the planner merge an expert "
+            "block from the first k <= K (1-3) residual sign planes of its sketch (recorded by the "
+            "analyze Job; their bytes count against the same budget) instead of reading it exactly "
+            "or skipping it; none: read exactly or skip. Only the task-arithmetic family (linear, "
+            "task_arithmetic, ties, dare_*, breadcrumbs*, della*) uses tiers; an unbounded merge reads "
+            "every block exactly. Default: the operator's (chart value merges.sketch), else sign3."
+        ),
+    )
     output: OutputSpec
     seed: Seed | None = Field(default=None, description="Seed of random sparsification (DARE, DELLA): 0 to 2^53-1.")
     resources: ResourcesSpec | None = None
@@ -429,6 +441,21 @@ class PlanStatus(K8sModel):
     retained_energy: Annotated[float, Field(ge=0, le=1)] | None = Field(
         default=None,
         description="Fraction of the task-vector energy the selected blocks retain (1: every block of every expert is read).",
+    )
+    sketch: Literal[SKETCH_KINDS] | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description=(
+            "Fidelity tiers the plan was made with (spec.sketch or the operator's default); none when "
+            "it reads every expert block exactly or skips it (no budget or fidelity target, a method "
+            "outside the task-arithmetic family, or sketch none)."
+        ),
+    )
+    sketch_read_bytes: NonNegInt | None = Field(
+        default=None,
+        description=(
+            "Of estimated.expertReadBytes, the bytes of block sketches the plan reads (charged to the "
+            "budget and the MergeQuota like any expert byte); 0 without tiers."
+        ),
     )
 
 

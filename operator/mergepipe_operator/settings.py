@@ -66,6 +66,9 @@ class Settings:
     #: calibration set (s3:// JSON lines) of merges whose spec names none: their plans use the
     #: fisher block value, and the analyze Job records the base's sensitivity on it
     calibration_uri: str | None = None
+    #: fidelity tiers (``none``, ``sign1``..``sign3``) of merges whose spec sets no ``sketch``
+    #: (chart ``merges.sketch``); None: the core's default (:data:`mergepipe.catalog.sketch.DEFAULT_SKETCH`)
+    sketch: str | None = None
     # merges
     default_budget: str | None = None
     gpu_resource_name: str = "nvidia.com/gpu"
@@ -126,6 +129,12 @@ class Settings:
                 raise ValueError(str(e)) from None
             if bytes_per_part < 1:
                 raise ValueError(f"{ENV_PREFIX}BYTES_PER_PART must be at least 1 byte")
+        sketch = _opt(env, "SKETCH")
+        if sketch is not None:
+            from mergepipe.catalog.sketch import SKETCH_KINDS
+
+            if sketch not in SKETCH_KINDS:
+                raise ValueError(f"{ENV_PREFIX}SKETCH must be one of {', '.join(SKETCH_KINDS)}, got {sketch!r}")
         ns = _opt(env, "WATCH_NAMESPACES")
         return cls(
             merger_image=_opt(env, "MERGER_IMAGE") or d.merger_image,
@@ -138,6 +147,7 @@ class Settings:
             catalog_uri=_opt(env, "CATALOG_URI"),
             plan_prefix=_opt(env, "PLAN_PREFIX"),
             calibration_uri=_opt(env, "CALIBRATION_URI"),
+            sketch=sketch,
             default_budget=_opt(env, "DEFAULT_BUDGET"),
             gpu_resource_name=_opt(env, "GPU_RESOURCE_NAME") or d.gpu_resource_name,
             gpu_count=gpu_count,

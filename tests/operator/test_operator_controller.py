@@ -4,6 +4,7 @@ SeaweedFS, test_operator_planning.py the real planner)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import threading
@@ -1046,3 +1047,45 @@ def test_a_resumed_merge_is_charged_what_every_attempt_read(settings):
     assert q["status"]["ledger"][0]["state"] == "Charged" and q["status"]["used"]["expertReadBytes"] == 7 * GI
     facts = snapd.manifest_facts(json.loads(store.get("s3://snapshots/mm1/manifest.json")))
     assert facts.spent_expert_bytes == 7 * GI and facts.earlier["expertReadBytes"] == 2 * GI
+
+
+class SketchPlanner(Planner):
+    """Records the spec it plans; a spec with fidelity tiers (``sketch`` other than none) plans
+    a quarter of its expert reads from block sketches (what plan_merge reports)."""
+
+    def __init__(self):
+        super().__init__()
+        self.specs = []
+
+    def __call__(self, spec, catalog_uri):
+        self.specs.append(spec)
+        p = super().__call__(spec, catalog_uri)
+        kind = spec.get("sketch") or "sign3"  # the core's default
+        if kind == "none" or spec.get("budget") is None:
+            return p
+        return dataclasses.replace(p, sketch=kind, sketch_read_bytes=p.expert_read_bytes // 4)
+
+
+def test_spec_sketch_or_the_operators_default_reaches_the_plan_and_its_status(settings):
+    """spec.sketch goes to the planner as is; a merge without one gets the chart's merges.sketch
+    (none without it: the core's default); status.plan records the tiers and the sketch bytes,
+    the Planned condition says how many of the expert reads are sketches."""
+    planner = SketchPlanner()
+    c, kube, store, mm = setup(settings, make_quota(), planner=planner)
+    st = c.reconcile_merge(mm)
+    assert "sketch" not in planner.specs[-1]  # the core's default applies
+    assert (st["plan"]["sketch"], st["plan"]["sketchReadBytes"]) == ("sign3", 2 * GI)
+    assert "2Gi of them block sketches, sign3" in cond.get_condition(st["conditions"], "Planned")["message"]
+
+    s = dataclasses.replace(settings, sketch="none")
+    c, kube, store, mm = setup(s, make_quota(), planner=planner)
+    st = c.reconcile_merge(mm)
+    assert planner.specs[-1]["sketch"] == "none"
+    assert (st["plan"]["sketch"], st["plan"]["sketchReadBytes"]) == ("none", 0)
+    assert "block sketches" not in cond.get_condition(st["conditions"], "Planned")["message"]
+    # the merge's own spec.sketch wins over the operator's default
+    c, kube, store, mm = setup(s, make_quota(), planner=planner, mm=make_merge(sketch="sign1"))
+    st = c.reconcile_merge(mm)
+    assert planner.specs[-1]["sketch"] == "sign1" and st["plan"]["sketch"] == "sign1"
+    assert mm["spec"]["sketch"] == "sign1" and "sketch" not in make_merge()["spec"]  # the object is not changed
+

@@ -83,12 +83,13 @@ def test_example_snapshot_status_and_quota_status_validate():
         "expertCount": 3,
         "budget": "10Gi",
         "budgetBytes": 10 * 1024**3,
-        "plan": mmd.plan_status("cd" * 32, "s3://p/x.json", 1, 2, 3, 0.75),
+        "plan": mmd.plan_status("cd" * 32, "s3://p/x.json", 1, 2, 3, 0.75, sketch="sign3", sketch_read_bytes=1),
         "jobName": "llama-cdcdcdcdcd",
         "admission": {"key": "uid.1", "budgetBytes": 1, "clamped": False, "quotas": ["q"]},
         "conditions": cond.set_condition(None, "Ready", "False", "JobRunning", "running", 1, now),
     }
     assert cr_errors(mm) == []
+    assert any("sketch" in e for e in cr_errors(mutate(mm, ("status", "plan", "sketch"), "sign9")))
     flat = copy.deepcopy(mm)  # the flat plan fields of earlier versions are gone from the schema
     flat["status"]["planDigest"] = flat["status"].pop("plan")["digest"]
     assert any("planDigest" in e for e in cr_errors(flat))
@@ -135,6 +136,8 @@ SCHEMA_REJECTS = [
     (("spec", "calibration", "uri"), "/local/calibration.jsonl"),
     (("spec", "calibration"), {"configMap": "cal"}),
     (("spec", "blockValue"), "magnitude"),
+    (("spec", "sketch"), "sign4"),
+    (("spec", "sketch"), "Sign3"),
 ]
 
 

@@ -252,6 +252,7 @@ def test_values_reach_the_operator_settings(chart):
     assert s.metrics_port == 9090 and s.watch_namespaces == ()
     assert (s.quota_retry_seconds, s.analyze_poll_seconds) == (300, 15)
     assert (s.max_parallelism, s.bytes_per_part) == (8, 100 * 1024**3)
+    assert s.sketch is None  # the core's default tiers (sign3)
 
     custom = settings_from(deployment(render(chart, values_of(CHART / "ci" / "custom-values.yaml"))))
     assert custom.merger_image == "registry.internal/mergepipe/merger:0.1.0-rocm"
@@ -266,13 +267,14 @@ def test_values_reach_the_operator_settings(chart):
     assert custom.tolerations == [{"key": "amd.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert (custom.default_budget, custom.backoff_limit, custom.image_pull_policy) == ("512MiB", 0, "Always")
     assert (custom.max_parallelism, custom.bytes_per_part) == (4, 50 * 1024**3)
+    assert custom.sketch == "none"
     _, env = operator_env(deployment(render(chart, values_of(CHART / "ci" / "custom-values.yaml"))))
     assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": "minio-creds", "key": "accesskey"}
 
     cpu = settings_from(deployment(render(chart, values_of(CHART / "ci" / "namespaced-cpu-values.yaml"))))
     assert cpu.gpu_count == 0 and cpu.watch_namespaces == ("team-a", "team-b") and cpu.metrics_port is None
     assert (cpu.cpu, cpu.memory, cpu.default_budget, cpu.quota_retry_seconds) == ("8", "64Gi", "10Gi", 120)
-    assert cpu.analyze_poll_seconds == 5
+    assert cpu.analyze_poll_seconds == 5 and cpu.sketch == "sign1"
 
 
 def test_chart_ships_the_generated_crds(chart):
@@ -326,6 +328,8 @@ def test_replicas_run_kopf_peering(chart, watch):
         {"watchNamespaces": ["Team_A"]},
         {"s3": {"endpoint": "ftp://x"}},
         {"merges": {"defaultBudget": "10 GB"}},
+        {"merges": {"sketch": "sign4"}},
+        {"merges": {"sketch": "None"}},
         {"catalog": {"uri": "/data/catalog"}},
         {"logLevel": "verbose"},
         {"replicas": 0},  # (more than 1 runs kopf peering: test_replicas_run_kopf_peering)

@@ -461,6 +461,40 @@ def test_merge_end_to_end_analyze_plan_merge_commit_charge_delete(cluster):
     assert ledger[f"{uid}.1"]["bytes"] == realized and ledger[f"{uid}.2"]["state"] == "Charged"  # settled
 
 
+@pytest.mark.slow
+def test_spec_sketch_none_and_sign3_plan_differently_and_the_manifest_records_the_tiers(cluster):
+    """Two merges alike but for spec.sketch under one small budget: none reads or skips blocks,
+    sign3 spends part of the budget on block sketches (status.plan.sketchReadBytes, another
+    digest, more energy kept); the sign3 merge Job runs the plan object (no extra arguments) and
+    its committed manifest records the sketched blocks by level and the sketch bytes."""
+    c = cluster
+    budget = 20_000
+    outs = {kind: f"{c.out}/snapshots/tiers-{kind}/" for kind in ("none", "sign3")}
+    with operator():
+        for kind, out in outs.items():
+            c.merge(f"tiers-{kind}", out=out, budget=budget, sketch=kind)
+        st = {kind: c.wait_reason(f"tiers-{kind}", "JobRunning")["status"] for kind in outs}
+        none, tiered = st["none"]["plan"], st["sign3"]["plan"]
+        assert (none["sketch"], none["sketchReadBytes"]) == ("none", 0)
+        assert tiered["sketch"] == "sign3"
+        assert 0 < tiered["sketchReadBytes"] <= tiered["estimated"]["expertReadBytes"] <= budget
+        assert none["digest"] != tiered["digest"] and tiered["retainedEnergy"] > none["retainedEnergy"]
+        assert "block sketches, sign3" in {x["type"]: x for x in st["sign3"]["conditions"]}["Planned"]["message"]
+        job = c.job("merge", name=st["sign3"]["jobName"])
+        (mc,) = job["spec"]["template"]["spec"]["containers"]
+        assert mc["args"] == ["execute", tiered["uri"], "--out", outs["sign3"], "--resume", "--json"]
+        r = play_job(c.api, job, c.tmp / "merge")
+        assert r.returncode == 0, r.stderr
+        o = c.wait_reason("tiers-sign3", "Committed")
+        manifest, _ = c.manifest(outs["sign3"])
+        assert manifest["plan_digest"] == tiered["digest"] and manifest["sketch"]["kind"] == "sign3"
+        assert sum(manifest["sketch"]["blocks_by_level"].values()) > 0
+        assert manifest["io"]["estimated"]["sketch_read_bytes"] == tiered["sketchReadBytes"]
+        realized = manifest["io"]["realized"]["expert_read_bytes"]
+        assert tiered["sketchReadBytes"] < realized <= tiered["estimated"]["expertReadBytes"] <= budget
+        assert o["status"]["realized"]["expertReadBytes"] == realized
+
+
 #: Python run in a merge pod before the CLI: the pod is killed (SIGKILL, as an OOM kill or a lost
 #: node would) right after its first output file is durable and recorded.
 KILL_AFTER_FIRST_FILE = """

@@ -317,7 +317,13 @@ def test_plan_status_is_nested_and_complete():
             "outputWriteBytes": 30,
         },
         "retainedEnergy": 0.5,
+        "sketch": "none",
+        "sketchReadBytes": 0,
     }
+    tiered = mmd.plan_status(DIGEST, "s3://p/x.json", 10, 20, 30, 0.5, sketch="sign3", sketch_read_bytes=5)
+    assert (tiered["sketch"], tiered["sketchReadBytes"]) == ("sign3", 5)
+    with pytest.raises(ValueError, match="sketchReadBytes"):  # sketch bytes are part of the expert reads
+        mmd.plan_status(DIGEST, "s3://p/x.json", 10, 20, 30, 0.5, sketch="sign3", sketch_read_bytes=21)
     # every key present, so a merge patch replaces an earlier plan's retained energy with "unknown"
     assert mmd.plan_status(DIGEST, "s3://p/x.json", 0, 0, 0, None)["retainedEnergy"] is None
     assert mmd.status_plan_digest({"plan": st}) == DIGEST
@@ -594,6 +600,34 @@ def test_the_spec_is_the_cores_merge_request():
     assert where(("experts", 1, "parameters", "density", 0, "value")) == "spec.experts[1].parameters.density[0].value"
     assert where(("experts", 1, "uri")) == "spec.experts[1].uri" and where(("base",)) == "spec.base.uri"
     assert req.resolve(where).params.experts[2]["weight"] == 1.0
+
+
+def test_spec_sketch_is_the_requests_fidelity_tiers():
+    """spec.sketch reaches the core's request as is; unset leaves the planner's default (None);
+    a value the schema would refuse is refused by the operator's check and, should it reach the
+    core, by the core's validator at spec.sketch."""
+    from mergepipe.errors import InputError
+
+    assert merge_request(make_merge()["spec"]).sketch is None
+    for kind in ("none", "sign1", "sign2", "sign3"):
+        spec = make_merge(sketch=kind)["spec"]
+        assert issues(sketch=kind) == []
+        assert merge_request(spec, budget=GI).sketch == kind
+        assert merge_request(spec, budget=GI).resolve(spec_where(spec)).request.sketch == kind
+    assert paths(sketch="sign4") == {"spec.sketch"} and paths(sketch=True) == {"spec.sketch"}
+    spec = make_merge(sketch="sign4")["spec"]
+    with pytest.raises(InputError) as e:
+        merge_request(spec, budget=GI).resolve(spec_where(spec))
+    assert e.value.loc == ("sketch",) and str(e.value).startswith("spec.sketch 'sign4': use one of none, sign1")
+
+
+def test_the_operators_default_sketch_is_read_and_checked():
+    from mergepipe_operator.settings import Settings
+
+    assert Settings.from_env({}).sketch is None
+    assert Settings.from_env({"MERGEPIPE_SKETCH": "none"}).sketch == "none"
+    with pytest.raises(ValueError, match="MERGEPIPE_SKETCH must be one of none, sign1, sign2, sign3"):
+        Settings.from_env({"MERGEPIPE_SKETCH": "sign4"})
 
 
 def test_analysis_id_is_a_content_address():

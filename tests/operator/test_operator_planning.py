@@ -58,6 +58,49 @@ def test_plan_merge_reads_no_tensor_and_gives_the_worker_its_plan(s3_models, sea
     assert unbounded.budget_bytes is None and unbounded.retained_energy == pytest.approx(1.0)
 
 
+def test_spec_sketch_sets_the_plans_fidelity_tiers_as_the_cli_does(s3_models, seaweed):
+    """spec.sketch none plans read-or-skip (digested as before tiers existed: no sketch field in
+    the plan's semantic JSON), sign3 (also the default) merges some blocks from their sketches
+    within the same budget; each plan is the CLI's plan for the same --sketch (same digest)."""
+    from mergepipe.catalog.objectstore import ObjectCatalog
+    from mergepipe.pipeline import build_plan
+    from mergepipe.planner.plan import Plan
+    from mergepipe_operator.modelmerge.request import merge_request, spec_where
+
+    budget = 20_000
+    spec = merge_spec(s3_models, budget=None)
+    spec["budget"] = budget
+    st = core_storage(seaweed)
+    got = {
+        kind: planning.plan_merge({**spec, "sketch": kind} if kind else spec, s3_models.catalog, storage=st)
+        for kind in ("none", "sign1", "sign3", None)
+    }
+    none, tiered = got["none"], got["sign3"]
+    assert (none.sketch, none.sketch_read_bytes) == ("none", 0) and 0 < none.expert_read_bytes <= budget
+    plan = Plan.from_json(none.plan_json.decode())
+    assert plan.sketch is None and plan.io.sketch_read_bytes == 0 and '"sketch' not in plan.semantic_json()
+    assert tiered.sketch == "sign3" and 0 < tiered.sketch_read_bytes <= tiered.expert_read_bytes <= budget
+    assert got["sign1"].sketch == "sign1" and 0 < got["sign1"].sketch_read_bytes <= budget
+    assert tiered.retained_energy > none.retained_energy  # the same budget keeps more with tiers
+    assert len({none.digest, got["sign1"].digest, tiered.digest}) == 3 and got[None].digest == tiered.digest
+    tplan = Plan.from_json(tiered.plan_json.decode())
+    assert tplan.sketch == "sign3" and any(te.sketch_blocks for t in tplan.tensors for te in t.experts)
+    for kind in ("none", "sign3"):  # the CLI's path: the request without a sketch, --sketch KIND
+        cli = build_plan(
+            ObjectCatalog(st, s3_models.catalog),
+            st,
+            merge_request(spec, budget=budget),
+            where=spec_where(spec),
+            block_bytes=mmd.ANALYZE_BLOCK_BYTES,
+            analyze=False,
+            sketch=kind,
+        )
+        assert cli.digest == got[kind].digest
+    # without a budget every block is read exactly: no tiers whatever spec.sketch says
+    free = planning.plan_merge({**merge_spec(s3_models, budget=None), "sketch": "sign3"}, s3_models.catalog, storage=st)
+    assert (free.sketch, free.sketch_read_bytes) == ("none", 0)
+
+
 def test_layer_wise_parameters_reach_the_plan(s3_models, seaweed):
     from mergepipe.planner.plan import Plan
 

@@ -186,7 +186,7 @@ def test_operator_written_status_is_kept_whole(server):
         "expertCount": 3,
         "budget": "10Gi",
         "budgetBytes": 10 * 1024**3,
-        "plan": mmd.plan_status("cd" * 32, "s3://p/x.json", 1, 2, 3, 0.75),
+        "plan": mmd.plan_status("cd" * 32, "s3://p/x.json", 1, 2, 3, 0.75, sketch="sign2", sketch_read_bytes=1),
         "jobName": "llama-cdcdcdcdcd",
         "parts": {
             k: v for k, v in mmd.parts_status({"status": {"completedIndexes": "0,2", "failed": 1}}, 4).items() if v

@@ -270,6 +270,8 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
                 plan.expert_read_bytes,
                 plan.output_write_bytes,
                 plan.retained_energy,
+                sketch=plan.sketch,
+                sketch_read_bytes=plan.sketch_read_bytes,
             ),
             realized=None,
             expertRead=None,
@@ -289,7 +291,12 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             "Planned",
             "True",
             "Planned",
-            f"plan {plan.digest[:12]}: {human_bytes(plan.expert_read_bytes)} expert reads",
+            f"plan {plan.digest[:12]}: {human_bytes(plan.expert_read_bytes)} expert reads"
+            + (
+                f" ({human_bytes(plan.sketch_read_bytes)} of them block sketches, {plan.sketch})"
+                if plan.sketch_read_bytes
+                else ""
+            ),
             gen,
             now,
         )
@@ -323,6 +330,8 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             planned_spec["budget"] = budget
         if not (planned_spec.get("calibration") or {}).get("uri") and self.settings.calibration_uri:
             planned_spec["calibration"] = {"uri": self.settings.calibration_uri}  # the operator's default
+        if planned_spec.get("sketch") is None and self.settings.sketch:
+            planned_spec["sketch"] = self.settings.sketch  # the operator's default fidelity tiers
         plan = self._call_planner(body, planned_spec, out, conds, gen, now)
         if plan.needs_analysis and self._await_analysis(body, plan, out, conds, gen, now, final=False):
             # the analyze Job completed, possibly after the planner read the catalog: plan again

@@ -152,14 +152,20 @@ def plan_status(
     expert_read_bytes: int,
     output_write_bytes: int,
     retained_energy: float | None,
+    *,
+    sketch: str = "none",
+    sketch_read_bytes: int = 0,
 ) -> dict[str, Any]:
     """A ModelMerge's ``status.plan`` (crd.PlanStatus, camelCase): the plan's digest (64 hex), the
-    URI of the full plan object, its estimated bytes per role and the retained task-vector
-    energy fraction in [0, 1] (``None``: unknown). Every key is present (a merge patch replaces
-    each of them, so nothing of an earlier plan survives).
+    URI of the full plan object, its estimated bytes per role, the retained task-vector
+    energy fraction in [0, 1] (``None``: unknown), the fidelity tiers it was made with
+    (``"none"``, ``"sign1"``..``"sign3"``) and the bytes of block sketches among its expert reads.
+    Every key is present (a merge patch replaces each of them, so nothing of an earlier plan
+    survives).
 
     Raises:
-        ValueError: ``digest`` is not 64 lowercase hex characters, or a byte count is negative.
+        ValueError: ``digest`` is not 64 lowercase hex characters, a byte count is negative, or
+            ``sketch_read_bytes`` exceeds ``expert_read_bytes``.
     """
     if not DIGEST_RE.match(digest or ""):
         raise ValueError(f"plan digest must be 64 lowercase hex characters, got {digest!r}")
@@ -171,11 +177,15 @@ def plan_status(
     for k, v in sizes.items():
         if v is None or int(v) < 0:
             raise ValueError(f"plan {k} must be a byte count >= 0, got {v!r}")
+    if not 0 <= int(sketch_read_bytes) <= int(expert_read_bytes):
+        raise ValueError(f"plan sketchReadBytes must be in [0, expertReadBytes], got {sketch_read_bytes!r}")
     return {
         "digest": digest,
         "uri": uri,
         "estimated": {k: int(v) for k, v in sizes.items()},
         "retainedEnergy": None if retained_energy is None else float(retained_energy),
+        "sketch": sketch,
+        "sketchReadBytes": int(sketch_read_bytes),
     }
 
 

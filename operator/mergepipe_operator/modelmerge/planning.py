@@ -38,6 +38,9 @@ class PlanSummary:
             (:func:`mergepipe.parts.max_useful_parts`).
         calibration_uri: the calibration set the plan uses (``spec.calibration.uri``), or None.
         block_value: the planner's block value (``"energy"`` or ``"fisher"``).
+        sketch: the fidelity tiers the plan was made with (``"none"``, ``"sign1"``..``"sign3"``:
+            ``"none"`` when the plan reads or skips every block, see :attr:`mergepipe.planner.plan.Plan.sketch`).
+        sketch_read_bytes: of ``expert_read_bytes``, the bytes of block sketches the plan reads.
     """
 
     digest: str = ""
@@ -53,6 +56,8 @@ class PlanSummary:
     shards: int = 1
     calibration_uri: str | None = None
     block_value: str = "energy"
+    sketch: str = "none"
+    sketch_read_bytes: int = 0
 
     @property
     def needs_analysis(self) -> bool:
@@ -74,8 +79,9 @@ def plan_merge(spec: dict[str, Any], catalog_uri: str | None, *, storage: Any = 
     """Plan a merge in-process from the catalog's index objects (numpy, no torch).
 
     ``spec`` is the ModelMerge spec with ``budget`` replaced by the admitted budget in bytes (or
-    absent for an unbounded/fidelity-driven plan) and ``calibration`` filled in with the
-    operator's default calibration set when the merge names none. With a calibration set the
+    absent for an unbounded/fidelity-driven plan), ``calibration`` filled in with the
+    operator's default calibration set when the merge names none, and ``sketch`` (the fidelity
+    tiers) with the operator's default when the merge sets none (unset: the core's default). With a calibration set the
     plan's block value is ``spec.blockValue`` (default ``fisher``): the base's sensitivity on it
     must be in the catalog (else ``missing_sensitivity``; the calibration file itself is read, a
     few kB, for its digest). Calls
@@ -129,7 +135,8 @@ def plan_merge(spec: dict[str, Any], catalog_uri: str | None, *, storage: Any = 
             block_value=value,
         )
     except InputError as e:  # the core names the request field (e.loc); message without that prefix
-        field_ = where(e.loc) if e.loc else ("spec.calibration.uri" if "--calibration" in e.problem else "spec")
+        flags = {"--calibration": "spec.calibration.uri", "--sketch": "spec.sketch"}
+        field_ = where(e.loc) if e.loc else next((f for k, f in flags.items() if k in e.problem), "spec")
         raise PlanInputError(e.problem, field_) from None
     fid = plan.retained_energy
     return PlanSummary(
@@ -143,4 +150,6 @@ def plan_merge(spec: dict[str, Any], catalog_uri: str | None, *, storage: Any = 
         shards=max_useful_parts(plan),
         calibration_uri=cal_uri,
         block_value=value,
+        sketch=plan.sketch or "none",
+        sketch_read_bytes=int(plan.io.sketch_read_bytes),
     )

@@ -33,7 +33,8 @@ def spec_settings(spec: Mapping[str, Any]) -> tuple[dict, list[dict]]:
 def merge_request(spec: Mapping[str, Any], *, budget: int | str | None = None) -> MergeRequest:
     """The merge request of a ModelMerge spec: base, experts (named as in status, URIs without the
     trailing slash, as the catalog keys them; ``format: lora`` marks a PEFT LoRA adapter), method, settings (:func:`spec_settings`), ``budget``
-    (the admitted budget in bytes, given by the caller), fidelity, seed and output.
+    (the admitted budget in bytes, given by the caller), fidelity, seed, output and the fidelity
+    tiers (``spec.sketch``; unset: the planner's default, :data:`mergepipe.catalog.sketch.DEFAULT_SKETCH`).
 
     Raises:
         pydantic.ValidationError, KeyError: the spec does not have the CRD's shape (the API
@@ -53,6 +54,7 @@ def merge_request(spec: Mapping[str, Any], *, budget: int | str | None = None) -
         fidelity=spec.get("fidelity"),
         seed=int(spec.get("seed") or 0),
         output=(spec.get("output") or {}).get("uri"),
+        sketch=spec.get("sketch"),
     )
 
 
