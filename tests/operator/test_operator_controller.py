@@ -1089,3 +1089,30 @@ def test_spec_sketch_or_the_operators_default_reaches_the_plan_and_its_status(se
     assert planner.specs[-1]["sketch"] == "sign1" and st["plan"]["sketch"] == "sign1"
     assert mm["spec"]["sketch"] == "sign1" and "sketch" not in make_merge()["spec"]  # the object is not changed
 
+
+def test_a_quota_clamp_on_a_method_that_refuses_budgets_waits_and_says_why(settings):
+    """arcee_fusion reads whole tensors: a Clamp quota with less left than its plan reads does
+    not hand it a budget the core would refuse as if the user had set spec.budget; the merge
+    waits (QuotaExceeded, retried) with a message naming the quota, the clamp and the method."""
+    planner = Planner(full=8 * GI)
+    mm = make_merge(
+        method="arcee_fusion",
+        parameters={},
+        budget=None,
+        experts=[{"name": "code", "uri": "s3://models/code/"}],
+    )
+    c, kube, store, mm = setup(settings, make_quota(bytes_="3Gi", enforcement="Clamp"), planner=planner, mm=mm)
+    with pytest.raises(reconcile.RetryWithStatus) as e:
+        c.reconcile_merge(mm)
+    assert e.value.delay == settings.quota_retry_seconds
+    assert planner.calls == [(None, "s3://mergepipe/catalog/")]  # never re-planned under a clamped budget
+    r = cond.get_condition(e.value.status["conditions"], "Ready")
+    assert r["reason"] == "QuotaExceeded" and "spec.budget" not in r["message"]
+    assert r["message"].startswith("MergeQuota q (Clamp) would lower the budget to 3Gi, but arcee_fusion reads every")
+    assert "cannot run under a clamped budget" in r["message"] and "8Gi of expert reads left" in r["message"]
+    assert kube.list(JOBS, "ns1") == [] and kube.get(QUOTAS, "ns1", "q").get("status", {}).get("ledger", []) == []
+    # with room for its whole read it is admitted as usual
+    c, kube, store, mm = setup(settings, make_quota(bytes_="10Gi", enforcement="Clamp"), planner=planner, mm=mm)
+    st = c.reconcile_merge(mm)
+    assert cond.get_condition(st["conditions"], "Ready")["reason"] == "JobRunning"
+    assert st["admission"]["clamped"] is False

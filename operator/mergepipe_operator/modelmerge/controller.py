@@ -70,7 +70,7 @@ from .decisions import (
     status_plan_digest,
 )
 from .planning import PlanInputError, PlanSummary
-from .spec import format_issues, requested_budget, validate_merge_spec
+from .spec import budget_refusal_text, format_issues, requested_budget, validate_merge_spec
 
 log = logging.getLogger("mergepipe.operator")
 
@@ -187,7 +187,9 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
                 [],
             )
         else:
-            adm, quotas = self.reserve(ns, name, key, first.expert_read_bytes, now)
+            adm, quotas = self.reserve(
+                ns, name, key, first.expert_read_bytes, now, unclampable=budget_refusal_text(spec)
+            )
             ADMISSIONS.labels(adm.reason).inc()
         if not adm.allowed:
             conds = set_condition(conds, "QuotaAdmitted", "False", Reason.QUOTA_EXCEEDED, adm.message, gen, now)

@@ -169,11 +169,20 @@ def format_issues(issues: Iterable[Issue], limit: int = 10) -> str:
     return text
 
 
-def _needs_whole_tensors(spec: Mapping[str, Any]) -> bool:
+def budget_refusal_text(spec: Mapping[str, Any]) -> str | None:
+    """Why the merge's method cannot honour an expert-I/O budget, as ``"<method> reads every
+    expert block (<reason>)"`` (:func:`mergepipe.methods.registry.budget_refusal`: arcee_fusion,
+    ramplus_tl, sce with select_topk < 1), or None when it can."""
     from mergepipe.methods.registry import METHODS, budget_refusal
 
-    m = METHODS.get(str(spec.get("method")))
-    return m is not None and budget_refusal(m, dict(spec.get("parameters") or {})) is not None
+    name = str(spec.get("method"))
+    m = METHODS.get(name)
+    why = budget_refusal(m, dict(spec.get("parameters") or {})) if m is not None else None
+    return None if why is None else f"{name} reads every expert block ({why})"
+
+
+def _needs_whole_tensors(spec: Mapping[str, Any]) -> bool:
+    return budget_refusal_text(spec) is not None
 
 
 def requested_budget(spec: Mapping[str, Any], settings: Settings) -> int | None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..k8s.api import QUOTAS, Conflict
 from ..k8s.conditions import Reason, set_condition
-from ..k8s.quantities import QuantityError
+from ..k8s.quantities import QuantityError, human_bytes
 from ..metrics import QUOTA_HARD, QUOTA_USED
 from ..reconcile import Reconciler, Retry
 from .decisions import Admission, admit, quota_status, release, settle
@@ -64,13 +64,23 @@ class QuotaLedger(Reconciler):
         raise Retry(f"MergeQuota {name}: too much contention", 5)
 
     def reserve(
-        self, ns: str, merge: str, key: str, requested: int | None, now: datetime, *, clamp: bool = True
+        self,
+        ns: str,
+        merge: str,
+        key: str,
+        requested: int | None,
+        now: datetime,
+        *,
+        clamp: bool = True,
+        unclampable: str | None = None,
     ) -> tuple[Admission, list[str]]:
         """Admit under every MergeQuota of ``ns``: the final budget is the smallest any quota
         allows; a reservation for it is written to each quota with its resourceVersion. A lost
         race rolls back this attempt's reservations and starts over, so concurrent merges never
         overspend a quota. With ``clamp=False`` (a Job whose plan is already fixed: the Kueue
-        AdmissionCheck) a quota that would clamp the budget refuses instead."""
+        AdmissionCheck) a quota that would clamp the budget refuses instead; ``unclampable``
+        (why the merge cannot run under a lowered budget, e.g. a method that reads whole
+        tensors) does the same and says why in the refusal."""
         for _ in range(8):
             quotas = self.kube.list(QUOTAS, ns)
             if not quotas:
@@ -83,6 +93,18 @@ class QuotaLedger(Reconciler):
                     return Admission(False, None, Reason.QUOTA_EXCEEDED, f"invalid MergeQuota: {e}", {}), []
                 if not a.allowed:
                     return a, []
+                if a.clamped and unclampable:
+                    qn = q["metadata"]["name"]
+                    need = "its full read" if requested is None else human_bytes(requested)
+                    return Admission(
+                        False,
+                        None,
+                        Reason.QUOTA_EXCEEDED,
+                        f"MergeQuota {qn} (Clamp) would lower the budget to {human_bytes(a.budget or 0)}, "
+                        f"but {unclampable}, so it cannot run under a clamped budget: it waits until the "
+                        f"quota has {need} of expert reads left (or raise {qn}'s spec.hard.expertReadBytes)",
+                        a.new_used,
+                    ), []
                 if a.clamped and not clamp:
                     return Admission(
                         False,
