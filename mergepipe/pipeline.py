@@ -208,6 +208,9 @@ def build_plan(
         except InputError as e:
             raise rr.at(("experts", i, "uri"), e) from None
     extra = _extra_files(storage, base.uri)  # size-capped, before any tensor byte is read
+    config_json = None  # the output dtype rewrites config.json: the plan sizes the rewritten file
+    if req.options.out_dtype and "config.json" in extra:
+        config_json = storage.read_object(storage.join(base.uri, "config.json"), "other")
     if not analyze:
         _require_analysis(catalog, base, recs, block_bytes, spec.needs_gram)
     analyses = catalog.analyze(storage, base, recs, block_bytes=block_bytes, progress=progress, pairs=spec.needs_gram)
@@ -233,6 +236,7 @@ def build_plan(
             base_digests=catalog.tensor_digests(base.identity),
             extra_files=extra,
             sensitivity=sens if fisher else None,
+            config_json=config_json,
         ),
         SelectionOptions(
             budget_bytes=budget_bytes,
@@ -245,14 +249,15 @@ def build_plan(
     )
 
 
-def _extra_files(storage: Storage, base_uri: str) -> list[str]:
-    """The non-weight files of the base (:data:`EXTRA_FILES`) present, each refused when larger
-    than its cap (:data:`mergepipe.limits.MAX_CONFIG_JSON_BYTES` for JSON configs,
+def _extra_files(storage: Storage, base_uri: str) -> dict[str, int]:
+    """The non-weight files of the base (:data:`EXTRA_FILES`) present, name -> size in bytes
+    (the plan counts them as base reads and output writes), each refused when larger than its cap
+    (:data:`mergepipe.limits.MAX_CONFIG_JSON_BYTES` for JSON configs,
     :data:`mergepipe.limits.MAX_EXTRA_FILE_BYTES` for tokenizer files): they are read whole."""
     from mergepipe.limits import MAX_CONFIG_JSON_BYTES, MAX_EXTRA_FILE_BYTES, check_size
     from mergepipe.storage.base import NotFoundError
 
-    out = []
+    out: dict[str, int] = {}
     for f in EXTRA_FILES:
         uri = storage.join(base_uri, f)
         try:
@@ -261,7 +266,7 @@ def _extra_files(storage: Storage, base_uri: str) -> list[str]:
             continue
         cap = MAX_CONFIG_JSON_BYTES if f.endswith("config.json") else MAX_EXTRA_FILE_BYTES
         check_size(size, cap, uri, f)
-        out.append(f)
+        out[f] = int(size)
     return out
 
 

@@ -52,7 +52,7 @@ from mergepipe.engine.writer import (
     TensorBytes,
 )
 from mergepipe.errors import InputError
-from mergepipe.formats.safetensors import DTYPES, INDEX_NAME
+from mergepipe.formats.safetensors import DTYPES, INDEX_NAME, config_with_dtype, index_json, needs_index_file
 from mergepipe.methods.registry import get_method
 from mergepipe.planner.plan import Plan
 from mergepipe.storage.base import NotFoundError, Storage
@@ -189,7 +189,8 @@ def _execute(
             commit step makes it visible).
         device: torch device for the merge arithmetic (``cpu``, ``cuda``, ``cuda:1``...).
         prefetch_bytes: bound on bytes fetched ahead of the merge.
-        progress: called with the output bytes produced after each chunk.
+        progress: called with the output bytes produced (each shard header, each chunk, the
+            index and each side file), adding up to the plan's ``output_write_bytes``.
         read_threads: threads fetching inputs ahead.
         shards: write only these output shards (a part of a partitioned run, or the shards
             a resumed run still lacks); default all.
@@ -229,10 +230,14 @@ def _execute(
             res.files[INDEX_NAME] = index
             if on_file:
                 on_file(INDEX_NAME, index, {})
+            if progress:
+                progress(index["size"])
         for name, info in _write_extra_files(plan, storage, out_storage, out_prefix).items():
             res.files[name] = info
             if on_file:
                 on_file(name, info, {})
+            if progress:
+                progress(info["size"])
 
     res.counters = (
         storage.counters.snapshot()
@@ -293,6 +298,8 @@ def _write_shards(
             if it.opens_shard:
                 hdr = shard_header(plan, tp.file)
                 writer.send(OpenShard(tp.file, hdr), len(hdr))
+                if progress:
+                    progress(len(hdr))
             if it.kind == "cow":
                 s, e = base_byte_range(tp, it.r0, it.r1)
                 writer.send(CopyRange(tp.name, tp.base_sha256, storage.join(plan.base.uri, tp.file), s, e))
@@ -335,8 +342,7 @@ def _write_shards(
 def needs_index(plan: Plan) -> bool:
     """The output has a ``model.safetensors.index.json``: several shards, a shard not named
     ``model.safetensors``, or a base that had an index with metadata."""
-    files = {t.file for t in plan.tensors}
-    return len(files) > 1 or bool(plan.index_metadata) or any(f != "model.safetensors" for f in files)
+    return needs_index_file({t.file for t in plan.tensors}, plan.index_metadata)
 
 
 def _write_index(plan: Plan, out_storage: Storage, out_prefix: str) -> dict | None:
@@ -345,14 +351,10 @@ def _write_index(plan: Plan, out_storage: Storage, out_prefix: str) -> dict | No
     if not needs_index(plan):
         return None
     total = sum(math.prod(t.shape) * DTYPES[t.out_dtype or t.dtype][0] for t in plan.tensors)
-    idx = {
-        "metadata": {"total_size": total},
-        "weight_map": {t.name: t.file for t in sorted(plan.tensors, key=lambda t: t.name)},
-    }
     return _write_small(
         out_storage,
         out_storage.join(out_prefix, INDEX_NAME),
-        (json.dumps(idx, indent=2, sort_keys=True) + "\n").encode(),
+        index_json({t.name: t.file for t in plan.tensors}, total),
     )
 
 
@@ -366,7 +368,7 @@ def _write_extra_files(plan: Plan, storage: Storage, out_storage: Storage, out_p
         except NotFoundError:
             continue
         if f == "config.json" and plan.out_dtype:
-            data = _config_with_dtype(data, plan.out_dtype)
+            data = config_with_dtype(data, plan.out_dtype)
         out[f] = _write_small(out_storage, out_storage.join(out_prefix, f), data)
     return out
 
@@ -375,19 +377,3 @@ def _write_small(out_storage: Storage, uri: str, data: bytes) -> dict:
     w = out_storage.open_writer(uri, "output")
     w.write(data)
     return {"size": w.close(), "sha256": hashlib.sha256(data).hexdigest()}
-
-
-def _config_with_dtype(data: bytes, out_dtype: str) -> bytes:
-    """``config.json`` with ``torch_dtype`` (and ``dtype``, newer transformers) set to the output
-    dtype, as mergekit writes it; unparseable configs are copied unchanged."""
-    try:
-        cfg = json.loads(data)
-    except (ValueError, RecursionError):  # RecursionError: nested too deeply to parse
-        return data
-    if not isinstance(cfg, dict):
-        return data
-    name = DTYPES[out_dtype][1]
-    cfg["torch_dtype"] = name
-    if "dtype" in cfg:
-        cfg["dtype"] = name
-    return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()

@@ -298,6 +298,37 @@ def build_header(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict
     return struct.pack("<Q", len(js)) + js
 
 
+def needs_index_file(files: set[str] | frozenset[str], index_metadata: dict) -> bool:
+    """A checkpoint with shard files ``files`` gets a ``model.safetensors.index.json``: several
+    shards, a shard not named ``model.safetensors``, or index ``metadata`` to carry over."""
+    return len(files) > 1 or bool(index_metadata) or any(f != SINGLE_NAME for f in files)
+
+
+def index_json(weight_map: dict[str, str], total_size: int) -> bytes:
+    """The bytes of the ``model.safetensors.index.json`` the engine writes: ``weight_map``
+    (tensor name -> shard file) sorted by name and ``metadata.total_size`` (bytes of tensor data,
+    headers excluded), indented JSON with a final newline. The planner sizes the output with it."""
+    idx = {"metadata": {"total_size": int(total_size)}, "weight_map": dict(sorted(weight_map.items()))}
+    return (json.dumps(idx, indent=2, sort_keys=True) + "\n").encode()
+
+
+def config_with_dtype(data: bytes, dtype: str) -> bytes:
+    """``config.json`` bytes with ``torch_dtype`` (and ``dtype``, newer transformers) set to the
+    safetensors dtype ``dtype``'s torch name (``BF16`` -> ``bfloat16``), as mergekit writes a
+    merged model's config; unparseable configs (or not a JSON object) are returned unchanged."""
+    try:
+        cfg = json.loads(data)
+    except (ValueError, RecursionError):  # RecursionError: nested too deeply to parse
+        return data
+    if not isinstance(cfg, dict):
+        return data
+    name = DTYPES[dtype][1]
+    cfg["torch_dtype"] = name
+    if "dtype" in cfg:
+        cfg["dtype"] = name
+    return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
+
+
 @dataclass
 class CheckpointLayout:
     """Where every tensor of a Hugging Face checkpoint lives.

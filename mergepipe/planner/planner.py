@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -149,7 +149,12 @@ class PlanInputs:
         gram: ``{(i, j): {tensor: ⟨δᵢ,δⱼ⟩}}`` from :meth:`Catalog.pair_dots` (model_stock, nuslerp).
         base_digests: SHA-256 of each base tensor's bytes (from the catalog); lets the engine
             copy unchanged tensors server-side and still account for their content.
-        extra_files: non-tensor files of the base copied into the snapshot (``config.json``, ...).
+        extra_files: non-tensor files of the base copied into the snapshot (``config.json``,
+            ...): name -> size in bytes. The engine reads each whole (base bytes) and writes it
+            (output bytes), so the plan's I/O estimate counts them.
+        config_json: the base's ``config.json`` bytes, needed only when the merge writes another
+            dtype (the engine then rewrites its ``torch_dtype``, which changes its size); None
+            otherwise.
         sensitivity: ``{tensor: float64[n_blocks]}`` block-mean diagonal Fisher of the base on a
             calibration set (for ``SelectionOptions.value="fisher"``; see
             :mod:`mergepipe.catalog.sensitivity`).
@@ -160,8 +165,9 @@ class PlanInputs:
     analyses: Sequence[Analysis]
     gram: dict | None = None
     base_digests: dict[str, str] | None = None
-    extra_files: Sequence[str] = ()
+    extra_files: Mapping[str, int] = field(default_factory=dict)
     sensitivity: dict[str, np.ndarray] | None = None
+    config_json: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -563,16 +569,8 @@ def make_plan(
         kept_value += float(svals[sk, level[sk] - 1].sum())
     retained = kept_value / total_value if total_value > 0 else 1.0
 
-    base_read = 0
-    for tp, bt in zip(tensors, infos):
-        base_read += bt.nbytes * (tp.passes if tp.experts else 1)
-    from mergepipe.formats.safetensors import DTYPES
-
-    out_bytes = base.layout.total_bytes + sum(
-        (DTYPES[tp.out_dtype][0] - DTYPES[tp.dtype][0]) * int(np.prod(tp.shape, dtype=np.int64))
-        for tp in tensors
-        if tp.out_dtype and tp.out_dtype != tp.dtype
-    )
+    plan_out_dtype = out_dtype if any(tp.out_dtype for tp in tensors) else None
+    base_read, out_bytes = _side_io(tensors, infos, base, extra_files, inputs.config_json, plan_out_dtype)
     used_sketch = [any(t.expert == i and t.sketch_blocks for tp in tensors for t in tp.experts) for i in range(K)]
     names = list(expert_names) if expert_names else [e.uri.rstrip("/").rsplit("/", 1)[-1] for e in experts]
     plan = Plan(
@@ -611,7 +609,7 @@ def make_plan(
         extra_files=sorted(extra_files),
         shard_metadata={f: sh.metadata for f, sh in base.layout.shards.items()},
         index_metadata=base.layout.index_metadata,
-        out_dtype=out_dtype if any(tp.out_dtype for tp in tensors) else None,
+        out_dtype=plan_out_dtype,
         n_layers=n_layers,
         block_value={"kind": "fisher", "calibration": calibration} if value == "fisher" and calibration else None,
         sketch=sketch if tiers else None,
@@ -624,6 +622,47 @@ def make_plan(
     plan.mergepipe_version = __version__
     plan.explain = _explain_plan(plan, time.perf_counter() - t0)
     return plan.seal()
+
+
+def _side_io(
+    tensors: Sequence[TensorPlan],
+    infos: Sequence[TensorInfo],
+    base: CheckpointRecord,
+    extra_files: Mapping[str, int],
+    config_json: bytes | None,
+    out_dtype: str | None,
+) -> tuple[int, int]:
+    """Base bytes read and output bytes written by the engine for ``tensors`` (the plan's, after
+    selection), exactly as it moves them (on storage without server-side copy):
+
+    - base: each tensor's bytes once per pass of a merged tensor (a pre-pass reads the base rows
+      too), once for a copied one; plus every extra file (config, tokenizer) read whole;
+    - output: per shard its header (:func:`~mergepipe.engine.worklist.shard_header`'s bytes:
+      the base's tensor order and metadata, each tensor's output dtype) and data; the index
+      when the output needs one (:func:`mergepipe.formats.safetensors.index_json`); the extra
+      files, ``config.json`` rewritten for ``out_dtype`` when the merge changes the dtype.
+
+    Shard headers are not base reads: the catalog read them when it registered the base."""
+    from mergepipe.formats.safetensors import DTYPES, build_header, config_with_dtype, index_json, needs_index_file
+
+    base_read = sum(bt.nbytes * (tp.passes if tp.experts else 1) for tp, bt in zip(tensors, infos))
+    base_read += sum(int(v) for v in extra_files.values())
+    files: dict[str, list[TensorPlan]] = {}
+    for tp in tensors:
+        files.setdefault(tp.file, []).append(tp)
+    data = {tp.name: int(np.prod(tp.shape, dtype=np.int64)) * DTYPES[tp.out_dtype or tp.dtype][0] for tp in tensors}
+    out = sum(data.values())
+    for f, tps in files.items():
+        meta = base.layout.shards[f].metadata if f in base.layout.shards else {}
+        out += len(build_header([(t.name, t.out_dtype or t.dtype, tuple(t.shape)) for t in tps], meta))
+    if needs_index_file(set(files), base.layout.index_metadata):
+        out += len(index_json({tp.name: tp.file for tp in tensors}, sum(data.values())))
+    for f, size in extra_files.items():
+        if f == "config.json" and out_dtype and config_json is not None:
+            out += len(config_with_dtype(config_json, out_dtype))
+        else:
+            out += int(size)
+    return base_read, out
 
 
 def _gap_closure(sel: np.ndarray, cand_of: np.ndarray, cum: np.ndarray, gap: int) -> np.ndarray:
