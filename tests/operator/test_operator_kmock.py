@@ -466,10 +466,12 @@ def test_spec_sketch_none_and_sign3_plan_differently_and_the_manifest_records_th
     """Two merges alike but for spec.sketch under one small budget: none reads or skips blocks,
     sign3 spends part of the budget on block sketches (status.plan.sketchReadBytes, another
     digest, more energy kept); the sign3 merge Job runs the plan object (no extra arguments) and
-    its committed manifest records the sketched blocks by level and the sketch bytes."""
+    its committed manifest records the sketched blocks by level and the sketch bytes; the quota
+    is charged the realized expert bytes, sketch reads included."""
     c = cluster
     budget = 20_000
     outs = {kind: f"{c.out}/snapshots/tiers-{kind}/" for kind in ("none", "sign3")}
+    c.quota("daily", bytes_="1Gi", merges=10)
     with operator():
         for kind, out in outs.items():
             c.merge(f"tiers-{kind}", out=out, budget=budget, sketch=kind)
@@ -493,6 +495,16 @@ def test_spec_sketch_none_and_sign3_plan_differently_and_the_manifest_records_th
         realized = manifest["io"]["realized"]["expert_read_bytes"]
         assert tiered["sketchReadBytes"] < realized <= tiered["estimated"]["expertReadBytes"] <= budget
         assert o["status"]["realized"]["expertReadBytes"] == realized
+        ledger = wait_for(
+            "the sign3 merge charged",
+            lambda: (
+                (led := {e["merge"]: e for e in quota_ledger(c.api, NS, "daily")})
+                and led["tiers-sign3"]["state"] == "Charged"
+                and led
+            ),
+        )
+        assert ledger["tiers-sign3"]["bytes"] == realized
+        assert ledger["tiers-none"]["bytes"] == none["estimated"]["expertReadBytes"]  # reserved: its plan's reads
 
 
 #: Python run in a merge pod before the CLI: the pod is killed (SIGKILL, as an OOM kill or a lost
