@@ -376,7 +376,8 @@ class ModelMergeSpec(K8sModel):
             "analyze Job; their bytes count against the same budget) instead of reading it exactly "
             "or skipping it; none: read exactly or skip. Only the task-arithmetic family (linear, "
             "task_arithmetic, ties, dare_*, breadcrumbs*, della*) uses tiers; an unbounded merge reads "
-            "every block exactly. Default: the operator's (chart value merges.sketch), else sign3."
+            "every block exactly. Default: the namespace's (chart value merges.sketchByNamespace), else "
+            "the operator's (merges.sketch), else sign3."
         ),
     )
     output: OutputSpec
@@ -445,7 +446,7 @@ class PlanStatus(K8sModel):
     sketch: Literal[SKETCH_KINDS] | None = Field(  # type: ignore[valid-type]
         default=None,
         description=(
-            "Fidelity tiers the plan was made with (spec.sketch or the operator's default); none when "
+            "Fidelity tiers the plan was made with (spec.sketch or the default); none when "
             "it reads every expert block exactly or skips it (no budget or fidelity target, a method "
             "outside the task-arithmetic family, or sketch none)."
         ),

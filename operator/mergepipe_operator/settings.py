@@ -69,6 +69,9 @@ class Settings:
     #: fidelity tiers (``none``, ``sign1``..``sign3``) of merges whose spec sets no ``sketch``
     #: (chart ``merges.sketch``); None: the core's default (:data:`mergepipe.catalog.sketch.DEFAULT_SKETCH`)
     sketch: str | None = None
+    #: per-namespace fidelity tiers of merges whose spec sets no ``sketch`` (chart
+    #: ``merges.sketchByNamespace``), before :attr:`sketch`
+    sketch_by_namespace: dict[str, str] = field(default_factory=dict)
     # merges
     default_budget: str | None = None
     gpu_resource_name: str = "nvidia.com/gpu"
@@ -129,12 +132,17 @@ class Settings:
                 raise ValueError(str(e)) from None
             if bytes_per_part < 1:
                 raise ValueError(f"{ENV_PREFIX}BYTES_PER_PART must be at least 1 byte")
-        sketch = _opt(env, "SKETCH")
-        if sketch is not None:
-            from mergepipe.catalog.sketch import SKETCH_KINDS
+        from mergepipe.catalog.sketch import SKETCH_KINDS
 
-            if sketch not in SKETCH_KINDS:
-                raise ValueError(f"{ENV_PREFIX}SKETCH must be one of {', '.join(SKETCH_KINDS)}, got {sketch!r}")
+        sketch = _opt(env, "SKETCH")
+        if sketch is not None and sketch not in SKETCH_KINDS:
+            raise ValueError(f"{ENV_PREFIX}SKETCH must be one of {', '.join(SKETCH_KINDS)}, got {sketch!r}")
+        by_ns = _json(env, "SKETCH_BY_NAMESPACE", {})
+        if not isinstance(by_ns, dict) or any(v not in SKETCH_KINDS for v in by_ns.values()):
+            raise ValueError(
+                f"{ENV_PREFIX}SKETCH_BY_NAMESPACE must map namespaces to one of {', '.join(SKETCH_KINDS)}, "
+                f"got {by_ns!r}"
+            )
         ns = _opt(env, "WATCH_NAMESPACES")
         return cls(
             merger_image=_opt(env, "MERGER_IMAGE") or d.merger_image,
@@ -148,6 +156,7 @@ class Settings:
             plan_prefix=_opt(env, "PLAN_PREFIX"),
             calibration_uri=_opt(env, "CALIBRATION_URI"),
             sketch=sketch,
+            sketch_by_namespace={str(k): str(v) for k, v in by_ns.items()},
             default_budget=_opt(env, "DEFAULT_BUDGET"),
             gpu_resource_name=_opt(env, "GPU_RESOURCE_NAME") or d.gpu_resource_name,
             gpu_count=gpu_count,

@@ -1067,8 +1067,9 @@ class SketchPlanner(Planner):
 
 
 def test_spec_sketch_or_the_operators_default_reaches_the_plan_and_its_status(settings):
-    """spec.sketch goes to the planner as is; a merge without one gets the chart's merges.sketch
-    (none without it: the core's default); status.plan records the tiers and the sketch bytes,
+    """spec.sketch goes to the planner as is; a merge without one gets its namespace's default
+    (chart merges.sketchByNamespace), else the chart's merges.sketch (none without it: the core's
+    default); status.plan records the tiers and the sketch bytes,
     the Planned condition says how many of the expert reads are sketches."""
     planner = SketchPlanner()
     c, kube, store, mm = setup(settings, make_quota(), planner=planner)
@@ -1083,8 +1084,13 @@ def test_spec_sketch_or_the_operators_default_reaches_the_plan_and_its_status(se
     assert planner.specs[-1]["sketch"] == "none"
     assert (st["plan"]["sketch"], st["plan"]["sketchReadBytes"]) == ("none", 0)
     assert "block sketches" not in cond.get_condition(st["conditions"], "Planned")["message"]
-    # the merge's own spec.sketch wins over the operator's default
-    c, kube, store, mm = setup(s, make_quota(), planner=planner, mm=make_merge(sketch="sign1"))
+    # the namespace's default (chart merges.sketchByNamespace) comes before the operator's
+    s2 = dataclasses.replace(s, sketch_by_namespace={"ns1": "sign2", "other": "sign1"})
+    c, kube, store, mm = setup(s2, make_quota(), planner=planner)
+    st = c.reconcile_merge(mm)
+    assert planner.specs[-1]["sketch"] == "sign2" and st["plan"]["sketch"] == "sign2"
+    # the merge's own spec.sketch wins over both defaults
+    c, kube, store, mm = setup(s2, make_quota(), planner=planner, mm=make_merge(sketch="sign1"))
     st = c.reconcile_merge(mm)
     assert planner.specs[-1]["sketch"] == "sign1" and st["plan"]["sketch"] == "sign1"
     assert mm["spec"]["sketch"] == "sign1" and "sketch" not in make_merge()["spec"]  # the object is not changed

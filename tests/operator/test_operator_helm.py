@@ -252,7 +252,7 @@ def test_values_reach_the_operator_settings(chart):
     assert s.metrics_port == 9090 and s.watch_namespaces == ()
     assert (s.quota_retry_seconds, s.analyze_poll_seconds) == (300, 15)
     assert (s.max_parallelism, s.bytes_per_part) == (8, 100 * 1024**3)
-    assert s.sketch is None  # the core's default tiers (sign3)
+    assert s.sketch is None and s.sketch_by_namespace == {}  # the core's default tiers (sign3)
 
     custom = settings_from(deployment(render(chart, values_of(CHART / "ci" / "custom-values.yaml"))))
     assert custom.merger_image == "registry.internal/mergepipe/merger:0.1.0-rocm"
@@ -274,7 +274,7 @@ def test_values_reach_the_operator_settings(chart):
     cpu = settings_from(deployment(render(chart, values_of(CHART / "ci" / "namespaced-cpu-values.yaml"))))
     assert cpu.gpu_count == 0 and cpu.watch_namespaces == ("team-a", "team-b") and cpu.metrics_port is None
     assert (cpu.cpu, cpu.memory, cpu.default_budget, cpu.quota_retry_seconds) == ("8", "64Gi", "10Gi", 120)
-    assert cpu.analyze_poll_seconds == 5 and cpu.sketch == "sign1"
+    assert cpu.analyze_poll_seconds == 5 and cpu.sketch == "sign1" and cpu.sketch_by_namespace == {"team-b": "none"}
 
 
 def test_chart_ships_the_generated_crds(chart):
@@ -330,6 +330,8 @@ def test_replicas_run_kopf_peering(chart, watch):
         {"merges": {"defaultBudget": "10 GB"}},
         {"merges": {"sketch": "sign4"}},
         {"merges": {"sketch": "None"}},
+        {"merges": {"sketchByNamespace": {"team-a": "sign4"}}},
+        {"merges": {"sketchByNamespace": {"Team_A": "none"}}},
         {"catalog": {"uri": "/data/catalog"}},
         {"logLevel": "verbose"},
         {"replicas": 0},  # (more than 1 runs kopf peering: test_replicas_run_kopf_peering)

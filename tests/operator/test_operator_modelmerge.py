@@ -628,6 +628,11 @@ def test_the_operators_default_sketch_is_read_and_checked():
     assert Settings.from_env({"MERGEPIPE_SKETCH": "none"}).sketch == "none"
     with pytest.raises(ValueError, match="MERGEPIPE_SKETCH must be one of none, sign1, sign2, sign3"):
         Settings.from_env({"MERGEPIPE_SKETCH": "sign4"})
+    by_ns = Settings.from_env({"MERGEPIPE_SKETCH_BY_NAMESPACE": '{"team-a": "none", "team-b": "sign1"}'})
+    assert by_ns.sketch_by_namespace == {"team-a": "none", "team-b": "sign1"} and by_ns.sketch is None
+    for bad in ('{"team-a": "sign4"}', '["none"]'):
+        with pytest.raises(ValueError, match="MERGEPIPE_SKETCH_BY_NAMESPACE must map namespaces"):
+            Settings.from_env({"MERGEPIPE_SKETCH_BY_NAMESPACE": bad})
 
 
 def test_analysis_id_is_a_content_address():

@@ -332,8 +332,11 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             planned_spec["budget"] = budget
         if not (planned_spec.get("calibration") or {}).get("uri") and self.settings.calibration_uri:
             planned_spec["calibration"] = {"uri": self.settings.calibration_uri}  # the operator's default
-        if planned_spec.get("sketch") is None and self.settings.sketch:
-            planned_spec["sketch"] = self.settings.sketch  # the operator's default fidelity tiers
+        if planned_spec.get("sketch") is None:  # the namespace's, else the operator's default tiers
+            ns = body["metadata"].get("namespace")
+            default = self.settings.sketch_by_namespace.get(ns) or self.settings.sketch
+            if default:
+                planned_spec["sketch"] = default
         plan = self._call_planner(body, planned_spec, out, conds, gen, now)
         if plan.needs_analysis and self._await_analysis(body, plan, out, conds, gen, now, final=False):
             # the analyze Job completed, possibly after the planner read the catalog: plan again
