@@ -367,6 +367,62 @@ def test_put_object_fsyncs(tmp_path, monkeypatch):
     assert len(synced) == 2, "then the folder holding the new name"
 
 
+def _fail_folder_fsync(monkeypatch):
+    """Make ``os.fsync`` fail with EIO on folder descriptors (as some network and FUSE file
+    systems do), and work on files; returns the list of folders whose fsync was tried."""
+    import errno
+    import stat as stat_
+
+    tried = []
+    real = os.fsync
+
+    def fsync(fd):
+        if stat_.S_ISDIR(os.fstat(fd).st_mode):
+            tried.append(os.readlink(f"/proc/self/fd/{fd}"))
+            raise OSError(errno.EIO, "folder fsync refused")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return tried
+
+
+def test_fsync_folder_strict_raises_best_effort_does_not(tmp_path, monkeypatch):
+    from mergepipe.storage.local import fsync_folder
+
+    fsync_folder(tmp_path, strict=True)  # a real folder on a real file system: no error
+    with pytest.raises(FileNotFoundError):
+        fsync_folder(tmp_path / "missing", strict=True)
+    fsync_folder(tmp_path / "missing", strict=False)
+    tried = _fail_folder_fsync(monkeypatch)
+    with pytest.raises(OSError, match="folder fsync refused"):
+        fsync_folder(str(tmp_path), strict=True)
+    fsync_folder(str(tmp_path), strict=False)
+    assert tried == [str(tmp_path)] * 2
+
+
+def test_folder_fsync_callers_keep_their_strictness(tmp_path, monkeypatch):
+    """put_object is best effort; a local commit and a search state fail when their folder
+    cannot be made durable, and a failed commit publishes nothing."""
+    from mergepipe.commit.manifest import publish_local, staging_path
+    from mergepipe.search.state import save_state
+
+    tried = _fail_folder_fsync(monkeypatch)
+    LocalStorage().put_object(str(tmp_path / "obj"), b"abc")
+    assert (tmp_path / "obj").read_bytes() == b"abc" and tried == [str(tmp_path)]
+
+    out = tmp_path / "merged"
+    staging = staging_path(out)
+    staging.mkdir()
+    (staging / "model.safetensors").write_bytes(b"x" * 7)
+    with pytest.raises(OSError, match="folder fsync refused"):
+        publish_local(staging, out, {"outputs": {"model.safetensors": {"size": 7}}})
+    assert not out.exists() and tried[-1] == str(staging)
+
+    with pytest.raises(OSError, match="folder fsync refused"):
+        save_state(tmp_path / "state.json", {"format": "x"})
+    assert tried[-1] == str(tmp_path)
+
+
 @pytest.mark.parametrize("if_none_match", [True, False])
 def test_put_object_never_visible_partially(tmp_path, monkeypatch, if_none_match):
     """A reader sees no object or the whole object: the name appears only after the bytes are

@@ -48,6 +48,7 @@ from mergepipe.formats.safetensors import parse_header
 from mergepipe.limits import MAX_MANIFEST_BYTES, loads_json, read_file, short_repr
 from mergepipe.paths import check_inside, name_problem
 from mergepipe.storage.base import is_s3
+from mergepipe.storage.local import fsync_folder
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "mergepipe.manifest/v1"
@@ -332,14 +333,6 @@ def reclaim_staging(out: str | Path, lock: OutputLock) -> Path:
     return st
 
 
-def _fsync_dir(p: Path) -> None:
-    fd = os.open(str(p), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def check_staged_files(staging: Path, outputs: dict) -> None:
     """Before publishing: every file ``outputs`` lists (name -> ``{"size", ...}``) is a regular
     file in ``staging`` with its recorded size, and nothing else is there.
@@ -399,14 +392,14 @@ def publish_local(staging: Path, out: str | Path, manifest: dict, lock: OutputLo
         os.fsync(fd)
     finally:
         os.close(fd)
-    _fsync_dir(staging)
+    fsync_folder(staging, strict=True)
     if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
         out.rmdir()
     try:
         os.rename(staging, out)
     except OSError as e:
         raise CommitConflict(f"--out {out}: could not publish ({e.strerror}); another writer created it.") from None
-    _fsync_dir(out.parent)
+    fsync_folder(out.parent, strict=True)
     return manifest_hash(data)
 
 

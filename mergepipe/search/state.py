@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 from mergepipe.errors import InputError
+from mergepipe.storage.local import fsync_folder
 
 STATE_FORMAT = "mergepipe.search/v1"
 STATE_NAME = "state.json"
@@ -38,11 +39,7 @@ def save_state(path: Path, state: dict) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    fsync_folder(path.parent, strict=True)
 
 
 def load_state(path: Path) -> dict:

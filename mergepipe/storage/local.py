@@ -25,16 +25,33 @@ def _path(uri: str) -> str:
     return uri[len("file://") :] if uri.startswith("file://") else str(uri)
 
 
-def _fsync_folder(folder: str) -> None:
-    """Make a rename/link in ``folder`` durable (best effort where folders cannot be opened)."""
+def fsync_folder(folder: str | os.PathLike[str], *, strict: bool) -> None:
+    """Make the names in ``folder`` durable: a file created, renamed, linked or removed in it
+    survives a crash only once the folder itself is fsync'd (POSIX ``fsync(2)`` on a directory
+    descriptor; cf. ``rename(2)`` and the ext4/XFS guidance that an atomic replace is
+    write + fsync(file) + rename + fsync(folder)).
+
+    Args:
+        folder: path of a folder (``str`` or ``os.PathLike``).
+        strict: ``True`` where a commit's durability depends on it (a published snapshot, a
+            search state): any failure raises. ``False`` for best effort: a folder that cannot be
+            opened or fsync'd (some network and FUSE file systems refuse ``fsync`` on folders) is
+            left as it is and nothing is raised.
+
+    Raises:
+        OSError: only with ``strict``, when ``folder`` cannot be opened or fsync'd.
+    """
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
+        if strict:
+            raise
         return
     try:
         os.fsync(fd)
     except OSError:
-        pass
+        if strict:
+            raise
     finally:
         os.close(fd)
 
@@ -211,7 +228,7 @@ class LocalStorage(Storage):
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
-        _fsync_folder(folder)
+        fsync_folder(folder, strict=False)
         self.counters.add_write(role, len(data))
 
     def delete(self, uri: str) -> None:
