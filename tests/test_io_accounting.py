@@ -47,14 +47,20 @@ def _side_bytes(folder: Path) -> int:
 
 def _check(res, base: Path) -> dict:
     """Estimated == realized for every role; base reads = each tensor once per pass of the
-    engine (a pre-pass reads the base rows again) + the side files, from the files themselves."""
+    engine (a pre-pass reads the base rows again, the last one all but the first chunk's) + the
+    side files, from the files themselves."""
     io = res.manifest["io"]
     for role in ROLES:
         assert io["realized"][role] == io["estimated"][role], (role, io)
     assert io["realized"]["output_copied_bytes"] == 0  # (no server-side copy: every byte is read)
     tb = _tensor_bytes(base)
-    passes = {t.name: (t.passes if t.experts else 1) for t in res.plan.tensors}
-    assert io["realized"]["base_read_bytes"] == sum(tb[n] * passes[n] for n in tb) + _side_bytes(base)
+    expected = _side_bytes(base)
+    for t in res.plan.tensors:
+        expected += tb[t.name]
+        if t.experts and t.passes > 1:  # pre-passes re-read the base rows, except the first chunk's
+            rows = t.shape[0]
+            expected += (t.passes - 1) * tb[t.name] - min(t.chunk_rows, rows) * (tb[t.name] // rows)
+    assert io["realized"]["base_read_bytes"] == expected
     assert io["realized"]["output_write_bytes"] == sum(o["size"] for o in res.manifest["outputs"].values())
     return io
 
@@ -102,6 +108,47 @@ def test_estimated_io_equals_realized_local(family, tmp_path, case):
         assert cfg["torch_dtype"] == DTYPES[out_dtype][1]
         # the rewritten config.json has another size than the base's: the estimate sized it
         assert (tmp_path / "out" / "config.json").stat().st_size != (base / "config.json").stat().st_size
+
+
+def _adapter(folder: Path, modules: dict[str, tuple[int, int]], r: int = 4, seed: int = 0) -> Path:
+    """A PEFT LoRA adapter folder with random factors for ``modules`` (name -> (out, in))."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    folder.mkdir(parents=True)
+    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": sorted(modules), "bias": "none"}
+    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    t = {}
+    for m, (o, i) in modules.items():
+        t[f"base_model.model.{m}.lora_A.weight"] = (0.05 * torch.randn(r, i, generator=g)).to(torch.bfloat16)
+        t[f"base_model.model.{m}.lora_B.weight"] = (0.05 * torch.randn(o, r, generator=g)).to(torch.bfloat16)
+    save_file(t, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+def test_estimated_io_equals_realized_with_a_two_pass_lora_expert(family, tmp_path):
+    """A LoRA expert in a two-pass DARE rescale: A is read with every chunk of every pass, B's
+    rows once per pass, the first chunk's once less (the last pre-pass leaves it to the merge)."""
+    base, experts = family
+    ad = _adapter(
+        tmp_path / "ad",
+        {"model.layers.0.mlp.gate_proj": (160, 64), "model.layers.1.self_attn.q_proj": (64, 64)},
+    )
+    res = merge(
+        str(base),
+        [(experts[0].name, str(experts[0])), ("ad", f"lora:{ad}")],
+        "dare_ties",
+        str(tmp_path / "out"),
+        ["density=0.5"],
+        catalog=Catalog(tmp_path / "c.sqlite"),
+        storage=open_storage(None, IOCounters()),
+        work_bytes=16 * 1024,
+        block_bytes=1024,
+    )
+    _check(res, base)
+    lora = [(tp, te) for tp in res.plan.tensors for te in tp.experts if te.lora is not None]
+    assert len(lora) == 2 and all(tp.passes == 2 and tp.chunk_rows < tp.shape[0] for tp, _ in lora)
 
 
 def _tiny_zoo(request) -> Path:

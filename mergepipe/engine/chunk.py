@@ -164,19 +164,23 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None):
         ]
         shrink = shrink_hi = None
         if _bounds(te):
+
+            def values_of(slot, key, runs=runs):
+                """This chunk's threshold key group values, a tile at a time."""
+                vals = []
+                for a, z, x, dl in runs:
+                    for s in range(a, z, TILE_ELEMS):
+                        e = min(z, s + TILE_ELEMS)
+                        dd = x[s - a : e - a] if dl else torch.sub(x[s - a : e - a], base_t[s:e].float())
+                        vals.append(_group_values(dd, key))
+                return _concat(vals)
+
             if tp.derived.get("threshold_pass"):
+                if it.fused == "threshold":  # the pre-pass skipped this chunk: add its group values
+                    for slot, key, _rank in _bounds(te):
+                        groups.setdefault((tp.name, te.expert, slot), []).append(values_of(slot, key))
                 shrink, shrink_hi = _shrinks_from(groups, tp, te)
-            else:  # the whole tensor is this chunk: its threshold groups, a tile at a time
-
-                def values_of(slot, key, runs=runs):
-                    vals = []
-                    for a, z, x, dl in runs:
-                        for s in range(a, z, TILE_ELEMS):
-                            e = min(z, s + TILE_ELEMS)
-                            dd = x[s - a : e - a] if dl else torch.sub(x[s - a : e - a], base_t[s:e].float())
-                            vals.append(_group_values(dd, key))
-                    return _concat(vals)
-
+            else:  # the whole tensor is this chunk
                 shrink, shrink_hi = _shrinks(values_of, te)
         ep = ExpertTensorParams(
             weight=te.weight,
@@ -219,14 +223,15 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None):
 @dataclass
 class L1Sums:
     """Per (tensor, expert index): L1 norms of each row of the task vector (``all``) and of
-    what sparsification kept (``kept``), gathered by a two-pass tensor's ``stats`` items for the
-    rescale factor of its ``merge`` items (DARE/DELLA rescale over the whole tensor)."""
+    what sparsification kept (``kept``), gathered by a two-pass tensor's ``stats`` items (and its
+    first ``merge`` item, :attr:`WorkItem.fused`) for the rescale factor of its ``merge`` items
+    (DARE/DELLA rescale over the whole tensor)."""
 
     all: dict[tuple[str, int], list[float]] = field(default_factory=dict)
     kept: dict[tuple[str, int], list[float]] = field(default_factory=dict)
     #: per (tensor, expert index, slot): float32 ``|δ|`` of a threshold key group (exact float16/
     #: float32 TIES and breadcrumbs; slot 1: breadcrumbs' outlier bound), gathered by
-    #: ``threshold`` pre-pass items
+    #: ``threshold`` pre-pass items (and the first ``merge`` item when that pre-pass is the last)
     groups: dict[tuple[str, int], list] = field(default_factory=dict)
 
 
@@ -320,11 +325,12 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept, groups=Non
     if spec.kind == "arcee_fusion":
         e = present[0][2] if 0 in present else b
         return _encode(arcee_fusion_merge(b, e, filter_width(tp.shape)), out_dtype)
-    if it.kind == "threshold":
+    if it.kind == "threshold" or it.fused == "threshold":  # (fused: the pre-pass skipped this chunk)
         for te, d, _ in present.values():
             for slot, key, _rank in _bounds(te):
                 groups.setdefault((tp.name, te.expert, slot), []).append(_group_values(d, key))
-        return None
+        if it.kind == "threshold":
+            return None
     rescale = bool(tp.params.get("rescale")) and spec.kind == "gta" and spec.sparsify != "none"
     deltas, ws = [], []
     for te, d, _ in present.values():
@@ -348,10 +354,11 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept, groups=Non
         kept = sparsify(d, spec, ep, offset, tp.shape)
         key = (tp.name, te.expert)
         if rescale and ep.density < 1.0:
-            if it.kind == "stats":
+            if it.kind == "stats" or it.fused == "stats":  # (fused: the pre-pass skipped this chunk)
                 l1_all.setdefault(key, []).extend(l1_row_sums(d, row_numel))
                 l1_kept.setdefault(key, []).extend(l1_row_sums(kept, row_numel))
-                continue
+                if it.kind == "stats":
+                    continue
             if tp.passes - (1 if tp.derived.get("threshold_pass") else 0) == 2:  # an L1 pre-pass
                 f = rescale_factor(math.fsum(l1_all[key]), math.fsum(l1_kept[key]))
             else:

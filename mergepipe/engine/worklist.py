@@ -45,6 +45,10 @@ class WorkItem:
         opens_shard: the first item of its output shard (the shard's header goes first).
         ends_tensor: the last item of its tensor (the tensor's digest is final after it).
         closes_shard: the last item of its output shard.
+        fused: on the first ``merge`` item of a multi-pass tensor, the kind of the last
+            pre-pass (``"stats"`` or ``"threshold"``), which skipped these rows: the item adds
+            them to that pre-pass's statistic, then merges them, so they are read once for both.
+            None otherwise.
     """
 
     kind: Kind
@@ -55,6 +59,7 @@ class WorkItem:
     opens_shard: bool = False
     ends_tensor: bool = False
     closes_shard: bool = False
+    fused: Kind | None = None
 
 
 def row_bytes(tp: TensorPlan) -> int:
@@ -112,17 +117,23 @@ def _tensor_items(tp: TensorPlan, cow: bool) -> list[WorkItem]:
         if not tp.shape or rows * rb == 0:
             items[-1].r1 = rows
         return items
-    for kind in pass_kinds(tp):
-        for r0 in range(0, rows, tp.chunk_rows):
-            r1 = min(rows, r0 + tp.chunk_rows)
-            items.append(WorkItem(kind, tp, r0, r1, (r1 - r0) * rb * (1 + len(tp.experts))))
+    chunks = [(r0, min(rows, r0 + tp.chunk_rows)) for r0 in range(0, rows, tp.chunk_rows)]
+    *pre, _ = pass_kinds(tp)
+    per_row = rb * (1 + len(tp.experts))
+    for k, kind in enumerate(pre):  # the last pre-pass skips the first chunk: its merge item adds it
+        skip = 1 if k == len(pre) - 1 else 0
+        items += [WorkItem(kind, tp, r0, r1, (r1 - r0) * per_row) for r0, r1 in chunks[skip:]]
+    for j, (r0, r1) in enumerate(chunks):
+        items.append(WorkItem("merge", tp, r0, r1, (r1 - r0) * per_row, fused=pre[-1] if pre and j == 0 else None))
     return items
 
 
 def pass_kinds(tp: TensorPlan) -> tuple[Kind, ...]:
     """The passes over a merged tensor, ``tp.passes`` of them: an exact-threshold pre-pass when
     the plan asks for one (``derived["threshold_pass"]``: float16/float32 TIES or breadcrumbs over
-    several chunks), an L1 pre-pass for a rescale over several chunks, then the merge."""
+    several chunks), an L1 pre-pass for a rescale over several chunks, then the merge. The last
+    pre-pass visits the chunks after the first, then the first chunk's merge item completes it
+    (:attr:`WorkItem.fused`; :func:`mergepipe.planner.plan.block_reads` counts the reads)."""
     pre: list[Kind] = ["threshold"] if tp.derived.get("threshold_pass") else []
     pre += ["stats"] * (tp.passes - 1 - len(pre))
     return (*pre, "merge")

@@ -134,8 +134,12 @@ class TensorPlan(BaseModel):
         start: first data byte of the tensor in the base shard ``file``.
         rows_per_block, n_blocks: the catalog's block grid for this tensor.
         chunk_rows: rows processed at once by the engine (a multiple of ``rows_per_block``).
-        passes: 2 when per-tensor statistics of the read data (L1 rescale) need a pre-pass
-            over a tensor larger than one chunk, else 1.
+        passes: 1 + the pre-passes over a tensor larger than one chunk whose merge needs
+            statistics of the whole tensor's read data (an L1 rescale's sums, an exact
+            float16/float32 trim threshold): 1, 2 or 3. The last pre-pass skips the first chunk,
+            whose merge item adds its rows to that statistic before merging them, so the first
+            chunk's rows (base and expert) are read ``passes − 1`` times and the others
+            ``passes`` times (:func:`block_reads`).
         params: the merge-wide parameters resolved for this tensor (normalize, lambda, t, ...).
         weight_sum: sum of all experts' weights for this tensor (experts without a selected
             block included).
@@ -165,6 +169,21 @@ class TensorPlan(BaseModel):
     copy_base: bool = False
     base_sha256: str = ""
     explain: str = ""
+
+
+def fused_blocks(tp: TensorPlan) -> int:
+    """Blocks of ``tp``'s first chunk (``chunk_rows // rows_per_block``) when the tensor has a
+    pre-pass (``passes > 1``): its last pre-pass and its merge read them once between them.
+    0 for a one-pass tensor."""
+    return tp.chunk_rows // max(1, tp.rows_per_block) if tp.passes > 1 else 0
+
+
+def block_reads(tp: TensorPlan) -> list[int]:
+    """How many times the engine reads each of ``tp``'s ``n_blocks`` blocks (base rows, selected
+    expert blocks and their sketches alike): ``passes`` times, once less in the first chunk of
+    a multi-pass tensor (:func:`fused_blocks`)."""
+    k = min(fused_blocks(tp), tp.n_blocks)
+    return [tp.passes - 1] * k + [tp.passes] * (tp.n_blocks - k)
 
 
 class IOEstimate(BaseModel):

@@ -2,8 +2,9 @@
 
 Objective: maximize retained task-vector energy after the method's sparsification,
 ``Σ wᵢ² · kept_energy(i, block)`` over the selected (expert, block) pairs, subject to the expert
-bytes the engine will read (coalesced with the plan's gap rule, times the passes a tensor
-needs) being at most the budget. This is a knapsack; blocks are small and near-uniform in size,
+bytes the engine will read (coalesced with the plan's gap rule, times the reads a block needs:
+a tensor's pre-passes read it again, except its first chunk, :func:`mergepipe.planner.plan.block_reads`)
+being at most the budget. This is a knapsack; blocks are small and near-uniform in size,
 so the greedy order by value per byte (Dantzig's bound) is within one block of optimal.
 
 Guarantee: ``plan.io.expert_read_bytes`` is computed with :func:`mergepipe.storage.base.coalesce`
@@ -71,6 +72,7 @@ from mergepipe.planner.plan import (
     Plan,
     TensorExpert,
     TensorPlan,
+    block_reads,
 )
 from mergepipe.request import ResolvedRequest
 from mergepipe.storage.base import DEFAULT_MAX_REQUEST, coalesce
@@ -112,11 +114,16 @@ class _Cand:
     expert: int
     value: np.ndarray  # per block (a LoRA module: one unit, the whole tensor)
     full: np.ndarray
-    cost: np.ndarray  # bytes per block (one pass)
-    passes: int
+    cost: np.ndarray  # bytes per block (one read)
+    reads: np.ndarray  # int64 per block: how many times the engine reads it (plan.block_reads)
     svalue: np.ndarray | None = None  # [block, level-1]: value a level-k sketch read keeps (None: no sketch tier)
     scost: np.ndarray | None = None  # bytes of one sign plane per block (one pass); level k reads k planes
     lora: bool = False
+    lora_total: int = 0  # a LoRA module: bytes over all passes (A with every chunk read, B's rows)
+
+    def total(self) -> np.ndarray:
+        """Bytes per block over all its reads (a LoRA module: one unit)."""
+        return np.array([self.lora_total], dtype=np.int64) if self.lora else self.cost * self.reads
 
 
 def block_byte_ranges(info: TensorInfo, rpb: int, runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -423,10 +430,22 @@ def make_plan(
                 if mod is None:  # a tensor the adapter does not touch: δ = 0, nothing to read
                     continue
                 # one unit: A for every chunk of a pass (the engine reads it with each chunk's
-                # rows of B) plus B once; bytes per pass
+                # rows of B) plus B once; bytes per pass; the last pre-pass skips the first chunk
                 n_chunks = -(-bt.rows // cr)
                 unit = np.array([n_chunks * mod.a.nbytes + mod.b.nbytes], dtype=np.int64)
-                cands.append(_Cand(ti, i, np.array([val.sum()]), np.array([val.sum()]), unit, passes, lora=True))
+                first = mod.a.nbytes + min(cr, mod.b.rows) * mod.b.row_bytes if passes > 1 else 0
+                cands.append(
+                    _Cand(
+                        ti,
+                        i,
+                        np.array([val.sum()]),
+                        np.array([val.sum()]),
+                        unit,
+                        np.array([passes], dtype=np.int64),
+                        lora=True,
+                        lora_total=passes * int(unit[0]) - first,
+                    )
+                )
                 file, start = mod.b.file, mod.b.start
                 lf = LoraFactors(
                     a_start=mod.a.start,
@@ -450,7 +469,8 @@ def make_plan(
                     rho = np.where(sq > 0, 1.0 - res / np.where(sq > 0, sq, 1.0), 0.0)
                     svalue = val[:, None] * np.clip(rho, 0.0, 1.0)
                     scost = tensor_sketch_costs(et.rows, et.numel // max(1, et.rows), rpb, st.n_blocks)
-                cands.append(_Cand(ti, i, val, val.copy(), cost.astype(np.int64), passes, svalue, scost))
+                reads = np.asarray(block_reads(tp), dtype=np.int64)
+                cands.append(_Cand(ti, i, val, val.copy(), cost.astype(np.int64), reads, svalue, scost))
                 file, start = et.file, et.start
             tp.experts.append(
                 TensorExpert(
@@ -479,7 +499,7 @@ def make_plan(
     if cands:
         values = np.concatenate([c.value for c in cands])
         cost1 = np.concatenate([c.cost for c in cands]).astype(np.int64)
-        costs = np.concatenate([c.cost * c.passes for c in cands]).astype(np.int64)
+        costs = np.concatenate([c.total() for c in cands]).astype(np.int64)
         cand_of = np.repeat(np.arange(len(cands)), [len(c.value) for c in cands])
     else:
         values = np.zeros(0)
@@ -497,7 +517,7 @@ def make_plan(
             [c.svalue if c.svalue is not None else np.zeros((len(c.value), levels)) for c in cands]
         ).reshape(len(values), levels)
         scosts = np.concatenate(
-            [c.scost * c.passes if c.scost is not None else np.zeros(len(c.value), dtype=np.int64) for c in cands]
+            [c.scost * c.reads if c.scost is not None else np.zeros(len(c.value), dtype=np.int64) for c in cands]
         ).astype(np.int64)
         selected, level = _select_tiers(values, costs, svals, scosts, budget_bytes, fidelity)
     else:
@@ -506,18 +526,19 @@ def make_plan(
     def plan_cost(sel: np.ndarray) -> int:
         """Expert bytes of a selection as the engine reads them: per expert and tensor, the
         selected block runs coalesced under the plan's gap (the engine never coalesces across
-        tensors), times the tensor's passes."""
+        tensors), once per pass that reads them (the last pre-pass skips the first chunk)."""
         total = 0
         for j, c in enumerate(cands):
             idx = picked(sel, j)
             if len(idx) == 0:
                 continue
             if c.lora:  # A per chunk + B: exactly the ranges the engine requests (gap 0)
-                total += c.passes * int(c.cost[0])
+                total += c.lora_total
                 continue
             et = experts[c.expert].layout.tensors[infos[c.tensor].name]
-            rng = block_byte_ranges(et, tensors[c.tensor].rows_per_block, _runs(idx))
-            total += c.passes * sum(e - s for s, e in coalesce(rng, coalesce_gap, DEFAULT_MAX_REQUEST))
+            for k in range(1, int(c.reads.max()) + 1):  # pass k reads the blocks read at least k times
+                rng = block_byte_ranges(et, tensors[c.tensor].rows_per_block, _runs(idx[c.reads[idx] >= k]))
+                total += sum(e - s for s, e in coalesce(rng, coalesce_gap, DEFAULT_MAX_REQUEST))
         return total
 
     sketch_read = int((scosts * level).sum()) if tiers else 0
@@ -636,7 +657,8 @@ def _side_io(
     selection), exactly as it moves them (on storage without server-side copy):
 
     - base: each tensor's bytes once per pass of a merged tensor (a pre-pass reads the base rows
-      too), once for a copied one; plus every extra file (config, tokenizer) read whole;
+      too, except the first chunk's in the last pre-pass: :func:`block_reads`), once for a
+      copied one; plus every extra file (config, tokenizer) read whole;
     - output: per shard its header (:func:`~mergepipe.engine.worklist.shard_header`'s bytes:
       the base's tensor order and metadata, each tensor's output dtype) and data; the index
       when the output needs one (:func:`mergepipe.formats.safetensors.index_json`); the extra
@@ -645,7 +667,11 @@ def _side_io(
     Shard headers are not base reads: the catalog read them when it registered the base."""
     from mergepipe.formats.safetensors import DTYPES, build_header, config_with_dtype, index_json, needs_index_file
 
-    base_read = sum(bt.nbytes * (tp.passes if tp.experts else 1) for tp, bt in zip(tensors, infos))
+    base_read = 0
+    for tp, bt in zip(tensors, infos):
+        base_read += bt.nbytes
+        if tp.experts and tp.passes > 1:  # pre-passes; the last one skips the first chunk
+            base_read += (tp.passes - 1) * bt.nbytes - min(tp.chunk_rows, bt.rows) * bt.row_bytes
     base_read += sum(int(v) for v in extra_files.values())
     files: dict[str, list[TensorPlan]] = {}
     for tp in tensors:
@@ -1077,7 +1103,8 @@ def _explain_tensor(tp: TensorPlan, spec, names: list[str]) -> str:
     if not parts:
         return head + "no expert block selected"
     extra = (
-        f" ({tp.passes - 1} pre-pass(es) over the tensor: L1 rescale or exact threshold; expert blocks read {tp.passes}x)"
+        f" ({tp.passes - 1} pre-pass(es) over the tensor: L1 rescale or exact threshold; expert blocks read"
+        f" {tp.passes}x, {tp.passes - 1}x in the first chunk)"
         if tp.passes > 1
         else ""
     )
