@@ -63,8 +63,8 @@ def test_peak_rss_flat_in_model_size(tmp_path):
 def test_working_set_within_work_memory(tmp_path, method):
     """One 4096 x 4096 tensor (64 MiB as float32) merged with a 16 MiB work-memory target: the
     chunks are sized from the engine's real float32 temporaries (``kernels.work_floats``), so
-    the peak stays within the target plus the inputs in flight (2x the target here), whether
-    the merge runs tile by tile (ties) or on whole chunks (dare_ties with its L1 rescale)."""
+    the peak stays within the target plus the inputs in flight (2x the target here), for ties
+    and for dare_ties, whose L1 rescale needs a sweep for its sums before the merge."""
     env = dict(os.environ)
     shapes = {"model.layers.0.mlp.down_proj.weight": (4096, 4096)}
     big = make_family(tmp_path / "b", 3, seed=1, shapes=shapes, n_shards=1)

@@ -70,7 +70,7 @@ TILE_ELEMS = 1 << 16
 
 def _elementwise(tp, spec) -> bool:
     """The merge of this tensor runs tile by tile (:func:`mergepipe.methods.kernels.elementwise_merge`)."""
-    return elementwise_merge(spec, tp.params, [te.density for te in tp.experts], tp.dtype)
+    return elementwise_merge(spec, tp.dtype)
 
 
 def _lora_delta(te, buf, rows: int):
@@ -133,12 +133,55 @@ def _shrinks_from(groups, tp, te):
     return _shrinks(lambda slot, key: _concat(groups.get((tp.name, te.expert, slot), [])), te)
 
 
-def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None):
+def _tile_delta(runs, b, s: int, e: int):
+    """float32 task vector of one expert over the chunk's elements ``[s, e)`` (zeros where it
+    has no run); ``b`` is the base's ``[s, e)`` in float32. Runs are ``(elem0, elem1, values,
+    is_delta)`` (see :func:`_merge_chunk_tiled`)."""
+    import torch
+
+    d = None
+    for a, z, x, dl in runs:
+        lo, hi = max(a, s), min(z, e)
+        if hi <= lo:
+            continue
+        if lo == s and hi == e:
+            # widened exactly to float32, then subtracted (a LoRA run: δ itself, copied since
+            # sparsify may write into it)
+            return x[lo - a : hi - a].clone() if dl else torch.sub(x[lo - a : hi - a], b)
+        if d is None:
+            d = torch.zeros_like(b)
+        d[lo - s : hi - s] = x[lo - a : hi - a] if dl else torch.sub(x[lo - a : hi - a], b[lo - s : hi - s])
+    return d if d is not None else torch.zeros_like(b)
+
+
+def _tiled_l1_rows(eparts, which, base_t, n: int, row_numel: int, offset: int, spec, shape):
+    """Per expert index in ``which``: the float64 L1 sums of each row of its task vector over
+    the chunk and of what its sparsifier keeps (:func:`mergepipe.methods.kernels.l1_row_sums`),
+    computed a few whole rows at a time (about ``TILE_ELEMS`` elements), so the rescale needs no
+    float32 copy of the chunk."""
+    step = max(1, TILE_ELEMS // row_numel) * row_numel
+    out: dict[int, tuple[list[float], list[float]]] = {i: ([], []) for i in which}
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        b = base_t[s:e].float()
+        for i in which:
+            ep, runs = eparts[i]
+            d = _tile_delta(runs, b, s, e)
+            out[i][0].extend(l1_row_sums(d, row_numel))
+            out[i][1].extend(l1_row_sums(sparsify(d, spec, ep, offset + s, shape), row_numel))
+    return out
+
+
+def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None, l1_all=None, l1_kept=None):
     """Elementwise merge of one row chunk, ``TILE_ELEMS`` elements at a time (see
     :func:`_elementwise`). Inputs stay in their storage dtype until a tile is widened to
     float32, so the chunk holds its raw bytes, the output and one tile's temporaries instead of
     K + 1 float32 copies of the chunk. Same arithmetic per element as :func:`_merge_chunk`
-    (every operation is elementwise), hence the same bytes. Returns the output bytes (a
+    (every operation is elementwise), hence the same bytes. With an L1 rescale, a first sweep
+    over the chunk (whole rows at a time) gathers its row sums — added to the tensor's pre-pass
+    sums for a ``stats`` item (which returns None there) or a ``fused`` one — and the factor
+    (from the whole tensor's sums, or this chunk's when it is the whole tensor) scales each
+    tile's kept entries as :func:`_merge_chunk` scales the chunk's. Returns the output bytes (a
     ``memoryview`` of the encoded tensor)."""
     import torch
 
@@ -193,29 +236,32 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None):
             shrink_hi=shrink_hi,
         )
         eparts.append((ep, runs))
+    factors = [1.0] * len(eparts)
+    rescale = bool(tp.params.get("rescale")) and spec.kind == "gta" and spec.sparsify != "none"
+    which = [i for i, (ep, _) in enumerate(eparts) if rescale and ep.density < 1.0]
+    if which:
+        sums = _tiled_l1_rows(eparts, which, base_t, n, row_numel, offset, spec, tp.shape)
+        two_pass = tp.passes - (1 if tp.derived.get("threshold_pass") else 0) == 2  # an L1 pre-pass
+        for i in which:
+            key = (tp.name, tp.experts[i].expert)
+            if it.kind == "stats" or it.fused == "stats":  # (fused: the pre-pass skipped this chunk)
+                l1_all.setdefault(key, []).extend(sums[i][0])
+                l1_kept.setdefault(key, []).extend(sums[i][1])
+            if two_pass:
+                factors[i] = rescale_factor(math.fsum(l1_all[key]), math.fsum(l1_kept[key]))
+            else:  # the whole tensor is this chunk
+                factors[i] = rescale_factor(math.fsum(sums[i][0]), math.fsum(sums[i][1]))
+    if it.kind == "stats":
+        return None
     out = torch.empty(n, dtype=_torch_dtype(tp.out_dtype or tp.dtype), device=dev)
     ws = [ep.weight for ep, _ in eparts]
     for s in range(0, n, TILE_ELEMS):
         e = min(n, s + TILE_ELEMS)
         b = base_t[s:e].float()  # (F32: a read-only view; nothing below writes into the base)
         deltas = []
-        for ep, runs in eparts:
-            d = None
-            for a, z, x, dl in runs:
-                lo, hi = max(a, s), min(z, e)
-                if hi <= lo:
-                    continue
-                if lo == s and hi == e:
-                    # widened exactly to float32, then subtracted (a LoRA run: δ itself, copied
-                    # since sparsify may write into it)
-                    d = x[lo - a : hi - a].clone() if dl else torch.sub(x[lo - a : hi - a], b)
-                    break
-                if d is None:
-                    d = torch.zeros_like(b)
-                d[lo - s : hi - s] = x[lo - a : hi - a] if dl else torch.sub(x[lo - a : hi - a], b[lo - s : hi - s])
-            if d is None:
-                d = torch.zeros_like(b)
-            deltas.append(sparsify(d, spec, ep, offset + s, tp.shape))
+        for (ep, runs), f in zip(eparts, factors):
+            kept = sparsify(_tile_delta(runs, b, s, e), spec, ep, offset + s, tp.shape)
+            deltas.append(kept * f if f != 1.0 else kept)
         out[s:e].copy_(combine(b, deltas, ws, spec, tp.params, weight_sum=tp.weight_sum, consume=True))
     return memoryview(out.cpu().view(torch.uint8).numpy()) if n else b""
 
@@ -258,8 +304,8 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept, groups=Non
     import torch
 
     tp = it.tp
-    if it.kind == "merge" and _elementwise(tp, spec) and len(base_raw):
-        return _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups)
+    if it.kind in ("merge", "stats") and _elementwise(tp, spec) and len(base_raw):
+        return _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups, l1_all, l1_kept)
     b = torch.from_numpy(decode(base_raw, tp.dtype)).to(dev)
     if b.dtype != torch.float32:
         b = b.float()

@@ -144,21 +144,16 @@ def sparsify(delta, spec: MethodSpec, ep: ExpertTensorParams, offset: int, shape
 TILE_DTYPES = ("BF16", "F16", "F32")
 
 
-def elementwise_merge(spec: MethodSpec, params: dict, densities, dtype: str) -> bool:
+def elementwise_merge(spec: MethodSpec, dtype: str) -> bool:
     """True when the engine merges a tensor tile by tile: every operation is elementwise given
-    the plan's parameters (no row statistics, no L1 rescale over whole rows) and the inputs can
-    be viewed in place (``dtype`` in :data:`TILE_DTYPES`).
-
-    Args:
-        params: the tensor's resolved global parameters.
-        densities: the experts' densities for this tensor.
+    the plan's parameters (no row statistics) and the inputs can be viewed in place (``dtype``
+    in :data:`TILE_DTYPES`). An L1 rescale is elementwise once its factor is known: the engine
+    gathers the row sums in a first sweep over the chunk's raw inputs, a few rows at a time
+    (or over the tensor's chunks in a pre-pass), then scales each tile.
     """
     if spec.kind not in ("gta", "linear") or spec.sparsify == "della":
         return False
-    if dtype not in TILE_DTYPES:
-        return False
-    rescale = bool(params.get("rescale")) and spec.kind == "gta" and spec.sparsify != "none"
-    return not (rescale and any(d < 1.0 for d in densities))
+    return dtype in TILE_DTYPES
 
 
 def work_floats(spec: MethodSpec, n_experts: int, elementwise: bool) -> int:
@@ -175,7 +170,8 @@ def work_floats(spec: MethodSpec, n_experts: int, elementwise: bool) -> int:
       (measured ``K + 6.3``); the same count for mergekit 0.1.5's newer methods (multislerp,
       karcher, sce, nearswap, ram, ramplus_tl, arcee_fusion: whole-chunk float32; not measured
       separately);
-    * whole-chunk task-vector methods (L1 rescale, DELLA): ``2·K + 11`` (measured ``2·K + 10.3``).
+    * whole-chunk task-vector methods (DELLA; an L1 rescale on inputs the tiles cannot view in
+      place): ``2·K + 11`` (measured ``2·K + 10.3`` with an L1 rescale, before it was tiled).
     """
     if elementwise:
         return n_experts + 3

@@ -317,7 +317,7 @@ def make_plan(
         g = dict(tpar.globals) if tpar else {}
         eps = tpar.experts if tpar else ()
         row_stats = floating and needs_row_stats(spec, g)
-        ew = elementwise_merge(spec, g, [float(e.get("density", 1.0)) for e in eps], bt.dtype)
+        ew = elementwise_merge(spec, bt.dtype)
         cr = chunk_rows(bt, rpb, K, work_bytes, floats=work_floats(spec, K, ew))
         if (row_stats and len(bt.shape) < 2) or (floating and _whole_tensor(spec, g)):
             cr = max(rpb, -(-bt.rows // rpb) * rpb)  # a 1-D tensor is one row / whole-tensor statistics: one chunk
