@@ -9,7 +9,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from mergepipe.catalog.catalog import Catalog
-from mergepipe.catalog.sketch import PLANES, decode_blocks, encode_block, sketch_block_bytes, tensor_sketch_costs
+from mergepipe.catalog.sketch import (
+    PLANES,
+    SketchBuilder,
+    SketchWriter,
+    decode_blocks,
+    encode_block,
+    sketch_block_bytes,
+    tensor_sketch_costs,
+)
 from mergepipe.pipeline import merge
 from mergepipe.planner.planner import EngineOptions, PlanInputs, SelectionOptions, _select_tiers, make_plan
 from mergepipe.request import ExpertRequest, MergeRequest
@@ -344,3 +352,108 @@ def test_a_requests_sketch_is_checked_and_named_in_the_front_ends_terms():
     with pytest.raises(InputError) as e:
         req("sign9").resolve()
     assert e.value.loc == ("sketch",) and str(e.value) == "--sketch 'sign9': use one of none, sign1, sign2, sign3."
+
+
+def _load(folder) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in Path(folder).glob("*.safetensors"):
+        out.update(load_file(str(f)))
+    return out
+
+
+def test_streamed_blob_equals_in_memory_reference(analyzed, tmp_path):
+    """The blob analyze streams is byte for byte what the in-memory SketchBuilder (the layout's
+    reference) makes of each whole tensor; a second analysis in one-block chunks, whose later
+    planes spill to disk, gives the same blob and the same catalog rows."""
+    import torch
+
+    cat, b, es, an = analyzed
+    bt = _load(b.uri)
+    for e, a in zip(es, an):
+        et = _load(e.uri)
+        ref = []
+        for name, info in b.layout.tensors.items():
+            if len(info.shape) < 2:
+                continue
+            rn = info.numel // info.rows
+            sb = SketchBuilder(info.rows, rn, a.tensors[name].rows_per_block)
+            sb.add(0, (et[name].to(torch.float32) - bt[name].to(torch.float32)).numpy().reshape(-1))
+            data, resid = sb.finish()
+            np.testing.assert_array_equal(a.tensors[name].sketch_sq, resid)
+            ref.append(data)
+        assert Path(a.sketch["uri"]).read_bytes() == b"".join(ref)
+    cat2 = Catalog(tmp_path / "c2.sqlite")
+    st_ = LocalStorage(IOCounters())
+    b2 = cat2.register(st_, b.uri)
+    an2 = cat2.analyze(st_, b2, [cat2.register(st_, e.uri) for e in es], block_bytes=4096, chunk_bytes=4096)
+    for a, a2 in zip(an, an2):
+        assert Path(a2.sketch["uri"]).read_bytes() == Path(a.sketch["uri"]).read_bytes()
+        assert {k: v for k, v in a2.sketch.items() if k != "uri"} == {k: v for k, v in a.sketch.items() if k != "uri"}
+        assert list(a2.tensors) == list(a.tensors)
+        assert all(a2.tensors[n].to_bytes() == a.tensors[n].to_bytes() for n in a.tensors)
+    assert not [p for p in (tmp_path / "sketches").rglob("*") if p.name.startswith(".")]  # no temporaries left
+
+
+@pytest.mark.parametrize("spill", [1, 1 << 20])
+def test_sketch_writer_matches_builder_in_any_chunking(spill, tmp_path):
+    rng = np.random.default_rng(7)
+    out = bytearray()
+    w = SketchWriter(out.extend, spill_bytes=spill, spill_dir=str(tmp_path))
+    ref = []
+    for rows, rn, rpb, step in [(37, 12, 5, 10), (8, 3, 8, 8), (64, 33, 4, 24)]:
+        d = (rng.standard_normal((rows, rn)) * rng.uniform(0.1, 3.0, (rows, 1))).astype(np.float32)
+        sb = SketchBuilder(rows, rn, rpb)
+        sb.add(0, d.reshape(-1))
+        data, resid = sb.finish()
+        assert w.begin(rows, rn, rpb) == sum(map(len, ref))
+        for r0 in range(0, rows, step):
+            w.add(r0, d[r0 : r0 + step].reshape(-1))
+        np.testing.assert_array_equal(w.end(), resid)
+        ref.append(data)
+    assert bytes(out) == b"".join(ref) and w.nbytes == len(out)
+    assert w.sha256.hexdigest() == hashlib.sha256(out).hexdigest()
+    assert not list(tmp_path.iterdir())  # spill files are gone with their tensor
+
+
+def test_sketch_writer_rejects_gaps_and_short_tensors():
+    w = SketchWriter(lambda b: None, spill_bytes=1 << 20)
+    w.begin(8, 4, 2)
+    with pytest.raises(ValueError, match="expected row 0"):
+        w.add(2, np.zeros(8, np.float32))
+    w.add(0, np.ones(8, np.float32))
+    with pytest.raises(ValueError, match="begin"):
+        w.begin(8, 4, 2)
+    with pytest.raises(ValueError, match="2 of 8 rows"):
+        w.end()
+    w.discard()
+
+
+def test_failed_analyze_leaves_no_sketch_and_no_analysis(family, tmp_path):
+    """A read failure mid-stream: no blob, no temporary file and no catalog row survive, and a
+    retry produces the analysis."""
+    from mergepipe.storage.base import StorageError
+
+    base, experts = family
+
+    class Failing(LocalStorage):
+        n = 0
+
+        def read_range(self, uri, start, end, role):
+            if role == "expert":
+                Failing.n += 1
+                if Failing.n == 6:
+                    raise StorageError(f"{uri}: injected failure")
+            return super().read_range(uri, start, end, role)
+
+    cat = Catalog(tmp_path / "c.sqlite")
+    st_ = Failing(IOCounters())
+    b = cat.register(st_, str(base))
+    es = [cat.register(st_, str(e)) for e in experts[:2]]
+    with pytest.raises(StorageError, match="injected"):
+        cat.analyze(st_, b, es, block_bytes=4096, chunk_bytes=4096)
+    assert not [p for p in (tmp_path / "sketches").rglob("*") if p.is_file()]
+    assert not any(cat.has_analysis(b.identity, e.identity, 4096) for e in es)
+    an = cat.analyze(st_, b, es, block_bytes=4096, chunk_bytes=4096)
+    assert all(Path(a.sketch["uri"]).stat().st_size == a.sketch["bytes"] > 0 for a in an)

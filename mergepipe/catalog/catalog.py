@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mergepipe.catalog.sketch import PLANES, SketchBuilder
+from mergepipe.catalog.sketch import PLANES, SketchWriter
 from mergepipe.catalog.stats import TensorStats, TensorStatsBuilder
 from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import (
@@ -374,27 +374,10 @@ class Catalog:
         identity>-<block bytes>-v<stats version>.sketch`` beside the SQLite file."""
         return str(Path(self.path).parent / "sketches" / base / f"{expert}-{block_bytes}-v{STATS_VERSION}.sketch")
 
-    def _put_sketch(self, uri: str, data: bytes) -> None:
-        """Write a sketch blob (atomically: a reader never sees a partial blob)."""
-        p = Path(uri)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.tmp{os.getpid()}.{threading.get_ident()}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-
-    def _store_sketch(self, base: str, expert: str, block_bytes: int, data: bytes) -> dict:
-        uri = self.sketch_uri(base, expert, block_bytes)
-        self._put_sketch(uri, data)
-        return {
-            "kind": "sign-planes",
-            "planes": PLANES,
-            "uri": uri,
-            "sha256": hashlib.sha256(data).hexdigest(),
-            "bytes": len(data),
-        }
+    def _open_sketch(self, base: str, expert: str, block_bytes: int, spill_bytes: int) -> SketchSink:
+        """A sink for an expert's sketch blob, written while it is analysed (see
+        :class:`SketchSink`): a hidden temporary file beside the blob's final path."""
+        return LocalSketchSink(self.sketch_uri(base, expert, block_bytes), spill_bytes)
 
     def _store(
         self,
@@ -404,9 +387,9 @@ class Catalog:
         stats: dict[str, TensorStats],
         seconds: float,
         nread: int,
-        sketch: bytes | None = None,
+        sk: dict | None = None,
     ) -> int:
-        sk = self._store_sketch(base, expert, block_bytes, sketch) if sketch else None
+        """Record an analysis; ``sk``: its published sketch blob (:meth:`SketchSink.publish`)."""
         with self._lock, self.db:
             cur = self.db.execute(
                 "INSERT OR REPLACE INTO analyses (base_identity, expert_identity, block_bytes, stats_version, created_at, seconds, bytes_read) "
@@ -445,7 +428,10 @@ class Catalog:
 
         The base is read once for all uncached experts; each chunk of at most ``chunk_bytes``
         base bytes is paired with the same rows of every expert. Memory is bounded by
-        ``(1 + K) * chunk_bytes`` plus float32 temporaries of one chunk.
+        ``(1 + K) * chunk_bytes`` plus float32 temporaries of one chunk, plus per expert
+        ``chunk_bytes`` + 1 MiB for its sketch planes (:class:`~mergepipe.catalog.sketch.SketchWriter`:
+        the blob is streamed to storage as blocks are analysed and spills the later planes of a
+        large tensor to a temporary file), whatever the experts' size.
 
         Args:
             progress: called with the number of bytes read after each chunk.
@@ -486,16 +472,32 @@ class Catalog:
             check_compatible(base, readers)
             t0 = time.perf_counter()
             before = storage.counters.snapshot()["read"]
-            results, dots, bdig, sketches = _analyze_stream(
-                storage, base, readers, {e.identity for e in todo}, block_bytes, chunk_bytes, progress, missing_pairs
-            )
-            after = storage.counters.snapshot()["read"]
-            secs = time.perf_counter() - t0
-            nread = sum(after.values()) - sum(before.values())
-            for e in todo:
-                self._store(
-                    base.identity, e.identity, block_bytes, results[e.identity], secs, nread, sketches.get(e.identity)
+            sinks: dict[str, SketchSink] = {}
+            try:
+                for e in todo:
+                    sinks[e.identity] = self._open_sketch(base.identity, e.identity, block_bytes, chunk_bytes)
+                results, dots, bdig = _analyze_stream(
+                    storage,
+                    base,
+                    readers,
+                    {e.identity for e in todo},
+                    block_bytes,
+                    chunk_bytes,
+                    progress,
+                    missing_pairs,
+                    {i: s.writer for i, s in sinks.items()},
                 )
+                after = storage.counters.snapshot()["read"]
+                secs = time.perf_counter() - t0
+                nread = sum(after.values()) - sum(before.values())
+                for e in todo:
+                    # the blob is published before the rows that name it: a reader finds an
+                    # analysis only once its sketch is whole
+                    sk = sinks.pop(e.identity).publish()
+                    self._store(base.identity, e.identity, block_bytes, results[e.identity], secs, nread, sk)
+            finally:
+                for s in sinks.values():
+                    s.abort()
             for (a, b), d in dots.items():
                 self._store_pair(base.identity, a, b, d)
             if not self.tensor_digests(base.identity):
@@ -691,23 +693,141 @@ def check_compatible(base: CheckpointRecord, experts: Sequence[CheckpointRecord]
                 )
 
 
-def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, progress, pairs=()):
+class SketchSink:
+    """Where one expert's sketch blob goes while it is analysed.
+
+    ``writer`` (a :class:`~mergepipe.catalog.sketch.SketchWriter`) receives the blob in order;
+    nothing a reader takes for a sketch exists until :meth:`publish`; :meth:`abort` discards
+    what was written (no-op after publish). Subclasses: :class:`LocalSketchSink` (a file) and
+    :class:`WriterSketchSink` (a :class:`~mergepipe.storage.base.Writer`, e.g. an S3 multipart
+    upload).
+    """
+
+    uri: str
+    writer: SketchWriter
+
+    def _meta(self) -> dict:
+        return {
+            "kind": "sign-planes",
+            "planes": PLANES,
+            "uri": self.uri,
+            "sha256": self.writer.sha256.hexdigest(),
+            "bytes": self.writer.nbytes,
+        }
+
+    def publish(self) -> dict | None:
+        """Make the blob visible at ``uri``; returns the analysis' ``sketch`` record
+        (``{"kind", "planes", "uri", "sha256", "bytes"}``), or None when the expert has no
+        sketched tensor (nothing is published)."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Discard the unpublished blob; never raises."""
+        raise NotImplementedError
+
+
+class LocalSketchSink(SketchSink):
+    """A sketch blob at local path ``uri``: written to a hidden temporary file in the same folder
+    (fsynced), renamed into place by :meth:`publish`, so a reader sees no blob or all of it.
+
+    Args:
+        uri: the blob's final path (its folder is created).
+        spill_bytes: the writer's memory for later planes (:class:`SketchWriter`); spill files go
+            to the same folder.
+    """
+
+    def __init__(self, uri: str, spill_bytes: int) -> None:
+        self.uri = uri
+        p = Path(uri)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        self._path = p
+        self._tmp = p.with_name(f".{p.name}.tmp{os.getpid()}.{threading.get_ident()}")
+        self._f = open(self._tmp, "wb")
+        self.writer = SketchWriter(self._f.write, spill_bytes, spill_dir=str(p.parent))
+        self._done = False
+
+    def publish(self) -> dict | None:
+        from mergepipe.storage.local import fsync_folder
+
+        if self.writer.nbytes == 0:
+            self.abort()
+            return None
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self._tmp, self._path)
+        self._done = True
+        fsync_folder(self._path.parent, strict=False)
+        return self._meta()
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.writer.discard()
+        try:
+            self._f.close()
+        except OSError:
+            pass
+        try:
+            os.unlink(self._tmp)
+        except OSError:
+            pass
+
+
+class WriterSketchSink(SketchSink):
+    """A sketch blob written through a storage :class:`~mergepipe.storage.base.Writer` whose
+    ``close`` publishes the object whole (S3: a multipart upload, visible only once completed;
+    an object smaller than one part is one PutObject at close).
+
+    Args:
+        storage, uri: where the blob goes (bytes counted as written under role ``catalog``).
+        spill_bytes: the writer's memory for later planes (:class:`SketchWriter`; spill files
+            in the system temporary folder).
+    """
+
+    def __init__(self, storage: Storage, uri: str, spill_bytes: int) -> None:
+        self.uri = uri
+        self._w = storage.open_writer(uri, "catalog")
+        self.writer = SketchWriter(self._w.write, spill_bytes)
+        self._done = False
+
+    def publish(self) -> dict | None:
+        if self.writer.nbytes == 0:
+            self.abort()
+            return None
+        self._w.close()
+        self._done = True
+        return self._meta()
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.writer.discard()
+        self._w.abort()
+
+
+def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, progress, pairs=(), sketches=None):
     """Stream the base and ``readers`` once; per-expert statistics for identities in
     ``stat_ids``, and for each pair of ``pairs`` the exact per-tensor ``⟨δᵢ,δⱼ⟩``.
 
+    ``sketches`` (``{identity: SketchWriter}``, one per identity of ``stat_ids``) receive the
+    sign planes of every floating tensor of two or more dimensions, in base tensor order
+    (:mod:`mergepipe.catalog.sketch`), as the blocks are analysed; each tensor's statistics
+    record where its planes start (``sketch_start``) and their residual energies.
+
     Returns:
         ``({identity: {tensor: TensorStats}}, {(id_a, id_b) sorted: {tensor: dot}},
-        {tensor: base SHA-256}, {identity: sketch blob})``: the sketch blob holds the sign
-        planes of every floating tensor of two or more dimensions, in base tensor order
-        (:mod:`mergepipe.catalog.sketch`); it is held in memory (3/16 of a bf16 expert's bytes).
+        {tensor: base SHA-256})``.
     """
     builders: dict[str, dict[str, TensorStats]] = {i: {} for i in stat_ids}
-    blobs: dict[str, list[bytes]] = {i: [] for i in stat_ids}
-    blob_pos: dict[str, int] = {i: 0 for i in stat_ids}
+    sketches = sketches if sketches is not None else {}
     pair_ids = [tuple(sorted((a.identity, b.identity))) for a, b in pairs]
     dots: dict[tuple[str, str], dict[str, float]] = {p: {} for p in pair_ids}
     held = {i for p in pair_ids for i in p}
     stat_readers = [e for e in readers if e.identity in stat_ids]
+    lora_ids = {e.identity for e in stat_readers if e.adapter is not None}
     base_digests: dict[str, str] = {}
     for name, bt in base.layout.tensors.items():
         if bt.dtype not in FLOAT_DTYPES or bt.numel == 0:
@@ -717,7 +837,8 @@ def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, 
         cb = chunk_bytes // max(1, len(held)) if held else chunk_bytes  # pairs hold every delta of a chunk
         chunk_rows = max(rpb, (cb // max(1, bt.row_bytes)) // rpb * rpb)
         bs = {e.identity: TensorStatsBuilder(name, bt.rows, row_numel, rpb) for e in stat_readers}
-        sks = {e.identity: SketchBuilder(bt.rows, row_numel, rpb) for e in stat_readers} if len(bt.shape) >= 2 else {}
+        sks = {i: w for i, w in sketches.items() if i in stat_ids} if len(bt.shape) >= 2 else {}
+        sk_start = {i: w.begin(bt.rows, row_numel, rpb) for i, w in sks.items() if i not in lora_ids}
         hashes = {e.identity: hashlib.sha256() for e in stat_readers}
         prow: dict[tuple[str, str], list[np.ndarray]] = {p: [] for p in pair_ids}
         lora_a: dict[str, np.ndarray] = {}  # per LoRA expert: this tensor's A, read once
@@ -748,7 +869,7 @@ def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, 
                 if e.identity in bs:
                     hashes[e.identity].update(raw)
                     bs[e.identity].add(r0, d, expert=x, base=b64, base_sq_rows=bsq)
-                    if sks:
+                    if e.identity in sks:
                         sks[e.identity].add(r0, d)
                 if e.identity in held:
                     deltas[e.identity] = d
@@ -759,15 +880,15 @@ def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, 
         base_digests[name] = bh.hexdigest()
         for e in stat_readers:
             st = bs[e.identity].finish(hashes[e.identity].hexdigest())
-            if sks:
-                data, resid = sks[e.identity].finish()
-                st.sketch_start, st.sketch_sq = blob_pos[e.identity], resid
-                blobs[e.identity].append(data)
-                blob_pos[e.identity] += len(data)
+            w = sks.get(e.identity)
+            if w is not None and e.identity in sk_start:
+                st.sketch_start, st.sketch_sq = sk_start[e.identity], w.end()
+            elif w is not None:  # a LoRA expert: no planes are coded (as before streaming)
+                st.sketch_start, st.sketch_sq = w.nbytes, np.zeros((0, PLANES))
             builders[e.identity][name] = st
         for p in pair_ids:
             dots[p][name] = exact_total(np.concatenate(prow[p])) if prow[p] else 0.0
-    return builders, dots, base_digests, {i: b"".join(v) for i, v in blobs.items()}
+    return builders, dots, base_digests
 
 
 def _lora_blocks(storage, base, e, name, r0, r1, rpb, row_numel, b64, bsq, a_cache, h, builder, keep):

@@ -11,7 +11,8 @@ The operator plans in-process from these objects and never reads a checkpoint:
   per-block sensitivity on a calibration set (:mod:`mergepipe.catalog.sensitivity`), written by
   ``mergepipe analyze --calibration`` (the operator's analyze Job).
 * ``<prefix>/sketches/<base identity>/<expert identity>/<block bytes>-v<stats version>.sketch``: the
-  expert's block sketches (:mod:`mergepipe.catalog.sketch`), written before the analysis object
+  expert's block sketches (:mod:`mergepipe.catalog.sketch`), streamed while the expert is analysed
+  (S3: a multipart upload, visible only once completed), published before the analysis object
   that names them (with their SHA-256) and read by merges through the storage layer.
 
 Analyses are immutable and keyed by identities, so concurrent analyze Jobs writing the same
@@ -29,7 +30,16 @@ import threading
 import time
 import zipfile
 
-from mergepipe.catalog.catalog import STATS_VERSION, Analysis, Catalog, CheckpointRecord, record_layout_dict
+from mergepipe.catalog.catalog import (
+    STATS_VERSION,
+    Analysis,
+    Catalog,
+    CheckpointRecord,
+    LocalSketchSink,
+    SketchSink,
+    WriterSketchSink,
+    record_layout_dict,
+)
 from mergepipe.catalog.stats import TensorStats
 from mergepipe.storage.base import IOCounters, NotFoundError, PreconditionFailed, Storage, is_s3
 from mergepipe.storage.routing import open_storage
@@ -134,14 +144,17 @@ class ObjectCatalog(Catalog):
         """``<prefix>/sketches/<base identity>/<expert identity>/<block bytes>-v<stats version>.sketch``."""
         return self.storage.join(self.prefix, "sketches", base, expert, f"{block_bytes}-v{STATS_VERSION}.sketch")
 
-    def _put_sketch(self, uri: str, data: bytes) -> None:
-        try:
-            self.storage.put_object(uri, data, "catalog", if_none_match=True)
-        except PreconditionFailed:
-            pass  # identity-keyed: another analyzer stored the same content first
+    def _open_sketch(self, base: str, expert: str, block_bytes: int, spill_bytes: int) -> SketchSink:
+        """A sink for an expert's sketch blob, written while it is analysed: an S3 multipart
+        upload (invisible until completed), or for a local prefix a hidden temporary file renamed
+        into place. Concurrent analyzers of the same (identity-keyed) blob write the same bytes;
+        the last to finish replaces the other's object with identical content."""
+        uri = self.sketch_uri(base, expert, block_bytes)
+        if is_s3(uri):
+            return WriterSketchSink(self.storage, uri, spill_bytes)
+        return LocalSketchSink(uri[len("file://") :] if uri.startswith("file://") else uri, spill_bytes)
 
-    def _store(self, base, expert, block_bytes, stats, seconds, nread, sketch: bytes | None = None) -> int:
-        sk = self._store_sketch(base, expert, block_bytes, sketch) if sketch else None
+    def _store(self, base, expert, block_bytes, stats, seconds, nread, sk: dict | None = None) -> int:
         buf = io.BytesIO()
         names = list(stats)
         with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:

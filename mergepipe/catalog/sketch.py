@@ -34,6 +34,10 @@ read keeps is ``Σδ² − Σ r_k²``, the planner's value of that tier.
 
 from __future__ import annotations
 
+import hashlib
+import tempfile
+from collections.abc import Callable
+
 import numpy as np
 
 #: sign planes recorded per block
@@ -134,7 +138,10 @@ def decode_blocks(data: bytes | memoryview, rows: int, row_numel: int, rows_per_
 
 
 class SketchBuilder:
-    """Accumulates one tensor's sketch over row chunks (block-aligned, in row order).
+    """Accumulates one tensor's sketch over row chunks (block-aligned, in row order), in memory.
+
+    The reference form of the blob layout (tests check :class:`SketchWriter` against it); the
+    analyze pass streams with :class:`SketchWriter` instead.
 
     Args:
         rows, row_numel, rows_per_block: the tensor's block grid.
@@ -159,3 +166,120 @@ class SketchBuilder:
     def finish(self) -> tuple[bytes, np.ndarray]:
         """(the tensor's sketch bytes, plane-major; float64 ``[n_blocks, PLANES]`` residual energies)."""
         return b"".join(b"".join(p) for p in self.planes), np.asarray(self.resid, dtype=np.float64).reshape(-1, PLANES)
+
+
+#: bytes copied from a spool to the blob at a time
+_COPY_BYTES = 1 << 20
+
+
+class SketchWriter:
+    """Writes one expert's sketch blob while its tensors are analysed, with bounded memory.
+
+    Produces the bytes :class:`SketchBuilder` would (tensor after tensor, each plane-major), but
+    never holds a tensor's or the expert's sketch: plane 1 of each block goes to ``write`` as soon
+    as the block is coded (blocks arrive in row order, so plane 1 of a tensor is in blob order),
+    planes 2..``PLANES`` go to one spool per plane (:class:`tempfile.SpooledTemporaryFile`: in
+    memory up to ``spill_bytes / (PLANES - 1)`` bytes each, beyond that an unnamed temporary file
+    in ``spill_dir``) and are copied to ``write`` in 1 MiB pieces when the tensor ends. Memory is
+    thus at most ``spill_bytes`` + 1 MiB per expert, whatever the expert's size; the disk spill is
+    at most 2/16 of the largest bf16 tensor's bytes.
+
+    Args:
+        write: receives the blob's bytes in order (a :class:`~mergepipe.storage.base.Writer`'s
+            ``write``, a file's ``write``).
+        spill_bytes: memory (bytes) the later planes of one tensor may take before spilling.
+        spill_dir: folder of the spill files (None: the system temporary folder).
+
+    Attributes:
+        nbytes: bytes written so far. sha256: ``hashlib`` SHA-256 of those bytes.
+    """
+
+    def __init__(self, write: Callable[[bytes], object], spill_bytes: int, spill_dir: str | None = None) -> None:
+        self._write = write
+        self.spill_each = max(1, spill_bytes // max(1, PLANES - 1))
+        self.spill_dir = spill_dir
+        self.nbytes = 0
+        self.sha256 = hashlib.sha256()
+        self._cur: tuple[int, int, int] | None = None
+        self._spools: list = []
+        self._resid: list[np.ndarray] = []
+        self._next_row = 0
+        self._plane_bytes = 0
+
+    def _emit(self, data: bytes) -> None:
+        self._write(data)
+        self.sha256.update(data)
+        self.nbytes += len(data)
+
+    def begin(self, rows: int, row_numel: int, rows_per_block: int) -> int:
+        """Start a tensor of ``rows`` rows of ``row_numel`` entries; returns its first byte in the
+        blob (its ``TensorStats.sketch_start``).
+
+        Raises:
+            ValueError: the previous tensor was not ended.
+        """
+        if self._cur is not None:
+            raise ValueError("sketch: begin() before the previous tensor's end()")
+        self._cur = (max(rows, 1), row_numel, rows_per_block)
+        self._spools = [
+            tempfile.SpooledTemporaryFile(max_size=self.spill_each, dir=self.spill_dir) for _ in range(PLANES - 1)
+        ]
+        self._resid, self._next_row, self._plane_bytes = [], 0, 0
+        return self.nbytes
+
+    def add(self, row0: int, delta: np.ndarray) -> None:
+        """Add the float32 task vector (flat) of rows ``[row0, …)`` of the current tensor.
+
+        Raises:
+            ValueError: ``row0`` is not the row after the previous chunk (chunks come in row
+                order, block-aligned), or no tensor was begun.
+        """
+        if self._cur is None:
+            raise ValueError("sketch: add() outside begin()/end()")
+        _, row_numel, rpb = self._cur
+        if row0 != self._next_row or row0 % rpb:
+            raise ValueError(f"sketch: chunk at row {row0}, expected row {self._next_row} (block-aligned, in order)")
+        d = np.asarray(delta, dtype=np.float32).reshape(-1, row_numel)
+        for r in range(0, d.shape[0], rpb):
+            parts, e = encode_block(d[r : r + rpb])
+            self._emit(parts[0])
+            self._plane_bytes += len(parts[0])
+            for f, b in zip(self._spools, parts[1:]):
+                f.write(b)
+            self._resid.append(e)
+        self._next_row = row0 + d.shape[0]
+
+    def end(self) -> np.ndarray:
+        """Finish the current tensor: copy its later planes into the blob.
+
+        Returns:
+            float64 ``[n_blocks, PLANES]`` residual energies (``TensorStats.sketch_sq``).
+
+        Raises:
+            ValueError: the chunks added do not cover the tensor's rows.
+        """
+        if self._cur is None:
+            raise ValueError("sketch: end() without begin()")
+        rows, row_numel, rpb = self._cur
+        n_blocks = -(-rows // rpb)
+        if self._plane_bytes != int(block_offsets(rows, row_numel, rpb, n_blocks)[-1]):
+            raise ValueError(f"sketch: {self._next_row} of {rows} rows added")
+        try:
+            for f in self._spools:
+                f.seek(0)
+                while piece := f.read(_COPY_BYTES):
+                    self._emit(piece)
+        finally:
+            self.discard()
+        resid = np.asarray(self._resid, dtype=np.float64).reshape(-1, PLANES)
+        self._cur, self._resid = None, []
+        return resid
+
+    def discard(self) -> None:
+        """Drop the current tensor's spools (their files are deleted); never raises."""
+        for f in self._spools:
+            try:
+                f.close()
+            except OSError:
+                pass
+        self._spools = []
