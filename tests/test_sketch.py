@@ -334,6 +334,84 @@ def test_select_tiers_by_hand():
     assert list(lv) == [1, 0, 2] and not ex.any()
 
 
+def _lexsort_desc(key):
+    """The selection order as the planner computed it before _desc_order (the reference)."""
+    return np.lexsort((np.arange(len(key)), -key))
+
+
+def _level_runs_by_loops(level):
+    """Sketch runs as the planner assembled them before _level_runs (the reference)."""
+    from mergepipe.planner.planner import _runs
+
+    blocks, levels = [], []
+    for k in range(1, int(level.max(initial=0)) + 1):
+        for r in _runs(np.nonzero(level == k)[0]):
+            blocks.append(r)
+            levels.append(k)
+    order = sorted(range(len(blocks)), key=lambda q: blocks[q])
+    return [blocks[q] for q in order], [levels[q] for q in order]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([0.0, -0.0, 0.5, 1.0, 1.0 / 3.0, 2.0, 1e-300, 7.5]), max_size=40), st.integers(0, 4))
+def test_desc_order_is_the_lexsort_order(small, seed):
+    """Descending, ties by index, -0.0 equal to 0.0: the permutation of the reference lexsort, on
+    few distinct values (many ties) and on many random ones."""
+    from mergepipe.planner.planner import _desc_order
+
+    key = np.array(small, dtype=np.float64)
+    assert _desc_order(key).tolist() == _lexsort_desc(key).tolist()
+    rng = np.random.default_rng(seed)
+    key = np.round(rng.random(5000), 2)  # ~100 distinct values: long tied runs
+    assert _desc_order(key).tolist() == _lexsort_desc(key).tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=60))
+def test_level_runs_match_the_loops(levels):
+    from mergepipe.planner.planner import _level_runs
+
+    lv = np.array(levels, dtype=np.int64)
+    assert _level_runs(lv) == _level_runs_by_loops(lv)
+
+
+def test_fast_selection_plans_are_byte_identical(monkeypatch):
+    """The planner's sort and run assembly against their reference implementations: identical
+    plan digests, with and without fidelity tiers, under budgets and a fidelity target, and with
+    two experts of identical statistics (every block value tied across them)."""
+    import dataclasses
+
+    from bench.synthetic_catalog import family
+    from mergepipe.planner import planner
+
+    base, recs, analyses = family("tiny", 3)
+    twin = dataclasses.replace(analyses[0], id=9, expert_identity=recs[2].identity)
+    total = sum(r.total_bytes for r in recs)
+    cases = 0
+    for an in (analyses, [analyses[0], analyses[1], twin]):
+        for method, params in (("ties", {"density": 0.5}), ("task_arithmetic", {})):
+            rr = MergeRequest(
+                base=base.uri,
+                method=method,
+                parameters=params,
+                experts=[ExpertRequest(name=f"e{i}", uri=r.uri) for i, r in enumerate(recs)],
+            ).resolve()
+            for sketch in ("none", "sign1", "sign3"):
+                for budget, fidelity in ((0.05, None), (0.25, None), (0.5, None), (None, 0.9), (0.25, 0.95)):
+                    sel = SelectionOptions(
+                        budget_bytes=int(total * budget) if budget else None, fidelity=fidelity, sketch=sketch
+                    )
+                    fast = make_plan(rr, PlanInputs(base, recs, an), sel, EngineOptions())
+                    with monkeypatch.context() as m:
+                        m.setattr(planner, "_desc_order", _lexsort_desc)
+                        m.setattr(planner, "_level_runs", _level_runs_by_loops)
+                        ref = make_plan(rr, PlanInputs(base, recs, an), sel, EngineOptions())
+                    assert fast.digest == ref.digest, (method, sketch, budget, fidelity)
+                    assert fast.semantic_json() == ref.semantic_json()
+                    cases += 1
+    assert cases == 60
+
+
 def test_a_requests_sketch_is_checked_and_named_in_the_front_ends_terms():
     """MergeRequest.sketch (how the operator passes spec.sketch) is validated with the rest of the
     request; a bad value names the field (--sketch on the command line)."""
