@@ -166,21 +166,13 @@ def test_activation_prior_locates_the_changed_layer(tmp_path):
     """An expert that differs from the base only in decoder layer 1 has ~zero activation
     discrepancy in layer 0 and a positive one in layer 1."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from mergepipe.search.prior import hidden_state_discrepancy
+    from tests.tiny_llm import tiny_llama_config
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    m = LlamaForCausalLM(cfg)
+    m = LlamaForCausalLM(tiny_llama_config())
     m.save_pretrained(tmp_path / "base")
     with torch.no_grad():
         m.model.layers[1].mlp.up_proj.weight.add_(0.2 * torch.randn_like(m.model.layers[1].mlp.up_proj.weight))

@@ -25,47 +25,10 @@ TEXT = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n# the value of f{i} grows 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.tiny_llm import tiny_llama_family
 
     root = tmp_path_factory.mktemp("sens")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(
-        TEXT,
-        trainers.BpeTrainer(
-            vocab_size=300,
-            special_tokens=["<pad>", "<s>", "</s>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        ),
-    )
-    cfg = LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        eos_token_id=2,
-        bos_token_id=1,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    paths = {}
-    for name, scale in (("base", 0.0), ("e1", 0.01), ("e2", 0.02)):
-        m = LlamaForCausalLM(cfg)
-        m.load_state_dict(model.state_dict())
-        with torch.no_grad():
-            for p in m.parameters():
-                p.add_(scale * torch.randn_like(p))
-        d = root / name
-        m.save_pretrained(d, max_shard_size="40KB")
-        tok.save(str(d / "tokenizer.json"))
-        paths[name] = d
+    paths, model, tok = tiny_llama_family(root, TEXT, (("base", 0.0), ("e1", 0.01), ("e2", 0.02)))
     cal = root / "cal.jsonl"
     cal.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXT[:60]))
     cal2 = root / "cal2.jsonl"

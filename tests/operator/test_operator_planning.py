@@ -246,51 +246,16 @@ def s3_llm(seaweed, tmp_path_factory):
     """A real (tiny, randomly initialised) transformers Llama with a BPE tokenizer, base + 2
     experts in SeaweedFS, their statistics in an object catalog (no sensitivity yet), and a
     calibration file: what the Fisher statistic needs (config.json, tokenizer.json)."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.tiny_llm import tiny_llama_family
 
     root = tmp_path_factory.mktemp("llm")
     text = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n# f{i} grows with x" for i in range(120)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(
-        text,
-        trainers.BpeTrainer(
-            vocab_size=300,
-            special_tokens=["<pad>", "<s>", "</s>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        ),
-    )
-    cfg = LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        eos_token_id=2,
-        bos_token_id=1,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    ref = LlamaForCausalLM(cfg).state_dict()
+    paths, _model, _tok = tiny_llama_family(root, text, (("base", 0.0), ("code", 0.01), ("math", 0.02)))
     client = seaweed.client()
     bucket = seaweed.make_bucket("llm")
-    uris = {}
-    for name, scale in (("base", 0.0), ("code", 0.01), ("math", 0.02)):
-        m = LlamaForCausalLM(cfg)
-        m.load_state_dict(ref)
-        with torch.no_grad():
-            for p in m.parameters():
-                p.add_(scale * torch.randn_like(p))
-        m.save_pretrained(root / name, max_shard_size="40KB")
-        tok.save(str(root / name / "tokenizer.json"))
-        uris[name] = upload_dir(client, bucket, root / name, f"llama/{name}")
+    uris = {name: upload_dir(client, bucket, d, f"llama/{name}") for name, d in paths.items()}
     client.put_object(
         Bucket=bucket,
         Key="calibration/code.jsonl",
