@@ -29,24 +29,21 @@ def merge_args(base, experts, out, *extra):
 
 def test_merge_json_contract(fam, monkeypatch, capsys):
     tmp, base, experts = fam
-    code, out, err = run_cli(
-        merge_args(
-            base,
-            experts,
-            tmp / "out",
-            "--method",
-            "ties",
-            "--param",
-            "density=0.5",
-            "--param",
-            "expert1:weight=0.7",
-            "--budget",
-            "64KiB",
-            "--json",
-        ),
-        monkeypatch,
-        capsys,
+    args = merge_args(
+        base,
+        experts,
+        tmp / "out",
+        "--method",
+        "ties",
+        "--param",
+        "density=0.5",
+        "--param",
+        "expert1:weight=0.7",
+        "--budget",
+        "64KiB",
+        "--json",
     )
+    code, out, err = run_cli(args, monkeypatch, capsys)
     assert code == 0, err
     res = json.loads(out)  # stdout holds exactly one JSON object
     for k in ("snapshot_id", "manifest_hash", "plan_digest", "retained_energy", "wall_s"):
@@ -58,24 +55,7 @@ def test_merge_json_contract(fam, monkeypatch, capsys):
     assert m["parameters"]["experts"]["expert1"]["weight"] == 0.7
     assert m["parameters"]["experts"]["expert0"]["weight"] == 1.0
     # rerun: idempotent, nothing recomputed
-    code, out2, _ = run_cli(
-        merge_args(
-            base,
-            experts,
-            tmp / "out",
-            "--method",
-            "ties",
-            "--param",
-            "density=0.5",
-            "--param",
-            "expert1:weight=0.7",
-            "--budget",
-            "64KiB",
-            "--json",
-        ),
-        monkeypatch,
-        capsys,
-    )
+    code, out2, _ = run_cli(args, monkeypatch, capsys)
     assert code == 0 and json.loads(out2)["already_committed"] is True
     code, out3, _ = run_cli(["verify", str(tmp / "out"), "--json"], monkeypatch, capsys)
     assert code == 0 and json.loads(out3)["ok"]

@@ -180,6 +180,31 @@ def test_inputs_the_core_refuses_name_the_spec_field(s3_models, seaweed, tmp_pat
     assert e.value.field == "spec.experts[0].parameters.density"
 
 
+def _pod_env(seaweed, tmp_path, **extra: str) -> dict[str, str]:
+    """This process's environment less its AWS settings, plus SeaweedFS's endpoint and keys and
+    no AWS config files or instance metadata (what a pod sees), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(
+        seaweed.env(),
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+        AWS_EC2_METADATA_DISABLED="true",
+        **extra,
+    )
+    return env
+
+
+def _run_cli(seaweed, tmp_path, args: list[str], timeout: int) -> subprocess.CompletedProcess:
+    """Run the real ``mergepipe ARGS`` in a fresh interpreter with :func:`_pod_env` (its own
+    ``MERGEPIPE_HOME``); asserts it exits 0."""
+    env = _pod_env(seaweed, tmp_path, PYTHONPATH=str(ROOT), MERGEPIPE_HOME=str(tmp_path / "home"))
+    r = subprocess.run(
+        [sys.executable, "-m", "mergepipe.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert r.returncode == 0, r.stderr
+    return r
+
+
 def test_planning_never_imports_torch(s3_models, seaweed, tmp_path):
     """The operator image has no torch: plan in a fresh interpreter and check sys.modules."""
     spec = merge_spec(s3_models, budget=None)
@@ -191,13 +216,7 @@ p = plan_merge(json.loads({json.dumps(json.dumps(spec))}), {s3_models.catalog!r}
 print(json.dumps({{"digest": p.digest, "torch": "torch" in sys.modules,
                    "kopf": "kopf" in sys.modules, "numpy": "numpy" in sys.modules}}))
 """
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(
-        seaweed.env(),
-        AWS_CONFIG_FILE=str(tmp_path / "none"),
-        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
-        AWS_EC2_METADATA_DISABLED="true",
-    )
+    env = _pod_env(seaweed, tmp_path)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -222,19 +241,7 @@ def test_the_analyze_command_records_what_planning_needs(s3_models, seaweed, tmp
     assert set(p.missing_experts) == set(s3_models.experts[:2])
     args = mmd.analyze_args(spec, p.missing_experts, catalog)
     assert args[:2] == ["analyze", "--base"] and "--pairs" in args
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(
-        seaweed.env(),
-        AWS_CONFIG_FILE=str(tmp_path / "none"),
-        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
-        AWS_EC2_METADATA_DISABLED="true",
-        PYTHONPATH=str(ROOT),
-        MERGEPIPE_HOME=str(tmp_path / "home"),
-    )
-    r = subprocess.run(
-        [sys.executable, "-m", "mergepipe.cli", *args], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert r.returncode == 0, r.stderr
+    r = _run_cli(seaweed, tmp_path, args, timeout=300)
     (pair,) = json.loads(r.stdout)["pairs"]
     assert sorted(pair["experts"]) == sorted(s3_models.experts[:2]) and pair["tensors"] > 0
     done = planning.plan_merge(spec, catalog, storage=core_storage(seaweed))
@@ -297,19 +304,7 @@ def test_a_calibration_set_in_the_spec_is_analyzed_once_and_plans_with_fisher(s3
     assert read["base"] == 0 and read["expert"] == 0
     args = mmd.analyze_args(spec, p.missing_experts, catalog, p.calibration_uri)
     assert args[args.index("--calibration") + 1] == cal
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(
-        seaweed.env(),
-        AWS_CONFIG_FILE=str(tmp_path / "none"),
-        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
-        AWS_EC2_METADATA_DISABLED="true",
-        PYTHONPATH=str(ROOT),
-        MERGEPIPE_HOME=str(tmp_path / "home"),
-    )
-    r = subprocess.run(
-        [sys.executable, "-m", "mergepipe.cli", *args], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert r.returncode == 0, r.stderr
+    r = _run_cli(seaweed, tmp_path, args, timeout=600)
     assert json.loads(r.stdout)["calibration"]["digest"] == digest
     assert ObjectCatalog(st, catalog).find_sensitivity(base_id, digest, mmd.ANALYZE_BLOCK_BYTES) is not None
     done = planning.plan_merge(spec, catalog, storage=st)
@@ -371,19 +366,7 @@ def test_a_lora_adapter_expert_is_analyzed_planned_and_merged_from_its_factors(s
     assert ad in p.missing_experts
     args = mmd.analyze_args(spec, p.missing_experts, catalog)
     assert f"lora:{ad}" in args and s3_models.experts[0] in args
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(
-        seaweed.env(),
-        AWS_CONFIG_FILE=str(tmp_path / "none"),
-        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
-        AWS_EC2_METADATA_DISABLED="true",
-        PYTHONPATH=str(ROOT),
-        MERGEPIPE_HOME=str(tmp_path / "home"),
-    )
-    r = subprocess.run(
-        [sys.executable, "-m", "mergepipe.cli", *args], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert r.returncode == 0, r.stderr
+    _run_cli(seaweed, tmp_path, args, timeout=300)
     st = core_storage(seaweed)
     done = planning.plan_merge(spec, catalog, storage=st)
     assert done.missing_experts == ()
@@ -398,13 +381,6 @@ def test_a_lora_adapter_expert_is_analyzed_planned_and_merged_from_its_factors(s
     assert st.counters.snapshot()["read"]["expert"] == 0  # planning reads no tensor byte
     (tmp_path / "plan.json").write_text(plan.to_json())
     out = f"s3://{s3_models.bucket}/snapshots/lora-op"
-    r = subprocess.run(
-        [sys.executable, "-m", "mergepipe.cli", "execute", str(tmp_path / "plan.json"), "--out", out, "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr
+    r = _run_cli(seaweed, tmp_path, ["execute", str(tmp_path / "plan.json"), "--out", out, "--json"], timeout=300)
     res = json.loads(r.stdout)
     assert res["io"]["expert_read_bytes"] == plan.io.expert_read_bytes
