@@ -117,15 +117,21 @@ def collect(
     return rep
 
 
+def _s3_prefix(storage: Storage, root: str) -> tuple[Any, str, str]:
+    """(boto3 S3 client, bucket, key prefix ending in ``/`` or empty) to list ``root``
+    (``s3://bucket/prefix``) with, from a RoutingStorage's S3 backend or an S3Storage."""
+    from mergepipe.storage.s3 import split_uri
+
+    s3: Any = getattr(storage, "s3", storage)
+    bucket, key = split_uri(root)
+    return s3.client, bucket, (key.rstrip("/") + "/" if key else "")
+
+
 def _objects(storage: Storage, root: str) -> Iterator[tuple[str, float]]:
     """(key relative to ``root``, modification time) of every object/file under ``root``."""
     if is_s3(root):
-        from mergepipe.storage.s3 import split_uri
-
-        s3: Any = getattr(storage, "s3", storage)  # a RoutingStorage's S3 backend, or an S3Storage
-        bucket, key = split_uri(root)
-        pre = key.rstrip("/") + "/" if key else ""
-        pages = s3.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=pre)
+        client, bucket, pre = _s3_prefix(storage, root)
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=pre)
         for page in pages:
             for o in page.get("Contents", ()) or ():
                 yield o["Key"][len(pre) :], o["LastModified"].timestamp()
@@ -193,12 +199,8 @@ def _referenced_run(storage: Storage, out: str) -> str | None:
 
 
 def _abort_uploads(storage: Storage, root: str, rep: GcReport, now: float, say) -> None:
-    from mergepipe.storage.s3 import split_uri
-
-    s3: Any = getattr(storage, "s3", storage)  # a RoutingStorage's S3 backend, or an S3Storage
-    bucket, key = split_uri(root)
-    pre = key.rstrip("/") + "/" if key else ""
-    pages = s3.client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=pre)
+    client, bucket, pre = _s3_prefix(storage, root)
+    pages = client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=pre)
     for page in pages:
         for u in page.get("Uploads", ()) or ():
             rel = u["Key"][len(pre) :]
@@ -210,7 +212,7 @@ def _abort_uploads(storage: Storage, root: str, rep: GcReport, now: float, say) 
                 continue
             say(f"{'would abort' if rep.dry_run else 'aborting'} multipart upload of {uri}")
             if not rep.dry_run:
-                s3.client.abort_multipart_upload(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
+                client.abort_multipart_upload(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
             rep.aborted_uploads.append(f"{uri} (upload {u['UploadId']})")
 
 
