@@ -37,27 +37,11 @@ PROTO = 1 << 14
 
 
 def llama_7b_shapes() -> dict[str, tuple[int, ...]]:
-    """Llama-2-7B's tensor names and shapes, in checkpoint order."""
-    hidden, inter, layers, vocab = 4096, 11008, 32, 32000
-    s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        s.update(
-            {
-                p + "input_layernorm.weight": (hidden,),
-                p + "self_attn.q_proj.weight": (hidden, hidden),
-                p + "self_attn.k_proj.weight": (hidden, hidden),
-                p + "self_attn.v_proj.weight": (hidden, hidden),
-                p + "self_attn.o_proj.weight": (hidden, hidden),
-                p + "post_attention_layernorm.weight": (hidden,),
-                p + "mlp.gate_proj.weight": (inter, hidden),
-                p + "mlp.up_proj.weight": (inter, hidden),
-                p + "mlp.down_proj.weight": (hidden, inter),
-            }
-        )
-    s["model.norm.weight"] = (hidden,)
-    s["lm_head.weight"] = (vocab, hidden)
-    return s
+    """Llama-2-7B's tensor names and shapes, in checkpoint order (the test suite's Llama layout,
+    :func:`tests.synth.llama_like_shapes`, at 7B sizes)."""
+    from tests.synth import llama_like_shapes
+
+    return llama_like_shapes(hidden=4096, inter=11008, layers=32, vocab=32000)
 
 
 def _tiny_shapes() -> dict[str, tuple[int, ...]]:
