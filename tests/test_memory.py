@@ -79,3 +79,35 @@ def test_working_set_within_work_memory(tmp_path, method):
     # work memory + prefetched inputs + writer queue (a quarter of the prefetch) + allocator slack;
     # sized for K + 3 arrays as before, dare_ties grew by 142 MiB here (measured)
     assert grown < (work + 2 * work + work // 2) / 2**20 + 32, f"{method}: peak grew by {grown:.0f} MiB"
+
+
+ANALYZE = """
+import json, sys
+from mergepipe.catalog.catalog import Catalog
+from mergepipe.pipeline import IOCounters, open_storage, register_and_analyze
+base, cat, experts = sys.argv[1], sys.argv[2], sys.argv[3:]
+an = register_and_analyze(Catalog(cat), open_storage(base, IOCounters()), base, experts, 128 * 1024)[2]
+hwm = [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
+print(json.dumps({"sketch_bytes": sum(a.sketch["bytes"] for a in an), "vmhwm_kib": hwm}))
+"""
+
+
+@pytest.mark.slow
+def test_analyze_peak_rss_flat_in_expert_size(tmp_path):
+    """analyze streams each expert's sketch blob to the catalog (it used to hold it, 3/16 of a
+    bf16 expert's bytes, plus a joined copy): two experts of the same tensor shapes, one with 2
+    layers and one with 40 (~250 MB bf16, a ~47 MB sketch blob), analyzed in a fresh
+    process each; the peak RSS grows by less than one blob."""
+    rss, blob = {}, {}
+    for k, layers in (("s", 2), ("l", 40)):
+        b, es = make_family(tmp_path / k, 1, seed=3, shapes=llama_like_shapes(512, 1376, layers, 1024), n_shards=2)
+        p = subprocess.run(
+            [sys.executable, "-c", ANALYZE, str(b), str(tmp_path / f"c-{k}.sqlite"), *map(str, es)],
+            capture_output=True,
+            env=dict(os.environ),
+        )
+        assert p.returncode == 0, p.stderr.decode()
+        r = json.loads(p.stdout)
+        rss[k], blob[k] = r["vmhwm_kib"] / 1024.0, r["sketch_bytes"] / 2**20
+    assert blob["l"] > 15 * blob["s"] and blob["l"] > 40
+    assert rss["l"] - rss["s"] < blob["l"] / 2, f"analyze peak RSS grew with expert size: {rss} MiB, blobs {blob} MiB"

@@ -428,7 +428,8 @@ class Catalog:
 
         The base is read once for all uncached experts; each chunk of at most ``chunk_bytes``
         base bytes is paired with the same rows of every expert. Memory is bounded by
-        ``(1 + K) * chunk_bytes`` plus float32 temporaries of one chunk, plus per expert
+        ``(1 + K) * chunk_bytes`` plus the float32/float64 temporaries of one chunk (one expert: ~40
+        bytes per bf16 base byte of the chunk: ~600 MiB at the default 16 MiB), plus per expert
         ``chunk_bytes`` + 1 MiB for its sketch planes (:class:`~mergepipe.catalog.sketch.SketchWriter`:
         the blob is streamed to storage as blocks are analysed and spills the later planes of a
         large tensor to a temporary file), whatever the experts' size.
