@@ -37,6 +37,7 @@ from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import FLOAT_DTYPES
 from mergepipe.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, SAVED_PREFIX
 from mergepipe.storage.base import Storage
+from mergepipe.storage.local import fsync_folder
 
 REPORT = "extract_report.json"
 #: adapter factor dtypes accepted by ``--dtype``
@@ -222,7 +223,9 @@ def extract_lora(
         for f in stage.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+        fsync_folder(stage, strict=True)  # the three names, then the rename, survive a crash
         os.rename(stage, outp)
+        fsync_folder(parent, strict=True)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
