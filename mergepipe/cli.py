@@ -1006,6 +1006,7 @@ def search(
     initial: Annotated[int, typer.Option("--initial", help="Sobol design points before the optimizer")] = 8,
     workers: Annotated[Optional[int], typer.Option("--workers", "-w", help="Parallel workers [default: 1]")] = None,
     budget: BudgetOpt = None,
+    sketch: SketchOpt = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the design, proposals and merges")] = 0,
     strategy: Annotated[
         str,
@@ -1235,6 +1236,7 @@ def search(
             fixed=fixed,
             layer_blocks=layer_blocks,
             budget=budget,
+            sketch=sketch,
             seed=seed,
             strategy=strategy,
             prior=not no_prior,

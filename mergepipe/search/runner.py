@@ -88,7 +88,9 @@ class SearchConfig:
         items; ``layer_blocks``: layer blocks per varied parameter; ``objectives``: metric names
         (``NAME``/``NAME@min``/``NAME@max``); ``evaluations``: candidates in total (the budget,
         failed ones included); ``initial``: Sobol design points; ``workers``: parallel workers;
-        ``budget``: expert-I/O budget of every merge (None: unlimited); ``seed``: seed of the
+        ``budget``: expert-I/O budget of every merge (None: unlimited); ``sketch``: fidelity
+        tiers of every merge's plan under its budget (``none``, ``sign1``..``sign3``, see
+        :attr:`mergepipe.request.MergeRequest.sketch`; None: the planner's default); ``seed``: seed of the
         design, the proposals and the merges; ``strategy``: ``async``/``sync``/``random``;
         ``prior``: use the discrepancy prior (``async`` only); ``probe``: texts for the
         activation part of the prior (None: parameter discrepancy only); ``ref_point``:
@@ -121,6 +123,7 @@ class SearchConfig:
     fixed: dict = field(default_factory=dict)
     layer_blocks: int = 4
     budget: str | None = None
+    sketch: str | None = None
     seed: int = 0
     strategy: str = "async"
     prior: bool = True
@@ -144,7 +147,7 @@ class SearchConfig:
     def request(self, params: dict, output: str | None = None):
         """The :class:`mergepipe.request.MergeRequest` of a candidate whose settings are
         ``params`` (:data:`mergepipe.search.space.Params`), with the search's base, experts,
-        method, budget and seed."""
+        method, budget, fidelity tiers and seed."""
         from mergepipe.request import ExpertRequest, MergeRequest
 
         own = params.get("experts") or {}
@@ -154,6 +157,7 @@ class SearchConfig:
             parameters=dict(params.get("parameters") or {}),
             experts=[ExpertRequest(name=n, uri=u, parameters=dict(own.get(n) or {})) for n, u in self.experts],
             budget=params.get("budget", self.budget),
+            sketch=self.sketch,
             seed=self.seed,
             output=output,
         )
@@ -175,6 +179,11 @@ class SearchConfig:
             raise InputError(f"strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}.")
         if self.prior_kind not in PRIOR_KINDS:
             raise InputError(f"--prior {self.prior_kind!r}: use one of {', '.join(PRIOR_KINDS)} (or --no-prior).")
+        if self.sketch is not None:
+            from mergepipe.catalog.sketch import SKETCH_KINDS
+
+            if self.sketch not in SKETCH_KINDS:
+                raise InputError(f"--sketch {self.sketch!r}: use one of {', '.join(SKETCH_KINDS)}.")
         if self.latency is not None and (len(self.latency) != 2 or any(not 0 <= v < 1e6 for v in self.latency)):
             raise InputError(f"latency {self.latency}: give [fixed seconds, seconds at a full read], both >= 0.")
         if not self.objectives:

@@ -7,7 +7,7 @@ from the operator's ModelMerge path:
 * name ``<search>-c<NNNN>`` (:func:`candidate_name`, the operator computes the same name to link
   the Pareto set's MergedSnapshots), ownerReference to the MergeSearch (deleted with it; its
   MergedSnapshots are never owned, so they stay), labels naming the search and the candidate;
-* spec: the search's base, experts, method and budget, the candidate's settings as ModelMerge
+* spec: the search's base, experts, method, budget and sketch, the candidate's settings as ModelMerge
   parameters (a varied parameter is a ``[{filter, value}]`` list per layer block),
   output ``<output prefix>/c<NNNN>/``, and the search's ``resources``/``image``/``s3`` (``template``);
 * :meth:`KubernetesMerger.merge` creates it (409: it exists, e.g. a resumed driver) and polls it
@@ -155,6 +155,8 @@ class KubernetesMerger(CandidateMerger):
             spec["parameters"] = dict(glob)
         if cfg.budget is not None:
             spec["budget"] = cfg.budget
+        if cfg.sketch is not None:
+            spec["sketch"] = cfg.sketch
         spec.update({k: v for k, v in self.template.items() if k in ("resources", "image", "s3", "queueName")})
         return {
             "apiVersion": f"{GROUP}/{VERSION}",

@@ -757,6 +757,16 @@ class MergeSearchSpec(K8sModel):
     budget: ByteQuantity | None = Field(
         default=None, description="Expert-I/O budget of every candidate merge (charged to MergeQuotas per candidate)."
     )
+    sketch: Literal[SKETCH_KINDS] | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description=(
+            "Fidelity tiers of every candidate merge under its budget (the candidates' ModelMerge "
+            "spec.sketch): signK lets the planner merge an expert block from the first k <= K (1-3) "
+            "residual sign planes of its sketch instead of reading it exactly or skipping it; none: "
+            "read exactly or skip. Default: the candidates' ModelMerge default (chart values "
+            "merges.sketchByNamespace, merges.sketch), else sign3."
+        ),
+    )
     seed: Seed = Field(default=0, description="Seed of the design, proposals and merges: 0 to 2^53-1.")
     output: OutputSpec = Field(description="Prefix for the search state and the candidates' snapshots.")
     resources: ResourcesSpec | None = None

@@ -117,6 +117,7 @@ def test_the_example_is_valid():
         ({"vary": [{"name": "weight", "min": 1.0, "max": 0.0}]}, "spec.vary[0]", "min must be below max"),
         ({"evaluations": 4, "initial": 8}, "spec", "evaluations must be at least initial"),
         ({"budget": "lots"}, "spec.budget", ""),
+        ({"sketch": "sign4"}, "spec.sketch", "sign3"),
         ({"base": {"uri": "/local/base"}}, "spec.base.uri", "s3://"),
     ],
 )
@@ -200,9 +201,11 @@ def test_driver_args_are_the_spec_as_mergepipe_search_options():
         evaluator={"command": "python eval.py {checkpoint}", "timeoutSeconds": 600},
         refPoint=[3.0, 3.5],
         prior=False,
+        sketch="sign1",
     )
     ms["spec"]["objectives"][1]["sense"] = "max"
     args = sd.driver_args(ms, make_settings())
+    assert "--sketch" not in sd.driver_args(search(gen=2, sketch=None), make_settings())  # the ModelMerge default
     k = args.index("--worker-backend")
     assert args[k:] == [
         "--worker-backend",
@@ -226,6 +229,7 @@ def test_driver_args_are_the_spec_as_mergepipe_search_options():
     assert p["eval_command"] == "python eval.py {checkpoint}" and p["eval_timeout"] == 600
     assert (p["evaluations"], p["initial"], p["workers"], p["strategy"], p["seed"]) == (32, 8, 4, "async", 7)
     assert p["no_prior"] is True and p["ref_point"] == "3.0,3.5" and p["catalog"] == "s3://mergepipe/catalog/"
+    assert p["sketch"] == "sign1"
 
 
 # --- status -------------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ def validate_search_spec(spec: Mapping[str, Any]) -> list[Issue]:
 
     The schema checks (pydantic model = the CRD's schema and CEL rules), then what every candidate
     merge would be refused for (the ModelMerge checks of :func:`decisions.validate_merge_spec` on
-    base, experts, method, fixed parameters, budget and output), then the varied parameters:
+    base, experts, method, fixed parameters, budget, sketch and output), then the varied parameters:
     each must be a parameter of the method, a global one cannot be varied per expert, and it
     cannot also be fixed in the same scope.
     """
@@ -93,7 +93,9 @@ def validate_search_spec(spec: Mapping[str, Any]) -> list[Issue]:
         MergeSearchSpec.model_validate(dict(spec))
     except ValidationError as err:
         out.extend((p, m.replace("modelmerge.spec", "mergesearch.spec")) for p, m in _pydantic_issues(err))
-    merge_like = {k: spec[k] for k in ("base", "experts", "method", "parameters", "budget", "output") if k in spec}
+    merge_like = {
+        k: spec[k] for k in ("base", "experts", "method", "parameters", "budget", "sketch", "output") if k in spec
+    }
     merge_like.setdefault("method", "task_arithmetic")
     out.extend(validate_merge_spec(merge_like))  # same paths; duplicates of the schema issues are dropped below
     method = merge_like["method"]
@@ -227,6 +229,8 @@ def driver_args(ms: Mapping[str, Any], settings: Settings) -> list[str]:
         args += ["--ref-point", ",".join(repr(float(x)) for x in spec["refPoint"])]
     if spec.get("budget") is not None:
         args += ["--budget", str(spec["budget"])]
+    if spec.get("sketch") is not None:
+        args += ["--sketch", str(spec["sketch"])]
     if settings.catalog_uri:
         args += ["--catalog", settings.catalog_uri]
     args += [
