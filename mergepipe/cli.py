@@ -297,6 +297,15 @@ def analyze(
     device: Annotated[
         str, typer.Option("--device", help="torch device for the Fisher sensitivity (--calibration): cpu, cuda, cuda:N")
     ] = "cpu",
+    work_memory: Annotated[
+        Optional[str],
+        typer.Option(
+            "--work-memory",
+            help="Memory target of the analysis: row chunks sized so their float32/float64 temporaries "
+            "(~96 bytes per element) fit, and an eighth of it for each expert's sketch planes before they "
+            "spill to a temporary file [default: 16MiB chunks of base bytes, ~0.7 GB peak for bf16]",
+        ),
+    ] = None,
     catalog: CatalogOpt = None,
     json_out: JsonOpt = False,
 ):
@@ -307,6 +316,7 @@ def analyze(
     c = _catalog(catalog)
     st = _storage_for(base)
     bb = _block_bytes(block_size)
+    wb = _work_bytes(work_memory) if work_memory is not None else None
     uris = [parse_expert(e)[1] for e in expert]
     if pairs and len({u.rstrip("/") for u in uris}) < 2:
         _fail("--pairs needs at least two distinct --expert checkpoints (pair statistics relate two experts).")
@@ -322,6 +332,7 @@ def analyze(
             pairs=pairs,
             calibration=calibration,
             device=device,
+            work_bytes=wb,
         )
     rd = st.counters.snapshot()["read"]
     res: dict[str, Any] = {

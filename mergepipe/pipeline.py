@@ -103,6 +103,7 @@ def register_and_analyze(
     pairs: bool = False,
     calibration: str | None = None,
     device: str | None = None,
+    work_bytes: int | None = None,
 ) -> tuple[CheckpointRecord, list[CheckpointRecord], list[Analysis]]:
     """Register the base and experts and analyze the experts (cached).
 
@@ -117,6 +118,8 @@ def register_and_analyze(
     With ``calibration`` (a JSON-lines file of ``{"text": ...}``) the base's per-block Fisher
     sensitivity on it is recorded too (once; :mod:`mergepipe.catalog.sensitivity`), for plans
     with ``value="fisher"``, on torch ``device`` (default CPU).
+
+    ``work_bytes``: the analysis' memory target (:meth:`Catalog.analyze`; None: 16 MiB row chunks).
     """
     from mergepipe.lora import split_kind
 
@@ -128,7 +131,15 @@ def register_and_analyze(
         if missing:
             raise MissingAnalysis(missing)
     analyses = catalog.analyze(
-        storage, base, experts, block_bytes=block_bytes, progress=progress, pairs=pairs, calibration=cal, device=device
+        storage,
+        base,
+        experts,
+        block_bytes=block_bytes,
+        progress=progress,
+        pairs=pairs,
+        calibration=cal,
+        device=device,
+        work_bytes=work_bytes,
     )
     return base, experts, analyses
 

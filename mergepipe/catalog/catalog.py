@@ -66,6 +66,12 @@ from mergepipe.storage.base import NotFoundError, Storage
 
 DEFAULT_BLOCK_BYTES = 128 * 1024
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
+#: bytes of memory one tensor element of a row chunk takes while analyze computes its statistics
+#: against one expert: the raw, float32 and float64 copies of base and expert, δ, |δ|, δ², the
+#: magnitude keys, octaves and block ids (int64) and the float64 products of the exact sums
+#: (counted in ``_analyze_stream`` and ``TensorStatsBuilder.add``: ~86; measured 43 bytes per
+#: bf16 base byte, docs/CONCEPTS.md), rounded up
+ANALYZE_BYTES_PER_ELEMENT = 96
 STATS_VERSION = 3  # 2: exact whole-tensor sums of products; pair statistics; 3: block sketches (sign planes)
 
 SCHEMA = """
@@ -423,6 +429,7 @@ class Catalog:
         pairs: bool = False,
         calibration=None,
         device: str | None = None,
+        work_bytes: int | None = None,
     ) -> list[Analysis]:
         """Analyze each expert against ``base`` (cached ones are not read again).
 
@@ -435,6 +442,11 @@ class Catalog:
         large tensor to a temporary file), whatever the experts' size.
 
         Args:
+            work_bytes: memory target in bytes (``mergepipe analyze --work-memory``): row chunks
+                of ``work_bytes / ANALYZE_BYTES_PER_ELEMENT`` elements (at least one block;
+                fewer with pair statistics, which hold every expert's δ of a chunk) and
+                ``work_bytes / 8`` of sketch planes in memory per expert; replaces
+                ``chunk_bytes``. The statistics do not depend on the chunking.
             progress: called with the number of bytes read after each chunk.
             pairs: also make sure the pair statistics ``⟨δᵢ,δⱼ⟩`` of every two experts exist
                 (see the module docstring; read them with :meth:`pair_dots`).
@@ -476,7 +488,8 @@ class Catalog:
             sinks: dict[str, SketchSink] = {}
             try:
                 for e in todo:
-                    sinks[e.identity] = self._open_sketch(base.identity, e.identity, block_bytes, chunk_bytes)
+                    spill = chunk_bytes if work_bytes is None else max(1 << 20, work_bytes // 8)
+                    sinks[e.identity] = self._open_sketch(base.identity, e.identity, block_bytes, spill)
                 results, dots, bdig = _analyze_stream(
                     storage,
                     base,
@@ -487,6 +500,7 @@ class Catalog:
                     progress,
                     missing_pairs,
                     {i: s.writer for i, s in sinks.items()},
+                    work_bytes,
                 )
                 after = storage.counters.snapshot()["read"]
                 secs = time.perf_counter() - t0
@@ -809,7 +823,9 @@ class WriterSketchSink(SketchSink):
         self._w.abort()
 
 
-def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, progress, pairs=(), sketches=None):
+def _analyze_stream(
+    storage, base, readers, stat_ids, block_bytes, chunk_bytes, progress, pairs=(), sketches=None, work_bytes=None
+):
     """Stream the base and ``readers`` once; per-expert statistics for identities in
     ``stat_ids``, and for each pair of ``pairs`` the exact per-tensor ``⟨δᵢ,δⱼ⟩``.
 
@@ -835,6 +851,8 @@ def _analyze_stream(storage, base, readers, stat_ids, block_bytes, chunk_bytes, 
             continue
         rpb = rows_per_block(bt, block_bytes)
         row_numel = bt.numel // max(1, bt.rows)
+        if work_bytes is not None:  # a memory target: chunk elements from the per-element working set
+            chunk_bytes = work_bytes // ANALYZE_BYTES_PER_ELEMENT * max(1, bt.row_bytes // max(1, row_numel))
         cb = chunk_bytes // max(1, len(held)) if held else chunk_bytes  # pairs hold every delta of a chunk
         chunk_rows = max(rpb, (cb // max(1, bt.row_bytes)) // rpb * rpb)
         bs = {e.identity: TensorStatsBuilder(name, bt.rows, row_numel, rpb) for e in stat_readers}
