@@ -423,6 +423,33 @@ def test_folder_fsync_callers_keep_their_strictness(tmp_path, monkeypatch):
     assert tried[-1] == str(tmp_path)
 
 
+@pytest.mark.parametrize("fail_at", [1, 2])
+def test_durable_put_object_fails_and_leaves_nothing(tmp_path, monkeypatch, fail_at):
+    """``durable=True`` (a commit's manifest): a folder fsync that fails before the name is
+    published (``fail_at=1``) or after it (``fail_at=2``) fails the write, and a conditional
+    create leaves no object and no temporary file behind."""
+    import errno
+    import stat as stat_
+
+    real, calls = os.fsync, []
+
+    def fsync(fd):
+        if stat_.S_ISDIR(os.fstat(fd).st_mode):
+            calls.append(fd)
+            if len(calls) == fail_at:
+                raise OSError(errno.EIO, "folder fsync refused")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    target = tmp_path / "manifest.json"
+    with pytest.raises(OSError, match="folder fsync refused"):
+        LocalStorage().put_object(str(target), b"{}", if_none_match=True, durable=True)
+    assert list(tmp_path.iterdir()) == []
+    calls.clear()  # the default stays best effort: the same refusal does not fail the write
+    LocalStorage().put_object(str(target), b"{}", if_none_match=True)
+    assert target.read_bytes() == b"{}" and len(calls) == 1
+
+
 @pytest.mark.parametrize("if_none_match", [True, False])
 def test_put_object_never_visible_partially(tmp_path, monkeypatch, if_none_match):
     """A reader sees no object or the whole object: the name appears only after the bytes are

@@ -126,7 +126,8 @@ def verify_outputs_exist(storage: Storage, files_root: str, outputs: dict) -> No
 
 
 def publish_obj(storage: Storage, out: str, run_prefix: str, manifest: dict) -> tuple[dict, str, bool]:
-    """Commit by conditional create of ``<out>/manifest.json``.
+    """Commit by conditional create of ``<out>/manifest.json``, written ``durable`` (on local
+    storage its folder is fsync'd strictly; a refused fsync removes the manifest again).
 
     Returns:
         (manifest, manifest hash, won): ``won`` is False when an identical snapshot was already
@@ -134,11 +135,12 @@ def publish_obj(storage: Storage, out: str, run_prefix: str, manifest: dict) -> 
 
     Raises:
         CommitConflict: a different snapshot was committed at ``out`` meanwhile.
+        OSError: local storage, the manifest's folder cannot be fsync'd (nothing is published).
     """
     verify_outputs_exist(storage, run_prefix, manifest["outputs"])
     data = manifest_bytes(manifest)
     try:
-        storage.put_object(manifest_uri(storage, out), data, "output", if_none_match=True)
+        storage.put_object(manifest_uri(storage, out), data, "output", if_none_match=True, durable=True)
         return manifest, manifest_hash(data), True
     except PreconditionFailed:
         got = read_manifest_obj(storage, out)

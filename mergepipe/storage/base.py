@@ -295,9 +295,14 @@ class Storage(abc.ABC):
         """A sequential writer creating ``uri`` (which must not be visible as committed)."""
 
     @abc.abstractmethod
-    def put_object(self, uri: str, data: bytes, role: Role = "output", *, if_none_match: bool = False) -> None:
+    def put_object(
+        self, uri: str, data: bytes, role: Role = "output", *, if_none_match: bool = False, durable: bool = False
+    ) -> None:
         """Write a whole small object. With ``if_none_match`` the write is a conditional
-        create and raises :class:`PreconditionFailed` when ``uri`` exists."""
+        create and raises :class:`PreconditionFailed` when ``uri`` exists. ``durable`` (a
+        commit's manifest): the write must survive a crash once this returns, else it raises;
+        local storage then fsyncs the folder strictly, object stores ignore it (a PUT is durable
+        once acknowledged)."""
 
     @abc.abstractmethod
     def delete(self, uri: str) -> None:

@@ -194,14 +194,24 @@ class LocalStorage(Storage):
         """Create folder ``uri`` (and its parents) so writers can create files under it."""
         os.makedirs(_path(uri), exist_ok=True)
 
-    def put_object(self, uri: str, data: bytes, role: Role = "output", *, if_none_match: bool = False) -> None:
+    def put_object(
+        self, uri: str, data: bytes, role: Role = "output", *, if_none_match: bool = False, durable: bool = False
+    ) -> None:
         """Write object ``uri`` whole: readers see either no object or all of ``data``, never a
         prefix of it (the bytes go to a hidden temporary file in the same folder first, then are
-        published by ``link`` -- fails if ``uri`` exists -- or ``replace``).
+        published by ``link`` -- fails if ``uri`` exists -- or ``replace``). The file is always
+        fsync'd; the folder afterwards (so the new name survives a crash) is fsync'd best effort,
+        or strictly with ``durable`` (:func:`fsync_folder`).
+
+        With ``durable`` (a commit's manifest) the folder is fsync'd once before the name is
+        published, so a file system that refuses folder fsync fails the write while nothing is
+        visible; if the fsync after publishing fails, an object created with ``if_none_match`` is
+        removed again (a ``replace`` cannot be undone: the new bytes stay, not known durable).
 
         Raises:
             PreconditionFailed: ``if_none_match`` and ``uri`` already exists (S3's
                 ``If-None-Match: *`` answered 412).
+            OSError: ``durable`` and the folder cannot be fsync'd.
         """
         p = _path(uri)
         folder = os.path.dirname(p) or "."
@@ -216,6 +226,8 @@ class LocalStorage(Storage):
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            if durable:
+                fsync_folder(folder, strict=True)  # refused here: nothing published yet
             if if_none_match:
                 try:
                     os.link(tmp, p)  # atomic create-if-absent with the full content
@@ -228,7 +240,15 @@ class LocalStorage(Storage):
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
-        fsync_folder(folder, strict=False)
+        try:
+            fsync_folder(folder, strict=durable)
+        except OSError:
+            if if_none_match:  # ours (created just now): a commit that failed publishes nothing
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+            raise
         self.counters.add_write(role, len(data))
 
     def delete(self, uri: str) -> None:

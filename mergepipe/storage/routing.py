@@ -70,8 +70,10 @@ class RoutingStorage(Storage):
     def make_prefix(self, uri: str) -> None:
         return self.backend(uri).make_prefix(uri)
 
-    def put_object(self, uri: str, data: bytes, role: Role = "output", *, if_none_match: bool = False) -> None:
-        return self.backend(uri).put_object(uri, data, role, if_none_match=if_none_match)
+    def put_object(
+        self, uri: str, data: bytes, role: Role = "output", *, if_none_match: bool = False, durable: bool = False
+    ) -> None:
+        return self.backend(uri).put_object(uri, data, role, if_none_match=if_none_match, durable=durable)
 
     def delete(self, uri: str) -> None:
         return self.backend(uri).delete(uri)

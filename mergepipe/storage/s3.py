@@ -659,9 +659,12 @@ class S3Storage(Storage):
         return keys
 
     # --- writes -------------------------------------------------------------------------
-    def put_object(self, uri: str, data: bytes, role: Role = "output", *, if_none_match: bool = False) -> None:
+    def put_object(
+        self, uri: str, data: bytes, role: Role = "output", *, if_none_match: bool = False, durable: bool = False
+    ) -> None:
         """PutObject ``data`` (whole object) with its SHA-256 (``x-amz-checksum-sha256``; the
         server rejects a corrupted body). ``len(data)`` bytes are counted as written under ``role``.
+        ``durable`` is ignored: S3 stores an object durably before it acknowledges the PUT.
 
         With ``if_none_match`` the write is a conditional create (``If-None-Match: *``): 412 raises
         :class:`PreconditionFailed`; 409 ConditionalRequestConflict (a concurrent conditional write
