@@ -128,3 +128,27 @@ def test_commit_fails_when_manifest_folder_cannot_be_fsynced(family, tmp_path, m
     monkeypatch.setattr(os, "fsync", real)
     res = execute_and_commit(plan, LocalStorage(IOCounters()), str(out), object_mode=True)
     assert not res.already_committed and verify_obj(LocalStorage(), str(out))["ok"]
+
+
+def test_commit_makes_run_folders_durable_before_the_manifest(family, tmp_path, monkeypatch):
+    """Local object-mode commit: the run prefix's folders and their parents up to the snapshot's
+    parent are fsync'd before the manifest is created, and the manifest's folder after it."""
+    import os
+    import stat as stat_
+
+    plan = _plan(family, tmp_path)
+    out = tmp_path / "snap"
+    real, events = os.fsync, []
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if stat_.S_ISDIR(os.fstat(fd).st_mode):
+            events.append((path, (out / "manifest.json").exists()))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    res = execute_and_commit(plan, LocalStorage(IOCounters()), str(out), object_mode=True)
+    run = out / res.manifest["files_prefix"]
+    before = {p for p, published in events if not published}
+    assert {str(run), str(out / "runs"), str(out), str(tmp_path)} <= before
+    assert (str(out), True) in events, "the manifest's folder is fsync'd after the create"

@@ -423,6 +423,24 @@ def test_folder_fsync_callers_keep_their_strictness(tmp_path, monkeypatch):
     assert tried[-1] == str(tmp_path)
 
 
+def test_sync_prefix_fsyncs_the_tree_and_its_parents(tmp_path, monkeypatch):
+    st_ = LocalStorage()
+    (tmp_path / "out" / "runs" / "r1" / "sub").mkdir(parents=True)
+    tried = _fail_folder_fsync(monkeypatch)
+    with pytest.raises(OSError, match="folder fsync refused"):
+        st_.sync_prefix(str(tmp_path / "out" / "runs" / "r1"), through=str(tmp_path / "out"))
+    monkeypatch.undo()
+    seen = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (seen.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1])
+    st_.sync_prefix(str(tmp_path / "out" / "runs" / "r1"), through=str(tmp_path / "out"))
+    run = tmp_path / "out" / "runs" / "r1"
+    assert seen == [str(p) for p in (run / "sub", run, run.parent, run.parent.parent, tmp_path)]
+    assert len(tried) == 1
+    with pytest.raises(ValueError, match="not"):
+        st_.sync_prefix(str(tmp_path / "out"), through=str(tmp_path / "other"))
+
+
 @pytest.mark.parametrize("fail_at", [1, 2])
 def test_durable_put_object_fails_and_leaves_nothing(tmp_path, monkeypatch, fail_at):
     """``durable=True`` (a commit's manifest): a folder fsync that fails before the name is

@@ -5,7 +5,8 @@ Object stores have no rename, so visibility comes from a single conditional writ
 1. Shards, the index and config files of one run go under a fresh, never-reused prefix
    ``<out>/runs/<run-id>/`` (a run id is random; a retry is a new run). That prefix is a
    complete Hugging Face checkpoint folder.
-2. After all uploads finish, every output object is HEAD-checked (exists, size matches).
+2. After all uploads finish, every output object is HEAD-checked (exists, size matches); on
+   local storage the run's folders are fsync'd (their names survive a crash).
 3. ``<out>/manifest.json`` is created with ``PutObject(IfNoneMatch='*')``. Its ``files_prefix``
    names the run prefix (relative to ``<out>``) and ``outputs`` the files under it. Readers trust only manifests: objects no manifest references do
    not exist as far as mergepipe is concerned.
@@ -126,8 +127,10 @@ def verify_outputs_exist(storage: Storage, files_root: str, outputs: dict) -> No
 
 
 def publish_obj(storage: Storage, out: str, run_prefix: str, manifest: dict) -> tuple[dict, str, bool]:
-    """Commit by conditional create of ``<out>/manifest.json``, written ``durable`` (on local
-    storage its folder is fsync'd strictly; a refused fsync removes the manifest again).
+    """Commit by conditional create of ``<out>/manifest.json``, written ``durable``. On local
+    storage the folders of ``run_prefix`` and its parents up to ``out`` are fsync'd first, and
+    the manifest's folder after (strictly; a refused fsync removes the manifest again), so a
+    crash cannot leave a manifest naming files whose names were lost.
 
     Returns:
         (manifest, manifest hash, won): ``won`` is False when an identical snapshot was already
@@ -138,6 +141,7 @@ def publish_obj(storage: Storage, out: str, run_prefix: str, manifest: dict) -> 
         OSError: local storage, the manifest's folder cannot be fsync'd (nothing is published).
     """
     verify_outputs_exist(storage, run_prefix, manifest["outputs"])
+    storage.sync_prefix(run_prefix, through=out)
     data = manifest_bytes(manifest)
     try:
         storage.put_object(manifest_uri(storage, out), data, "output", if_none_match=True, durable=True)

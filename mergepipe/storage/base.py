@@ -290,6 +290,18 @@ class Storage(abc.ABC):
         """Prepare ``uri`` for writers to create objects under it: a local folder is created;
         object stores have no folders, so nothing happens."""
 
+    def sync_prefix(self, uri: str, *, through: str) -> None:  # noqa: B027 (object stores: nothing to do)
+        """Make durable the names of everything written under prefix ``uri`` and of ``uri``
+        itself and its parent prefixes up to ``through`` (``through`` included, as a name in its
+        own parent), before a commit publishes them. Local storage fsyncs each of those folders
+        strictly; object stores have no folders and a PUT is durable once acknowledged, so
+        nothing happens.
+
+        Raises:
+            OSError: local storage, a folder cannot be opened or fsync'd.
+            ValueError: ``through`` is not ``uri`` or one of its parents.
+        """
+
     @abc.abstractmethod
     def open_writer(self, uri: str, role: Role = "output") -> Writer:
         """A sequential writer creating ``uri`` (which must not be visible as committed)."""

@@ -194,6 +194,25 @@ class LocalStorage(Storage):
         """Create folder ``uri`` (and its parents) so writers can create files under it."""
         os.makedirs(_path(uri), exist_ok=True)
 
+    def sync_prefix(self, uri: str, *, through: str) -> None:
+        """fsync (strictly, :func:`fsync_folder`) every folder under ``uri`` bottom-up, then the
+        parents of ``uri`` up to the folder holding ``through``; see
+        :meth:`mergepipe.storage.base.Storage.sync_prefix`."""
+        top, last = os.path.abspath(_path(uri)), os.path.abspath(_path(through))
+        stop = os.path.dirname(last)
+        if os.path.commonpath([top, last]) != last or last == stop:
+            raise ValueError(f"sync_prefix: {through} is not {uri} or one of its parents")
+
+        def fail(e: OSError) -> None:
+            raise e
+
+        for folder, _dirs, _files in os.walk(top, topdown=False, onerror=fail):
+            fsync_folder(folder, strict=True)
+        folder = top
+        while folder != stop:
+            folder = os.path.dirname(folder)
+            fsync_folder(folder, strict=True)
+
     def put_object(
         self, uri: str, data: bytes, role: Role = "output", *, if_none_match: bool = False, durable: bool = False
     ) -> None:

@@ -70,6 +70,9 @@ class RoutingStorage(Storage):
     def make_prefix(self, uri: str) -> None:
         return self.backend(uri).make_prefix(uri)
 
+    def sync_prefix(self, uri: str, *, through: str) -> None:
+        return self.backend(uri).sync_prefix(uri, through=through)
+
     def put_object(
         self, uri: str, data: bytes, role: Role = "output", *, if_none_match: bool = False, durable: bool = False
     ) -> None:
