@@ -50,6 +50,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from mergepipe.storage.local import fsync_folder
+
 __all__ = ["DOMAINS", "ZooConfig", "Zoo", "default_zoo_root", "build_zoo", "evaluate"]
 
 DOMAINS: tuple[str, ...] = ("python", "prose", "arithmetic", "json")
@@ -970,16 +972,15 @@ def _sha256(p: Path) -> str:
 
 def _fsync_tree(d: Path) -> None:
     for p in sorted(d.rglob("*")):
+        if p.is_dir():
+            fsync_folder(p, strict=True)
+            continue
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_folder(d, strict=True)
 
 
 def _zoo_from_manifest(entry: Path, cfg: ZooConfig) -> Zoo:
@@ -1053,11 +1054,7 @@ def build_zoo(
                 (tmp / _MANIFEST).write_text(json.dumps(man, indent=1) + "\n")
                 _fsync_tree(tmp)
                 os.rename(tmp, entry)
-                fd = os.open(root, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                fsync_folder(root, strict=True)
                 say(f"zoo {key} built in {time.perf_counter() - t0:.1f}s")
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
