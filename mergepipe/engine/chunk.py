@@ -133,6 +133,29 @@ def _shrinks_from(groups, tp, te):
     return _shrinks(lambda slot, key: _concat(groups.get((tp.name, te.expert, slot), [])), te)
 
 
+def _expert_params(tp, te, groups, values_of) -> ExpertTensorParams:
+    """The sparsification parameters of expert ``te`` (a ``TensorExpert`` of tensor ``tp``) for
+    one chunk: the plan's weight, density and key range, plus the exact-threshold shrinks when
+    ``te`` has threshold key groups (:func:`_bounds`) -- from the values the tensor's
+    ``threshold`` pre-pass gathered in ``groups`` (``tp.derived["threshold_pass"]``), otherwise
+    from ``values_of(slot, key)`` over this chunk, which is then the whole tensor."""
+    shrink = shrink_hi = None
+    if _bounds(te):
+        shrink, shrink_hi = (
+            _shrinks_from(groups, tp, te) if tp.derived.get("threshold_pass") else _shrinks(values_of, te)
+        )
+    return ExpertTensorParams(
+        weight=te.weight,
+        density=te.density,
+        min_key=te.min_key,
+        stream_key=te.stream_key,
+        max_key=te.max_key,
+        epsilon=te.epsilon,
+        shrink=shrink,
+        shrink_hi=shrink_hi,
+    )
+
+
 def _tile_delta(runs, b, s: int, e: int):
     """float32 task vector of one expert over the chunk's elements ``[s, e)`` (zeros where it
     has no run); ``b`` is the base's ``[s, e)`` in float32. Runs are ``(elem0, elem1, values,
@@ -205,37 +228,21 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None, l1_all=N
             for (a, z), buf in parts
             if z > a
         ]
-        shrink = shrink_hi = None
-        if _bounds(te):
 
-            def values_of(slot, key, runs=runs):
-                """This chunk's threshold key group values, a tile at a time."""
-                vals = []
-                for a, z, x, dl in runs:
-                    for s in range(a, z, TILE_ELEMS):
-                        e = min(z, s + TILE_ELEMS)
-                        dd = x[s - a : e - a] if dl else torch.sub(x[s - a : e - a], base_t[s:e].float())
-                        vals.append(_group_values(dd, key))
-                return _concat(vals)
+        def values_of(slot, key, runs=runs):
+            """This chunk's threshold key group values, a tile at a time."""
+            vals = []
+            for a, z, x, dl in runs:
+                for s in range(a, z, TILE_ELEMS):
+                    e = min(z, s + TILE_ELEMS)
+                    dd = x[s - a : e - a] if dl else torch.sub(x[s - a : e - a], base_t[s:e].float())
+                    vals.append(_group_values(dd, key))
+            return _concat(vals)
 
-            if tp.derived.get("threshold_pass"):
-                if it.fused == "threshold":  # the pre-pass skipped this chunk: add its group values
-                    for slot, key, _rank in _bounds(te):
-                        groups.setdefault((tp.name, te.expert, slot), []).append(values_of(slot, key))
-                shrink, shrink_hi = _shrinks_from(groups, tp, te)
-            else:  # the whole tensor is this chunk
-                shrink, shrink_hi = _shrinks(values_of, te)
-        ep = ExpertTensorParams(
-            weight=te.weight,
-            density=te.density,
-            min_key=te.min_key,
-            stream_key=te.stream_key,
-            max_key=te.max_key,
-            epsilon=te.epsilon,
-            shrink=shrink,
-            shrink_hi=shrink_hi,
-        )
-        eparts.append((ep, runs))
+        if _bounds(te) and tp.derived.get("threshold_pass") and it.fused == "threshold":
+            for slot, key, _rank in _bounds(te):  # the pre-pass skipped this chunk: add its group values
+                groups.setdefault((tp.name, te.expert, slot), []).append(values_of(slot, key))
+        eparts.append((_expert_params(tp, te, groups, values_of), runs))
     factors = [1.0] * len(eparts)
     rescale = bool(tp.params.get("rescale")) and spec.kind == "gta" and spec.sparsify != "none"
     which = [i for i, (ep, _) in enumerate(eparts) if rescale and ep.density < 1.0]
@@ -380,23 +387,7 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept, groups=Non
     rescale = bool(tp.params.get("rescale")) and spec.kind == "gta" and spec.sparsify != "none"
     deltas, ws = [], []
     for te, d, _ in present.values():
-        shrink = shrink_hi = None
-        if _bounds(te):
-            shrink, shrink_hi = (
-                _shrinks_from(groups, tp, te)
-                if tp.derived.get("threshold_pass")
-                else _shrinks(lambda slot, key, d=d: _group_values(d, key), te)
-            )
-        ep = ExpertTensorParams(
-            weight=te.weight,
-            density=te.density,
-            min_key=te.min_key,
-            stream_key=te.stream_key,
-            max_key=te.max_key,
-            epsilon=te.epsilon,
-            shrink=shrink,
-            shrink_hi=shrink_hi,
-        )
+        ep = _expert_params(tp, te, groups, lambda slot, key, d=d: _group_values(d, key))
         kept = sparsify(d, spec, ep, offset, tp.shape)
         key = (tp.name, te.expert)
         if rescale and ep.density < 1.0:
