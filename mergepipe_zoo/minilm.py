@@ -8,24 +8,29 @@ with the head. Quality of a merged encoder = each task's accuracy with that task
 standard task-arithmetic protocol with task-specific heads). The base is scored with the same
 heads.
 
-Tasks are made from text every Python install has offline — the standard library's docstrings
-and ``pydoc_data.topics`` — chosen so that they need different things from the encoder:
+Tasks are made from text every Python install has offline — the sentences of the standard
+library's docstrings and of ``pydoc_data.topics`` — chosen so that the base encoder with a linear
+head is weak on each (mean pooling sees a bag of words) and a few hundred examples teach the
+encoder something different per task (testbed format 2; docs/QUALITY.md, "MiniLM"):
 
-* ``topic`` (4 classes): which standard-library package a docstring comes from (``tkinter``,
-  ``distutils``, ``asyncio``, ``email``): lexical/semantic, what a sentence encoder already
-  does well;
-* ``order`` (2 classes): is a sentence in its original word order or are its words shuffled:
-  syntax, invisible to a bag of words (mean-pooled embeddings of the same words), so the base
-  encoder is weak on it;
-* ``next`` (2 classes): is sentence B the sentence after A in the same document, or one from
-  another document (BERT's next-sentence prediction): discourse coherence across a pair.
+* ``order``: is a sentence in its original word order or are its words shuffled (syntax);
+* ``rotate``: is a sentence as written or rotated, its words from a random cut point moved to
+  the front ("over the lazy dog. The quick fox jumps"): all words and all but one word pair are
+  kept, only where the sentence starts and ends tells them apart (sentence boundaries);
+* ``match``: is segment B (after ``[SEP]``) a copy of segment A, or another sentence of A's
+  document, which shares its vocabulary (comparing two segments).
+
+Format 1 had ``topic`` (which of 4 standard-library packages a docstring comes from) and
+``next`` (is B the sentence after A): the fine-tuned experts gained +0..+3 points on them over
+the linear probe, about one standard error of their probe sets, so a normalised gain on them was
+mostly noise; several other candidates measured no better (docs/QUALITY.md).
 
 Training recipe (LP-FT, Kumar et al., ICLR 2022): the head is first fitted on the frozen base
-encoder's features (a linear probe), then encoder and head are fine-tuned together for one
-epoch at a low learning rate. Starting from the probe keeps each expert's head meaningful on the
-base encoder, so "base with the task's head" is the linear-probe baseline and normalised gains
-are well defined. Sizes are small on purpose (a few hundred examples a task, short sequences) so
-that three seeds build in minutes on 2 CPU cores.
+encoder's features (an L2-penalised linear probe), then encoder and head are fine-tuned together
+for two epochs at a low learning rate. Starting from the probe keeps each expert's head
+meaningful on the base encoder, so "base with the task's head" is the linear-probe baseline and
+normalised gains are well defined. Sizes are small on purpose (384 training examples a task,
+short sequences) so that three seeds build in minutes on 2 CPU cores.
 
 Layout of a built testbed (``root/<config.key()>/``)::
 
@@ -52,10 +57,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-TASKS: tuple[str, ...] = ("topic", "order", "next")
-TOPICS: tuple[str, ...] = ("tkinter", "distutils", "asyncio", "email")
-FORMAT = 1  # bump when data or recipe change; files added since (tokenizer in base/,
-# calibration.jsonl) are added to older entries in place (_add_extras), the weights do not change
+TASKS: tuple[str, ...] = ("order", "rotate", "match")
+LABELS: dict[str, list[str]] = {
+    "order": ["shuffled", "original"],
+    "rotate": ["rotated", "original"],
+    "match": ["other", "copy"],
+}
+FORMAT = 2  # bump when data or recipe change (2: order/rotate/match, L2-penalised probe, 2 epochs)
 CALIBRATION = "calibration.jsonl"
 CALIBRATION_PER_TASK = 12  # 3 tasks x 12 = 36 training texts (the Fisher uses at most 32 sequences)
 
@@ -66,38 +74,34 @@ class MiniLMConfig:
 
     Attributes:
         seed: master seed (data order, splits, shuffles, head init).
-        train_examples: training examples per task (one epoch).
-        eval_examples: held-out examples per task.
+        train_examples: training examples per task (per epoch).
+        eval_examples: held-out examples per task (512: one standard error of an accuracy near
+            80% is 1.8 points).
         seq_len: max tokens per example (truncation).
         batch_size: examples per fine-tuning step.
         lr: AdamW learning rate of the full fine-tune (linear decay, no warmup).
         probe_steps: full-batch gradient steps of the linear probe (Adam, lr 1e-2).
-        probe_l2: L2 penalty ``probe_l2 * ||W||²`` of the probe's loss. 0 (the default) lets the
-            probe fit 384 examples in 384 feature dimensions perfectly, which leaves fine-tuning
-            nothing to learn on tasks that are linearly separable in the base's features
-            (``topic``); 1e-2 keeps it from interpolating (docs/QUALITY.md, MiniLM).
+        probe_l2: L2 penalty ``probe_l2 * ||W||²`` of the probe's loss. 0 lets the probe fit 384
+            examples in 384 feature dimensions perfectly, which leaves fine-tuning nothing to
+            learn on tasks that are linearly separable in the base's features (format 1's
+            ``topic``); 1e-2 (the default) keeps it from interpolating.
         epochs: passes of full fine-tuning over the training examples (each pass after the first
             in a new seeded order).
     """
 
     seed: int = 0
     train_examples: int = 384
-    eval_examples: int = 192
+    eval_examples: int = 512
     seq_len: int = 40
     batch_size: int = 16
     lr: float = 5e-5
     probe_steps: int = 200
-    probe_l2: float = 0.0
-    epochs: int = 1
+    probe_l2: float = 1e-2
+    epochs: int = 2
 
     def key(self) -> str:
-        """16 hex chars naming the cache entry; fields added after format 1 enter it only when
-        they differ from their defaults, so the keys of existing entries do not change."""
-        fields_ = asdict(self)
-        for k, default in (("probe_l2", 0.0), ("epochs", 1)):
-            if fields_[k] == default:
-                del fields_[k]
-        blob = json.dumps({"format": FORMAT, **fields_}, sort_keys=True)
+        """16 hex chars naming the cache entry: the testbed format and every field."""
+        blob = json.dumps({"format": FORMAT, **asdict(self)}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -142,20 +146,16 @@ def _sentences(text: str) -> list[str]:
     return out
 
 
-def _documents() -> tuple[dict[str, list[str]], list[list[str]]]:
-    """(package -> docstrings for ``topic``, documents as sentence lists for ``order``/``next``)."""
+def _documents() -> list[list[str]]:
+    """Documents as lists of sentences (standard-library docstrings, then ``pydoc_data.topics``)."""
     from mergepipe_zoo.zoo import _docstrings, _read_text, _stable_order, _stdlib_sources
 
-    by_pkg: dict[str, list[str]] = {t: [] for t in TOPICS}
     docs: list[list[str]] = []
-    for rel, p in _stdlib_sources():
+    for _rel, p in _stdlib_sources():
         text = _read_text(p)
         if not text:
             continue
-        top = rel.split("/")[0]
         for d in _docstrings(text):
-            if top in by_pkg:
-                by_pkg[top].append(" ".join(d.split()))
             sents = _sentences(d)
             if len(sents) >= 2:
                 docs.append(sents)
@@ -165,30 +165,22 @@ def _documents() -> tuple[dict[str, list[str]], list[list[str]]]:
         sents = _sentences(topics[k])
         if len(sents) >= 2:
             docs.append(sents)
-    return by_pkg, docs
+    return docs
 
 
 def make_tasks(cfg: MiniLMConfig) -> dict[str, tuple[list[dict], list[dict]]]:
-    """task -> (train examples, held-out examples), each ``{"text", "label"}``; balanced classes,
-    deterministic for ``cfg.seed``; no text is in both splits."""
+    """task -> (train examples, held-out examples), each ``{"text", "label"}``; balanced classes
+    (label 1 = the sentence as written / a copy, 0 = altered / another sentence), deterministic for
+    ``cfg.seed``; documents are split once, so no held-out example shares a document with a
+    training example.
+
+    Raises:
+        RuntimeError: too few sentences on this machine for ``cfg``'s sizes.
+    """
     rng = random.Random(f"minilm-{cfg.seed}")
-    by_pkg, docs = _documents()
+    docs = _documents()
     n_tr, n_ev = cfg.train_examples, cfg.eval_examples
     out = {}
-    # topic: per class an equal share; docstrings split before sampling
-    tr, ev = [], []
-    for label, pkg in enumerate(TOPICS):
-        items = sorted(set(by_pkg[pkg]))
-        rng.shuffle(items)
-        k_tr, k_ev = n_tr // len(TOPICS), n_ev // len(TOPICS)
-        if len(items) < k_tr + k_ev:
-            raise RuntimeError(f"only {len(items)} {pkg} docstrings for {k_tr}+{k_ev} examples")
-        tr += [{"text": t, "label": label} for t in items[:k_tr]]
-        ev += [{"text": t, "label": label} for t in items[k_tr : k_tr + k_ev]]
-    rng.shuffle(tr)
-    out["topic"] = (tr, ev)
-    # documents split once: held-out documents feed only held-out examples of order and next
-    docs = [d for d in docs]
     rng.shuffle(docs)
     cut = len(docs) // 3
     splits = {"eval": docs[:cut], "train": docs[cut:]}
@@ -210,24 +202,35 @@ def make_tasks(cfg: MiniLMConfig) -> dict[str, tuple[list[dict], list[dict]]]:
             raise RuntimeError(f"only {len(res)} sentences for {n} order examples")
         return res
 
-    def nxt(split_docs: list[list[str]], n: int) -> list[dict]:
-        pairs = [(d, i) for d in split_docs for i in range(len(d) - 1)]
-        rng.shuffle(pairs)
+    def rotate(split_docs: list[list[str]], n: int) -> list[dict]:
+        sents = sorted({s for d in split_docs for s in d})
+        rng.shuffle(sents)
         res = []
-        for k, (d, i) in enumerate(pairs[:n]):
-            if k % 2:
-                other = split_docs[rng.randrange(len(split_docs))]
-                while other is d:
-                    other = split_docs[rng.randrange(len(split_docs))]
-                res.append({"text": f"{d[i]} [SEP] {rng.choice(other)}", "label": 0})
+        for i, s in enumerate(sents[:n]):
+            w = s.split()
+            if i % 2:
+                cut = rng.randrange(2, len(w) - 1)  # at least two words move, at least two stay
+                res.append({"text": " ".join(w[cut:] + w[:cut]), "label": 0})
             else:
-                res.append({"text": f"{d[i]} [SEP] {d[i + 1]}", "label": 1})
+                res.append({"text": s, "label": 1})
         if len(res) < n:
-            raise RuntimeError(f"only {len(res)} sentence pairs for {n} next examples")
+            raise RuntimeError(f"only {len(res)} sentences for {n} rotate examples")
         return res
 
-    out["order"] = (order(splits["train"], n_tr), order(splits["eval"], n_ev))
-    out["next"] = (nxt(splits["train"], n_tr), nxt(splits["eval"], n_ev))
+    def match(split_docs: list[list[str]], n: int) -> list[dict]:
+        pool = [d for d in split_docs if len(d) >= 2]
+        res = []
+        for k in range(n):
+            d = pool[rng.randrange(len(pool))]
+            i, j = rng.sample(range(len(d)), 2)
+            if k % 2:
+                res.append({"text": f"{d[i]} [SEP] {d[j]}", "label": 0})
+            else:
+                res.append({"text": f"{d[i]} [SEP] {d[i]}", "label": 1})
+        return res
+
+    for name, make in (("order", order), ("rotate", rotate), ("match", match)):
+        out[name] = (make(splits["train"], n_tr), make(splits["eval"], n_ev))
     return out
 
 
@@ -342,14 +345,12 @@ def build_minilm(
     root = Path(root or default_root()).expanduser().absolute()
     entry = root / cfg.key()
     say = log or (lambda m: None)
-    if (entry / "testbed.json").is_file() and _has_extras(entry):
+    if (entry / "testbed.json").is_file():
         return _load(entry, cfg)
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f".{cfg.key()}.lock", "a+") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         if (entry / "testbed.json").is_file():
-            if not _has_extras(entry):
-                _add_extras(entry, cfg, say)
             return _load(entry, cfg)
         tmp = root / f".{cfg.key()}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -361,34 +362,6 @@ def build_minilm(
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return _load(entry, cfg)
-
-
-def _has_extras(entry: Path) -> bool:
-    return (entry / "base" / "tokenizer.json").is_file() and (entry / CALIBRATION).is_file()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def _add_extras(entry: Path, cfg: MiniLMConfig, log: Callable[[str], None]) -> None:
-    """Bring an entry built before they existed up to date, without retraining (caller holds the
-    lock): the tokenizer files in ``base/`` (the Fisher statistic reads ``base/tokenizer.json``)
-    and ``calibration.jsonl`` (from the same deterministic task data), named in testbed.json.
-    Every file is written to a temp name and renamed, the testbed.json last."""
-    for f in sorted((entry / "tokenizer").iterdir()):
-        if f.is_file() and not (entry / "base" / f.name).exists():
-            _write_atomic(entry / "base" / f.name, f.read_bytes())
-    if not (entry / CALIBRATION).is_file():
-        texts = calibration_texts(make_tasks(cfg))
-        _write_atomic(entry / CALIBRATION, "".join(json.dumps({"text": t}) + "\n" for t in texts).encode())
-    meta = json.loads((entry / "testbed.json").read_text())
-    if meta.get("calibration") != CALIBRATION:
-        meta["calibration"] = CALIBRATION
-        _write_atomic(entry / "testbed.json", (json.dumps(meta, indent=1) + "\n").encode())
-    log(f"MiniLM testbed {cfg.key()}: tokenizer in base/ and {CALIBRATION} added")
 
 
 def _load(entry: Path, cfg: MiniLMConfig) -> MiniLMTestbed:
@@ -427,7 +400,7 @@ def _build_into(tmp: Path, cfg: MiniLMConfig, log: Callable[[str], None]) -> Non
         spec = {}
         for task, (train, held) in tasks.items():
             (tmp / "eval" / f"{task}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in held))
-            n_classes = len(TOPICS) if task == "topic" else 2
+            n_classes = 2
             model, head = _train_task(
                 tmp / "base", tok, train, n_classes, cfg, _derive_seed(cfg.seed, "minilm", task), log, task
             )
@@ -439,9 +412,7 @@ def _build_into(tmp: Path, cfg: MiniLMConfig, log: Callable[[str], None]) -> Non
             spec[task] = {
                 "probe": f"eval/{task}.jsonl",
                 "head": f"heads/{task}.safetensors",
-                "labels": list(TOPICS)
-                if task == "topic"
-                else (["shuffled", "original"] if task == "order" else ["other", "next"]),
+                "labels": LABELS[task],
             }
         (tmp / CALIBRATION).write_text(
             "".join(json.dumps({"text": t}) + "\n" for t in calibration_texts(tasks)), encoding="utf-8"
@@ -449,7 +420,7 @@ def _build_into(tmp: Path, cfg: MiniLMConfig, log: Callable[[str], None]) -> Non
         (tmp / "testbed.json").write_text(
             json.dumps(
                 {
-                    "format": 1,
+                    "format": FORMAT,
                     "kind": "sequence-classification",
                     "tokenizer": "tokenizer",
                     "seq_len": cfg.seq_len,

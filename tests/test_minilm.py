@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from mergepipe_zoo.minilm import TASKS, TOPICS, MiniLMConfig, make_tasks
+from mergepipe_zoo.minilm import TASKS, MiniLMConfig, make_tasks
 
 
 @pytest.mark.slow
@@ -18,66 +18,46 @@ def test_tasks_are_deterministic_balanced_and_held_out():
     assert list(a) == list(TASKS)
     for task, (train, held) in a.items():
         assert (len(train), len(held)) == (64, 32), task
-        n_classes = len(TOPICS) if task == "topic" else 2
         for split in (train, held):
             counts = Counter(e["label"] for e in split)
-            assert sorted(counts) == list(range(n_classes)), task
+            assert sorted(counts) == [0, 1], task
             assert max(counts.values()) - min(counts.values()) <= 1, (task, counts)
         assert not {e["text"] for e in train} & {e["text"] for e in held}, task
-    # next: every example is a pair
-    assert all(" [SEP] " in e["text"] for e in a["next"][0] + a["next"][1])
+    # order: an original is a sentence as written; shuffled examples are never one of the originals
+    originals = {e["text"] for e in a["order"][0] if e["label"] == 1}
+    assert all(t.split()[0][0].isupper() and t[-1] in ".!?" for t in originals)
+    assert not originals & {e["text"] for e in a["order"][0] if e["label"] == 0}
+    # match: a copy repeats segment A exactly; "other" pairs two different sentences
+    for e in a["match"][0] + a["match"][1]:
+        first, second = e["text"].split(" [SEP] ")
+        assert (first == second) == (e["label"] == 1), e
+    # rotate: an original is a sentence as written (capitalised, ends in . ! ?); a rotated example
+    # is not, and one rotation by 2..n-2 words turns it back into one
+    for e in a["rotate"][0] + a["rotate"][1]:
+        w = e["text"].split()
+        is_sentence = w[0][0].isupper() and w[-1][-1] in ".!?"
+        if e["label"] == 1:
+            assert is_sentence, e
+        else:
+            back = [w[k:] + w[:k] for k in range(2, len(w) - 1)]
+            assert any(b[0][0].isupper() and b[-1][-1] in ".!?" for b in back), e
 
 
-@pytest.mark.slow
-def test_an_entry_built_before_the_calibration_set_gets_it_in_place(tmp_path):
-    """build_minilm brings an older cache entry (no tokenizer in base/, no calibration.jsonl) up to
-    date without retraining: the Fisher statistic needs base/tokenizer.json, the planner a
-    calibration set of training text (never held-out text)."""
-    import json
-    import shutil
+def test_every_recipe_field_and_the_format_enter_the_cache_key():
+    """A changed recipe or testbed format gets a new cache entry, never an old entry's weights."""
+    import dataclasses
 
-    from mergepipe.evaluate import load_testbed
-    from mergepipe_zoo.minilm import CALIBRATION, build_minilm, minilm_folder
+    from mergepipe_zoo import minilm
 
-    cfg = MiniLMConfig(train_examples=64, eval_examples=32)
-    entry = tmp_path / cfg.key()
-    (entry / "base").mkdir(parents=True)
-    (entry / "tokenizer").mkdir()
-    (entry / "eval").mkdir()
-    for f in ("tokenizer.json", "vocab.txt", "tokenizer_config.json"):
-        shutil.copy(minilm_folder() / f, entry / "tokenizer" / f)
-    tasks = make_tasks(cfg)
-    for t, (_, held) in tasks.items():
-        (entry / "eval" / f"{t}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in held))
-    meta = {
-        "format": 1,
-        "kind": "causal-lm",
-        "seq_len": 40,
-        "tasks": {t: {"probe": f"eval/{t}.jsonl"} for t in TASKS},
-    }
-    (entry / "testbed.json").write_text(json.dumps(meta))
-    tb = build_minilm(tmp_path, cfg)
-    assert tb.root == entry and (entry / "base" / "tokenizer.json").is_file()
-    cal = [json.loads(line)["text"] for line in (entry / CALIBRATION).read_text().splitlines()]
-    train = {e["text"] for t in TASKS for e in tasks[t][0]}
-    held = {e["text"] for t in TASKS for e in tasks[t][1]}
-    assert len(cal) == 36 and set(cal) <= train and not set(cal) & held
-    assert load_testbed(entry).calibration == entry / CALIBRATION
-    assert json.loads((entry / "testbed.json").read_text())["tasks"] == meta["tasks"]  # the rest unchanged
-
-
-def test_recipe_fields_added_later_keep_the_keys_of_existing_entries():
-    """probe_l2 and epochs enter the cache key only when set: entries built with format 1 keep
-    their keys; a changed recipe gets a new entry."""
-    import hashlib
-    import json
-    from dataclasses import asdict
-
-    from mergepipe_zoo.minilm import FORMAT
-
-    for cfg in (MiniLMConfig(), MiniLMConfig(seed=2)):
-        old = {k: v for k, v in asdict(cfg).items() if k not in ("probe_l2", "epochs")}
-        blob = json.dumps({"format": FORMAT, **old}, sort_keys=True)
-        assert cfg.key() == hashlib.sha256(blob.encode()).hexdigest()[:16]
-    keys = {MiniLMConfig().key(), MiniLMConfig(probe_l2=1e-2).key(), MiniLMConfig(epochs=2).key()}
-    assert len(keys) == 3
+    base = MiniLMConfig()
+    keys = {base.key()}
+    for f in dataclasses.fields(MiniLMConfig):
+        v = getattr(base, f.name)
+        keys.add(dataclasses.replace(base, **{f.name: v * 2 if v else 1}).key())
+    assert len(keys) == 1 + len(dataclasses.fields(MiniLMConfig))
+    old = minilm.FORMAT
+    try:
+        minilm.FORMAT = old + 1
+        assert base.key() not in keys
+    finally:
+        minilm.FORMAT = old
