@@ -280,7 +280,6 @@ def test_unchanged_tensors_are_copied_server_side(s3_env, tmp_path):
     assert verify_obj(st, f"s3://{bucket}/snap/cow")["ok"]
 
 
-
 @pytest.mark.slow
 def test_object_catalog_streams_sketch_blobs_as_multipart_uploads(s3_env, tmp_path):
     """analyze into an S3 catalog writes an expert's sketch blob as a multipart upload while it
