@@ -13,14 +13,15 @@ For every seed (a new testbed build per seed: other data order, other fine-tunes
 use the same seed) and merge method this merges all experts through the public pipeline
 (:func:`mergepipe.pipeline.merge`, what ``mergepipe merge`` runs) once at unlimited budget (the
 *full* merge) and at each expert budget with each planner block value (``energy``; ``fisher``
-with a calibration set of training text, zoo only), scores each snapshot with
+with a calibration set of training text: the zoo's documents, the MiniLM testbed's
+``calibration.jsonl``), scores each snapshot with
 :func:`mergepipe.evaluate.evaluate_checkpoint` (what ``mergepipe eval SNAPSHOT --testbed ...``
 prints) and records per task the normalised gain NG = (q_merge − q_base)/(q_expert − q_base) and,
 for budgeted merges, the kept share NG_budget/NG_full; then the worst task, and means with 95%
 Student-t and bootstrap intervals over seeds (:mod:`mergepipe.metrics`).
 
     python bench/quality.py --testbed zoo --size tiny --seeds 0 1 2      # -> docs/quality/zoo-tiny.json
-    python bench/quality.py --testbed minilm --seeds 0 1 2 --values energy
+    python bench/quality.py --testbed minilm --seeds 0 1 2                 # -> docs/quality/minilm.json
     python bench/quality.py --report-only                                 # tables + plots from the JSONs
 
 Cached: testbed builds (``~/.mergepipe``), snapshots, catalog and evaluations (keyed by snapshot
@@ -116,6 +117,8 @@ def build(testbed: str, size: str, seed: int):
     cfg = MiniLMConfig(seed=seed)
     m = build_minilm(None, cfg, log=log)
     tb = json.loads((m.root / "testbed.json").read_text())
+    # the testbed's own calibration set: training texts of every task, never held-out ones
+    cal = [json.loads(line)["text"] for line in (m.root / tb["calibration"]).read_text().splitlines() if line.strip()]
     return (
         m.root,
         m.base,
@@ -123,7 +126,7 @@ def build(testbed: str, size: str, seed: int):
         tb["expert_task"],
         "accuracy",
         tb["recommended_params"]["task_arithmetic"]["weight"],
-        None,
+        cal,
         cfg.key(),
     )
 
@@ -469,6 +472,9 @@ def main(argv=None) -> None:
         "k <= K sign planes of its sketch)",
     )
     ap.add_argument("--work", type=Path, default=REPO / "bench" / ".work" / "quality")
+    ap.add_argument(
+        "--threads", type=int, default=2, help="torch intra-op threads (1 when one process per seed runs at once)"
+    )
     ap.add_argument("--report-only", action="store_true", help="tables and plots from docs/quality/*.json")
     ap.add_argument(
         "--no-report",
@@ -489,7 +495,7 @@ def main(argv=None) -> None:
 
     from bench.run import machine_info
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
     errors: list[str] = []
     mi = machine_info()
