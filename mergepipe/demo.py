@@ -38,9 +38,9 @@ def run_demo(
     """Run the demo; returns one row per model (base, experts, merges) and prints a table.
 
     ``tiny`` selects ``ZooConfig.tiny()`` (the CLI's default ``--size tiny``: it passes the zoo's
-    build gates) instead of ``ZooConfig()`` (``--size demo``, whose gates are not measured for
-    the current recipe, see docs/QUALITY.md; a gate failure raises :class:`~mergepipe.errors.MergepipeError`, exit 1,
-    and publishes nothing).
+    build gates) instead of ``ZooConfig()`` (``--size demo``, which fails its gates with the
+    current recipe at seed 0, see docs/QUALITY.md; a gate failure raises
+    :class:`~mergepipe.errors.MergepipeError`, exit 1, and publishes nothing).
 
     Each merge row: budget, expert bytes read (from the storage counters), wall time of the merge
     (plan + execute + commit; analysis is cached after the first merge), retained energy, and
