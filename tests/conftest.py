@@ -75,3 +75,23 @@ def same_bits(a, b) -> bool:
 
 
 from tests.conftest_s3 import *  # noqa: F401,F403,E402  (SeaweedFS fixtures)
+
+
+def fail_folder_fsync(monkeypatch) -> list[str]:
+    """Make ``os.fsync`` fail with EIO on folder descriptors (as some network and FUSE file
+    systems do), and work on files; returns the list of folders whose fsync was tried."""
+    import errno
+    import os
+    import stat as stat_
+
+    tried = []
+    real = os.fsync
+
+    def fsync(fd):
+        if stat_.S_ISDIR(os.fstat(fd).st_mode):
+            tried.append(os.readlink(f"/proc/self/fd/{fd}"))
+            raise OSError(errno.EIO, "folder fsync refused")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return tried

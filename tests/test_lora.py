@@ -542,21 +542,11 @@ def test_extract_lora_refusals(zoo, tmp_path, monkeypatch, capsys):
 def test_extract_lora_fails_when_its_folder_cannot_be_made_durable(zoo, tmp_path, monkeypatch):
     """The adapter folder is published like a snapshot: if its folder cannot be fsync'd the
     extraction fails and leaves nothing at --out (nor a staging folder)."""
-    import errno
-    import os
-    import stat as stat_
-
     from mergepipe.extract import extract_lora
     from mergepipe.storage.local import LocalStorage
+    from tests.conftest import fail_folder_fsync
 
-    real = os.fsync
-
-    def fsync(fd):
-        if stat_.S_ISDIR(os.fstat(fd).st_mode):
-            raise OSError(errno.EIO, "folder fsync refused")
-        return real(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
+    fail_folder_fsync(monkeypatch)
     with pytest.raises(OSError, match="folder fsync refused"):
         extract_lora(LocalStorage(), str(zoo["full"][0]), str(zoo["base"]), 4, tmp_path / "o")
     assert list(tmp_path.iterdir()) == []

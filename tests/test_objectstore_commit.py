@@ -106,20 +106,14 @@ def test_failed_run_leaves_no_objects(family, tmp_path, monkeypatch):
 def test_commit_fails_when_manifest_folder_cannot_be_fsynced(family, tmp_path, monkeypatch):
     """Local object-mode commit: the manifest must be durable before the snapshot is reported
     committed, so a folder fsync refused with EIO fails the commit, and nothing is published."""
-    import errno
     import os
-    import stat as stat_
+
+    from tests.conftest import fail_folder_fsync
 
     plan = _plan(family, tmp_path)
     out = tmp_path / "snap"
     real = os.fsync
-
-    def fsync(fd):
-        if stat_.S_ISDIR(os.fstat(fd).st_mode):
-            raise OSError(errno.EIO, "folder fsync refused")
-        return real(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
+    fail_folder_fsync(monkeypatch)
     with pytest.raises(OSError, match="folder fsync refused"):
         execute_and_commit(plan, LocalStorage(IOCounters()), str(out), object_mode=True)
     assert read_manifest_obj(LocalStorage(), str(out)) is None

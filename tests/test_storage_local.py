@@ -23,6 +23,7 @@ from mergepipe.storage.base import (
 )
 from mergepipe.storage.local import LocalStorage
 from mergepipe.storage.routing import open_storage
+from tests.conftest import fail_folder_fsync
 
 # --------------------------------------------------------------------------------------------
 # coalesce: properties
@@ -367,25 +368,6 @@ def test_put_object_fsyncs(tmp_path, monkeypatch):
     assert len(synced) == 2, "then the folder holding the new name"
 
 
-def _fail_folder_fsync(monkeypatch):
-    """Make ``os.fsync`` fail with EIO on folder descriptors (as some network and FUSE file
-    systems do), and work on files; returns the list of folders whose fsync was tried."""
-    import errno
-    import stat as stat_
-
-    tried = []
-    real = os.fsync
-
-    def fsync(fd):
-        if stat_.S_ISDIR(os.fstat(fd).st_mode):
-            tried.append(os.readlink(f"/proc/self/fd/{fd}"))
-            raise OSError(errno.EIO, "folder fsync refused")
-        return real(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    return tried
-
-
 def test_fsync_folder_strict_raises_best_effort_does_not(tmp_path, monkeypatch):
     from mergepipe.storage.local import fsync_folder
 
@@ -393,7 +375,7 @@ def test_fsync_folder_strict_raises_best_effort_does_not(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError):
         fsync_folder(tmp_path / "missing", strict=True)
     fsync_folder(tmp_path / "missing", strict=False)
-    tried = _fail_folder_fsync(monkeypatch)
+    tried = fail_folder_fsync(monkeypatch)
     with pytest.raises(OSError, match="folder fsync refused"):
         fsync_folder(str(tmp_path), strict=True)
     fsync_folder(str(tmp_path), strict=False)
@@ -406,7 +388,7 @@ def test_folder_fsync_callers_keep_their_strictness(tmp_path, monkeypatch):
     from mergepipe.commit.manifest import publish_local, staging_path
     from mergepipe.search.state import save_state
 
-    tried = _fail_folder_fsync(monkeypatch)
+    tried = fail_folder_fsync(monkeypatch)
     LocalStorage().put_object(str(tmp_path / "obj"), b"abc")
     assert (tmp_path / "obj").read_bytes() == b"abc" and tried == [str(tmp_path)]
 
@@ -426,7 +408,7 @@ def test_folder_fsync_callers_keep_their_strictness(tmp_path, monkeypatch):
 def test_sync_prefix_fsyncs_the_tree_and_its_parents(tmp_path, monkeypatch):
     st_ = LocalStorage()
     (tmp_path / "out" / "runs" / "r1" / "sub").mkdir(parents=True)
-    tried = _fail_folder_fsync(monkeypatch)
+    tried = fail_folder_fsync(monkeypatch)
     with pytest.raises(OSError, match="folder fsync refused"):
         st_.sync_prefix(str(tmp_path / "out" / "runs" / "r1"), through=str(tmp_path / "out"))
     monkeypatch.undo()
