@@ -185,37 +185,35 @@ def make_tasks(cfg: MiniLMConfig) -> dict[str, tuple[list[dict], list[dict]]]:
     cut = len(docs) // 3
     splits = {"eval": docs[:cut], "train": docs[cut:]}
 
-    def order(split_docs: list[list[str]], n: int) -> list[dict]:
+    def altered(split_docs: list[list[str]], n: int, task: str, alter: Callable[[list[str]], list[str]]):
+        """Sentences as written (label 1) and, every other one, ``alter``ed (label 0)."""
         sents = sorted({s for d in split_docs for s in d})
         rng.shuffle(sents)
         res = []
         for i, s in enumerate(sents[:n]):
-            w = s.split()
             if i % 2:
-                sh = w[:]
-                while sh == w:
-                    rng.shuffle(sh)
-                res.append({"text": " ".join(sh), "label": 0})
+                res.append({"text": " ".join(alter(s.split())), "label": 0})
             else:
                 res.append({"text": s, "label": 1})
         if len(res) < n:
-            raise RuntimeError(f"only {len(res)} sentences for {n} order examples")
+            raise RuntimeError(f"only {len(res)} sentences for {n} {task} examples")
         return res
 
+    def shuffled(w: list[str]) -> list[str]:
+        sh = w[:]
+        while sh == w:
+            rng.shuffle(sh)
+        return sh
+
+    def rotated(w: list[str]) -> list[str]:
+        cut = rng.randrange(2, len(w) - 1)  # at least two words move, at least two stay
+        return w[cut:] + w[:cut]
+
+    def order(split_docs: list[list[str]], n: int) -> list[dict]:
+        return altered(split_docs, n, "order", shuffled)
+
     def rotate(split_docs: list[list[str]], n: int) -> list[dict]:
-        sents = sorted({s for d in split_docs for s in d})
-        rng.shuffle(sents)
-        res = []
-        for i, s in enumerate(sents[:n]):
-            w = s.split()
-            if i % 2:
-                cut = rng.randrange(2, len(w) - 1)  # at least two words move, at least two stay
-                res.append({"text": " ".join(w[cut:] + w[:cut]), "label": 0})
-            else:
-                res.append({"text": s, "label": 1})
-        if len(res) < n:
-            raise RuntimeError(f"only {len(res)} sentences for {n} rotate examples")
-        return res
+        return altered(split_docs, n, "rotate", rotated)
 
     def match(split_docs: list[list[str]], n: int) -> list[dict]:
         pool = [d for d in split_docs if len(d) >= 2]
