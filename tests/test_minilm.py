@@ -27,6 +27,13 @@ def test_tasks_are_deterministic_balanced_and_held_out():
     originals = {e["text"] for e in a["order"][0] if e["label"] == 1}
     assert all(t.split()[0][0].isupper() and t[-1] in ".!?" for t in originals)
     assert not originals & {e["text"] for e in a["order"][0] if e["label"] == 0}
+    # the calibration set (Fisher statistic): training texts of every task, never held-out ones
+    from mergepipe_zoo.minilm import calibration_texts
+
+    cal = calibration_texts(a, per_task=12)
+    train = {e["text"] for t in TASKS for e in a[t][0]}
+    held = {e["text"] for t in TASKS for e in a[t][1]}
+    assert len(cal) == 12 * len(TASKS) and set(cal) <= train and not set(cal) & held
     # match: a copy repeats segment A exactly; "other" pairs two different sentences
     for e in a["match"][0] + a["match"][1]:
         first, second = e["text"].split(" [SEP] ")
