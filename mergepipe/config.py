@@ -24,7 +24,10 @@ Accepted (mergekit 0.1.5 ``MergeConfiguration`` keys):
 
 mergepipe's own keys: ``budget`` (``512MiB``, ``25%``, bytes), ``fidelity`` (0–1], ``seed``.
 
-Refused with a message naming the key (never silently ignored): ``slices``, ``modules``,
+``slices`` (mergekit's layer ranges: frankenmerges, depth up-scaling, merged slices with
+per-slice parameters) compile into a merge over stacked views (:mod:`mergepipe.slices`).
+
+Refused with a message naming the key (never silently ignored): ``modules``,
 ``tokenizer_source`` other than ``base``, a ``tokenizer:`` block, ``chat_template``,
 ``model@revision`` references (and their mapping forms), Hugging Face Hub names (only local
 folders and ``s3://`` URIs are read), and any unknown key. ``<base_model>+<adapter folder>`` (or
@@ -46,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from mergepipe.errors import InputError
 from mergepipe.limits import MAX_YAML_BYTES, load_yaml, read_file, short_repr
 from mergepipe.request import ExpertRequest, Loc, MergeRequest, RequestOptions, Where, param_loc, sub_text
+from mergepipe.stack import is_stack
 from mergepipe.storage.base import is_s3
 
 #: mergekit dtype names (``mergekit.common.dtype_from_name``) -> safetensors dtypes.
@@ -69,10 +73,28 @@ class _ModelEntry(BaseModel):
     parameters: dict[str, Any] | None = None
 
 
+class _SliceSource(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Any
+    layer_range: tuple[int, int]
+    parameters: dict[str, Any] | None = None
+
+
+class _Slice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    sources: list[_SliceSource]
+    base_model: Any = None
+    parameters: dict[str, Any] | None = None
+    residual_weight: float | None = None
+
+
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     models: list[_ModelEntry] | None = None
+    slices: list[_Slice] | None = None
     merge_method: str
     base_model: Any = None
     parameters: dict[str, Any] | None = None
@@ -86,8 +108,6 @@ class _Config(BaseModel):
 
 
 REFUSED = {
-    "slices": "mergekit slices (layer ranges taken from different models) are not supported by mergepipe, which "
-    "merges whole models tensor by tensor; use models: (layer-wise parameters can vary values per layer)",
     "modules": "mergekit modules (multi-module architectures) are not supported by mergepipe; use models:",
     "tokenizer": "a tokenizer: block (building a merged vocabulary) is not supported; mergepipe copies the base's "
     "tokenizer (tokenizer_source: base)",
@@ -196,7 +216,7 @@ def _model_uri(ref: Any, where: str) -> str:
         raise InputError(f"{where}: {ref!r} is a mergekit model+LoRA reference; {_REF_REFUSAL['lora']}")
     if "@" in ref:
         raise InputError(f"{where}: {ref!r} is a mergekit model@revision reference; {_REF_REFUSAL['revision']}")
-    if is_s3(ref):
+    if is_s3(ref) or is_stack(ref):
         return ref.rstrip("/")
     if not os.path.isdir(ref):
         raise InputError(
@@ -225,7 +245,7 @@ def _pydantic_message(path: str, e: ValidationError) -> str:
         t = err["type"]
         if t == "extra_forbidden":
             msg = (
-                "unknown key; mergepipe reads mergekit's models, base_model, merge_method, parameters, dtype, "
+                "unknown key; mergepipe reads mergekit's models, slices, base_model, merge_method, parameters, dtype, "
                 "out_dtype, tokenizer_source and its own budget, fidelity, seed"
             )
         elif t == "missing":
@@ -266,6 +286,23 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
         cfg = _Config.model_validate(raw)
     except ValidationError as e:
         raise InputError(_pydantic_message(p, e)) from None
+    names: dict[str, str] = {}
+    stacks: dict[str, dict] = {}
+    if cfg.slices is not None:
+        if cfg.models is not None:
+            raise InputError(f"{p}: slices: give either models or slices (mergekit takes exactly one of them).")
+        from mergepipe.slices import compile_slices
+
+        sc = compile_slices(cfg, p)
+        cfg = cfg.model_copy(
+            update={
+                "slices": None,
+                "models": [_ModelEntry(model=u, parameters=ps) for u, ps in sc.models],
+                "base_model": sc.base,
+                "parameters": sc.parameters,
+            }
+        )
+        names, stacks = sc.names, sc.stacks
     if not cfg.models:
         raise InputError(f"{p}: models: required (a non-empty list of {{model: <folder or s3:// URI>, parameters}}).")
     linear = cfg.merge_method == "linear"
@@ -276,7 +313,7 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
     if passthrough and len(cfg.models) != 1:
         raise InputError(
             f"{p}: models: passthrough takes exactly one model (mergekit: at most one input), got "
-            f"{len(cfg.models)}; slices (frankenmerges) are not supported."
+            f"{len(cfg.models)}; for a frankenmerge list layer ranges under slices:, one source per slice."
         )
     if cfg.base_model is None and not (averaged or passthrough):
         raise InputError(
@@ -336,7 +373,7 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
                         "too for task-arithmetic methods) — remove them."
                     )
                 continue
-        name = uri.rstrip("/").rsplit("/", 1)[-1] or uri
+        name = names.get(uri) or uri.rstrip("/").rsplit("/", 1)[-1] or uri
         if any(name == n for n, _ in experts):
             prev = next(i for i, (n, _) in zip(model_index, experts) if n == name)
             raise InputError(
@@ -397,7 +434,13 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
         head = loc[0] if loc else ""
         return f"{p}: " + {"method": "merge_method", "base": "base_model"}.get(head, str(head))
 
-    source = {"path": os.path.abspath(p), "sha256": hashlib.sha256(text.encode()).hexdigest(), "yaml": text}
+    source: dict[str, Any] = {
+        "path": os.path.abspath(p),
+        "sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "yaml": text,
+    }
+    if stacks:  # the stacked views the slices were compiled into (mergepipe.slices)
+        source["stacks"] = stacks
     request = MergeRequest(
         base=base,
         method=cfg.merge_method,

@@ -58,7 +58,7 @@ def test_parses_mergekit_config_with_own_keys(family, tmp_path):
 
 
 REFUSALS = [
-    ({"slices": [{"sources": []}]}, r"slices: mergekit slices .* not supported"),
+    ({"slices": [{"sources": []}]}, r"slices: give either models or slices"),
     ({"modules": {"text": {}}}, r"modules: mergekit modules .* not supported"),
     ({"tokenizer_source": "union"}, r"tokenizer_source: union \(a merged vocabulary\) is not supported"),
     ({"tokenizer_source": "some/model"}, r"tokenizer_source: 'some/model' \(another model's tokenizer\)"),

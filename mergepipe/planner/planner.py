@@ -1177,4 +1177,12 @@ def _explain_plan(plan: Plan, seconds: float) -> str:
         + sk
         + dist
         + dt
+        + _explain_slices(plan)
     )
+
+
+def _explain_slices(plan: Plan) -> str:
+    """Where a mergekit ``slices`` merge's bytes went (:func:`mergepipe.slices.explain_stacks`)."""
+    from mergepipe.slices import explain_stacks
+
+    return explain_stacks(plan)

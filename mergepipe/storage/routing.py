@@ -19,6 +19,7 @@ class RoutingStorage(Storage):
         super().__init__(counters)
         self.local = LocalStorage(self.counters)
         self._s3 = None
+        self._stack: Storage | None = None
         self._s3_kwargs = s3_kwargs
 
     @property
@@ -29,7 +30,18 @@ class RoutingStorage(Storage):
             self._s3 = S3Storage(counters=self.counters, **self._s3_kwargs)
         return self._s3
 
+    @property
+    def stack(self) -> Storage:
+        """Stacked views (``stack://``, :mod:`mergepipe.stack`), read through this storage."""
+        if self._stack is None:
+            from mergepipe.stack import StackStorage
+
+            self._stack = StackStorage(self)
+        return self._stack
+
     def backend(self, uri: str) -> Storage:
+        if str(uri).startswith("stack://"):
+            return self.stack
         return self.s3 if is_s3(uri) else self.local
 
     def gap_for(self, uris: Sequence[str]) -> int:

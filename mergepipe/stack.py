@@ -1,0 +1,451 @@
+"""Stacked views: a checkpoint assembled from layer ranges of other checkpoints, read in place.
+
+mergekit's ``slices`` build a model from layer ranges of several models (frankenmerges,
+SOLAR-style depth up-scaling) and merge aligned ranges of several models slice by slice.
+mergepipe plans such a config as an ordinary merge over **stacked views**: for each input model
+a view whose layer ``o`` is the source layer the config puts at output layer ``o``
+(renumbered), whose non-layer tensors come from the config's first slice (embeddings: mergekit's
+*pre*-weights) or last slice (final norm, ``lm_head``: its *post*-weights), and whose
+``config.json`` is the donor's with ``num_hidden_layers`` set to the output's layer count.
+
+A view is a read-only checkpoint under the URI ``stack://<digest>`` (``digest``: SHA-256 of its
+:class:`StackSpec`'s canonical JSON, first 32 hex digits). Its shard files are synthesized:
+a safetensors header (renamed tensors, contiguous offsets) followed by the source tensors'
+bytes, which :class:`StackStorage` reads from the sources' files on demand — every byte of a
+view read is a ranged read of a source file, counted once under the reader's role (the
+catalog, the planner and the engine see an ordinary checkpoint; realized bytes are source
+bytes). Nothing is copied or materialised. The view's non-weight files (tokenizer, generation
+config) are the donor's.
+
+Views are kept in a process registry and, content-addressed, as JSON under
+``$MERGEPIPE_HOME/stacks/`` so that a saved plan over a view executes in another process on
+the same machine.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mergepipe.errors import InputError
+from mergepipe.formats.safetensors import (
+    INDEX_NAME,
+    SINGLE_NAME,
+    CheckpointLayout,
+    build_header,
+    index_json,
+    load_layout,
+)
+from mergepipe.storage.base import NotFoundError, ObjectStat, Role, Storage, StorageError, Writer
+
+SCHEME = "stack://"
+STACK_FORMAT = "mergepipe.stack/v1"
+#: largest synthesized shard (bytes of tensor data); larger views get several shards and an index
+MAX_SHARD_BYTES = 4 << 30
+#: the non-weight files a view serves from its donor (mergepipe.planner.planner.EXTRA_FILES)
+_LAYER_RE = re.compile(r"(^|\.)(layers|layer|h|blocks|block)\.(\d+)(\.|$)")
+
+
+def is_stack(uri: str) -> bool:
+    """Whether ``uri`` names a stacked view (``stack://...``)."""
+    return str(uri).startswith(SCHEME)
+
+
+def layer_of(name: str) -> int | None:
+    """Layer index in a tensor name (``model.layers.12.mlp...`` -> 12); None for others."""
+    m = _LAYER_RE.search(name)
+    return int(m.group(3)) if m else None
+
+
+def renumber(name: str, layer: int) -> str:
+    """``name`` with its layer index replaced by ``layer``."""
+    return _LAYER_RE.sub(lambda m: f"{m.group(1)}{m.group(2)}.{layer}{m.group(4)}", name, count=1)
+
+
+def is_pre_weight(name: str) -> bool:
+    """A non-layer tensor mergekit plans before the layers (its architectures' *pre*-weights:
+    token and position embeddings); the others (final norm, ``lm_head``) are *post*-weights."""
+    leaf = name.lower()
+    return "embed" in leaf or any(p in leaf.split(".") for p in ("wte", "wpe"))
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    """What a view holds, in output order.
+
+    Attributes:
+        pre: source checkpoint of the pre-weights (embeddings).
+        post: source checkpoint of the post-weights (final norm, ``lm_head``).
+        layers: ``(source URI, first layer, end layer)`` runs, concatenated into output layers
+            ``0..n-1`` (mergekit's ``layer_range: [first, end)``).
+        donor: checkpoint whose ``config.json`` (with ``num_hidden_layers`` = n) and tokenizer
+            files the view carries.
+    """
+
+    pre: str
+    post: str
+    layers: tuple[tuple[str, int, int], ...]
+    donor: str
+
+    @property
+    def n_layers(self) -> int:
+        return sum(b - a for _, a, b in self.layers)
+
+    def to_json(self) -> dict:
+        return {
+            "format": STACK_FORMAT,
+            "pre": self.pre,
+            "post": self.post,
+            "layers": [list(r) for r in self.layers],
+            "donor": self.donor,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict, source: str) -> StackSpec:
+        try:
+            if d.get("format") != STACK_FORMAT:
+                raise ValueError(f"format {d.get('format')!r}")
+            layers = tuple((str(u), int(a), int(b)) for u, a, b in d["layers"])
+            return cls(str(d["pre"]), str(d["post"]), layers, str(d["donor"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"{source}: not a mergepipe stacked view ({e}).") from None
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:32]
+
+    @property
+    def uri(self) -> str:
+        return SCHEME + self.digest
+
+    def sources(self) -> list[str]:
+        """Every source checkpoint, in first-use order."""
+        out: list[str] = []
+        for u in [self.pre, *(r[0] for r in self.layers), self.post, self.donor]:
+            if u not in out:
+                out.append(u)
+        return out
+
+
+@dataclass
+class _Piece:
+    vstart: int
+    vend: int
+    src_file: str  # the source shard's URI
+    src_start: int
+
+
+@dataclass
+class _Shard:
+    header: bytes
+    pieces: list[_Piece]
+    starts: list[int]
+    size: int
+    src_files: list[str]
+
+
+@dataclass
+class StackView:
+    """A materialised-in-memory description of a view: synthesized shard headers and the source
+    byte ranges behind them.
+
+    Attributes:
+        spec: the :class:`StackSpec`.
+        shards: view shard name -> headers and pieces.
+        files: other files by name: bytes (``config.json``, the index) or a source file URI.
+        tensors: output tensor name -> ``(source URI, source tensor name)``.
+    """
+
+    spec: StackSpec
+    shards: dict[str, _Shard] = field(default_factory=dict)
+    files: dict[str, bytes | str] = field(default_factory=dict)
+    tensors: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    @property
+    def uri(self) -> str:
+        return self.spec.uri
+
+
+def _layout(storage: Storage, uri: str) -> CheckpointLayout:
+    return load_layout(storage, uri, role="catalog")
+
+
+def build_view(storage: Storage, spec: StackSpec, extra_files: Sequence[str] = ()) -> StackView:
+    """The view ``spec`` describes, from its sources' shard headers (no tensor byte is read).
+
+    Args:
+        storage: where the sources are (headers read under role ``catalog``).
+        extra_files: non-weight file names to serve from the donor when it has them.
+
+    Raises:
+        InputError: a source is not a checkpoint, a layer range is outside a source's layers, a
+            source lacks a pre/post tensor, or two tensors of an output layer collide.
+    """
+    layouts: dict[str, CheckpointLayout] = {}
+    for u in spec.sources():
+        layouts[u] = _layout(storage, u)
+    plan: list[tuple[str, str, str]] = []  # (output name, source uri, source name)
+    for name in layouts[spec.pre].tensors:
+        if layer_of(name) is None and is_pre_weight(name):
+            plan.append((name, spec.pre, name))
+    o = 0
+    for u, a, b in spec.layers:
+        lay = layouts[u]
+        by_layer: dict[int, list[str]] = {}
+        for name in lay.tensors:
+            i = layer_of(name)
+            if i is not None:
+                by_layer.setdefault(i, []).append(name)
+        n_src = max(by_layer) + 1 if by_layer else 0
+        if not (0 <= a < b <= n_src):
+            raise InputError(
+                f"{u}: layer_range [{a}, {b}] is outside its {n_src} layers; give a range within [0, {n_src}]."
+            )
+        for i in range(a, b):
+            for name in by_layer.get(i, []):
+                plan.append((renumber(name, o), u, name))
+            o += 1
+    for name in layouts[spec.post].tensors:
+        if layer_of(name) is None and not is_pre_weight(name):
+            plan.append((name, spec.post, name))
+    view = StackView(spec)
+    seen: set[str] = set()
+    for out, _, _ in plan:
+        if out in seen:
+            raise InputError(f"{spec.uri}: tensor {out!r} would be written twice; the layer ranges overlap in output.")
+        seen.add(out)
+    # shards of at most MAX_SHARD_BYTES of data, in output order
+    groups: list[list[tuple[str, str, str]]] = [[]]
+    acc = 0
+    for item in plan:
+        info = layouts[item[1]].tensors[item[2]]
+        nb = info.end - info.start
+        if groups[-1] and acc + nb > MAX_SHARD_BYTES:
+            groups.append([])
+            acc = 0
+        groups[-1].append(item)
+        acc += nb
+    names = (
+        [SINGLE_NAME]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    weight_map: dict[str, str] = {}
+    total = 0
+    for fname, group in zip(names, groups):
+        infos = [layouts[u].tensors[n] for _, u, n in group]
+        header = build_header(
+            [(out, i.dtype, tuple(i.shape)) for (out, _, _), i in zip(group, infos)], {"format": "pt"}
+        )
+        pos = len(header)
+        pieces = []
+        for (out, u, n), ti in zip(group, infos):
+            nb = ti.end - ti.start
+            src = storage.join(u, ti.file)
+            if nb:
+                pieces.append(_Piece(pos, pos + nb, src, ti.start))
+            pos += nb
+            weight_map[out] = fname
+            view.tensors[out] = (u, n)
+            total += nb
+        view.shards[fname] = _Shard(
+            header, pieces, [p.vstart for p in pieces], pos, sorted({p.src_file for p in pieces})
+        )
+    if len(names) > 1:
+        view.files[INDEX_NAME] = index_json(weight_map, total)
+    for f in extra_files:
+        src = storage.join(spec.donor, f)
+        if not storage.exists(src):
+            continue
+        if f == "config.json":
+            raw = storage.read_object(src, "catalog")
+            view.files[f] = _config_with_layers(raw, spec.n_layers, src)
+        else:
+            view.files[f] = src
+    return view
+
+
+def _config_with_layers(raw: bytes, n: int, source: str) -> bytes:
+    """``config.json`` with ``num_hidden_layers`` (and ``n_layer``/``num_layers`` when present)
+    set to ``n``, as mergekit writes a sliced model's config."""
+    try:
+        cfg = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise InputError(f"{source}: not valid JSON; a sliced model's config needs num_hidden_layers.") from None
+    if not isinstance(cfg, dict):
+        raise InputError(f"{source}: not a JSON object; a sliced model's config needs num_hidden_layers.")
+    keys = [k for k in ("num_hidden_layers", "n_layer", "num_layers") if k in cfg] or ["num_hidden_layers"]
+    for k in keys:
+        cfg[k] = n
+    if isinstance(cfg.get("layer_types"), list) and cfg["layer_types"]:
+        lt = cfg["layer_types"]
+        cfg["layer_types"] = (lt * (n // len(lt) + 1))[:n] if len(set(lt)) == 1 else lt[:n] + [lt[-1]] * (n - len(lt))
+    return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
+
+
+# --- the registry ------------------------------------------------------------------------
+_VIEWS: dict[str, StackView] = {}
+
+
+def _spec_dir() -> Path:
+    from mergepipe.catalog.catalog import default_home
+
+    return default_home() / "stacks"
+
+
+def register_view(storage: Storage, spec: StackSpec, extra_files: Sequence[str] = ()) -> StackView:
+    """Build ``spec``'s view (:func:`build_view`), keep it in this process and save its spec
+    under ``$MERGEPIPE_HOME/stacks/<digest>.json`` (for ``mergepipe execute`` of a saved plan)."""
+    view = build_view(storage, spec, extra_files)
+    _VIEWS[spec.digest] = view
+    try:
+        d = _spec_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        p = d / f"{spec.digest}.json"
+        if not p.exists():
+            tmp = p.with_suffix(".tmp")
+            tmp.write_text(json.dumps({**spec.to_json(), "extra_files": list(extra_files)}, sort_keys=True))
+            tmp.replace(p)
+    except OSError:
+        pass  # the in-process registry still serves this run
+    return view
+
+
+def _split(uri: str) -> tuple[str, str]:
+    rest = uri[len(SCHEME) :]
+    digest, _, name = rest.partition("/")
+    return digest, name
+
+
+class StackStorage(Storage):
+    """Read-only storage of ``stack://`` views over an inner storage (which reads the sources);
+    bytes are counted once, in this storage's counters (share them with the inner's)."""
+
+    def __init__(self, inner: Storage) -> None:
+        super().__init__(inner.counters)
+        self.inner = inner
+        self.max_gap = 0
+
+    def view(self, uri: str) -> StackView:
+        digest, _ = _split(uri)
+        v = _VIEWS.get(digest)
+        if v is None:
+            p = _spec_dir() / f"{digest}.json"
+            try:
+                d = json.loads(p.read_text())
+            except (OSError, ValueError):
+                raise NotFoundError(
+                    f"{SCHEME}{digest}: unknown stacked view (no {p}); re-plan from the mergekit config."
+                ) from None
+            spec = StackSpec.from_json(d, str(p))
+            if spec.digest != digest:
+                raise InputError(f"{p}: its content does not match its name; delete it and re-plan.")
+            v = build_view(self.inner, spec, [str(f) for f in d.get("extra_files", [])])
+            _VIEWS[digest] = v
+        return v
+
+    @staticmethod
+    def join(root: str, *names: str) -> str:
+        return Storage.join(root, *names)
+
+    def stat(self, uri: str) -> ObjectStat:
+        v = self.view(uri)
+        _, name = _split(uri)
+        if name in v.shards:
+            sh = v.shards[name]
+            h = hashlib.sha256(v.spec.digest.encode())
+            for f in sh.src_files:
+                st = self.inner.stat(f)
+                h.update(f"{f}\0{st.size}\0{st.version}\0".encode())
+            return ObjectStat(size=sh.size, version=h.hexdigest()[:32])
+        obj = v.files.get(name)
+        if obj is None:
+            raise NotFoundError(uri)
+        if isinstance(obj, bytes):
+            return ObjectStat(size=len(obj), version=hashlib.sha256(obj).hexdigest()[:32])
+        return self.inner.stat(obj)
+
+    def _fetch(self, uri: str, requests: Sequence[tuple[int, int]]) -> list[bytes]:
+        v = self.view(uri)
+        _, name = _split(uri)
+        f = v.files.get(name)
+        if isinstance(f, bytes):
+            return [f[s:e] for s, e in requests]
+        if isinstance(f, str):
+            return [bytes(b) for b in self.inner._fetch(f, requests)]
+        sh = v.shards.get(name)
+        if sh is None:
+            raise NotFoundError(uri)
+        out = []
+        for s, e in requests:
+            if e > sh.size or s < 0:
+                raise StorageError(f"{uri}: range [{s}, {e}) is past its end ({sh.size} bytes)")
+            buf = bytearray()
+            hl = len(sh.header)
+            if s < hl:
+                buf += sh.header[s : min(e, hl)]
+            pos = max(s, hl)
+            k = max(0, bisect.bisect_right(sh.starts, pos) - 1)
+            by_file: dict[str, list[tuple[int, int]]] = {}
+            order: list[tuple[str, int]] = []
+            while pos < e and k < len(sh.pieces):
+                p = sh.pieces[k]
+                if p.vend <= pos:
+                    k += 1
+                    continue
+                a, b = max(pos, p.vstart), min(e, p.vend)
+                rng = (p.src_start + a - p.vstart, p.src_start + b - p.vstart)
+                by_file.setdefault(p.src_file, []).append(rng)
+                order.append((p.src_file, len(by_file[p.src_file]) - 1))
+                pos = b
+                k += 1
+            got = {f: (_merge_adjacent(r), self.inner._fetch(f, _merge_adjacent(r))) for f, r in by_file.items()}
+            for f, j in order:
+                buf += _pick(by_file[f][j], *got[f])
+            if len(buf) != e - s:
+                raise StorageError(f"{uri}: short read at [{s}, {e}): got {len(buf)} bytes")
+            out.append(bytes(buf))
+        return out
+
+    def list(self, prefix: str) -> Iterator[str]:
+        v = self.view(prefix)
+        d, _ = _split(prefix)
+        yield from sorted(f"{SCHEME}{d}/{n}" for n in [*v.shards, *v.files])
+
+    def open_writer(self, uri: str, role: Role = "output") -> Writer:
+        raise InputError(f"{uri}: a stacked view is read-only; write the output elsewhere.")
+
+    def put_object(self, uri: str, data: bytes, role: Role = "output", *, if_none_match=False, durable=False) -> None:
+        raise InputError(f"{uri}: a stacked view is read-only; write the output elsewhere.")
+
+    def delete(self, uri: str) -> None:
+        raise InputError(f"{uri}: a stacked view is read-only.")
+
+
+def _merge_adjacent(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Source ranges sorted, overlapping or adjacent ones as one request (a view may repeat a
+    source layer, and stacks layers in any order)."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(set(ranges)):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(b, out[-1][1]))
+        elif out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _pick(rng: tuple[int, int], merged: list[tuple[int, int]], bufs: Sequence[bytes | bytearray]) -> bytes:
+    """The bytes of source range ``rng`` out of the fetched ``merged`` requests' buffers."""
+    a, b = rng
+    k = max(0, bisect.bisect_right([m[0] for m in merged], a) - 1)
+    for (ma, mb), buf in zip(merged[k:], bufs[k:]):
+        if ma <= a and b <= mb:
+            return bytes(memoryview(buf)[a - ma : b - ma])
+    raise StorageError("stacked view: a source range was not fetched")
