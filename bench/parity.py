@@ -22,8 +22,8 @@ does every step in bf16 while mergepipe still computes in float32, so they diffe
 rounding of mergekit's intermediate steps; reported for information only.
 
 Magnitude ties (ties, breadcrumbs, breadcrumbs_ties): mergekit keeps exactly ``k`` entries by
-ranking |δ| in its compute dtype; mergepipe ranks bf16-rounded magnitudes (its catalog's keys)
-and keeps or drops a whole group of equal keys at the threshold (docs/CONCEPTS.md). Elements
+ranking |δ| in its compute dtype; mergepipe ranks the exact float32 magnitudes and keeps or drops
+a whole group of exactly equal values at the threshold (docs/CONCEPTS.md). Elements
 where some expert's magnitude lies in a threshold group that mergekit's exact count splits are
 flagged (:func:`tie_flags`); the verdict is then "≤ 1 ulp outside the flagged elements", and the
 flagged elements that differ are counted.
@@ -274,8 +274,8 @@ def tie_flags(delta, sparsify: str, density: float, gamma: float = 0.0, exact: b
             largest) or ``"outliers"`` (breadcrumbs: mergekit keeps the ascending sorted positions
             ``[n_bot, n_bot + int(density·n))`` with ``n_bot = max(0, n − target − int(gamma·n))``).
 
-        exact: mergepipe ranks the exact float32 magnitudes (its TIES on float16/float32
-            inputs): a "group" is then a set of exactly equal magnitudes.
+        exact: mergekit and mergepipe both rank the exact float32 magnitudes (mergepipe's
+            TIES on bf16/float16/float32 inputs, mergekit with ``dtype: float32``): a "group" is then a set of exactly equal magnitudes.
 
     Returns:
         bool tensor ``(n,)``: True for the elements of a key group that straddles one of
@@ -977,7 +977,9 @@ def main(argv=None) -> None:
         for arith in ("f32",) if a.no_bf16 else ("f32", "bf16"):
             tag = f"{name}-{arith}"
             outs = r.both(tag, case_config(case, base_dir, expert_dirs, arith))
-            cmp = compare_case(case, outs["config"], outs["mk"], outs["mp"][0], base, used)
+            # f32 arithmetic: mergekit and mergepipe both rank exact float32 |δ| (a group is a set of
+            # equal values); bf16 arithmetic: mergekit ranks bf16-rounded |δ| (a group is a key group)
+            cmp = compare_case(case, outs["config"], outs["mk"], outs["mp"][0], base, used, exact=arith == "f32")
             r.cleanup(outs)
             c = {
                 "case": name,

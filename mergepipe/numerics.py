@@ -11,9 +11,10 @@ Three definitions here are mergepipe's canonical, device-independent semantics:
   task vectors tie massively), mergekit's ``argsort`` keeps an unspecified subset. mergepipe
   keeps *all* tied entries when that lands nearer to ``k`` than keeping none, else none (a tie
   in distance keeps them). The decision needs only the key histogram, so the catalog fixes it
-  at analyze time and block-wise execution reproduces a dense whole-tensor merge exactly. This is
-  the rule for bf16 inputs; for float16/float32 inputs TIES (and breadcrumbs' window ends) rank
-  the exact float32 magnitudes (:func:`trim_rank` locates the threshold key group, :func:`exact_shrink` the float32
+  at analyze time and block-wise execution reproduces a dense whole-tensor merge exactly. For
+  bf16, float16 and float32 inputs TIES (and breadcrumbs' window ends) then rank the exact
+  float32 magnitudes inside the threshold key group (a bf16 task vector's float32 |δ| is often not
+  a bf16 value, so the group holds distinct magnitudes) (:func:`trim_rank` locates the threshold key group, :func:`exact_shrink` the float32
   threshold inside it; the same tie rule applies to exactly equal values only).
 * **DARE random stream** (:func:`dare_keep_mask`): element ``j`` of expert ``i``'s task vector
   in tensor ``t`` is kept iff ``splitmix64(key(seed, i, t) + j) < density * 2**64`` — a

@@ -117,7 +117,7 @@ def _row_total(a, b, width: int) -> float:
 
 
 def reference_topk_mask(delta, density: float):
-    """Exact top-k of ``|delta|`` (float32 torch, float16/float32 inputs), by a full descending
+    """Exact top-k of ``|delta|`` (float32 torch, bfloat16/float16/float32 inputs), by a full descending
     sort of the float32 magnitudes: ``k = max(1, int(density·n))``, ``v`` the k-th largest, ``A``
     the count above it and ``T`` the count equal to it; keep ``|δ| > v`` and the entries equal to
     ``v`` when ``A + T − k <= k − A`` (the canonical tie rule on exactly equal values). With
@@ -138,7 +138,7 @@ def reference_topk_mask(delta, density: float):
 
 
 def reference_outlier_mask(delta, density: float, gamma: float):
-    """Breadcrumbs on float16/float32 inputs: mergekit 0.1.5's ascending sorted positions
+    """Breadcrumbs on bfloat16/float16/float32 inputs: mergekit 0.1.5's ascending sorted positions
     ``[n_bot, n_bot + target)`` of the exact float32 magnitudes, each cut decided by the canonical
     tie rule on exactly equal values: keep the top ``n − n_bot`` set minus the top
     ``n − n_bot − target`` set. Returns a bool mask of ``delta``'s shape."""
@@ -186,7 +186,8 @@ def merge_tensor_dense(
         params: resolved settings (evaluated here for ``name`` at layer position ``t``) or the
             tensor's concrete values (then ``method`` names the method).
         seed: DARE / DELLA seed.
-        exact: the inputs are float16/float32: TIES trims by exact top-k of the float32
+        exact: the inputs are bfloat16/float16/float32 (mergepipe's rule for every stored float
+            dtype but float64/float8): TIES trims by exact top-k of the float32
             magnitudes (:func:`reference_topk_mask`), breadcrumbs by the exact window
             (:func:`reference_outlier_mask`), instead of by magnitude keys.
 
@@ -351,7 +352,7 @@ def merge_checkpoint_dense(
             params,
             seed,
             t=layer_t(name, n_layers),
-            exact=t.dtype in (torch.float16, torch.float32),
+            exact=t.dtype in (torch.bfloat16, torch.float16, torch.float32),
         )
         res[name] = m.to(out_dtype or t.dtype)
     return res

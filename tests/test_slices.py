@@ -314,3 +314,61 @@ def test_slices_refusals_name_the_key(bf16, tmp_path, patch, match):
         load_config(p)
     msg = str(ei.value)
     assert msg.startswith(str(p)) and re.search(match, msg), msg
+
+
+def _exact_ties(plan, base: dict, experts: list[dict], name: str):
+    """Elements of ``name`` where some expert's float32 |δ| equals exactly its k-th largest (the
+    only place mergekit's argsort and mergepipe's canonical tie rule may choose differently)."""
+    tp = next(t for t in plan.tensors if t.name == name)
+    flag = torch.zeros(base[name].numel(), dtype=torch.bool)
+    for te in tp.experts:
+        if te.density >= 1.0:
+            continue
+        d = (experts[te.expert][name].float() - base[name].float()).abs().flatten()
+        n = d.numel()
+        if plan.method == "ties":  # mergekit keeps the top k = max(1, int(density·n))
+            cuts = [n - max(1, int(te.density * n))]
+        else:  # breadcrumbs: ascending positions [n_bot, n_bot + target)
+            target = int(te.density * n)
+            n_bot = max(0, n - target - int(te.gamma * n))
+            cuts = [n_bot, n_bot + target]
+        asc = torch.sort(d).values
+        for c in cuts:
+            if 0 < c < n and asc[c - 1] == asc[c]:
+                flag |= d == asc[c]
+    return flag.reshape(base[name].shape)
+
+
+@pytest.mark.parametrize(
+    "method,params", [("ties", {"density": 0.5}), ("breadcrumbs", {"density": 0.6, "gamma": 0.05})]
+)
+def test_bf16_exact_thresholds_match_mergekit_outside_exact_ties(bf16, tmp_path, method, params):
+    """bf16 inputs get exact top-k of the float32 |δ| (a bf16 difference is often not a bf16
+    value, so a magnitude-key group holds distinct values): against mergekit 0.1.5 with
+    ``dtype: float32`` every differing element is an exact tie at the threshold (equal float32
+    |δ|, where mergekit's argsort order decides), and the plan refines threshold groups."""
+    cfg = {
+        "models": [
+            {"model": bf16["base"]},
+            {"model": bf16["a"], "parameters": {"weight": 0.6}},
+            {"model": bf16["b"], "parameters": {"weight": 0.4}},
+        ],
+        "merge_method": method,
+        "base_model": bf16["base"],
+        "parameters": params,
+        "dtype": "float32",
+    }
+    p = _write(tmp_path, cfg)
+    ref = _mergekit(p, tmp_path / "mk")
+    res, got = _ours(tmp_path, p, tmp_path / "out")
+    assert any(te.exact_rank or te.exact_rank_hi for tp in res.plan.tensors for te in tp.experts)
+    base = merged_tensors(bf16["base"])
+    experts = [merged_tensors(bf16["a"]), merged_tensors(bf16["b"])]
+    differ = 0
+    for name in ref:
+        d = got[name] != ref[name]
+        differ += int(d.sum())
+        if d.any():
+            outside = d & ~_exact_ties(res.plan, base, experts, name)
+            assert not outside.any(), (name, int(outside.sum()))
+    assert differ < 0.002 * sum(t.numel() for t in ref.values())

@@ -26,7 +26,7 @@ COPY_CHUNK = 16 * 1024 * 1024
 COW_MIN_BYTES = 16 * 1024 * 1024
 
 #: ``merge``: merge a row chunk; ``stats``: a pre-pass over a tensor (L1 sums only, no
-#: output); ``threshold``: a pre-pass gathering the threshold key groups of float16/float32 TIES
+#: output); ``threshold``: a pre-pass gathering the threshold key groups of bf16/float16/float32 TIES
 #: and breadcrumbs task vectors (no output); ``convert``: decode base rows and encode them in the output dtype; ``copy``: base
 #: bytes written unchanged; ``cow``: the whole tensor copied by the store (nothing read here).
 Kind = Literal["merge", "stats", "threshold", "convert", "copy", "cow"]
@@ -130,7 +130,7 @@ def _tensor_items(tp: TensorPlan, cow: bool) -> list[WorkItem]:
 
 def pass_kinds(tp: TensorPlan) -> tuple[Kind, ...]:
     """The passes over a merged tensor, ``tp.passes`` of them: an exact-threshold pre-pass when
-    the plan asks for one (``derived["threshold_pass"]``: float16/float32 TIES or breadcrumbs over
+    the plan asks for one (``derived["threshold_pass"]``: bf16/float16/float32 TIES or breadcrumbs over
     several chunks), an L1 pre-pass for a rescale over several chunks, then the merge. The last
     pre-pass visits the chunks after the first, then the first chunk's merge item completes it
     (:attr:`WorkItem.fused`; :func:`mergepipe.planner.plan.block_reads` counts the reads)."""

@@ -48,11 +48,11 @@ class ExpertTensorParams:
         max_key: breadcrumbs' outlier bound (keep ``key < max_key``; ``N_KEYS`` = none).
         stream_key: key of the DARE / DELLA random stream of this (expert, tensor).
         epsilon: DELLA's ``epsilon``.
-        shrink: exact magnitude trim for float16/float32 inputs (keep ``|δ| > shrink``, a
+        shrink: exact magnitude trim for bf16/float16/float32 inputs (keep ``|δ| > shrink``, a
             float32), found by the engine inside the threshold key group
             (:func:`mergepipe.numerics.exact_shrink`); None: the key rule ``key >= min_key``.
             Breadcrumbs: the window's lower end the same way.
-        shrink_hi: breadcrumbs' exact outlier bound for float16/float32 inputs (keep
+        shrink_hi: breadcrumbs' exact outlier bound for bf16/float16/float32 inputs (keep
             ``|δ| <= shrink_hi``); None: the key rule ``key < max_key``.
     """
 
@@ -111,7 +111,7 @@ def sparsify(delta, spec: MethodSpec, ep: ExpertTensorParams, offset: int, shape
     if spec.sparsify == "none" or ep.density >= 1.0:
         return delta
     if spec.sparsify == "magnitude":
-        if ep.shrink is not None:  # exact top-k on float16/float32 values (one vectorized pass)
+        if ep.shrink is not None:  # exact top-k on bf16/float16/float32 values (one vectorized pass)
             return torch.nn.functional.hardshrink(delta, ep.shrink)
         if ep.min_key <= 0:
             return delta
@@ -123,7 +123,7 @@ def sparsify(delta, spec: MethodSpec, ep: ExpertTensorParams, offset: int, shape
         if ep.shrink is None and ep.shrink_hi is None:
             k = magnitude_key_torch(delta)
             keep = (k >= ep.min_key) & (k < ep.max_key)
-        else:  # exact window on float16/float32 values (a bound without a shrink uses its key)
+        else:  # exact window on bf16/float16/float32 values (a bound without a shrink uses its key)
             a = delta.abs()
             keep = (a > ep.shrink) if ep.shrink is not None else (magnitude_key_torch(delta) >= ep.min_key)
             keep &= (a <= ep.shrink_hi) if ep.shrink_hi is not None else (magnitude_key_torch(delta) < ep.max_key)

@@ -82,11 +82,11 @@ class TensorExpert(BaseModel):
         min_key: magnitude threshold key: keep ``key >= min_key`` (0 = keep all).
         max_key: breadcrumbs' outlier bound: keep ``key < max_key`` (0x8000 = no bound).
         stream_key: key of the DARE / DELLA random stream.
-        exact_rank: float16/float32 TIES: how many entries of the threshold key group
+        exact_rank: bf16/float16/float32 TIES: how many entries of the threshold key group
             (``key == min_key``) exact top-k keeps; the engine finds their float32 threshold
             among the group's read values (0: keep the whole group, the key rule). Breadcrumbs:
             the same for the window's lower end.
-        exact_rank_hi: float16/float32 breadcrumbs: how many entries of the outlier bound's key
+        exact_rank_hi: bf16/float16/float32 breadcrumbs: how many entries of the outlier bound's key
             group (``key == max_key − 1``) are outliers (0: the key rule ``key < max_key``).
         blocks: selected block runs ``[b0, b1)`` (block indices).
         bytes: expert bytes these blocks occupy (one pass).
@@ -136,7 +136,7 @@ class TensorPlan(BaseModel):
         chunk_rows: rows processed at once by the engine (a multiple of ``rows_per_block``).
         passes: 1 + the pre-passes over a tensor larger than one chunk whose merge needs
             statistics of the whole tensor's read data (an L1 rescale's sums, an exact
-            float16/float32 trim threshold): 1, 2 or 3. The last pre-pass skips the first chunk,
+            bf16/float16/float32 trim threshold): 1, 2 or 3. The last pre-pass skips the first chunk,
             whose merge item adds its rows to that statistic before merging them, so the first
             chunk's rows (base and expert) are read ``passes − 1`` times and the others
             ``passes`` times (:func:`block_reads`).

@@ -78,9 +78,9 @@ from mergepipe.request import ResolvedRequest
 from mergepipe.storage.base import DEFAULT_MAX_REQUEST, coalesce
 
 DEFAULT_WORK_BYTES = 256 * 1024 * 1024
-#: input dtypes whose magnitude trim (TIES) and window (breadcrumbs) rank the stored values exactly (bf16 task vectors'
-#: magnitudes are their keys, so the key rule is exact for them and kept bit for bit)
-EXACT_TRIM_DTYPES = ("F16", "F32")
+#: input dtypes whose magnitude trim (TIES) and window (breadcrumbs) rank the exact float32 |δ| (bf16 included: a
+#: difference of two bf16 values is often not a bf16 value, so its key group holds distinct magnitudes)
+EXACT_TRIM_DTYPES = ("BF16", "F16", "F32")
 EXTRA_FILES = (
     "config.json",
     "generation_config.json",
@@ -366,7 +366,7 @@ def make_plan(
                 raise InputError(f"catalog: block grid of {name!r} differs from the plan's; re-run analyze.")
             stats.append(st)
         coefs = _coefficients(spec, g, tp, stats, weights, gram, name, K)
-        # float16/float32 TIES: exact top-k; the key histogram gives the threshold group and how
+        # bf16/float16/float32 TIES: exact top-k; the key histogram gives the threshold group and how
         # many of it to keep, the engine the float32 threshold inside it (a pre-pass when the
         # tensor spans several chunks)
         ranks = [0] * K
