@@ -384,7 +384,12 @@ class ModelMergeSpec(K8sModel):
     seed: Seed | None = Field(default=None, description="Seed of random sparsification (DARE, DELLA): 0 to 2^53-1.")
     resources: ResourcesSpec | None = None
     image: Annotated[str, StringConstraints(pattern=IMAGE_PATTERN, max_length=512)] | None = Field(
-        default=None, description="Merger image override."
+        default=None,
+        description=(
+            "Image of the merge Job (its pods hold the namespace's S3 keys): refused (Ready=False, "
+            "InvalidSpec) unless the operator's merges.allowedImages admits it; unset: the operator's "
+            "merger image. The analyze Job always runs the operator's image."
+        ),
     )
     s3: S3Spec | None = None
     parallelism: Annotated[int, Field(ge=1, le=MAX_PARALLELISM)] | None = Field(
@@ -771,7 +776,12 @@ class MergeSearchSpec(K8sModel):
     output: OutputSpec = Field(description="Prefix for the search state and the candidates' snapshots.")
     resources: ResourcesSpec | None = None
     image: Annotated[str, StringConstraints(pattern=IMAGE_PATTERN, max_length=512)] | None = Field(
-        default=None, description="Worker image override."
+        default=None,
+        description=(
+            "Image of the candidates' merge Jobs and of the evaluation Jobs: refused (Ready=False, "
+            "InvalidSpec) unless the operator's merges.allowedImages admits it. The driver Job (which "
+            "holds the search driver's ServiceAccount token) always runs the operator's merger image."
+        ),
     )
     s3: S3Spec | None = None
     queue_name: DnsLabel | None = Field(

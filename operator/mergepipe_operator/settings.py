@@ -51,7 +51,8 @@ def _bool(env: Mapping[str, str], name: str) -> bool:
 @dataclass(frozen=True)
 class Settings:
     """Cluster-wide defaults of the operator. A ModelMerge's spec overrides the per-merge ones
-    (image, GPU, CPU, memory, S3 endpoint/region/Secret)."""
+    (GPU, CPU, memory, S3 endpoint/region/Secret; the image only when :attr:`allowed_images`
+    admits it)."""
 
     merger_image: str = "ghcr.io/mergepipe/merger:latest"
     image_pull_policy: str = "IfNotPresent"
@@ -98,6 +99,12 @@ class Settings:
     max_parallelism: int = 8
     bytes_per_part: int = 100 * 1024**3
     metrics_port: int | None = None
+    #: address the metrics endpoint binds to (chart ``metrics.bindAddress``)
+    metrics_bind_address: str = "0.0.0.0"
+    #: images a ModelMerge/MergeSearch ``spec.image`` may name (chart ``merges.allowedImages``:
+    #: digest pins or globs, :mod:`mergepipe_operator.k8s.images`); empty: per-merge images are
+    #: refused and every worker runs :attr:`merger_image`
+    allowed_images: tuple[str, ...] = ()
     # merge searches: the driver Job's ServiceAccount (a Role lets it create ModelMerges and Jobs in
     # its namespace) and its resources (botorch on CPU; the candidates' merge Jobs get the GPUs)
     search_service_account: str = "mergepipe-search-driver"
@@ -144,6 +151,9 @@ class Settings:
                 f"got {by_ns!r}"
             )
         ns = _opt(env, "WATCH_NAMESPACES")
+        allowed = _json(env, "ALLOWED_IMAGES", [])
+        if not isinstance(allowed, list) or not all(isinstance(a, str) and a.strip() for a in allowed):
+            raise ValueError(f"{ENV_PREFIX}ALLOWED_IMAGES must be a JSON list of non-empty strings, got {allowed!r}")
         return cls(
             merger_image=_opt(env, "MERGER_IMAGE") or d.merger_image,
             image_pull_policy=_opt(env, "IMAGE_PULL_POLICY") or d.image_pull_policy,
@@ -176,6 +186,8 @@ class Settings:
             max_parallelism=max_parallelism,
             bytes_per_part=bytes_per_part,
             metrics_port=int(metrics) if metrics else None,
+            metrics_bind_address=_opt(env, "METRICS_BIND_ADDRESS") or d.metrics_bind_address,
+            allowed_images=tuple(a.strip() for a in allowed),
             search_service_account=_opt(env, "SEARCH_SERVICE_ACCOUNT") or d.search_service_account,
             search_driver_cpu=_opt(env, "SEARCH_DRIVER_CPU") or d.search_driver_cpu,
             search_driver_memory=_opt(env, "SEARCH_DRIVER_MEMORY") or d.search_driver_memory,

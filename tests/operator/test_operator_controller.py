@@ -513,7 +513,7 @@ def test_spec_change_after_a_failed_analysis_retries_it(settings):
     _fail_job(kube, an, "exit code 1: s3 access denied")
     mm = apply(kube, mm, c.reconcile_merge(mm))
     assert ready(mm)["reason"] == "JobFailed"
-    mm = bump(kube, image="registry.local/merger:fixed")
+    mm = bump(kube, resources={"cpu": "8"})
     with pytest.raises(reconcile.RetryWithStatus) as e:
         c.reconcile_merge(mm)
     assert cond.get_condition(e.value.status["conditions"], "Ready")["reason"] == "Analyzing"
@@ -522,7 +522,7 @@ def test_spec_change_after_a_failed_analysis_retries_it(settings):
     assert names == sorted([an["metadata"]["name"], retry])
     assert (
         kube.get(JOBS, "ns1", retry)["spec"]["template"]["spec"]["containers"][0]["image"]
-        == "registry.local/merger:fixed"
+        == settings.merger_image  # an analyze Job writes the shared catalog: always the operator's image
     )
 
 
@@ -680,7 +680,7 @@ def test_committed_merge_with_an_unchanged_plan_stays_committed(settings):
     st["conditions"] = cond.set_condition(st["conditions"], "Ready", "True", "Committed", "snapshot s1", 1, NOW)
     mm = apply(kube, mm, st)
     writes = len(kube.writes)
-    mm = bump(kube, image="registry.local/merger:v2")
+    mm = bump(kube, resources={"cpu": "8"})
     st = c.reconcile_merge(mm)
     r = cond.get_condition(st["conditions"], "Ready")
     assert (r["status"], r["reason"], r["observedGeneration"]) == ("True", "Committed", 2)

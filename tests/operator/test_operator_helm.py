@@ -253,6 +253,7 @@ def test_values_reach_the_operator_settings(chart):
     assert (s.quota_retry_seconds, s.analyze_poll_seconds) == (300, 15)
     assert (s.max_parallelism, s.bytes_per_part) == (8, 100 * 1024**3)
     assert s.sketch is None and s.sketch_by_namespace == {}  # the core's default tiers (sign3)
+    assert s.allowed_images == ()  # spec.image refused by default (issue 22)
 
     custom = settings_from(deployment(render(chart, values_of(CHART / "ci" / "custom-values.yaml"))))
     assert custom.merger_image == "registry.internal/mergepipe/merger:0.1.0-rocm"
@@ -268,6 +269,10 @@ def test_values_reach_the_operator_settings(chart):
     assert (custom.default_budget, custom.backoff_limit, custom.image_pull_policy) == ("512MiB", 0, "Always")
     assert (custom.max_parallelism, custom.bytes_per_part) == (4, 50 * 1024**3)
     assert custom.sketch == "none"
+    assert custom.allowed_images == (
+        "registry.internal/mergepipe/*",
+        "registry.internal/team-a/merger@sha256:" + "0123456789abcdef" * 4,
+    )
     _, env = operator_env(deployment(render(chart, values_of(CHART / "ci" / "custom-values.yaml"))))
     assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": "minio-creds", "key": "accesskey"}
 
@@ -336,6 +341,8 @@ def test_replicas_run_kopf_peering(chart, watch):
         {"logLevel": "verbose"},
         {"replicas": 0},  # (more than 1 runs kopf peering: test_replicas_run_kopf_peering)
         {"image": {"pullPolicy": "Sometimes"}},
+        {"merges": {"allowedImages": ["registry.example/a b"]}},
+        {"merges": {"allowedImages": [""]}},
     ],
     ids=str,
 )

@@ -1208,3 +1208,58 @@ def test_search_end_to_end_driver_candidates_as_modelmerges(cluster, monkeypatch
     ledger = quota_ledger(c.api, NS, "daily")
     assert sorted(e["merge"] for e in ledger) == ["e2e-c0000", "e2e-c0001", "e2e-c0002"]
     assert {e["state"] for e in ledger} == {"Charged"}
+
+
+def test_tenant_images_refused_and_the_search_driver_image_fixed(cluster, monkeypatch):
+    """Issue 22 item 3, end to end: a ModelMerge naming an image the chart's
+    merges.allowedImages does not admit is InvalidSpec naming the rule, and no Job is created; a
+    MergeSearch naming an admitted image gets a driver Job (the pod holding the driver's token and
+    the S3 keys) running the operator's merger image, the tenant's image reaching only the
+    evaluation Job template (no token)."""
+    c = cluster
+    monkeypatch.setenv("MERGEPIPE_ALLOWED_IMAGES", '["registry.example/team-a/*"]')
+    with operator():
+        c.merge("evil", image="evil.example/steal-keys:1", budget="10Gi")
+        o = c.wait_reason("evil", "InvalidSpec")
+        msg = ready(o)["message"]
+        assert msg.startswith("spec.image: image 'evil.example/steal-keys:1' refused") and "merges.allowedImages" in msg
+        ev = c.wait_events("evil", ["InvalidSpec"], tail=True)
+        assert ev[-1][0] == "Warning" and "merges.allowedImages" in ev[-1][2]
+        spec = {
+            "base": {"uri": c.models.base + "/"},
+            "experts": [{"name": n, "uri": u + "/"} for n, u in zip(("code", "math"), c.models.experts[:2])],
+            "method": "task_arithmetic",
+            "vary": [{"name": "weight", "min": 0.0, "max": 1.0}],
+            "objectives": [{"metric": "loss:python"}, {"metric": "loss:arithmetic"}],
+            "evaluator": {"command": "python -m evalpkg {checkpoint}"},
+            "evaluations": 4,
+            "initial": 2,
+            "image": "registry.example/team-a/evaluator:3",
+            "output": {"uri": f"{c.out}/searches/{NS}/img/"},
+        }
+        c.api.create(
+            {
+                "apiVersion": "mergepipe.io/v1alpha1",
+                "kind": "MergeSearch",
+                "metadata": {"name": "img", "namespace": NS},
+                "spec": spec,
+            }
+        )
+        job = c.job("search")
+        pod = job["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is True
+        assert [k["image"] for k in pod["containers"]] == ["ghcr.io/mergepipe/merger:test"]
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        ev_pod = json.loads(env["MERGEPIPE_EVAL_JOB_TEMPLATE"])["spec"]["template"]["spec"]
+        assert ev_pod["containers"][0]["image"] == "registry.example/team-a/evaluator:3"
+        assert ev_pod["automountServiceAccountToken"] is False
+        # the same search asking for an image outside the allowlist starts nothing
+        c.api.patch("MergeSearch", NS, "img", {"spec": {"image": "evil.example/steal-token:1"}})
+        o = wait_for(
+            "MergeSearch img InvalidSpec",
+            lambda: (s := c.api.get("MergeSearch", NS, "img")) and ready(s).get("reason") == "InvalidSpec" and s,
+            30,
+        )
+        assert "spec.image" in ready(o)["message"] and "matches no entry of merges.allowedImages" in ready(o)["message"]
+        assert [j["metadata"]["name"] for j in c.jobs(component="search")] == ["img-search-g1"]
+        assert [j for j in c.jobs() if j["metadata"]["labels"].get(names.LABEL_COMPONENT) == "merge"] == []

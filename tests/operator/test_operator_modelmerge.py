@@ -449,6 +449,7 @@ def test_build_job_overrides(settings):
         tmp_size_limit="50Gi",
         node_selector={"pool": "gpu"},
         tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        allowed_images=("registry.local/*",),
     )
     job = mmd.build_job(make_merge(), PLAN_URI, DIGEST, s)
     pod = job["spec"]["template"]["spec"]

@@ -45,9 +45,12 @@ def worker_job(
     annotations: Mapping[str, str],
     env_extra: list[dict[str, Any]],
     owner: Mapping[str, Any] | None = None,
+    image: str | None = None,
 ) -> dict[str, Any]:
     """A Job running the merger image's ``mergepipe`` CLI with the operator's security settings
-    (shared by the merge and the analyze Job). With a Kueue LocalQueue (``spec.queueName`` of
+    (shared by the merge and the analyze Job). The container runs ``image`` when given (a tenant's
+    image the caller checked against ``settings.allowed_images``, :func:`~.images.image_issue`),
+    else the operator's ``settings.merger_image``; ``mm.spec.image`` is never read here. With a Kueue LocalQueue (``spec.queueName`` of
     ``mm``, else ``settings.queue_name``) the Job carries Kueue's queue label: Kueue then holds it
     suspended until it admits it (the operator never unsuspends a Job)."""
     meta = mm.get("metadata") or {}
@@ -120,7 +123,7 @@ def worker_job(
     env = env + [{"name": "MERGEPIPE_TERMINATION_LOG", "value": TERMINATION_LOG}]
     container = {
         "name": component,
-        "image": spec.get("image") or settings.merger_image,
+        "image": image or settings.merger_image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": ["mergepipe"],
         # `mergepipe execute` computes on --device (default cpu): use the GPU the pod gets

@@ -63,6 +63,7 @@ from .decisions import (
     choose_parallelism,
     generation_settled,
     job_parts,
+    merge_image_issue,
     parallelism_issue,
     parts_status,
     plan_status,
@@ -150,11 +151,11 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
 
         ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
         issues = validate_merge_spec(spec)
-        too_many = parallelism_issue(spec, self.settings)
-        if issues or too_many:
+        refusal = parallelism_issue(spec, self.settings) or merge_image_issue(spec, self.settings)
+        if issues or refusal:
             # the previous generation's run is retired as on any spec change
             self._retire(ns, name, status, out, now)
-            return finish("False", Reason.INVALID_SPEC, format_issues(issues) if issues else str(too_many))
+            return finish("False", Reason.INVALID_SPEC, format_issues(issues) if issues else str(refusal))
 
         key = admission_key(uid, gen)
         requested = requested_budget(spec, self.settings)

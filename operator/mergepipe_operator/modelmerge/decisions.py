@@ -17,6 +17,7 @@ from mergepipe.methods.registry import METHODS as CORE_METHODS
 
 from ..crd import GROUP
 from ..k8s.conditions import Reason, get_condition
+from ..k8s.images import image_issue
 from ..k8s.jobs import job_outcome, worker_job
 from ..k8s.names import (
     ANN_GENERATION,
@@ -297,6 +298,13 @@ def parallelism_issue(spec: Mapping[str, Any], settings: Settings) -> str | None
     return None
 
 
+def merge_image_issue(spec: Mapping[str, Any], settings: Settings) -> str | None:
+    """Why ``spec.image`` cannot run this merge (``None``: unset, or admitted by the chart's
+    ``merges.allowedImages``; :func:`~mergepipe_operator.k8s.images.image_issue`). The merge pod
+    holds the namespace's S3 keys, so its image is code running with them: refused by default."""
+    return image_issue(spec.get("image"), settings.allowed_images, "spec.image")
+
+
 def choose_parallelism(
     requested: int | None, plan_bytes: int, shards: int, max_parallelism: int, bytes_per_part: int
 ) -> int:
@@ -396,12 +404,20 @@ def build_job(
 
     ``mm`` is the ModelMerge object; its metadata (name, namespace, uid) gives the owner reference
     unless ``owner`` (an ownerReference dict) is passed. Per-merge overrides come from
-    ``mm.spec`` (image, resources, s3), the rest from ``settings``. Security: non-root, read-only
+    ``mm.spec`` (resources, s3; the image only when ``settings.allowed_images`` admits it), the
+    rest from ``settings``. Security: non-root, read-only
     root filesystem with an emptyDir at /tmp, all capabilities dropped, no privilege escalation,
     seccomp RuntimeDefault, no service-account token; credentials only through ``secretKeyRef``.
+
+    Raises:
+        ValueError: ``spec.output.uri`` is missing, ``parts`` < 1, or ``spec.image`` is not
+            admitted (:func:`merge_image_issue`; the reconciler refuses such a spec first).
     """
     meta = mm.get("metadata") or {}
     name = meta["name"]
+    image_refusal = merge_image_issue(mm.get("spec") or {}, settings)
+    if image_refusal:
+        raise ValueError(image_refusal)
     out_uri = ((mm.get("spec") or {}).get("output") or {}).get("uri")
     if not out_uri:
         raise ValueError("spec.output.uri is required")
@@ -438,6 +454,7 @@ def build_job(
         annotations=annotations,
         env_extra=[{"name": "MERGEPIPE_PLAN_DIGEST", "value": plan_digest}],
         owner=owner,
+        image=(mm.get("spec") or {}).get("image"),
     )
     if parts > 1:
         js = job["spec"]
@@ -466,7 +483,8 @@ def build_analyze_job(
     calibration_uri: str | None = None,
 ) -> dict[str, Any]:
     """The batch/v1 Job that records the missing experts' statistics in the catalog
-    (:func:`analyze_args`), before the operator plans. Same image, security settings,
+    (:func:`analyze_args`), before the operator plans. It writes the shared catalog, so it always
+    runs the operator's merger image (never ``spec.image``). Same security settings,
     Secret-only credentials, CPU and memory as the merge Job. Without ``calibration_uri`` it gets
     no GPU (task-vector statistics are numpy); with one it also computes the base's Fisher
     sensitivity (backward passes of the base: torch) and gets the merge Job's GPUs, running it

@@ -22,6 +22,7 @@ from .decisions import (
     driver_job_name,
     parse_results,
     results_uri,
+    search_image_issue,
     search_status,
     status_changed,
     validate_search_spec,
@@ -50,7 +51,8 @@ class SearchReconciler(Reconciler):
         ):
             return None
         issues = validate_search_spec(spec)
-        if issues:
+        refusal = search_image_issue(spec, self.settings)
+        if issues or refusal:
             now = self.clock()
             return {
                 "observedGeneration": gen,
@@ -59,7 +61,7 @@ class SearchReconciler(Reconciler):
                     "Ready",
                     "False",
                     SearchReason.INVALID_SPEC,
-                    format_issues(issues),
+                    format_issues(issues) if issues else str(refusal),
                     gen,
                     now,
                 ),

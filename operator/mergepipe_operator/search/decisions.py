@@ -34,6 +34,7 @@ from mergepipe.methods.registry import METHODS as CORE_METHODS
 
 from ..crd import GROUP, MergeSearchSpec
 from ..k8s.conditions import Reason, set_condition
+from ..k8s.images import image_issue
 from ..k8s.jobs import JobOutcome, owner_reference, worker_job
 from ..k8s.names import (
     LABEL_COMPONENT,
@@ -251,8 +252,12 @@ def driver_args(ms: Mapping[str, Any], settings: Settings) -> list[str]:
 def build_driver_job(ms: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
     """The batch/v1 Job of the search driver of ``ms``'s generation.
 
-    Same image, security settings (non-root, read-only root filesystem, no capabilities, seccomp
-    RuntimeDefault) and Secret-only S3 credentials as the merge Job; no GPU (the candidates' merge
+    It always runs the operator's merger image (``settings.merger_image``), never
+    ``spec.image``: the pod holds the search driver's ServiceAccount token and the S3 keys, so
+    no tenant-chosen code may run in it (``spec.image`` only reaches the candidates' merge Jobs
+    and the evaluation Jobs, where :func:`search_image_issue` admitted it). Same security
+    settings (non-root, read-only root filesystem, no capabilities, seccomp RuntimeDefault) and
+    Secret-only S3 credentials as the merge Job; no GPU (the candidates' merge
     Jobs get them) and the driver's resources from the settings (``search_driver_cpu``/``_memory``;
     ``spec.resources`` are the candidates'). Unlike the merge Job it runs as
     ``settings.search_service_account`` with its token mounted: it creates ModelMerges and the
@@ -270,7 +275,7 @@ def build_driver_job(ms: Mapping[str, Any], settings: Settings) -> dict[str, Any
     driver = {
         "metadata": meta,
         "spec": {
-            **(ms.get("spec") or {}),
+            **{k: v for k, v in (ms.get("spec") or {}).items() if k != "image"},
             "resources": {"cpu": settings.search_driver_cpu, "memory": settings.search_driver_memory},
         },
     }
@@ -302,6 +307,7 @@ def build_driver_job(ms: Mapping[str, Any], settings: Settings) -> dict[str, Any
         annotations=annotations,
         env_extra=env,
         owner=owner_reference(ms),
+        image=settings.merger_image,
     )
     pod = job["spec"]["template"]["spec"]
     pod["serviceAccountName"] = settings.search_service_account
@@ -318,8 +324,17 @@ def eval_job_template(ms: Mapping[str, Any], settings: Settings) -> dict[str, An
     ``mergepipe search-eval ...``; :class:`mergepipe_kube.search.KubernetesJobEvaluator`): the
     merge Job's image, security settings and Secret-only credentials, the search's
     ``spec.resources`` (GPUs as the candidates' merge Jobs get them), no ServiceAccount token
-    (the user's command runs here), owned by the MergeSearch."""
+    (the user's command runs here), owned by the MergeSearch. Its image is ``spec.image`` when
+    the chart's ``merges.allowedImages`` admits it, else the operator's merger image.
+
+    Raises:
+        ValueError: ``spec.image`` is not admitted (:func:`search_image_issue`; the reconciler
+            refuses such a spec before building any Job).
+    """
     meta = ms.get("metadata") or {}
+    refusal = search_image_issue(ms.get("spec") or {}, settings)
+    if refusal:
+        raise ValueError(refusal)
     name = meta["name"]
     labels = {
         LABEL_NAME: "mergepipe-search-evaluator",
@@ -339,7 +354,15 @@ def eval_job_template(ms: Mapping[str, Any], settings: Settings) -> dict[str, An
         annotations=annotations,
         env_extra=[],
         owner=owner_reference(ms),
+        image=(ms.get("spec") or {}).get("image"),
     )
+
+
+def search_image_issue(spec: Mapping[str, Any], settings: Settings) -> str | None:
+    """Why a MergeSearch's ``spec.image`` cannot run (``None``: unset or admitted by the chart's
+    ``merges.allowedImages``). It would be the image of the candidates' merge Jobs and of the
+    evaluation Jobs (both hold the namespace's S3 keys); the driver never runs it."""
+    return image_issue(spec.get("image"), settings.allowed_images, "spec.image")
 
 
 def job_generation(job: Mapping[str, Any]) -> int | None:
