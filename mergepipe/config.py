@@ -4,7 +4,9 @@ Accepted (mergekit 0.1.5 ``MergeConfiguration`` keys):
 
 * ``models``: a list of ``{model: <folder or s3:// URI>, parameters: {...}}``; an entry naming
   the ``base_model`` is the base (mergekit lists it there too) and carries no parameters (except with ``linear``);
-* ``base_model`` (required, except for ``linear``: mergepipe merges task vectors against a base);
+* ``base_model`` (required, except for ``linear``, ``karcher``, ``passthrough`` and ``multislerp``,
+  whose config without it interpolates the raw weights, the first model being the origin:
+  mergepipe merges task vectors against a base);
 * ``merge_method: linear`` keeps mergekit's meaning, Σ wᵢθᵢ / Σ wᵢ over *every* input model:
   mergekit adds ``base_model`` (when given) to the averaged inputs with its own ``weight``, and
   without ``base_model`` averages the listed models. mergepipe computes the same average as task
@@ -309,6 +311,9 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
     # mergekit averages every input model, base_model included, in linear and karcher (its
     # karcher ignores which model is the base): the base takes part as a zero task vector
     averaged = linear or cfg.merge_method == "karcher"
+    # mergekit's multislerp without base_model interpolates the models' raw weights: the first model is
+    # the origin (a zero task vector) and takes part with its own weight, as in karcher
+    averaged = averaged or (cfg.merge_method == "multislerp" and cfg.base_model is None)
     passthrough = cfg.merge_method == "passthrough"
     if passthrough and len(cfg.models) != 1:
         raise InputError(

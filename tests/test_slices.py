@@ -8,87 +8,31 @@ without it."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-import yaml
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from mergepipe.config import load_config, merge_from_config  # noqa: E402
+from mergepipe.config import load_config  # noqa: E402
 from mergepipe.errors import InputError  # noqa: E402
 from tests.conftest import merged_tensors, same_bits  # noqa: E402
-
-
-def _family(root, dtype):
-    from transformers import LlamaForCausalLM
-
-    from tests.tiny_llm import bpe_tokenizer, tiny_llama_config
-
-    tok = bpe_tokenizer(["the quick brown fox jumps over the lazy dog"] * 20)
-    cfg = tiny_llama_config(num_hidden_layers=4)
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(cfg).to(dtype)
-    out = {}
-    for name, scale in (("base", 0.0), ("a", 0.02), ("b", 0.03)):
-        m = LlamaForCausalLM(cfg).to(dtype)
-        m.load_state_dict(base.state_dict())
-        with torch.no_grad():
-            for p in m.parameters():
-                p.add_(scale * torch.randn_like(p))
-        m.save_pretrained(root / name, max_shard_size="40KB")
-        tok.save(str(root / name / "tokenizer.json"))
-        out[name] = str(root / name)
-    return out
+from tests.mergekit_run import _mergekit, _ours, _write, tiny_llama_family4  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def bf16(tmp_path_factory):
-    return _family(tmp_path_factory.mktemp("bf16"), torch.bfloat16)
+    return tiny_llama_family4(tmp_path_factory.mktemp("bf16"), torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
 def fp32(tmp_path_factory):
-    return _family(tmp_path_factory.mktemp("fp32"), torch.float32)
+    return tiny_llama_family4(tmp_path_factory.mktemp("fp32"), torch.float32)
 
 
 @pytest.fixture(autouse=True)
 def _home(tmp_path, monkeypatch):
     monkeypatch.setenv("MERGEPIPE_HOME", str(tmp_path / "home"))
-
-
-def _write(tmp_path, cfg, name="merge.yml"):
-    p = tmp_path / name
-    p.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return p
-
-
-def _mergekit(cfg_path, out):
-    pytest.importorskip("mergekit")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from mergekit.scripts.run_yaml import main; main()",
-            str(cfg_path),
-            str(out),
-            "--quiet",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    return merged_tensors(out)
-
-
-def _ours(tmp_path, cfg_path, out, **kw):
-    from mergepipe.catalog.catalog import Catalog
-
-    res = merge_from_config(cfg_path, str(out), catalog=Catalog(tmp_path / "cat.db"), **kw)
-    return res, merged_tensors(out)
 
 
 def _solar(m):
@@ -314,61 +258,3 @@ def test_slices_refusals_name_the_key(bf16, tmp_path, patch, match):
         load_config(p)
     msg = str(ei.value)
     assert msg.startswith(str(p)) and re.search(match, msg), msg
-
-
-def _exact_ties(plan, base: dict, experts: list[dict], name: str):
-    """Elements of ``name`` where some expert's float32 |δ| equals exactly its k-th largest (the
-    only place mergekit's argsort and mergepipe's canonical tie rule may choose differently)."""
-    tp = next(t for t in plan.tensors if t.name == name)
-    flag = torch.zeros(base[name].numel(), dtype=torch.bool)
-    for te in tp.experts:
-        if te.density >= 1.0:
-            continue
-        d = (experts[te.expert][name].float() - base[name].float()).abs().flatten()
-        n = d.numel()
-        if plan.method == "ties":  # mergekit keeps the top k = max(1, int(density·n))
-            cuts = [n - max(1, int(te.density * n))]
-        else:  # breadcrumbs: ascending positions [n_bot, n_bot + target)
-            target = int(te.density * n)
-            n_bot = max(0, n - target - int(te.gamma * n))
-            cuts = [n_bot, n_bot + target]
-        asc = torch.sort(d).values
-        for c in cuts:
-            if 0 < c < n and asc[c - 1] == asc[c]:
-                flag |= d == asc[c]
-    return flag.reshape(base[name].shape)
-
-
-@pytest.mark.parametrize(
-    "method,params", [("ties", {"density": 0.5}), ("breadcrumbs", {"density": 0.6, "gamma": 0.05})]
-)
-def test_bf16_exact_thresholds_match_mergekit_outside_exact_ties(bf16, tmp_path, method, params):
-    """bf16 inputs get exact top-k of the float32 |δ| (a bf16 difference is often not a bf16
-    value, so a magnitude-key group holds distinct values): against mergekit 0.1.5 with
-    ``dtype: float32`` every differing element is an exact tie at the threshold (equal float32
-    |δ|, where mergekit's argsort order decides), and the plan refines threshold groups."""
-    cfg = {
-        "models": [
-            {"model": bf16["base"]},
-            {"model": bf16["a"], "parameters": {"weight": 0.6}},
-            {"model": bf16["b"], "parameters": {"weight": 0.4}},
-        ],
-        "merge_method": method,
-        "base_model": bf16["base"],
-        "parameters": params,
-        "dtype": "float32",
-    }
-    p = _write(tmp_path, cfg)
-    ref = _mergekit(p, tmp_path / "mk")
-    res, got = _ours(tmp_path, p, tmp_path / "out")
-    assert any(te.exact_rank or te.exact_rank_hi for tp in res.plan.tensors for te in tp.experts)
-    base = merged_tensors(bf16["base"])
-    experts = [merged_tensors(bf16["a"]), merged_tensors(bf16["b"])]
-    differ = 0
-    for name in ref:
-        d = got[name] != ref[name]
-        differ += int(d.sum())
-        if d.any():
-            outside = d & ~_exact_ties(res.plan, base, experts, name)
-            assert not outside.any(), (name, int(outside.sum()))
-    assert differ < 0.002 * sum(t.numel() for t in ref.values())

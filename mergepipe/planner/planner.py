@@ -270,6 +270,9 @@ def make_plan(
     requested_dtype, source = request.request.options.requested_dtype, request.request.options.source
     expert_names = request.names
     K = len(experts)
+    # multislerp whose base is one of its inputs (a mergekit config without base_model: the first
+    # model is the origin, a zero task vector): the barycentre of the raw weights, as mergekit
+    raw_points = get_method(method).kind == "multislerp" and any(r.uri == base.uri for r in experts)
     if K == 0 and get_method(method).min_experts > 0:
         raise InputError("no experts given; pass at least one --expert.")
     if budget_bytes is not None and budget_bytes < 0:
@@ -365,7 +368,7 @@ def make_plan(
             if st.rows_per_block != rpb:
                 raise InputError(f"catalog: block grid of {name!r} differs from the plan's; re-run analyze.")
             stats.append(st)
-        coefs = _coefficients(spec, g, tp, stats, weights, gram, name, K)
+        coefs = _coefficients(spec, g, tp, stats, weights, gram, name, K, raw_points)
         # bf16/float16/float32 TIES: exact top-k; the key histogram gives the threshold group and how
         # many of it to keep, the engine the float32 threshold inside it (a pre-pass when the
         # tensor spans several chunks)
@@ -586,8 +589,8 @@ def make_plan(
             tp.copy_base = True
         elif spec.kind == "slerp":
             tp.copy_base = tp.params["t"] == 0.0  # t = 0 is the base; otherwise slerp rescales even the base
-        elif spec.kind == "karcher":
-            tp.copy_base = not tp.experts and tp.derived.get("c_base") == 1.0  # (else the base is rescaled)
+        elif spec.kind in ("karcher", "multislerp"):
+            tp.copy_base = not tp.experts and tp.derived.get("c_base", 1.0) == 1.0  # (else the base is rescaled)
         else:
             tp.copy_base = not tp.experts and identity_on_zero_delta(spec, tp.weight_sum, tp.params)
         tp.explain = _explain_tensor(tp, spec, [e for e in (expert_names or [])])
@@ -1002,10 +1005,12 @@ def _content_digest(a: Analysis) -> str:
 
 
 def _coefficients(
-    spec, g: dict, tp: TensorPlan, stats: list, weights: list[float], gram, name: str, K: int
+    spec, g: dict, tp: TensorPlan, stats: list, weights: list[float], gram, name: str, K: int, raw: bool = False
 ) -> list[float]:
     """Per-expert coefficient of the task vector in the output (interpolating methods), and
-    ``tp.derived`` filled with what the engine needs. From whole-tensor catalog statistics."""
+    ``tp.derived`` filled with what the engine needs. From whole-tensor catalog statistics.
+    ``raw``: multislerp over the inputs' raw weights θᵢ = base + δᵢ (mergekit without
+    ``base_model``; the base is one of the inputs), not over the task vectors."""
     if spec.kind == "slerp":
         st = stats[0]
         ca, cb = slerp_coefficients(float(g["t"]), st.base_sq, st.expert_sq, st.base_dot_expert)
@@ -1029,19 +1034,30 @@ def _coefficients(
             dd[i, i] = stats[i].delta_sq
             for j in range(i + 1, K):
                 dd[i, j] = dd[j, i] = float(gram[(i, j)][name])
-        if spec.kind == "multislerp":
+        if spec.kind == "multislerp" and not raw:
             try:
                 cs = multislerp_coefficients(weights, dd, bool(g["normalize_weights"]), float(g["eps"]))
             except ValueError as e:
                 raise InputError(f"multislerp: tensor {name!r}: {e}; change the weights.") from None
             tp.derived = {"c_base": 1.0, **{f"c{i}": c for i, c in enumerate(cs)}}
             return cs
-        # karcher over the points θᵢ = base + δᵢ: ⟨θᵢ,θⱼ⟩ = ⟨b,θᵢ⟩ + ⟨b,θⱼ⟩ − ‖b‖² + ⟨δᵢ,δⱼ⟩
+        # karcher (and multislerp without a base) over the points θᵢ = base + δᵢ:
+        # ⟨θᵢ,θⱼ⟩ = ⟨b,θᵢ⟩ + ⟨b,θⱼ⟩ − ‖b‖² + ⟨δᵢ,δⱼ⟩; the result Σ cᵢθᵢ = (Σ cᵢ)·base + Σ cᵢδᵢ
         bb = stats[0].base_sq
         bx = np.array([st.base_dot_expert for st in stats])
         gt = dd + bx[:, None] + bx[None, :] - bb
         for i in range(K):
             gt[i, i] = stats[i].expert_sq
+        if spec.kind == "multislerp":
+            try:
+                cs = multislerp_coefficients(weights, gt, bool(g["normalize_weights"]), float(g["eps"]))
+            except ValueError as e:
+                raise InputError(f"multislerp: tensor {name!r}: {e}; change the weights.") from None
+            tp.derived = {
+                "c_base": f32(math.fsum(float(np.float32(c)) for c in cs)),
+                **{f"c{i}": c for i, c in enumerate(cs)},
+            }
+            return cs
         cs = karcher_coefficients(gt, int(g["max_iter"]), float(g["tol"]))
         tp.derived = {
             "c_base": f32(math.fsum(float(np.float32(c)) for c in cs)),
