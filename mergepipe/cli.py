@@ -1345,9 +1345,11 @@ def gc(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report what would be removed")] = False,
     json_out: JsonOpt = False,
 ):
-    """Remove what failed or killed merges left: unreferenced run prefixes (runs/<id>/) and stale
-    multipart uploads on object storage, dead writers' staging folders locally. Only mergepipe's
-    own names are touched; committed snapshots never."""
+    """Remove what failed or killed merges left, and only what carries proof that it is mergepipe's
+    garbage: areas whose ownership record names an --out under the root, not committed, not in use
+    (staging of dead writers; runs older than --grace), their lock files and stale multipart
+    uploads. Debris without a record is listed as unproven and kept; committed snapshots never
+    change. --dry-run changes nothing."""
     from mergepipe.commit.gc import collect
 
     g = parse_duration(grace)
@@ -1366,10 +1368,13 @@ def gc(
     else:
         for d in reps:
             verb = "would remove" if dry_run else "removed"
+            for u in d["unproven"]:
+                _err_console().print(f"unproven, kept: {u}", highlight=False, markup=False)
             _err_console().print(
-                f"{d['root']}: {verb} {len(d['deleted_runs'])} run prefix(es), {len(d['aborted_uploads'])} multipart "
-                f"upload(s), {len(d['removed_staging'])} staging folder(s); kept {len(d['kept_in_use'])} in use and "
-                f"{len(d['kept_young'])} younger than {grace}",
+                f"{d['root']}: {verb} {len(d['deleted_runs'])} run(s), {len(d['aborted_uploads'])} multipart "
+                f"upload(s), {len(d['removed_staging'])} staging folder(s), {len(d['removed_locks'])} lock file(s); "
+                f"kept {len(d['kept_in_use'])} in use, {len(d['kept_young'])} younger than {grace}, "
+                f"{len(d['kept_committed'])} committed and {len(d['unproven'])} unproven",
                 highlight=False,
             )
 

@@ -39,8 +39,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from mergepipe.commit import objectstore as obj, runs
-from mergepipe.commit.manifest import check_output, publish_local, read_manifest
+from mergepipe.commit import objectstore as obj, ownership, runs
+from mergepipe.commit.manifest import OutputLock, check_output, publish_local, read_manifest
 from mergepipe.engine.executor import ExecResult, default_compute_threads, execute, needs_index
 from mergepipe.engine.partition import PartSpec, partition
 from mergepipe.errors import CommitConflict, MergepipeError
@@ -106,6 +106,8 @@ def execute_part(
     layout = _layout(plan, out_storage, out, run, object_mode)
     if _committed(plan, out_storage, out, object_mode) is not None:
         return None
+    kind: ownership.Kind = "run-prefix" if object_mode else "run-folder"
+    ownership.write_record(out_storage, layout.files, ownership.make_record(kind, out, layout.run, plan.digest))
     with runs.part_lock(layout, part.index, part.count):
         return _execute_part(
             plan, storage, out_storage, layout, part, device, progress, prefetch_bytes, resume, t_start, t0
@@ -256,6 +258,30 @@ def commit_run(
                 f"run {layout.run} of {out}: part records of {counts}-part splits; pass the N used (--parts N)."
             )
         parts = counts[0]
+    if object_mode:
+        obj.require_conditional_writes(out_storage, out, unsafe_single_writer)
+        manifest = _run_manifest(plan, storage, out_storage, layout, parts, lineage)
+        manifest, mh, won = obj.publish_obj(out_storage, out, layout.files, manifest)
+    else:
+        # gc takes the same lock before it deletes a run folder: the check and the rename below
+        # cannot interleave with a deletion (mergepipe.commit.ownership)
+        with OutputLock(out) as lock:
+            manifest = _run_manifest(plan, storage, out_storage, layout, parts, lineage)
+            mh, won = publish_local(Path(layout.files), out, manifest, lock), True
+    out_storage.delete(layout.records.rstrip("/") + "/")
+    ownership.remove_record(out_storage, layout.files)
+    return MergeResult(out=str(out), manifest=manifest, manifest_hash=mh, plan=plan, already_committed=not won)
+
+
+def _run_manifest(
+    plan: Plan, storage: Storage, out_storage: Storage, layout: runs.RunLayout, parts: int, lineage: dict | None
+) -> dict:
+    """The manifest of a finished run: its part records checked (:func:`mergepipe.commit.runs.check_parts`)
+    and their files and bytes summed.
+
+    Raises:
+        CommitConflict, RuntimeError: see :func:`commit_run`.
+    """
     required, optional = _side_files(plan, storage)
     records = runs.check_parts(out_storage, layout, plan.digest, partition(plan, parts), required, optional)
 
@@ -306,13 +332,7 @@ def commit_run(
     )
     if earlier is not None:
         manifest["io"]["earlier_attempts"] = earlier
-    if object_mode:
-        obj.require_conditional_writes(out_storage, out, unsafe_single_writer)
-        manifest, mh, won = obj.publish_obj(out_storage, out, layout.files, manifest)
-    else:
-        mh, won = publish_local(Path(layout.files), out, manifest), True
-    out_storage.delete(layout.records.rstrip("/") + "/")
-    return MergeResult(out=str(out), manifest=manifest, manifest_hash=mh, plan=plan, already_committed=not won)
+    return manifest
 
 
 def execute_resumable(

@@ -340,13 +340,14 @@ def execute_and_commit(
             ignores conditional writes (unless ``unsafe_single_writer``).
         CommitConflict: another writer committed a different snapshot at ``out`` meanwhile.
     """
-    from mergepipe.commit import objectstore as obj
+    from mergepipe.commit import objectstore as obj, ownership
     from mergepipe.commit.manifest import (
         OutputLock,
         check_output,
         publish_local,
         read_manifest,
         reclaim_staging,
+        staging_path,
     )
     from mergepipe.engine.executor import execute
 
@@ -362,7 +363,7 @@ def execute_and_commit(
                 out=str(out), manifest=existing[0], manifest_hash=existing[1], plan=plan, already_committed=True
             )
         obj.require_conditional_writes(out_storage, out, unsafe_single_writer)
-        rid, run = obj.new_run_prefix(out_storage, out)
+        rid, run = obj.new_run_prefix(out_storage, out, plan.digest)  # its ownership record first
         try:
             before = storage.counters.snapshot()
             res = execute(plan, storage, out_storage, run, device=device, progress=progress, prefetch_bytes=pf)
@@ -380,6 +381,7 @@ def execute_and_commit(
         except BaseException:
             try:
                 out_storage.delete(run.rstrip("/") + "/")
+                ownership.remove_record(out_storage, run)
             except Exception:
                 pass
             raise
@@ -393,6 +395,8 @@ def execute_and_commit(
         if check_output(out, plan.digest) is not None:  # committed by the writer we waited behind
             m, mh = read_manifest(out)
             return MergeResult(out=str(out), manifest=m, manifest_hash=mh, plan=plan, already_committed=True)
+        area = str(staging_path(out))  # the ownership record before any data (gc's proof)
+        ownership.write_record(out_storage, area, ownership.make_record("staging", out, None, plan.digest))
         staging = reclaim_staging(out, lock)
         try:
             before = storage.counters.snapshot()
@@ -401,7 +405,9 @@ def execute_and_commit(
             mh = publish_local(staging, out, manifest, lock)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
+            ownership.remove_record(out_storage, area)
             raise
+        ownership.remove_record(out_storage, area)
     return MergeResult(out=str(out), manifest=manifest, manifest_hash=mh, plan=plan)
 
 

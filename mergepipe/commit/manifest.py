@@ -208,26 +208,81 @@ def probe_lock(out: str | Path) -> None:
 
     Raises:
         CommitConflict: the lock is held.
+        InputError: the lock's name is a symbolic link (mergepipe never writes through one).
+    """
+    p = lock_path(out)
+    if p.is_symlink():
+        raise InputError(
+            f"--out {out}: the lock file {p} is a symbolic link (to {os.readlink(p)}); mergepipe never writes "
+            "through a link it did not create. Remove it and rerun."
+        )
+    if lock_is_free(p):
+        return
+    raise CommitConflict(
+        f"--out {out}: another mergepipe process is writing it (lock {p.name} held by {_lock_holder(p)}); wait "
+        "for it to finish (a rerun then finds the snapshot) or choose another --out."
+    )
+
+
+def lock_is_free(path: str | Path) -> bool:
+    """Whether nobody holds the ``flock`` of lock file ``path``, found without creating or
+    changing anything (a shared, non-blocking lock on a read-only descriptor, dropped at once;
+    a missing file or a symbolic link counts as free: nothing of ours is there).
+
+    Returns:
+        False when a live process holds it exclusively.
     """
     import fcntl
 
-    p = lock_path(out)
     try:
-        fd = os.open(str(p), os.O_RDONLY)
+        fd = os.open(str(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
-        return
+        return True
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        who = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
-        raise CommitConflict(
-            f"--out {out}: another mergepipe process is writing it (lock {p.name} held by {who}); wait for it "
-            "to finish (a rerun then finds the snapshot) or choose another --out."
-        ) from None
+        return False
     except OSError:
-        pass
+        return True
     finally:
         os.close(fd)
+    return True
+
+
+LOCK_FORMAT = "mergepipe.lock/v1"
+
+
+def _lock_holder(path: str | Path, fd: int | None = None) -> str:
+    """``host pid N since T`` from a lock file's record (for messages only), or ``unknown``."""
+    try:
+        if fd is None:
+            raw = read_file(Path(path), 4096, "lock file") if Path(path).is_file() else b""
+        else:
+            raw = os.pread(fd, 4096, 0)
+        d = json.loads(raw)
+        return f"{d['host']} pid {d['pid']} since {d['since']}"
+    except Exception:  # noqa: BLE001 - an old or torn lock file: only quoted
+        return "unknown"
+
+
+def read_lock_record(path: str | Path) -> dict | None:
+    """The JSON record of lock file ``path`` (format :data:`LOCK_FORMAT`, naming its ``out``
+    canonically), or None when it is missing, a link, not a regular file or not such a record
+    (a lock file of a mergepipe version before records: unproven)."""
+    try:
+        fd = os.open(str(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        d = json.loads(os.pread(fd, 4096, 0))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    ok = isinstance(d, dict) and d.get("format") == LOCK_FORMAT and isinstance(d.get("out"), str)
+    return d if ok else None
 
 
 LOCK_SUFFIX = ".lock"
@@ -249,15 +304,18 @@ def staging_path(out: str | Path) -> Path:
 class OutputLock:
     """Exclusive ownership of one local output path (its staging folder and its publish).
 
-    ``acquire()`` opens (creating if needed) ``<parent>/.<name>.lock`` and takes a non-blocking
-    exclusive ``flock``; it then checks that the path still names the locked file (a releasing
-    holder unlinks it), retrying otherwise. ``release()`` unlinks the file and then unlocks it.
-    Use as a context manager.
+    ``acquire()`` opens (creating if needed, never through a symbolic link) ``<parent>/.<name>.lock``,
+    takes a non-blocking exclusive ``flock`` and checks that the path still names the locked
+    file (a releasing holder unlinks it), retrying otherwise; then it writes its record (JSON,
+    :data:`LOCK_FORMAT`: the canonical ``out``, host, pid, start time), quoted in messages and
+    read by ``gc`` as the proof that the file is mergepipe's. ``release()`` unlinks the file and
+    then unlocks it. Use as a context manager.
 
     Raises (from ``acquire``):
         CommitConflict: another live process holds the lock (the message quotes its
             ``host pid start-time`` record).
-        InputError: the filesystem does not support ``flock`` (ownership could not be proven).
+        InputError: the filesystem does not support ``flock`` (ownership could not be proven),
+            or the lock's name is a symbolic link or not a regular file.
     """
 
     def __init__(self, out: str | Path) -> None:
@@ -268,13 +326,27 @@ class OutputLock:
     def acquire(self) -> OutputLock:
         import fcntl
 
+        from mergepipe.commit.ownership import canonical_out
+
         for _ in range(100):
-            fd = os.open(str(self.path), os.O_RDWR | os.O_CREAT, 0o644)
+            try:  # never through a link planted at the lock's name (O_NOFOLLOW)
+                fd = os.open(str(self.path), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            except OSError as e:
+                if os.path.islink(self.path):
+                    raise InputError(
+                        f"--out {self.out}: the lock file {self.path} is a symbolic link (to "
+                        f"{os.readlink(self.path)}); mergepipe never writes through a link it did not create. "
+                        "Remove it and rerun."
+                    ) from None
+                raise InputError(f"--out {self.out}: cannot open the lock file {self.path} ({e.strerror}).") from None
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise InputError(f"--out {self.out}: {self.path} is not a regular file; remove it and rerun.")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 try:
-                    who = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+                    who = _lock_holder(self.path, fd)
                 finally:
                     os.close(fd)
                 raise CommitConflict(
@@ -288,13 +360,20 @@ class OutputLock:
                     "cannot prove it is the only writer; write to a local or NFS folder, or to s3://."
                 ) from None
             try:
-                same = os.fstat(fd).st_ino == os.stat(str(self.path)).st_ino
+                same = os.fstat(fd).st_ino == os.lstat(str(self.path)).st_ino
             except FileNotFoundError:
                 same = False
             if same:
-                rec = f"{socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
+                rec = {
+                    "format": LOCK_FORMAT,
+                    "out": canonical_out(str(self.out)),
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                }
+                data = (json.dumps(rec, sort_keys=True) + "\n").encode()
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, rec.encode(), 0)
+                os.pwrite(fd, data, 0)
                 self.fd = fd
                 return self
             os.close(fd)  # the holder released and unlinked it between our open and flock: retry

@@ -5,7 +5,8 @@ Object stores have no rename, so visibility comes from a single conditional writ
 1. Shards, the index and config files of one run go under a fresh, never-reused prefix
    ``<out>/runs/<run-id>/`` (a run id is random; a retry is a new run). That prefix is a
    complete Hugging Face checkpoint folder.
-2. After all uploads finish, every output object is HEAD-checked (exists, size matches); on
+2. After all uploads finish, the commit announces itself to ``mergepipe gc`` (an intent object;
+   a run gc has claimed is refused, see :mod:`mergepipe.commit.ownership`), every output object is HEAD-checked (exists, size matches); on
    local storage the run's folders are fsync'd (their names survive a crash).
 3. ``<out>/manifest.json`` is created with ``PutObject(IfNoneMatch='*')``. Its ``files_prefix``
    names the run prefix (relative to ``<out>``) and ``outputs`` the files under it. Readers trust only manifests: objects no manifest references do
@@ -79,10 +80,15 @@ def check_output_obj(storage: Storage, out: str, plan_digest: str) -> tuple[dict
     )
 
 
-def new_run_prefix(storage: Storage, out: str) -> tuple[str, str]:
-    """(run id, run prefix URI) for a fresh run under ``out``."""
+def new_run_prefix(storage: Storage, out: str, plan_digest: str) -> tuple[str, str]:
+    """(run id, run prefix URI) for a fresh run under ``out``, whose ownership record
+    (:mod:`mergepipe.commit.ownership`, naming ``out`` and ``plan_digest``) is written before
+    anything else."""
+    from mergepipe.commit import ownership
+
     rid = uuid.uuid4().hex[:16]
     run = storage.join(out, "runs", rid)
+    ownership.write_record(storage, run, ownership.make_record("run-prefix", out, rid, plan_digest))
     storage.make_prefix(run)
     return rid, run
 
@@ -140,13 +146,22 @@ def publish_obj(storage: Storage, out: str, run_prefix: str, manifest: dict) -> 
         CommitConflict: a different snapshot was committed at ``out`` meanwhile.
         OSError: local storage, the manifest's folder cannot be fsync'd (nothing is published).
     """
-    verify_outputs_exist(storage, run_prefix, manifest["outputs"])
-    storage.sync_prefix(run_prefix, through=out)
+    from mergepipe.commit import ownership
+
+    ownership.announce_commit(storage, run_prefix)  # gc's claim excludes us, our intent excludes gc
+    try:
+        verify_outputs_exist(storage, run_prefix, manifest["outputs"])
+        storage.sync_prefix(run_prefix, through=out)
+    except BaseException:
+        storage.delete(run_prefix.rstrip("/") + ownership.INTENT_SUFFIX)
+        raise
     data = manifest_bytes(manifest)
     try:
         storage.put_object(manifest_uri(storage, out), data, "output", if_none_match=True, durable=True)
+        ownership.remove_record(storage, run_prefix)
         return manifest, manifest_hash(data), True
     except PreconditionFailed:
+        ownership.remove_record(storage, run_prefix)
         got = read_manifest_obj(storage, out)
         # a run id derived from the plan (partitioned runs) can be the winner's own prefix: its
         # files are then the committed snapshot's and stay

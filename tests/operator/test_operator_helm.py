@@ -394,14 +394,20 @@ def test_gc_cronjob_runs_mergepipe_gc_locked_down(chart):
 @pytest.mark.s3
 def test_gc_cronjob_command_removes_an_orphan_run_on_s3(chart, s3_env, tmp_path):
     """The rendered container (its args, its env with the Secret's values filled in) run against
-    SeaweedFS: the orphan run prefix goes, a committed-looking snapshot and other objects stay."""
+    SeaweedFS: the orphan run prefix (with its ownership record) goes; an object merely shaped like
+    a run (no record) and other objects stay."""
     import os
     import subprocess
     import sys
 
+    from mergepipe.commit import ownership
+
     c = s3_env.client()
     bucket = s3_env.make_bucket("gccron")
+    rec = ownership.make_record("run-prefix", f"s3://{bucket}/merged/a", "00000000000000aa", "0" * 64)
+    c.put_object(Bucket=bucket, Key="merged/a/runs/00000000000000aa.owner.json", Body=rec.model_dump_json())
     c.put_object(Bucket=bucket, Key="merged/a/runs/00000000000000aa/model.safetensors", Body=b"x" * 10)
+    c.put_object(Bucket=bucket, Key="merged/b/runs/00000000000000bb/model.safetensors", Body=b"no record")
     c.put_object(Bucket=bucket, Key="merged/other/data.bin", Body=b"keep")
     values = {
         "s3": {"endpoint": s3_env.endpoint_url, "credentialsSecret": {"name": "s3"}},
@@ -422,4 +428,5 @@ def test_gc_cronjob_command_removes_an_orphan_run_on_s3(chart, s3_env, tmp_path)
     rep = json.loads(r.stdout)
     assert rep["deleted_runs"] == [f"s3://{bucket}/merged/a/runs/00000000000000aa"]
     keys = sorted(o["Key"] for o in c.list_objects_v2(Bucket=bucket).get("Contents", []))
-    assert keys == ["merged/other/data.bin"]
+    assert keys == ["merged/b/runs/00000000000000bb/model.safetensors", "merged/other/data.bin"]
+    assert len(rep["unproven"]) == 1
