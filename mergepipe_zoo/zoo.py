@@ -195,6 +195,14 @@ class ZooConfig:
         base.update(overrides)
         return cls(**base)
 
+    @classmethod
+    def deep(cls, **overrides) -> ZooConfig:
+        """:meth:`tiny` with 8 decoder layers (~0.53 M parameters): a testbed where per-layer merge
+        parameters have depth to act on (bench/search.py, docs/SEARCH.md), four experts, built in
+        ~4 min at nice 15 on the loaded 2-core machine (seed 0: gates passed, measured in
+        docs/SEARCH.md). Keyword arguments override fields."""
+        return cls.tiny(**{"num_layers": 8, **overrides})
+
     def key(self) -> str:
         """Short stable hash (16 hex chars) of the config and the zoo format version; names the
         cache directory ``root/<key>``."""

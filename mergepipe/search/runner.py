@@ -242,6 +242,77 @@ class LocalMerger(CandidateMerger):
         return Merged(str(snap), res.manifest_hash, res.manifest["io"]["realized"]["expert_read_bytes"])
 
 
+def dead_coordinates(cfg: SearchConfig, out: str | Path, *, delta: float = 0.4, rtol: float = 1e-3) -> list[str]:
+    """The coordinates of ``cfg``'s search space that do not change the merged model.
+
+    Merges the centre point ``x0 = (0.5, …)`` and, per coordinate ``i``, ``x0`` with ``x_i`` moved
+    by ``delta`` (real merges: :func:`mergepipe.pipeline.build_plan` then
+    :func:`mergepipe.pipeline.execute_and_commit` into ``<out>/x<i>``, float32 output so rounding
+    to the base's dtype cannot hide or fake a change). Coordinate ``i`` is *dead* when the merged
+    model moves by at most ``rtol`` × the centre merge's change from the base, both as the L2 norm
+    over every floating tensor (e.g. a weight shared by every expert under a normalizing method:
+    it cancels out, up to rounding and ties at the trimming threshold).
+    A search over a space with a dead coordinate wastes its evaluations on a dimension that does
+    nothing, so a baseline with one is not the search its name says.
+
+    Args:
+        cfg: the search (base, experts, method, vary, layer blocks, fixed, outer, budget, sketch);
+            local checkpoints.
+        out: a scratch folder (created; the merges stay there).
+        delta: the perturbation in unit-cube coordinates (``x_i ± delta``, towards the interior).
+        rtol: the relative tolerance above.
+
+    Returns:
+        The labels (:attr:`mergepipe.search.space.Dim.label`) of the dead coordinates, in order.
+
+    Raises:
+        InputError: a bad configuration (as :func:`run_search`).
+    """
+    from safetensors.torch import load_file
+
+    cfg.check()
+    out = Path(out)
+    cat = open_catalog(cfg.catalog)
+    st = open_storage(None, IOCounters())
+    base = cat.register(st, cfg.base)
+    space = space_for_base(
+        list(base.layout.tensors),
+        cfg.method,
+        [n for n, _ in cfg.experts],
+        parse_vary(cfg.vary),
+        cfg.layer_blocks,
+        cfg.fixed,
+        outer=cfg.outer,
+    )
+
+    def merged(x: list[float], name: str) -> dict:
+        req = cfg.request(space.to_params(x))
+        req = req.model_copy(update={"options": req.options.model_copy(update={"out_dtype": "F32"})})
+        plan = build_plan(cat, st, req, block_bytes=cfg.block_bytes)
+        execute_and_commit(plan, st, str(out / name))
+        t: dict = {}
+        for f in sorted((out / name).glob("*.safetensors")):
+            t.update(load_file(str(f)))
+        return t
+
+    x0 = [0.5] * space.d
+    m0 = merged(x0, "centre")
+    bt: dict = {}
+    for f in sorted(Path(cfg.base).glob("*.safetensors")):
+        bt.update(load_file(str(f)))
+    floats = [n for n in m0 if m0[n].is_floating_point()]
+    scale = sum(float(((m0[n] - bt[n].float()) ** 2).sum()) for n in floats) ** 0.5
+    dead = []
+    for i, dim in enumerate(space.dims):
+        x = list(x0)
+        x[i] = x0[i] + delta if x0[i] + delta <= 1.0 else x0[i] - delta
+        mi = merged(x, f"x{i}")
+        change = sum(float(((mi[n] - m0[n]) ** 2).sum()) for n in floats) ** 0.5
+        if change <= rtol * max(scale, 1e-30):
+            dead.append(dim.label)
+    return dead
+
+
 class StateMirror:
     """Copies of the search's ``state.json`` and ``results.json`` under an object-storage prefix,
     rewritten after every save, so a search survives the loss of its local folder (a driver pod

@@ -24,7 +24,8 @@ numeric parameter and to blocks of layers. Three extensions:
   (expert, parameter) instead of the mean of the block values: filter entries naming those
   tensors exactly; the final norm keeps the mean.
 * a **shared** coordinate ``*:NAME=LO:HI``: one value per layer block applied to *every* expert
-  (``*:weight=0:1 *:density=0.1:1 --layer-blocks 1`` is the 2-D model-level space).
+  (under a method that normalises by the sum of the weights a shared ``weight`` cancels out;
+  the model-level space is ``weight=0:1 --layer-blocks 1``, one weight per expert).
 * a **budget** coordinate ``budget=LO:HI`` (fractions in (0, 1]): the candidate's expert-I/O
   budget, ``100·v %`` of the experts' bytes, so a search can trade quality against bytes read
   (objective ``io:expert_read_bytes``).
