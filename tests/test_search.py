@@ -614,3 +614,19 @@ def test_search_sketch_is_every_candidates_fidelity_tiers(family, tmp_path):
     assert plans[None].digest == plans[DEFAULT_SKETCH].digest != plans["sign1"].digest
     with pytest.raises(InputError, match="--sketch 'sign4'"):
         _config(family, tmp_path, sketch="sign4").check()
+
+
+def test_holm_and_paired_t_intervals_on_known_samples():
+    from mergepipe.search.stats import holm, paired_test
+
+    # Holm (1979): sorted p 0.01, 0.02, 0.04 with m = 3 -> 0.03, 0.04, 0.04 (monotone step-down)
+    assert holm([0.04, 0.01, 0.02]) == pytest.approx([0.04, 0.03, 0.04])
+    assert holm([0.5, 0.6]) == pytest.approx([1.0, 1.0])
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        holm([1.2])
+    # differences 1, 2, 3, 4, 5: mean 3, sd sqrt(2.5), t(4) 97.5% = 2.776 -> half width 1.963
+    r = paired_test([2, 4, 6, 8, 10], [1, 2, 3, 4, 5])
+    assert r["t_ci"] == pytest.approx([3 - 1.9632, 3 + 1.9632], abs=1e-3)
+    assert r["dz"] == pytest.approx(3 / 2.5**0.5)
+    assert r["t_p"] == pytest.approx(0.0132, abs=5e-4)  # t = 4.243, 4 df
+    assert r["p"] == pytest.approx(0.0625)  # exact Wilcoxon, 5/5 positive

@@ -6,9 +6,12 @@
   covers the reference front). Used with the union of every strategy's fronts as reference, as a
   coverage metric beside hypervolume.
 * :func:`bootstrap_ci` — percentile bootstrap interval of a mean (Efron & Tibshirani, 1993).
-* :func:`paired_test` — two strategies run with the same seeds: mean difference, bootstrap
-  interval of the paired differences and the two-sided Wilcoxon signed-rank test
-  (``scipy.stats.wilcoxon``, exact for small samples without ties).
+* :func:`paired_test` — two strategies run with the same seeds: mean difference, its Student t
+  interval and percentile bootstrap interval, the standardised effect ``d_z`` (mean / sd of the
+  paired differences; Cohen 1988), the two-sided Wilcoxon signed-rank test
+  (``scipy.stats.wilcoxon``, exact for small samples without ties) and the paired t test.
+* :func:`holm` — Holm's step-down adjustment of a family of p values (Holm, 1979): controls the
+  family-wise error rate at ``α`` when every adjusted p is compared with ``α``.
 * :func:`time_to_target` — the first time (or evaluation count) at which a hypervolume trace
   reaches a target.
 
@@ -85,9 +88,11 @@ def paired_test(a: Sequence[float], b: Sequence[float], *, n_boot: int = 10000, 
     """Compare two strategies over the same seeds (``a[i]``, ``b[i]``: seed ``i``).
 
     Returns:
-        ``{n, mean_diff, ci: [low, high] (bootstrap of a − b), wins (a > b), losses, ties,
-        p (two-sided Wilcoxon signed-rank; zero differences dropped; 1.0 when every difference
-        is 0)}``.
+        ``{n, mean_diff, ci: [low, high] (percentile bootstrap of the mean of a − b), t_ci: [low,
+        high] (Student t, n − 1 degrees of freedom), dz (mean / sample sd of a − b; 0 when the sd
+        is 0), wins (a > b), losses, ties, p (two-sided Wilcoxon signed-rank; zero differences
+        dropped; 1.0 when every difference is 0), t_p (two-sided paired t test; 1.0 when the sd is
+        0)}``. With n = 1 the intervals are the point.
 
     Raises:
         ValueError: different lengths or no pairs.
@@ -104,15 +109,50 @@ def paired_test(a: Sequence[float], b: Sequence[float], *, n_boot: int = 10000, 
         from scipy.stats import wilcoxon
 
         p = float(wilcoxon(nz, alternative="two-sided").pvalue)
+    sd = float(d.std(ddof=1)) if d.size > 1 else 0.0
+    if sd > 0:
+        from scipy.stats import t as student
+
+        half = float(student.ppf(0.975, d.size - 1)) * sd / math.sqrt(d.size)
+        t_ci = [float(d.mean()) - half, float(d.mean()) + half]
+        t_p = float(2 * student.sf(abs(float(d.mean()) / (sd / math.sqrt(d.size))), d.size - 1))
+    else:
+        t_ci, t_p = [float(d.mean())] * 2, 1.0
     return {
         "n": int(d.size),
         "mean_diff": mean,
         "ci": [lo, hi],
+        "t_ci": t_ci,
+        "dz": float(d.mean()) / sd if sd > 0 else 0.0,
+        "t_p": t_p,
         "wins": int((d > 0).sum()),
         "losses": int((d < 0).sum()),
         "ties": int((d == 0).sum()),
         "p": p,
     }
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p values (Holm, 1979), in the input order.
+
+    With ``p_(1) <= ... <= p_(m)`` sorted, ``adj_(i) = max_{j <= i} min(1, (m − j + 1)·p_(j))``;
+    rejecting every hypothesis with ``adj <= α`` controls the family-wise error rate at ``α``
+    (any dependence between the tests).
+
+    Raises:
+        ValueError: a p value outside [0, 1].
+    """
+    ps = [float(p) for p in pvalues]
+    if any(not (0.0 <= p <= 1.0) for p in ps):
+        raise ValueError(f"holm: p values must be in [0, 1], got {ps}")
+    m = len(ps)
+    order = sorted(range(m), key=lambda i: ps[i])
+    out = [0.0] * m
+    run = 0.0
+    for rank, i in enumerate(order):
+        run = max(run, min(1.0, (m - rank) * ps[i]))
+        out[i] = run
+    return out
 
 
 def time_to_target(trace: Sequence[tuple[float, float]], target: float) -> float | None:

@@ -1,0 +1,265 @@
+"""Every figure of docs/SEARCH.md's measurement, re-derived from the committed raw results.
+
+Input: ``docs/search/raw-<testbed>.jsonl.gz`` written by ``bench/search.py`` (first line: the
+run's metadata with the base's and experts' losses; then one line per (arm, seed) with every
+evaluated candidate: unit-cube point ``x``, search-window losses ``y``, held-out losses ``h``, in
+completion order). Output: the Markdown between ``<!-- search-report:<testbed>:begin -->`` and
+``<!-- search-report:<testbed>:end -->`` in docs/SEARCH.md.
+
+Definitions (stated in the output too):
+
+* hypervolume (HV) of a run after ``k`` evaluations: the exact hypervolume of the first ``k``
+  candidates' search-window losses (:func:`mergepipe.search.optimizer.hypervolume`), reference
+  point = per objective the worst expert, divided by the box between that point and the ideal
+  point (each expert on its own domain): 1.0 = one merge as good as every expert on its domain;
+* held-out HV: the Pareto set chosen on the search windows, scored by its held-out losses, with
+  the held-out reference and ideal points;
+* paired comparisons (same seeds): mean difference with Student t and percentile bootstrap 95 %
+  intervals, ``d_z``, wins/losses, two-sided exact Wilcoxon signed-rank p and Holm's adjustment
+  over the family :data:`FAMILY` × {HV, held-out HV} (:func:`mergepipe.search.stats.holm`).
+
+Usage::
+
+    python bench/search_report.py            # print the blocks
+    python bench/search_report.py --write    # rewrite them in docs/SEARCH.md
+    python bench/search_report.py --check    # exit 1 when docs/SEARCH.md differs (CI: tests/test_search_report.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "SEARCH.md"
+RAW = ROOT / "docs" / "search"
+
+#: The family of paired comparisons (first − second, what it tests) Holm's correction runs over,
+#: each on the final HV and on the held-out HV.
+FAMILY: list[tuple[str, str, str]] = [
+    ("lw-bo", "ml-bo", "layer-wise vs model-level, same BO"),
+    ("lw-random", "ml-random", "layer-wise vs model-level, random"),
+    ("lw-nsga2", "ml-nsga2", "layer-wise vs model-level, NSGA-II"),
+    ("lw-bo", "ml-grid", "layer-wise BO vs model-level grid"),
+    ("lw-bo", "lw-random", "BO vs random, layer-wise"),
+    ("ml-bo", "ml-random", "BO vs random, model-level"),
+    ("lw-bo", "lw-nsga2", "BO vs NSGA-II, layer-wise"),
+    ("ml-bo", "ml-nsga2", "BO vs NSGA-II, model-level"),
+    ("lw-bo-default", "lw-bo", "CLI default (prior + reranking) vs plain BO"),
+]
+
+
+def load(path: Path) -> tuple[dict, list[dict]]:
+    """(metadata, runs) of a raw results file; raises ValueError on a malformed file."""
+    with gzip.open(path, "rt") as f:
+        lines = [json.loads(x) for x in f if x.strip()]
+    if not lines or "testbed" not in lines[0]:
+        raise ValueError(f"{path}: the first line must be the run's metadata (a 'testbed' key)")
+    meta, runs = lines[0], lines[1:]
+    m = len(meta["objectives"])
+    for r in runs:
+        for c in r["cands"]:
+            if len(c["y"]) != m or len(c["h"]) != m:
+                raise ValueError(f"{path}: {r['arm']} seed {r['seed']}: a candidate without {m} objectives")
+    return meta, runs
+
+
+def _boxes(meta: dict) -> dict:
+    rm = meta["reference"]["metrics"]
+    doms = meta["domains"]
+    out = {}
+    for kind, pre in (("search", ""), ("heldout", "heldout:")):
+        ref = [max(rm[n][f"{pre}loss:{d}"] for n in doms) for d in doms]
+        ideal = [rm[d][f"{pre}loss:{d}"] for d in doms]
+        box = 1.0
+        for r, i in zip(ref, ideal):
+            box *= r - i
+        out[kind] = {"ref": ref, "ideal": ideal, "box": box}
+    return out
+
+
+def analyse(meta: dict, runs: list[dict]) -> dict:
+    """Per-arm values per seed and statistics, and the paired comparisons (see the module doc)."""
+    from mergepipe.search.optimizer import hypervolume, pareto_mask
+    from mergepipe.search.stats import bootstrap_ci, holm, paired_test
+
+    bx = _boxes(meta)
+    E, n0 = meta["evaluations"], meta["initial"]
+    per: dict[str, dict[str, list]] = {}
+    for r in sorted(runs, key=lambda r: (meta["arms"].index(r["arm"]), r["seed"])):
+        ys = [c["y"] for c in r["cands"]]
+        hs = [c["h"] for c in r["cands"]]
+        mask = pareto_mask(ys)
+        v = per.setdefault(r["arm"], {k: [] for k in ("seed", "hv_I", "hv_E", "held", "pareto", "n", "run_s")})
+        v["seed"].append(r["seed"])
+        v["hv_I"].append(hypervolume(ys[:n0], bx["search"]["ref"]) / bx["search"]["box"])
+        v["hv_E"].append(hypervolume(ys, bx["search"]["ref"]) / bx["search"]["box"])
+        v["held"].append(hypervolume([h for h, k in zip(hs, mask) if k], bx["heldout"]["ref"]) / bx["heldout"]["box"])
+        v["pareto"].append(sum(mask))
+        v["n"].append(len(ys))
+        v["run_s"].append(r["run_s"])
+    arms = {}
+    for arm, v in per.items():
+        arms[arm] = {
+            "seeds": len(v["seed"]),
+            "evals": min(v["n"]),
+            "hv_I": bootstrap_ci(v["hv_I"]),
+            "hv_E": bootstrap_ci(v["hv_E"]),
+            "held": bootstrap_ci(v["held"]),
+            "pareto": statistics.mean(v["pareto"]),
+            "run_s": statistics.mean(v["run_s"]),
+        }
+    pairs = []
+    for a, b, what in FAMILY:
+        if a not in per or b not in per:
+            continue
+        if per[a]["seed"] != per[b]["seed"]:
+            raise ValueError(f"{a} and {b} ran different seeds: {per[a]['seed']} vs {per[b]['seed']}")
+        pairs.append(
+            {
+                "a": a,
+                "b": b,
+                "what": what,
+                "hv": paired_test(per[a]["hv_E"], per[b]["hv_E"]),
+                "held": paired_test(per[a]["held"], per[b]["held"]),
+            }
+        )
+    adj = holm([p[k]["p"] for p in pairs for k in ("hv", "held")])
+    for i, p in enumerate(pairs):
+        p["hv"]["holm"], p["held"]["holm"] = adj[2 * i], adj[2 * i + 1]
+    return {"boxes": bx, "arms": arms, "pairs": pairs, "family": 2 * len(pairs), "E": E, "I": n0}
+
+
+def _ci(m: float, lo: float, hi: float) -> str:
+    return f"{m:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def render(meta: dict, an: dict) -> str:
+    """The Markdown block of one testbed (deterministic: bootstrap seeds are fixed)."""
+    rm = meta["reference"]["metrics"]
+    doms = meta["domains"]
+    mc = meta["machine"]
+    L = []
+    L.append(
+        f"Testbed `{meta['testbed']}`: zoo {meta['zoo']['config']} (key `{meta['zoo']['key']}`, format "
+        f"{meta['zoo']['format']}, {meta['zoo']['layers']} layers), experts {', '.join(doms)}; layer-wise arms "
+        f"{meta['blocks']} blocks × {len(doms)} experts = {meta['blocks'] * len(doms)} coordinates, model-level "
+        f"{len(doms)}. {meta['seeds']} seeds × {meta['evaluations']} evaluations ({meta['initial']} initial) per arm; "
+        f"{meta['search_windows']} search + {meta['search_windows']} held-out windows per domain. "
+        f"Total {meta['total_s']:.0f} s, {meta['cache']['merges']} merges, {meta['cache']['hits']} cache hits; "
+        f"load average {mc['load_start'][0]:.1f} at the start, {mc['load_end'][0]:.1f} at the end "
+        f"({mc['cpus']} cores, Python {mc['python']}, torch {mc['torch']}, botorch {mc['botorch']})."
+    )
+    L.append("")
+    L.append("Losses (nats/token) on the search windows / held-out windows:")
+    L.append("")
+    L.append("| model | " + " | ".join(doms) + " |")
+    L.append("|---|" + "---|" * len(doms))
+    for n in ["base", *doms]:
+        L.append(
+            f"| {n} | "
+            + " | ".join(f"{rm[n][f'loss:{d}']:.4f} / {rm[n][f'heldout:loss:{d}']:.4f}" for d in doms)
+            + " |"
+        )
+    L.append("")
+    E, n0 = an["E"], an["I"]
+    L.append(
+        "Per arm: mean over seeds [95 % percentile bootstrap interval]; HV normalised (1.0 = every expert's "
+        "loss on its own domain at once)."
+    )
+    L.append("")
+    L.append(f"| arm | seeds | evals | HV @ {n0} | HV @ {E} | held-out HV of the Pareto set | Pareto pts | s/run |")
+    L.append("|---|---|---|---|---|---|---|---|")
+    for arm, v in an["arms"].items():
+        L.append(
+            f"| {arm} | {v['seeds']} | {v['evals']} | {_ci(*v['hv_I'])} | {_ci(*v['hv_E'])} | {_ci(*v['held'])} | "
+            f"{v['pareto']:.1f} | {v['run_s']:.0f} |"
+        )
+    L.append("")
+    L.append(
+        f"Paired comparisons (first − second arm, same seeds; positive favours the first): mean difference "
+        f"with its t and bootstrap 95 % intervals, d_z, wins/losses, exact two-sided Wilcoxon p and Holm-adjusted "
+        f"p over the family of these {an['family']} tests ({an['family'] // 2} comparisons × {{HV @ {E}, held-out HV}})."
+    )
+    L.append("")
+    L.append("| comparison | what | metric | Δ | t 95% CI | bootstrap 95% CI | d_z | W/L | p | Holm p |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|")
+    for p in an["pairs"]:
+        for k, name in (("hv", f"HV @ {E}"), ("held", "held-out HV")):
+            t = p[k]
+            L.append(
+                f"| {p['a']} − {p['b']} | {p['what']} | {name} | {t['mean_diff']:+.4f} | "
+                f"[{t['t_ci'][0]:+.4f}, {t['t_ci'][1]:+.4f}] | [{t['ci'][0]:+.4f}, {t['ci'][1]:+.4f}] | "
+                f"{t['dz']:+.2f} | {t['wins']}/{t['losses']} | {t['p']:.4f} | {t['holm']:.4f} |"
+            )
+    sig = [
+        f"{p['a']} − {p['b']} ({'HV' if k == 'hv' else 'held-out HV'}, {p[k]['mean_diff']:+.4f})"
+        for p in an["pairs"]
+        for k in ("hv", "held")
+        if p[k]["holm"] <= 0.05
+    ]
+    L.append("")
+    L.append("Significant after Holm at 0.05: " + ("; ".join(sig) if sig else "none") + ".")
+    return "\n".join(L)
+
+
+def blocks(raw_dir: Path = RAW) -> dict[str, str]:
+    """testbed -> rendered block, for every ``raw-*.jsonl.gz`` in ``raw_dir``."""
+    out = {}
+    for p in sorted(raw_dir.glob("raw-*.jsonl.gz")):
+        meta, runs = load(p)
+        out[meta["testbed"]] = render(meta, analyse(meta, runs))
+    return out
+
+
+def _span(tb: str) -> re.Pattern:
+    return re.compile(
+        rf"(<!-- search-report:{re.escape(tb)}:begin -->\n)(.*?)(\n<!-- search-report:{re.escape(tb)}:end -->)", re.S
+    )
+
+
+def check(doc: Path = DOC, raw_dir: Path = RAW) -> list[str]:
+    """Mismatches between ``doc`` and the blocks re-derived from ``raw_dir`` (empty: all match)."""
+    text = doc.read_text()
+    bad = []
+    for tb, block in blocks(raw_dir).items():
+        m = _span(tb).search(text)
+        if not m:
+            bad.append(f"{doc.name}: no search-report block for testbed {tb}")
+        elif m.group(2) != block:
+            old, new = m.group(2).splitlines(), block.splitlines()
+            diff = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+            bad.append(f"{doc.name}: testbed {tb}: line {diff + 1} of the block differs from the re-derivation")
+    return bad
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", action="store_true", help="rewrite the blocks in docs/SEARCH.md")
+    ap.add_argument("--check", action="store_true", help="exit 1 when docs/SEARCH.md differs")
+    args = ap.parse_args()
+    if args.check:
+        bad = check()
+        for b in bad:
+            print(b, file=sys.stderr)
+        sys.exit(1 if bad else 0)
+    bl = blocks()
+    if args.write:
+        text = DOC.read_text()
+        for tb, block in bl.items():
+            if not _span(tb).search(text):
+                raise SystemExit(f"docs/SEARCH.md: add '<!-- search-report:{tb}:begin -->' / ':end -->' markers")
+            text = _span(tb).sub(lambda m, b=block: m.group(1) + b + m.group(3), text)
+        DOC.write_text(text)
+    else:
+        for tb, block in bl.items():
+            print(f"## {tb}\n\n{block}\n")
+
+
+if __name__ == "__main__":
+    main()
