@@ -430,6 +430,13 @@ class AdmissionStatus(K8sModel):
             "operator before creating the Job."
         ),
     )
+    started: bool | None = Field(
+        default=None,
+        description=(
+            "A pod of the merge Job was seen running (it may have read expert bytes): its reservation is "
+            "charged even if the Job's pods are gone later (Kueue eviction, foreground deletion)."
+        ),
+    )
 
 
 class PlanStatus(K8sModel):

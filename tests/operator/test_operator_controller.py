@@ -406,14 +406,31 @@ def test_job_failure_charges_the_reservation(settings):
     failed = dict(
         job,
         status={
-            "conditions": [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded", "message": "too slow"}]
+            "failed": 1,  # a pod of it ran (and failed)
+            "conditions": [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded", "message": "too slow"}],
         },
     )
     mm = apply(kube, mm, c.sync_job(mm, failed))
     assert (ready(mm)["reason"], ready(mm)["message"]) == ("JobFailed", "too slow")
     (entry,) = kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]
-    assert (entry["state"], entry["bytes"]) == ("Charged", 8 * GI)  # the reservation, read or not
+    assert (entry["state"], entry["bytes"]) == ("Charged", 8 * GI)  # the reservation: its reads are unknown
     assert c.reconcile_merge(mm) is None  # a failed generation waits for a spec change
+
+
+def test_a_job_that_failed_before_any_pod_ran_is_released(settings):
+    """activeDeadlineSeconds passed while the pod was pending (unschedulable, image pull): nothing
+    was read, so nothing is charged (issue 22 item 8)."""
+    c, kube, store, mm = setup(settings, make_quota())
+    mm = apply(kube, mm, c.reconcile_merge(mm))
+    (job,) = kube.list(JOBS, "ns1")
+    _pod_of(kube, job, {"phase": "Pending", "containerStatuses": [{"name": "merge", "state": {"waiting": {}}}]})
+    failed = dict(
+        job,
+        status={"conditions": [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded", "message": "x"}]},
+    )
+    mm = apply(kube, mm, c.sync_job(mm, failed))
+    assert ready(mm)["reason"] == "JobFailed"
+    assert kube.get(QUOTAS, "ns1", "q")["status"]["ledger"] == []
 
 
 def _failed_pod(kube, job, message):
@@ -475,7 +492,8 @@ def _term_status(code, message):
 
 def _fail_job(kube, job, message="OOMKilled"):
     kube.objects[("jobs", "ns1", job["metadata"]["name"])]["status"] = {
-        "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": message}]
+        "failed": 3,  # backoffLimit + 1 pods ran and failed
+        "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": message}],
     }
     return kube.get(JOBS, "ns1", job["metadata"]["name"])
 

@@ -865,7 +865,7 @@ def test_failed_analyze_job_is_job_failed(cluster):
         ev = c.wait_events("noanalysis", ["Analyzing", "JobFailed"])
         assert ev[-1][0] == "Warning"
         # a spec change retries the analysis in a new Job (the failed one stays for its logs)
-        c.api.patch("ModelMerge", NS, "noanalysis", {"spec": {"image": "ghcr.io/mergepipe/merger:fixed"}})
+        c.api.patch("ModelMerge", NS, "noanalysis", {"spec": {"resources": {"cpu": "3"}}})
         wait_for(
             "generation 2 analyzing",
             lambda: (
@@ -878,7 +878,8 @@ def test_failed_analyze_job_is_job_failed(cluster):
         retry = c.job(
             "analyze", name=mmd.analyze_job_name("noanalysis", an["metadata"]["annotations"][mmd.ANN_ANALYSIS], 2)
         )
-        assert retry["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/mergepipe/merger:fixed"
+        (k,) = retry["spec"]["template"]["spec"]["containers"]
+        assert k["image"] == "ghcr.io/mergepipe/merger:test" and k["resources"]["requests"]["cpu"] == "3"
         assert sorted(j["metadata"]["name"] for j in c.jobs(component="analyze")) == sorted(
             [an["metadata"]["name"], retry["metadata"]["name"]]
         )

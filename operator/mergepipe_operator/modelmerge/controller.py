@@ -25,6 +25,7 @@ from ..k8s.api import JOBS, PODS, QUOTAS, SNAPSHOTS, Conflict
 from ..k8s.conditions import Reason, get_condition, set_condition
 from ..k8s.jobs import JobOutcome, job_ever_started
 from ..k8s.names import (
+    ANN_GENERATION,
     ANN_PLAN_DIGEST,
     ANN_PLAN_URI,
     LABEL_COMPONENT,
@@ -45,7 +46,7 @@ from ..metrics import (
     REALIZED_BYTES,
 )
 from ..objectstore import manifest_uri
-from ..quota.decisions import Admission, admission_key, admit, release, settle
+from ..quota.decisions import Admission, Closing, admission_key, admit, close, closing, keys_of
 from ..reconcile import Done, Retry, RetryWithStatus
 from ..snapshot.controller import SnapshotVerifier
 from ..snapshot.decisions import (
@@ -80,6 +81,15 @@ def _is_merge_job(job: dict[str, Any]) -> bool:
     """A ModelMerge's merge Job (label component ``merge``, or none: Jobs of older operators), not
     its analyze Job."""
     return (job["metadata"].get("labels") or {}).get(LABEL_COMPONENT, "merge") == "merge"
+
+
+def _job_output(job: dict[str, Any]) -> str | None:
+    """The output URI a merge Job writes (its container's ``--out`` argument), or ``None``."""
+    for c in ((job.get("spec") or {}).get("template") or {}).get("spec", {}).get("containers") or []:
+        args = list(c.get("args") or [])
+        if "--out" in args and args.index("--out") + 1 < len(args):
+            return str(args[args.index("--out") + 1])
+    return None
 
 
 def _count_commit(facts: Any, raw: bytes) -> None:
@@ -127,6 +137,10 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         try:
             return self._reconcile_merge(body)
         except Done as e:
+            # this generation ends here (inputs the planner refused, a failed analysis): like an
+            # invalid spec, it retires the previous generation's run, settling its reservation
+            meta = body["metadata"]
+            self._retire(meta["namespace"], meta["name"], body.get("status") or {}, e.status, self.clock())
             return e.status
 
     def _reconcile_merge(self, body: dict[str, Any]) -> dict[str, Any] | None:
@@ -481,31 +495,56 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         return list(adm.get("quotas") or [])
 
     def _supersede(self, ns: str, name: str, old: dict[str, Any], digest: str, key: str, now: datetime) -> None:
-        """Retire the previous generation's run: delete Jobs of other plans. Its reservation is
-        released when the same Job carries on (same plan digest: the new reservation covers it) or
-        when its Job never started (no container of it ever ran: nothing was read, e.g. a pod
-        that was pending, unschedulable or suspended; :func:`job_ever_started`, checked before the
-        Job is deleted); else charged (it may have read, and how much is unknown without a
-        manifest). A Job that cannot be found is charged (it may have run)."""
+        """Retire the previous generation's run: delete Jobs of other plans, then end its
+        reservation by the ledger's one rule (:func:`~..quota.decisions.closing`): released when
+        the same Job carries on (same plan digest: the new reservation covers it) or when its Job
+        never started (no container of it ever ran: nothing was read, e.g. a pod that was
+        pending, unschedulable or suspended; :func:`job_ever_started`, checked before the Job is
+        deleted, or ``status.admission.started``); charged the spent expert bytes of its manifest
+        when it committed meanwhile; else charged its reservation (it may have read up to its
+        plan). A Job that cannot be found is charged (it may have run)."""
         old_job_name = old.get("jobName")
-        old_started = True
+        adm = old.get("admission") or {}
+        old_started = bool(adm.get("started"))
+        old_found = False
+        old_out: str | None = None
         for job in self.kube.list(JOBS, ns, f"{LABEL_MERGE}={label_value(name)}"):
             if not _is_merge_job(job):
                 continue  # analyze Jobs are not superseded: their statistics serve any plan
             if (job["metadata"].get("annotations") or {}).get(ANN_PLAN_DIGEST) != digest:
                 if job["metadata"]["name"] == old_job_name:
-                    old_started = self._job_started(ns, job)
+                    old_found = True
+                    old_started = old_started or self._job_started(ns, job)
+                    old_out = _job_output(job)
                 self.kube.delete(JOBS, ns, job["metadata"]["name"])
-        adm = old.get("admission") or {}
         ready = get_condition(old.get("conditions"), "Ready") or {}
         if not adm.get("key") or adm["key"] == key or ready.get("reason") == Reason.COMMITTED:
             return
-        keep = status_plan_digest(old) == digest or not old_started
+        old_digest = status_plan_digest(old)
+        if old_digest == digest:
+            how = closing(False, None)  # the same Job carries on under the new reservation
+        else:
+            known = self._known_read(old_out, old_digest)
+            how = closing(old_started or not old_found or known is not None, known)
         for q in self.admission_quotas(ns, adm):
-            if keep:
-                self.update_quota(ns, q, lambda quota: release(quota, adm["key"], now))
-            else:
-                self.update_quota(ns, q, lambda quota: settle(quota, adm["key"], None, now))
+            self.update_quota(ns, q, lambda quota: close(quota, adm["key"], how, now))
+
+    def _known_read(self, out_uri: str | None, plan_digest: str | None) -> int | None:
+        """Expert bytes a run of ``plan_digest`` read, from the manifest committed at ``out_uri``
+        (all attempts; :attr:`ManifestFacts.spent_expert_bytes`, validated by
+        :func:`manifest_facts`); ``None`` when there is none, it is of another plan, or it does
+        not validate (the run is then charged its reservation)."""
+        if not out_uri or not plan_digest or self.store is None:
+            return None
+        try:
+            raw = self.store.get(manifest_uri(out_uri))
+            if raw is None:
+                return None
+            facts = manifest_facts(json.loads(raw))
+        except Exception as e:  # noqa: BLE001 - unreadable or invalid: unknown, charge the reservation
+            log.warning("manifest at %s not usable for the ledger: %s", out_uri, e)
+            return None
+        return facts.spent_expert_bytes if facts.plan_digest == plan_digest else None
 
     def _retire(self, ns: str, name: str, old: dict[str, Any], out: dict[str, Any], now: datetime) -> None:
         """The new generation runs nothing (invalid spec, output taken): stop the previous
@@ -550,6 +589,11 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         out_uri = (mm.get("spec") or {}).get("output", {}).get("uri")
         n = job_parts(job) if job is not None else int((status.get("parts") or {}).get("total") or 1)
         parts = parts_status(job, n) if n > 1 and job is not None else status.get("parts")
+        started_now = (
+            job is not None and not adm.get("started") and adm.get("key") and job_ever_started(job, [])
+        )  # (the Job's own counts: ready/failed/succeeded pods; no pod listing per event)
+        # remembered: Kueue may evict it (pods gone) and its reads stay charged
+        seen = {"admission": {**adm, "started": True}} if started_now else {}
         if outcome.state == "Running":
             message = outcome.message
             if outcome.reason == Reason.QUEUED and job is not None and self.settings.kueue_admission_check:
@@ -558,7 +602,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             if n > 1 and reason == Reason.JOB_RUNNING and parts:
                 message = _parts_message(job, parts)
             if ready.get("message") == message and ready.get("reason") == reason and status.get("parts") == parts:
-                return None
+                return seen or None
             new = set_condition(conds, "Ready", "False", reason, message, gen, now)
             admitted = get_condition(conds, "QuotaAdmitted") or {}
             if reason == Reason.JOB_RUNNING and adm.get("admissionCheck") and admitted.get("status") != "True":
@@ -571,11 +615,13 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
                     gen,
                     now,
                 )
-            return {"conditions": new, **({"parts": parts} if n > 1 else {})}
+            return {"conditions": new, **({"parts": parts} if n > 1 else {}), **seen}
         raw = self.store.get(manifest_uri(out_uri)) if out_uri and self.store else None
         extra: dict[str, Any] = {"parts": parts} if n > 1 and parts else {}
         if outcome.state == "Failed" and raw is None:
-            self.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=True)
+            # a Job that failed before any container ran (deadline while pending, image pull) read nothing
+            ran = bool(adm.get("started")) or job is None or self._job_started(ns, job)
+            self.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=ran)
             return {
                 "conditions": set_condition(conds, "Ready", "False", Reason.JOB_FAILED, outcome.message, gen, now),
                 **extra,
@@ -676,22 +722,48 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         return None
 
     def finalize_merge(self, body: dict[str, Any]) -> None:
-        """Delete the merge's Jobs (a running merge stops) and settle its reservation: charged
-        when a merge Job of it ever started (it may have read) or when its recorded Job is gone
-        (it may have run), released when its Jobs never started (pending, unschedulable,
-        suspended: nothing was read; checked before the Jobs are deleted, as in
-        :meth:`_supersede`)."""
+        """Delete the merge's Jobs (a running merge stops) and end its reservation by the
+        ledger's one rule (:func:`~..quota.decisions.closing`): charged the manifest's spent bytes
+        when its run committed, charged the reservation when its own Job (``status.jobName``; the
+        Jobs of earlier generations were settled when superseded) ever started, was seen started
+        (``status.admission.started``) or is gone (it may have run), released when it never
+        started (pending, unschedulable, suspended: nothing was read; checked before the Jobs are
+        deleted, as in :meth:`_supersede`). Reservations of this merge that its status does not
+        name (the operator stopped between writing one and the status) are ended by the same
+        rule, from the Job of their generation."""
         meta, status = body["metadata"], body.get("status") or {}
-        ns, name = meta["namespace"], meta["name"]
+        ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
         jobs = self.kube.list(JOBS, ns, f"{LABEL_MERGE}={label_value(name)}")
         merge_jobs = [j for j in jobs if _is_merge_job(j)]
+        by_gen: dict[str, list[dict[str, Any]]] = {}
+        for j in merge_jobs:
+            by_gen.setdefault((j["metadata"].get("annotations") or {}).get(ANN_GENERATION, ""), []).append(j)
+        started_of = {
+            gen: any(self._job_started(ns, j) for j in js) for gen, js in by_gen.items()
+        }  # before the Jobs are deleted
         job_name = status.get("jobName")
-        started = any(self._job_started(ns, j) for j in merge_jobs) or bool(
-            job_name and job_name not in {j["metadata"]["name"] for j in merge_jobs}
-        )
+        own = [j for j in merge_jobs if j["metadata"]["name"] == job_name]
+        adm = status.get("admission") or {}
+        started = bool(adm.get("started")) or any(self._job_started(ns, j) for j in own) or bool(job_name and not own)
+        out_job = _job_output(own[0]) if own else None
         for job in jobs:
             self.kube.delete(JOBS, ns, job["metadata"]["name"])
-        adm = status.get("admission") or {}
         ready = get_condition(status.get("conditions"), "Ready") or {}
+        now = self.clock()
         if adm.get("key") and ready.get("reason") != Reason.COMMITTED:
-            self.unreserve(ns, adm["key"], self.admission_quotas(ns, adm), job_started=started)
+            known = self._known_read(
+                out_job or ((body.get("spec") or {}).get("output") or {}).get("uri"), status_plan_digest(status)
+            )
+            how = closing(started or known is not None, known)
+            for q in self.admission_quotas(ns, adm):
+                self.update_quota(ns, q, lambda quota: close(quota, adm["key"], how, now))
+        for quota_obj in self.kube.list(QUOTAS, ns):  # reservations the status never named
+            for k in keys_of(quota_obj, uid):
+                if k == adm.get("key"):
+                    continue
+                stray = closing(started_of.get(k.rsplit(".", 1)[-1], False), None)
+
+                def end(quota: dict[str, Any], k: str = k, stray: Closing = stray) -> dict[str, Any] | None:
+                    return close(quota, k, stray, now)
+
+                self.update_quota(ns, quota_obj["metadata"]["name"], end)

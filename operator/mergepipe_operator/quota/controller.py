@@ -12,7 +12,7 @@ from ..k8s.conditions import Reason, set_condition
 from ..k8s.quantities import QuantityError, human_bytes
 from ..metrics import QUOTA_HARD, QUOTA_USED
 from ..reconcile import Reconciler, Retry
-from .decisions import Admission, admit, quota_status, release, settle
+from .decisions import Admission, admit, close, closing, quota_status, release
 
 #: The MergeQuota resources the quota gauges report (the ``resource`` label).
 QUOTA_RESOURCES = ("expertReadBytes", "merges")
@@ -142,12 +142,16 @@ class QuotaLedger(Reconciler):
     def unreserve(
         self, ns: str, key: str, quotas: list[str], *, job_started: bool, realized: int | None = None
     ) -> None:
+        """End reservation ``key`` in ``quotas`` by the one rule (:func:`~.decisions.closing`):
+        released when nothing started, charged ``realized`` when known, else the reservation.
+
+        Raises:
+            ValueError: ``realized`` is not an integer >= 0 (nothing is written).
+        """
+        how = closing(job_started, realized)
         now = self.clock()
         for q in quotas:
-            if job_started:
-                self.update_quota(ns, q, lambda quota: settle(quota, key, realized, now))
-            else:
-                self.update_quota(ns, q, lambda quota: release(quota, key, now))
+            self.update_quota(ns, q, lambda quota: close(quota, key, how, now))
 
     def refresh_quota(self, body: dict[str, Any]) -> None:
         """Recompute used/hard, age the rolling window, set Ready (conditioned write)."""

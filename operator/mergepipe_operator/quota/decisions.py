@@ -1,5 +1,12 @@
 """MergeQuota accounting as pure functions: :func:`admit`, :func:`settle`, :func:`release`,
-:func:`quota_status` over the quota object's JSON and an explicit ``now``."""
+:func:`closing`/:func:`close` (how every reservation ends), :func:`quota_status` over the quota
+object's JSON and an explicit ``now``.
+
+The ledger's invariant (tests/operator/test_operator_ledger.py checks it over random event
+sequences): every entry's bytes are an integer >= 0; ``used`` is the sum of the entries that
+count plus the carry; once a merge is deleted none of its entries is Reserved; and each run's
+final charge is 0 if it never started, its manifest's spent expert bytes if it committed, else
+its reservation (the plan's expert bytes, the most one attempt reads)."""
 
 from __future__ import annotations
 
@@ -240,11 +247,32 @@ def admit(
     return Admission(True, budget, reason, message, new_used, new_status)
 
 
+def charge_bytes(value: Any, what: str = "charge") -> int:
+    """``value`` as a ledger charge: an integer number of bytes >= 0 (not a bool, float or
+    string). Every charge read from a manifest or record goes through here before it touches a
+    ledger: a negative count would refund other merges' reads.
+
+    Raises:
+        ValueError: naming ``what`` and the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what}: {value!r} is not a byte count (an integer >= 0)")
+    if value < 0:
+        raise ValueError(f"{what}: {value} bytes is negative; a ledger charge is >= 0")
+    return value
+
+
 def settle(quota: Mapping[str, Any], key: str, expert_read_bytes: int | None, now: datetime) -> dict[str, Any] | None:
     """Turn the reservation ``key`` into a charge of ``expert_read_bytes`` (the realized bytes from
     the manifest; ``None`` keeps the reserved amount, used when a Job failed and read an unknown
     amount). Returns the new status, or ``None`` when there is nothing to change (unknown key,
-    or already charged: settling is idempotent)."""
+    or already charged: settling is idempotent).
+
+    Raises:
+        ValueError: ``expert_read_bytes`` is not an integer >= 0 (:func:`charge_bytes`).
+    """
+    if expert_read_bytes is not None:
+        charge_bytes(expert_read_bytes, f"settling {key}")
     status = quota.get("status") or {}
     ledger = [dict(e) for e in status.get("ledger") or []]
     for e in ledger:
@@ -270,6 +298,62 @@ def release(quota: Mapping[str, Any], key: str, now: datetime) -> dict[str, Any]
     return quota_status(quota, now, kept)
 
 
+@dataclass(frozen=True)
+class Closing:
+    """How a run's reservation ends (:func:`closing`).
+
+    Attributes:
+        action: ``release`` (drop it: nothing was read) or ``settle`` (charge it).
+        bytes: the charge for ``settle``: the bytes the run read when known, ``None`` to charge
+            the reserved amount (the plan's expert bytes: an upper bound of what one attempt reads).
+    """
+
+    action: Literal["release", "settle"]
+    bytes: int | None = None
+
+
+def closing(started: bool, known_read: int | None) -> Closing:
+    """The one rule that ends every reservation (supersede, invalid spec, deletion, Job failure,
+    commit, Kueue eviction): a run that never started a container read nothing and is released;
+    a run whose bytes are known (a committed manifest of its plan, validated) is charged exactly
+    those; any other run that started is charged its reservation, since it may have read up to its
+    plan and the worker reports its reads only when it commits.
+
+    Args:
+        started: did a container of the run's Job ever run (:func:`~..k8s.jobs.job_ever_started`),
+            or is there a manifest of its plan (it ran)?
+        known_read: expert bytes the run read, from its manifest (``None``: unknown).
+
+    Raises:
+        ValueError: ``known_read`` is not an integer >= 0.
+    """
+    if known_read is not None:
+        return Closing("settle", charge_bytes(known_read, "realized expert bytes"))
+    if not started:
+        return Closing("release")
+    return Closing("settle", None)
+
+
+def close(quota: Mapping[str, Any], key: str, how: Closing, now: datetime) -> dict[str, Any] | None:
+    """Apply :func:`closing`'s decision to ``quota``'s reservation ``key`` (:func:`release` or
+    :func:`settle`); ``None`` when nothing changes (unknown key, already charged)."""
+    if how.action == "release":
+        return release(quota, key, now)
+    return settle(quota, key, how.bytes, now)
+
+
 def admission_key(uid: str, generation: int | None) -> str:
     """Ledger key of one merge run: one per ModelMerge generation."""
     return f"{uid}.{generation or 0}"
+
+
+def keys_of(quota: Mapping[str, Any], uid: str, state: str = "Reserved") -> list[str]:
+    """The ledger keys of ModelMerge ``uid`` (:func:`admission_key`: ``<uid>.<generation>``) in
+    ``state``: a deleted merge leaves none Reserved, even one whose status never recorded it (the
+    operator stopped between writing the reservation and the merge's status)."""
+    prefix = f"{uid}."
+    return [
+        str(e["key"])
+        for e in (quota.get("status") or {}).get("ledger") or []
+        if str(e.get("key", "")).startswith(prefix) and e.get("state") == state
+    ]

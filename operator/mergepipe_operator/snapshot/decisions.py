@@ -89,9 +89,20 @@ _ROLES = (
 )
 
 
-def _io(d: Any) -> dict[str, int | None]:
+def _io(d: Any, where: str) -> dict[str, int | None]:
+    """Byte counts of one ``io`` section; a count that is present must be an integer >= 0 (a
+    negative realized count would refund a MergeQuota). Raises ValueError naming the field."""
     d = d if isinstance(d, dict) else {}
-    return {camel: (int(d[snake]) if is_number(d.get(snake)) else None) for snake, camel in _ROLES}
+    out: dict[str, int | None] = {}
+    for snake, camel in _ROLES:
+        v = d.get(snake)
+        if v is None:
+            out[camel] = None
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"manifest io.{where}.{snake} is {v!r}, not a byte count (an integer >= 0)")
+        out[camel] = v
+    return out
 
 
 def manifest_facts(doc: Mapping[str, Any]) -> ManifestFacts:
@@ -122,9 +133,9 @@ def manifest_facts(doc: Mapping[str, Any]) -> ManifestFacts:
         files_prefix=prefix,
         budget_bytes=int(budget) if is_number(budget) else None,
         outputs={str(k): dict(v) for k, v in outputs.items()},
-        estimated=_io(io.get("estimated")),
-        realized=_io(io.get("realized")),
-        earlier=_io(io.get("earlier_attempts")),
+        estimated=_io(io.get("estimated"), "estimated"),
+        realized=_io(io.get("realized"), "realized"),
+        earlier=_io(io.get("earlier_attempts"), "earlier_attempts"),
     )
 
 
