@@ -1018,6 +1018,8 @@ def search(
     workers: Annotated[Optional[int], typer.Option("--workers", "-w", help="Parallel workers [default: 1]")] = None,
     budget: BudgetOpt = None,
     sketch: SketchOpt = None,
+    value: ValueOpt = None,
+    calibration: CalibrationOpt = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the design, proposals and merges")] = 0,
     strategy: Annotated[
         str,
@@ -1128,6 +1130,11 @@ def search(
     if worker_backend == "kubernetes":
         if mirror is None or not (namespace and search_name and search_uid):
             _fail("--worker-backend kubernetes needs an s3:// --out, --namespace, --search-name and --search-uid.")
+        if value or calibration:
+            _fail(
+                "--value/--calibration: the kubernetes backend plans each candidate in its ModelMerge, which "
+                "has no such fields yet; drop them or use --worker-backend local."
+            )
         kube = _worker_backend("kubernetes")
         try:
             template = json.loads(os.environ.get("MERGEPIPE_CANDIDATE_TEMPLATE") or "{}")
@@ -1248,6 +1255,8 @@ def search(
             layer_blocks=layer_blocks,
             budget=budget,
             sketch=sketch,
+            value=value,
+            calibration=calibration,
             seed=seed,
             strategy=strategy,
             prior=not no_prior,

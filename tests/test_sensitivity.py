@@ -4,6 +4,7 @@ real (tiny, randomly initialised) transformers Llama with a real BPE tokenizer."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -217,3 +218,44 @@ def test_encoder_fisher_is_the_gaussian_output_fisher_and_plans_within_budget(tm
     pe = build_plan(cat, st, req, block_bytes=bb, value="energy")
     assert pf.io.expert_read_bytes <= pf.budget_bytes and pe.io.expert_read_bytes <= pe.budget_bytes
     assert pf.block_value["kind"] == "fisher" and pf.digest != pe.digest
+
+
+def test_search_candidates_are_planned_with_the_fisher_value(tiny, tmp_path):
+    """``mergepipe search --value fisher --calibration FILE`` (SearchConfig.value/calibration):
+    every candidate's committed snapshot is the Fisher-valued plan of its settings, not the
+    energy-valued one; ``fisher`` without a calibration set is refused before anything is read."""
+    from mergepipe.search.evaluators import CallableEvaluator
+    from mergepipe.search.runner import SearchConfig, run_search
+
+    paths, cal, _, _, _ = tiny
+
+    def cfg(**kw):
+        return SearchConfig(
+            base=str(paths["base"]),
+            experts=[["e1", str(paths["e1"])], ["e2", str(paths["e2"])]],
+            method="ties",
+            fixed={"parameters": {"density": 0.5}},
+            vary=["weight=0:1"],
+            objectives=["a"],
+            evaluations=2,
+            initial=2,
+            layer_blocks=1,
+            budget="30%",
+            strategy="random",
+            catalog=str(tmp_path / "cat.sqlite"),
+            **kw,
+        )
+
+    with pytest.raises(InputError, match="--value fisher needs --calibration"):
+        cfg(value="fisher").check()
+    c = cfg(value="fisher", calibration=str(cal))
+    res = run_search(tmp_path / "s", c, CallableEvaluator(lambda p: {"a": 1.0}))
+    assert res["failed"] == 0
+    cat, st = Catalog(tmp_path / "cat.sqlite"), LocalStorage(IOCounters())
+    state = json.loads((tmp_path / "s" / "state.json").read_text())
+    for cand in state["candidates"]:
+        req = c.request(cand["params"])
+        fisher = build_plan(cat, st, req, block_bytes=c.block_bytes, value="fisher", calibration=str(cal))
+        energy = build_plan(cat, st, req, block_bytes=c.block_bytes)
+        man = json.loads((Path(cand["snapshot"]) / "manifest.json").read_text())
+        assert fisher.digest != energy.digest and man["plan_digest"] == fisher.digest

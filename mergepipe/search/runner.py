@@ -107,6 +107,10 @@ class SearchConfig:
         ``latency``: ``[fixed_s, full_s]``: each evaluation waits ``fixed_s + full_s·f`` seconds
         before it runs, ``f`` = the candidate's realized expert bytes / the experts' total bytes
         (a candidate-dependent cost, e.g. a device that streams what the merge read; benchmarks);
+        ``value``, ``calibration``: the planner's block value of every candidate's plan
+        (``energy``, or ``fisher`` with ``calibration``, a JSON-lines calibration file; None:
+        ``fisher`` when a calibration file is given, else ``energy``), as ``mergepipe merge
+        --value/--calibration`` (:func:`mergepipe.pipeline.build_plan`);
         ``lookahead``: ``async``/``random`` only: a proposer thread keeps one candidate queued
         ahead (proposed with every running one pending), so a freed worker starts at once instead
         of proposing itself (False: the freed worker proposes, AP-BMM's plain loop).
@@ -138,6 +142,8 @@ class SearchConfig:
     rerank: bool | None = None
     outer: bool = False
     latency: list[float] | None = None
+    value: str | None = None
+    calibration: str | None = None
 
     def __post_init__(self) -> None:
         from mergepipe.search.space import as_params
@@ -162,8 +168,19 @@ class SearchConfig:
             output=output,
         )
 
+    def plan_options(self) -> dict:
+        """The planning options of every candidate's plan beside its request (keyword arguments
+        of :func:`mergepipe.pipeline.build_plan`): ``value`` and ``calibration``."""
+        return {"value": self.value, "calibration": self.calibration}
+
     def check(self) -> None:
         """Raises InputError for counts and choices that cannot work (before anything is read)."""
+        if self.value not in (None, "energy", "fisher"):
+            raise InputError(f"--value {self.value!r}: use 'energy' or 'fisher'.")
+        if self.value == "fisher" and not self.calibration:
+            raise InputError(
+                "--value fisher needs --calibration FILE.jsonl (text the base's sensitivity is measured on)."
+            )
         if self.evaluations < 1:
             raise InputError(f"--evaluations {self.evaluations}: must be at least 1.")
         if self.initial < 1:
@@ -237,7 +254,7 @@ class LocalMerger(CandidateMerger):
         name = f"c{cand['id']:04d}"
         snap = f"{self.root}/{name}" if self.root else out / "snapshots" / name
         st = open_storage(None, IOCounters())  # local folders and s3:// inputs
-        plan = build_plan(catalog, st, cfg.request(cand["params"]), block_bytes=cfg.block_bytes)
+        plan = build_plan(catalog, st, cfg.request(cand["params"]), block_bytes=cfg.block_bytes, **cfg.plan_options())
         res = execute_and_commit(plan, st, str(snap), lineage=lineage)
         return Merged(str(snap), res.manifest_hash, res.manifest["io"]["realized"]["expert_read_bytes"])
 
@@ -288,7 +305,7 @@ def dead_coordinates(cfg: SearchConfig, out: str | Path, *, delta: float = 0.4, 
     def merged(x: list[float], name: str) -> dict:
         req = cfg.request(space.to_params(x))
         req = req.model_copy(update={"options": req.options.model_copy(update={"out_dtype": "F32"})})
-        plan = build_plan(cat, st, req, block_bytes=cfg.block_bytes)
+        plan = build_plan(cat, st, req, block_bytes=cfg.block_bytes, **cfg.plan_options())
         execute_and_commit(plan, st, str(out / name))
         t: dict = {}
         for f in sorted((out / name).glob("*.safetensors")):
@@ -685,7 +702,9 @@ def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log) -> dict
     )
     # Validate a candidate (the centre point) exactly as every candidate will be planned; this
     # also analyzes the experts once (cached in the catalog), which the prior reads.
-    plan = build_plan(cat, st, cfg.request(space.to_params([0.5] * space.d)), block_bytes=cfg.block_bytes)
+    plan = build_plan(
+        cat, st, cfg.request(space.to_params([0.5] * space.d)), block_bytes=cfg.block_bytes, **cfg.plan_options()
+    )
     prior = None
     if cfg.prior and cfg.strategy == "async":
         _, recs, ans = register_and_analyze(cat, st, cfg.base, [u for _, u in cfg.experts], cfg.block_bytes)
