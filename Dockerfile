@@ -10,13 +10,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY constraints/operator.txt ./constraints/operator.txt
 COPY mergepipe ./mergepipe
 COPY operator ./operator
 
 # Plain pip: the one distribution (core + operator packages) with its operator extra (kopf,
 # kubernetes, boto3, prometheus-client; no torch). A local path, so the name `mergepipe`
-# resolves to this checkout, never to an index.
-RUN pip install "./[operator]" \
+# resolves to this checkout, never to an index. Every dependency is pinned to the version the
+# tests ran against (constraints/operator.txt, written by constraints/lock.py).
+RUN pip install --constraint constraints/operator.txt "./[operator]" \
     && python -c "import mergepipe_operator.main, mergepipe.pipeline, mergepipe.parts, kopf" \
     && ! python -c "import torch" 2>/dev/null \
     && rm -rf /src

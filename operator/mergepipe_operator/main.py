@@ -65,4 +65,4 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     if c.settings.metrics_port:
         import prometheus_client
 
-        prometheus_client.start_http_server(c.settings.metrics_port)
+        prometheus_client.start_http_server(c.settings.metrics_port, addr=c.settings.metrics_bind_address)

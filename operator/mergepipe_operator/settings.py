@@ -79,6 +79,8 @@ class Settings:
     gpu_count: int = 1
     cpu: str | None = "4"
     memory: str | None = "32Gi"
+    #: also set limits.cpu = requests.cpu on every worker Job (chart ``merger.resources.limitCPU``)
+    limit_cpu: bool = False
     tmp_size_limit: str | None = None
     backoff_limit: int = 2
     active_deadline_seconds: int = 6 * 3600
@@ -172,6 +174,7 @@ class Settings:
             gpu_count=gpu_count,
             cpu=_opt(env, "JOB_CPU") or d.cpu,
             memory=_opt(env, "JOB_MEMORY") or d.memory,
+            limit_cpu=_bool(env, "JOB_CPU_LIMIT"),
             tmp_size_limit=_opt(env, "JOB_TMP_SIZE_LIMIT"),
             backoff_limit=_int(env, "JOB_BACKOFF_LIMIT", d.backoff_limit),
             active_deadline_seconds=_int(env, "JOB_ACTIVE_DEADLINE_SECONDS", d.active_deadline_seconds),

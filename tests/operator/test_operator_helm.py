@@ -230,7 +230,7 @@ def test_search_driver_service_account_per_watched_namespace(chart):
 
 def test_rbac_can_be_disabled(chart):
     objs = render(chart, {"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "existing"}})
-    assert {o["kind"] for o in objs} == {"Deployment"}
+    assert {o["kind"] for o in objs} == {"Deployment", "NetworkPolicy"}  # (not RBAC: networkPolicy.enabled)
     assert deployment(objs)["spec"]["template"]["spec"]["serviceAccountName"] == "existing"
 
 
@@ -411,7 +411,7 @@ def test_gc_cronjob_command_removes_an_orphan_run_on_s3(chart, s3_env, tmp_path)
     c.put_object(Bucket=bucket, Key="merged/other/data.bin", Body=b"keep")
     values = {
         "s3": {"endpoint": s3_env.endpoint_url, "credentialsSecret": {"name": "s3"}},
-        "gc": {"enabled": True, "roots": [f"s3://{bucket}/merged/"], "grace": "0"},
+        "gc": {"enabled": True, "roots": [f"s3://{bucket}/merged/"], "grace": "24h"},
     }
     (cj,) = _gc_cronjobs(render(chart, values))
     (ctr,) = cj["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]
@@ -420,7 +420,10 @@ def test_gc_cronjob_command_removes_an_orphan_run_on_s3(chart, s3_env, tmp_path)
     env.update(HOME=str(tmp_path))
     for e in ctr["env"]:
         env[e["name"]] = e["value"] if "value" in e else secret[e["valueFrom"]["secretKeyRef"]["key"]]
-    cmd = [sys.executable, "-m", "mergepipe.cli", *ctr["args"]]
+    args = list(ctr["args"])
+    assert args[args.index("--grace") + 1] == "24h"
+    args[args.index("--grace") + 1] = "0"  # the objects were just written (the chart refuses a grace this short)
+    cmd = [sys.executable, "-m", "mergepipe.cli", *args]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     import json
@@ -430,3 +433,181 @@ def test_gc_cronjob_command_removes_an_orphan_run_on_s3(chart, s3_env, tmp_path)
     keys = sorted(o["Key"] for o in c.list_objects_v2(Bucket=bucket).get("Contents", []))
     assert keys == ["merged/b/runs/00000000000000bb/model.safetensors", "merged/other/data.bin"]
     assert len(rep["unproven"]) == 1
+
+
+# multi-tenant posture (issue 22 item 9) ------------------------------------------------------
+
+
+def _kind(objs, kind):
+    return [o for o in objs if o["kind"] == kind]
+
+
+def test_network_policies_deny_ingress_and_restrict_egress_to_the_values(chart):
+    """The operator's pod: no ingress but metrics from metricsFrom; worker pods of each watched
+    namespace: no ingress at all; with egress restricted, DNS + S3 for every worker, the API
+    server only for the operator and the search driver."""
+    (op,) = _kind(render(chart, {}), "NetworkPolicy")  # all namespaces: the operator's only
+    assert op["spec"]["policyTypes"] == ["Ingress"] and op["spec"]["ingress"] == []
+    custom = values_of(CHART / "ci" / "custom-values.yaml")
+    (op,) = _kind(render(chart, custom), "NetworkPolicy")
+    (rule,) = op["spec"]["ingress"]
+    assert (
+        rule["ports"] == [{"protocol": "TCP", "port": 9102}] and rule["from"] == custom["networkPolicy"]["metricsFrom"]
+    )
+    objs = render(chart, values_of(CHART / "ci" / "namespaced-cpu-values.yaml"))
+    pols = {(o["metadata"]["namespace"], o["metadata"]["name"]): o["spec"] for o in _kind(objs, "NetworkPolicy")}
+    assert sorted(pols) == [
+        ("mergepipe-system", "mp-mergepipe"),
+        ("team-a", "mergepipe-search-driver"),
+        ("team-a", "mergepipe-workers"),
+        ("team-b", "mergepipe-search-driver"),
+        ("team-b", "mergepipe-workers"),
+    ]
+
+    def targets(spec):
+        out = set()
+        for r in spec.get("egress") or []:
+            for peer in r["to"]:
+                for port in r["ports"]:
+                    out.add((peer.get("ipBlock", {}).get("cidr", "dns"), port["port"]))
+        return out
+
+    dns = {("dns", 53)}
+    api, s3 = ("10.96.0.1/32", 443), ("10.20.0.0/16", 8333)
+    assert targets(pols[("mergepipe-system", "mp-mergepipe")]) == dns | {api, s3}
+    workers = pols[("team-a", "mergepipe-workers")]
+    assert workers["podSelector"] == {"matchLabels": {"app.kubernetes.io/managed-by": "mergepipe-operator"}}
+    assert workers["ingress"] == [] and targets(workers) == dns | {s3}
+    driver = pols[("team-a", "mergepipe-search-driver")]
+    assert driver["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "search"
+    assert targets(driver) == {api}
+    # the labels the policies select are the ones the operator puts on its worker pods
+    from op_testlib import make_merge, make_settings
+
+    from mergepipe_operator.modelmerge import decisions as mmd
+
+    pod_labels = mmd.build_job(make_merge(), "s3://p/x.json", "ab" * 32, make_settings())["spec"]["template"][
+        "metadata"
+    ]["labels"]
+    assert pod_labels["app.kubernetes.io/managed-by"] == "mergepipe-operator"
+    assert _kind(render(chart, {"networkPolicy": {"enabled": False}}), "NetworkPolicy") == []
+    with pytest.raises(helm.HelmError):  # restricting egress needs the API server and S3 endpoints
+        chart.validate_schema({"networkPolicy": {"egress": {"enabled": True}}})
+
+
+def test_replicas_get_a_disruption_budget_and_spread_over_nodes(chart):
+    one = render(chart, {})
+    assert _kind(one, "PodDisruptionBudget") == [] and "affinity" not in deployment(one)["spec"]["template"]["spec"]
+    three = render(chart, {"replicas": 3})
+    (pdb,) = _kind(three, "PodDisruptionBudget")
+    sel = deployment(three)["spec"]["selector"]
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": sel}
+    anti = deployment(three)["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    (term,) = anti["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"] == sel
+    hard = deployment(render(chart, {"replicas": 2, "antiAffinity": "hard"}))["spec"]["template"]["spec"]
+    assert (
+        hard["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]["labelSelector"] == sel
+    )
+    mine = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}}
+    assert deployment(render(chart, {"replicas": 2, "affinity": mine}))["spec"]["template"]["spec"]["affinity"] == mine
+    for o in three:
+        if o["kind"] in ("Deployment", "PodDisruptionBudget"):  # (not the kopf peering custom resource)
+            k8s_validate(o)
+
+
+def test_every_chart_container_has_cpu_requests_and_limits(chart):
+    objs = render(chart, {"gc": {"enabled": True, "roots": ["s3://models/merged/"]}})
+    pods = [deployment(objs)["spec"]["template"]["spec"]]
+    pods += [cj["spec"]["jobTemplate"]["spec"]["template"]["spec"] for cj in _kind(objs, "CronJob")]
+    assert len(pods) == 2
+    for pod in pods:
+        for c in pod["containers"]:
+            assert {"cpu", "memory"} <= set(c["resources"]["requests"]), c["name"]
+            assert {"cpu", "memory"} <= set(c["resources"]["limits"]), c["name"]
+    # the worker Jobs: CPU limits on request (merger.resources.limitCPU)
+    s = settings_from(deployment(render(chart, values_of(CHART / "ci" / "namespaced-cpu-values.yaml"))))
+    assert s.limit_cpu is True and settings_from(deployment(render(chart, {}))).limit_cpu is False
+    from op_testlib import make_merge
+
+    from mergepipe_operator.modelmerge import decisions as mmd
+
+    res = mmd.build_job(make_merge(), "s3://p/x.json", "ab" * 32, s)["spec"]["template"]["spec"]["containers"][0]
+    assert res["resources"]["limits"]["cpu"] == res["resources"]["requests"]["cpu"] == "8"
+
+
+def test_images_are_pinnable_by_digest(chart):
+    d = "sha256:" + "ab" * 32
+    objs = render(
+        chart,
+        {
+            "image": {"digest": d},
+            "merger": {"image": {"digest": d}},
+            "gc": {"enabled": True, "roots": ["s3://models/merged/"]},
+        },
+    )
+    c, env = operator_env(deployment(objs))
+    assert c["image"] == f"ghcr.io/mergepipe/operator@{d}"
+    assert env["MERGEPIPE_MERGER_IMAGE"]["value"] == f"ghcr.io/mergepipe/merger@{d}"
+    (cj,) = _kind(objs, "CronJob")
+    assert (
+        cj["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["image"]
+        == f"ghcr.io/mergepipe/merger@{d}"
+    )
+    with pytest.raises(helm.HelmError):
+        chart.validate_schema({"image": {"digest": "sha256:short"}})
+
+
+def test_metrics_bind_address_reaches_the_operator(chart):
+    s = settings_from(deployment(render(chart, {"metrics": {"bindAddress": "127.0.0.1"}})))
+    assert (s.metrics_port, s.metrics_bind_address) == (9090, "127.0.0.1")
+    assert settings_from(deployment(render(chart, {}))).metrics_bind_address == "0.0.0.0"
+
+
+@pytest.mark.parametrize(
+    ("grace", "deadline", "ok"),
+    [
+        ("24h", 21600, True),
+        ("6h", 21600, False),
+        ("21600", 21600, False),
+        ("21601", 21600, True),
+        ("1.5h", 3600, True),
+        ("90m", 7200, False),
+        ("7d", 604800, False),
+    ],
+)
+def test_gc_grace_must_exceed_the_merge_jobs_deadline(chart, grace, deadline, ok):
+    """JSON Schema (draft 7, what Helm validates values with) cannot compare two values, so the
+    chart's gc template fails the render instead, naming both values."""
+    values = {
+        "gc": {"enabled": True, "roots": ["s3://models/merged/"], "grace": grace},
+        "merger": {"activeDeadlineSeconds": deadline},
+    }
+    chart.validate_schema(values)  # the schema alone admits it
+    if ok:
+        assert len(_kind(render(chart, values), "CronJob")) == 1
+    else:
+        with pytest.raises(helm.HelmError, match=r"gc.grace: .* must exceed merger.activeDeadlineSeconds"):
+            render(chart, values)
+
+
+def test_both_images_install_with_the_checked_in_constraints():
+    """Both Dockerfiles copy their constraints file and pass it to pip; the files are what this
+    environment resolves (constraints/lock.py --check)."""
+    import re
+    import subprocess
+    import sys
+
+    for dockerfile, lock in (("Dockerfile", "operator.txt"), ("merger_image/Dockerfile", "merger.txt")):
+        text = (ROOT / dockerfile).read_text()
+        assert f"COPY constraints/{lock} ./constraints/{lock}" in text, dockerfile
+        installs = [ln for ln in text.splitlines() if re.match(r"RUN pip install", ln)]
+        assert installs and all(f"--constraint constraints/{lock}" in ln for ln in installs), installs
+        pins = [ln for ln in (ROOT / "constraints" / lock).read_text().splitlines() if ln and not ln.startswith("#")]
+        assert pins and all(re.fullmatch(r"[a-z0-9][a-z0-9.-]*==[0-9][^\s]*", p) for p in pins), lock
+        assert not any(p.startswith(("torch==", "nvidia-")) for p in pins)  # the merger's torch: its base image's
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "constraints" / "lock.py"), "--check"], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr

@@ -34,8 +34,27 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | 
 {{- end -}}
 {{- end -}}
 
+{{/*
+An image reference: repository@digest when a digest is set (pinned: the tag is ignored), else
+repository:tag (the tag defaulting to the chart's appVersion).
+*/}}
 {{- define "mergepipe.image" -}}
+{{- if .digest -}}
+{{- printf "%s@%s" .repository .digest -}}
+{{- else -}}
 {{- printf "%s:%s" .repository (default .appVersion .tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+gc.grace in seconds (3600, 90m, 24h, 7d, 1.5h; the values schema checks the form).
+*/}}
+{{- define "mergepipe.graceSeconds" -}}
+{{- $g := toString . -}}
+{{- $unit := regexFind "[smhd]$" $g -}}
+{{- $n := float64 (trimSuffix $unit $g) -}}
+{{- $mult := get (dict "" 1 "s" 1 "m" 60 "h" 3600 "d" 86400) $unit -}}
+{{- mulf $n $mult -}}
 {{- end -}}
 
 {{/*
@@ -111,4 +130,30 @@ which get no token).
 - apiGroups: ["mergepipe.io"]
   resources: ["mergesearches/finalizers"]
   verbs: ["update"]
+{{- end -}}
+
+{{/*
+NetworkPolicy egress rules: TCP to each {cidr, port} of a list; DNS to the cluster DNS pods.
+*/}}
+{{- define "mergepipe.egressTo" -}}
+{{- range . }}
+- to:
+    - ipBlock:
+        cidr: {{ .cidr | quote }}
+  ports:
+    - protocol: TCP
+      port: {{ .port | int }}
+{{- end }}
+{{- end -}}
+{{- define "mergepipe.dnsEgress" -}}
+- to:
+    - namespaceSelector: {}
+      podSelector:
+        matchLabels:
+          {{- toYaml .podLabels | nindent 10 }}
+  ports:
+    - protocol: UDP
+      port: 53
+    - protocol: TCP
+      port: 53
 {{- end -}}

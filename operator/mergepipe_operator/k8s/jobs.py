@@ -107,6 +107,8 @@ def worker_job(
     memory = res.get("memory", settings.memory)
     if cpu is not None:
         requests["cpu"] = str(cpu)
+        if settings.limit_cpu:  # chart merger.resources.limitCPU: no bursting beyond the request
+            limits["cpu"] = str(cpu)
     if memory is not None:
         requests["memory"] = limits["memory"] = str(memory)
     if gpu_count > 0:
