@@ -28,7 +28,7 @@ import numpy as np
 
 from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, CheckpointRecord
 from mergepipe.catalog.sketch import PLANES, tensor_sketch_costs
-from mergepipe.catalog.stats import TensorStats
+from mergepipe.catalog.stats import BLOCK_DIGEST_BYTES, TensorStats
 from mergepipe.formats.safetensors import CheckpointLayout, build_header, n_blocks, parse_header, rows_per_block
 from mergepipe.numerics import OCT_SHIFT, magnitude_keys
 
@@ -131,6 +131,9 @@ def _tensor_stats(
         sums=np.array([float(sq.sum()), numel * 4e-4, numel * 4e-4 + float(sq.sum()), numel * 4e-4]),
         sketch_start=sketch_at if sketch_sq is not None else -1,
         sketch_sq=sketch_sq,
+        # content digests of blocks and sketch planes (the plan carries the selected ones)
+        block_sha=np.zeros((nb, BLOCK_DIGEST_BYTES), dtype=np.uint8),
+        sketch_sha=np.zeros((nb, PLANES, BLOCK_DIGEST_BYTES), dtype=np.uint8) if sketch_sq is not None else None,
     )
 
 

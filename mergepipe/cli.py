@@ -306,6 +306,14 @@ def analyze(
             "spill to a temporary file [default: 16MiB chunks of base bytes, ~0.7 GB peak for bf16]",
         ),
     ] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Analyze again even when the catalog has the statistics (replaces them and the sketch blobs; "
+            "for a damaged catalog entry)",
+        ),
+    ] = False,
     catalog: CatalogOpt = None,
     json_out: JsonOpt = False,
 ):
@@ -333,6 +341,7 @@ def analyze(
             calibration=calibration,
             device=device,
             work_bytes=wb,
+            force=force,
         )
     rd = st.counters.snapshot()["read"]
     res: dict[str, Any] = {

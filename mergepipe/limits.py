@@ -35,6 +35,13 @@ MAX_MANIFEST_BYTES = 256 << 20
 MAX_PLAN_BYTES = 1 << 30
 #: any other object read whole (catalog index objects, search state, probe texts) (bytes)
 MAX_OBJECT_BYTES = 1 << 30
+#: members of an analysis zip of the object catalog (one per tensor, plus ``meta.json``)
+MAX_ANALYSIS_MEMBERS = 1 << 20
+#: inflated bytes an analysis zip member may declare per compressed byte (statistics compress
+#: 1-5x; a zip bomb 1000x), beyond :data:`ANALYSIS_MEMBER_SLACK`
+MAX_INFLATE_RATIO = 64
+#: inflated bytes every member of an analysis zip may take whatever its compressed size
+ANALYSIS_MEMBER_SLACK = 1 << 20
 #: deepest accepted JSON nesting (headers need 3, plans and configs under 10)
 MAX_JSON_DEPTH = 64
 #: most values a YAML document may expand to once its aliases are resolved

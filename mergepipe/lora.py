@@ -9,7 +9,8 @@ module (Hu et al., "LoRA", 2021; PEFT's ``LoraLayer.get_delta_weight``)::
 
 on the module's ``<module>.weight`` tensor of the base, and 0 on every other tensor, with ``r`` and
 ``lora_alpha`` per module from ``rank_pattern``/``alpha_pattern`` (PEFT's matching rule:
-``re.match(rf"(.*\\.)?({key})$", module)``, first key wins).
+``re.match(rf"(.*\\.)?({key})$", module)``, first key wins; matched with RE2 in linear time,
+:func:`pattern_regex`).
 
 Rows ``[r0, r1)`` of δ need only rows ``[r0, r1)`` of ``B`` and all of ``A``: the catalog
 computes its block statistics one block of δ at a time, and the engine reads ``A`` and the
@@ -29,6 +30,7 @@ adapter (``PeftModel.merge_and_unload()`` + ``save_pretrained``) and merge the f
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -65,6 +67,37 @@ def split_kind(uri: str) -> tuple[str | None, str]:
     return None, uri
 
 
+#: longest ``rank_pattern`` / ``alpha_pattern`` key (characters)
+MAX_PATTERN_CHARS = 1024
+#: most keys of one ``rank_pattern`` / ``alpha_pattern``
+MAX_PATTERN_KEYS = 10_000
+
+
+@functools.lru_cache(maxsize=4096)
+def pattern_regex(key: str):
+    """PEFT's matcher of a ``rank_pattern``/``alpha_pattern`` key, ``(.*\\.)?(KEY)$`` anchored at
+    the module name's start (``peft.utils.other.get_pattern_key``: ``re.match``), compiled with
+    RE2 (PyPI ``google-re2``), whose matching time is linear in the module name whatever the
+    key: a crafted key such as ``(.+.+)+X`` cannot hang a merge or the operator's plan. RE2
+    refuses what a finite automaton cannot match (backreferences, lookaround); its compiled
+    program is bounded to 8 MiB (``max_mem``).
+
+    Raises:
+        ValueError: the key is not an RE2 pattern (the message says why).
+    """
+    import re2  # type: ignore[import-untyped]
+
+    opts = re2.Options()
+    opts.log_errors = False  # (the error is ours to report, on one line)
+    try:
+        return re2.compile(rf"(.*\.)?({key})$", options=opts)
+    except re2.error as e:
+        why = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else str(e)
+        raise ValueError(
+            f"{why}; mergepipe matches patterns with RE2 in linear time: no backreferences or lookaround"
+        ) from None
+
+
 @dataclass(frozen=True)
 class AdapterConfig:
     """The parts of a PEFT ``adapter_config.json`` that define a LoRA task vector.
@@ -94,8 +127,8 @@ class AdapterConfig:
     sha256: str = ""
 
     def _pattern(self, pattern: Mapping[str, Any], module: str) -> Any:
-        for key in pattern:  # peft.utils.other.get_pattern_key
-            if re.match(rf"(.*\.)?({key})$", module):
+        for key in pattern:  # peft.utils.other.get_pattern_key, with RE2 (linear time)
+            if pattern_regex(key).match(module):
                 return pattern[key]
         return None
 
@@ -194,10 +227,17 @@ def parse_adapter_config(raw: bytes, source: str) -> AdapterConfig:
             )
             if not ok:
                 raise InputError(f"{source}: {k}.{pk}: {short_repr(pv)} is not a valid {kind}.")
+            if not isinstance(pk, str) or len(pk) > MAX_PATTERN_CHARS:
+                raise InputError(
+                    f"{source}: {k}: key {short_repr(pk)} is longer than {MAX_PATTERN_CHARS} characters; "
+                    "keys are module names or short patterns."
+                )
             try:
-                re.compile(pk)
-            except re.error as e:
+                pattern_regex(pk)
+            except ValueError as e:
                 raise InputError(f"{source}: {k}: key {short_repr(pk)} is not a valid pattern ({e}).") from None
+        if len(p) > MAX_PATTERN_KEYS:
+            raise InputError(f"{source}: {k}: {len(p)} keys, over the limit of {MAX_PATTERN_KEYS}.")
         pats[k] = dict(p)
     rs = d.get("use_rslora", False)
     if not isinstance(rs, bool):
@@ -268,7 +308,14 @@ def adapter_modules(config: AdapterConfig, tensors: Mapping[str, TensorInfo], so
                 f"{source}: tensor {name!r} is {ti.dtype}{list(ti.shape)}; LoRA factors of linear layers are "
                 f"2-D floating point (convolution LoRA is not supported — {_PRE_MERGE})."
             )
-        pairs.setdefault(m.group(1), {})[m.group(2)] = ti
+        ab = pairs.setdefault(m.group(1), {})
+        if m.group(2) in ab:  # the same module with and without the base_model.model. prefix
+            raise InputError(
+                f"{source}: tensors {short_repr(ab[m.group(2)].name)} and {short_repr(name)} are both "
+                f"lora_{m.group(2)} of module {short_repr(m.group(1))}; an adapter holds each factor once: "
+                "remove one of them (re-save the adapter with save_pretrained())."
+            )
+        ab[m.group(2)] = ti
     if not pairs:
         raise InputError(f"{source}: the adapter holds no LoRA factors (lora_A.weight / lora_B.weight).")
     out = {}

@@ -104,8 +104,11 @@ def register_and_analyze(
     calibration: str | None = None,
     device: str | None = None,
     work_bytes: int | None = None,
+    force: bool = False,
 ) -> tuple[CheckpointRecord, list[CheckpointRecord], list[Analysis]]:
-    """Register the base and experts and analyze the experts (cached).
+    """Register the base and experts and analyze the experts (cached; ``force``: analysed again,
+    replacing the catalog's statistics and sketches; a cached analysis whose sketch blob is
+    missing is analysed again too).
 
     With ``pairs`` the catalog also records the pair statistics (per tensor ``⟨δᵢ,δⱼ⟩``) of every
     two distinct experts, which model_stock, nuslerp, multislerp and karcher plan with (``mergepipe analyze --pairs``:
@@ -140,7 +143,11 @@ def register_and_analyze(
         calibration=cal,
         device=device,
         work_bytes=work_bytes,
+        force=force and analyze,
+        repair=analyze,
     )
+    if not analyze and (lost := catalog.lost_sketches(experts, analyses)):
+        raise MissingAnalysis(lost)  # an analyze (Job) re-creates the sketch blobs
     return base, experts, analyses
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from mergepipe.catalog.sketch import PLANES, SketchWriter
-from mergepipe.catalog.stats import TensorStats, TensorStatsBuilder
+from mergepipe.catalog.stats import BLOCK_DIGEST_BYTES, TensorStats, TensorStatsBuilder, block_digest
 from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import (
     FLOAT_DTYPES,
@@ -72,7 +72,8 @@ DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 #: (counted in ``_analyze_stream`` and ``TensorStatsBuilder.add``: ~86; measured 43 bytes per
 #: bf16 base byte, docs/CONCEPTS.md), rounded up
 ANALYZE_BYTES_PER_ELEMENT = 96
-STATS_VERSION = 3  # 2: exact whole-tensor sums of products; pair statistics; 3: block sketches (sign planes)
+STATS_VERSION = 4  # 2: exact whole-tensor sums of products; pair statistics; 3: block sketches (sign planes);
+# 4: per-block content digests of expert blocks and sketch planes (checked by the engine)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS checkpoints (
@@ -359,11 +360,28 @@ class Catalog:
             base_identity=base_identity,
             expert_identity=expert_identity,
             block_bytes=block_bytes,
-            tensors={n: TensorStats.from_bytes(n, b, h) for n, h, b in ts},
+            tensors=self._parse_stats(ts, expert_identity),
             seconds=row[1],
             bytes_read=row[2],
             sketch=dict(zip(("kind", "planes", "uri", "sha256", "bytes"), sk, strict=True)) if sk else None,
         )
+
+    def _parse_stats(self, rows, expert_identity: str) -> dict[str, TensorStats]:
+        """``{tensor: TensorStats}`` from ``(tensor, content_sha256, blob)`` rows (untrusted).
+
+        Raises:
+            InputError: a blob is damaged, naming the catalog, the tensor and the fix.
+        """
+        out = {}
+        for n, h, b in rows:
+            try:
+                out[n] = TensorStats.from_bytes(n, b, h)
+            except ValueError as e:
+                raise InputError(
+                    f"{self.path}: the statistics of tensor {str(n)[:200]!r} of expert {expert_identity[:12]} are "
+                    f"damaged ({e}); run `mergepipe analyze --force` for this base and expert to recompute them."
+                ) from None
+        return out
 
     def has_analysis(self, base_identity: str, expert_identity: str, block_bytes: int) -> bool:
         with self._lock:
@@ -378,7 +396,9 @@ class Catalog:
     def sketch_uri(self, base: str, expert: str, block_bytes: int) -> str:
         """Where the catalog keeps an expert's block sketches: ``sketches/<base identity>/<expert
         identity>-<block bytes>-v<stats version>.sketch`` beside the SQLite file."""
-        return str(Path(self.path).parent / "sketches" / base / f"{expert}-{block_bytes}-v{STATS_VERSION}.sketch")
+        from mergepipe.planner.plan import sketch_name
+
+        return str(Path(self.path).parent / sketch_name(base, expert, block_bytes, STATS_VERSION, objects=False))
 
     def _open_sketch(self, base: str, expert: str, block_bytes: int, spill_bytes: int) -> SketchSink:
         """A sink for an expert's sketch blob, written while it is analysed (see
@@ -394,8 +414,10 @@ class Catalog:
         seconds: float,
         nread: int,
         sk: dict | None = None,
+        replace: bool = False,
     ) -> int:
-        """Record an analysis; ``sk``: its published sketch blob (:meth:`SketchSink.publish`)."""
+        """Record an analysis; ``sk``: its published sketch blob (:meth:`SketchSink.publish`);
+        ``replace``: an analysis of the same key is replaced (SQLite always replaces)."""
         with self._lock, self.db:
             cur = self.db.execute(
                 "INSERT OR REPLACE INTO analyses (base_identity, expert_identity, block_bytes, stats_version, created_at, seconds, bytes_read) "
@@ -430,8 +452,12 @@ class Catalog:
         calibration=None,
         device: str | None = None,
         work_bytes: int | None = None,
+        force: bool = False,
+        repair: bool = True,
     ) -> list[Analysis]:
-        """Analyze each expert against ``base`` (cached ones are not read again).
+        """Analyze each expert against ``base`` (cached ones are not read again, unless ``force``
+        or their sketch blob is missing or of the wrong size: then they are analysed again and
+        the blob re-created).
 
         The base is read once for all uncached experts; each chunk of at most ``chunk_bytes``
         base bytes is paired with the same rows of every expert. Memory is bounded by
@@ -455,11 +481,59 @@ class Catalog:
             device: torch device the sensitivity is computed on (``"cuda"``, ``"cpu"``; default
                 CPU).
 
+            force: analyse every expert again (replacing its statistics and sketch blob).
+            repair: analyse again the cached analyses whose sketch blob is missing (False: return
+                them as they are; :meth:`lost_sketches` names them).
+
         Raises:
             InputError: an expert lacks a base tensor, or shape/dtype differ (checked for all
-                experts before any tensor byte is read).
+                experts before any tensor byte is read); a base or expert tensor holds
+                non-finite values (nothing is recorded).
         """
-        todo = [e for e in experts if not self.has_analysis(base.identity, e.identity, block_bytes)]
+
+        def run(redo: set[str], cal) -> list[Analysis]:
+            return self._analyze(
+                storage, base, experts, block_bytes, redo, chunk_bytes=chunk_bytes, progress=progress,
+                pairs=pairs, calibration=cal, device=device, work_bytes=work_bytes,
+            )  # fmt: skip
+
+        out = run({e.identity for e in experts} if force else set(), calibration)
+        lost = {e.identity for e, a in zip(experts, out) if a.sketch and not self._sketch_present(a.sketch)}
+        if lost and repair:  # a cached analysis whose sketch blob went missing: analysed again, blob re-created
+            out = run(lost, None)
+        return out
+
+    def lost_sketches(self, experts: Sequence[CheckpointRecord], analyses: Sequence[Analysis]) -> list[str]:
+        """URIs of the experts whose analysis names a sketch blob that is missing or of the wrong
+        size (:meth:`analyze` with ``repair`` re-creates them)."""
+        return [e.uri for e, a in zip(experts, analyses) if a.sketch and not self._sketch_present(a.sketch)]
+
+    def _sketch_present(self, sk: dict) -> bool:
+        """The sketch blob ``sk`` (an analysis' ``sketch`` record) exists with its recorded size."""
+        try:
+            return os.path.getsize(sk["uri"]) == sk["bytes"]
+        except OSError:
+            return False
+
+    def _analyze(
+        self,
+        storage: Storage,
+        base: CheckpointRecord,
+        experts: Sequence[CheckpointRecord],
+        block_bytes: int,
+        redo: set[str],
+        *,
+        chunk_bytes: int,
+        progress: Callable[[int], None] | None,
+        pairs: bool,
+        calibration,
+        device: str | None,
+        work_bytes: int | None,
+    ) -> list[Analysis]:
+        """:meth:`analyze`, analysing again the identities in ``redo`` even when cached."""
+        todo = [
+            e for e in experts if e.identity in redo or not self.has_analysis(base.identity, e.identity, block_bytes)
+        ]
         first: dict[str, CheckpointRecord] = {}  # one per identity, the first, in order
         for e in todo:
             first.setdefault(e.identity, e)
@@ -509,7 +583,10 @@ class Catalog:
                     # the blob is published before the rows that name it: a reader finds an
                     # analysis only once its sketch is whole
                     sk = sinks.pop(e.identity).publish()
-                    self._store(base.identity, e.identity, block_bytes, results[e.identity], secs, nread, sk)
+                    self._store(
+                        base.identity, e.identity, block_bytes, results[e.identity], secs, nread, sk,
+                        replace=e.identity in redo,
+                    )  # fmt: skip
             finally:
                 for s in sinks.values():
                     s.abort()
@@ -596,7 +673,12 @@ class Catalog:
                 "SELECT data FROM sensitivity WHERE base_identity=? AND calibration=? AND block_bytes=? AND kind=?",
                 (base_identity, calibration, block_bytes, kind),
             ).fetchone()
-        return None if row is None else fisher_from_bytes(row[0])
+        if row is None:
+            return None
+        try:
+            return fisher_from_bytes(row[0], f"{self.path}: sensitivity of base {base_identity[:12]}")
+        except InputError:
+            return None  # unreadable (an older format, or damaged): recomputed and replaced
 
     def _store_sensitivity(
         self, base_identity: str, calibration: str, block_bytes: int, kind: str, f: dict, seconds: float
@@ -859,6 +941,9 @@ def _analyze_stream(
         sks = {i: w for i, w in sketches.items() if i in stat_ids} if len(bt.shape) >= 2 else {}
         sk_start = {i: w.begin(bt.rows, row_numel, rpb) for i, w in sks.items() if i not in lora_ids}
         hashes = {e.identity: hashlib.sha256() for e in stat_readers}
+        blk_sha = {e.identity: [] for e in stat_readers if e.adapter is None}  # per-block digests
+        nonfinite = {e.identity: 0 for e in readers}
+        base_nonfinite = 0
         prow: dict[tuple[str, str], list[np.ndarray]] = {p: [] for p in pair_ids}
         lora_a: dict[str, np.ndarray] = {}  # per LoRA expert: this tensor's A, read once
         bh = hashlib.sha256()
@@ -868,6 +953,8 @@ def _analyze_stream(
             braw = storage.read_range(storage.join(base.uri, bt.file), s, t, "base")
             bh.update(braw)
             b = decode(braw, bt.dtype)
+            if not np.isfinite(b).all():
+                base_nonfinite += int(np.count_nonzero(~np.isfinite(b)))
             b64 = b.astype(np.float64) if stat_readers else None
             bsq = (b64 * b64).reshape(-1, row_numel).sum(axis=1) if stat_readers else None
             deltas = {}
@@ -879,14 +966,24 @@ def _analyze_stream(
                     )  # fmt: skip
                     if e.identity in held:
                         deltas[e.identity] = d
+                    if d is not None:
+                        nonfinite[e.identity] += int(np.count_nonzero(~np.isfinite(d)))
+                    elif e.identity in bs:  # δ is not kept: its blocks' Σδ² tell whether it is finite
+                        nonfinite[e.identity] += int(np.count_nonzero(~np.isfinite(bs[e.identity].sq[r0 // rpb :])))
                     continue
                 et = e.layout.tensors[name]
                 es, ee = et.row_range(r0, r1)
                 raw = storage.read_range(storage.join(e.uri, et.file), es, ee, "expert")
                 x = decode(raw, et.dtype)
                 d = (x - b).astype(np.float32, copy=False)
+                if not np.isfinite(d).all():
+                    nonfinite[e.identity] += int(np.count_nonzero(~np.isfinite(d)))
                 if e.identity in bs:
                     hashes[e.identity].update(raw)
+                    mv, rb = memoryview(raw), et.row_bytes
+                    blk_sha[e.identity] += [
+                        block_digest(mv[(q - r0) * rb : (min(q + rpb, r1) - r0) * rb]) for q in range(r0, r1, rpb)
+                    ]
                     bs[e.identity].add(r0, d, expert=x, base=b64, base_sq_rows=bsq)
                     if e.identity in sks:
                         sks[e.identity].add(r0, d)
@@ -896,18 +993,47 @@ def _analyze_stream(
                 prow[p].append(segment_dots(deltas[p[0]], deltas[p[1]], row_numel))
             if progress:
                 progress((t - s) * (1 + len(readers)))
+        _refuse_nonfinite(base, name, base_nonfinite, "base")
+        for e in readers:
+            _refuse_nonfinite(e, name, nonfinite[e.identity], "expert")
         base_digests[name] = bh.hexdigest()
         for e in stat_readers:
             st = bs[e.identity].finish(hashes[e.identity].hexdigest())
+            if e.identity in blk_sha:
+                st.block_sha = np.frombuffer(b"".join(blk_sha[e.identity]), dtype=np.uint8).reshape(
+                    -1, BLOCK_DIGEST_BYTES
+                )
             w = sks.get(e.identity)
             if w is not None and e.identity in sk_start:
                 st.sketch_start, st.sketch_sq = sk_start[e.identity], w.end()
+                st.sketch_sha = w.digests
             elif w is not None:  # a LoRA expert: no planes are coded (as before streaming)
                 st.sketch_start, st.sketch_sq = w.nbytes, np.zeros((0, PLANES))
             builders[e.identity][name] = st
         for p in pair_ids:
             dots[p][name] = exact_total(np.concatenate(prow[p])) if prow[p] else 0.0
     return builders, dots, base_digests
+
+
+def _refuse_nonfinite(rec: CheckpointRecord, tensor: str, count: int, role: str) -> None:
+    """Non-finite weights are refused at analyze, on every catalog (the rule of
+    docs/SECURITY.md): a NaN or ±Inf in a base or expert tensor (or a task vector overflowing
+    float32) would make the statistics, the plan and the merged tensor NaN.
+
+    Raises:
+        InputError: naming the checkpoint, the tensor and how many values are not finite.
+    """
+    if not count:
+        return
+    what = (
+        f"{count} non-finite value(s) (NaN or ±Inf)"
+        if not (role == "expert" and rec.adapter is not None)
+        else "non-finite values (NaN or ±Inf) in its LoRA delta"
+    )
+    raise InputError(
+        f"{rec.uri}: {role} tensor {tensor[:200]!r} holds {what} in its task vector; mergepipe refuses "
+        "non-finite weights (the merge would be NaN): fix or re-export the checkpoint, or leave it out."
+    )
 
 
 def _lora_blocks(storage, base, e, name, r0, r1, rpb, row_numel, b64, bsq, a_cache, h, builder, keep):

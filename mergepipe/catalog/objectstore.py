@@ -7,7 +7,7 @@ The operator plans in-process from these objects and never reads a checkpoint:
 * ``<prefix>/analyses/<base identity>/<expert identity>/<block bytes>-v<stats version>.zip``: one
   zip with ``meta.json`` and one entry per tensor holding its
   :class:`~mergepipe.catalog.stats.TensorStats` (numpy ``.npz`` bytes);
-* ``<prefix>/sensitivity/<base identity>/<calibration digest>/<block bytes>-<kind>.npz``: the base's
+* ``<prefix>/sensitivity/<base identity>/<calibration digest>/<block bytes>-<kind>-v2.npz``: the base's
   per-block sensitivity on a calibration set (:mod:`mergepipe.catalog.sensitivity`), written by
   ``mergepipe analyze --calibration`` (the operator's analyze Job).
 * ``<prefix>/sketches/<base identity>/<expert identity>/<block bytes>-v<stats version>.sketch``: the
@@ -41,6 +41,7 @@ from mergepipe.catalog.catalog import (
     record_layout_dict,
 )
 from mergepipe.catalog.stats import TensorStats
+from mergepipe.errors import InputError
 from mergepipe.storage.base import IOCounters, NotFoundError, PreconditionFailed, Storage, is_s3
 from mergepipe.storage.routing import open_storage
 
@@ -124,11 +125,8 @@ class ObjectCatalog(Catalog):
             data = self.storage.read_object(self._analysis_uri(base_identity, expert_identity, block_bytes), "catalog")
         except NotFoundError:
             return None
-        with zipfile.ZipFile(io.BytesIO(data)) as z:
-            meta = json.loads(z.read("meta.json"))
-            tensors = {
-                n: TensorStats.from_bytes(n, z.read(f"t/{i}"), meta["sha256"][n]) for i, n in enumerate(meta["tensors"])
-            }
+        uri = self._analysis_uri(base_identity, expert_identity, block_bytes)
+        meta, tensors = read_analysis_zip(data, uri)
         return Analysis(
             id=0,
             base_identity=base_identity,
@@ -142,7 +140,9 @@ class ObjectCatalog(Catalog):
 
     def sketch_uri(self, base: str, expert: str, block_bytes: int) -> str:
         """``<prefix>/sketches/<base identity>/<expert identity>/<block bytes>-v<stats version>.sketch``."""
-        return self.storage.join(self.prefix, "sketches", base, expert, f"{block_bytes}-v{STATS_VERSION}.sketch")
+        from mergepipe.planner.plan import sketch_name
+
+        return self.storage.join(self.prefix, sketch_name(base, expert, block_bytes, STATS_VERSION, objects=True))
 
     def _open_sketch(self, base: str, expert: str, block_bytes: int, spill_bytes: int) -> SketchSink:
         """A sink for an expert's sketch blob, written while it is analysed: an S3 multipart
@@ -154,7 +154,13 @@ class ObjectCatalog(Catalog):
             return WriterSketchSink(self.storage, uri, spill_bytes)
         return LocalSketchSink(uri[len("file://") :] if uri.startswith("file://") else uri, spill_bytes)
 
-    def _store(self, base, expert, block_bytes, stats, seconds, nread, sk: dict | None = None) -> int:
+    def _sketch_present(self, sk: dict) -> bool:
+        try:
+            return self.storage.stat(sk["uri"]).size == sk["bytes"]
+        except (NotFoundError, InputError):
+            return False
+
+    def _store(self, base, expert, block_bytes, stats, seconds, nread, sk: dict | None = None, replace=False) -> int:
         buf = io.BytesIO()
         names = list(stats)
         with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
@@ -178,7 +184,7 @@ class ObjectCatalog(Catalog):
                 z.writestr(f"t/{i}", stats[n].to_bytes())
         try:
             self.storage.put_object(
-                self._analysis_uri(base, expert, block_bytes), buf.getvalue(), "catalog", if_none_match=True
+                self._analysis_uri(base, expert, block_bytes), buf.getvalue(), "catalog", if_none_match=not replace
             )
         except PreconditionFailed:
             pass  # another analyzer stored the same (identity-keyed) analysis first
@@ -204,7 +210,8 @@ class ObjectCatalog(Catalog):
 
     # sensitivity (planner value "fisher"): immutable, keyed by base and calibration identity
     def _sensitivity_uri(self, base: str, calibration: str, block_bytes: int, kind: str) -> str:
-        return self.storage.join(self.prefix, "sensitivity", base, calibration, f"{block_bytes}-{kind}.npz")
+        # -v2: names without pickle (mergepipe.catalog.sensitivity.fisher_to_bytes); older objects are ignored
+        return self.storage.join(self.prefix, "sensitivity", base, calibration, f"{block_bytes}-{kind}-v2.npz")
 
     def find_sensitivity(self, base_identity: str, calibration: str, block_bytes: int, kind: str = "fisher"):
         from mergepipe.catalog.sensitivity import fisher_from_bytes
@@ -215,7 +222,7 @@ class ObjectCatalog(Catalog):
             )
         except NotFoundError:
             return None
-        return fisher_from_bytes(data)
+        return fisher_from_bytes(data, self._sensitivity_uri(base_identity, calibration, block_bytes, kind))
 
     def _store_sensitivity(self, base_identity: str, calibration: str, block_bytes: int, kind: str, f, seconds) -> None:
         from mergepipe.catalog.sensitivity import fisher_to_bytes
@@ -229,6 +236,67 @@ class ObjectCatalog(Catalog):
             )
         except PreconditionFailed:
             pass  # identity-keyed: another analyzer stored the same statistic first
+
+
+def read_analysis_zip(data: bytes, source: str) -> tuple[dict, dict[str, TensorStats]]:
+    """Parse an analysis object (a zip of ``meta.json`` and ``t/<i>`` statistics blobs), read
+    back from shared storage: untrusted. Before inflating anything, the member count is capped
+    (:data:`~mergepipe.limits.MAX_ANALYSIS_MEMBERS`) and every member's declared size must stay
+    within :data:`~mergepipe.limits.MAX_INFLATE_RATIO` times its compressed size plus
+    :data:`~mergepipe.limits.ANALYSIS_MEMBER_SLACK` (``zipfile`` never inflates past the
+    declared size); ``meta.json`` is checked field by field and each blob by
+    :meth:`TensorStats.from_bytes`.
+
+    Returns:
+        (meta, ``{tensor: TensorStats}``).
+
+    Raises:
+        InputError: naming ``source``, what is wrong and the fix (delete the object, or
+            ``mergepipe analyze --force``, which replaces it).
+    """
+    from mergepipe.limits import ANALYSIS_MEMBER_SLACK, MAX_ANALYSIS_MEMBERS, MAX_INFLATE_RATIO, loads_json
+
+    fix = "; run `mergepipe analyze --force` for this base and expert to replace it"
+
+    def bad(why: str) -> InputError:
+        return InputError(f"{source}: not a valid analysis object ({why}){fix}.")
+
+    try:
+        z = zipfile.ZipFile(io.BytesIO(data))
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        raise bad(f"not a zip: {str(e)[:80]}") from None
+    with z:
+        infos = z.infolist()
+        if len(infos) > MAX_ANALYSIS_MEMBERS:
+            raise bad(f"{len(infos)} members, over the limit of {MAX_ANALYSIS_MEMBERS}")
+        for info in infos:
+            if info.file_size > MAX_INFLATE_RATIO * info.compress_size + ANALYSIS_MEMBER_SLACK:
+                raise bad(
+                    f"member {info.filename[:80]!r} inflates {info.compress_size} bytes to {info.file_size}, over "
+                    f"{MAX_INFLATE_RATIO}x + {ANALYSIS_MEMBER_SLACK} bytes: a zip bomb or damaged"
+                )
+        try:
+            meta = loads_json(z.read("meta.json"), f"{source}: meta.json")
+            names, sha = meta["tensors"], meta["sha256"]
+            if not (
+                isinstance(names, list)
+                and isinstance(sha, dict)
+                and all(isinstance(n, str) and isinstance(sha.get(n), str) for n in names)
+                and isinstance(meta.get("seconds"), (int, float))
+                and isinstance(meta.get("bytes_read"), int)
+                and (meta.get("sketch") is None or isinstance(meta["sketch"], dict))
+            ):
+                raise ValueError("meta.json fields of the wrong type")
+            if meta["sketch"] is not None and not (
+                isinstance(meta["sketch"].get("uri"), str) and isinstance(meta["sketch"].get("bytes"), int)
+            ):
+                raise ValueError("meta.json sketch record of the wrong type")
+            tensors = {n: TensorStats.from_bytes(n, z.read(f"t/{i}"), sha[n]) for i, n in enumerate(names)}
+        except InputError:
+            raise
+        except (KeyError, ValueError, TypeError, zipfile.BadZipFile, OSError, EOFError) as e:
+            raise bad(f"{type(e).__name__}: {str(e)[:80]}") from None
+    return meta, tensors
 
 
 def open_catalog(location: str | None):

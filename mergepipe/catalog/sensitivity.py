@@ -269,12 +269,34 @@ def compute_fisher(
 
 
 def fisher_to_bytes(f: dict[str, np.ndarray]) -> bytes:
+    """``{tensor: float64[n_blocks]}`` as ``.npz`` bytes: arrays ``t<i>`` and the tensor names as
+    UTF-8 JSON in a uint8 array ``names_json`` (no object arrays: reading needs no pickle)."""
     buf = io.BytesIO()
-    arrays: dict[str, Any] = {f"t{i}": v for i, v in enumerate(f.values())}
-    np.savez(buf, **arrays, names=np.array(list(f), dtype=object))
+    arrays: dict[str, Any] = {f"t{i}": np.asarray(v, dtype=np.float64) for i, v in enumerate(f.values())}
+    names = np.frombuffer(json.dumps(list(f)).encode(), dtype=np.uint8)
+    np.savez(buf, **arrays, names_json=names)
     return buf.getvalue()
 
 
-def fisher_from_bytes(data: bytes) -> dict[str, np.ndarray]:
-    z = np.load(io.BytesIO(data), allow_pickle=True)
-    return {str(n): z[f"t{i}"] for i, n in enumerate(z["names"])}
+def fisher_from_bytes(data: bytes, source: str = "sensitivity") -> dict[str, np.ndarray]:
+    """Parse :func:`fisher_to_bytes` output, read back from the catalog (untrusted: loaded
+    without pickle, every array checked to be a 1-D float64 vector).
+
+    Raises:
+        InputError: naming ``source``: not such a blob (truncated, other bytes, or written by a
+            mergepipe before 2026-11 with pickled names); re-run analyze with the calibration.
+    """
+    try:
+        z = np.load(io.BytesIO(data), allow_pickle=False)
+        names = json.loads(bytes(z["names_json"]).decode())
+        out = {str(n): z[f"t{i}"] for i, n in enumerate(names)}
+        if not all(isinstance(n, str) for n in names) or any(
+            v.ndim != 1 or v.dtype != np.float64 for v in out.values()
+        ):
+            raise ValueError("arrays of the wrong kind")
+    except Exception as e:
+        raise InputError(
+            f"{source}: not a sensitivity blob of this mergepipe ({type(e).__name__}); delete it and re-run "
+            "`mergepipe analyze --calibration ...` to recompute it."
+        ) from None
+    return out

@@ -40,6 +40,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from mergepipe.catalog.stats import BLOCK_DIGEST_BYTES, block_digest
+
 #: sign planes recorded per block
 PLANES = 3
 #: ``--sketch`` values: ``none`` (read or skip) or ``signK`` (levels up to K planes may be read)
@@ -192,6 +194,9 @@ class SketchWriter:
 
     Attributes:
         nbytes: bytes written so far. sha256: ``hashlib`` SHA-256 of those bytes.
+        digests: after :meth:`end`, uint8 ``[n_blocks, PLANES, 16]``: the content digest
+            (:func:`~mergepipe.catalog.stats.block_digest`) of each block's bytes of each plane
+            of the tensor just ended (``TensorStats.sketch_sha``; the engine checks what it reads).
     """
 
     def __init__(self, write: Callable[[bytes], object], spill_bytes: int, spill_dir: str | None = None) -> None:
@@ -205,6 +210,8 @@ class SketchWriter:
         self._resid: list[np.ndarray] = []
         self._next_row = 0
         self._plane_bytes = 0
+        self._digests: list[bytes] = []
+        self.digests = np.zeros((0, PLANES, BLOCK_DIGEST_BYTES), dtype=np.uint8)
 
     def _emit(self, data: bytes) -> None:
         self._write(data)
@@ -225,6 +232,7 @@ class SketchWriter:
             tempfile.SpooledTemporaryFile(max_size=self.spill_each, dir=self.spill_dir) for _ in range(PLANES - 1)
         ]
         self._resid, self._next_row, self._plane_bytes = [], 0, 0
+        self._digests = []
         return self.nbytes
 
     def add(self, row0: int, delta: np.ndarray) -> None:
@@ -247,6 +255,7 @@ class SketchWriter:
             for f, b in zip(self._spools, parts[1:]):
                 f.write(b)
             self._resid.append(e)
+            self._digests.append(b"".join(block_digest(b) for b in parts))
         self._next_row = row0 + d.shape[0]
 
     def end(self) -> np.ndarray:
@@ -272,7 +281,8 @@ class SketchWriter:
         finally:
             self.discard()
         resid = np.asarray(self._resid, dtype=np.float64).reshape(-1, PLANES)
-        self._cur, self._resid = None, []
+        self.digests = np.frombuffer(b"".join(self._digests), dtype=np.uint8).reshape(-1, PLANES, BLOCK_DIGEST_BYTES)
+        self._cur, self._resid, self._digests = None, [], []
         return resid
 
     def discard(self) -> None:

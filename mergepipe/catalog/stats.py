@@ -20,12 +20,22 @@ Everything is numpy: the planner and the operator use these without torch.
 
 from __future__ import annotations
 
+import hashlib
 import io
 from dataclasses import dataclass
 
 import numpy as np
 
 from mergepipe.numerics import N_KEYS, N_OCT, OCT_SHIFT, exact_total, key_value, magnitude_keys, trim_min_key
+
+#: bytes kept of each block's SHA-256 (128 bits: a forged block needs a second preimage, 2^128 work)
+BLOCK_DIGEST_BYTES = 16
+
+
+def block_digest(data: bytes | memoryview) -> bytes:
+    """The content digest of one block's bytes: the first :data:`BLOCK_DIGEST_BYTES` bytes of
+    its SHA-256 (``hashlib`` releases the GIL while hashing, so reader threads hash in parallel)."""
+    return hashlib.sha256(data).digest()[:BLOCK_DIGEST_BYTES]
 
 
 @dataclass
@@ -52,6 +62,12 @@ class TensorStats:
             (:mod:`mergepipe.catalog.sketch`); -1: no sketch (1-D tensors, older analyses).
         sketch_sq: float64[nb, planes] residual energy ``Σ (δ − δ̂_k)²`` of each block after
             each sign plane ``k`` (None: no sketch).
+        block_sha: uint8[nb, 16]: the first 16 bytes of the SHA-256 of each block's raw expert
+            bytes (:data:`BLOCK_DIGEST_BYTES`), so the engine can check the blocks it reads
+            (a partial read of a tensor cannot be checked against ``content_sha256``); None: not
+            recorded (a LoRA adapter, analyses before stats version 4).
+        sketch_sha: uint8[nb, planes, 16]: the same for each block's bytes of each sign plane
+            in the sketch blob (None: no sketch).
     """
 
     name: str
@@ -70,6 +86,8 @@ class TensorStats:
     sums: np.ndarray | None = None
     sketch_start: int = -1
     sketch_sq: np.ndarray | None = None
+    block_sha: np.ndarray | None = None
+    sketch_sha: np.ndarray | None = None
 
     @property
     def has_sketch(self) -> bool:
@@ -188,13 +206,53 @@ class TensorStats:
             hist_counts=self.hist_counts,
             sketch_start=np.array([self.sketch_start if self.has_sketch else -1], dtype=np.int64),
             sketch_sq=self.sketch_sq if self.sketch_sq is not None else np.zeros((0, 0)),
+            block_sha=self.block_sha if self.block_sha is not None else np.zeros((0, BLOCK_DIGEST_BYTES), np.uint8),
+            sketch_sha=(
+                self.sketch_sha if self.sketch_sha is not None else np.zeros((0, 0, BLOCK_DIGEST_BYTES), np.uint8)
+            ),
         )
         return buf.getvalue()
 
     @classmethod
     def from_bytes(cls, name: str, data: bytes, content_sha256: str = "") -> TensorStats:
-        z = np.load(io.BytesIO(data))
+        """Parse :meth:`to_bytes` output (a catalog blob: untrusted, read back from storage).
+
+        Raises:
+            ValueError: not a statistics blob of a tensor (truncated, other bytes, arrays of
+                the wrong kind or shape); the catalog turns it into a one-line error.
+        """
+        try:
+            st = cls._parse(name, data, content_sha256)
+        except ValueError:
+            raise
+        except Exception as e:  # zipfile.BadZipFile, KeyError, OSError, EOFError, TypeError ...
+            raise ValueError(f"not a statistics blob ({type(e).__name__}: {str(e)[:80]})") from None
+        nb = len(st.sq_norm)
+        shapes_ok = (
+            st.numel >= 0
+            and st.rows_per_block > 0
+            and nb >= 1
+            and st.block_numel.shape == (nb,)
+            and st.l1.shape == (nb,)
+            and st.max_abs.shape == (nb,)
+            and st.oct_count.ndim == 2
+            and st.oct_count.shape[0] == nb
+            and st.oct_energy.shape == st.oct_count.shape
+            and st.hist_keys.shape == st.hist_counts.shape
+            and (st.block_sha is None or st.block_sha.shape == (nb, BLOCK_DIGEST_BYTES))
+            and (st.sketch_sq is None or (st.sketch_sq.ndim == 2 and st.sketch_sq.shape[0] in (0, nb)))
+            and (st.sketch_sha is None or st.sketch_sha.shape[::2] == (nb, BLOCK_DIGEST_BYTES))
+        )
+        if not shapes_ok:
+            raise ValueError("statistics arrays of inconsistent shapes")
+        return st
+
+    @classmethod
+    def _parse(cls, name: str, data: bytes, content_sha256: str) -> TensorStats:
+        z = np.load(io.BytesIO(data), allow_pickle=False)
         numel, rpb, oct_lo = (int(x) for x in z["meta"])
+        bsha = z["block_sha"] if "block_sha" in z.files and len(z["block_sha"]) else None
+        ssha = z["sketch_sha"] if "sketch_sha" in z.files and len(z["sketch_sha"]) else None
         return cls(
             name=name,
             numel=numel,
@@ -212,6 +270,8 @@ class TensorStats:
             sums=z["sums"] if "sums" in z.files else np.full(4, np.nan),
             sketch_start=int(z["sketch_start"][0]) if "sketch_start" in z.files else -1,
             sketch_sq=z["sketch_sq"] if "sketch_sq" in z.files and int(z["sketch_start"][0]) >= 0 else None,
+            block_sha=None if bsha is None else np.asarray(bsha, dtype=np.uint8),
+            sketch_sha=None if ssha is None else np.asarray(ssha, dtype=np.uint8),
         )
 
 

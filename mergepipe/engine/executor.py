@@ -54,7 +54,7 @@ from mergepipe.engine.writer import (
 from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import DTYPES, INDEX_NAME, config_with_dtype, index_json, needs_index_file
 from mergepipe.methods.registry import get_method
-from mergepipe.planner.plan import Plan
+from mergepipe.planner.plan import Plan, sketch_location
 from mergepipe.storage.base import NotFoundError, Storage
 
 DEFAULT_PREFETCH_BYTES = 256 * 1024 * 1024
@@ -108,10 +108,10 @@ def verify_inputs(plan: Plan, storage: Storage) -> None:
                     f"{uri}: changed since it was analyzed (size {size} -> {st.size}); the catalog is "
                     "stale. Re-run `mergepipe merge` (or analyze + plan) to re-analyze it."
                 )
-    for ref in plan.experts:  # block sketches the plan reads (content digest in the plan; size checked here)
+    for i, ref in enumerate(plan.experts):  # block sketches the plan reads (size here; content as read)
         if not ref.sketch:
             continue
-        uri = ref.sketch["uri"]
+        uri = storage.join(*sketch_location(plan, i, f"plan: experts[{i}].sketch.uri"))
         try:
             size = storage.stat(uri).size
         except NotFoundError:
@@ -120,7 +120,8 @@ def verify_inputs(plan: Plan, storage: Storage) -> None:
             raise InputError(
                 f"{uri}: the block sketches of expert {ref.name!r} are "
                 + ("missing" if size is None else f"{size} bytes, the plan expects {ref.sketch['bytes']}")
-                + "; re-run `mergepipe analyze` and re-plan, or plan with --sketch none."
+                + "; re-run `mergepipe analyze --force` for it and re-plan (or re-run `mergepipe merge`, which "
+                "re-creates missing sketches), or plan with --sketch none."
             )
 
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mergepipe.engine.checks import check_expert_runs, check_sketch_plane
 from mergepipe.engine.worklist import WorkItem, base_byte_range, expert_runs, n_rows, row_bytes
 from mergepipe.formats.safetensors import DTYPES
-from mergepipe.planner.plan import Plan
+from mergepipe.planner.plan import Plan, sketch_location
 from mergepipe.storage.base import Storage
 
 Buffer = bytes | memoryview
@@ -73,9 +74,9 @@ def fetch_inputs(plan: Plan, storage: Storage, it: WorkItem) -> ChunkInputs:
             experts.append([(run, LoraBytes(bufs[0], buf)) for run, buf in zip(runs, bufs[1:], strict=True)])
             continue
         rngs = [(te.start + a * rb, te.start + b * rb) for a, b in runs]
-        bufs = storage.read_ranges(
-            storage.join(plan.experts[te.expert].uri, te.file), rngs, "expert", max_gap=plan.coalesce_gap
-        )
+        uri = storage.join(plan.experts[te.expert].uri, te.file)
+        bufs = storage.read_ranges(uri, rngs, "expert", max_gap=plan.coalesce_gap)
+        check_expert_runs(te, tp.name, plan.experts[te.expert].name, uri, tp.rows_per_block, rb, runs, bufs)
         parts: list = list(zip(runs, bufs, strict=True))
         if te.sketch_blocks:
             parts = sorted(parts + sketch_parts(plan, storage, tp, te, it.r0, it.r1, base), key=lambda p: p[0][0])
@@ -107,7 +108,15 @@ def sketch_parts(plan: Plan, storage: Storage, tp, te, r0: int, r1: int, base: B
         rngs += [(te.sketch_start + p * plane + lo, te.sketch_start + p * plane + hi) for p in range(k)]
     if not runs:
         return []
-    bufs = storage.read_ranges(plan.experts[te.expert].sketch["uri"], rngs, "expert", max_gap=0)
+    root, name = sketch_location(plan, te.expert, f"plan: experts[{te.expert}].sketch.uri")
+    uri = storage.join(root, name)
+    bufs = storage.read_ranges(uri, rngs, "expert", max_gap=0)
+    q = 0
+    for (a, z), k in runs:  # every plane's bytes checked before any is decoded
+        for p in range(k):
+            blocks = range(a // rpb, -(-z // rpb))
+            check_sketch_plane(te, tp.name, plan.experts[te.expert].name, uri, blocks, p, bufs[q], offs)
+            q += 1
     b = decode(base, tp.dtype).astype(np.float32, copy=False)
     out, q = [], 0
     for (a, z), k in runs:

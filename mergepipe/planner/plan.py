@@ -101,6 +101,13 @@ class TensorExpert(BaseModel):
         sketch_start: first byte of this tensor's blocks in the expert's sketch blob (-1: none).
         sketch_bytes: sketch bytes of ``sketch_blocks`` (one pass); ``kept_energy`` includes
             the energy they keep.
+        block_digests: hex, 32 characters per block of ``blocks`` (in run order): the content
+            digest (:func:`mergepipe.catalog.stats.block_digest`) the catalog recorded for the
+            block's expert bytes; the engine refuses a block read with other bytes. Empty for
+            a LoRA expert (its factors are not block-aligned).
+        sketch_digests: hex, 32 characters per (run, plane, block) of ``sketch_blocks`` in that
+            order (the planes ``0..k-1`` of a run read at level ``k``): the digests of the sketch
+            bytes the engine reads.
     """
 
     expert: int
@@ -124,6 +131,8 @@ class TensorExpert(BaseModel):
     sketch_levels: list[int] = Field(default_factory=list)
     sketch_start: int = -1
     sketch_bytes: int = 0
+    block_digests: str = ""
+    sketch_digests: str = ""
 
 
 class TensorPlan(BaseModel):
@@ -247,15 +256,16 @@ class Plan(BaseModel):
                 if te.get("lora") is None:  # (full checkpoints digest as before LoRA experts existed)
                     te.pop("lora", None)
                 if not te.get("sketch_blocks"):  # plans without sketches digest as before tiers existed
-                    for f in ("sketch_blocks", "sketch_levels", "sketch_start", "sketch_bytes"):
+                    for f in ("sketch_blocks", "sketch_levels", "sketch_start", "sketch_bytes", "sketch_digests"):
                         te.pop(f, None)
+                if not te.get("block_digests"):
+                    te.pop("block_digests", None)
         for e in d["experts"]:
             if e.get("adapter") is None:
                 e.pop("adapter", None)
             if e.get("sketch") is None:
                 e.pop("sketch", None)
-            else:  # the sketch is identified by its content; where a catalog keeps it is not semantic
-                e["sketch"].pop("uri", None)
+            # (a sketch's uri is semantic: it is read, and checked by the path policy and content)
         if not d["io"].get("sketch_read_bytes"):
             d["io"].pop("sketch_read_bytes", None)
         if d.get("sketch") is None:
@@ -292,4 +302,55 @@ class Plan(BaseModel):
                 check_name(te.file, f"{source}: tensors[{i}].experts[{j}].file", flat=True)
         for i, f in enumerate(p.extra_files):
             check_name(f, f"{source}: extra_files[{i}]", flat=True)
+        for i, ref in enumerate(p.experts):
+            if ref.sketch is not None:
+                sketch_location(p, i, f"{source}: experts[{i}].sketch.uri")
         return p
+
+
+def sketch_name(base_identity: str, expert_identity: str, block_bytes: int, version: int, objects: bool) -> str:
+    """The name of an expert's sketch blob under its catalog's root: ``sketches/<base
+    identity>/<expert identity>-<block bytes>-v<version>.sketch`` (SQLite catalog: the root is
+    the SQLite file's folder) or ``sketches/<base identity>/<expert identity>/<block
+    bytes>-v<version>.sketch`` (object catalog: the root is its prefix)."""
+    if objects:
+        return f"sketches/{base_identity}/{expert_identity}/{block_bytes}-v{version}.sketch"
+    return f"sketches/{base_identity}/{expert_identity}-{block_bytes}-v{version}.sketch"
+
+
+def sketch_location(plan: Plan, i: int, where: str) -> tuple[str, str]:
+    """``(catalog root, name)`` of expert ``i``'s sketch blob in ``plan``: its ``uri`` must be a
+    catalog root followed by :func:`sketch_name` of this plan's base, this expert and the plan's
+    block size (a sketch of another expert or checkpoint, or any other file, is refused), and the
+    name passes the path policy (:func:`mergepipe.paths.check_name`) like every catalog name.
+    The engine reads ``Storage.join(root, name)`` and checks the bytes against the plan's
+    per-block digests.
+
+    Raises:
+        InputError: naming ``where``: the uri is not this expert's sketch location.
+    """
+    from mergepipe.paths import check_name
+
+    e = plan.experts[i]
+    uri = str((e.sketch or {}).get("uri", ""))
+    for objects in (False, True):
+        suffix = "/" + sketch_name(plan.base.identity, e.identity, plan.block_bytes, _stats_version(uri), objects)
+        if uri.endswith(suffix) and len(uri) > len(suffix):
+            root = uri[: -len(suffix)]
+            check_name(suffix[1:], where)
+            scheme, _, rest = root.partition("://") if "://" in root else ("", "", root)
+            inner = rest.lstrip("/").split("/", 1)[1] if scheme and "/" in rest.lstrip("/") else rest.lstrip("/")
+            if inner and ("//" in inner or any(seg in (".", "..") for seg in inner.split("/"))):
+                break
+            return root, suffix[1:]
+    raise InputError(
+        f"{where}: {uri[:200]!r} is not the catalog location of the sketches of expert {e.name!r} against this "
+        "base (sketches/<base identity>/<expert identity>...); re-plan from the catalog."
+    )
+
+
+def _stats_version(uri: str) -> int:
+    """The ``v<N>`` of a sketch blob name (0 when absent)."""
+    tail = uri.rsplit("-v", 1)[-1]
+    num = tail[: -len(".sketch")] if tail.endswith(".sketch") else ""
+    return int(num) if num.isdigit() and len(num) < 6 else 0

@@ -39,6 +39,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import numpy as np
 
@@ -574,9 +575,21 @@ def make_plan(
         te.blocks = ([(0, tensors[c.tensor].n_blocks)] if len(idx) else []) if c.lora else _runs(idx)
         te.bytes = int(c.cost[idx].sum())
         te.kept_energy = float(c.value[idx].sum())
+        st_c = analyses[c.expert].tensors[infos[c.tensor].name]
+        if not c.lora and len(idx):
+            te.block_digests = _digests_hex(st_c.block_sha, idx, analyses[c.expert], infos[c.tensor].name)
         if tiers and c.svalue is not None and c.scost is not None:
             lv = level[offs[j] : offs[j + 1]]
             te.sketch_blocks, te.sketch_levels = _level_runs(lv)
+            if te.sketch_blocks:
+                sha = st_c.sketch_sha
+                if sha is None:
+                    _no_digests(analyses[c.expert], infos[c.tensor].name)
+                te.sketch_digests = "".join(
+                    sha[b0:b1, p].tobytes().hex()
+                    for (b0, b1), k in zip(te.sketch_blocks, te.sketch_levels)
+                    for p in range(k)
+                )
             sidx = np.nonzero(lv)[0]
             te.sketch_bytes = int((c.scost[sidx] * lv[sidx]).sum())
             te.kept_energy += float(c.svalue[sidx, lv[sidx] - 1].sum())
@@ -988,6 +1001,20 @@ def _select_tiers(
             kept += float(dy[k])
     exact = tier == T - 1
     return exact, np.where(exact, 0, tier)
+
+
+def _digests_hex(sha: np.ndarray | None, idx: np.ndarray, a: Analysis, tensor: str) -> str:
+    """Hex of the recorded content digests of blocks ``idx`` (``TensorStats.block_sha``)."""
+    if sha is None:
+        _no_digests(a, tensor)
+    return sha[idx].tobytes().hex()
+
+
+def _no_digests(a: Analysis, tensor: str) -> NoReturn:
+    raise InputError(
+        f"catalog: the analysis of expert {a.expert_identity[:12]} has no block content digests for tensor "
+        f"{tensor[:200]!r} (an older or damaged analysis); re-run `mergepipe analyze --force` for it and re-plan."
+    )
 
 
 def _sketch_ref(a: Analysis) -> dict | None:
