@@ -849,7 +849,13 @@ def commit(
     out: Annotated[str, typer.Option("--out", "-o", help="Snapshot folder or s3:// prefix")],
     run: RunOpt = None,
     parts: Annotated[
-        Optional[int], typer.Option("--parts", min=1, help="N of the parts (default: from the run's part records)")
+        Optional[int],
+        typer.Option(
+            "--parts",
+            min=1,
+            max=10_000,  # mergepipe.engine.partition.MAX_PARTS, checked before the parts are computed
+            help="N of the parts (default: from the run's part records)",
+        ),
     ] = None,
     unsafe_single_writer: UnsafeOpt = False,
     json_out: JsonOpt = False,

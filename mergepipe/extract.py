@@ -76,8 +76,11 @@ def extract_lora(
         The report written to ``out/extract_report.json`` (see the module docstring).
 
     Raises:
-        InputError: a bad rank or dtype, ``out`` exists, the checkpoints' tensors differ in
-            names or shapes, or nothing linear changed — before anything is written.
+        InputError: a bad rank or dtype, ``out`` exists, is not a local path, lies inside the
+            snapshot or the base, or cannot be created there (a parent that is a file, an
+            unwritable folder, a name too long: :func:`mergepipe.commit.manifest.check_output`),
+            the checkpoints' tensors differ in names or shapes, or nothing linear changed —
+            before anything is written (the first four before anything is read).
     """
     import numpy as np
     import torch
@@ -90,9 +93,19 @@ def extract_lora(
         raise InputError(f"--rank {rank!r}: must be a positive integer, e.g. 16.")
     if dtype not in FACTOR_DTYPES:
         raise InputError(f"--dtype {dtype!r}: use one of {', '.join(FACTOR_DTYPES)}.")
+    if "://" in str(out):
+        raise InputError(
+            f"--out {out}: extract-lora writes a local adapter folder; give a local path and copy the folder "
+            "to object storage afterwards."
+        )
     outp = Path(out)
     if outp.exists() or outp.is_symlink():
         raise InputError(f"--out {out}: already exists; extract-lora writes a new folder (remove it or pick another).")
+    from mergepipe.commit.manifest import check_output
+
+    # before any byte is read or any SVD computed: a parent that is a file, an unwritable folder,
+    # a name too long for the filesystem, or a folder inside the snapshot or the base
+    check_output(outp, None, inputs=[snapshot, base])
     t0 = time.perf_counter()
     bl = load_layout(storage, base, role="catalog")
     sl = load_layout(storage, snapshot, role="catalog")

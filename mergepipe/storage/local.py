@@ -140,8 +140,11 @@ class LocalStorage(Storage):
     def stat(self, uri: str) -> ObjectStat:
         try:
             st = os.stat(_path(uri))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             raise NotFoundError(f"{uri}: no such file") from None
+        except OSError as e:  # a name too long, a loop of links, no permission: one line, not a traceback
+            shown = uri if len(uri) <= 200 else uri[:120] + "..." + uri[-60:]
+            raise StorageError(f"{shown}: cannot be read ({e.strerror}); check the path.") from None
         if not os.path.isfile(_path(uri)):
             raise NotFoundError(f"{uri}: not a regular file")
         return ObjectStat(size=st.st_size, version=str(st.st_mtime_ns))
