@@ -112,6 +112,10 @@ class Settings:
     search_service_account: str = "mergepipe-search-driver"
     search_driver_cpu: str = "2"
     search_driver_memory: str = "8Gi"
+    #: Secret (in each search's namespace) with the S3 keys of the evaluation Jobs, which run the
+    #: tenant's evaluator command (chart ``search.evaluator.credentialsSecret``): keys that may only
+    #: read the candidates' snapshots and write the metrics objects. None: the merge Jobs' Secret.
+    eval_s3_secret_name: str | None = None
     #: seconds between reads of a running search's results (status mirroring)
     search_poll_seconds: int = 30
     # Kueue: the LocalQueue of Jobs whose ModelMerge/MergeSearch names none (label
@@ -194,6 +198,7 @@ class Settings:
             search_service_account=_opt(env, "SEARCH_SERVICE_ACCOUNT") or d.search_service_account,
             search_driver_cpu=_opt(env, "SEARCH_DRIVER_CPU") or d.search_driver_cpu,
             search_driver_memory=_opt(env, "SEARCH_DRIVER_MEMORY") or d.search_driver_memory,
+            eval_s3_secret_name=_opt(env, "EVAL_S3_SECRET_NAME"),
             search_poll_seconds=_int(env, "SEARCH_POLL_SECONDS", d.search_poll_seconds),
             queue_name=_opt(env, "QUEUE_NAME"),
             kueue_admission_check=_bool(env, "KUEUE_ADMISSION_CHECK"),

@@ -559,6 +559,12 @@ def test_images_are_pinnable_by_digest(chart):
         chart.validate_schema({"image": {"digest": "sha256:short"}})
 
 
+def test_the_evaluators_secret_reaches_the_operator(chart):
+    assert settings_from(deployment(render(chart, {}))).eval_s3_secret_name is None
+    s = settings_from(deployment(render(chart, {"search": {"evaluator": {"credentialsSecret": "search-eval-s3"}}})))
+    assert s.eval_s3_secret_name == "search-eval-s3"
+
+
 def test_metrics_bind_address_reaches_the_operator(chart):
     s = settings_from(deployment(render(chart, {"metrics": {"bindAddress": "127.0.0.1"}})))
     assert (s.metrics_port, s.metrics_bind_address) == (9090, "127.0.0.1")

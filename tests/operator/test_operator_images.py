@@ -132,3 +132,18 @@ def test_a_search_naming_a_refused_image_starts_nothing(settings):
     assert kube.list(JOBS, "team-llm") == []
     with pytest.raises(ValueError, match="merges.allowedImages"):
         sd.eval_job_template(ms, settings)
+
+
+def test_the_evaluator_runs_with_its_own_scoped_keys_when_the_chart_names_them(settings):
+    """The evaluation Job runs the tenant's command: with search.evaluator.credentialsSecret its
+    S3 keys come from that Secret, never from the merge Jobs' (nor from a spec.s3 override); the
+    driver and the candidates keep theirs."""
+    s = dataclasses.replace(settings, eval_s3_secret_name="search-eval-s3")
+    ms = search(s3={"credentialsSecretRef": {"name": "team-s3"}})
+    ev = sd.eval_job_template(ms, s)["spec"]["template"]["spec"]["containers"][0]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in ev["env"] if "valueFrom" in e}
+    assert refs == {"AWS_ACCESS_KEY_ID": "search-eval-s3", "AWS_SECRET_ACCESS_KEY": "search-eval-s3"}
+    drv = sd.build_driver_job(ms, s)["spec"]["template"]["spec"]["containers"][0]
+    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in drv["env"] if "valueFrom" in e} == {"team-s3"}
+    ev0 = sd.eval_job_template(ms, settings)["spec"]["template"]["spec"]["containers"][0]
+    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in ev0["env"] if "valueFrom" in e} == {"team-s3"}

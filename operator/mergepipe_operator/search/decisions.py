@@ -325,7 +325,10 @@ def eval_job_template(ms: Mapping[str, Any], settings: Settings) -> dict[str, An
     merge Job's image, security settings and Secret-only credentials, the search's
     ``spec.resources`` (GPUs as the candidates' merge Jobs get them), no ServiceAccount token
     (the user's command runs here), owned by the MergeSearch. Its image is ``spec.image`` when
-    the chart's ``merges.allowedImages`` admits it, else the operator's merger image.
+    the chart's ``merges.allowedImages`` admits it, else the operator's merger image. Its S3 keys
+    are ``settings.eval_s3_secret_name``'s when the chart names one (keys scoped to reading the
+    candidates' snapshots and writing the metrics: the tenant's command runs with them), else the
+    merge Jobs' (``spec.s3.credentialsSecretRef`` or the chart's Secret).
 
     Raises:
         ValueError: ``spec.image`` is not admitted (:func:`search_image_issue`; the reconciler
@@ -343,6 +346,16 @@ def eval_job_template(ms: Mapping[str, Any], settings: Settings) -> dict[str, An
         LABEL_SEARCH: label_value(name),
     }
     annotations = {ANN_SEARCH: name, ANN_GENERATION: str(int(meta.get("generation") or 0))}
+    if settings.eval_s3_secret_name:
+        spec = dict(ms.get("spec") or {})
+        s3 = dict(spec.get("s3") or {})
+        s3["credentialsSecretRef"] = {
+            "name": settings.eval_s3_secret_name,
+            "accessKeyIdKey": settings.s3_access_key_id_key,
+            "secretAccessKeyKey": settings.s3_secret_access_key_key,
+        }
+        spec["s3"] = s3
+        ms = {**ms, "spec": spec}
     return worker_job(
         ms,
         dns_label(name, "e0000"),
