@@ -36,6 +36,22 @@ HEADER = (
 )
 
 
+def _project_requires() -> list[str]:
+    """mergepipe's requirements as ``Requires-Dist`` lines, from the checkout's pyproject.toml
+    (each extra's requirements with ``extra == "<name>"`` markers)."""
+    import tomllib
+
+    project = tomllib.loads((HERE.parent / "pyproject.toml").read_text())["project"]
+    out = list(project.get("dependencies") or [])
+    for extra, reqs in (project.get("optional-dependencies") or {}).items():
+        for r in reqs:
+            req = Requirement(r)
+            marker = f'extra == "{extra}"' + (f" and ({req.marker})" if req.marker else "")
+            req.marker = None
+            out.append(f"{req}; {marker}")
+    return out
+
+
 def closure(extras: tuple[str, ...], provided: tuple[str, ...]) -> dict[str, str]:
     """``{canonical name: version}`` of every installed distribution ``mergepipe[extras]`` needs,
     without ``mergepipe`` itself and without ``provided`` and what only they need.
@@ -52,10 +68,13 @@ def closure(extras: tuple[str, ...], provided: tuple[str, ...]) -> dict[str, str
         if (name, ex) in seen:
             continue
         seen.add((name, ex))
-        dist = metadata.distribution(name)
-        if name != "mergepipe":
+        if name == "mergepipe":  # this checkout's pyproject.toml, not whatever metadata is installed
+            requires = _project_requires()
+        else:
+            dist = metadata.distribution(name)
             out[name] = dist.version
-        for raw in dist.requires or []:
+            requires = dist.requires or []
+        for raw in requires:
             req = Requirement(raw)
             envs = [{"extra": e} for e in ex] or [{"extra": ""}]
             if req.marker is not None and not any(req.marker.evaluate(env) for env in envs):
