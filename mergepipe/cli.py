@@ -23,12 +23,59 @@ if TYPE_CHECKING:
 
 app = typer.Typer(
     name="mergepipe",
-    help="Budget-aware LLM merging: catalog expert task vectors once, plan which blocks to read "
-    "under an expert-I/O budget, stream the merge, commit an immutable snapshot with a manifest.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _flags_take_no_value() -> None:
+    """Render boolean flags as flags in ``--help`` (``--json``, never ``--json <bool>``).
+
+    typer 0.29's rich help asks every option for its value's type, flags included, and so prints
+    ``--json <bool>``: users then try ``--json true``, which is refused. A flag takes no value, so
+    its type column is left empty (what click's plain help and typer before 0.29 print). Applied
+    once, at import; a typer without ``TyperOption.display_type_rich`` is left alone.
+    """
+    try:
+        from typer.core import TyperOption
+    except ImportError:  # pragma: no cover - every typer the project allows has it
+        return
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "_mergepipe_flags", False):
+        return
+
+    def display_type_rich(self, ctx):
+        if getattr(self, "is_flag", False) or getattr(self, "count", False):
+            return None
+        return shown(self, ctx)
+
+    display_type_rich._mergepipe_flags = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_flags_take_no_value()
+
+
+def _version(value: bool) -> None:
+    """``mergepipe --version``: the installed version, then exit."""
+    if value:
+        from mergepipe import __version__
+
+        print(f"mergepipe {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", "-V", callback=_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """Budget-aware LLM merging: catalog expert task vectors once, plan which blocks to read under an
+    expert-I/O budget, stream the merge, commit an immutable snapshot with a manifest."""
+
 
 CatalogOpt = Annotated[
     Optional[str],
@@ -189,29 +236,35 @@ class _Progress:
             TransferSpeedColumn(),
             TimeElapsedColumn(),
             console=_err_console(),
-            transient=False,
+            transient=True,
             disable=not enabled,
         )
         self.tasks: dict[str, TaskID] = {}
+        self.totals: dict[str, int] = {}
         self.started = False
 
     def __enter__(self):
-        return self  # the display starts with the first progress report: a refusal prints one line only
+        return self  # the display starts with the first byte reported: a refusal prints one line only
 
     def __exit__(self, *a):
-        if self.started:
+        if self.started:  # transient: the bar is erased, so a result or an error line stands alone
             self.p.__exit__(*a)
 
     def __call__(self, stage: str, advance: int, total: int | None) -> None:
+        """Report ``advance`` more bytes of ``stage`` (of ``total``, when known). Nothing is
+        drawn until a stage has moved a byte: an error found before that prints alone."""
+        if total is not None:
+            self.totals[stage] = total
+            if stage in self.tasks:
+                self.p.update(self.tasks[stage], total=total)
+        if not advance:
+            return
         if not self.started:
             self.p.__enter__()
             self.started = True
         if stage not in self.tasks:
-            self.tasks[stage] = self.p.add_task(stage, total=total)
-        elif total is not None:
-            self.p.update(self.tasks[stage], total=total)
-        if advance:
-            self.p.advance(self.tasks[stage], advance)
+            self.tasks[stage] = self.p.add_task(stage, total=self.totals.get(stage))
+        self.p.advance(self.tasks[stage], advance)
 
 
 def _human(n: int | float | None) -> str:
@@ -686,13 +739,15 @@ def merge(
         ),
     ] = None,
     resume: Annotated[
-        bool,
+        Optional[bool],
         typer.Option(
-            "--resume",
+            "--resume/--no-resume",
             help="In one process, run resumably: a rerun after a crash keeps the files the interrupted "
-            "run finished (digests checked) and merges only the rest",
+            "run finished (digests checked) and merges only the rest [default: resume when an "
+            "interrupted resumable run of --out is there, else a plain run, which a crash makes start over]",
+            show_default=False,
         ),
-    ] = False,
+    ] = None,
     catalog: CatalogOpt = None,
     json_out: JsonOpt = False,
 ):
@@ -701,6 +756,7 @@ def merge(
 
     bb = _block_bytes(block_size)
     req, where = _merge_request(config, base, expert, method, param, budget, fidelity, seed, out=out)
+    resume = _resume_default(out, resume, workers)
     with _Progress(True) as prog:
         res = merge_request(
             req,
@@ -718,6 +774,93 @@ def merge(
             sketch=sketch,
         )
     _emit_merge(res, json_out)
+
+
+def _interrupted_runs(out: str, plan_digest: str | None = None) -> tuple[list[tuple[Path, int, int]], tuple[int, int]]:
+    """What interrupted runs left beside a local ``out`` (cheap: directory listings and record
+    files, no digest is recomputed here).
+
+    Returns:
+        (resumable, staged): ``resumable`` lists the run folders ``.<name>.run-plan-<hex>`` (only
+        the one of ``plan_digest`` when given) whose file records name finished files, as
+        ``(folder, files, bytes)``; ``staged`` is ``(files, bytes)`` in a dead plain run's staging
+        folder ``.<name>.staging`` (no records: a plain rerun cannot keep them). Empty on S3.
+    """
+    from mergepipe.storage.base import is_s3
+
+    if is_s3(out):
+        return [], (0, 0)
+    p = Path(out)
+    if plan_digest is not None:
+        from mergepipe.commit.runs import default_run_id
+
+        folders = [p.parent / f".{p.name}.run-{default_run_id(plan_digest)}"]
+    else:
+        folders = sorted(q for q in p.parent.glob(f".{p.name}.run-plan-*") if not q.name.endswith(".records"))
+    resumable = []
+    for f in folders:
+        recs = f.parent / (f.name + ".records") / "files"
+        n = size = 0
+        if f.is_dir() and recs.is_dir():
+            for r in recs.glob("*.json"):
+                try:
+                    rec = json.loads(r.read_text())
+                    st = (f / rec["name"]).stat()
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue
+                if plan_digest is None or rec.get("plan_digest") == plan_digest:
+                    n, size = n + 1, size + st.st_size
+        if n:
+            resumable.append((f, n, size))
+    staged = (0, 0)
+    stg = p.parent / f".{p.name}.staging"
+    if stg.is_dir() and not stg.is_symlink():
+        files = [q for q in stg.rglob("*") if q.is_file() and not q.is_symlink()]
+        staged = (len(files), sum(q.stat().st_size for q in files))
+    return resumable, staged
+
+
+def _resume_default(out: str, resume: bool | None, workers: int | None = None, plan_digest: str | None = None) -> bool:
+    """Whether a plain ``merge``/``execute`` (no ``--part``/``--workers``) runs resumably, and one
+    line on stderr saying why when it matters.
+
+    ``--resume``/``--no-resume`` decide when given. Unset: resume when an interrupted resumable
+    run of this ``out`` (of ``plan_digest`` when known) holds finished files, since resuming
+    it is safe (every kept file is read back and checked against its recorded digest) and saves
+    their bytes; otherwise run plainly, and when a crashed plain run's staging folder is there,
+    say how many bytes it had written that this run redoes and that ``--resume`` makes a run
+    resumable (a plain run keeps no per-file records, so its files cannot be checked and kept).
+    """
+    if resume is not None or workers:
+        return bool(resume)
+    try:
+        resumable, (n, size) = _interrupted_runs(out, plan_digest)
+    except (OSError, ValueError):  # an unusable --out: the merge refuses it with its own message
+        return False
+    con = _err_console()
+    if resumable:
+        f, k, b = resumable[-1]
+        which = "this plan's" if plan_digest else "an"
+        con.print(
+            f"resuming {which} interrupted run {_esc(f.name)}: {k} finished file(s), {_human(b)}, kept if their "
+            "digests check (--no-resume starts over)",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return True
+    if n:
+        con.print(
+            f"note: a crashed run had written {n} file(s), {_human(size)}, in {_esc(_staging_name(out))}; a plain run "
+            "keeps no records, so this run redoes them. Pass --resume to make a run resumable after a crash.",
+            highlight=False,
+            soft_wrap=True,
+        )
+    return False
+
+
+def _staging_name(out: str) -> str:
+    """The name of ``out``'s staging folder (``.<name>.staging``), for messages."""
+    return f".{Path(out).name}.staging"
 
 
 def _read_plan(plan_file: str):
@@ -762,7 +905,8 @@ def execute(
         typer.Option(
             "--resume/--no-resume",
             help="Keep files an earlier attempt of this plan finished (digests checked) and merge only the "
-            "rest [default: with --part, --resume; without, --no-resume: a rerun starts over]",
+            "rest [default: with --part, --resume; without, resume when an interrupted resumable run of this "
+            "plan is at --out, else a plain run, which a crash makes start over]",
             show_default=False,
         ),
     ] = None,
@@ -817,6 +961,7 @@ def execute(
                 f"{rec['wall_s']:.2f} s"
             )
         return
+    resume = _resume_default(out, resume, plan_digest=p.digest)
     with _Progress(True) as prog:
         prog("merge", 0, p.io.output_write_bytes)
         if resume:
@@ -1403,6 +1548,45 @@ def gc(
             )
 
 
+def _help_paragraphs(doc: str | None) -> str | None:
+    """A command's docstring as ``--help`` shows it: each paragraph (blank-line separated) one
+    line of text, so rich wraps it at the terminal's width instead of breaking it where the
+    source line ended ("... (truncated SVD, one" / "module at a time) ...")."""
+    if not doc:
+        return doc
+    import inspect
+
+    paras = [" ".join(p.split()) for p in inspect.cleandoc(doc).split("\n\n")]
+    return "\n\n".join(p for p in paras if p)
+
+
+def _normalise_help() -> None:
+    """Apply :func:`_help_paragraphs` to every command's help (docstrings stay readable in the
+    source; ``--help`` reads as sentences)."""
+    import typing
+
+    from rich.markup import escape
+
+    seen: set[int] = set()
+    for info in app.registered_commands:
+        info.help = _help_paragraphs(info.help or (info.callback.__doc__ if info.callback else None))
+        if info.callback is None:
+            continue
+        # typer renders help as rich markup: "[default: sign3]" in an option's help is a style tag
+        # to rich and vanished. Escape the brackets (once per shared Annotated option) in the
+        # evaluated annotations, and keep those as the function's annotations: this module's
+        # annotations are strings (PEP 563), which typer would evaluate again into fresh objects.
+        hints = typing.get_type_hints(info.callback, include_extras=True)
+        for hint in hints.values():
+            for meta in getattr(hint, "__metadata__", ()):
+                if getattr(meta, "help", None) and id(meta) not in seen:
+                    seen.add(id(meta))
+                    meta.help = escape(meta.help)
+        info.callback.__annotations__ = hints
+    if app.registered_callback is not None and app.registered_callback.callback is not None:
+        app.registered_callback.help = _help_paragraphs(app.registered_callback.callback.__doc__)
+
+
 def _click_errors() -> tuple[tuple[type[Exception], ...], tuple[type[BaseException], ...]]:
     """(usage/click error types, abort types) of the click typer runs on (typer >= 0.26 vendors
     its own copy as ``typer._click``; older typer uses ``click``)."""
@@ -1418,6 +1602,25 @@ def _click_errors() -> tuple[tuple[type[Exception], ...], tuple[type[BaseExcepti
     return tuple(errs), tuple(aborts)
 
 
+def _usage_message(text: str, command_path: str | None) -> str:
+    """click's usage error as one sentence-punctuated line pointing at the right ``--help``:
+    ``No such command 'mrege'. Did you mean 'merge' or 'register'? See `mergepipe --help`.``
+    (click's "Did you mean 'a', 'b'?" and "(Possible options: --x, --y)" read as one question)."""
+    import re
+
+    msg = " ".join(str(text).split())
+
+    def either(names: str) -> str:
+        parts = [n.strip() for n in names.split(",") if n.strip()]
+        return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1]
+
+    msg = re.sub(r"Did you mean (.+)\?$", lambda m: f"Did you mean {either(m.group(1))}?", msg)
+    msg = re.sub(r"\s*\(Possible options: (.+)\)$", lambda m: f". Did you mean {either(m.group(1))}?", msg)
+    if not msg.endswith((".", "?", "!")):
+        msg += "."
+    return f"{msg} See `{command_path} --help`." if command_path else msg
+
+
 def main() -> None:
     """Console entry point: every user error (bad input, a mistyped command or option) is one
     line on stderr and exit code 2, never a traceback; other mergepipe failures exit 1."""
@@ -1426,7 +1629,7 @@ def main() -> None:
 
     click_errors, aborts = _click_errors()
     try:
-        rc = app(standalone_mode=False)
+        rc = app(prog_name="mergepipe", standalone_mode=False)
         if isinstance(rc, int) and rc:
             sys.exit(rc)
     except (InputError, CommitConflict, StorageError) as e:
@@ -1445,11 +1648,10 @@ def main() -> None:
         if type(e).__name__ == "NoArgsIsHelpError":  # `mergepipe` alone: the help was printed
             sys.exit(0)
         ctx = getattr(e, "ctx", None)
-        where = f"; see `{ctx.command_path} --help`" if ctx is not None else ""
         fmt = getattr(e, "format_message", None)  # ClickException's (its class is only known at run time)
-        msg = " ".join((fmt() if fmt else str(e)).split()).rstrip(".")
-        _print_error(f"{msg}{where}")
-        _termination_message(f"error: {msg}{where}")
+        msg = _usage_message(fmt() if fmt else str(e), ctx.command_path if ctx is not None else None)
+        _print_error(msg)
+        _termination_message(f"error: {msg}")
         sys.exit(2)
     except aborts:
         sys.exit(1)
@@ -1457,6 +1659,8 @@ def main() -> None:
         _termination_message(f"{type(e).__name__}: {e}")
         raise
 
+
+_normalise_help()
 
 if __name__ == "__main__":
     main()

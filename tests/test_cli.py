@@ -377,3 +377,151 @@ def test_errors_go_to_the_termination_log_as_one_line(fam, monkeypatch, capsys):
     log.unlink()
     code, *_ = run_cli(merge_args(base, [experts[0]], tmp / "ok"), monkeypatch, capsys)
     assert code == 0 and not log.exists()
+
+
+# ---- a CLI that explains itself (issue 28) --------------------------------------------------------
+
+
+def _help(args, width=200) -> str:
+    r = subprocess.run(
+        [sys.executable, "-c", "from mergepipe.cli import main; main()", *args, "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": str(width)},
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_version_and_flags_render_as_flags():
+    r = subprocess.run(
+        [sys.executable, "-c", "from mergepipe.cli import main; main()", "--version"], capture_output=True, text=True
+    )
+    from mergepipe import __version__
+
+    assert r.returncode == 0 and r.stdout.strip() == f"mergepipe {__version__}"
+    text = _help(["merge"])
+    assert "<bool>" not in text  # `--json`, never `--json <bool>` (then `--json true` is tried and refused)
+    row = next(ln for ln in text.splitlines() if "--json" in ln)
+    assert "Print one JSON object" in row and "bool" not in row
+    assert "--no-resume" in text
+
+
+def test_help_reads_as_sentences_and_keeps_bracketed_defaults():
+    """Command descriptions wrap at the terminal's width, not where the docstring's source line
+    ended; option help keeps its "[default: ...]" (rich took it for a style tag and dropped it)."""
+    from mergepipe import cli
+
+    top = _help([], width=100)
+    # every command's first paragraph is one flowing text: no row ends mid-sentence with the next
+    # row starting a new left-aligned fragment of the same docstring
+    summaries = {i.name or i.callback.__name__: i.help for i in cli.app.registered_commands}
+    assert all(h and "\n" not in h.split("\n\n")[0] for h in summaries.values())
+    flat = " ".join(" ".join(ln.strip("│ ").split()) for ln in top.splitlines())
+    assert "(truncated SVD, one module at a time)" in flat
+    text = " ".join(_help(["merge"]).replace("│", " ").split())
+    for needle in ("[default: 0]", "[default: sign3]", "[default: resume when an interrupted"):
+        assert needle in text, needle
+
+
+@pytest.mark.parametrize(
+    "args,want",
+    [
+        (["mrege"], "No such command 'mrege'. Did you mean 'merge' or 'register'? See `mergepipe --help`."),
+        (["merg"], "No such command 'merg'. Did you mean 'merge'? See `mergepipe --help`."),
+        (["merge", "--jsn"], "No such option: --jsn. Did you mean --json? See `mergepipe merge --help`."),
+    ],
+)
+def test_mistyped_command_suggestion_is_one_clean_sentence(monkeypatch, capsys, args, want):
+    code, out, err = run_cli(args, monkeypatch, capsys)
+    assert code == 2 and out == ""
+    assert " ".join(err.split()) == f"error: {want}"
+
+
+def test_refusal_after_progress_started_prints_no_bar(fam, monkeypatch, capsys):
+    """A failure in the middle of a merge leaves no progress-bar line before its one-line error
+    (the bar is transient and drawn only once bytes move)."""
+    tmp, base, experts = fam
+    plan = tmp / "plan.json"
+    ex = [a for e in experts for a in ("-e", str(e))]
+    code, _, err = run_cli(["plan", "--base", str(base), *ex, "-o", str(plan), "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    from mergepipe.storage.local import LocalStorage
+
+    real, calls = LocalStorage._fetch, []
+
+    def fetch(self, uri, requests):
+        """Truncate expert1's shard under the reader on its third fetch, once output has been
+        written: a real short read, found mid-merge (a file changed while it was read)."""
+        if str(experts[1]) in uri:
+            calls.append(uri)
+            if len(calls) == 3:
+                with open(uri, "r+b") as f:
+                    f.truncate(os.path.getsize(uri) // 2)
+        return real(self, uri, requests)
+
+    monkeypatch.setattr(LocalStorage, "_fetch", fetch)
+    code, out, err = run_cli(["execute", str(plan), "--out", str(tmp / "snap")], monkeypatch, capsys)
+    assert code != 0 and out == ""
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+
+
+KILL_PRELUDE = """
+import os, signal
+from mergepipe.commit import runs
+_real, _count = runs.write_file_record, [0]
+def _write_then_die(*a, **k):
+    _real(*a, **k)
+    _count[0] += 1
+    if _count[0] == {after}:
+        os.kill(os.getpid(), signal.SIGKILL)
+runs.write_file_record = _write_then_die
+from mergepipe.cli import main
+main()
+"""
+
+
+def test_rerun_resumes_an_interrupted_resumable_run_by_default(fam, monkeypatch, capsys):
+    """`execute --resume` killed after 2 durable files; a plain rerun (no flag) resumes it, says
+    so in one line with the bytes kept, and keeps exactly the recorded files (digests checked)."""
+    import signal
+
+    tmp, base, experts = fam
+    plan = tmp / "plan.json"
+    ex = [a for e in experts for a in ("-e", str(e))]
+    code, _, err = run_cli(["plan", "--base", str(base), *ex, "-o", str(plan), "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    out = tmp / "snap"
+    p = subprocess.run(
+        [sys.executable, "-c", KILL_PRELUDE.format(after=2), "execute", str(plan), "--out", str(out), "--resume"],
+        capture_output=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert p.returncode == -signal.SIGKILL, p.stderr.decode()
+    recorded = sorted(q.name[: -len(".json")] for q in tmp.glob(".snap.run-plan-*.records/files/*.json"))
+    assert len(recorded) == 2
+    kept_bytes = sum((next(tmp.glob(".snap.run-plan-*[!s]")) / n).stat().st_size for n in recorded)
+    code, so, err = run_cli(["execute", str(plan), "--out", str(out), "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    assert "resuming this plan's interrupted run .snap.run-plan-" in err and "2 finished file(s)" in err
+    from mergepipe.cli import _human
+
+    assert _human(kept_bytes) in err
+    (part,) = json.loads((out / "manifest.json").read_text())["parts"]
+    assert sorted(part["kept"]) == recorded
+
+
+def test_rerun_after_a_plain_crash_names_resume_and_the_bytes(fam, monkeypatch, capsys):
+    """A dead plain run's staging folder cannot be kept (no records): the rerun starts over and
+    says in one line how many bytes it redoes and which flag makes a run resumable."""
+    tmp, base, experts = fam
+    stg = tmp / ".snap.staging"
+    stg.mkdir()
+    (stg / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 3000)  # what the dead writer left
+    code, so, err = run_cli(merge_args(base, experts, tmp / "snap", "--json"), monkeypatch, capsys)
+    assert code == 0, err
+    note = [ln for ln in err.splitlines() if ln.startswith("note:")]
+    assert len(note) == 1 and "1 file(s), 2.9 KiB" in note[0] and "--resume" in note[0]
+    assert "parts" not in json.loads((tmp / "snap" / "manifest.json").read_text())  # a plain run
