@@ -502,7 +502,8 @@ def test_rerun_resumes_an_interrupted_resumable_run_by_default(fam, monkeypatch,
     assert p.returncode == -signal.SIGKILL, p.stderr.decode()
     recorded = sorted(q.name[: -len(".json")] for q in tmp.glob(".snap.run-plan-*.records/files/*.json"))
     assert len(recorded) == 2
-    kept_bytes = sum((next(tmp.glob(".snap.run-plan-*[!s]")) / n).stat().st_size for n in recorded)
+    (run,) = [q for q in tmp.glob(".snap.run-plan-*") if q.is_dir() and not q.name.endswith(".records")]
+    kept_bytes = sum((run / n).stat().st_size for n in recorded)
     code, so, err = run_cli(["execute", str(plan), "--out", str(out), "--json"], monkeypatch, capsys)
     assert code == 0, err
     assert "resuming this plan's interrupted run .snap.run-plan-" in err and "2 finished file(s)" in err
