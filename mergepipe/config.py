@@ -22,7 +22,8 @@ Accepted (mergekit 0.1.5 ``MergeConfiguration`` keys):
   — as in mergekit, where results stay in ``dtype`` — it is the output dtype unless
   ``out_dtype`` is given;
 * ``out_dtype``: dtype of the floating output tensors (and ``config.json``'s ``torch_dtype``);
-* ``tokenizer_source: base`` (the default: the base's tokenizer files are copied).
+* ``tokenizer_source`` (``base``, ``union``, a model), the ``tokenizer:`` block and
+  ``chat_template``: a merged vocabulary (:mod:`mergepipe.vocab`, :mod:`mergepipe.vocab_config`).
 
 mergepipe's own keys: ``budget`` (``512MiB``, ``25%``, bytes), ``fidelity`` (0–1], ``seed``.
 
@@ -30,7 +31,6 @@ mergepipe's own keys: ``budget`` (``512MiB``, ``25%``, bytes), ``fidelity`` (0�
 per-slice parameters) compile into a merge over stacked views (:mod:`mergepipe.slices`).
 
 Refused with a message naming the key (never silently ignored): ``modules``,
-``tokenizer_source`` other than ``base``, a ``tokenizer:`` block, ``chat_template``,
 ``model@revision`` references (and their mapping forms), Hugging Face Hub names (only local
 folders and ``s3://`` URIs are read), and any unknown key. ``<base_model>+<adapter folder>`` (or
 ``{model: <base_model>, lora: <adapter folder>}``) names a PEFT LoRA adapter expert
@@ -103,6 +103,8 @@ class _Config(BaseModel):
     dtype: str | None = None
     out_dtype: str | None = None
     tokenizer_source: Any = None
+    tokenizer: dict[str, Any] | None = None
+    chat_template: str | None = None
     # mergepipe's own keys
     budget: str | int | None = None
     fidelity: float | None = None
@@ -111,9 +113,6 @@ class _Config(BaseModel):
 
 REFUSED = {
     "modules": "mergekit modules (multi-module architectures) are not supported by mergepipe; use models:",
-    "tokenizer": "a tokenizer: block (building a merged vocabulary) is not supported; mergepipe copies the base's "
-    "tokenizer (tokenizer_source: base)",
-    "chat_template": "chat_template is not supported; mergepipe copies the base's tokenizer files unchanged",
 }
 
 
@@ -248,7 +247,7 @@ def _pydantic_message(path: str, e: ValidationError) -> str:
         if t == "extra_forbidden":
             msg = (
                 "unknown key; mergepipe reads mergekit's models, slices, base_model, merge_method, parameters, dtype, "
-                "out_dtype, tokenizer_source and its own budget, fidelity, seed"
+                "out_dtype, tokenizer_source, tokenizer, chat_template and its own budget, fidelity, seed"
             )
         elif t == "missing":
             msg = "required key is missing"
@@ -277,13 +276,6 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
     for k, why in REFUSED.items():
         if raw.get(k) is not None:
             raise InputError(f"{p}: {k}: {why}.")
-    ts = raw.get("tokenizer_source")
-    if ts is not None and ts != "base":
-        what = "union (a merged vocabulary)" if ts == "union" else f"{ts!r} (another model's tokenizer)"
-        raise InputError(
-            f"{p}: tokenizer_source: {what} is not supported; mergepipe copies the base's tokenizer "
-            "files — use tokenizer_source: base or omit the key."
-        )
     try:
         cfg = _Config.model_validate(raw)
     except ValidationError as e:
@@ -305,6 +297,27 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
             }
         )
         names, stacks = sc.names, sc.stacks
+    vocab_summary = None
+    if cfg.tokenizer is not None or cfg.chat_template is not None or cfg.tokenizer_source not in (None, "base"):
+        if stacks:
+            raise InputError(
+                f"{p}: tokenizer: a merged vocabulary together with slices is not supported yet; merge the slices "
+                "first (tokenizer_source: base) or use models:."
+            )
+        from mergepipe.vocab_config import apply_vocab
+
+        cfg, vnames, vstacks, vocab_summary = apply_vocab(cfg, p)
+        names.update(vnames)
+        stacks.update(vstacks)
+    elif cfg.tokenizer_source == "base" and cfg.models:
+        from mergepipe.vocab_config import apply_vocab, base_has_tokenizer, vocab_shapes_differ
+
+        # as mergekit: the models' vocabulary tensors follow the base tokenizer (experts with added
+        # tokens cropped, unused padding rows dropped) — when the base has a tokenizer to follow
+        if base_has_tokenizer(cfg, p) or vocab_shapes_differ(cfg, p):
+            cfg, vnames, vstacks, vocab_summary = apply_vocab(cfg, p, skip_identity=True)
+            names.update(vnames)
+            stacks.update(vstacks)
     if not cfg.models:
         raise InputError(f"{p}: models: required (a non-empty list of {{model: <folder or s3:// URI>, parameters}}).")
     linear = cfg.merge_method == "linear"
@@ -446,6 +459,8 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
     }
     if stacks:  # the stacked views the slices were compiled into (mergepipe.slices)
         source["stacks"] = stacks
+    if vocab_summary is not None:  # the merged vocabulary (mergepipe.vocab)
+        source["vocab"] = vocab_summary
     request = MergeRequest(
         base=base,
         method=cfg.merge_method,

@@ -85,25 +85,36 @@ class StackSpec:
             ``0..n-1`` (mergekit's ``layer_range: [first, end)``).
         donor: checkpoint whose ``config.json`` (with ``num_hidden_layers`` = n) and tokenizer
             files the view carries.
+        vocab: a merged vocabulary's row map (:mod:`mergepipe.vocab`), or None:
+            ``{"tensors": [vocabulary tensor names], "rows": [run, ...], "vocab_size": V,
+            "files": {name: sha256}}``; a run is ``["rows", uri, first, count]`` (rows of that
+            checkpoint's same-named tensor), ``["mean", [[uri, row], ...]]`` (one row, the float32
+            mean of those rows, rounded to the tensor's dtype), ``["zero", count]`` or ``["padmean",
+            count]`` (rows equal to the mean of the rows before the padding). ``files``: the output
+            tokenizer files (:func:`mergepipe.vocab.tokenizer_files`) by content digest.
     """
 
     pre: str
     post: str
     layers: tuple[tuple[str, int, int], ...]
     donor: str
+    vocab: dict | None = None
 
     @property
     def n_layers(self) -> int:
         return sum(b - a for _, a, b in self.layers)
 
     def to_json(self) -> dict:
-        return {
+        d: dict = {
             "format": STACK_FORMAT,
             "pre": self.pre,
             "post": self.post,
             "layers": [list(r) for r in self.layers],
             "donor": self.donor,
         }
+        if self.vocab is not None:
+            d["vocab"] = self.vocab
+        return d
 
     @classmethod
     def from_json(cls, d: dict, source: str) -> StackSpec:
@@ -111,7 +122,10 @@ class StackSpec:
             if d.get("format") != STACK_FORMAT:
                 raise ValueError(f"format {d.get('format')!r}")
             layers = tuple((str(u), int(a), int(b)) for u, a, b in d["layers"])
-            return cls(str(d["pre"]), str(d["post"]), layers, str(d["donor"]))
+            vocab = d.get("vocab")
+            if vocab is not None and not isinstance(vocab, dict):
+                raise ValueError("vocab is not a mapping")
+            return cls(str(d["pre"]), str(d["post"]), layers, str(d["donor"]), vocab)
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"{source}: not a mergepipe stacked view ({e}).") from None
 
@@ -126,7 +140,9 @@ class StackSpec:
     def sources(self) -> list[str]:
         """Every source checkpoint, in first-use order."""
         out: list[str] = []
-        for u in [self.pre, *(r[0] for r in self.layers), self.post, self.donor]:
+        donors = [r[1] for r in (self.vocab or {}).get("rows", []) if r[0] == "rows"]
+        donors += [u for r in (self.vocab or {}).get("rows", []) if r[0] == "mean" for u, _ in r[1]]
+        for u in [self.pre, *(r[0] for r in self.layers), self.post, self.donor, *donors]:
             if u not in out:
                 out.append(u)
         return out
@@ -136,8 +152,9 @@ class StackSpec:
 class _Piece:
     vstart: int
     vend: int
-    src_file: str  # the source shard's URI
+    src_file: str  # the source shard's URI ("" for bytes computed when the view was built)
     src_start: int
+    data: bytes | None = None
 
 
 @dataclass
@@ -237,14 +254,28 @@ def build_view(storage: Storage, spec: StackSpec, extra_files: Sequence[str] = (
     )
     weight_map: dict[str, str] = {}
     total = 0
+    vocab = spec.vocab
+    vnames = set((vocab or {}).get("tensors", []))
     for fname, group in zip(names, groups):
         infos = [layouts[u].tensors[n] for _, u, n in group]
+        shapes = [
+            (int(vocab["vocab_size"]), *i.shape[1:]) if (vocab and out in vnames) else tuple(i.shape)
+            for (out, _, _), i in zip(group, infos)
+        ]
         header = build_header(
-            [(out, i.dtype, tuple(i.shape)) for (out, _, _), i in zip(group, infos)], {"format": "pt"}
+            [(out, i.dtype, shp) for (out, _, _), i, shp in zip(group, infos, shapes)], {"format": "pt"}
         )
         pos = len(header)
         pieces = []
         for (out, u, n), ti in zip(group, infos):
+            if vocab and out in vnames:
+                pcs, nb = _vocab_pieces(storage, layouts, vocab, n, ti, pos)
+                pieces += pcs
+                pos += nb
+                weight_map[out] = fname
+                view.tensors[out] = (u, n)
+                total += nb
+                continue
             nb = ti.end - ti.start
             src = storage.join(u, ti.file)
             if nb:
@@ -254,7 +285,7 @@ def build_view(storage: Storage, spec: StackSpec, extra_files: Sequence[str] = (
             view.tensors[out] = (u, n)
             total += nb
         view.shards[fname] = _Shard(
-            header, pieces, [p.vstart for p in pieces], pos, sorted({p.src_file for p in pieces})
+            header, pieces, [p.vstart for p in pieces], pos, sorted({p.src_file for p in pieces if p.src_file})
         )
     if len(names) > 1:
         view.files[INDEX_NAME] = index_json(weight_map, total)
@@ -264,13 +295,87 @@ def build_view(storage: Storage, spec: StackSpec, extra_files: Sequence[str] = (
             continue
         if f == "config.json":
             raw = storage.read_object(src, "catalog")
-            view.files[f] = _config_with_layers(raw, spec.n_layers, src)
-        else:
+            view.files[f] = _config_with_layers(raw, spec.n_layers, src, int(vocab["vocab_size"]) if vocab else None)
+        elif not (vocab and vocab.get("files")):
             view.files[f] = src
+    if vocab and vocab.get("files"):  # the merged vocabulary's tokenizer files replace the donor's
+        from mergepipe.vocab import tokenizer_file_bytes
+
+        for f, digest in vocab["files"].items():
+            view.files[f] = tokenizer_file_bytes(digest)
     return view
 
 
-def _config_with_layers(raw: bytes, n: int, source: str) -> bytes:
+def _vocab_pieces(storage: Storage, layouts, vocab: dict, name: str, ti, pos: int) -> tuple[list[_Piece], int]:
+    """The pieces of a vocabulary tensor ``name`` remapped by ``vocab['rows']`` (see
+    :class:`StackSpec`), starting at view offset ``pos``; computed rows are read (role
+    ``catalog``), averaged in float32 and rounded to the tensor's dtype (round to nearest even).
+
+    Raises:
+        InputError: a run names a row outside its checkpoint's tensor, or a checkpoint without
+            the tensor or with another row width or dtype.
+    """
+    import numpy as np
+
+    from mergepipe.numerics import decode
+
+    rowb = (ti.end - ti.start) // max(1, ti.shape[0])
+    pieces: list[_Piece] = []
+    made: list[np.ndarray] = []  # float32 rows so far (padmean needs them)
+
+    def src_info(u: str):
+        t = layouts[u].tensors.get(name)
+        if t is None or t.dtype != ti.dtype or tuple(t.shape[1:]) != tuple(ti.shape[1:]):
+            raise InputError(f"{u}: tensor {name!r} is missing or of another row shape/dtype than {ti.shape}.")
+        return t
+
+    def read_rows(u: str, a: int, n: int) -> np.ndarray:
+        t = src_info(u)
+        raw = storage.read_range(storage.join(u, t.file), t.start + a * rowb, t.start + (a + n) * rowb, "catalog")
+        return decode(raw, t.dtype).reshape(n, -1)
+
+    def encode(rows: np.ndarray) -> bytes:
+        import torch
+
+        from mergepipe.engine.chunk import _encode
+
+        return _encode(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)), ti.dtype)
+
+    need_rows = any(r[0] == "padmean" for r in vocab["rows"])
+    for run in vocab["rows"]:
+        kind = run[0]
+        if kind == "rows":
+            u, a, n = str(run[1]), int(run[2]), int(run[3])
+            t = src_info(u)
+            if not (0 <= a and a + n <= t.shape[0]):
+                raise InputError(f"{u}: rows [{a}, {a + n}) of {name!r} are outside its {t.shape[0]} rows.")
+            pieces.append(_Piece(pos, pos + n * rowb, storage.join(u, t.file), t.start + a * rowb))
+            if need_rows:
+                made.append(read_rows(u, a, n))
+        else:
+            if kind == "mean":
+                rows = np.stack([read_rows(str(u), int(r), 1)[0] for u, r in run[1]])
+                block = (rows.sum(axis=0, dtype=np.float32) / np.float32(len(rows)))[None, :]
+            elif kind == "zero":
+                block = np.zeros((int(run[1]), rowb // ti.itemsize), dtype=np.float32)
+            elif kind == "padmean":
+                import torch
+
+                allr = np.concatenate(made) if made else np.zeros((1, rowb // ti.itemsize), np.float32)
+                mean = torch.mean(torch.from_numpy(allr), dim=0).numpy()  # (mergekit: torch.mean over the rows)
+                block = np.repeat(mean[None, :], int(run[1]), axis=0)
+            else:
+                raise InputError(f"stacked view: unknown vocabulary run {kind!r}.")
+            data = encode(block)
+            if need_rows:
+                made.append(decode(data, ti.dtype).reshape(block.shape))
+            n = block.shape[0]
+            pieces.append(_Piece(pos, pos + n * rowb, "", 0, data))
+        pos += n * rowb
+    return pieces, sum(p.vend - p.vstart for p in pieces)
+
+
+def _config_with_layers(raw: bytes, n: int, source: str, vocab_size: int | None = None) -> bytes:
     """``config.json`` with ``num_hidden_layers`` (and ``n_layer``/``num_layers`` when present)
     set to ``n``, as mergekit writes a sliced model's config."""
     try:
@@ -282,6 +387,8 @@ def _config_with_layers(raw: bytes, n: int, source: str) -> bytes:
     keys = [k for k in ("num_hidden_layers", "n_layer", "num_layers") if k in cfg] or ["num_hidden_layers"]
     for k in keys:
         cfg[k] = n
+    if vocab_size:
+        cfg["vocab_size"] = vocab_size
     if isinstance(cfg.get("layer_types"), list) and cfg["layer_types"]:
         lt = cfg["layer_types"]
         cfg["layer_types"] = (lt * (n // len(lt) + 1))[:n] if len(set(lt)) == 1 else lt[:n] + [lt[-1]] * (n - len(lt))
@@ -393,12 +500,19 @@ class StackStorage(Storage):
             k = max(0, bisect.bisect_right(sh.starts, pos) - 1)
             by_file: dict[str, list[tuple[int, int]]] = {}
             order: list[tuple[str, int]] = []
+            inline: list[bytes] = []
             while pos < e and k < len(sh.pieces):
                 p = sh.pieces[k]
                 if p.vend <= pos:
                     k += 1
                     continue
                 a, b = max(pos, p.vstart), min(e, p.vend)
+                if p.data is not None:
+                    order.append(("", len(inline)))
+                    inline.append(p.data[a - p.vstart : b - p.vstart])
+                    pos = b
+                    k += 1
+                    continue
                 rng = (p.src_start + a - p.vstart, p.src_start + b - p.vstart)
                 by_file.setdefault(p.src_file, []).append(rng)
                 order.append((p.src_file, len(by_file[p.src_file]) - 1))
@@ -406,7 +520,7 @@ class StackStorage(Storage):
                 k += 1
             got = {f: (_merge_adjacent(r), self.inner._fetch(f, _merge_adjacent(r))) for f, r in by_file.items()}
             for f, j in order:
-                buf += _pick(by_file[f][j], *got[f])
+                buf += inline[j] if f == "" else _pick(by_file[f][j], *got[f])
             if len(buf) != e - s:
                 raise StorageError(f"{uri}: short read at [{s}, {e}): got {len(buf)} bytes")
             out.append(bytes(buf))
