@@ -111,7 +111,13 @@ class _Config(BaseModel):
     seed: int | None = None
 
 
+#: mergekit-multi configs (several YAML documents, each with a name) are refused with this reason
+MULTI_STAGE = (
+    "a mergekit-multi config (several named merges in one file) is not supported yet; run each stage with "
+    "`mergepipe merge --config` into a folder and name that folder as a model of the next stage"
+)
 REFUSED = {
+    "name": MULTI_STAGE.replace("a mergekit-multi config", "name: marks a mergekit-multi stage; a multi-stage config"),
     "modules": "mergekit modules (multi-module architectures) are not supported by mergepipe; use models:",
 }
 
@@ -270,7 +276,12 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
         text = read_file(p, MAX_YAML_BYTES, "config").decode("utf-8")
     except UnicodeDecodeError:
         raise InputError(f"{p}: the config is not UTF-8 text.") from None
-    raw = load_yaml(text, p)  # size-capped, aliases bounded (no alias bombs)
+    try:
+        raw = load_yaml(text, p)  # size-capped, aliases bounded (no alias bombs)
+    except InputError as e:
+        if "single document" in str(e) or "found another document" in str(e):
+            raise InputError(f"{p}: {MULTI_STAGE}") from None
+        raise
     if not isinstance(raw, dict):
         raise InputError(f"{p}: a mergekit config is a mapping with models, base_model, merge_method, ...")
     for k, why in REFUSED.items():

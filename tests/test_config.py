@@ -374,3 +374,18 @@ def test_linear_config_refusals(family, tmp_path, monkeypatch, capsys):
         assert code == 2, (cfg, err)
         assert str(p) in err and msg in " ".join(err.split()), err
         assert not out.exists() and stdout == ""
+
+
+def test_mergekit_multi_configs_refused_naming_the_key(family, tmp_path):
+    """mergekit-multi's format (a name: per stage, several YAML documents) is refused in one line
+    naming the key and saying how to run the stages instead."""
+    cfg = base_cfg(family)
+    p = write(tmp_path, {**cfg, "name": "stage1"}, name="named.yml")
+    with pytest.raises(InputError, match=r"named\.yml: name: name: marks a mergekit-multi stage"):
+        load_config(p)
+    multi = tmp_path / "multi.yml"
+    multi.write_text(yaml.safe_dump({**cfg, "name": "a"}) + "---\n" + yaml.safe_dump(cfg))
+    with pytest.raises(InputError) as ei:
+        load_config(multi)
+    msg = str(ei.value)
+    assert msg.startswith(f"{multi}: a mergekit-multi config") and "\n" not in msg
