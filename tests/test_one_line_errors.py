@@ -76,3 +76,22 @@ def test_commit_parts_count_is_bounded_before_any_work(tmp_path, monkeypatch, ca
     line = _error_line(*run_cli(args, monkeypatch, capsys)[::2])
     assert "--parts" in line and str(MAX_PARTS) in line.replace(",", "")
     assert not Path(tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("fault", ["missing bucket", "wrong credentials", "unreachable endpoint"])
+def test_gc_on_s3_store_failures_are_one_line(s3_env, monkeypatch, capsys, fault):
+    """`mergepipe gc s3://...` against a real S3 server (SeaweedFS) that refuses: one line naming
+    the URI and what to check, exit 2, no botocore traceback."""
+    bucket = s3_env.make_bucket("gcerr")
+    uri = f"s3://{bucket}/snaps"
+    if fault == "missing bucket":
+        uri, want = "s3://no-such-bucket-gc/snaps", "no-such-bucket-gc"
+    elif fault == "wrong credentials":
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+        want = "credentials"
+    else:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+        want = "cannot connect to the S3 endpoint"
+    line = _error_line(*run_cli(["gc", uri, "--grace", "0"], monkeypatch, capsys)[::2])
+    assert want in line, line

@@ -46,7 +46,7 @@ import re
 import shutil
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -182,6 +182,18 @@ def collect(
     return rep
 
 
+def _s3_pages(s3: Any, op: str, uri: str, **kw: Any) -> Iterator[dict]:
+    """The pages of the paginated S3 listing ``op``; a failure of the store (missing bucket,
+    refused credentials, unreachable endpoint) is the storage layer's one-line
+    :class:`~mergepipe.storage.s3.S3Error` naming ``uri`` and the fix, not a botocore traceback."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        yield from s3.client.get_paginator(op).paginate(**kw)
+    except (BotoCoreError, ClientError) as e:
+        raise s3._error(e, uri, op) from None
+
+
 def _list(site: _Site) -> None:
     """Fill ``site.entries`` (files/objects under the root and, locally, the root's own hidden
     siblings ``.<name>.*``) and ``site.manifests`` (folders holding a manifest, the root's
@@ -192,7 +204,7 @@ def _list(site: _Site) -> None:
         s3: Any = getattr(site.storage, "s3", site.storage)
         bucket, key = split_uri(site.root)
         pre = key.rstrip("/") + "/" if key else ""
-        for page in s3.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=pre):
+        for page in _s3_pages(s3, "list_objects_v2", site.root, Bucket=bucket, Prefix=pre):
             for o in page.get("Contents", ()) or ():
                 site.entries[f"s3://{bucket}/{o['Key']}"] = o["LastModified"].timestamp()
         parts = key.strip("/").split("/") if key.strip("/") else []
@@ -483,7 +495,7 @@ def _abort_uploads(site: _Site, proven: list[ownership.OwnerRecord], rep: GcRepo
         f"{o}/{p}" for o in sorted(site.manifests) if _under(o, site.root) and (p := _files_prefix(site, o))
     ]
     pre = key.rstrip("/") + "/" if key else ""
-    for page in s3.client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=pre):
+    for page in _s3_pages(s3, "list_multipart_uploads", site.root, Bucket=bucket, Prefix=pre):
         for u in page.get("Uploads", ()) or ():
             uri = f"s3://{bucket}/{u['Key']}"
             if not any(_under(uri, a) for a in ours):
