@@ -71,7 +71,47 @@ def tiny_shapes() -> dict[str, tuple[int, ...]]:
     return s
 
 
-SHAPES = {"qwen3-0.6b": qwen3_0_6b_shapes, "tiny": tiny_shapes}
+def llama_110m_shapes() -> dict[str, tuple[int, ...]]:
+    """A 110M-parameter Llama (hidden 768, intermediate 2048, 12 layers, 12 heads of 64, vocab
+    32000, tied embeddings): 109.5M parameters, 219 MB in bf16 -- the fixture of issue 23."""
+    hidden, inter, layers, vocab = 768, 2048, 12, 32000
+    s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        s.update(
+            {
+                p + "input_layernorm.weight": (hidden,),
+                p + "self_attn.q_proj.weight": (hidden, hidden),
+                p + "self_attn.k_proj.weight": (hidden, hidden),
+                p + "self_attn.v_proj.weight": (hidden, hidden),
+                p + "self_attn.o_proj.weight": (hidden, hidden),
+                p + "post_attention_layernorm.weight": (hidden,),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+            }
+        )
+    s["model.norm.weight"] = (hidden,)
+    return s
+
+
+LLAMA_110M_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 12,
+    "head_dim": 64,
+    "vocab_size": 32000,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 2048,
+}
+
+SHAPES = {"qwen3-0.6b": qwen3_0_6b_shapes, "tiny": tiny_shapes, "llama-110m": llama_110m_shapes}
 
 QWEN3_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -163,6 +203,8 @@ def make_family(
         _write_shards(base_dir, names, shapes, lambda n: _to_bf16_bytes(base_tensor(n)), shard_bytes)
         if shape == "qwen3-0.6b":
             (base_dir / "config.json").write_text(json.dumps(QWEN3_CONFIG, indent=2))
+        elif shape == "llama-110m":
+            (base_dir / "config.json").write_text(json.dumps(LLAMA_110M_CONFIG, indent=2))
         else:
             (base_dir / "config.json").write_text(
                 json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})

@@ -116,3 +116,47 @@ def test_incompatible_expert_is_refused_before_reading(tmp_path):
         with pytest.raises(InputError, match=msg):
             cat.analyze(st, b, [e])
         assert st.counters.snapshot()["read"]["expert"] == 0
+
+
+def test_load_npz_equals_numpy_load_and_refuses_foreign_archives():
+    """The catalog's fast ``.npz`` reader gives numpy.load's arrays for what ``to_bytes`` writes,
+    reads other zip layouts through zipfile, and refuses what is not such an archive."""
+    import io
+
+    import numpy as np
+    import pytest
+
+    from mergepipe.catalog.stats import load_npz
+
+    rng = np.random.default_rng(0)
+    arrays = {
+        "meta": np.array([5, 3, -7], dtype=np.int64),
+        "sq_norm": rng.random(4),
+        "max_abs": rng.random(4).astype(np.float32),
+        "oct_count": rng.integers(0, 9, (4, 3)),
+        "empty": np.zeros((0, 0)),
+        "scalarish": np.array([1.5]),
+    }
+    for save in (np.savez, np.savez_compressed):
+        buf = io.BytesIO()
+        save(buf, **arrays)
+        got = load_npz(buf.getvalue())
+        ref = dict(np.load(io.BytesIO(buf.getvalue())))
+        assert got.keys() == ref.keys()
+        for k in ref:
+            assert got[k].dtype == ref[k].dtype and got[k].shape == ref[k].shape
+            assert np.array_equal(got[k], ref[k])
+            got[k][...] = 0  # writable copies
+    buf = io.BytesIO()
+    np.savez(buf, x=np.array(["a"]))  # a dtype the catalog never writes
+    with pytest.raises(ValueError, match="unexpected .npy header"):
+        load_npz(buf.getvalue())
+    with pytest.raises(ValueError, match="not a .npz archive"):
+        load_npz(b"PK\x03\x04 not a zip")
+    buf = io.BytesIO()
+    np.savez(buf, x=np.arange(4))
+    data = bytearray(buf.getvalue())
+    at = data.index(b"\x93NUMPY")
+    data[at + 10 + int.from_bytes(data[at + 8 : at + 10], "little") + 3] ^= 0xFF  # a flipped data byte
+    with pytest.raises(ValueError, match="not a .npz archive"):  # (its CRC-32 no longer matches)
+        load_npz(bytes(data))

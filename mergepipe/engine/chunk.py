@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mergepipe.engine.reader import ChunkInputs
+from mergepipe.engine.sketchkernel import SketchRun
 from mergepipe.engine.worklist import WorkItem
 from mergepipe.formats.safetensors import DTYPES
 from mergepipe.methods.kernels import (
@@ -83,13 +84,8 @@ def _lora_delta(te, buf, rows: int):
 
 
 def _raw_tensor(raw, dtype: str):
-    """Zero-copy torch view of little-endian safetensors bytes (BF16, F16, F32); a float32
-    numpy array (a sketched run's reconstructed values, :func:`mergepipe.engine.reader.sketch_parts`)
-    as it is."""
+    """Zero-copy torch view of little-endian safetensors bytes (BF16, F16, F32)."""
     import torch
-
-    if isinstance(raw, np.ndarray):
-        return torch.from_numpy(raw)
 
     with warnings.catch_warnings():  # read-only buffers: the view is only read
         warnings.simplefilter("ignore")
@@ -159,13 +155,22 @@ def _expert_params(tp, te, groups, values_of) -> ExpertTensorParams:
 def _tile_delta(runs, b, s: int, e: int):
     """float32 task vector of one expert over the chunk's elements ``[s, e)`` (zeros where it
     has no run); ``b`` is the base's ``[s, e)`` in float32. Runs are ``(elem0, elem1, values,
-    is_delta)`` (see :func:`_merge_chunk_tiled`)."""
+    is_delta)`` (see :func:`_merge_chunk_tiled`); a sketched run's ``values`` is its
+    :class:`~mergepipe.engine.sketchkernel.SketchRun`, decoded here for the tile's rows only."""
     import torch
 
     d = None
     for a, z, x, dl in runs:
         lo, hi = max(a, s), min(z, e)
         if hi <= lo:
+            continue
+        if isinstance(x, SketchRun):
+            piece = x.delta(lo - a, hi - a, b[lo - s : hi - s])
+            if lo == s and hi == e:
+                return piece
+            if d is None:
+                d = torch.zeros_like(b)
+            d[lo - s : hi - s] = piece
             continue
         if lo == s and hi == e:
             # widened exactly to float32, then subtracted (a LoRA run: δ itself, copied since
@@ -222,6 +227,8 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None, l1_all=N
                 (z - it.r0) * row_numel,
                 torch.from_numpy(_lora_delta(te, buf, z - a)).to(dev)
                 if te.lora is not None
+                else buf
+                if isinstance(buf, SketchRun)
                 else _raw_tensor(buf, tp.dtype).to(dev),
                 te.lora is not None,
             )
@@ -235,7 +242,10 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None, l1_all=N
             for a, z, x, dl in runs:
                 for s in range(a, z, TILE_ELEMS):
                     e = min(z, s + TILE_ELEMS)
-                    dd = x[s - a : e - a] if dl else torch.sub(x[s - a : e - a], base_t[s:e].float())
+                    if isinstance(x, SketchRun):
+                        dd = x.delta(s - a, e - a, base_t[s:e].float())
+                    else:
+                        dd = x[s - a : e - a] if dl else torch.sub(x[s - a : e - a], base_t[s:e].float())
                     vals.append(_group_values(dd, key))
             return _concat(vals)
 
@@ -333,7 +343,10 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept, groups=Non
                 if xf is not None:
                     xf[sl] = b[sl] + d[sl]
                 continue
-            x = torch.from_numpy(buf if isinstance(buf, np.ndarray) else decode(buf, tp.dtype)).to(dev).float()
+            if isinstance(buf, SketchRun):  # base + δ̂_k (float32), as the numpy decoder gave it
+                x = buf.values(0, (z - a) * row_numel, b[sl])
+            else:
+                x = torch.from_numpy(decode(buf, tp.dtype)).to(dev).float()
             d[sl] = x - b[sl]
             if xf is not None:
                 xf[sl] = x

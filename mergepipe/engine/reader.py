@@ -15,8 +15,6 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
-
 from mergepipe.engine.checks import check_expert_runs, check_sketch_plane
 from mergepipe.engine.worklist import WorkItem, base_byte_range, expert_runs, n_rows, row_bytes
 from mergepipe.formats.safetensors import DTYPES
@@ -43,7 +41,8 @@ class ChunkInputs:
         base: the base's bytes of rows ``[r0, r1)`` (empty for server-side copies).
         experts: for merges, per contributing expert (in ``tp.experts`` order) a list of
             ``((row0, row1), bytes)`` runs of its selected rows (a LoRA expert:
-            ``((row0, row1), LoraBytes)``); None for copies.
+            ``((row0, row1), LoraBytes)``; a sketched run: ``((row0, row1), SketchRun)``);
+            None for copies.
     """
 
     base: Buffer
@@ -79,20 +78,24 @@ def fetch_inputs(plan: Plan, storage: Storage, it: WorkItem) -> ChunkInputs:
         check_expert_runs(te, tp.name, plan.experts[te.expert].name, uri, tp.rows_per_block, rb, runs, bufs)
         parts: list = list(zip(runs, bufs, strict=True))
         if te.sketch_blocks:
-            parts = sorted(parts + sketch_parts(plan, storage, tp, te, it.r0, it.r1, base), key=lambda p: p[0][0])
+            parts = sorted(parts + sketch_parts(plan, storage, tp, te, it.r0, it.r1), key=lambda p: p[0][0])
         experts.append(parts)
     return ChunkInputs(base, experts)
 
 
-def sketch_parts(plan: Plan, storage: Storage, tp, te, r0: int, r1: int, base: Buffer) -> list:
-    """The rows of ``te``'s sketched blocks inside ``[r0, r1)`` as ``((row0, row1), values)``
-    runs, ``values`` float32 numpy ``base + δ̂_k`` (the sum of the run's first ``k`` sign planes,
-    :func:`mergepipe.catalog.sketch.decode_blocks`; the merge arithmetic subtracts the base in
-    float32 and gets ``δ̂_k``). A tensor's sketch is plane-major, so level ``k`` of a run is ``k``
-    byte ranges, read through ``storage`` with role ``expert``: they are derived from the expert
-    and count against the same budget (the planner charged them). ``r0`` is a block boundary."""
-    from mergepipe.catalog.sketch import block_offsets, decode_blocks
-    from mergepipe.numerics import decode
+def sketch_parts(plan: Plan, storage: Storage, tp, te, r0: int, r1: int) -> list:
+    """The rows of ``te``'s sketched blocks inside ``[r0, r1)`` as ``((row0, row1), SketchRun)``
+    runs: the run's first ``k`` sign planes, undecoded (:class:`mergepipe.engine.sketchkernel.
+    SketchRun`; the merge decodes a tile's rows at a time, on its device). A tensor's sketch is
+    plane-major, so level ``k`` of a run is ``k`` byte ranges, read through ``storage`` with role
+    ``expert``: they are derived from the expert and count against the same budget (the planner
+    charged them). ``r0`` is a block boundary.
+
+    Raises:
+        ValueError: a plane's bytes do not match the run's blocks.
+    """
+    from mergepipe.catalog.sketch import block_offsets
+    from mergepipe.engine.sketchkernel import SketchRun
 
     rpb, rows = tp.rows_per_block, n_rows(tp)
     row_numel = max(1, math.prod(tp.shape[1:]))
@@ -117,14 +120,10 @@ def sketch_parts(plan: Plan, storage: Storage, tp, te, r0: int, r1: int, base: B
             blocks = range(a // rpb, -(-z // rpb))
             check_sketch_plane(te, tp.name, plan.experts[te.expert].name, uri, blocks, p, bufs[q], offs)
             q += 1
-    b = decode(base, tp.dtype).astype(np.float32, copy=False)
     out, q = [], 0
     for (a, z), k in runs:
-        d = np.zeros((z - a) * row_numel, dtype=np.float32)
-        for _ in range(k):  # δ̂_k = plane 1 + … + plane k, then base + δ̂_k (float32)
-            d += decode_blocks(bufs[q], z - a, row_numel, rpb)
-            q += 1
-        out.append(((a, z), b[(a - r0) * row_numel : (z - r0) * row_numel] + d))
+        out.append(((a, z), SketchRun(z - a, row_numel, rpb, list(bufs[q : q + k]))))
+        q += k
     return out
 
 

@@ -1,0 +1,181 @@
+"""Bit-sliced decode of block sketches on the merge's torch device.
+
+A sketched run of an expert (rows ``[row0, row1)`` of a tensor, whole blocks, level ``k``) arrives
+from the reader as its ``k`` sign planes, undecoded (:class:`SketchRun`: ``k`` byte strings in the
+layout of :mod:`mergepipe.catalog.sketch`, 1/16 of the bf16 bytes per plane). The merge asks for the
+task vector of a few rows at a time -- the rows of one tile of the elementwise path
+(:func:`mergepipe.engine.chunk._merge_chunk_tiled`), where an exact block's rows would be widened
+-- and :meth:`SketchRun.delta` decodes only those rows, straight into float32 on the device:
+
+    unpack   byte → 8 bits: ``(u8[:, None] >> [7..0]) & 1`` (uint8, big-endian as ``numpy.packbits``)
+    select   ``where(bit, s_p[row], −s_p[row])``          (σ_p·s_p, exact: a sign times a bf16 scale)
+    sum      ``((σ₁s₁ + σ₂s₂) + σ₃s₃)``                     (float32, plane order, as before)
+    rebase   ``(b + δ̂) − b``                                (float32: the value the engine merged)
+
+No float32 sign matrix per plane, no per-plane float32 copy of the whole run, and the decoded
+rows live in one tile's temporaries. The arithmetic is the one the numpy decoder
+(:func:`mergepipe.catalog.sketch.decode_blocks`) followed by the engine's ``x − b`` did, element
+for element in the same order, so the merged bytes are identical (tests/test_sketchkernel.py).
+The kernels are torch operations on whatever device holds the base tile (CPU threads via torch's
+intra-op pool; ``cuda`` through the same code).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mergepipe.catalog.sketch import _from_bf16_bits
+
+Buffer = bytes | memoryview
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """A run ready for the device: each entry's sign code, and the per-row value table."""
+
+    codes: Any  # uint8 (rows·row_numel,) torch tensor: the k sign bits of each entry, plane 1 most significant
+    table: Any  # float32 (rows, 2**k) torch tensor: the value of each k-bit sign code per row
+
+
+@dataclass
+class SketchRun:
+    """The undecoded sign planes of a sketched run of rows of one expert tensor.
+
+    Args:
+        rows: rows of the run (it starts on a block boundary; whole blocks, the last may be
+            the tensor's shorter last block).
+        row_numel: entries per row.
+        rows_per_block: the tensor's block height.
+        planes: ``k`` buffers, plane 1 first, each one plane's bytes of the run's blocks
+            (:func:`mergepipe.catalog.sketch.sketch_block_bytes` per block).
+
+    Raises:
+        ValueError: no planes (or more than 8), a non-positive size, or a plane that is not
+            exactly the bytes of those blocks (a truncated or foreign sketch blob).
+    """
+
+    rows: int
+    row_numel: int
+    rows_per_block: int
+    planes: list[Buffer]
+    _dev: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.planes) <= 8 or self.rows < 1 or self.row_numel < 1 or self.rows_per_block < 1:
+            raise ValueError(
+                f"sketch run: {len(self.planes)} planes of {self.rows} rows x {self.row_numel} "
+                f"(blocks of {self.rows_per_block} rows); need 1-8 planes and positive sizes"
+            )
+        want = sum(
+            (r * self.row_numel + 7) // 8 + 2 * r
+            for r in (min(self.rows_per_block, self.rows - r0) for r0 in range(0, self.rows, self.rows_per_block))
+        )
+        for p, buf in enumerate(self.planes):
+            if memoryview(buf).nbytes != want:
+                raise ValueError(
+                    f"sketch bytes: plane {p + 1} has {memoryview(buf).nbytes} bytes, {want} expected for "
+                    f"{self.rows} rows of {self.row_numel}"
+                )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the run's planes (what was read)."""
+        return sum(memoryview(b).nbytes for b in self.planes)
+
+    def _prepared(self, dev) -> _Prepared:
+        """The run as device tensors, built once per device: the ``k``-bit sign code of every
+        entry (uint8, one byte per entry: half the bytes of the bf16 block, a quarter of the
+        float32 the numpy decoder materialised per plane) and per row the table of the ``2^k``
+        values a code decodes to, ``T[row, c] = ((±s₁ + ±s₂) + ±s₃)`` with bit ``k − p`` of
+        ``c`` choosing the sign of plane ``p`` -- the float32 sums of the numpy decoder, done
+        once per row instead of once per entry.
+
+        The codes are assembled at byte granularity: a 256-entry table turns a sign byte into
+        eight 0/1 bytes held in one int64 (big-endian bit order, as ``numpy.packbits``), so
+        ``code = (bits₁ << 2) | (bits₂ << 1) | bits₃`` costs three int64 operations per eight
+        entries."""
+        got = self._dev.get(dev)
+        if got is not None:
+            return got
+        import torch
+
+        rpb, rn, k = self.rows_per_block, self.row_numel, len(self.planes)
+        lut = _bit_lut(dev)
+        wholes = []
+        table = np.zeros((self.rows, 1 << k), dtype=np.float32)
+        signs = np.arange(1 << k)
+        for p, buf in enumerate(self.planes):
+            u8 = np.frombuffer(memoryview(buf), dtype=np.uint8)
+            with warnings.catch_warnings():  # read-only buffers: the views are only read
+                warnings.simplefilter("ignore")
+                wholes.append(torch.frombuffer(buf, dtype=torch.uint8).to(dev))
+            scales, pos = [], 0
+            for r0 in range(0, self.rows, rpb):
+                r = min(rpb, self.rows - r0)
+                nb = (r * rn + 7) // 8
+                scales.append(u8[pos + nb : pos + nb + 2 * r].view("<u2"))
+                pos += nb + 2 * r
+            sc = _from_bf16_bits(np.concatenate(scales))[:, None]
+            bit = (signs >> (k - 1 - p)) & 1
+            table = table + np.where(bit[None, :] == 1, sc, -sc)  # float32, plane order (0 + v₁ first)
+        codes = torch.empty(self.rows * rn, dtype=torch.uint8, device=dev)
+        pos = 0
+        for r0 in range(0, self.rows, rpb):
+            r = min(rpb, self.rows - r0)
+            nb = (r * rn + 7) // 8
+            code = lut.index_select(0, wholes[0][pos : pos + nb].to(torch.int32))
+            for whole in wholes[1:]:
+                code.bitwise_left_shift_(1).bitwise_or_(lut.index_select(0, whole[pos : pos + nb].to(torch.int32)))
+            codes[r0 * rn : (r0 + r) * rn] = code.view(torch.uint8)[: r * rn]
+            pos += nb + 2 * r
+        got = self._dev[dev] = _Prepared(codes, torch.from_numpy(table).to(dev))
+        return got
+
+    def delta_rows(self, r0: int, r1: int, dev):
+        """float32 ``(r1 − r0, row_numel)`` torch tensor on ``dev``: ``δ̂_k`` of rows ``[r0, r1)``
+        of the run (``Σ_p σ_p·s_p`` in plane order): one gather of the rows' sign codes from
+        their rows' value tables."""
+        import torch
+
+        pr = self._prepared(dev)
+        rn = self.row_numel
+        idx = pr.codes[r0 * rn : r1 * rn].view(r1 - r0, rn).to(torch.int64)
+        return torch.gather(pr.table[r0:r1], 1, idx)
+
+    def delta(self, e0: int, e1: int, b):
+        """float32 task vector of the run's flat elements ``[e0, e1)`` as the engine merges it:
+        ``(b + δ̂_k) − b`` (float32), ``b`` the base's float32 values of those elements (a 1-D
+        torch tensor whose device is used)."""
+        import torch
+
+        rn = self.row_numel
+        r0, r1 = e0 // rn, -(-e1 // rn)
+        d = self.delta_rows(r0, r1, b.device).view(-1)[e0 - r0 * rn : e1 - r0 * rn]
+        return torch.sub(torch.add(b, d), b)
+
+    def values(self, e0: int, e1: int, b):
+        """float32 reconstructed expert values ``b + δ̂_k`` of elements ``[e0, e1)`` (see :meth:`delta`)."""
+        import torch
+
+        rn = self.row_numel
+        r0, r1 = e0 // rn, -(-e1 // rn)
+        return torch.add(b, self.delta_rows(r0, r1, b.device).view(-1)[e0 - r0 * rn : e1 - r0 * rn])
+
+
+_LUTS: dict = {}
+
+
+def _bit_lut(dev):
+    """int64 ``(256,)`` on ``dev``: byte ``v`` → the eight bytes ``bit_7(v), …, bit_0(v)`` (0/1) in
+    memory order, so ``lut[u8].view(uint8)`` unpacks big-endian bits like ``numpy.unpackbits``."""
+    t = _LUTS.get(dev)
+    if t is None:
+        import torch
+
+        bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1)  # (256, 8), MSB first
+        t = _LUTS[dev] = torch.from_numpy(np.ascontiguousarray(bits).view("<i8").reshape(256).copy()).to(dev)
+    return t

@@ -1,0 +1,96 @@
+"""The engine's bit-sliced sketch decoder equals the numpy reference decoder, bit for bit.
+
+Reference: :func:`mergepipe.catalog.sketch.decode_blocks` summed over planes in float32, then the
+engine's former arithmetic ``x = b + δ̂`` (float32 numpy) and ``δ = x − b`` (float32 torch).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mergepipe.catalog.sketch import PLANES, decode_blocks, encode_block
+from mergepipe.engine.sketchkernel import SketchRun
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _planes(delta: np.ndarray, rpb: int) -> list[bytes]:
+    planes: list[list[bytes]] = [[] for _ in range(PLANES)]
+    for r in range(0, delta.shape[0], rpb):
+        parts, _ = encode_block(delta[r : r + rpb])
+        for p, b in enumerate(parts):
+            planes[p].append(b)
+    return [b"".join(p) for p in planes]
+
+
+def _reference(planes: list[bytes], k: int, rows: int, rn: int, rpb: int, base: np.ndarray):
+    d = np.zeros(rows * rn, dtype=np.float32)
+    for p in range(k):
+        d += decode_blocks(planes[p], rows, rn, rpb)
+    x = base + d
+    return torch.sub(torch.from_numpy(x), torch.from_numpy(base)), torch.from_numpy(x)
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int32).numpy()
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize(
+    ("rows", "rn", "rpb"),
+    [(7, 5, 3), (13, 7, 4), (9, 13, 9), (1, 1, 1), (40, 33, 6), (6, 1, 4), (17, 64, 5)],
+)
+def test_kernel_equals_numpy_decoder_for_any_rows_and_levels(dtype, rows, rn, rpb):
+    rng = np.random.default_rng(rows * 1000 + rn * 10 + rpb)
+    delta = (rng.standard_normal((rows, rn)) * 0.01).astype(np.float32)
+    delta[rng.random((rows, rn)) < 0.1] = 0.0  # zeros: their sign bit is "negative"
+    if rows > 2:
+        delta[1] = 0.0  # a row whose every scale is 0
+    base = torch.from_numpy((rng.standard_normal(rows * rn) * 0.02).astype(np.float32)).to(DTYPES[dtype]).float()
+    base[::7] = -0.0  # signed zeros in the base
+    bn = base.numpy()
+    planes = _planes(delta, rpb)
+    n = rows * rn
+    for k in range(1, PLANES + 1):
+        ref_d, ref_x = _reference(planes, k, rows, rn, rpb, bn)
+        run = SketchRun(rows, rn, rpb, planes[:k])
+        assert np.array_equal(_bits(run.delta(0, n, base)), _bits(ref_d))
+        assert np.array_equal(_bits(run.values(0, n, base)), _bits(ref_x))
+        for e0, e1 in {(0, 1), (1, n), (n // 3, 2 * n // 3 + 1), (n - 1, n), (rn, min(n, 3 * rn + 2))}:
+            if e1 <= e0:
+                continue
+            got = run.delta(e0, e1, base[e0:e1])
+            assert np.array_equal(_bits(got), _bits(ref_d[e0:e1])), (k, e0, e1)
+        for r0, r1 in {(0, rows), (rows // 2, rows), (0, 1), (rows - 1, rows)}:
+            want = torch.from_numpy(
+                sum(decode_blocks(planes[p], rows, rn, rpb) for p in range(k)).reshape(rows, rn)[r0:r1]
+            )
+            assert torch.equal(run.delta_rows(r0, r1, torch.device("cpu")), want)
+
+
+def test_run_refuses_planes_of_the_wrong_size():
+    delta = np.ones((7, 5), dtype=np.float32)
+    planes = _planes(delta, 3)
+    SketchRun(7, 5, 3, planes)
+    with pytest.raises(ValueError, match="plane 2 has"):
+        SketchRun(7, 5, 3, [planes[0], planes[1][:-1]])
+    with pytest.raises(ValueError, match="expected for 6 rows"):
+        SketchRun(6, 5, 3, planes[:1])
+
+
+def test_kernel_runs_on_the_requested_device():
+    """The decoder's tensors follow the base tile's device (``--device cuda`` runs this same code)."""
+    rows, rn, rpb = 12, 11, 5
+    rng = np.random.default_rng(3)
+    planes = _planes(rng.standard_normal((rows, rn)).astype(np.float32), rpb)
+    run = SketchRun(rows, rn, rpb, planes)
+    devs = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    outs = []
+    for dev in devs:
+        b = torch.zeros(rows * rn, device=dev)
+        d = run.delta(0, rows * rn, b)
+        assert d.device.type == dev.type
+        outs.append(d.cpu())
+    assert all(torch.equal(outs[0], o) for o in outs)
