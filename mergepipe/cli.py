@@ -597,48 +597,146 @@ def plan(
         _print_explain(p, per_tensor=False)
 
 
-def _print_explain(p, per_tensor: bool = True):
+def _print_explain(p, per_tensor: bool = False, manifest: dict | None = None):
+    """Text ``explain``: the plain-words summary, its terms defined once, bytes per role, blocks
+    per layer; per tensor only with ``per_tensor`` (``--tensors``)."""
     from rich.console import Console
     from rich.table import Table
 
+    from mergepipe.planner.report import block_grid, io_rows, summary, terms
+
     con = Console(stderr=False)
-    con.print(f"[bold]plan {p.digest[:16]}[/]  {_esc(p.explain)}", highlight=False)
-    t = Table("role", "bytes", title="I/O estimate")
-    t.add_row("base read", _human(p.io.base_read_bytes))
-    t.add_row(
-        "expert read",
-        f"{_human(p.io.expert_read_bytes)} of {_human(p.expert_bytes_total)} (budget {_human(p.budget_bytes)})",
-    )
-    t.add_row("output write", _human(p.io.output_write_bytes))
+    con.print(f"[bold]plan {p.digest[:16]}[/]", highlight=False)
+    con.print(_esc(summary(p, manifest)), highlight=False)
+    con.print()
+    for word, meaning in terms(p):
+        con.print(f"  [bold]{_esc(word)}[/]: {_esc(meaning)}", highlight=False)
+    t = Table("role", "estimated", *(["realized"] if manifest else []), title="bytes")
+    for role, est, real in io_rows(p, manifest):
+        t.add_row(role, _human(est), *([_human(real)] if manifest else []))
     con.print(t)
+    g = block_grid(p)
+    lt = Table("layer", *g.experts, "expert bytes", title="blocks per layer: exact / sketch / skipped")
+    for r in g.rows:
+        lt.add_row(r, *[f"{c.exact}/{c.sketch}/{c.skipped}" for c in g.cells[r]], _human(g.row_total(r).bytes))
+    con.print(lt)
     if per_tensor:
         tt = Table("tensor", "blocks read", "explanation", title="per tensor")
         for tp in p.tensors:
             n = sum(b1 - b0 for te in tp.experts for b0, b1 in te.blocks)
             tt.add_row(_esc(tp.name), f"{n}/{tp.n_blocks * len(p.experts)}", _esc(tp.explain))
         con.print(tt)
+    else:
+        con.print(f"{len(p.tensors)} tensors: `mergepipe explain PLAN --tensors` explains each.", highlight=False)
+
+
+def _manifest_for(plan, plan_file: Path, manifest: Optional[Path]) -> dict | None:
+    """The manifest of ``plan``'s snapshot: ``--manifest`` (a manifest.json or a snapshot folder),
+    else a ``manifest.json`` beside the plan file when it is this plan's; None without one.
+    Exits 2 when the one given is unreadable or belongs to another plan."""
+    auto = manifest is None
+    path: Path = (plan_file.parent / "manifest.json") if manifest is None else manifest
+    if path.is_dir():
+        path = path / "manifest.json"
+    try:
+        m = json.loads(path.read_text())
+        digest = m["plan_digest"]
+        m["io"]["estimated"], m["io"]["realized"]  # noqa: B018 (the fields the report reads)
+    except FileNotFoundError:
+        if auto:
+            return None
+        _fail(f"--manifest {manifest}: no manifest.json there; give a snapshot folder or its manifest.json.")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if auto:
+            return None
+        _fail(f"--manifest {manifest}: not a mergepipe manifest ({type(e).__name__}: {e}).")
+    if digest != plan.digest:
+        if auto:
+            return None
+        _fail(
+            f"--manifest {manifest}: made from plan {str(digest)[:16]}, not {plan.digest[:16]}; give the manifest "
+            "of a snapshot of this plan."
+        )
+    return m
 
 
 @app.command()
 def explain(
-    plan_file: Annotated[Path, typer.Argument(help="Plan JSON (from `plan --out`)")], json_out: JsonOpt = False
+    plan_file: Annotated[Path, typer.Argument(help="Plan JSON (from `plan --out`)", metavar="PLAN")],
+    tensors: Annotated[
+        bool, typer.Option("--tensors", "--verbose", "-v", help="Also explain every tensor (one line each).")
+    ] = False,
+    html_out: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--html",
+            help="Write a self-contained page (inline SVG, no script): blocks per layer and expert, bytes per "
+            "layer and per expert against the budget, estimated vs realized bytes, the summary.",
+        ),
+    ] = None,
+    plot: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--plot", help="Write the heat map and bytes per layer as a PNG (needs matplotlib: the bench extra)."
+        ),
+    ] = None,
+    manifest: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--manifest",
+            help="The manifest (or snapshot folder) of a merge of this plan, for realized bytes [default: "
+            "manifest.json beside PLAN when it is this plan's]",
+        ),
+    ] = None,
+    json_out: JsonOpt = False,
 ):
-    """Explain a saved plan: I/O per role and, per tensor, which expert blocks are read and why."""
+    """Explain a saved plan in plain words: what it reads, skips and sketches, where the bytes go per
+    layer and expert, and (with the snapshot's manifest) what the merge realized."""
     from mergepipe.planner.plan import Plan
+    from mergepipe.planner.report import render_html, render_png, summary
 
     try:
         text = plan_file.read_text()
     except OSError as e:
         _fail(f"{plan_file}: cannot read ({e.strerror}).")
     p = Plan.from_json(text, str(plan_file))
+    m = _manifest_for(p, plan_file, manifest)
+    if plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            _fail("--plot needs matplotlib: pip install 'mergepipe[bench]' (or use --html, which needs nothing).")
+    written = []
+    for path, render in (
+        (html_out, lambda q: q.write_text(render_html(p, m))),
+        (plot, lambda q: render_png(p, str(q), m)),
+    ):
+        if path is None:
+            continue
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            render(tmp)
+            tmp.replace(path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            _fail(f"{path}: cannot write ({e.strerror}).")
+        written.append(str(path))
     if json_out:
         print(
             json.dumps(
-                {"plan_digest": p.digest, "explain": p.explain, "tensors": {t.name: t.explain for t in p.tensors}}
+                {
+                    "plan_digest": p.digest,
+                    "summary": summary(p, m),
+                    "explain": p.explain,
+                    "tensors": {t.name: t.explain for t in p.tensors},
+                    "written": written,
+                }
             )
         )
     else:
-        _print_explain(p)
+        _print_explain(p, per_tensor=tensors, manifest=m)
+        for w in written:
+            _err_console().print(f"wrote {_esc(w)}", highlight=False)
 
 
 def _emit_merge(res, json_out: bool):
