@@ -69,8 +69,8 @@ class Evals:
 
     runs = 0
 
-    def __init__(self, path: Path, testbed: Path) -> None:
-        self.path, self.testbed = path, testbed
+    def __init__(self, path: Path, testbed: Path, per_item: bool = False) -> None:
+        self.path, self.testbed, self.per_item = path, testbed, per_item
 
     def __call__(self, key: str, folder: Path) -> dict:
         from mergepipe.evaluate import evaluate_checkpoint
@@ -80,7 +80,7 @@ class Evals:
             cur = json.loads(self.path.read_text()) if self.path.exists() else {}
             if key in cur:
                 return cur[key]
-        r = evaluate_checkpoint(folder, self.testbed)
+        r = evaluate_checkpoint(folder, self.testbed, per_item=self.per_item)
         Evals.runs += 1
         with open(str(self.path) + ".lock", "a+") as lk:
             fcntl.flock(lk.fileno(), fcntl.LOCK_EX)
@@ -144,14 +144,21 @@ def sweep_seed(a, seed: int, errors: list) -> dict:
     wd = a.work / f"{a.testbed}-{key}"
     wd.mkdir(parents=True, exist_ok=True)
     cat = Catalog(wd / "catalog.sqlite")
-    ev = Evals(wd / "evals.json", root)
+    ev = Evals(wd / ("evals-items.json" if a.items else "evals.json"), root, per_item=a.items)
     hib = metric == "accuracy"
 
     def q(r: dict) -> dict:
         return {t: v[metric] for t, v in r.items()}
 
-    base_q = q(ev("base", base))
-    exp_q = {n: q(ev(f"expert:{n}", p)) for n, p in experts.items()}
+    def items(r: dict) -> dict:
+        """per task, the per-item metric (window loss / example correct), rounded: the unit a
+        test-set bootstrap resamples (docs/quality/preregistration.json)"""
+        return {t: [round(float(x), 5) for x in v["items"]] for t, v in r.items()} if a.items else {}
+
+    rb = ev("base", base)
+    re_ = {n: ev(f"expert:{n}", p) for n, p in experts.items()}
+    base_q = q(rb)
+    exp_q = {n: q(r) for n, r in re_.items()}
     own = {task_of[n]: exp_q[n][task_of[n]] for n in experts}
     # a task whose expert does not beat the base has no normalised gain: judged by the others, reported
     gains = {t: (own[t] - base_q[t]) if hib else (base_q[t] - own[t]) for t in own}
@@ -174,6 +181,9 @@ def sweep_seed(a, seed: int, errors: list) -> dict:
         "undefined_ng": undefined,
         "methods": {},
     }
+    if a.items:
+        res["base_items"] = items(rb)
+        res["expert_items"] = {n: items(r) for n, r in re_.items()}
     ex = [(n, str(p)) for n, p in experts.items()]
     for method in a.methods:
         params = method_params(method, weight)
@@ -197,7 +207,8 @@ def sweep_seed(a, seed: int, errors: list) -> dict:
                 sketch=sketch,
             )
             s = r.summary()
-            qm = q(ev(s["snapshot_id"], Path(r.out)))
+            rm = ev(s["snapshot_id"], Path(r.out))
+            qm = q(rm)
             pt = {
                 "tag": tag,
                 "budget": budget,
@@ -211,6 +222,8 @@ def sweep_seed(a, seed: int, errors: list) -> dict:
                 "retained_value": s["retained_energy"],
                 "merge_s": round(time.perf_counter() - t, 1),
             }
+            if a.items:
+                pt["items"] = items(rm)
             pt["ng"] = normalised_gain(
                 {t: v for t, v in qm.items() if t not in undefined}, base_q, own, higher_is_better=hib
             )
@@ -451,6 +464,39 @@ def report(results: list[tuple[str, dict]], doc: Path) -> None:
     log(f"report written ({', '.join(label for label, _ in results)})")
 
 
+PREREG = OUT / "preregistration.json"
+
+
+def _preregistered(a) -> str:
+    """Apply docs/quality/preregistration.json to ``a`` (seeds, methods, budgets, settings,
+    per-item metrics); returns the commit that holds it.
+
+    Raises:
+        SystemExit: the file has uncommitted changes (a pre-registration is committed before
+            the fresh run), or names no fresh seeds for this testbed.
+    """
+    import subprocess
+
+    rel = str(PREREG.relative_to(REPO))
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", rel], capture_output=True, text=True)
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "log", "-1", "--format=%H", "--", rel], capture_output=True, text=True
+    ).stdout.strip()
+    if dirty.stdout.strip() or not commit:
+        sys.exit(f"{rel}: not committed (or changed since); commit the pre-registration before the fresh run.")
+    pr = json.loads(PREREG.read_text())
+    tb = pr["testbeds"].get(f"{a.testbed}-{a.size}" if a.testbed == "zoo" else a.testbed)
+    if not tb:
+        sys.exit(f"{rel}: no fresh seeds for testbed {a.testbed}; add them (and commit) first.")
+    a.seeds = list(tb["fresh_seeds"])
+    a.methods = list(pr["methods"])
+    a.budgets = [float(b) for b in pr["budgets_pct"]]
+    a.values = sorted({v for v, _ in pr["settings"]})
+    a.sketches = sorted({k for _, k in pr["settings"]})
+    a.items = True
+    return commit
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--testbed", choices=("zoo", "minilm"), default="zoo")
@@ -477,12 +523,27 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--report-only", action="store_true", help="tables and plots from docs/quality/*.json")
     ap.add_argument(
+        "--items",
+        action="store_true",
+        help="record each task's per-item metric (probe windows / examples) for test-set bootstrap intervals",
+    )
+    ap.add_argument(
+        "--fresh",
+        action="store_true",
+        help="the pre-registered report run: seeds, methods, budgets and settings from docs/quality/"
+        "preregistration.json (committed, unchanged), per-item metrics, raw results to "
+        "docs/quality/fresh-<testbed>.json (bench/quality_report.py derives the tables)",
+    )
+    ap.add_argument(
         "--no-report",
         action="store_true",
         help="only fill the caches (e.g. one process per seed); a later run over all seeds reports",
     )
     a = ap.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
+    prereg_commit = None
+    if a.fresh:
+        prereg_commit = _preregistered(a)
     if a.report_only:
         results = [
             (p.stem, json.loads(p.read_text()))
@@ -519,6 +580,18 @@ def main(argv=None) -> None:
     res["evaluations_run"] = Evals.runs
     res["loadavg_end"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     res["errors"] = errors
+    if a.fresh:
+        import subprocess
+
+        res["preregistration_commit"] = prereg_commit
+        res["code_commit"] = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        res["preregistration"] = json.loads(PREREG.read_text())
+        out = OUT / f"fresh-{a.testbed}-{a.size}.json"
+        out.write_text(json.dumps(res, separators=(",", ":")) + "\n")
+        log(f"raw results: {out}; tables: python bench/quality_report.py --write")
+        sys.exit(1 if errors else 0)
     if a.no_report:
         log(f"caches filled in {res['wall_s']:.0f} s; {len(errors)} error(s): {errors}")
         sys.exit(1 if errors else 0)

@@ -178,31 +178,43 @@ def causal_lm_windows(tb: Testbed, tasks: Sequence[str]) -> dict:
     return out
 
 
-def causal_lm_losses(model, windows: dict, batch_size: int, max_batches: int | None = None) -> dict:
+def causal_lm_losses(
+    model, windows: dict, batch_size: int, max_batches: int | None = None, per_item: bool = False
+) -> dict:
     """``{task: {"loss", "n"}}`` of an in-memory causal LM on ``windows`` (task -> LongTensor[n, L]):
-    summed next-token cross-entropy (float64 accumulation) over ``n`` predicted tokens."""
+    summed next-token cross-entropy (float64 accumulation) over ``n`` predicted tokens. With
+    ``per_item``, also ``"items"``: each window's mean loss (nats/token, a list of floats in
+    window order; every window predicts ``L − 1`` tokens, so ``loss`` is their mean), the unit
+    a test-set bootstrap resamples."""
     import torch
     import torch.nn.functional as F
 
-    out = {}
+    out: dict[str, dict] = {}
     with torch.inference_mode():
         for t, w in windows.items():
             total, count = 0.0, 0
+            items: list[float] = []
             for i, start in enumerate(range(0, len(w), batch_size)):
                 if max_batches is not None and i >= max_batches:
                     break
                 batch = w[start : start + batch_size]
                 logits = model(input_ids=batch, use_cache=False).logits.float()
-                loss = F.cross_entropy(
-                    logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
-                )
-                total += float(loss.double())
+                tok = F.cross_entropy(
+                    logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none"
+                ).double()
+                total += float(tok.sum())
                 count += batch[:, 1:].numel()
+                if per_item:
+                    items += tok.view(len(batch), -1).mean(1).tolist()
             out[t] = {"loss": total / count, "n": count}
+            if per_item:
+                out[t]["items"] = items
     return out
 
 
-def _causal_lm(model_dir: Path, tb: Testbed, tasks: Sequence[str], max_batches: int | None) -> dict:
+def _causal_lm(
+    model_dir: Path, tb: Testbed, tasks: Sequence[str], max_batches: int | None, per_item: bool = False
+) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -215,7 +227,7 @@ def _causal_lm(model_dir: Path, tb: Testbed, tasks: Sequence[str], max_batches: 
         raise InputError(
             f"{model_dir}: vocab_size={vocab} is too small for the testbed's tokenizer (token id {max_id})."
         )
-    return causal_lm_losses(model, windows, tb.batch_size, max_batches)
+    return causal_lm_losses(model, windows, tb.batch_size, max_batches, per_item)
 
 
 def classification_examples(path: Path) -> tuple[list[str], list[int]]:
@@ -236,7 +248,9 @@ def mean_pool(hidden, mask):
     return (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
 
 
-def _classification(model_dir: Path, tb: Testbed, tasks: Sequence[str], max_batches: int | None) -> dict:
+def _classification(
+    model_dir: Path, tb: Testbed, tasks: Sequence[str], max_batches: int | None, per_item: bool = False
+) -> dict:
     import torch
     import torch.nn.functional as F
     from safetensors.torch import load_file
@@ -245,7 +259,7 @@ def _classification(model_dir: Path, tb: Testbed, tasks: Sequence[str], max_batc
     tok = AutoTokenizer.from_pretrained(tb.tokenizer, local_files_only=True)
     model = AutoModel.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
     model.eval()
-    out = {}
+    out: dict[str, dict] = {}
     with torch.inference_mode():
         for t in tasks:
             head = load_file(str(tb.tasks[t]["head"]))
@@ -253,6 +267,7 @@ def _classification(model_dir: Path, tb: Testbed, tasks: Sequence[str], max_batc
             texts, labels = classification_examples(tb.tasks[t]["probe"])
             y = torch.tensor(labels)
             correct, loss_sum, n = 0, 0.0, 0
+            hits: list[int] = []
             for i, s in enumerate(range(0, len(texts), tb.batch_size)):
                 if max_batches is not None and i >= max_batches:
                     break
@@ -266,10 +281,14 @@ def _classification(model_dir: Path, tb: Testbed, tasks: Sequence[str], max_batc
                 h = model(**enc).last_hidden_state
                 logits = mean_pool(h, enc["attention_mask"]) @ W.T + b
                 yb = y[s : s + tb.batch_size]
-                correct += int((logits.argmax(-1) == yb).sum())
+                ok = logits.argmax(-1) == yb
+                correct += int(ok.sum())
+                hits += ok.int().tolist()
                 loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
                 n += len(yb)
             out[t] = {"accuracy": correct / n, "loss": loss_sum / n, "n": n}
+            if per_item:
+                out[t]["items"] = hits
     return out
 
 
@@ -278,7 +297,8 @@ def evaluate_checkpoint(
     testbed: Testbed | str | Path,
     tasks: Sequence[str] | None = None,
     max_batches: int | None = None,
-) -> dict[str, dict[str, float]]:
+    per_item: bool = False,
+) -> dict[str, dict]:
     """Per-task metrics of the HF checkpoint folder ``model_dir`` on ``testbed``'s probe sets.
 
     Args:
@@ -287,6 +307,9 @@ def evaluate_checkpoint(
         testbed: a :class:`Testbed` or its folder.
         tasks: task names (default: all, in the testbed's order).
         max_batches: score only the first ``max_batches`` batches per task (faster, noisier).
+        per_item: also return each task's per-item metric as ``"items"`` (causal-lm: each probe
+            window's mean loss; classification: 1/0 per example, correct or not), for intervals
+            by resampling the test set.
 
     Returns:
         ``{task: {"loss": float, ...}}``: causal-lm ``loss`` (nats/token) and ``n`` (predicted
@@ -307,4 +330,4 @@ def evaluate_checkpoint(
     if bad:
         raise InputError(f"--tasks: unknown task(s) {bad}; the testbed {tb.root} has {list(tb.tasks)}.")
     fn = _causal_lm if tb.kind == "causal-lm" else _classification
-    return _torch_settings(lambda: fn(model_dir, tb, todo, max_batches))
+    return _torch_settings(lambda: fn(model_dir, tb, todo, max_batches, per_item))
