@@ -204,7 +204,7 @@ def summary(plan: Plan, manifest: dict | None = None) -> str:
     reads = (
         f"{budget}, it reads {t.exact:,} of the experts' {t.blocks:,} blocks exactly ({human(t.exact_bytes)})"
         + (f", merges {t.sketch:,} from their sketches ({human(t.sketch_bytes)})" if t.sketch else "")
-        + f" and skips the other {t.skipped:,}."
+        + (f" and skips the other {t.skipped:,}." if t.skipped else " and skips none.")
     )
     words = [
         f"This plan merges {k} expert{'s' if k != 1 else ''} ({names}) into the base with {plan.method}.",
