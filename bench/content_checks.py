@@ -4,7 +4,8 @@ Builds (once) a bf16 family of ``bench/synthetic.py`` (default the Qwen3-0.6B sh
 analyzes it once, then runs the same merge ``--reps`` times with the per-block checks on and
 off alternately (off: :func:`mergepipe.engine.checks.check_expert_runs` and
 ``check_sketch_plane`` replaced by no-ops in this process), warm page cache, and prints the
-median wall times, their ratio and the bytes hashed, plus the single-thread SHA-256 rate of
+median wall and CPU times (CPU: less sensitive to a shared machine's load), their ratios and
+the bytes hashed, plus the single-thread SHA-256 rate of
 this machine on 128 KiB blocks.
 
 Usage::
@@ -57,6 +58,7 @@ def main() -> None:
     on = (reader.check_expert_runs, reader.check_sketch_plane)
     off = (lambda *a, **k: None, lambda *a, **k: None)
     times: dict[str, list[float]] = {"on": [], "off": []}
+    cpu: dict[str, list[float]] = {"on": [], "off": []}
     read = {}
     for rep in range(args.reps + 1):  # rep 0 warms the page cache (and analyzes)
         for mode in ("on", "off"):
@@ -64,7 +66,7 @@ def main() -> None:
             out = root / f"out-{mode}"
             shutil.rmtree(out, ignore_errors=True)
             st = LocalStorage(IOCounters())
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             merge(
                 str(base),
                 [(e.name, str(e)) for e in experts],
@@ -75,9 +77,10 @@ def main() -> None:
                 catalog=cat,
                 storage=st,
             )
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             if rep:
                 times[mode].append(dt)
+                cpu[mode].append(dc)
             read[mode] = st.counters.snapshot()["read"]
     reader.check_expert_runs, reader.check_sketch_plane = on
     med = {m: statistics.median(v) for m, v in times.items()}
@@ -92,6 +95,8 @@ def main() -> None:
                 "wall_s": times,
                 "median_s": med,
                 "overhead": med["on"] / med["off"] - 1.0,
+                "cpu_s": cpu,
+                "cpu_overhead": statistics.median(cpu["on"]) / statistics.median(cpu["off"]) - 1.0,
                 "expert_bytes_hashed": read["on"].get("expert", 0),
                 "sha256_MBps_1thread": sha256_rate() / 1e6,
                 "loadavg": os.getloadavg(),
