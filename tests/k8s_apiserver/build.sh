@@ -11,7 +11,8 @@
 #
 # When `current` holds both binaries the script does nothing (no network). Set
 # MERGEPIPE_APISERVER_REBUILD=1 to resolve sid's current version again and build it if new.
-# Cold cost (measured, see tests/k8s_apiserver/README.md): ~324 MB of .debs, ~2.5 GB unpacked sources
+# Cold cost (measured; the figures quoted in several places live in docs/figures.json): it
+# downloads ~324 MB of .debs, ~2.5 GB unpacked sources
 # and a ~1.4 GB compile cache (both deleted after a successful build; the compile cache is kept
 # when a build fails, so a retry resumes), 5-30 min of build on 2 cores. Prints the bin folder on
 # its last line.

@@ -35,6 +35,17 @@ def s3_models(seaweed, family):
     return m
 
 
+def apiserver_cost() -> str:
+    """The cold build's cost as docs/figures.json gives it (one source for README, build.sh, CI)."""
+    import json
+
+    f = json.loads((Path(__file__).resolve().parents[2] / "docs" / "figures.json").read_text())
+    return (
+        f"downloads ~{f['apiserver_download']['value']} of Debian sid packages, "
+        f"{f['apiserver_build']['value']} of build on 2 cores"
+    )
+
+
 def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
 
@@ -47,10 +58,7 @@ def real_crd_server():
     from realapi import ROOT, RealCrdServer, bin_dir, binaries_present, load_crds
 
     if not binaries_present():
-        why = (
-            f"no real API server binaries in {bin_dir()}: run tests/k8s_apiserver/build.sh "
-            "(downloads ~300 MB of Debian sid packages, builds for 5-18 min)"
-        )
+        why = f"no real API server binaries in {bin_dir()}: run tests/k8s_apiserver/build.sh ({apiserver_cost()})"
         if in_ci():
             pytest.fail(why + " (CI=true: the real-API-server tests must run)")
         pytest.skip(why)
