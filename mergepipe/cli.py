@@ -874,6 +874,33 @@ def merge(
     _emit_merge(res, json_out)
 
 
+@app.command("multi-merge")
+def multi_merge(
+    config: Annotated[Path, typer.Argument(help="A mergekit-multi config: YAML documents, each a merge with a name")],
+    intermediate_dir: Annotated[
+        Path, typer.Option("--intermediate-dir", "-I", help="Folder of the named stages' snapshots (<dir>/<name>)")
+    ],
+    out: Annotated[
+        Optional[str], typer.Option("--out", "-o", help="Snapshot folder of the unnamed final merge (if any)")
+    ] = None,
+    device: DeviceOpt = "cpu",
+    catalog: CatalogOpt = None,
+    json_out: JsonOpt = False,
+):
+    """Run a multi-stage mergekit config (mergekit-multi's format) in dependency order; a stage
+    whose snapshot of the same plan is already committed is not recomputed."""
+    from mergepipe.multistage import merge_multi
+
+    with _Progress(True) as prog:
+        results = merge_multi(config, intermediate_dir, out, device=device, catalog=_catalog(catalog), progress=prog)
+    if json_out:
+        print(json.dumps({"stages": [{"name": n, **r.summary()} for n, r in results]}))
+        return
+    for n, r in results:
+        print(f"stage {n or 'final'}:", end=" ")
+        _emit_merge(r, False)
+
+
 def _interrupted_runs(out: str, plan_digest: str | None = None) -> tuple[list[tuple[Path, int, int]], tuple[int, int]]:
     """What interrupted runs left beside a local ``out`` (cheap: directory listings and record
     files, no digest is recomputed here).

@@ -113,11 +113,12 @@ class _Config(BaseModel):
 
 #: mergekit-multi configs (several YAML documents, each with a name) are refused with this reason
 MULTI_STAGE = (
-    "a mergekit-multi config (several named merges in one file) is not supported yet; run each stage with "
-    "`mergepipe merge --config` into a folder and name that folder as a model of the next stage"
+    "a mergekit-multi config (several named merges in one file) is not one merge; run it with "
+    "`mergepipe multi-merge CONFIG --intermediate-dir DIR --out OUT`"
 )
 REFUSED = {
     "name": MULTI_STAGE.replace("a mergekit-multi config", "name: marks a mergekit-multi stage; a multi-stage config"),
+    # (mergepipe.multistage removes each stage's name before loading it as one merge)
     "modules": "mergekit modules (multi-module architectures) are not supported by mergepipe; use models:",
 }
 

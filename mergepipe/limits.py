@@ -144,6 +144,35 @@ def load_yaml(text: str, source: str) -> Any:
         raise InputError(
             f"{source}: not valid YAML{at} ({getattr(e, 'problem', None) or short_repr(str(e))})."
         ) from None
+    return _checked(node, source)
+
+
+def load_yaml_all(text: str, source: str) -> list:
+    """Every document of a multi-document YAML stream (mergekit-multi configs), each checked as
+    :func:`load_yaml` checks one.
+
+    Raises:
+        InputError: invalid YAML (with line and column), an alias bomb, or a deep document.
+    """
+    import yaml
+
+    try:
+        nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
+    except RecursionError:
+        raise InputError(f"{source}: the YAML is nested too deeply.") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise InputError(
+            f"{source}: not valid YAML{at} ({getattr(e, 'problem', None) or short_repr(str(e))})."
+        ) from None
+    return [_checked(n, source) for n in nodes]
+
+
+def _checked(node: Any, source: str) -> Any:
+    """The value of a composed YAML ``node`` after the alias and depth checks of :func:`load_yaml`."""
+    import yaml
+
     if node is None:
         return None
     sizes: dict[int, int] = {}

@@ -377,8 +377,8 @@ def test_linear_config_refusals(family, tmp_path, monkeypatch, capsys):
 
 
 def test_mergekit_multi_configs_refused_naming_the_key(family, tmp_path):
-    """mergekit-multi's format (a name: per stage, several YAML documents) is refused in one line
-    naming the key and saying how to run the stages instead."""
+    """mergekit-multi's format (a name: per stage, several YAML documents) is refused by `merge
+    --config` in one line naming the key and the command that runs it (`multi-merge`)."""
     cfg = base_cfg(family)
     p = write(tmp_path, {**cfg, "name": "stage1"}, name="named.yml")
     with pytest.raises(InputError, match=r"named\.yml: name: name: marks a mergekit-multi stage"):
@@ -388,4 +388,4 @@ def test_mergekit_multi_configs_refused_naming_the_key(family, tmp_path):
     with pytest.raises(InputError) as ei:
         load_config(multi)
     msg = str(ei.value)
-    assert msg.startswith(f"{multi}: a mergekit-multi config") and "\n" not in msg
+    assert msg.startswith(f"{multi}: a mergekit-multi config") and "multi-merge" in msg and "\n" not in msg
