@@ -615,6 +615,16 @@ def _print_explain(p, per_tensor: bool = False, manifest: dict | None = None):
     for role, est, real in io_rows(p, manifest):
         t.add_row(role, _human(est), *([_human(real)] if manifest else []))
     con.print(t)
+    from mergepipe.slices import bytes_by_source
+
+    views, by_src = bytes_by_source(p)  # slices / merged vocabularies: where the bytes come from
+    if views:
+        for v in views:
+            con.print(f"  view: {_esc(v)}", highlight=False)
+        st = Table("source model", "copied", "merged: base rows", "merged: expert blocks", title="bytes by source")
+        for name, copied, mb, me in by_src:
+            st.add_row(_esc(name), _human(copied), _human(mb), _human(me))
+        con.print(st)
     g = block_grid(p)
     lt = Table("layer", *g.experts, "expert bytes", title="blocks per layer: exact / sketch / skipped")
     for r in g.rows:

@@ -327,49 +327,57 @@ def _source_of(spec: dict, name: str) -> str:
     return spec["post"]
 
 
-def explain_stacks(plan: Any) -> str:
-    """Where a sliced merge's bytes come from, for ``plan.explain``: the output layers each view
-    stacks (``a[0:3] + b[1:4]``), then per source model the bytes of tensors copied whole (a
-    passthrough layer, or a tensor no expert changes) and of merged tensors (base rows read and
-    expert blocks read under the budget). Empty for a plan without stacked views."""
+def bytes_by_source(plan: Any) -> tuple[list[str], list[tuple[str, int, int, int]]]:
+    """Where a plan over stacked views (slices, merged vocabularies) reads its bytes.
+
+    Returns:
+        ``(views, rows)``: one line per view (``base = a[0:3] + b[1:4] (6 layers)``), and per
+        source model ``(name, copied, merged_base, merged_expert)`` in bytes: tensors copied
+        whole (a passthrough layer, a tensor no expert changes), the base rows of merged tensors
+        (once per pass), and the expert blocks (exact and sketch) the plan reads. Empty lists
+        for a plan without views.
+    """
     from mergepipe.formats.safetensors import DTYPES
 
     stacks = (plan.source or {}).get("stacks") or {}
     if not stacks:
-        return ""
-
-    def short(u: str) -> str:
-        return _name(u)
-
-    parts = []
+        return [], []
+    views = []
     for uri, st in stacks.items():
         spec = st["spec"]
         who = "base" if uri == plan.base.uri else next((e.name for e in plan.experts if e.uri == uri), uri)
-        runs = " + ".join(f"{short(s)}[{a}:{b}]" for s, a, b in spec["layers"])
-        parts.append(f"{who} = {runs} ({sum(b - a for _, a, b in spec['layers'])} layers)")
-    copied: dict[str, int] = {}
-    merged_base: dict[str, int] = {}
-    merged_exp: dict[str, int] = {}
+        runs = " + ".join(f"{_name(s)}[{a}:{b}]" for s, a, b in spec["layers"])
+        voc = f", vocabulary of {spec['vocab']['vocab_size']} rows" if spec.get("vocab") else ""
+        views.append(f"{who} = {runs} ({sum(b - a for _, a, b in spec['layers'])} layers{voc})")
+    acc: dict[str, list[int]] = {}
 
     def src(uri: str, name: str) -> str:
         st = stacks.get(uri)
-        return short(_source_of(st["spec"], name) if st else uri)
+        return _name(_source_of(st["spec"], name) if st else uri)
 
     for tp in plan.tensors:
         nb = math.prod(tp.shape) * DTYPES[tp.dtype][0]
         s = src(plan.base.uri, tp.name)
         if not tp.experts:
-            copied[s] = copied.get(s, 0) + nb
+            acc.setdefault(s, [0, 0, 0])[0] += nb
             continue
-        merged_base[s] = merged_base.get(s, 0) + nb * max(1, tp.passes)
+        acc.setdefault(s, [0, 0, 0])[1] += nb * max(1, tp.passes)
         for te in tp.experts:
             es = src(plan.experts[te.expert].uri, tp.name)
-            merged_exp[es] = merged_exp.get(es, 0) + te.bytes + te.sketch_bytes
+            acc.setdefault(es, [0, 0, 0])[2] += te.bytes + te.sketch_bytes
+    return views, [(k, *v) for k, v in sorted(acc.items())]  # type: ignore[misc]
 
-    def fmt(d: dict[str, int]) -> str:
-        return ", ".join(f"{k} {v:,} B" for k, v in sorted(d.items())) or "none"
+
+def explain_stacks(plan: Any) -> str:
+    """:func:`bytes_by_source` as a sentence for ``plan.explain``; empty without views."""
+    views, rows = bytes_by_source(plan)
+    if not views:
+        return ""
+
+    def fmt(i: int) -> str:
+        return ", ".join(f"{r[0]} {r[i]:,} B" for r in rows if r[i]) or "none"
 
     return (
-        f" Slices (stacked views): {'; '.join(parts)}. Bytes by source model — copied layers/tensors: "
-        f"{fmt(copied)}; merged tensors' base reads: {fmt(merged_base)}; merged expert blocks: {fmt(merged_exp)}."
+        f" Slices (stacked views): {'; '.join(views)}. Bytes by source model — copied layers/tensors: "
+        f"{fmt(1)}; merged tensors' base reads: {fmt(2)}; merged expert blocks: {fmt(3)}."
     )

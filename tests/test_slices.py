@@ -141,7 +141,7 @@ def test_ties_slices_per_source_parameters_match_mergekit(fp32, tmp_path):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_hidden_layers"] == 6
 
 
-def test_budgeted_slices_realized_le_planned_le_budget(bf16, tmp_path):
+def test_budgeted_slices_realized_le_planned_le_budget(bf16, tmp_path, monkeypatch, capsys):
     """A 40% expert budget on the merged slices: realized <= planned <= budget, and the plan's
     explanation says which source models the copied and merged bytes came from."""
     cfg = {**_ties_slices(bf16), "budget": "40%"}
@@ -152,6 +152,14 @@ def test_budgeted_slices_realized_le_planned_le_budget(bf16, tmp_path):
     assert io["expert_budget_bytes"] == int(0.4 * io["expert_bytes_total"])
     ex = res.plan.explain
     assert "base = base[0:4] + base[2:4] (6 layers)" in ex and "merged expert blocks: a " in ex
+    # `mergepipe explain` shows the views and the bytes by source model
+    from tests.conftest import run_cli
+
+    pf = tmp_path / "plan.json"
+    pf.write_text(res.plan.to_json())
+    code, out, err = run_cli(["explain", str(pf)], monkeypatch, capsys)
+    assert code == 0, err
+    assert "view: a = a[0:4] + a[2:4] (6 layers)" in out and "bytes by source" in out
 
 
 @pytest.mark.parametrize(
