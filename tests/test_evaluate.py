@@ -96,6 +96,9 @@ def test_classification_accuracy_with_the_tasks_head(tmp_path, monkeypatch, caps
     assert r["t"]["n"] == 4
     assert r["t"]["accuracy"] == pytest.approx(acc)
     assert r["t"]["loss"] == pytest.approx(loss, rel=1e-5)
+    # per item (the probe-set bootstrap's unit): one hit per example, in order
+    ri = evaluate_checkpoint(tmp_path / "enc", tmp_path, per_item=True)
+    assert ri["t"]["items"] == (logits.argmax(-1) == y).int().tolist() and "items" not in r["t"]
     code, out, err = run_cli(
         ["eval", str(tmp_path / "enc"), "--testbed", str(tmp_path), "--tasks", "t"], monkeypatch, capsys
     )
@@ -105,3 +108,34 @@ def test_classification_accuracy_with_the_tasks_head(tmp_path, monkeypatch, caps
         ["eval", str(tmp_path / "enc"), "--testbed", str(tmp_path), "--tasks", "nope"], monkeypatch, capsys
     )
     assert code == 2 and "unknown task" in err
+
+
+def test_causal_lm_per_window_losses():
+    """per_item: each window's mean next-token loss, in order; their mean is the task loss (every
+    window predicts seq_len - 1 tokens), across batch boundaries."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mergepipe.evaluate import causal_lm_losses
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    w = {"a": torch.randint(0, 50, (5, 9))}
+    r = causal_lm_losses(model, w, batch_size=2, per_item=True)
+    items = r["a"]["items"]
+    assert len(items) == 5 and r["a"]["n"] == 40
+    assert sum(items) / 5 == pytest.approx(r["a"]["loss"], rel=1e-9)
+    with torch.no_grad():
+        for i in range(5):
+            lg = model(input_ids=w["a"][i : i + 1]).logits.float()
+            want = float(torch.nn.functional.cross_entropy(lg[0, :-1], w["a"][i, 1:]))
+            assert items[i] == pytest.approx(want, rel=1e-5)
+    assert "items" not in causal_lm_losses(model, w, batch_size=2)["a"]
