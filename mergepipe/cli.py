@@ -608,6 +608,8 @@ def _print_explain(p, per_tensor: bool = False, manifest: dict | None = None):
     con = Console(stderr=False)
     con.print(f"[bold]plan {p.digest[:16]}[/]", highlight=False)
     con.print(_esc(summary(p, manifest)), highlight=False)
+    if p.explain:
+        con.print(f"[dim]planner:[/] {_esc(p.explain)}", highlight=False)
     con.print()
     for word, meaning in terms(p):
         con.print(f"  [bold]{_esc(word)}[/]: {_esc(meaning)}", highlight=False)
