@@ -154,8 +154,12 @@ def run_demo(
         "retained energy",
         *[f"loss {d} (NG)" for d in domains],
         "mean loss",
-        "worst NG",
-        "kept of full (worst)",
+        "lowest NG (domain)",
+        "lowest kept/full NG (domain)",
+        caption="lowest NG: the domain where this model's normalised gain is lowest. lowest kept/full NG: the "
+        "domain where a budgeted merge keeps the smallest share of the full merge's gain on it. Each column "
+        "names its own worst domain, so the two can differ (a domain the full merge helps little can keep a "
+        "small share of that little gain).",
         title=f"mergepipe demo: {method} {' '.join(params)}, {len(experts)} experts; NG = (L_base − L)/(L_base − "
         "L_expert) per domain (1 = the domain's expert, 0 = the base)",
     )
