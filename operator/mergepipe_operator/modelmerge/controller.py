@@ -92,6 +92,20 @@ def _job_output(job: dict[str, Any]) -> str | None:
     return None
 
 
+def _pods_of(job: dict[str, Any], pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The pods of this very Job: a pod of an earlier, deleted Job of the same name (same
+    ``job-name`` label, e.g. still terminating) is owned by another uid and is left out."""
+    uid = (job.get("metadata") or {}).get("uid")
+    if not uid:
+        return pods
+    return [
+        p
+        for p in pods
+        if not (p.get("metadata") or {}).get("ownerReferences")
+        or any(r.get("uid") == uid for r in p["metadata"]["ownerReferences"])
+    ]
+
+
 def _count_commit(facts: Any, raw: bytes) -> None:
     """Prometheus: one more committed merge, its realized bytes per role and its wall time."""
     COMMITTED.inc()
@@ -250,6 +264,26 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         self.store.put(uri, plan.plan_json)
         merge_jobs = [j for j in self.kube.list(JOBS, ns, f"{LABEL_MERGE}={label_value(name)}") if _is_merge_job(j)]
         choice = choose_job(merge_jobs, ANN_PLAN_DIGEST, plan.digest, gen)
+        if other == plan.digest and choice.follow is None:
+            # the output already holds this plan's committed snapshot and no Job of it exists: an
+            # earlier generation committed it (and was charged); nothing is read again
+            self.unreserve(ns, key, quotas, job_started=False)
+            self._retire(ns, name, status, out, now)
+            return finish(
+                "True",
+                Reason.COMMITTED,
+                f"{out_uri} already holds the committed snapshot of plan {plan.digest[:12]}; nothing to run",
+                plan=plan_status(
+                    plan.digest,
+                    uri,
+                    plan.base_read_bytes,
+                    plan.expert_read_bytes,
+                    plan.output_write_bytes,
+                    plan.retained_energy,
+                    sketch=plan.sketch,
+                    sketch_read_bytes=plan.sketch_read_bytes,
+                ),
+            )
         job = choice.follow
         if job is None:
             parts = choose_parallelism(
@@ -276,6 +310,10 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             and status_plan_digest(status) == plan.digest
         ):
             key = old_adm.get("key") or key  # the same (admitted) Job carries on: its reservation stays
+        carried_started = choice.follow is not None and (
+            bool(old_adm.get("started") and status.get("jobName") == job["metadata"]["name"])
+            or job_ever_started(job, [])
+        )
         self._supersede(ns, name, status, plan.digest, key, now)
         out.update(
             budget=human_bytes(budget) if budget is not None else "unbounded",
@@ -301,6 +339,8 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
                 "clamped": adm.clamped,
                 "quotas": quotas,
                 **({"admissionCheck": check} if check else {}),
+                # the same Job carries on: what it already read stays known to have started
+                **({"started": True} if carried_started else {}),
             },
         )
         conds = set_condition(
@@ -525,7 +565,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             how = closing(False, None)  # the same Job carries on under the new reservation
         else:
             known = self._known_read(old_out, old_digest)
-            how = closing(old_started or not old_found or known is not None, known)
+            how = closing(old_started or not old_found, known)
         for q in self.admission_quotas(ns, adm):
             self.update_quota(ns, q, lambda quota: close(quota, adm["key"], how, now))
 
@@ -564,7 +604,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         except Exception as e:  # noqa: BLE001 - decide conservatively
             log.warning("cannot read the pods of Job %s/%s: %s", ns, job["metadata"]["name"], e)
             return True
-        return job_ever_started(job, pods)
+        return job_ever_started(job, _pods_of(job, pods))
 
     # quotas -----------------------------------------------------------------------------------------
 
@@ -754,7 +794,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             known = self._known_read(
                 out_job or ((body.get("spec") or {}).get("output") or {}).get("uri"), status_plan_digest(status)
             )
-            how = closing(started or known is not None, known)
+            how = closing(started, known)
             for q in self.admission_quotas(ns, adm):
                 self.update_quota(ns, q, lambda quota: close(quota, adm["key"], how, now))
         for quota_obj in self.kube.list(QUOTAS, ns):  # reservations the status never named

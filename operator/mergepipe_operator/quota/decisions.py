@@ -320,18 +320,19 @@ def closing(started: bool, known_read: int | None) -> Closing:
     plan and the worker reports its reads only when it commits.
 
     Args:
-        started: did a container of the run's Job ever run (:func:`~..k8s.jobs.job_ever_started`),
-            or is there a manifest of its plan (it ran)?
-        known_read: expert bytes the run read, from its manifest (``None``: unknown).
+        started: did a container of the run's Job ever run (:func:`~..k8s.jobs.job_ever_started`;
+            a Job that cannot be found counts as started)?
+        known_read: expert bytes the run read, from its manifest (``None``: unknown); ignored
+            when it never started (the manifest is then an earlier run's).
 
     Raises:
         ValueError: ``known_read`` is not an integer >= 0.
     """
     if known_read is not None:
-        return Closing("settle", charge_bytes(known_read, "realized expert bytes"))
-    if not started:
+        charge_bytes(known_read, "realized expert bytes")
+    if not started:  # (a manifest found then is an earlier run's, charged when that run ended)
         return Closing("release")
-    return Closing("settle", None)
+    return Closing("settle", known_read)
 
 
 def close(quota: Mapping[str, Any], key: str, how: Closing, now: datetime) -> dict[str, Any] | None:
