@@ -18,6 +18,30 @@ import typer
 
 from mergepipe.methods.registry import method_names
 
+#: when this module was imported (the fallback origin of ``total_s`` where /proc is absent)
+_T_IMPORT = time.perf_counter()
+
+
+def _since_process_start() -> float:
+    """Seconds since this process started (Linux: ``/proc/self/stat`` start time against
+    ``/proc/uptime``, 10 ms resolution), so ``--json``'s ``total_s`` includes the interpreter's
+    start and every import (``import torch`` alone is seconds cold); elsewhere, since this
+    module was imported."""
+    import os
+
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            up = float(f.read().split()[0])
+        age = up - start_ticks / os.sysconf("SC_CLK_TCK")
+        if 0.0 <= age < 10 * 365 * 86400:
+            return age
+    except (OSError, ValueError, IndexError):
+        pass
+    return time.perf_counter() - _T_IMPORT
+
+
 if TYPE_CHECKING:
     from rich.progress import TaskID
 
@@ -108,7 +132,7 @@ BudgetOpt = Annotated[
     typer.Option(
         "--budget",
         "-b",
-        help="Expert-I/O budget: bytes (512MiB, 1.5GB, 1073741824), a % of the experts' size, or 'unlimited'.",
+        help="Expert-I/O budget: bytes with a unit (512MiB, 1.5GB, 1073741824B), a % of the experts' size (25%), or 'unlimited'; a bare number is refused.",
     ),
 ]
 
@@ -883,6 +907,7 @@ def merge(
             resume=resume,
             sketch=sketch,
         )
+    res.total_s = max(res.total_s or 0.0, _since_process_start())  # from process start, imports included
     _emit_merge(res, json_out)
 
 

@@ -241,7 +241,9 @@ def build_plan(
                 raise MissingAnalysis([], base_identity=base.identity, calibration=cal.digest)
             sens = catalog.sensitivity(storage, base, cal, block_bytes)
     total = sum(r.total_bytes for r in recs)
-    budget_bytes = parse_bytes(req.budget, total=total) if isinstance(req.budget, str) else req.budget
+    budget_bytes = parse_bytes(req.budget, total=total, bare=False) if isinstance(req.budget, str) else req.budget
+    if budget_bytes is not None:
+        _check_budget_buys_a_block(budget_bytes, req.budget, analyses, recs, rr.where)
     gap = storage.gap_for([e.uri for e in req.experts]) if hasattr(storage, "gap_for") else storage.max_gap
     fisher = cal is not None and value == "fisher"
     return make_plan(
@@ -416,6 +418,36 @@ def execute_and_commit(
             raise
         ownership.remove_record(out_storage, area)
     return MergeResult(out=str(out), manifest=manifest, manifest_hash=mh, plan=plan)
+
+
+def _check_budget_buys_a_block(budget_bytes: int, given, analyses, recs, where) -> None:
+    """Refuse a budget smaller than the cheapest block of every expert: it buys nothing, and the
+    "merge" would commit the base under a new name (issue 24: ``--budget 25`` read 0 bytes and
+    exited 0). The cheapest block is the smallest exact block (``block_numel`` times the
+    tensor's element size; 1 byte per entry for a LoRA adapter's tensors, a lower bound) of any
+    expert tensor with a non-zero task vector.
+
+    Raises:
+        InputError: naming the budget field and the smallest budget that buys a block.
+    """
+    from mergepipe.formats.safetensors import DTYPES
+
+    cheapest = None
+    for rec, an in zip(recs, analyses, strict=True):
+        for name, st in an.tensors.items():
+            info = rec.layout.tensors.get(name) if rec.adapter is None else None
+            size = DTYPES[info.dtype][0] if info is not None and info.dtype in DTYPES else 1
+            bn = st.block_numel[st.sq_norm > 0] if len(st.block_numel) == len(st.sq_norm) else st.block_numel
+            if len(bn):
+                c = int(bn.min()) * size
+                cheapest = c if cheapest is None else min(cheapest, c)
+    if cheapest is not None and budget_bytes < cheapest:
+        loc = ("budget",)
+        problem = (
+            f"{short_repr(given)} ({budget_bytes} bytes) buys no block of any expert (the smallest costs "
+            f"{cheapest} bytes); give at least {cheapest}B, a percentage like 10%, or unlimited."
+        )
+        raise InputError(f"{where(loc)}: {problem}", loc=loc, problem=problem)
 
 
 def merge_request(

@@ -184,7 +184,7 @@ class MergeRequest(BaseModel):
             raise InputError(f"{w(('fidelity',))}: {problem}", loc=("fidelity",), problem=problem)
         if isinstance(self.budget, str):
             try:
-                parse_bytes(self.budget, total=0, what=w(("budget",)))
+                parse_bytes(self.budget, total=0, what=w(("budget",)), bare=False)
             except InputError as e:
                 raise InputError(str(e), loc=("budget",)) from None
         elif self.budget is not None and self.budget < 0:
@@ -247,17 +247,22 @@ _UNITS = {
 }
 
 
-def parse_bytes(text: str | int, *, total: int | None = None, what: str = "--budget") -> int | None:
+def parse_bytes(text: str | int, *, total: int | None = None, what: str = "--budget", bare: bool = True) -> int | None:
     """Parse a byte quantity: ``1234``, ``512MiB``, ``1.5GB``, ``10Gi``, a percentage of
     ``total`` (``25%``), or ``unlimited``/``inf`` (returns None).
 
+    Args:
+        bare: accept a number without a unit as bytes. Budgets pass False: ``--budget 25``
+            would otherwise mean 25 bytes where the user meant 25% (issue 24), so a budget's
+            bytes need a unit (``25B``, ``512MiB``) and its share a ``%``.
+
     Raises:
-        InputError: unparseable, negative, not finite, over 2^63-1 bytes, or a percentage
-            without a total.
+        InputError: unparseable, negative, not finite, over 2^63-1 bytes, a percentage
+            without a total, or a bare number where ``bare`` is False.
     """
     if isinstance(text, bool) or not isinstance(text, (str, int)):
         raise InputError(
-            f"{what} {short_repr(text)}: not a byte quantity; use e.g. 512MiB, 1.5GB, 1073741824, 25% or unlimited."
+            f"{what} {short_repr(text)}: not a byte quantity; use e.g. 512MiB, 1.5GB, 1073741824B, 25% or unlimited."
         )
     s = str(text).strip()
     if s.lower() in ("unlimited", "inf", "none", "full"):
@@ -265,9 +270,14 @@ def parse_bytes(text: str | int, *, total: int | None = None, what: str = "--bud
     m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z%]*)", s)
     if not m:
         raise InputError(
-            f"{what} {short_repr(text)}: not a byte quantity; use e.g. 512MiB, 1.5GB, 1073741824, 25% or unlimited."
+            f"{what} {short_repr(text)}: not a byte quantity; use e.g. 512MiB, 1.5GB, 1073741824B, 25% or unlimited."
         )
     num, unit = float(m.group(1)), m.group(2).lower()
+    if not unit and not bare:
+        raise InputError(
+            f"{what} {short_repr(text)}: a number needs a unit; write {m.group(1)}% for a share of the "
+            f"experts' bytes or {m.group(1)}B (or KiB, MiB, GB ...) for bytes."
+        )
     if not math.isfinite(num):
         raise InputError(f"{what} {short_repr(text)}: not a finite number; use e.g. 512MiB or unlimited.")
     if unit == "%":

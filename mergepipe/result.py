@@ -63,6 +63,7 @@ class MergeResult:
                     if m["io"]["estimated"].get("sketch_read_bytes")
                     else {}
                 ),
+                "sketch_read_bytes": m["io"]["realized"].get("sketch_read_bytes", 0),
             },
             "retained_energy": m["retained_energy"],
             "wall_s": m["time"]["wall_s"],
@@ -87,6 +88,8 @@ def realized_io(before: dict, after: dict) -> dict[str, int]:
         "output_write_bytes": d("written", "output"),
         "output_copied_bytes": d("copied", "output"),
         "catalog_read_bytes": d("read", "catalog"),
+        # the part of expert_read_bytes that was block-sketch planes
+        "sketch_read_bytes": after.get("detail", {}).get("sketch", 0) - before.get("detail", {}).get("sketch", 0),
     }
 
 

@@ -120,6 +120,8 @@ def sketch_parts(plan: Plan, storage: Storage, tp, te, r0: int, r1: int) -> list
             blocks = range(a // rpb, -(-z // rpb))
             check_sketch_plane(te, tp.name, plan.experts[te.expert].name, uri, blocks, p, bufs[q], offs)
             q += 1
+    if storage.counters is not None:
+        storage.counters.add_detail("sketch", sum(memoryview(b).nbytes for b in bufs))
     out, q = [], 0
     for (a, z), k in runs:
         out.append(((a, z), SketchRun(z - a, row_numel, rpb, list(bufs[q : q + k]))))

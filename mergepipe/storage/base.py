@@ -54,7 +54,16 @@ class IOCounters:
     bytes_written: dict[str, int] = field(default_factory=lambda: {r: 0 for r in ROLES})
     bytes_copied: dict[str, int] = field(default_factory=lambda: {r: 0 for r in ROLES})
     requests: dict[str, int] = field(default_factory=lambda: {r: 0 for r in ROLES})
+    #: a breakdown of bytes already counted in ``bytes_read`` (not added to any total): ``sketch``
+    #: is the part of the ``expert`` reads that were block-sketch planes (issue 24: realized
+    #: sketch bytes in every manifest)
+    detail: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add_detail(self, name: str, nbytes: int) -> None:
+        """Count ``nbytes`` of reads already counted under a role as part ``name`` of them."""
+        with self._lock:
+            self.detail[name] = self.detail.get(name, 0) + int(nbytes)
 
     def add_read(self, role: str, nbytes: int, requests: int = 1) -> None:
         with self._lock:
@@ -73,13 +82,14 @@ class IOCounters:
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         """A consistent copy: ``{"read": {role: bytes}, "written": {...}, "copied": {...},
-        "requests": {...}}``."""
+        "requests": {...}, "detail": {part: bytes}}``."""
         with self._lock:
             return {
                 "read": dict(self.bytes_read),
                 "written": dict(self.bytes_written),
                 "copied": dict(self.bytes_copied),
                 "requests": dict(self.requests),
+                "detail": dict(self.detail),
             }
 
 
