@@ -1,0 +1,105 @@
+"""Tiered decode throughput: GB of expert bytes per second per core, per stage and device.
+
+A benchmark, not a test: run it after touching ``mergepipe/engine/sketchkernel.py`` or
+``mergepipe/catalog/sketch.py`` and compare with docs/BENCHMARKS.md. It codes a random bf16-sized
+tensor (``--rows`` x ``--cols``, blocks of ``--block-rows``) into 3 sign planes, then times, in
+CPU seconds of one thread (``time.process_time``, so the figure is per core and robust to a
+shared machine's load) or CUDA-synchronised wall time on a GPU:
+
+- ``numpy``: the reference decoder, ``decode_blocks`` per plane summed in float32 (what the
+  engine did before issue 23), plus the engine's ``(b + δ̂) − b``;
+- ``prepare``: :class:`~mergepipe.engine.sketchkernel.SketchRun` building its sign codes and
+  value tables (once per run);
+- ``tiles``: decoding the run tile by tile (64Ki entries, the engine's tile) into ``(b + δ̂) − b``.
+
+Throughput is the bf16 bytes the decoded entries stand for (2 bytes per entry) per second.
+Usage::
+
+    python bench/sketch_decode.py [--rows 4096] [--cols 768] [--block-rows 85] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--cols", type=int, default=768)
+    ap.add_argument("--block-rows", type=int, default=85)
+    ap.add_argument("--repeat", type=int, default=3)
+    a = ap.parse_args()
+
+    import torch
+
+    from mergepipe.catalog.sketch import PLANES, decode_blocks, encode_block
+    from mergepipe.engine.chunk import TILE_ELEMS
+    from mergepipe.engine.sketchkernel import SketchRun
+
+    torch.set_num_threads(1)
+    rows, rn, rpb = a.rows, a.cols, a.block_rows
+    n = rows * rn
+    rng = np.random.default_rng(0)
+    delta = (rng.standard_normal((rows, rn)) * 0.01).astype(np.float32)
+    planes: list[list[bytes]] = [[] for _ in range(PLANES)]
+    for r in range(0, rows, rpb):
+        for p, b in enumerate(encode_block(delta[r : r + rpb])[0]):
+            planes[p].append(b)
+    blobs = [b"".join(p) for p in planes]
+    base = (rng.standard_normal(n) * 0.02).astype(np.float32)
+    gb = 2 * n / 1e9
+    report: dict = {"entries": n, "expert_gb": gb, "planes": PLANES, "threads": 1}
+
+    def timed(fn, sync=None) -> float:
+        best = float("inf")
+        for _ in range(a.repeat):
+            if sync is None:
+                t = time.process_time()
+                fn()
+                best = min(best, time.process_time() - t)
+            else:
+                sync()
+                t = time.perf_counter()
+                fn()
+                sync()
+                best = min(best, time.perf_counter() - t)
+        return best
+
+    def numpy_decode() -> None:
+        d = np.zeros(n, dtype=np.float32)
+        for p in range(PLANES):
+            d += decode_blocks(blobs[p], rows, rn, rpb)
+        torch.sub(torch.from_numpy(base + d), torch.from_numpy(base))
+
+    report["numpy_gb_s"] = round(gb / timed(numpy_decode), 3)
+    devs = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    if len(devs) == 1:
+        print("no GPU: torch.cuda.is_available() is False; CPU stages only", flush=True)
+    for dev in devs:
+        sync = torch.cuda.synchronize if dev == "cuda" else None
+        bt = torch.from_numpy(base).to(dev)
+
+        def prepare(dev=dev) -> SketchRun:
+            run = SketchRun(rows, rn, rpb, list(blobs))
+            run.delta_rows(0, 1, torch.device(dev))
+            return run
+
+        run = prepare()
+
+        def tiles(run=run, bt=bt) -> None:
+            for s in range(0, n, TILE_ELEMS):
+                e = min(n, s + TILE_ELEMS)
+                run.delta(s, e, bt[s:e])
+
+        report[f"{dev}_prepare_gb_s"] = round(gb / timed(prepare, sync), 3)
+        report[f"{dev}_tiles_gb_s"] = round(gb / timed(tiles, sync), 3)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
