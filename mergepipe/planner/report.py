@@ -461,5 +461,5 @@ def render_png(plan: Plan, path: str, manifest: dict | None = None) -> None:
     a2.set_title(f"expert bytes per layer (budget {human(plan.budget_bytes)})")
     fig.suptitle(f"plan {plan.digest[:16]}: {plan.method}, {len(g.experts)} experts", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")  # by name: the CLI writes to OUT.png.tmp, then renames
     plt.close(fig)
