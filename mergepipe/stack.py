@@ -267,9 +267,10 @@ def build_view(storage: Storage, spec: StackSpec, extra_files: Sequence[str] = (
         )
         pos = len(header)
         pieces = []
+        computed_from: set[str] = set()  # files behind computed rows (their versions are the view's too)
         for (out, u, n), ti in zip(group, infos):
             if vocab and out in vnames:
-                pcs, nb = _vocab_pieces(storage, layouts, vocab, n, ti, pos)
+                pcs, nb = _vocab_pieces(storage, layouts, vocab, n, ti, pos, computed_from)
                 pieces += pcs
                 pos += nb
                 weight_map[out] = fname
@@ -285,7 +286,11 @@ def build_view(storage: Storage, spec: StackSpec, extra_files: Sequence[str] = (
             view.tensors[out] = (u, n)
             total += nb
         view.shards[fname] = _Shard(
-            header, pieces, [p.vstart for p in pieces], pos, sorted({p.src_file for p in pieces if p.src_file})
+            header,
+            pieces,
+            [p.vstart for p in pieces],
+            pos,
+            sorted({p.src_file for p in pieces if p.src_file} | computed_from),
         )
     if len(names) > 1:
         view.files[INDEX_NAME] = index_json(weight_map, total)
@@ -306,10 +311,13 @@ def build_view(storage: Storage, spec: StackSpec, extra_files: Sequence[str] = (
     return view
 
 
-def _vocab_pieces(storage: Storage, layouts, vocab: dict, name: str, ti, pos: int) -> tuple[list[_Piece], int]:
+def _vocab_pieces(
+    storage: Storage, layouts, vocab: dict, name: str, ti, pos: int, computed_from: set[str]
+) -> tuple[list[_Piece], int]:
     """The pieces of a vocabulary tensor ``name`` remapped by ``vocab['rows']`` (see
     :class:`StackSpec`), starting at view offset ``pos``; computed rows are read (role
-    ``catalog``), averaged in float32 and rounded to the tensor's dtype (round to nearest even).
+    ``catalog``), averaged in float32 and rounded to the tensor's dtype (round to nearest even);
+    the files they are read from are added to ``computed_from``.
 
     Raises:
         InputError: a run names a row outside its checkpoint's tensor, or a checkpoint without
@@ -331,6 +339,7 @@ def _vocab_pieces(storage: Storage, layouts, vocab: dict, name: str, ti, pos: in
 
     def read_rows(u: str, a: int, n: int) -> np.ndarray:
         t = src_info(u)
+        computed_from.add(storage.join(u, t.file))
         raw = storage.read_range(storage.join(u, t.file), t.start + a * rowb, t.start + (a + n) * rowb, "catalog")
         return decode(raw, t.dtype).reshape(n, -1)
 
