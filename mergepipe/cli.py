@@ -193,10 +193,14 @@ def _termination_message(msg: str) -> None:
     if not path:
         return
     line = " ".join(str(msg).split()).encode()[:4096].decode(errors="ignore")
+    from mergepipe.errors import InputError
+    from mergepipe.storage.local import open_for_write
+
     try:
-        with open(path, "w", encoding="utf-8") as f:
+        fd = open_for_write(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, what="termination log")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(line + "\n")
-    except OSError:
+    except (OSError, InputError):
         pass
 
 
@@ -602,10 +606,10 @@ def plan(
         sketch=sketch,
     )
     if out:
+        from mergepipe.storage.local import replace_file
+
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(p.to_json())
-        tmp.replace(out)
+        replace_file(out, p.to_json().encode(), what="plan file")
     summary = {
         "plan_digest": p.digest,
         "method": p.method,

@@ -86,9 +86,9 @@ def run_demo(
         """Per-domain eval loss, cached by model identity (zoo key + name, or snapshot id)."""
         if key not in cache:
             cache[key] = evaluate(path, zoo)
-            tmp = cache_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-            tmp.replace(cache_file)
+            from mergepipe.storage.local import replace_file
+
+            replace_file(cache_file, json.dumps(cache, indent=1, sort_keys=True).encode(), what="eval cache")
         return cache[key]
 
     rows: list[dict] = []

@@ -37,7 +37,7 @@ from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import FLOAT_DTYPES
 from mergepipe.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, SAVED_PREFIX
 from mergepipe.storage.base import Storage
-from mergepipe.storage.local import fsync_folder
+from mergepipe.storage.local import fresh_folder, fsync_folder, write_new_file
 
 REPORT = "extract_report.json"
 #: adapter factor dtypes accepted by ``--dtype``
@@ -225,14 +225,13 @@ def extract_lora(
     parent = outp.parent if str(outp.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
     stage = parent / f".{outp.name}.extract-{os.getpid()}"
-    shutil.rmtree(stage, ignore_errors=True)
     try:
-        stage.mkdir()
+        fresh_folder(stage)  # ours alone (0700; a planted link there is removed, never followed)
         save_file(factors, str(stage / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        (stage / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        write_new_file(stage / ADAPTER_CONFIG, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
         report["adapter_bytes"] = (stage / ADAPTER_WEIGHTS).stat().st_size
         report["seconds"] = round(time.perf_counter() - t0, 3)
-        (stage / REPORT).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+        write_new_file(stage / REPORT, (json.dumps(report, indent=1, sort_keys=True) + "\n").encode())
         for f in stage.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())

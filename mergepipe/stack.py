@@ -424,10 +424,11 @@ def register_view(storage: Storage, spec: StackSpec, extra_files: Sequence[str] 
         d.mkdir(parents=True, exist_ok=True)
         p = d / f"{spec.digest}.json"
         if not p.exists():
-            tmp = p.with_suffix(".tmp")
-            tmp.write_text(json.dumps({**spec.to_json(), "extra_files": list(extra_files)}, sort_keys=True))
-            tmp.replace(p)
-    except OSError:
+            from mergepipe.storage.local import replace_file
+
+            data = json.dumps({**spec.to_json(), "extra_files": list(extra_files)}, sort_keys=True).encode()
+            replace_file(p, data, what="stack view spec")
+    except (OSError, InputError):
         pass  # the in-process registry still serves this run
     return view
 

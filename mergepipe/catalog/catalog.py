@@ -839,7 +839,11 @@ class LocalSketchSink(SketchSink):
         p.parent.mkdir(parents=True, exist_ok=True)
         self._path = p
         self._tmp = p.with_name(f".{p.name}.tmp{os.getpid()}.{threading.get_ident()}")
-        self._f = open(self._tmp, "wb")
+        from mergepipe.storage.local import open_for_write
+
+        if self._tmp.is_symlink() or self._tmp.is_file():
+            self._tmp.unlink()  # a crashed writer's (same pid and thread), or a planted link
+        self._f = os.fdopen(open_for_write(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, what="sketch file"), "wb")
         self.writer = SketchWriter(self._f.write, spill_bytes, spill_dir=str(p.parent))
         self._done = False
 

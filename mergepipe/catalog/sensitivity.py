@@ -155,8 +155,10 @@ def _build_model(storage, base):
         raise InputError(
             f"{base.uri}: the Fisher statistic needs the base's config.json and tokenizer.json ({e})."
         ) from None
+    from mergepipe.storage.local import write_new_file
+
     with tempfile.TemporaryDirectory() as d:
-        Path(d, "config.json").write_bytes(cfg_bytes)
+        write_new_file(Path(d, "config.json"), cfg_bytes, what="config copy", fsync=False)
         config = AutoConfig.from_pretrained(d, local_files_only=True)
     kind = model_kind(config)
     auto = AutoModelForCausalLM if kind == "causal-lm" else AutoModel

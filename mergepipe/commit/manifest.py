@@ -48,7 +48,7 @@ from mergepipe.formats.safetensors import parse_header
 from mergepipe.limits import MAX_MANIFEST_BYTES, loads_json, read_file, short_repr
 from mergepipe.paths import check_inside, name_problem
 from mergepipe.storage.base import is_s3
-from mergepipe.storage.local import fsync_folder
+from mergepipe.storage.local import fsync_folder, open_for_write, write_new_file
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "mergepipe.manifest/v1"
@@ -212,10 +212,7 @@ def probe_lock(out: str | Path) -> None:
     """
     p = lock_path(out)
     if p.is_symlink():
-        raise InputError(
-            f"--out {out}: the lock file {p} is a symbolic link (to {os.readlink(p)}); mergepipe never writes "
-            "through a link it did not create. Remove it and rerun."
-        )
+        os.close(open_for_write(p, os.O_RDONLY, what="lock file"))  # raises the one-line refusal
     if lock_is_free(p):
         return
     raise CommitConflict(
@@ -329,19 +326,10 @@ class OutputLock:
         from mergepipe.commit.ownership import canonical_out
 
         for _ in range(100):
-            try:  # never through a link planted at the lock's name (O_NOFOLLOW)
-                fd = os.open(str(self.path), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            try:  # never through a link planted at the lock's name
+                fd = open_for_write(self.path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, what="lock file")
             except OSError as e:
-                if os.path.islink(self.path):
-                    raise InputError(
-                        f"--out {self.out}: the lock file {self.path} is a symbolic link (to "
-                        f"{os.readlink(self.path)}); mergepipe never writes through a link it did not create. "
-                        "Remove it and rerun."
-                    ) from None
                 raise InputError(f"--out {self.out}: cannot open the lock file {self.path} ({e.strerror}).") from None
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                raise InputError(f"--out {self.out}: {self.path} is not a regular file; remove it and rerun.")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -465,12 +453,7 @@ def publish_local(staging: Path, out: str | Path, manifest: dict, lock: OutputLo
         raise RuntimeError("publish_local needs the output lock held")
     check_staged_files(staging, manifest["outputs"])
     data = manifest_bytes(manifest)
-    fd = os.open(str(staging / MANIFEST_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_new_file(staging / MANIFEST_NAME, data, what="manifest")
     fsync_folder(staging, strict=True)
     if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
         out.rmdir()

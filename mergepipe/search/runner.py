@@ -357,8 +357,10 @@ class StateMirror:
             data = self.storage.read_object(self.uri(STATE_NAME), role="other")
         except (NotFoundError, FileNotFoundError):
             return False
-        out.mkdir(parents=True, exist_ok=True)
-        (out / STATE_NAME).write_bytes(data)
+        from mergepipe.storage.local import ensure_folder, replace_file
+
+        ensure_folder(out, what="search folder")
+        replace_file(out / STATE_NAME, data, what="search state")
         return True
 
 

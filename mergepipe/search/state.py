@@ -17,11 +17,9 @@ are dispatched first; ``done`` and ``failed`` ones are kept. Times are Unix seco
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from mergepipe.errors import InputError
-from mergepipe.storage.local import fsync_folder
 
 STATE_FORMAT = "mergepipe.search/v1"
 STATE_NAME = "state.json"
@@ -29,17 +27,9 @@ STATE_NAME = "state.json"
 
 def save_state(path: Path, state: dict) -> None:
     """Write ``state`` to ``path`` atomically (tmp + fsync + rename + directory fsync)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    data = json.dumps(state, indent=1, sort_keys=True).encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_folder(path.parent, strict=True)
+    from mergepipe.storage.local import replace_file
+
+    replace_file(Path(path), json.dumps(state, indent=1, sort_keys=True).encode(), what="search state", durable=True)
 
 
 def load_state(path: Path) -> dict:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 import threading
+import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from mergepipe.errors import InputError
 from mergepipe.storage.base import (
     NotFoundError,
     ObjectStat,
@@ -56,6 +59,126 @@ def fsync_folder(folder: str | os.PathLike[str], *, strict: bool) -> None:
         os.close(fd)
 
 
+def _link_refusal(path: str, what: str) -> InputError:
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    return InputError(
+        f"{path}: the {what} is a symbolic link (to {target}); mergepipe never writes through a link it "
+        "did not create. Remove the link and rerun."
+    )
+
+
+def open_for_write(path: str | os.PathLike[str], flags: int, mode: int = 0o644, *, what: str = "file") -> int:
+    """``os.open(path, flags | O_NOFOLLOW | O_CLOEXEC)`` for writing, the one way mergepipe opens a
+    local file it writes (locks, staging, records, outputs, manifests, plans, state files): a
+    symbolic link at ``path`` (planted by someone else) is refused, never followed, and what was
+    opened must be a regular file (checked with ``fstat`` on the descriptor). Pass ``O_CREAT |
+    O_EXCL`` where the file is created.
+
+    Args:
+        flags: ``os.O_*`` access and creation flags (e.g. ``O_WRONLY | O_CREAT | O_EXCL``).
+        what: names the file in the error (``"lock file"``, ``"manifest"``...).
+
+    Returns:
+        An open file descriptor (the caller closes it).
+
+    Raises:
+        InputError: ``path`` is a symbolic link or not a regular file (one line naming it).
+        OSError: any other failure (``FileExistsError`` with ``O_EXCL``...).
+    """
+    p = os.fspath(path)
+    try:
+        fd = os.open(p, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if os.path.islink(p):  # ELOOP, or EEXIST for O_EXCL on a link
+            raise _link_refusal(p, what) from None
+        raise e
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise InputError(f"{p}: the {what} is not a regular file; remove it and rerun.")
+    return fd
+
+
+def write_new_file(path: str | os.PathLike[str], data: bytes, *, what: str = "file", fsync: bool = True) -> None:
+    """Create ``path`` (exclusively, never through a link: :func:`open_for_write`) holding ``data``.
+
+    Raises:
+        InputError: a link or non-regular file is at ``path``.
+        FileExistsError: ``path`` exists.
+    """
+    fd = open_for_write(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, what=what)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_file(path: str | os.PathLike[str], data: bytes, *, what: str = "file", durable: bool = False) -> None:
+    """Replace ``path`` atomically with ``data``: a new hidden file in the same folder (created
+    exclusively, fsync'd), then ``rename(2)`` onto ``path``; a link at ``path`` is refused (a
+    rename would replace the link, not write through it, but someone planted it). ``durable``:
+    the folder is fsync'd strictly afterwards (:func:`fsync_folder`).
+
+    Raises:
+        InputError: a symbolic link or a folder is at ``path``.
+        OSError: the write, rename or (``durable``) folder fsync fails.
+    """
+    p = os.fspath(path)
+    if os.path.islink(p):
+        raise _link_refusal(p, what)
+    if os.path.isdir(p):
+        raise InputError(f"{p}: the {what} is a folder; give a file path.")
+    folder = os.path.dirname(p) or "."
+    tmp = os.path.join(folder, f".{os.path.basename(p)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    write_new_file(tmp, data, what=what)
+    try:
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_folder(folder, strict=durable)
+
+
+def ensure_folder(path: str | os.PathLike[str], *, what: str = "folder") -> None:
+    """Create folder ``path`` (and its parents) unless it exists; refuse a symbolic link at
+    ``path`` itself (files created under it would land in the link's target).
+
+    Raises:
+        InputError: ``path`` is a link or a file.
+    """
+    p = os.fspath(path)
+    if os.path.islink(p):
+        raise _link_refusal(p, what)
+    if os.path.lexists(p) and not os.path.isdir(p):
+        raise InputError(f"{p}: the {what} is a file, not a folder; remove it and rerun.")
+    os.makedirs(p, exist_ok=True)
+
+
+def fresh_folder(path: str | os.PathLike[str]) -> None:
+    """Remove whatever is at ``path`` without following links (a link or file is unlinked, a
+    folder removed with its content) and create an empty folder there (mode 0700)."""
+    p = os.fspath(path)
+    if os.path.islink(p) or (os.path.lexists(p) and not os.path.isdir(p)):
+        os.unlink(p)
+    elif os.path.isdir(p):
+        shutil.rmtree(p)
+    os.mkdir(p, 0o700)
+
+
 class LocalWriter(Writer):
     """Writes one file sequentially; ``close()`` fsyncs it. ``copy_range`` reads from the source
     file (counted under ``base``) since a local copy cannot skip the page cache anyway."""
@@ -68,7 +191,7 @@ class LocalWriter(Writer):
             # never recreated: a folder that vanished mid-run (a staging folder removed by someone
             # else) must fail the run, not yield a half-empty output (see mergepipe.commit.manifest)
             raise StorageError(f"{uri}: folder {d} does not exist (removed while writing?); nothing was committed.")
-        self._f = open(p, "xb")
+        self._f = os.fdopen(open_for_write(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, what="output file"), "wb")
         self._n = 0
 
     def write(self, data) -> None:
@@ -194,8 +317,9 @@ class LocalStorage(Storage):
         return LocalWriter(self, uri, role)
 
     def make_prefix(self, uri: str) -> None:
-        """Create folder ``uri`` (and its parents) so writers can create files under it."""
-        os.makedirs(_path(uri), exist_ok=True)
+        """Create folder ``uri`` (and its parents) so writers can create files under it; a
+        symbolic link at ``uri`` is refused (:func:`ensure_folder`)."""
+        ensure_folder(_path(uri), what="output folder")
 
     def sync_prefix(self, uri: str, *, through: str) -> None:
         """fsync (strictly, :func:`fsync_folder`) every folder under ``uri`` bottom-up, then the
@@ -233,11 +357,14 @@ class LocalStorage(Storage):
         Raises:
             PreconditionFailed: ``if_none_match`` and ``uri`` already exists (S3's
                 ``If-None-Match: *`` answered 412).
+            InputError: ``uri`` or its folder is a symbolic link (never written through).
             OSError: ``durable`` and the folder cannot be fsync'd.
         """
         p = _path(uri)
+        if os.path.islink(p):
+            raise _link_refusal(p, "object")
         folder = os.path.dirname(p) or "."
-        os.makedirs(folder, exist_ok=True)
+        ensure_folder(folder)
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(p)}.", suffix=".tmp", dir=folder)
         try:
             try:
@@ -275,7 +402,7 @@ class LocalStorage(Storage):
 
     def delete(self, uri: str) -> None:
         p = Path(_path(uri))
-        if p.is_dir():
+        if p.is_dir() and not p.is_symlink():  # a link is removed itself, never its target
             shutil.rmtree(p, ignore_errors=True)
         else:
             try:
