@@ -143,8 +143,7 @@ def _execute_part(
         out_storage.delete(runs.file_record_uri(out_storage, layout, name))
         if not is_s3(layout.files):  # a torn local file blocks its rewrite; an S3 object is replaced atomically
             out_storage.delete(out_storage.join(layout.files, name))
-    if not is_s3(layout.files):
-        Path(layout.files).mkdir(parents=True, exist_ok=True)
+    out_storage.make_prefix(layout.files)  # a local folder (never through a planted link); S3: nothing
     files = {n: r["info"] for n, r in kept.items() if n in shards or side_done}
     base_sha: dict[str, str] = {}
     for n, r in kept.items():
@@ -283,7 +282,10 @@ def _run_manifest(
         CommitConflict, RuntimeError: see :func:`commit_run`.
     """
     required, optional = _side_files(plan, storage)
-    records = runs.check_parts(out_storage, layout, plan.digest, partition(plan, parts), required, optional)
+    planned = {k: getattr(plan.io, k) for k in ("base_read_bytes", "expert_read_bytes", "output_write_bytes")}
+    records = runs.check_parts(
+        out_storage, layout, plan.digest, partition(plan, parts), required, optional, planned=planned
+    )
 
     res = ExecResult()
     for rec in records:

@@ -36,11 +36,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergepipe.commit.manifest import shard_tree_digest
+from mergepipe.commit.records import (  # (formats re-exported)
+    FILE_FORMAT as FILE_FORMAT,
+    PART_FORMAT as PART_FORMAT,
+    FileRecord,
+    PartRecord,
+    parse_file_record,
+    parse_part_record,
+)
 from mergepipe.errors import CommitConflict, InputError
 from mergepipe.storage.base import NotFoundError, Storage, is_s3
 
-PART_FORMAT = "mergepipe.part/v1"
-FILE_FORMAT = "mergepipe.file/v1"
 _RUN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -111,9 +117,11 @@ def part_lock(layout: RunLayout, index: int, count: int) -> Iterator[None]:
         return
     import fcntl
 
+    from mergepipe.storage.local import ensure_folder, open_for_write
+
     folder = Path(layout.records)
-    folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / f"part-{index:05d}-of-{count:05d}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    ensure_folder(folder, what="run records folder")
+    fd = open_for_write(folder / f"part-{index:05d}-of-{count:05d}.lock", os.O_RDWR | os.O_CREAT, what="part lock")
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -139,19 +147,6 @@ def _record_bytes(obj: dict) -> bytes:
     return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
 
 
-def _read_json(storage: Storage, uri: str) -> dict | None:
-    """A record, or None when it is missing or not a JSON object (a torn write counts as missing)."""
-    try:
-        data = storage.read_object(uri, "other")
-    except NotFoundError:
-        return None
-    try:
-        obj = json.loads(data)
-    except ValueError:
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
 def write_file_record(
     storage: Storage,
     layout: RunLayout,
@@ -175,6 +170,7 @@ def write_file_record(
     }
     if attempt is not None:
         rec["attempt"] = attempt
+    FileRecord.model_validate(rec)  # what the reader will accept, checked before it is written
     storage.put_object(file_record_uri(storage, layout, name), _record_bytes(rec), "other")
 
 
@@ -204,33 +200,58 @@ def kept_files(storage: Storage, layout: RunLayout, plan_digest: str, names: lis
     """
     out = {}
     for name in names:
-        rec = _read_json(storage, file_record_uri(storage, layout, name))
-        if not rec or rec.get("format") != FILE_FORMAT or rec.get("plan_digest") != plan_digest:
+        uri = file_record_uri(storage, layout, name)
+        try:
+            rec = parse_file_record(storage.read_object(uri, "other"), uri)
+        except (NotFoundError, InputError):
+            continue  # missing, torn or forged: the file is rewritten
+        if rec.plan_digest != plan_digest or rec.name != name:
             continue
-        info = rec.get("info") or {}
-        key = info.get("tree_sha256") or info.get("sha256")
-        if key and file_digest(storage, storage.join(layout.files, name), info) == key:
-            out[name] = rec
+        info = rec.info.as_info()
+        if file_digest(storage, storage.join(layout.files, name), info) == rec.info.key():
+            d = rec.model_dump(exclude_none=True)
+            d["info"] = info
+            out[name] = d
     return out
 
 
 def write_part_record(storage: Storage, layout: RunLayout, record: dict) -> str:
     """Write part record ``record`` (see the module docstring); returns its URI."""
     uri = part_record_uri(storage, layout, record["part"], record["parts"])
+    PartRecord.model_validate(record)  # what the commit will accept, checked before it is written
     storage.put_object(uri, _record_bytes(record), "other")
     return uri
 
 
-def read_part_records(storage: Storage, layout: RunLayout) -> dict[tuple[int, int], dict]:
-    """Every part record of the run: ``(index, count)`` -> record."""
+def part_record_uris(storage: Storage, layout: RunLayout) -> dict[tuple[int, int], str]:
+    """Every part record of the run (by name, unread): ``(index, count)`` -> URI."""
     out = {}
     for uri in storage.list(layout.records):
-        m = re.search(r"part-(\d+)-of-(\d+)\.json$", uri)
+        m = re.search(r"part-(\d{1,9})-of-(\d{1,9})\.json$", uri)
         if not m or "/files/" in uri.replace("\\", "/"):
             continue
-        rec = _read_json(storage, uri)
-        if rec is not None:
-            out[(int(m.group(1)), int(m.group(2)))] = rec
+        out[(int(m.group(1)), int(m.group(2)))] = uri
+    return out
+
+
+def read_part_record(storage: Storage, uri: str) -> PartRecord:
+    """Read and parse one part record (:class:`mergepipe.commit.records.PartRecord`).
+
+    Raises:
+        NotFoundError: missing.
+        InputError: invalid (one line naming ``uri`` and the field).
+    """
+    return parse_part_record(storage.read_object(uri, "other"), uri)
+
+
+def read_part_records(storage: Storage, layout: RunLayout) -> dict[tuple[int, int], dict]:
+    """Every part record of the run that parses: ``(index, count)`` -> record (as a dict)."""
+    out = {}
+    for key, uri in part_record_uris(storage, layout).items():
+        try:
+            out[key] = read_part_record(storage, uri).as_dict()
+        except (NotFoundError, InputError):
+            continue
     return out
 
 
@@ -241,6 +262,7 @@ def check_parts(
     expected: list[list[str]],
     side_required: set[str],
     side_optional: set[str],
+    planned: dict[str, int] | None = None,
 ) -> list[dict]:
     """The part records of a finished run, checked against the plan and the stored objects.
 
@@ -251,36 +273,59 @@ def check_parts(
             the plan needs one).
         side_optional: files part 0 may have written (the base's config/tokenizer files the
             plan lists; the base may lack some).
+        planned: the plan's bytes per role (``{"base_read_bytes": n, ...}``): no part may
+            record more (a record is untrusted input).
+
+    Every record is parsed by :class:`mergepipe.commit.records.PartRecord` (known keys,
+    non-negative numbers, digests) and every file it lists is read back and its digest
+    recomputed (role ``other``): sizes alone prove nothing.
 
     Returns:
         The records of parts ``0..N-1`` in order.
 
     Raises:
-        CommitConflict: a part record is missing, was made for another plan or partition, or
-            lists a file that is missing or has another size (nothing is committed; the
-            message names the part to re-run).
+        CommitConflict: a part record is missing, invalid (naming the field), was made for
+            another plan or partition, records more bytes than planned, or lists a file that is
+            missing or whose bytes do not give its recorded size and digest (nothing is
+            committed; the message names the part to re-run).
     """
     n = len(expected)
-    recs = read_part_records(storage, layout)
-    others = sorted({c for _, c in recs} - {n})
+    uris = part_record_uris(storage, layout)
+    others = sorted({c for _, c in uris} - {n})
     out = []
     for i in range(n):
-        rec = recs.get((i, n))
         again = f"run `mergepipe execute PLAN --out {layout.out} --part {i}/{n} --run {layout.run}` again"
-        if rec is None:
+        uri = uris.get((i, n))
+        if uri is None:
             hint = f" (records of a {others[0]}-part split exist: the same N must be used)" if others else ""
             raise CommitConflict(f"run {layout.run}: part {i}/{n} has no record{hint}; {again}.")
-        if rec.get("format") != PART_FORMAT or rec.get("plan_digest") != plan_digest:
+        try:
+            prec = read_part_record(storage, uri)
+        except NotFoundError:
+            raise CommitConflict(f"run {layout.run}: part {i}/{n} has no record; {again}.") from None
+        except InputError as e:
+            raise CommitConflict(f"{str(e).rstrip('.')}; {again}.") from None
+        if prec.plan_digest != plan_digest:
             raise CommitConflict(
-                f"run {layout.run}: part {i}/{n} was made for plan "
-                f"{str(rec.get('plan_digest'))[:12]}, not this plan; {again}."
+                f"run {layout.run}: part {i}/{n} was made for plan {prec.plan_digest[:12]}, not this plan; {again}."
             )
-        if rec.get("shards") != expected[i]:
+        if (prec.part, prec.parts) != (i, n):
+            raise CommitConflict(f"{uri}: records part {prec.part}/{prec.parts}, not {i}/{n}; {again}.")
+        if planned is not None:
+            for role, cap in planned.items():
+                got = getattr(prec.realized, role)
+                if got > cap:
+                    raise CommitConflict(
+                        f"{uri}: realized.{role} {got} exceeds the plan's {cap}; the record is not this "
+                        f"plan's run; {again}."
+                    )
+        rec = prec.as_dict()
+        if rec["shards"] != expected[i]:
             raise CommitConflict(
-                f"run {layout.run}: part {i}/{n} wrote shards {rec.get('shards')}, the plan's "
+                f"run {layout.run}: part {i}/{n} wrote shards {rec['shards']}, the plan's "
                 f"partition gives {expected[i]}; {again}."
             )
-        files = rec.get("files") or {}
+        files = rec["files"]
         want = set(expected[i]) | (side_required if i == 0 else set())
         missing = want - set(files)
         extra = set(files) - want - (side_optional if i == 0 else set())
@@ -288,14 +333,20 @@ def check_parts(
             raise CommitConflict(
                 f"run {layout.run}: part {i}/{n} lists files {sorted(files)}, expected {sorted(want)}; {again}."
             )
-        for name, info in files.items():
-            uri = storage.join(layout.files, name)
+        for name, finfo in prec.files.items():
+            fu = storage.join(layout.files, name)
             try:
-                size = storage.stat(uri).size
+                size = storage.stat(fu).size
             except NotFoundError:
-                raise CommitConflict(f"{uri}: listed by part {i}/{n} but missing; {again}.") from None
-            if size != info.get("size"):
-                raise CommitConflict(f"{uri}: size {size}, part {i}/{n} recorded {info.get('size')}; {again}.")
+                raise CommitConflict(f"{fu}: listed by part {i}/{n} but missing; {again}.") from None
+            if size != finfo.size:
+                raise CommitConflict(f"{fu}: size {size}, part {i}/{n} recorded {finfo.size}; {again}.")
+            # by content: a same-size edit, or another plan's file copied in, is refused here
+            if file_digest(storage, fu, finfo.as_info()) != finfo.key():
+                raise CommitConflict(
+                    f"{fu}: its bytes do not give the digest part {i}/{n} recorded (changed after it was "
+                    f"written, or written for another plan); nothing was committed; {again}."
+                )
         out.append(rec)
     seen: dict[str, int] = {}
     for i, rec in enumerate(out):
