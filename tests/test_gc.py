@@ -338,3 +338,10 @@ def test_planted_lock_symlink_is_refused_and_victim_untouched(family, tmp_path, 
 def test_gc_refuses_bad_grace(tmp_path, monkeypatch, capsys, grace):
     code, out, err = run_cli(["gc", str(tmp_path), "--grace", grace], monkeypatch, capsys)
     assert code == 2 and "--grace" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.s3
+def test_gc_on_a_missing_bucket_is_one_line(s3_env, monkeypatch, capsys):
+    code, out, err = run_cli(["gc", "s3://no-such-bucket-mergepipe/x", "--dry-run"], monkeypatch, capsys)
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "no-such-bucket-mergepipe" in lines[0] and "Traceback" not in err, err
