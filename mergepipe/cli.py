@@ -1183,16 +1183,9 @@ def commit(
 @app.command()
 def verify(snapshot: Annotated[str, typer.Argument(help="Snapshot folder or s3:// URI")], json_out: JsonOpt = False):
     """Re-hash a snapshot's files against its manifest. Exit 1 when anything differs."""
-    from mergepipe.storage.base import is_s3
+    from mergepipe.commit.target import verify_any
 
-    if is_s3(snapshot) or (Path(snapshot) / "runs").is_dir():
-        from mergepipe.commit.objectstore import verify_obj
-
-        r = verify_obj(_storage_for(snapshot), snapshot)
-    else:
-        from mergepipe.commit.manifest import verify_snapshot
-
-        r = verify_snapshot(snapshot)
+    r = verify_any(_storage_for(snapshot), snapshot)
     if json_out:
         print(json.dumps(r))
     elif r["ok"]:

@@ -39,29 +39,25 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from mergepipe.commit import objectstore as obj, ownership, runs
-from mergepipe.commit.manifest import OutputLock, check_output, publish_local, read_manifest
+from mergepipe.commit import ownership, runs
+from mergepipe.commit.target import CommitTarget, commit_target
 from mergepipe.engine.executor import ExecResult, default_compute_threads, execute, needs_index
 from mergepipe.engine.partition import PartSpec, partition
 from mergepipe.errors import CommitConflict, MergepipeError
 from mergepipe.formats.safetensors import INDEX_NAME
 from mergepipe.planner.plan import Plan
 from mergepipe.result import MergeResult, build_manifest, output_storage, realized_io, versions
-from mergepipe.storage.base import Storage, is_s3
+from mergepipe.storage.base import Storage
 
 
-def _layout(plan: Plan, out_storage: Storage, out: str, run: str | None, object_mode: bool) -> runs.RunLayout:
-    return runs.run_layout(out_storage, out, run or runs.default_run_id(plan.digest), object_mode)
+def _target(plan: Plan, storage: Storage, out: str, target: CommitTarget | None) -> CommitTarget:
+    """``target``, or the commit target of ``out`` (:func:`mergepipe.commit.target.commit_target`)
+    written with :func:`mergepipe.result.output_storage`."""
+    return target or commit_target(output_storage(plan, storage, out), out)
 
 
-def _committed(plan: Plan, out_storage: Storage, out: str, object_mode: bool) -> tuple[dict, str] | None:
-    """The manifest and hash when ``out`` already holds this plan's snapshot; None when free.
-    Raises InputError when it holds another plan's snapshot or is unusable."""
-    if object_mode:
-        return obj.check_output_obj(out_storage, out, plan.digest)
-    if check_output(out, plan.digest) is None:
-        return None
-    return read_manifest(out)
+def _layout(plan: Plan, target: CommitTarget, run: str | None) -> runs.RunLayout:
+    return target.run(run or runs.default_run_id(plan.digest))
 
 
 def _side_files(plan: Plan, storage: Storage) -> tuple[set[str], set[str]]:
@@ -80,8 +76,7 @@ def execute_part(
     device: str = "cpu",
     progress: Callable[[int], None] | None = None,
     prefetch_bytes: int | None = None,
-    out_storage: Storage | None = None,
-    object_mode: bool | None = None,
+    target: CommitTarget | None = None,
     resume: bool = True,
 ) -> dict | None:
     """Execute part ``part`` of ``plan`` into run ``run`` of snapshot ``out`` (not committed).
@@ -101,13 +96,13 @@ def execute_part(
         CommitConflict: another process is executing the same part of this local run.
     """
     t_start, t0 = time.time(), time.perf_counter()
-    object_mode = is_s3(out) if object_mode is None else object_mode
-    out_storage = out_storage or output_storage(plan, storage, out)
-    layout = _layout(plan, out_storage, out, run, object_mode)
-    if _committed(plan, out_storage, out, object_mode) is not None:
+    target = _target(plan, storage, out, target)
+    out_storage = target.storage
+    layout = _layout(plan, target, run)
+    if target.committed(plan.digest) is not None:
         return None
-    kind: ownership.Kind = "run-prefix" if object_mode else "run-folder"
-    ownership.write_record(out_storage, layout.files, ownership.make_record(kind, out, layout.run, plan.digest))
+    rec = ownership.make_record(target.kind, out, layout.run, plan.digest)
+    ownership.write_record(out_storage, layout.files, rec)
     with runs.part_lock(layout, part.index, part.count):
         return _execute_part(
             plan, storage, out_storage, layout, part, device, progress, prefetch_bytes, resume, t_start, t0
@@ -141,7 +136,7 @@ def _execute_part(
     rewrite = todo + ([] if side_done else side)
     for name in rewrite:
         out_storage.delete(runs.file_record_uri(out_storage, layout, name))
-        if not is_s3(layout.files):  # a torn local file blocks its rewrite; an S3 object is replaced atomically
+        if not out_storage.capabilities(layout.files).atomic_replace:  # a torn local file blocks its rewrite
             out_storage.delete(out_storage.join(layout.files, name))
     out_storage.make_prefix(layout.files)  # a local folder (never through a planted link); S3: nothing
     files = {n: r["info"] for n, r in kept.items() if n in shards or side_done}
@@ -220,8 +215,7 @@ def commit_run(
     *,
     run: str | None = None,
     parts: int | None = None,
-    out_storage: Storage | None = None,
-    object_mode: bool | None = None,
+    target: CommitTarget | None = None,
     unsafe_single_writer: bool = False,
     lineage: dict | None = None,
 ) -> MergeResult:
@@ -239,10 +233,10 @@ def commit_run(
             conditional writes (unless ``unsafe_single_writer``).
         RuntimeError: the parts' summed expert bytes exceed the plan (a bug; nothing committed).
     """
-    object_mode = is_s3(out) if object_mode is None else object_mode
-    out_storage = out_storage or output_storage(plan, storage, out)
-    layout = _layout(plan, out_storage, out, run, object_mode)
-    done = _committed(plan, out_storage, out, object_mode)
+    target = _target(plan, storage, out, target)
+    out_storage = target.storage
+    layout = _layout(plan, target, run)
+    done = target.committed(plan.digest)
     if done is not None:
         return MergeResult(out=str(out), manifest=done[0], manifest_hash=done[1], plan=plan, already_committed=True)
     if parts is None:
@@ -257,16 +251,9 @@ def commit_run(
                 f"run {layout.run} of {out}: part records of {counts}-part splits; pass the N used (--parts N)."
             )
         parts = counts[0]
-    if object_mode:
-        obj.require_conditional_writes(out_storage, out, unsafe_single_writer)
-        manifest = _run_manifest(plan, storage, out_storage, layout, parts, lineage)
-        manifest, mh, won = obj.publish_obj(out_storage, out, layout.files, manifest)
-    else:
-        # gc takes the same lock before it deletes a run folder: the check and the rename below
-        # cannot interleave with a deletion (mergepipe.commit.ownership)
-        with OutputLock(out) as lock:
-            manifest = _run_manifest(plan, storage, out_storage, layout, parts, lineage)
-            mh, won = publish_local(Path(layout.files), out, manifest, lock), True
+    target.prepare(unsafe_single_writer)
+    n = parts
+    manifest, mh, won = target.publish(layout, lambda: _run_manifest(plan, storage, out_storage, layout, n, lineage))
     out_storage.delete(layout.records.rstrip("/") + "/")
     ownership.remove_record(out_storage, layout.files)
     return MergeResult(out=str(out), manifest=manifest, manifest_hash=mh, plan=plan, already_committed=not won)
@@ -359,13 +346,11 @@ def execute_resumable(
     Raises:
         what :func:`execute_part` and :func:`commit_run` raise.
     """
-    object_mode = is_s3(out)
-    out_storage = output_storage(plan, storage, out)
-    done = _committed(plan, out_storage, out, object_mode)
+    target = _target(plan, storage, out, None)
+    done = target.committed(plan.digest)
     if done is not None:
         return MergeResult(out=str(out), manifest=done[0], manifest_hash=done[1], plan=plan, already_committed=True)
-    if object_mode:
-        obj.require_conditional_writes(out_storage, out, unsafe_single_writer)
+    target.prepare(unsafe_single_writer)
     execute_part(
         plan,
         storage,
@@ -375,8 +360,7 @@ def execute_resumable(
         device=device,
         progress=progress,
         prefetch_bytes=prefetch_bytes,
-        out_storage=out_storage,
-        object_mode=object_mode,
+        target=target,
     )
     return commit_run(
         plan,
@@ -384,8 +368,7 @@ def execute_resumable(
         out,
         run=run,
         parts=1,
-        out_storage=out_storage,
-        object_mode=object_mode,
+        target=target,
         unsafe_single_writer=unsafe_single_writer,
         lineage=lineage,
     )
@@ -414,14 +397,12 @@ def run_workers(
             run's finished files stay for a rerun).
         plus what :func:`commit_run` raises.
     """
-    object_mode = is_s3(out)
-    out_storage = output_storage(plan, storage, out)
-    done = _committed(plan, out_storage, out, object_mode)
+    target = _target(plan, storage, out, None)
+    done = target.committed(plan.digest)
     if done is not None:
         return MergeResult(out=str(out), manifest=done[0], manifest_hash=done[1], plan=plan, already_committed=True)
-    if object_mode:
-        obj.require_conditional_writes(out_storage, out, unsafe_single_writer)
-    layout = _layout(plan, out_storage, out, run, object_mode)
+    target.prepare(unsafe_single_writer)
+    layout = _layout(plan, target, run)
     env = dict(os.environ)
     env.setdefault("MERGEPIPE_COMPUTE_THREADS", str(max(1, default_compute_threads() // workers)))
     with tempfile.TemporaryDirectory(prefix="mergepipe-plan-") as tmp:
@@ -463,8 +444,7 @@ def run_workers(
         out,
         run=layout.run,
         parts=workers,
-        out_storage=out_storage,
-        object_mode=object_mode,
+        target=target,
         unsafe_single_writer=unsafe_single_writer,
         lineage=lineage,
     )

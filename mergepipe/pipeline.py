@@ -28,7 +28,7 @@ from mergepipe.planner.planner import (
 )
 from mergepipe.request import MAX_BYTES, MergeRequest, ResolvedRequest, Where, parse_bytes  # noqa: F401  (re-exported)
 from mergepipe.result import MergeResult, build_manifest, output_storage, realized_io, versions  # noqa: F401  (re-exported)
-from mergepipe.storage.base import IOCounters, Storage, is_s3
+from mergepipe.storage.base import IOCounters, Storage
 from mergepipe.storage.routing import open_storage
 
 #: largest catalog block size (bytes): a block is a unit of reading and statistics, not a whole model
@@ -244,7 +244,7 @@ def build_plan(
     budget_bytes = parse_bytes(req.budget, total=total, bare=False) if isinstance(req.budget, str) else req.budget
     if budget_bytes is not None:
         _check_budget_buys_a_block(budget_bytes, req.budget, analyses, recs, rr.where)
-    gap = storage.gap_for([e.uri for e in req.experts]) if hasattr(storage, "gap_for") else storage.max_gap
+    gap = storage.gap_for([e.uri for e in req.experts])
     fisher = cal is not None and value == "fisher"
     return make_plan(
         rr,
@@ -358,14 +358,15 @@ def execute_and_commit(
         reclaim_staging,
         staging_path,
     )
+    from mergepipe.commit.target import PrefixTarget, commit_target
     from mergepipe.engine.executor import execute
 
-    object_mode = is_s3(out) if object_mode is None else object_mode
     if out_storage is None:
         out_storage = output_storage(plan, storage, out)
+    target = commit_target(out_storage, out, object_mode=object_mode)
     pf = prefetch_bytes or plan.work_bytes
     started = time.time()
-    if object_mode:
+    if isinstance(target, PrefixTarget):
         existing = obj.check_output_obj(out_storage, out, plan.digest)
         if existing is not None:
             return MergeResult(
@@ -484,7 +485,8 @@ def merge_request(
     Raises:
         InputError: no ``request.output``, an invalid request, or an unusable output path.
     """
-    from mergepipe.commit.manifest import check_output, probe_lock
+    from mergepipe.commit.manifest import probe_lock
+    from mergepipe.commit.target import FolderTarget, commit_target
 
     out = request.output
     if not out:
@@ -494,7 +496,11 @@ def merge_request(
     catalog = catalog or Catalog()
     rr = request.resolve(where)  # before touching the output
     # fail fast, before reading any input and creating anything: a bad --out, or a live writer owning it
-    if not is_s3(out) and check_output(out, None, [request.base, *(e.uri for e in request.experts)]) is None:
+    target = commit_target(storage, out)
+    if (
+        isinstance(target, FolderTarget)
+        and target.committed(None, [request.base, *(e.uri for e in request.experts)]) is None
+    ):
         probe_lock(out)
     cb = (lambda n: progress("analyze", n, None)) if progress else None
     plan = build_plan(

@@ -185,6 +185,6 @@ def build_manifest(
 def output_storage(plan: Plan, storage: Storage, out: str) -> Storage:
     """The storage to write ``out`` with: ``storage`` itself when it can (a routing storage, or
     input and output of the same kind), else one for ``out`` sharing ``storage``'s counters."""
-    if hasattr(storage, "gap_for") or is_s3(out) == is_s3(plan.base.uri):
+    if storage.backend(out) is not storage or is_s3(out) == is_s3(plan.base.uri):  # routing, or same kind
         return storage
     return open_storage(out, storage.counters)

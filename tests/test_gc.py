@@ -241,7 +241,7 @@ def test_gc_on_s3_removes_proven_debris_only(s3_env, family, tmp_path, monkeypat
     t = _merge(family, trap, cat, storage=st)
     _killed_merge(family, f"s3://{bucket}/snaps/b", tmp_path / "home")  # an orphan run with a record
     plan, _ = _plan(family, cat)
-    execute_part(plan, st, f"s3://{bucket}/snaps/c", PartSpec(0, 2), out_storage=st)  # abandoned part
+    execute_part(plan, st, f"s3://{bucket}/snaps/c", PartSpec(0, 2))  # abandoned part
     orphan = [k for k in _keys(c, bucket, "snaps/b/runs/") if k.endswith(".owner.json")]
     assert len(orphan) == 1
     orphan_run = orphan[0][: -len(".owner.json")]
@@ -293,7 +293,7 @@ def test_gc_and_an_s3_commit_exclude_each_other(s3_env, family, tmp_path, monkey
     st = open_storage(None, IOCounters())
     plan, _ = _plan(family, tmp_path / "c.sqlite")
     out = f"s3://{bucket}/snap"
-    execute_part(plan, st, out, PartSpec(0, 1), out_storage=st)
+    execute_part(plan, st, out, PartSpec(0, 1))
     seen = {}
     real = objectstore.verify_outputs_exist
 
@@ -308,7 +308,7 @@ def test_gc_and_an_s3_commit_exclude_each_other(s3_env, family, tmp_path, monkey
     monkeypatch.setattr(objectstore, "verify_outputs_exist", real)
 
     out2 = f"s3://{bucket}/snap2"
-    execute_part(plan, st, out2, PartSpec(0, 1), out_storage=st)
+    execute_part(plan, st, out2, PartSpec(0, 1))
     area = f"{out2}/runs/{plan_run(plan)}"
     assert ownership.claim_for_gc(st, area, time.time())
     with pytest.raises(CommitConflict, match="gc"):

@@ -127,7 +127,7 @@ def test_same_size_edit_of_an_s3_part_object_is_refused(s3_env, family, tmp_path
     plan = _plan(family, tmp_path / "c.sqlite")
     st = open_storage(None, IOCounters())
     out = f"s3://{bucket}/snap"
-    execute_part(plan, st, out, PartSpec(0, 1), out_storage=st)
+    execute_part(plan, st, out, PartSpec(0, 1))
     c = s3_env.client()
     keys = [o["Key"] for o in c.list_objects_v2(Bucket=bucket, Prefix="snap/runs/")["Contents"]]
     shard = sorted(k for k in keys if k.endswith(".safetensors") and ".records/" not in k)[0]

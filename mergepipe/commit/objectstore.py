@@ -102,10 +102,7 @@ def require_conditional_writes(storage: Storage, out: str, unsafe_single_writer:
     Raises:
         InputError: the store ignores conditional writes and single-writer mode was not chosen.
     """
-    probe = getattr(storage, "probe_conditional_writes", None)
-    if probe is None:
-        return True  # local storage: O_EXCL
-    if probe(storage.join(out, "runs", "_probe")):
+    if storage.probe_conditional_writes(storage.join(out, "runs", "_probe")):
         return True
     if unsafe_single_writer:
         return False

@@ -21,7 +21,8 @@ Records are small JSON objects:
   time, which files it kept from an earlier attempt and what those attempts had moved.
 
 The commit (:func:`check_parts`) requires the records of every part ``0..N-1``, each made for
-this plan and this partition, and every file they list present with its recorded size.
+this plan and this partition, parsed by one strict model (:mod:`mergepipe.commit.records`), and
+every file they list present with bytes that, read back, give its recorded size and digest.
 """
 
 from __future__ import annotations

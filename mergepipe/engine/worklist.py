@@ -17,7 +17,7 @@ from typing import Literal
 from mergepipe.formats.safetensors import DTYPES, build_header
 from mergepipe.methods.kernels import row_numel_of
 from mergepipe.planner.plan import Plan, TensorExpert, TensorPlan
-from mergepipe.storage.base import Storage, is_s3
+from mergepipe.storage.base import Storage
 
 #: base bytes copied per work item (bytes): bounds the memory of a copied tensor
 COPY_CHUNK = 16 * 1024 * 1024
@@ -91,10 +91,9 @@ def expert_runs(te: TensorExpert, rows_per_block: int, r0: int, r1: int, rows: i
 def server_side_copy(storage: Storage, out_storage: Storage, base_uri: str, out_prefix: str) -> bool:
     """True when unchanged base bytes can be copied by the store itself (S3 UploadPartCopy):
     base and output on the same S3 endpoint."""
-    if not (is_s3(base_uri) and is_s3(out_prefix)):
+    if not (storage.capabilities(base_uri).server_side_copy and out_storage.capabilities(out_prefix).server_side_copy):
         return False
-    src = storage.backend(base_uri) if hasattr(storage, "backend") else storage
-    dst = out_storage.backend(out_prefix) if hasattr(out_storage, "backend") else out_storage
+    src, dst = storage.backend(base_uri), out_storage.backend(out_prefix)
     return src is dst or getattr(src, "endpoint_url", 0) == getattr(dst, "endpoint_url", 1)
 
 

@@ -204,6 +204,25 @@ class Writer(abc.ABC):
             self.abort()
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a storage backend can do, declared by the backend (callers never probe with
+    ``hasattr`` or branch on the URI scheme).
+
+    Attributes:
+        folders: real folders with ``rename(2)``, ``flock(2)`` and fsync-able names (local
+            files): a snapshot is published by renaming a folder under a lock. Without them (object
+            stores) it is published by a conditional create of its manifest.
+        atomic_replace: rewriting an object replaces it whole (S3 PUT); False where a torn file
+            must be removed before it is rewritten (local files, created exclusively).
+        server_side_copy: unchanged bytes can be copied by the store itself (S3 UploadPartCopy).
+    """
+
+    folders: bool
+    atomic_replace: bool
+    server_side_copy: bool = False
+
+
 class Storage(abc.ABC):
     """Byte-addressed object storage with per-role accounting.
 
@@ -217,6 +236,26 @@ class Storage(abc.ABC):
 
     def __init__(self, counters: IOCounters | None = None) -> None:
         self.counters = counters if counters is not None else IOCounters()
+
+    # --- what it can do -----------------------------------------------------------------
+    def capabilities(self, uri: str) -> Capabilities:
+        """What this storage can do for ``uri`` (default: an object store without server-side
+        copy; backends override)."""
+        return Capabilities(folders=False, atomic_replace=True)
+
+    def backend(self, uri: str) -> Storage:
+        """The storage that serves ``uri`` (itself, unless it routes between backends)."""
+        return self
+
+    def gap_for(self, uris: Sequence[str]) -> int:
+        """The coalescing gap (bytes) reads of ``uris`` use (default: :attr:`max_gap`)."""
+        return self.max_gap
+
+    def probe_conditional_writes(self, prefix_uri: str) -> bool:
+        """Whether ``put_object(if_none_match=True)`` is enforced under ``prefix_uri`` (default
+        True: local storage creates with ``link(2)``, which fails on an existing name; object
+        stores override with a probe)."""
+        return True
 
     # --- naming -----------------------------------------------------------------------
     @staticmethod

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mergepipe.errors import InputError
 from mergepipe.storage.base import (
+    Capabilities,
     NotFoundError,
     ObjectStat,
     PreconditionFailed,
@@ -227,6 +228,11 @@ class LocalStorage(Storage):
     """
 
     max_gap = 0
+
+    def capabilities(self, uri: str) -> Capabilities:
+        """Folders with rename/flock/fsync; files are created exclusively, so a torn one must be
+        removed before it is rewritten; no server-side copy."""
+        return Capabilities(folders=True, atomic_replace=False)
 
     def __init__(self, counters=None, *, threads: int = 4, max_gap: int = 0) -> None:
         super().__init__(counters)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from mergepipe.storage.base import IOCounters, ObjectStat, Role, Storage, Writer, is_s3
+from mergepipe.storage.base import Capabilities, IOCounters, ObjectStat, Role, Storage, Writer, is_s3
 from mergepipe.storage.local import LocalStorage
 
 
@@ -43,6 +43,9 @@ class RoutingStorage(Storage):
         if str(uri).startswith("stack://"):
             return self.stack
         return self.s3 if is_s3(uri) else self.local
+
+    def capabilities(self, uri: str) -> Capabilities:
+        return self.backend(uri).capabilities(uri)
 
     def gap_for(self, uris: Sequence[str]) -> int:
         """The coalescing gap (bytes) the backends of ``uris`` read with (the largest)."""
@@ -94,9 +97,7 @@ class RoutingStorage(Storage):
         return self.backend(uri).delete(uri)
 
     def probe_conditional_writes(self, prefix_uri: str) -> bool:
-        b = self.backend(prefix_uri)
-        probe = getattr(b, "probe_conditional_writes", None)
-        return True if probe is None else probe(prefix_uri)
+        return self.backend(prefix_uri).probe_conditional_writes(prefix_uri)
 
 
 def open_storage(uri: str | None = None, counters: IOCounters | None = None, **kwargs) -> Storage:

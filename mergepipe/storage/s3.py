@@ -54,6 +54,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 from mergepipe.storage.base import (
     DEFAULT_MAX_REQUEST,
+    Capabilities,
     IOCounters,
     NotFoundError,
     ObjectStat,
@@ -231,6 +232,11 @@ class S3Storage(Storage):
     max_request: int = DEFAULT_MAX_REQUEST
     #: keys per ListObjectsV2 page (S3 maximum 1000)
     list_page_size: int = 1000
+
+    def capabilities(self, uri: str) -> Capabilities:
+        """No folders (publish by conditional manifest create), whole-object PUTs, server-side
+        copy (UploadPartCopy)."""
+        return Capabilities(folders=False, atomic_replace=True, server_side_copy=True)
 
     def __init__(
         self,
