@@ -345,18 +345,16 @@ def main() -> None:
         "--collect",
         type=Path,
         nargs="+",
-        help="write --raw from the finished runs of these work folders (whole seeds only) and stop",
+        help="write --raw from the finished (arm, seed) runs of these work folders and stop",
     )
     args = ap.parse_args()
     if args.collect:
-        collect(args.collect, args.raw)
+        collect(args.collect, args.raw, args.search_windows)
         return
     args.work.mkdir(parents=True, exist_ok=True)
 
     from mergepipe_zoo import ZooConfig, build_zoo
-    from mergepipe_zoo.zoo import ZOO_FORMAT
 
-    t_start, load0 = time.time(), os.getloadavg()
     zcfg = ZooConfig.deep()
     zoo = build_zoo(config=zcfg, log=print)
     ev = Evals(zoo, args.work, args.search_windows)
@@ -367,16 +365,61 @@ def main() -> None:
     for x in arms:
         if x not in ARMS:
             raise SystemExit(f"--arms: unknown arm {x!r}; arms: {', '.join(ARMS)}")
+    for seed in range(args.seed_start, args.seed_start + args.seeds):  # a stopped run leaves whole seeds
+        if args.deadline and time.time() > args.deadline:
+            print(f"deadline: not starting seed {seed}", flush=True)
+            break
+        for arm in arms:
+            r = run_arm(arm, seed, ctx)
+            print(f"{arm} s{seed}: {len(r['cands'])} cands in {r['run_s']:.0f} s (load {r['load'][0]:.1f})", flush=True)
+    print(f"done; python bench/search.py --collect {args.work} ... --raw {args.raw}", flush=True)
+
+
+def collect(works: list[Path], raw: Path, search_windows: int) -> None:
+    """Write the raw results file from every finished (arm, seed) run in ``works`` (one or more
+    processes of ``bench/search.py`` over their own seeds, same settings; a process stopped
+    mid-seed leaves its finished arms). First line the metadata: the base's and experts' losses
+    (evaluated again here, once per ``works[0]``: deterministic), the arms in :data:`ARMS`
+    order, per arm its seeds, wall time from the first run's start to
+    the last run's end, the load average at the first run's start and now; then every run."""
+    from mergepipe_zoo import ZooConfig, build_zoo
+    from mergepipe_zoo.zoo import ZOO_FORMAT
+
+    runs, specs, spans = [], set(), []
+    for w in works:
+        for f in sorted(w.glob("runs/*/s*/run.json")):
+            d = json.loads(f.read_text())
+            runs.append(d["run"])
+            specs.add((d["spec"]["E"], d["spec"]["I"], d["spec"]["blocks"], d["spec"]["tag"]))
+            spans.append((f.stat().st_mtime - d["run"]["run_s"], f.stat().st_mtime, d["run"]["load"]))
+    if len(specs) != 1:
+        raise SystemExit(f"--collect: the work folders ran different settings: {sorted(specs)}")
+    E, n0, blocks, tag = specs.pop()
+    zcfg = ZooConfig.deep()
+    zoo = build_zoo(config=zcfg)
+    ev = Evals(zoo, Path("/nonexistent"), search_windows)
+    if ev.tag != tag:
+        raise SystemExit(f"--collect: the runs were scored as {tag}, this zoo/--search-windows gives {ev.tag}")
+    cached = works[0] / "reference.json"  # deterministic; evaluated once per collection folder
+    if cached.exists() and json.loads(cached.read_text()).get("tag") == tag:
+        ref_metrics = json.loads(cached.read_text())["metrics"]
+    else:
+        ref_metrics = {"base": ev.compute(zoo.base)} | {n: ev.compute(zoo.experts[n]) for n in DOMAINS}
+        cached.write_text(json.dumps({"tag": tag, "metrics": ref_metrics}))
     import botorch
     import torch
 
+    arms = [a for a in ARMS if any(r["arm"] == a for r in runs)]
+    runs.sort(key=lambda r: (r["seed"], arms.index(r["arm"])))
+    first = min(spans)
     meta = {
         "testbed": "zoo8",
         "arms": arms,
-        "evaluations": args.evaluations,
-        "initial": args.initial,
-        "blocks": args.blocks,
-        "search_windows": args.search_windows,
+        "seeds": {a: sorted(r["seed"] for r in runs if r["arm"] == a) for a in arms},
+        "evaluations": E,
+        "initial": n0,
+        "blocks": blocks,
+        "search_windows": search_windows,
         "domains": list(DOMAINS),
         "objectives": OBJ,
         "zoo": {"key": zcfg.key(), "format": ZOO_FORMAT, "config": "ZooConfig.deep()", "layers": zcfg.num_layers},
@@ -386,59 +429,19 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "torch": torch.__version__,
             "botorch": botorch.__version__,
-            "load_start": [round(x, 2) for x in load0],
+            "load_start": first[2],
+            "load_end": [round(x, 2) for x in os.getloadavg()],
         },
-        "seed_start": args.seed_start,
+        "processes": len(works),
+        "total_s": round(max(e for _, e, _ in spans) - first[0], 1),
+        "run_s_sum": round(sum(r["run_s"] for r in runs), 1),
     }
-    for seed in range(args.seed_start, args.seed_start + args.seeds):  # a stopped run leaves whole seeds
-        if args.deadline and time.time() > args.deadline:
-            print(f"deadline: not starting seed {seed}", flush=True)
-            break
-        for arm in arms:
-            r = run_arm(arm, seed, ctx)
-            print(f"{arm} s{seed}: {len(r['cands'])} cands in {r['run_s']:.0f} s (load {r['load'][0]:.1f})", flush=True)
-        meta["seeds_done"] = seed + 1 - args.seed_start
-        meta["machine"]["load_end"] = [round(x, 2) for x in os.getloadavg()]
-        meta["cache"] = {"hits": ev.hits, "merges": ev.misses}
-        meta["total_s"] = round(time.time() - t_start, 1)
-        (args.work / "meta.json").write_text(json.dumps(meta))
-    print(f"done; python bench/search.py --collect {args.work} ... --raw {args.raw}", flush=True)
-
-
-def collect(works: list[Path], raw: Path) -> None:
-    """Write the raw results file from the finished seeds of one or more work folders (each a
-    process of ``bench/search.py`` over its own seeds, same settings): first line the metadata
-    (seeds, merges and cache hits summed; wall time the longest process; load at the first
-    start and the last end), then every (arm, seed) run."""
-    metas = [json.loads((w / "meta.json").read_text()) for w in works]
-    keep = ("arms", "evaluations", "initial", "blocks", "search_windows", "zoo")
-    for m in metas[1:]:
-        if any(m[k] != metas[0][k] for k in keep):
-            raise SystemExit(f"--collect: the work folders ran different settings ({[m[k] for k in keep]})")
-    meta = {k: v for k, v in metas[0].items() if k not in ("seed_start", "seeds_done", "cache", "total_s")}
-    seeds = sorted(s for m in metas for s in range(m["seed_start"], m["seed_start"] + m["seeds_done"]))
-    meta["seeds"] = len(seeds)
-    meta["processes"] = len(metas)
-    meta["cache"] = {k: sum(m["cache"][k] for m in metas) for k in ("hits", "merges")}
-    meta["total_s"] = max(m["total_s"] for m in metas)
-    meta["machine"] = dict(metas[0]["machine"]) | {"load_end": metas[-1]["machine"]["load_end"]}
-    meta["command"] = (
-        "PYTHONPATH=. nice -n 15 .venv/bin/python -W ignore bench/search.py "
-        f"--evaluations {meta['evaluations']} --initial {meta['initial']} --blocks {meta['blocks']} "
-        f"--search-windows {meta['search_windows']} --arms {','.join(meta['arms'])} "
-        + " & ".join(f"--seed-start {m['seed_start']} --seeds {m['seeds_done']}" for m in metas)
-    )
-    runs = []
-    for w, m in zip(works, metas):
-        for seed in range(m["seed_start"], m["seed_start"] + m["seeds_done"]):
-            for arm in meta["arms"]:
-                runs.append(json.loads((w / "runs" / arm / f"s{seed}" / "run.json").read_text())["run"])
     raw.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(raw, "wt", compresslevel=9) as f:
-        f.write(json.dumps(meta) + "\n")
-        for r in sorted(runs, key=lambda r: (r["seed"], meta["arms"].index(r["arm"]))):
-            f.write(json.dumps(r) + "\n")
-    print(f"wrote {raw} ({raw.stat().st_size} bytes, {len(seeds)} seeds); python bench/search_report.py --write")
+    with gzip.GzipFile(raw, "wb", compresslevel=9, mtime=0) as f:
+        f.write((json.dumps(meta) + "\n").encode())
+        for r in runs:
+            f.write((json.dumps(r) + "\n").encode())
+    print(f"wrote {raw} ({raw.stat().st_size} bytes, {len(runs)} runs); python bench/search_report.py --write")
 
 
 if __name__ == "__main__":

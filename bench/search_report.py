@@ -118,21 +118,26 @@ def analyse(meta: dict, runs: list[dict]) -> dict:
     for a, b, what in FAMILY:
         if a not in per or b not in per:
             continue
-        if per[a]["seed"] != per[b]["seed"]:
-            raise ValueError(f"{a} and {b} ran different seeds: {per[a]['seed']} vs {per[b]['seed']}")
+        common = sorted(set(per[a]["seed"]) & set(per[b]["seed"]))  # paired: the seeds both ran
+        if len(common) < 2:
+            continue
+
+        def on(arm: str, key: str, common=common) -> list[float]:
+            return [per[arm][key][per[arm]["seed"].index(sd)] for sd in common]
+
         pairs.append(
             {
                 "a": a,
                 "b": b,
                 "what": what,
-                "hv": paired_test(per[a]["hv_E"], per[b]["hv_E"]),
-                "held": paired_test(per[a]["held"], per[b]["held"]),
+                "hv": paired_test(on(a, "hv_E"), on(b, "hv_E")),
+                "held": paired_test(on(a, "held"), on(b, "held")),
             }
         )
     adj = holm([p[k]["p"] for p in pairs for k in ("hv", "held")])
     for i, p in enumerate(pairs):
         p["hv"]["holm"], p["held"]["holm"] = adj[2 * i], adj[2 * i + 1]
-    return {"boxes": bx, "arms": arms, "pairs": pairs, "family": 2 * len(pairs), "E": E, "I": n0}
+    return {"boxes": bx, "arms": arms, "pairs": pairs, "family": 2 * len(pairs), "E": E, "I": n0, "runs": runs}
 
 
 def _ci(m: float, lo: float, hi: float) -> str:
@@ -149,9 +154,10 @@ def render(meta: dict, an: dict) -> str:
         f"Testbed `{meta['testbed']}`: zoo {meta['zoo']['config']} (key `{meta['zoo']['key']}`, format "
         f"{meta['zoo']['format']}, {meta['zoo']['layers']} layers), experts {', '.join(doms)}; layer-wise arms "
         f"{meta['blocks']} blocks × {len(doms)} experts = {meta['blocks'] * len(doms)} coordinates, model-level "
-        f"{len(doms)}. {meta['seeds']} seeds × {meta['evaluations']} evaluations ({meta['initial']} initial) per arm; "
+        f"{len(doms)}. {meta['evaluations']} evaluations ({meta['initial']} initial) per run; "
         f"{meta['search_windows']} search + {meta['search_windows']} held-out windows per domain. "
-        f"Total {meta['total_s']:.0f} s, {meta['cache']['merges']} merges, {meta['cache']['hits']} cache hits; "
+        f"{len(an['runs'])} runs ({sum(len(r['cands']) for r in an['runs'])} evaluated candidates) in "
+        f"{meta.get('processes', 1)} processes, {meta['total_s']:.0f} s wall; "
         f"load average {mc['load_start'][0]:.1f} at the start, {mc['load_end'][0]:.1f} at the end "
         f"({mc['cpus']} cores, Python {mc['python']}, torch {mc['torch']}, botorch {mc['botorch']})."
     )
@@ -187,13 +193,13 @@ def render(meta: dict, an: dict) -> str:
         f"p over the family of these {an['family']} tests ({an['family'] // 2} comparisons × {{HV @ {E}, held-out HV}})."
     )
     L.append("")
-    L.append("| comparison | what | metric | Δ | t 95% CI | bootstrap 95% CI | d_z | W/L | p | Holm p |")
-    L.append("|---|---|---|---|---|---|---|---|---|---|")
+    L.append("| comparison | what | seeds | metric | Δ | t 95% CI | bootstrap 95% CI | d_z | W/L | p | Holm p |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for p in an["pairs"]:
         for k, name in (("hv", f"HV @ {E}"), ("held", "held-out HV")):
             t = p[k]
             L.append(
-                f"| {p['a']} − {p['b']} | {p['what']} | {name} | {t['mean_diff']:+.4f} | "
+                f"| {p['a']} − {p['b']} | {p['what']} | {t['n']} | {name} | {t['mean_diff']:+.4f} | "
                 f"[{t['t_ci'][0]:+.4f}, {t['t_ci'][1]:+.4f}] | [{t['ci'][0]:+.4f}, {t['ci'][1]:+.4f}] | "
                 f"{t['dz']:+.2f} | {t['wins']}/{t['losses']} | {t['p']:.4f} | {t['holm']:.4f} |"
             )
