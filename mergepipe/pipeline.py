@@ -17,10 +17,9 @@ from mergepipe.catalog.sketch import DEFAULT_SKETCH
 from mergepipe.errors import InputError
 from mergepipe.limits import short_repr
 from mergepipe.methods.registry import get_method
-from mergepipe.planner.plan import Plan
+from mergepipe.planner.plan import EXTRA_FILES, Plan
 from mergepipe.planner.planner import (
     DEFAULT_WORK_BYTES,
-    EXTRA_FILES,
     EngineOptions,
     PlanInputs,
     SelectionOptions,

@@ -79,8 +79,8 @@ def compile_slices(cfg: Any, p: str) -> CompiledSlices:
     Raises:
         InputError: naming ``slices[i]...`` and the fix — see the module docstring.
     """
-    from mergepipe.config import _model_ref, _model_uri
-    from mergepipe.planner.planner import EXTRA_FILES
+    from mergepipe.config_refs import model_ref as _model_ref, model_uri as _model_uri
+    from mergepipe.planner.plan import EXTRA_FILES
     from mergepipe.storage.base import IOCounters
     from mergepipe.storage.routing import open_storage
 

@@ -47,7 +47,7 @@ SCHEME = "stack://"
 STACK_FORMAT = "mergepipe.stack/v1"
 #: largest synthesized shard (bytes of tensor data); larger views get several shards and an index
 MAX_SHARD_BYTES = 4 << 30
-#: the non-weight files a view serves from its donor (mergepipe.planner.planner.EXTRA_FILES)
+#: the non-weight files a view serves from its donor (mergepipe.planner.plan.EXTRA_FILES)
 _LAYER_RE = re.compile(r"(^|\.)(layers|layer|h|blocks|block)\.(\d+)(\.|$)")
 
 

@@ -27,7 +27,7 @@ def _setting(cfg: Any, p: str) -> tuple[Any, dict | None, int | None]:
 
 
 def _uris(cfg: Any, p: str) -> tuple[str, list[str]]:
-    from mergepipe.config import _model_ref, _model_uri
+    from mergepipe.config_refs import model_ref as _model_ref, model_uri as _model_uri
 
     base = _model_uri(cfg.base_model if cfg.base_model is not None else cfg.models[0].model, f"{p}: base_model")
     models = []
@@ -80,9 +80,9 @@ def apply_vocab(
     Raises:
         InputError: see :func:`mergepipe.vocab.plan_vocab`; a base or model that is not a checkpoint.
     """
-    from mergepipe.config import _model_uri
+    from mergepipe.config_refs import model_uri as _model_uri
     from mergepipe.formats.safetensors import load_layout
-    from mergepipe.planner.planner import EXTRA_FILES
+    from mergepipe.planner.plan import EXTRA_FILES
     from mergepipe.slices import _n_layers
     from mergepipe.stack import StackSpec, register_view
     from mergepipe.storage.base import IOCounters
@@ -116,7 +116,7 @@ def apply_vocab(
         view_of[u] = v.uri
         names[v.uri] = u.rstrip("/").rsplit("/", 1)[-1] or u
         stacks[v.uri] = {"spec": spec.to_json(), "layers": [[u, 0, spec.n_layers]]}
-    from mergepipe.config import _model_ref, _ModelEntry
+    from mergepipe.config_refs import ModelEntry as _ModelEntry, model_ref as _model_ref
 
     new_models = [_ModelEntry(model=view_of[_model_ref(m.model, "")[0]], parameters=m.parameters) for m in cfg.models]
     update: dict[str, Any] = {"models": new_models}

@@ -20,6 +20,21 @@ from pydantic import BaseModel, Field
 
 from mergepipe.errors import InputError
 
+#: the non-weight files of a checkpoint a plan copies from the base when present (config,
+#: generation config, tokenizer and chat-template files); a stacked view serves them from its donor
+EXTRA_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+
 PLAN_FORMAT = "mergepipe.plan/v2"  # v2: per-tensor parameters, out_dtype
 
 

@@ -82,18 +82,6 @@ DEFAULT_WORK_BYTES = 256 * 1024 * 1024
 #: input dtypes whose magnitude trim (TIES) and window (breadcrumbs) rank the exact float32 |δ| (bf16 included: a
 #: difference of two bf16 values is often not a bf16 value, so its key group holds distinct magnitudes)
 EXACT_TRIM_DTYPES = ("BF16", "F16", "F32")
-EXTRA_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-)
 
 
 def chunk_rows(
