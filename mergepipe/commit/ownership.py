@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from typing import Literal
 
@@ -125,6 +126,24 @@ def record_uri(area: str) -> str:
     return str(area).rstrip("/") + OWNER_SUFFIX
 
 
+#: a run id: 1-64 of ``A-Z a-z 0-9 . _ -``, starting with a letter or digit
+_RUN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_run_id(run: str) -> str:
+    """Return ``run`` if it is a valid run id (1-64 of ``A-Z a-z 0-9 . _ -``, not starting with
+    ``.``, ``_`` or ``-``).
+
+    Raises:
+        InputError: anything else.
+    """
+    if not _RUN_RE.fullmatch(run or ""):
+        raise InputError(
+            f"--run {run!r}: a run id is 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit."
+        )
+    return run
+
+
 def _version() -> str:
     from mergepipe import __version__
 
@@ -134,8 +153,6 @@ def _version() -> str:
 def make_record(kind: Kind, out: str, run: str | None, plan_digest: str) -> OwnerRecord:
     """A fresh record for ``out``'s area of ``kind`` (started now)."""
     if kind != "staging":
-        from mergepipe.commit.runs import check_run_id
-
         check_run_id(run or "")
     return OwnerRecord(
         format=OWNER_FORMAT,

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergepipe.commit.manifest import shard_tree_digest
+from mergepipe.commit.ownership import check_run_id
 from mergepipe.commit.records import (  # (formats re-exported)
     FILE_FORMAT as FILE_FORMAT,
     PART_FORMAT as PART_FORMAT,
@@ -47,8 +48,6 @@ from mergepipe.commit.records import (  # (formats re-exported)
 )
 from mergepipe.errors import CommitConflict, InputError
 from mergepipe.storage.base import NotFoundError, Storage, is_s3
-
-_RUN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -76,20 +75,6 @@ class RunLayout:
 def default_run_id(plan_digest: str) -> str:
     """The run id every process of a plan uses unless told otherwise: ``plan-`` + 16 hex."""
     return "plan-" + plan_digest[:16]
-
-
-def check_run_id(run: str) -> str:
-    """Return ``run`` if it is a valid run id (1-64 of ``A-Z a-z 0-9 . _ -``, not starting with
-    ``.``, ``_`` or ``-``).
-
-    Raises:
-        InputError: anything else.
-    """
-    if not _RUN_RE.fullmatch(run or ""):
-        raise InputError(
-            f"--run {run!r}: a run id is 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit."
-        )
-    return run
 
 
 def run_layout(storage: Storage, out: str, run: str, object_mode: bool) -> RunLayout:
