@@ -2,8 +2,8 @@
 parameters) against mergekit 0.1.5 itself on tiny real Llama checkpoints (bf16 and fp32,
 4 layers, 4 shards each), their budgets and explanations, and their refusals.
 
-mergekit is a test-only dependency (``pip install mergekit==0.1.5``); the parity tests skip
-without it."""
+mergekit is a test-only dependency (extra ``parity``, part of ``all``, so the README's install and
+CI run these parity tests); without it they skip."""
 
 from __future__ import annotations
 
