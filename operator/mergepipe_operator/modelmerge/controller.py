@@ -262,6 +262,16 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             )
         uri = plan_uri(self.settings, ns, name, plan.digest)
         self.store.put(uri, plan.plan_json)
+        plan_summary = plan_status(
+            plan.digest,
+            uri,
+            plan.base_read_bytes,
+            plan.expert_read_bytes,
+            plan.output_write_bytes,
+            plan.retained_energy,
+            sketch=plan.sketch,
+            sketch_read_bytes=plan.sketch_read_bytes,
+        )
         merge_jobs = [j for j in self.kube.list(JOBS, ns, f"{LABEL_MERGE}={label_value(name)}") if _is_merge_job(j)]
         choice = choose_job(merge_jobs, ANN_PLAN_DIGEST, plan.digest, gen)
         if other == plan.digest and choice.follow is None:
@@ -273,16 +283,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
                 "True",
                 Reason.COMMITTED,
                 f"{out_uri} already holds the committed snapshot of plan {plan.digest[:12]}; nothing to run",
-                plan=plan_status(
-                    plan.digest,
-                    uri,
-                    plan.base_read_bytes,
-                    plan.expert_read_bytes,
-                    plan.output_write_bytes,
-                    plan.retained_energy,
-                    sketch=plan.sketch,
-                    sketch_read_bytes=plan.sketch_read_bytes,
-                ),
+                plan=plan_summary,
             )
         job = choice.follow
         if job is None:
@@ -318,16 +319,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         out.update(
             budget=human_bytes(budget) if budget is not None else "unbounded",
             budgetBytes=budget,
-            plan=plan_status(
-                plan.digest,
-                uri,
-                plan.base_read_bytes,
-                plan.expert_read_bytes,
-                plan.output_write_bytes,
-                plan.retained_energy,
-                sketch=plan.sketch,
-                sketch_read_bytes=plan.sketch_read_bytes,
-            ),
+            plan=plan_summary,
             realized=None,
             expertRead=None,
             snapshot=None,
