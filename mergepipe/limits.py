@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 from mergepipe.errors import InputError
@@ -134,8 +135,16 @@ def load_yaml(text: str, source: str) -> Any:
     """
     import yaml
 
+    return _checked(_compose(source, lambda: yaml.compose(text, Loader=yaml.SafeLoader)), source)
+
+
+def _compose(source: str, compose: Callable[[], Any]) -> Any:
+    """``compose()`` (a PyYAML compose call), its errors turned into one-line InputErrors naming
+    ``source`` (with line and column where PyYAML gives them)."""
+    import yaml
+
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        return compose()
     except RecursionError:
         raise InputError(f"{source}: the YAML is nested too deeply.") from None
     except yaml.YAMLError as e:
@@ -144,7 +153,6 @@ def load_yaml(text: str, source: str) -> Any:
         raise InputError(
             f"{source}: not valid YAML{at} ({getattr(e, 'problem', None) or short_repr(str(e))})."
         ) from None
-    return _checked(node, source)
 
 
 def load_yaml_all(text: str, source: str) -> list:
@@ -156,16 +164,7 @@ def load_yaml_all(text: str, source: str) -> list:
     """
     import yaml
 
-    try:
-        nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
-    except RecursionError:
-        raise InputError(f"{source}: the YAML is nested too deeply.") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise InputError(
-            f"{source}: not valid YAML{at} ({getattr(e, 'problem', None) or short_repr(str(e))})."
-        ) from None
+    nodes = _compose(source, lambda: list(yaml.compose_all(text, Loader=yaml.SafeLoader)))
     return [_checked(n, source) for n in nodes]
 
 
