@@ -96,6 +96,7 @@ def test_sigkill_at_any_moment_leaves_nothing_and_rerun_succeeds(medium_family, 
     assert (
         manifest["outputs"] == ref_manifest["outputs"] and manifest["io"]["realized"] == ref_manifest["io"]["realized"]
     )
+    assert (res["snapshot_id"], ref_res["snapshot_id"]) == (manifest["snapshot_id"], ref_manifest["snapshot_id"])
     assert [x for x in outdir.iterdir() if x.name.startswith(".snap.staging")] == [], "stale staging not cleaned"
     v = subprocess.run(
         [sys.executable, "-m", "mergepipe.cli", "verify", str(out), "--json"], capture_output=True, text=True, env=env
