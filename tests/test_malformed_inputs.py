@@ -374,7 +374,7 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], list[str]]] = [
     ("yaml-not-utf8", lambda c: c.config_bytes(b"\xff\xfe"), ["merge.yml", "UTF-8"]),
     # --- parameters -------------------------------------------------------------------------------
     ("param-budget-1e999", lambda c: c.merge("--budget", "1e999"), ["--budget"]),
-    ("param-budget-overflow", lambda c: c.merge("--budget", "1e30"), ["--budget", "2^63"]),
+    ("param-budget-overflow", lambda c: c.merge("--budget", "1e30B"), ["--budget", "2^63"]),
     ("param-budget-negative", lambda c: c.merge("--budget", "-5"), ["--budget"]),
     ("param-budget-over-100%", lambda c: c.merge("--budget", "200%"), ["--budget"]),
     ("param-budget-unit", lambda c: c.merge("--budget", "5 parsecs"), ["--budget"]),
