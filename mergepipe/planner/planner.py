@@ -80,7 +80,8 @@ from mergepipe.storage.base import DEFAULT_MAX_REQUEST, coalesce
 
 DEFAULT_WORK_BYTES = 256 * 1024 * 1024
 #: input dtypes whose magnitude trim (TIES) and window (breadcrumbs) rank the exact float32 |δ| (bf16 included: a
-#: difference of two bf16 values is often not a bf16 value, so its key group holds distinct magnitudes)
+#: difference of two bf16 values is often not a bf16 value, so its key group holds distinct magnitudes; a bf16
+#: group is refined only up to max(2^14, work memory / 16K) entries, else the key rule: the engine holds it whole)
 EXACT_TRIM_DTYPES = ("BF16", "F16", "F32")
 
 
@@ -365,10 +366,15 @@ def make_plan(
         # tensor spans several chunks)
         ranks = [0] * K
         windows: list[tuple[int, int, int, int] | None] = [None] * K  # breadcrumbs: (τ_lo, r_lo, τ_hi, r_hi)
+        # the engine holds each refined group's float32 values for the whole tensor: a bf16 group
+        # (often a sizeable share of the tensor) is refined only while it holds at most
+        # max(2^14, work memory / (16 K)) entries (the K groups within a quarter of the working memory, or
+        # 64 KiB each); larger ones keep the key rule (:data:`EXACT_TRIM_DTYPES`)
+        group_cap = max(1 << 14, work_bytes // (16 * max(1, K))) if bt.dtype == "BF16" else None
         if spec.sparsify == "magnitude" and bt.dtype in EXACT_TRIM_DTYPES:
             for i, st in enumerate(stats):
                 tau, rank, ties = trim_rank(st.hist_keys, st.hist_counts, st.numel, float(eps[i].get("density", 1.0)))
-                if tau > 0 and rank < ties:
+                if tau > 0 and rank < ties and (group_cap is None or ties <= group_cap):
                     ranks[i] = rank
         elif spec.sparsify == "outliers" and bt.dtype in EXACT_TRIM_DTYPES:
             for i, st in enumerate(stats):
@@ -377,6 +383,8 @@ def make_plan(
                     continue
                 lo = topk_rank(st.hist_keys, st.hist_counts, ks[0])
                 hi = topk_rank(st.hist_keys, st.hist_counts, ks[1])
+                if group_cap is not None and max(lo[2], hi[2]) > group_cap // 2:
+                    continue
                 w = (lo[0], lo[1] if 0 < lo[1] < lo[2] else 0, hi[0], hi[1] if 0 < hi[1] < hi[2] else 0)
                 if w[1] or w[3]:
                     windows[i] = w
