@@ -979,8 +979,10 @@ def _interrupted_runs(out: str, plan_digest: str | None = None) -> tuple[list[tu
         if n:
             resumable.append((f, n, size))
     staged = (0, 0)
+    from mergepipe.commit.manifest import lock_is_free, lock_path
+
     stg = p.parent / f".{p.name}.staging"
-    if stg.is_dir() and not stg.is_symlink():
+    if stg.is_dir() and not stg.is_symlink() and lock_is_free(lock_path(out)):  # a live writer's is not debris
         files = [q for q in stg.rglob("*") if q.is_file() and not q.is_symlink()]
         staged = (len(files), sum(q.stat().st_size for q in files))
     return resumable, staged
