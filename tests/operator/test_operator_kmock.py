@@ -64,8 +64,9 @@ class Cluster:
     tmp: Path
     seaweed: Any
     ks: Any = None
-    #: s3://bucket/<variant> under which the test's outputs go (the bucket outlives a test, and
-    #: both API variants of a test would otherwise find each other's snapshots and search state)
+    #: s3://bucket/out-<test>-<variant> under which the test's outputs go (the bucket outlives a test: two
+    #: tests, or both API variants of one, would otherwise find each other's snapshots and search state,
+    #: and the operator reports a merge whose output already holds its plan's snapshot as Committed)
     out: str = ""
 
     def merge(
@@ -235,7 +236,7 @@ def cluster(tmp_path, monkeypatch, s3_env, s3_models, seaweed, request):
             tmp=tmp_path,
             seaweed=seaweed,
             ks=ks,
-            out=f"s3://{s3_models.bucket}/{request.param}",
+            out=f"s3://{s3_models.bucket}/out-{tag}",
         )
         if ks.proxy is not None:  # every field the operator wrote is in the schema (none pruned)
             assert [w for w in ks.proxy.warnings if "unknown field" in w[2]] == []
