@@ -49,32 +49,9 @@ def qwen3_0_6b_shapes() -> dict[str, tuple[int, ...]]:
     return s
 
 
-def tiny_shapes() -> dict[str, tuple[int, ...]]:
-    s = {"model.embed_tokens.weight": (4096, 256)}
-    for i in range(4):
-        p = f"model.layers.{i}."
-        s.update(
-            {
-                p + "input_layernorm.weight": (256,),
-                p + "self_attn.q_proj.weight": (256, 256),
-                p + "self_attn.k_proj.weight": (256, 256),
-                p + "self_attn.v_proj.weight": (256, 256),
-                p + "self_attn.o_proj.weight": (256, 256),
-                p + "post_attention_layernorm.weight": (256,),
-                p + "mlp.gate_proj.weight": (688, 256),
-                p + "mlp.up_proj.weight": (688, 256),
-                p + "mlp.down_proj.weight": (256, 688),
-            }
-        )
-    s["model.norm.weight"] = (256,)
-    s["lm_head.weight"] = (4096, 256)
-    return s
-
-
-def llama_110m_shapes() -> dict[str, tuple[int, ...]]:
-    """A 110M-parameter Llama (hidden 768, intermediate 2048, 12 layers, 12 heads of 64, vocab
-    32000, tied embeddings): 109.5M parameters, 219 MB in bf16 -- the fixture of issue 23."""
-    hidden, inter, layers, vocab = 768, 2048, 12, 32000
+def _llama_shapes(hidden: int, inter: int, layers: int, vocab: int, lm_head: bool) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of a Llama with multi-head attention (heads x head size = ``hidden``): embeddings,
+    ``layers`` decoder layers, final norm, and an untied ``lm_head`` when ``lm_head``."""
     s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -92,7 +69,19 @@ def llama_110m_shapes() -> dict[str, tuple[int, ...]]:
             }
         )
     s["model.norm.weight"] = (hidden,)
+    if lm_head:
+        s["lm_head.weight"] = (vocab, hidden)
     return s
+
+
+def tiny_shapes() -> dict[str, tuple[int, ...]]:
+    return _llama_shapes(hidden=256, inter=688, layers=4, vocab=4096, lm_head=True)
+
+
+def llama_110m_shapes() -> dict[str, tuple[int, ...]]:
+    """A 110M-parameter Llama (hidden 768, intermediate 2048, 12 layers, 12 heads of 64, vocab
+    32000, tied embeddings): 109.5M parameters, 219 MB in bf16 -- the fixture of issue 23."""
+    return _llama_shapes(hidden=768, inter=2048, layers=12, vocab=32000, lm_head=False)
 
 
 LLAMA_110M_CONFIG = {
