@@ -58,6 +58,7 @@ ARMS: dict[str, tuple[str, str]] = {
     "lw-bo": ("lw", "bo"),
     "ml-bo": ("ml", "bo"),
     "lw-bo-default": ("lw", "bo-default"),
+    "ml-bo-default": ("ml", "bo-default"),
     "lw-random": ("lw", "random"),
     "ml-random": ("ml", "random"),
     "ml-grid": ("ml", "grid"),
@@ -283,6 +284,7 @@ def run_arm(arm: str, seed: int, ctx: dict) -> dict:
     out = {
         "arm": arm,
         "seed": seed,
+        **({"prereg": a.prereg_commit} if getattr(a, "prereg_commit", None) else {}),
         "run_s": round(time.time() - t0, 2),
         "load": [round(x, 2) for x in load0],
         "failed": failed,
@@ -329,6 +331,39 @@ def _nsga2(cfg, seed: int, ctx: dict, d: Path) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------
+PREREG = ROOT / "docs" / "search" / "preregistration.json"
+
+
+def _preregistered(args) -> list[tuple[list[int], list[str]]]:
+    """Apply docs/search/preregistration.json to ``args`` (budget, blocks, search windows) and
+    return the passes ``[(seeds, arms), ...]`` it registers; records the commit that holds it in
+    ``args.prereg_commit`` (written into every run's spec, so ``--collect`` can name it).
+
+    Raises:
+        SystemExit: the file has uncommitted changes or is not committed (a pre-registration is
+            committed before the fresh run), or names an unknown arm.
+    """
+    import subprocess
+
+    rel = str(PREREG.relative_to(ROOT))
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", rel], capture_output=True, text=True)
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "log", "-1", "--format=%H", "--", rel], capture_output=True, text=True
+    ).stdout.strip()
+    if dirty.returncode or dirty.stdout.strip() or not commit:
+        raise SystemExit(f"{rel}: not committed (or changed since); commit the pre-registration before the fresh run.")
+    pr = json.loads(PREREG.read_text())
+    args.evaluations = int(pr["budget"]["evaluations"])
+    args.initial = int(pr["budget"]["initial"])
+    args.blocks = int(pr["layer_blocks"])
+    args.search_windows = int(pr["testbed"]["search_windows"])
+    args.prereg_commit = commit
+    seeds = [int(s) for s in pr["fresh_seeds"]]
+    arms = list(pr["arms"])
+    nsga = [a for a in arms if ARMS[a][1] == "nsga2"]
+    return [(seeds, [a for a in arms if a not in nsga]), (seeds, nsga)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=ROOT / "bench" / ".work" / "search")
@@ -340,7 +375,13 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=4, help="layer blocks of the layer-wise arms")
     ap.add_argument("--search-windows", type=int, default=16, help="windows per domain the search sees")
     ap.add_argument("--arms", default=",".join(a for a in ARMS if a != "lw-bo-default"))
-    ap.add_argument("--deadline", type=float, default=0.0, help="do not start a seed after this Unix time")
+    ap.add_argument("--deadline", type=float, default=0.0, help="do not start a run after this Unix time")
+    ap.add_argument(
+        "--fresh",
+        action="store_true",
+        help="the pre-registered fresh run: seeds, arms, budget and blocks from docs/search/preregistration.json "
+        "(committed, unchanged); pass 1 the main arms, pass 2 NSGA-II",
+    )
     ap.add_argument(
         "--collect",
         type=Path,
@@ -351,6 +392,9 @@ def main() -> None:
     if args.collect:
         collect(args.collect, args.raw, args.search_windows)
         return
+    passes = [(list(range(args.seed_start, args.seed_start + args.seeds)), [x for x in args.arms.split(",") if x])]
+    if args.fresh:
+        passes = _preregistered(args)
     args.work.mkdir(parents=True, exist_ok=True)
 
     from mergepipe_zoo import ZooConfig, build_zoo
@@ -361,17 +405,21 @@ def main() -> None:
     ref_metrics = {"base": ev.compute(zoo.base)} | {n: ev.compute(zoo.experts[n]) for n in DOMAINS}
     ref = [max(ref_metrics[n][o] for n in DOMAINS) for o in OBJ]
     ctx = {"args": args, "work": args.work, "zoo": zoo, "evals": ev, "ref": ref}
-    arms = [x for x in args.arms.split(",") if x]
-    for x in arms:
-        if x not in ARMS:
-            raise SystemExit(f"--arms: unknown arm {x!r}; arms: {', '.join(ARMS)}")
-    for seed in range(args.seed_start, args.seed_start + args.seeds):  # a stopped run leaves whole seeds
-        if args.deadline and time.time() > args.deadline:
-            print(f"deadline: not starting seed {seed}", flush=True)
-            break
-        for arm in arms:
-            r = run_arm(arm, seed, ctx)
-            print(f"{arm} s{seed}: {len(r['cands'])} cands in {r['run_s']:.0f} s (load {r['load'][0]:.1f})", flush=True)
+    for _, arms in passes:
+        for x in arms:
+            if x not in ARMS:
+                raise SystemExit(f"--arms: unknown arm {x!r}; arms: {', '.join(ARMS)}")
+    for seeds, arms in passes:
+        for seed in seeds:  # seed by seed: a stopped run leaves whole seeds, then whole arms
+            for arm in arms:
+                if args.deadline and time.time() > args.deadline:
+                    print(f"deadline: not starting {arm} s{seed}", flush=True)
+                    break
+                r = run_arm(arm, seed, ctx)
+                print(
+                    f"{arm} s{seed}: {len(r['cands'])} cands in {r['run_s']:.0f} s (load {r['load'][0]:.1f})",
+                    flush=True,
+                )
     print(f"done; python bench/search.py --collect {args.work} ... --raw {args.raw}", flush=True)
 
 
