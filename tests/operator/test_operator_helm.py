@@ -617,3 +617,18 @@ def test_both_images_install_with_the_checked_in_constraints():
         [sys.executable, str(ROOT / "constraints" / "lock.py"), "--check"], capture_output=True, text=True
     )
     assert r.returncode == 0, r.stderr
+
+
+def test_readme_and_ci_install_with_the_dev_lock():
+    """The README's set-up command and .ci/run install ``.[all]`` with ``constraints/dev.txt``, so the
+    test environment is the locked resolve and the ``--check`` above cannot fail on a fresh machine
+    merely because an upstream project released a new version."""
+    import re
+
+    for path in ("README.md", ".ci/run"):
+        text = (ROOT / path).read_text()
+        installs = [ln for ln in text.splitlines() if re.search(r"pip install .*-e \"\.\[all\]\"", ln)]
+        assert installs, path
+        assert all(re.search(r"(-c|--constraint) constraints/dev\.txt", ln) for ln in installs), installs
+    pins = (ROOT / "constraints" / "dev.txt").read_text()
+    assert "\nmergekit==" in pins and "\npytest==" in pins and "\ntorch==" not in pins
