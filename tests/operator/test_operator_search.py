@@ -206,6 +206,8 @@ def test_driver_args_are_the_spec_as_mergepipe_search_options():
     ms["spec"]["objectives"][1]["sense"] = "max"
     args = sd.driver_args(ms, make_settings())
     assert "--sketch" not in sd.driver_args(search(gen=2, sketch=None), make_settings())  # the ModelMerge default
+    model_level = sd.driver_args(search(gen=2, layerBlocks=None), make_settings())  # the CLI's default
+    assert model_level[model_level.index("--layer-blocks") + 1] == "1"
     k = args.index("--worker-backend")
     assert args[k:] == [
         "--worker-backend",

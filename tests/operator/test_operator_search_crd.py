@@ -44,7 +44,7 @@ def core_config(spec: dict):
         evaluations=spec.get("evaluations", 24),
         initial=spec.get("initial", 8),
         workers=spec.get("workers", 1),
-        layer_blocks=spec.get("layerBlocks", 4),
+        layer_blocks=spec.get("layerBlocks", 1),
         budget=spec.get("budget"),
         seed=spec.get("seed", 0),
         strategy=spec.get("strategy", "async"),
@@ -71,13 +71,21 @@ def test_schema_enums_and_defaults_follow_the_core():
     assert tuple(spec["strategy"]["enum"]) == SEARCH_STRATEGIES == STRATEGIES
     assert spec["method"]["enum"] == list(METHODS)
     d = SearchConfig(base="b", experts=[], method="m", vary=[], objectives=[], evaluations=24, initial=8)
-    assert (
-        spec["workers"]["default"],
-        spec["layerBlocks"]["default"],
-        spec["strategy"]["default"],
-        spec["seed"]["default"],
-        spec["prior"]["default"],
-    ) == (d.workers, d.layer_blocks, d.strategy, d.seed, d.prior)
+    assert (spec["workers"]["default"], spec["strategy"]["default"], spec["seed"]["default"], spec["prior"]["default"]) == (
+        d.workers,
+        d.strategy,
+        d.seed,
+        d.prior,
+    )
+    # layer blocks follow the CLI's evidence-based default (docs/SEARCH.md, "Defaults, following the
+    # data"), which is what a user of `mergepipe search` gets; the driver passes it explicitly
+    import typer
+
+    from mergepipe.cli import app
+
+    cmd = typer.main.get_command(app).commands["search"]
+    (layer_blocks,) = [p for p in cmd.params if p.name == "layer_blocks"]
+    assert spec["layerBlocks"]["default"] == layer_blocks.default == 1
     assert spec["objectives"]["x-kubernetes-list-map-keys"] == ["metric"]  # the API server refuses a metric twice
 
 

@@ -202,7 +202,7 @@ def driver_args(ms: Mapping[str, Any], settings: Settings) -> list[str]:
         args += ["--param", p]
     for v in spec["vary"]:
         args += ["--vary", f"{v['expert'] + ':' if v.get('expert') else ''}{v['name']}={v['min']!r}:{v['max']!r}"]
-    args += ["--layer-blocks", str(spec.get("layerBlocks", 4))]
+    args += ["--layer-blocks", str(spec.get("layerBlocks", 1))]
     for o in spec["objectives"]:
         args += ["--objective", _objective_arg(o)]
     ev = spec.get("evaluator") or {}
