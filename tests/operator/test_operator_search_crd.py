@@ -71,7 +71,12 @@ def test_schema_enums_and_defaults_follow_the_core():
     assert tuple(spec["strategy"]["enum"]) == SEARCH_STRATEGIES == STRATEGIES
     assert spec["method"]["enum"] == list(METHODS)
     d = SearchConfig(base="b", experts=[], method="m", vary=[], objectives=[], evaluations=24, initial=8)
-    assert (spec["workers"]["default"], spec["strategy"]["default"], spec["seed"]["default"], spec["prior"]["default"]) == (
+    assert (
+        spec["workers"]["default"],
+        spec["strategy"]["default"],
+        spec["seed"]["default"],
+        spec["prior"]["default"],
+    ) == (
         d.workers,
         d.strategy,
         d.seed,
