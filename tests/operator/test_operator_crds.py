@@ -9,7 +9,8 @@ import pytest
 from op_testlib import ROOT, crd_doc, k8s_validate, load_docs
 
 from mergepipe_operator import crdgen
-from mergepipe_operator.crd import GROUP, METHODS, RESOURCES, VERSION, ModelMergeSpec
+from mergepipe_operator.crd import GROUP, RESOURCES, VERSION
+from mergepipe_operator.modelmerge.model import METHODS, ModelMergeSpec
 from mergepipe_operator.modelmerge.spec import validate_merge_spec
 
 KINDS = sorted(RESOURCES)

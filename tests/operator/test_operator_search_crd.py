@@ -11,7 +11,8 @@ from op_testlib import ROOT, cr_errors, crd_schema, load_docs
 from pydantic import ValidationError
 
 from mergepipe_operator import crdgen
-from mergepipe_operator.crd import METHODS, SEARCH_STRATEGIES, MergeSearchSpec
+from mergepipe_operator.modelmerge.model import METHODS
+from mergepipe_operator.search.model import SEARCH_STRATEGIES, MergeSearchSpec
 
 
 def example() -> dict:

@@ -20,8 +20,9 @@ from realapi import load_crds
 from test_operator_examples import DELETE, FIDELITY_REJECTS, OPERATOR_REJECTS, SCHEMA_REJECTS, merges, mutate, quota
 from test_operator_search_crd import example as search_example
 
-from mergepipe_operator.crd import GROUP, RESOURCES, SEED_MAX, VERSION
+from mergepipe_operator.crd import GROUP, RESOURCES, VERSION
 from mergepipe_operator.k8s import conditions as cond
+from mergepipe_operator.k8s.model import SEED_MAX
 from mergepipe_operator.modelmerge import decisions as mmd, spec as mmspec
 from mergepipe_operator.quota import decisions as qd
 

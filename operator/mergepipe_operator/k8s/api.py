@@ -11,7 +11,7 @@ import builtins
 import json
 from typing import Any
 
-from ..crd import GROUP, VERSION
+from .model import GROUP, VERSION
 
 
 class NotFound(Exception):

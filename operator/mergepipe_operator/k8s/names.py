@@ -7,7 +7,7 @@ import re
 
 from mergepipe_kube.names import dns_label, label_value
 
-from ..crd import GROUP
+from .model import GROUP
 
 __all__ = ["dns_label", "label_value"]
 

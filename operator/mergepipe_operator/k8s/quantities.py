@@ -8,7 +8,12 @@ from datetime import datetime, timedelta, timezone
 from fractions import Fraction
 from typing import Any, TypeGuard, overload
 
-from ..crd import BYTES_PATTERN
+#: The byte-quantity grammar of every byte field of the CRDs (``spec.budget``, quota limits), as a
+#: Go RE2 / Python pattern the CRD schemas carry; :func:`parse_quantity` is its one parser. A
+#: decimal number and an optional unit: SI units (k/K, M, G, T, P, E; optional "B") are powers of
+#: 1000, binary units (Ki, Mi, Gi, Ti, Pi, Ei; optional "B") powers of 1024, "B" or no unit bytes.
+#: Examples: "512MiB", "10Gi", "1G", "1.5TB".
+BYTES_PATTERN = r"^[0-9]+(\.[0-9]+)?(B|[kK]B?|Ki|KiB|[MGTPE](i|iB|B)?)?$"
 
 
 def is_number(v: Any) -> TypeGuard[int | float]:

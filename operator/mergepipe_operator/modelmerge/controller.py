@@ -20,10 +20,10 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from ..crd import API_VERSION
 from ..k8s.api import JOBS, PODS, QUOTAS, SNAPSHOTS, Conflict
 from ..k8s.conditions import Reason, get_condition, set_condition
 from ..k8s.jobs import JobOutcome, job_ever_started
+from ..k8s.model import API_VERSION
 from ..k8s.names import (
     ANN_GENERATION,
     ANN_PLAN_DIGEST,

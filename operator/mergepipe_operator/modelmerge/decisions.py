@@ -15,10 +15,10 @@ from typing import Any
 
 from mergepipe.methods.registry import METHODS as CORE_METHODS
 
-from ..crd import GROUP
 from ..k8s.conditions import Reason, get_condition
 from ..k8s.images import image_issue
 from ..k8s.jobs import job_outcome, worker_job
+from ..k8s.model import GROUP
 from ..k8s.names import (
     ANN_GENERATION,
     ANN_MERGE,
@@ -157,7 +157,7 @@ def plan_status(
     sketch: str = "none",
     sketch_read_bytes: int = 0,
 ) -> dict[str, Any]:
-    """A ModelMerge's ``status.plan`` (crd.PlanStatus, camelCase): the plan's digest (64 hex), the
+    """A ModelMerge's ``status.plan`` (model.PlanStatus, camelCase): the plan's digest (64 hex), the
     URI of the full plan object, its estimated bytes per role, the retained task-vector
     energy fraction in [0, 1] (``None``: unknown), the fidelity tiers it was made with
     (``"none"``, ``"sign1"``..``"sign3"``) and the bytes of block sketches among its expert reads.
@@ -283,7 +283,7 @@ def analyze_args(
 def parallelism_issue(spec: Mapping[str, Any], settings: Settings) -> str | None:
     """Why ``spec.parallelism`` cannot be honoured by this operator (``None``: it can): it asks
     for more pods than the chart's ``merges.parallelism.max`` allows one merge. (The CRD bounds
-    it to 1..:data:`~mergepipe_operator.crd.MAX_PARALLELISM`; the chart's bound is the platform
+    it to 1..:data:`~mergepipe_operator.k8s.model.MAX_PARALLELISM`; the chart's bound is the platform
     team's, e.g. GPUs per merge, so it is checked here and reported as ``InvalidSpec``.)"""
     n = spec.get("parallelism")
     if n is None or isinstance(n, bool) or not isinstance(n, int):
@@ -358,7 +358,7 @@ def _count_indexes(spec: str | None) -> int:
 
 
 def parts_status(job: Mapping[str, Any] | None, total: int) -> dict[str, Any]:
-    """A ModelMerge's ``status.parts`` (crd.PartsStatus) from its Indexed merge Job's status:
+    """A ModelMerge's ``status.parts`` (model.PartsStatus) from its Indexed merge Job's status:
     parts (indexes) succeeded out of ``total``, the Job's ``completedIndexes`` and
     ``failedIndexes``, and the pods that failed (each index retries on its own, up to
     ``backoffLimitPerIndex``). Every key is present (a merge patch replaces each of them)."""

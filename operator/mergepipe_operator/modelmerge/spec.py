@@ -13,10 +13,10 @@ from mergepipe.errors import InputError
 from mergepipe.methods.params import resolve_params
 from mergepipe.methods.registry import METHODS as CORE_METHODS
 
-from ..crd import ModelMergeSpec
 from ..k8s.conditions import Issue
 from ..k8s.quantities import QuantityError, is_number, parse_quantity
 from ..settings import Settings
+from .model import ModelMergeSpec
 from .request import spec_settings, spec_where
 
 

@@ -32,10 +32,10 @@ from pydantic import ValidationError
 
 from mergepipe.methods.registry import METHODS as CORE_METHODS
 
-from ..crd import GROUP, MergeSearchSpec
 from ..k8s.conditions import Reason, set_condition
 from ..k8s.images import image_issue
 from ..k8s.jobs import JobOutcome, owner_reference, worker_job
+from ..k8s.model import GROUP
 from ..k8s.names import (
     LABEL_COMPONENT,
     LABEL_MANAGED_BY,
@@ -48,6 +48,7 @@ from ..modelmerge.request import spec_settings
 from ..modelmerge.spec import Issue, _pydantic_issues, validate_merge_spec
 from ..settings import Settings
 from ..snapshot.decisions import snapshot_name
+from .model import MergeSearchSpec
 
 LABEL_SEARCH = f"{GROUP}/merge-search"
 LABEL_CANDIDATE = f"{GROUP}/search-candidate"
