@@ -367,7 +367,7 @@ def _preregistered(args) -> list[tuple[list[int], list[str]]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=ROOT / "bench" / ".work" / "search")
-    ap.add_argument("--raw", type=Path, default=ROOT / "docs" / "search" / "raw-zoo8.jsonl.gz")
+    ap.add_argument("--raw", type=Path, default=ROOT / "docs" / "search" / "raw-zoo8-fresh.jsonl.gz")
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--seed-start", type=int, default=0, help="first seed (split the seeds over processes)")
     ap.add_argument("--evaluations", type=int, default=12, help="candidates per run (AP-BMM: 8 + 40)")
@@ -457,11 +457,28 @@ def collect(works: list[Path], raw: Path, search_windows: int) -> None:
     import botorch
     import torch
 
+    commits = {r.get("prereg") for r in runs}
+    if len(commits) != 1:
+        raise SystemExit(
+            f"--collect: runs of different pre-registrations (or none and some): {sorted(map(str, commits))}"
+        )
+    commit = commits.pop()
+    prereg = {}
+    if commit:  # the registered protocol as committed, so the report applies the registered family
+        import subprocess
+
+        rel = str(PREREG.relative_to(ROOT))
+        shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:{rel}"], capture_output=True, text=True)
+        if shown.returncode:
+            raise SystemExit(f"--collect: cannot read {rel} at the runs' commit {commit}: {shown.stderr.strip()}")
+        prereg = {"preregistration_commit": commit, "preregistration": json.loads(shown.stdout)}
     arms = [a for a in ARMS if any(r["arm"] == a for r in runs)]
     runs.sort(key=lambda r: (r["seed"], arms.index(r["arm"])))
     first = min(spans)
     meta = {
         "testbed": "zoo8",
+        "phase": "fresh" if commit else "development",
+        **prereg,
         "arms": arms,
         "seeds": {a: sorted(r["seed"] for r in runs if r["arm"] == a) for a in arms},
         "evaluations": E,

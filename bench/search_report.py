@@ -1,10 +1,11 @@
 """Every figure of docs/SEARCH.md's measurement, re-derived from the committed raw results.
 
-Input: ``docs/search/raw-<testbed>.jsonl.gz`` written by ``bench/search.py`` (first line: the
+Input: ``docs/search/raw-<label>.jsonl.gz`` written by ``bench/search.py`` (first line: the
 run's metadata with the base's and experts' losses; then one line per (arm, seed) with every
 evaluated candidate: unit-cube point ``x``, search-window losses ``y``, held-out losses ``h``, in
-completion order). Output: the Markdown between ``<!-- search-report:<testbed>:begin -->`` and
-``<!-- search-report:<testbed>:end -->`` in docs/SEARCH.md.
+completion order). Output: the Markdown between ``<!-- search-report:<label>:begin -->`` and
+``<!-- search-report:<label>:end -->`` in docs/SEARCH.md (labels ``zoo8-dev``: the development run,
+``zoo8-fresh``: the pre-registered fresh run, docs/search/preregistration.json).
 
 Definitions (stated in the output too):
 
@@ -16,7 +17,9 @@ Definitions (stated in the output too):
   the held-out reference and ideal points;
 * paired comparisons (same seeds): mean difference with Student t and percentile bootstrap 95 %
   intervals, ``d_z``, wins/losses, two-sided exact Wilcoxon signed-rank p and Holm's adjustment
-  over the family :data:`FAMILY` × {HV, held-out HV} (:func:`mergepipe.search.stats.holm`).
+  over the family :data:`FAMILY` × {HV, held-out HV} (:func:`mergepipe.search.stats.holm`); in a
+  pre-registered run the registered family, fixed in advance (a comparison that did not run
+  counts with p = 1), and the primary endpoint :data:`PRIMARY` stated.
 
 Usage::
 
@@ -50,8 +53,13 @@ FAMILY: list[tuple[str, str, str]] = [
     ("ml-bo", "ml-random", "BO vs random, model-level"),
     ("lw-bo", "lw-nsga2", "BO vs NSGA-II, layer-wise"),
     ("ml-bo", "ml-nsga2", "BO vs NSGA-II, model-level"),
-    ("lw-bo-default", "lw-bo", "CLI default (prior + reranking) vs plain BO"),
+    ("ml-bo-default", "ml-bo", "CLI defaults (prior + reranking) vs plain BO, model-level"),
 ]
+
+
+#: The pre-registered primary endpoint (docs/search/preregistration.json, ``primary_endpoint``): the
+#: held-out HV of the first arm minus the second.
+PRIMARY = ("lw-bo", "ml-bo")
 
 
 def load(path: Path) -> tuple[dict, list[dict]]:
@@ -115,11 +123,17 @@ def analyse(meta: dict, runs: list[dict]) -> dict:
             "run_s": statistics.mean(v["run_s"]),
         }
     pairs = []
+    # A pre-registered run fixes its family in advance: a comparison that did not run stays in it
+    # with p = 1 (reported "not run"). Otherwise the family is the comparisons the data contain.
+    prereg = meta.get("preregistration")
+    fixed = {tuple(c) for c in prereg["family"]["comparisons"]} if prereg else None
     for a, b, what in FAMILY:
-        if a not in per or b not in per:
+        if fixed is not None and (a, b) not in fixed:
             continue
-        common = sorted(set(per[a]["seed"]) & set(per[b]["seed"]))  # paired: the seeds both ran
-        if len(common) < 2:
+        common = sorted(set(per.get(a, {"seed": []})["seed"]) & set(per.get(b, {"seed": []})["seed"]))
+        if len(common) < 2:  # paired: the seeds both ran
+            if fixed is not None:
+                pairs.append({"a": a, "b": b, "what": what, "hv": _not_run(len(common)), "held": _not_run(len(common))})
             continue
 
         def on(arm: str, key: str, common=common) -> list[float]:
@@ -138,6 +152,12 @@ def analyse(meta: dict, runs: list[dict]) -> dict:
     for i, p in enumerate(pairs):
         p["hv"]["holm"], p["held"]["holm"] = adj[2 * i], adj[2 * i + 1]
     return {"boxes": bx, "arms": arms, "pairs": pairs, "family": 2 * len(pairs), "E": E, "I": n0, "runs": runs}
+
+
+def _not_run(n: int) -> dict:
+    """A pre-registered comparison without two paired seeds: in Holm's family with p = 1."""
+    nan = float("nan")
+    return {"n": n, "mean_diff": nan, "t_ci": (nan, nan), "ci": (nan, nan), "dz": nan, "wins": 0, "losses": 0, "p": 1.0}
 
 
 def _ci(m: float, lo: float, hi: float) -> str:
@@ -198,6 +218,11 @@ def render(meta: dict, an: dict) -> str:
     for p in an["pairs"]:
         for k, name in (("hv", f"HV @ {E}"), ("held", "held-out HV")):
             t = p[k]
+            if t["n"] < 2:
+                L.append(
+                    f"| {p['a']} − {p['b']} | {p['what']} | {t['n']} | {name} | not run | | | | | 1 | {t['holm']:.4f} |"
+                )
+                continue
             L.append(
                 f"| {p['a']} − {p['b']} | {p['what']} | {t['n']} | {name} | {t['mean_diff']:+.4f} | "
                 f"[{t['t_ci'][0]:+.4f}, {t['t_ci'][1]:+.4f}] | [{t['ci'][0]:+.4f}, {t['ci'][1]:+.4f}] | "
@@ -211,15 +236,30 @@ def render(meta: dict, an: dict) -> str:
     ]
     L.append("")
     L.append("Significant after Holm at 0.05: " + ("; ".join(sig) if sig else "none") + ".")
+    prereg = meta.get("preregistration")
+    if prereg:
+        a, b = PRIMARY
+        t = next((p["held"] for p in an["pairs"] if (p["a"], p["b"]) == (a, b)), None)
+        L.append("")
+        if t is None or t["n"] < 2:
+            L.append(f"Primary endpoint (pre-registered): held-out HV of {a} − {b}: not run.")
+        else:
+            L.append(
+                f"Primary endpoint (pre-registered, commit `{meta['preregistration_commit'][:7]}`): held-out HV of "
+                f"{a} − {b} over {t['n']} fresh seeds: {t['mean_diff']:+.4f} [t 95% CI {t['t_ci'][0]:+.4f}, "
+                f"{t['t_ci'][1]:+.4f}], {t['wins']}/{t['losses']} wins/losses, Wilcoxon p {t['p']:.4f}, Holm p "
+                f"{t['holm']:.4f}: {'significant' if t['holm'] <= 0.05 else 'not significant'} at 0.05."
+            )
     return "\n".join(L)
 
 
 def blocks(raw_dir: Path = RAW) -> dict[str, str]:
-    """testbed -> rendered block, for every ``raw-*.jsonl.gz`` in ``raw_dir``."""
+    """label -> rendered block, for every ``raw-<label>.jsonl.gz`` in ``raw_dir`` (the label names
+    the block's markers, e.g. ``zoo8-dev``, ``zoo8-fresh``)."""
     out = {}
     for p in sorted(raw_dir.glob("raw-*.jsonl.gz")):
         meta, runs = load(p)
-        out[meta["testbed"]] = render(meta, analyse(meta, runs))
+        out[p.name[len("raw-") : -len(".jsonl.gz")]] = render(meta, analyse(meta, runs))
     return out
 
 

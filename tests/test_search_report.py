@@ -83,6 +83,67 @@ def test_search_md_matches_the_committed_raw_results():
     from bench.search_report import RAW, check
 
     raws = sorted(RAW.glob("raw-*.jsonl.gz"))
-    assert [p.name for p in raws] == ["raw-zoo8.jsonl.gz"]
+    assert [p.name for p in raws][:1] == ["raw-zoo8-dev.jsonl.gz"]
     assert all(p.stat().st_size < 4 * 2**20 for p in raws)  # compact: a few MB at most
     assert check() == []
+
+
+def test_preregistered_family_is_fixed_and_primary_stated(tmp_path):
+    """A pre-registered run keeps its registered family: a comparison that did not run stays in
+    Holm's family with p = 1 (so it cannot make the others look stronger), comparisons outside
+    the registration are left out, and the primary endpoint is stated."""
+    from bench.search_report import analyse, blocks, load
+
+    path = tmp_path / "raw-toy-fresh.jsonl.gz"
+    _raw(path)
+    with gzip.open(path, "rt") as f:
+        lines = f.read().splitlines()
+    meta = json.loads(lines[0])
+    meta["preregistration_commit"] = "0" * 40
+    meta["preregistration"] = {"family": {"comparisons": [["lw-bo", "ml-bo"], ["lw-bo", "lw-nsga2"]]}}
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join([json.dumps(meta), *lines[1:]]) + "\n")
+    meta, runs = load(path)
+    an = analyse(meta, runs)
+    assert an["family"] == 4  # lw-bo − ml-grid ran but was not registered; lw-bo − lw-nsga2 did not run
+    missing = next(p for p in an["pairs"] if p["b"] == "lw-nsga2")
+    assert missing["hv"]["p"] == 1.0 and missing["held"]["holm"] == 1.0
+    ran = next(p for p in an["pairs"] if p["b"] == "ml-bo")
+    ph, pv = ran["held"]["p"], ran["hv"]["p"]  # Holm over 4 tests, two of them p = 1
+    assert ran["held"]["holm"] == pytest.approx(min(1.0, 4 * ph if ph <= pv else max(4 * pv, 3 * ph)))
+    block = blocks(tmp_path)["toy-fresh"]
+    assert "| lw-bo − lw-nsga2 | BO vs NSGA-II, layer-wise | 0 | held-out HV | not run |" in block
+    assert (
+        "Primary endpoint (pre-registered, commit `0000000`): held-out HV of lw-bo − ml-bo over 4 fresh seeds" in block
+    )
+
+
+def test_fresh_run_refuses_an_uncommitted_preregistration(tmp_path, monkeypatch):
+    """bench/search.py --fresh runs only from a committed, unchanged pre-registration and takes
+    seeds, arms (main arms first, NSGA-II second) and budget from it."""
+    import subprocess
+    from types import SimpleNamespace
+
+    import bench.search as bs
+
+    pr = json.loads((ROOT / "docs" / "search" / "preregistration.json").read_text())
+    (tmp_path / "docs" / "search").mkdir(parents=True)
+    f = tmp_path / "docs" / "search" / "preregistration.json"
+    f.write_text(json.dumps(pr))
+    monkeypatch.setattr(bs, "ROOT", tmp_path)
+    monkeypatch.setattr(bs, "PREREG", f)
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    args = SimpleNamespace()
+    with pytest.raises(SystemExit, match="not committed"):
+        bs._preregistered(args)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "prereg"], check=True)
+    passes = bs._preregistered(args)
+    assert passes[0] == (pr["fresh_seeds"], ["lw-bo", "ml-bo", "ml-bo-default", "lw-random", "ml-random", "ml-grid"])
+    assert passes[1] == (pr["fresh_seeds"], ["lw-nsga2", "ml-nsga2"])
+    assert (args.evaluations, args.initial, args.blocks, args.search_windows) == (12, 6, 4, 16)
+    assert len(args.prereg_commit) == 40
+    f.write_text(json.dumps(pr | {"fresh_seeds": [0]}))  # edited after the commit: refused
+    with pytest.raises(SystemExit, match="not committed"):
+        bs._preregistered(args)
