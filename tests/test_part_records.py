@@ -138,3 +138,22 @@ def test_same_size_edit_of_an_s3_part_object_is_refused(s3_env, family, tmp_path
         commit_run(plan, st, out)
     assert not st.exists(f"{out}/manifest.json")
     assert os.environ.get("AWS_ACCESS_KEY_ID")  # the run used SeaweedFS through the standard chain
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda r: r.__setitem__("part", 0), "records part 0/2, not 1/2"),
+        (lambda r: r["files"].__setitem__("extra.json", next(iter(r["files"].values()))), "lists files"),
+    ],
+    ids=["other-index", "extra-file"],
+)
+def test_record_of_another_index_or_listing_extra_files_is_refused(run2, edit, words):
+    plan, st, out, pf, layout = run2
+    rec_path = Path(runs.part_record_uri(st, layout, 1, 2))
+    rec = json.loads(rec_path.read_text())
+    edit(rec)
+    rec_path.write_text(json.dumps(rec))
+    with pytest.raises(CommitConflict, match=words):
+        commit_run(plan, st, str(out))
+    assert not out.exists()

@@ -281,63 +281,114 @@ def check_parts(
     out = []
     for i in range(n):
         again = f"run `mergepipe execute PLAN --out {layout.out} --part {i}/{n} --run {layout.run}` again"
-        uri = uris.get((i, n))
-        if uri is None:
-            hint = f" (records of a {others[0]}-part split exist: the same N must be used)" if others else ""
-            raise CommitConflict(f"run {layout.run}: part {i}/{n} has no record{hint}; {again}.")
-        try:
-            prec = read_part_record(storage, uri)
-        except NotFoundError:
-            raise CommitConflict(f"run {layout.run}: part {i}/{n} has no record; {again}.") from None
-        except InputError as e:
-            raise CommitConflict(f"{str(e).rstrip('.')}; {again}.") from None
-        if prec.plan_digest != plan_digest:
-            raise CommitConflict(
-                f"run {layout.run}: part {i}/{n} was made for plan {prec.plan_digest[:12]}, not this plan; {again}."
-            )
-        if (prec.part, prec.parts) != (i, n):
-            raise CommitConflict(f"{uri}: records part {prec.part}/{prec.parts}, not {i}/{n}; {again}.")
-        if planned is not None:
-            for role, cap in planned.items():
-                got = getattr(prec.realized, role)
-                if got > cap:
-                    raise CommitConflict(
-                        f"{uri}: realized.{role} {got} exceeds the plan's {cap}; the record is not this "
-                        f"plan's run; {again}."
-                    )
+        prec = _read_part_for_commit(storage, layout, uris, others, i, n, again)
+        _check_record_is_this_plans(prec, uris[(i, n)], layout, i, n, plan_digest, planned, again)
         rec = prec.as_dict()
-        if rec["shards"] != expected[i]:
-            raise CommitConflict(
-                f"run {layout.run}: part {i}/{n} wrote shards {rec['shards']}, the plan's "
-                f"partition gives {expected[i]}; {again}."
-            )
-        files = rec["files"]
-        want = set(expected[i]) | (side_required if i == 0 else set())
-        missing = want - set(files)
-        extra = set(files) - want - (side_optional if i == 0 else set())
-        if missing or extra:
-            raise CommitConflict(
-                f"run {layout.run}: part {i}/{n} lists files {sorted(files)}, expected {sorted(want)}; {again}."
-            )
-        for name, finfo in prec.files.items():
-            fu = storage.join(layout.files, name)
-            try:
-                size = storage.stat(fu).size
-            except NotFoundError:
-                raise CommitConflict(f"{fu}: listed by part {i}/{n} but missing; {again}.") from None
-            if size != finfo.size:
-                raise CommitConflict(f"{fu}: size {size}, part {i}/{n} recorded {finfo.size}; {again}.")
-            # by content: a same-size edit, or another plan's file copied in, is refused here
-            if file_digest(storage, fu, finfo.as_info()) != finfo.key():
-                raise CommitConflict(
-                    f"{fu}: its bytes do not give the digest part {i}/{n} recorded (changed after it was "
-                    f"written, or written for another plan); nothing was committed; {again}."
-                )
+        side = (side_required, side_optional) if i == 0 else (set(), set())
+        _check_record_files(storage, layout, prec, rec, i, n, expected[i], side, again)
         out.append(rec)
+    _check_no_file_in_two_parts(layout, out)
+    return out
+
+
+def _read_part_for_commit(
+    storage: Storage,
+    layout: RunLayout,
+    uris: dict[tuple[int, int], str],
+    others: list[int],
+    i: int,
+    n: int,
+    again: str,
+) -> PartRecord:
+    """Part ``i``/``n``'s record, parsed; a missing or invalid one is a :class:`CommitConflict`.
+
+    ``others`` are the part counts of records made for another split (named in the hint).
+    """
+    uri = uris.get((i, n))
+    if uri is None:
+        hint = f" (records of a {others[0]}-part split exist: the same N must be used)" if others else ""
+        raise CommitConflict(f"run {layout.run}: part {i}/{n} has no record{hint}; {again}.")
+    try:
+        return read_part_record(storage, uri)
+    except NotFoundError:
+        raise CommitConflict(f"run {layout.run}: part {i}/{n} has no record; {again}.") from None
+    except InputError as e:
+        raise CommitConflict(f"{str(e).rstrip('.')}; {again}.") from None
+
+
+def _check_record_is_this_plans(
+    prec: PartRecord,
+    uri: str,
+    layout: RunLayout,
+    i: int,
+    n: int,
+    plan_digest: str,
+    planned: dict[str, int] | None,
+    again: str,
+) -> None:
+    """Refuse a record made for another plan or split, or recording more bytes than planned."""
+    if prec.plan_digest != plan_digest:
+        raise CommitConflict(
+            f"run {layout.run}: part {i}/{n} was made for plan {prec.plan_digest[:12]}, not this plan; {again}."
+        )
+    if (prec.part, prec.parts) != (i, n):
+        raise CommitConflict(f"{uri}: records part {prec.part}/{prec.parts}, not {i}/{n}; {again}.")
+    for role, cap in (planned or {}).items():
+        got = getattr(prec.realized, role)
+        if got > cap:
+            raise CommitConflict(
+                f"{uri}: realized.{role} {got} exceeds the plan's {cap}; the record is not this plan's run; {again}."
+            )
+
+
+def _check_record_files(
+    storage: Storage,
+    layout: RunLayout,
+    prec: PartRecord,
+    rec: dict,
+    i: int,
+    n: int,
+    shards: list[str],
+    side: tuple[set[str], set[str]],
+    again: str,
+) -> None:
+    """Refuse part ``i``'s record unless it lists exactly its ``shards`` plus the required side
+    files (``side = (required, optional)``), and every listed file is stored with the recorded
+    size and digest (read back, role ``other``)."""
+    if rec["shards"] != shards:
+        raise CommitConflict(
+            f"run {layout.run}: part {i}/{n} wrote shards {rec['shards']}, the plan's "
+            f"partition gives {shards}; {again}."
+        )
+    files = rec["files"]
+    want = set(shards) | side[0]
+    missing = want - set(files)
+    extra = set(files) - want - side[1]
+    if missing or extra:
+        raise CommitConflict(
+            f"run {layout.run}: part {i}/{n} lists files {sorted(files)}, expected {sorted(want)}; {again}."
+        )
+    for name, finfo in prec.files.items():
+        fu = storage.join(layout.files, name)
+        try:
+            size = storage.stat(fu).size
+        except NotFoundError:
+            raise CommitConflict(f"{fu}: listed by part {i}/{n} but missing; {again}.") from None
+        if size != finfo.size:
+            raise CommitConflict(f"{fu}: size {size}, part {i}/{n} recorded {finfo.size}; {again}.")
+        # by content: a same-size edit, or another plan's file copied in, is refused here
+        if file_digest(storage, fu, finfo.as_info()) != finfo.key():
+            raise CommitConflict(
+                f"{fu}: its bytes do not give the digest part {i}/{n} recorded (changed after it was "
+                f"written, or written for another plan); nothing was committed; {again}."
+            )
+
+
+def _check_no_file_in_two_parts(layout: RunLayout, records: list[dict]) -> None:
+    """Refuse a file listed by two parts' records."""
     seen: dict[str, int] = {}
-    for i, rec in enumerate(out):
+    for i, rec in enumerate(records):
         for name in rec["files"]:
             if name in seen:
                 raise CommitConflict(f"run {layout.run}: {name} is listed by parts {seen[name]} and {i}.")
             seen[name] = i
-    return out
