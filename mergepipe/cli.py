@@ -478,13 +478,15 @@ def _work_bytes(text: str) -> int:
     return wb
 
 
-def _merge_request(config, base, expert, method, param, budget, fidelity, seed, out=None):
+def _merge_request(config, base, expert, method, param, budget, fidelity, seed, out=None, *, planning, run):
     """The :class:`mergepipe.request.MergeRequest` of ``plan``/``merge`` and how its fields are
     named in messages: from a mergekit config (``--config``; ``--budget/--fidelity/--seed``
     override its keys, fields named as the config's keys) or from the command line (``--param``
-    strings parsed here, fields named as options). Exits 2 when both or neither are given."""
+    strings parsed here, fields named as options); ``planning`` and ``run`` (the request's
+    :class:`mergepipe.request.PlanningOptions` and :class:`mergepipe.request.RunOptions`) come
+    from options either way and are named as options. Exits 2 when both or neither are given."""
     from mergepipe.pipeline import parse_expert
-    from mergepipe.request import request_from_args
+    from mergepipe.request import cli_where, request_from_args
 
     if config is not None:
         from mergepipe.config import load_config
@@ -496,7 +498,13 @@ def _merge_request(config, base, expert, method, param, budget, fidelity, seed, 
                 "(--budget, --fidelity and --seed override the config's keys)."
             )
         c = load_config(config)
-        return c.with_overrides(output=out, budget=budget, fidelity=fidelity, seed=seed), c.where
+        req = c.with_overrides(output=out, budget=budget, fidelity=fidelity, seed=seed)
+        cfg_where, opt_where = c.where, cli_where(req.names)
+
+        def where(loc):
+            return opt_where(loc) if loc and loc[0] in ("planning", "run") else cfg_where(loc)
+
+        return req.model_copy(update={"planning": planning, "run": run}), where
     if not base or (not expert and (method or "ties") != "passthrough"):
         _fail("--base and --expert are required (or give a mergekit config with --config merge.yml).")
     req = request_from_args(
@@ -508,6 +516,8 @@ def _merge_request(config, base, expert, method, param, budget, fidelity, seed, 
         fidelity=fidelity,
         seed=seed or 0,
         output=out,
+        planning=planning,
+        run=run,
     )
     return req, None
 
@@ -591,20 +601,23 @@ def plan(
     """Plan a merge (registers and analyzes as needed) and print its summary; --out saves the plan.
     Takes the same inputs as `merge`: --base/--expert/--method/--param or a mergekit --config."""
     from mergepipe.pipeline import build_plan
+    from mergepipe.request import PlanningOptions, RunOptions
 
-    req, where = _merge_request(config, base, expert, method, param, budget, fidelity, seed)
-    bb = _block_bytes(block_size)
-    p = build_plan(
-        _catalog(catalog),
-        _storage_for(req.base),
-        req,
-        where=where,
-        block_bytes=bb,
-        work_bytes=_work_bytes(work_memory),
-        value=value,
-        calibration=calibration,
-        sketch=sketch,
+    req, where = _merge_request(
+        config,
+        base,
+        expert,
+        method,
+        param,
+        budget,
+        fidelity,
+        seed,
+        planning=PlanningOptions(
+            value=value, calibration=calibration, sketch=sketch, block_bytes=_block_bytes(block_size)
+        ),
+        run=RunOptions(work_bytes=_work_bytes(work_memory)),
     )
+    p = build_plan(_catalog(catalog), _storage_for(req.base), req, where=where)
     if out:
         from mergepipe.storage.local import replace_file
 
@@ -891,26 +904,22 @@ def merge(
 ):
     """register → analyze → plan → execute → commit, in one go (or from a mergekit config: --config)."""
     from mergepipe.pipeline import merge_request
+    from mergepipe.request import PlanningOptions, RunOptions
 
-    bb = _block_bytes(block_size)
-    req, where = _merge_request(config, base, expert, method, param, budget, fidelity, seed, out=out)
-    resume = _resume_default(out, resume, workers)
+    planning = PlanningOptions(
+        value=value, calibration=calibration, sketch=sketch, block_bytes=_block_bytes(block_size)
+    )
+    run = RunOptions(
+        work_bytes=_work_bytes(work_memory),
+        workers=workers,
+        resume=_resume_default(out, resume, workers),
+        device=device,
+    )
+    req, where = _merge_request(
+        config, base, expert, method, param, budget, fidelity, seed, out=out, planning=planning, run=run
+    )
     with _Progress(True) as prog:
-        res = merge_request(
-            req,
-            where=where,
-            device=device,
-            catalog=_catalog(catalog),
-            storage=_storage_for(req.base),
-            block_bytes=bb,
-            work_bytes=_work_bytes(work_memory),
-            progress=prog,
-            value=value,
-            calibration=calibration,
-            workers=workers,
-            resume=resume,
-            sketch=sketch,
-        )
+        res = merge_request(req, where=where, catalog=_catalog(catalog), storage=_storage_for(req.base), progress=prog)
     res.total_s = max(res.total_s or 0.0, _since_process_start())  # from process start, imports included
     _emit_merge(res, json_out)
 
@@ -1434,6 +1443,7 @@ def search(
     import tempfile
 
     from mergepipe.pipeline import parse_expert
+    from mergepipe.request import PlanningOptions
     from mergepipe.search.evaluators import CommandEvaluator, Objective, ZooEvaluator
     from mergepipe.search.runner import SearchConfig, StateMirror, run_search
     from mergepipe.search.space import params_from_args
@@ -1577,9 +1587,7 @@ def search(
             fixed=fixed,
             layer_blocks=layer_blocks,
             budget=budget,
-            sketch=sketch,
-            value=value,
-            calibration=calibration,
+            planning=PlanningOptions(value=value, calibration=calibration, sketch=sketch),
             seed=seed,
             strategy=strategy,
             prior=not no_prior,

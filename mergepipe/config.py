@@ -426,9 +426,11 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
 
 def merge_from_config(path: str | os.PathLike, out: str, *, budget=None, fidelity=None, seed=None, **kw):
     """Load ``path`` and run :func:`mergepipe.pipeline.merge_request` into ``out``;
-    ``budget``/``fidelity``/``seed`` given here override the config's own keys; ``kw`` go to
-    ``merge_request`` (``catalog``, ``storage``, ``device``, ...)."""
-    from mergepipe.pipeline import merge_request
+    ``budget``/``fidelity``/``seed`` given here override the config's own keys; ``kw`` are
+    planning and run options (:func:`mergepipe.pipeline.with_options`: ``block_bytes``,
+    ``device``, ...) and ``merge_request``'s own arguments (``catalog``, ``storage``, ...)."""
+    from mergepipe.pipeline import merge_request, with_options
 
     c = load_config(path)
-    return merge_request(c.with_overrides(output=out, budget=budget, fidelity=fidelity, seed=seed), where=c.where, **kw)
+    req, kw = with_options(c.with_overrides(output=out, budget=budget, fidelity=fidelity, seed=seed), **kw)
+    return merge_request(req, where=c.where, **kw)

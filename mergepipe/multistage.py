@@ -136,7 +136,7 @@ def merge_multi(
     import yaml
 
     from mergepipe.config import load_config
-    from mergepipe.pipeline import merge_request
+    from mergepipe.pipeline import merge_request, with_options
 
     stages = load_stages(path, intermediate_dir)
     if any(s.name is None for s in stages) and not out:
@@ -153,6 +153,7 @@ def merge_multi(
             tmp.replace(cp)
         c = load_config(cp)
         target = os.path.join(os.path.abspath(str(intermediate_dir)), s.name) if s.name else str(out)
-        res = merge_request(c.with_overrides(output=target), where=c.where, **kw)
+        req, rest = with_options(c.with_overrides(output=target), **kw)
+        res = merge_request(req, where=c.where, **rest)
         results.append((s.name, res))
     return results

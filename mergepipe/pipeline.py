@@ -10,6 +10,7 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, Catalog, CheckpointRecord, check_compatible
 from mergepipe.catalog.sensitivity import load_calibration
@@ -25,13 +26,10 @@ from mergepipe.planner.planner import (
     SelectionOptions,
     make_plan,
 )
-from mergepipe.request import MAX_BYTES, MergeRequest, ResolvedRequest, Where, parse_bytes  # noqa: F401  (re-exported)
+from mergepipe.request import MAX_BLOCK_BYTES, MAX_BYTES, MergeRequest, ResolvedRequest, Where, parse_bytes  # noqa: F401  (re-exported)
 from mergepipe.result import MergeResult, build_manifest, output_storage, realized_io, versions  # noqa: F401  (re-exported)
 from mergepipe.storage.base import IOCounters, Storage
 from mergepipe.storage.routing import open_storage
-
-#: largest catalog block size (bytes): a block is a unit of reading and statistics, not a whole model
-MAX_BLOCK_BYTES = 1 << 30
 
 
 def parse_block_size(text: str, what: str = "--block-size") -> int:
@@ -156,57 +154,50 @@ def build_plan(
     request: MergeRequest | ResolvedRequest,
     *,
     where: Where | None = None,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
-    work_bytes: int = DEFAULT_WORK_BYTES,
     progress: Callable[[int], None] | None = None,
     analyze: bool = True,
-    value: str | None = None,
-    calibration: str | None = None,
-    sketch: str | None = None,
 ) -> Plan:
     """Register, analyze and plan a :class:`mergepipe.request.MergeRequest` (the one way into
-    planning; the CLI, mergekit configs, the operator and the search build it).
+    planning; the CLI, mergekit configs, the operator and the search build it). Everything that
+    shapes the plan is in the request: method, parameters, budget, fidelity, seed, output dtype,
+    the planning options (:class:`mergepipe.request.PlanningOptions`: block value, calibration
+    set, fidelity tiers, block size) and the working memory (``request.run.work_bytes``).
 
     The request is validated first (:meth:`MergeRequest.resolve`, messages rendered by
     ``where``); every parameter, including layer-wise settings per tensor, is checked after
     reading the checkpoints' headers and before reading any tensor byte. An error about a
     checkpoint (missing, unreadable, of another architecture) carries ``loc``
-    (``("base",)``, ``("experts", i, "uri")``) so a front end can name the field.
+    (``("base",)``, ``("experts", i, "uri")``) so a front end can name the field; so does one
+    about the calibration set (``("planning", "calibration")``).
 
     With ``analyze=False`` no tensor byte is read: only shard headers (none for checkpoints the
     catalog knows unchanged) and the catalog; when the catalog lacks an expert's statistics (or,
-    for methods that need them, the pair statistics of two experts) :class:`MissingAnalysis`
-    names those experts. This is how the operator plans in-process (numpy only, no torch).
+    for methods that need them, the pair statistics of two experts, or the base's sensitivity on
+    the calibration set) :class:`MissingAnalysis` names them. This is how the operator plans
+    in-process (numpy only, no torch).
 
     Args:
-        block_bytes: the catalog's block size (bytes).
-        work_bytes: the engine's working-memory target (bytes), see :class:`EngineOptions`.
+        where: renders request fields in the caller's terms for messages (default: command-line
+            terms).
         progress: called with the bytes analyzed so far.
-        value: the planner's block value (``"energy"``, or ``"fisher"`` with ``calibration``, a
-            JSON-lines calibration file: the base's per-block Fisher from the catalog, computed
-            once at analyze time; with ``analyze=False`` it must already be recorded). Default:
-            ``"fisher"`` when a calibration set is given (it kept more of the full merge's gain
-            in docs/QUALITY.md), ``"energy"`` otherwise.
-        sketch: fidelity tiers (``"none"``, ``"sign1"``..``"sign3"``, see :class:`SelectionOptions`); default
-            the request's ``sketch`` (:attr:`MergeRequest.sketch`, how the operator passes
-            ``spec.sketch``), else :data:`mergepipe.catalog.sketch.DEFAULT_SKETCH` (it kept more
-            of the full merge's gain in docs/QUALITY.md).
+        analyze: analyze what the catalog lacks (False: raise :class:`MissingAnalysis`).
 
     Raises:
-        InputError: the request is invalid, or a checkpoint is missing or incompatible.
+        InputError: the request is invalid, or a checkpoint or the calibration set is missing or
+            incompatible.
         MissingAnalysis: with ``analyze=False``, statistics are missing.
     """
     from mergepipe.formats.safetensors import FLOAT_DTYPES
 
-    if value is None:
-        value = "fisher" if calibration else "energy"
-    if value not in ("energy", "fisher"):
-        raise InputError(f"--value {value!r}: use 'energy' or 'fisher'.")
-    if value == "fisher" and not calibration:
-        raise InputError("--value fisher needs --calibration FILE.jsonl (text the base's sensitivity is measured on).")
     rr = request if isinstance(request, ResolvedRequest) else request.resolve(where)
     req = rr.request
-    cal = load_calibration(storage, calibration) if calibration else None
+    planning = req.planning
+    block_bytes = planning.block_bytes or DEFAULT_BLOCK_BYTES
+    value = planning.block_value
+    try:
+        cal = load_calibration(storage, planning.calibration) if planning.calibration else None
+    except InputError as e:
+        raise rr.at(("planning", "calibration"), e) from None
     spec = get_method(req.method)
     try:
         base = catalog.register(storage, req.base)
@@ -240,7 +231,11 @@ def build_plan(
                 raise MissingAnalysis([], base_identity=base.identity, calibration=cal.digest)
             sens = catalog.sensitivity(storage, base, cal, block_bytes)
     total = sum(r.total_bytes for r in recs)
-    budget_bytes = parse_bytes(req.budget, total=total, bare=False) if isinstance(req.budget, str) else req.budget
+    budget_bytes = (
+        parse_bytes(req.budget, total=total, what=rr.where(("budget",)), bare=False)
+        if isinstance(req.budget, str)
+        else req.budget
+    )
     if budget_bytes is not None:
         _check_budget_buys_a_block(budget_bytes, req.budget, analyses, recs, rr.where)
     gap = storage.gap_for([e.uri for e in req.experts])
@@ -262,9 +257,9 @@ def build_plan(
             fidelity=req.fidelity,
             value=value,
             calibration=cal.digest if (cal is not None and fisher) else None,
-            sketch=sketch if sketch is not None else req.sketch if req.sketch is not None else DEFAULT_SKETCH,
+            sketch=planning.sketch if planning.sketch is not None else DEFAULT_SKETCH,
         ),
-        EngineOptions(work_bytes=work_bytes, coalesce_gap=gap),
+        EngineOptions(work_bytes=req.run.work_bytes or DEFAULT_WORK_BYTES, coalesce_gap=gap),
     )
 
 
@@ -454,32 +449,24 @@ def merge_request(
     request: MergeRequest,
     *,
     where: Where | None = None,
-    device: str = "cpu",
     catalog: Catalog | None = None,
     storage: Storage | None = None,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
-    work_bytes: int = DEFAULT_WORK_BYTES,
     prefetch_bytes: int | None = None,
     progress: Callable[[str, int, int | None], None] | None = None,
-    value: str | None = None,
-    calibration: str | None = None,
-    workers: int | None = None,
-    resume: bool = False,
-    sketch: str | None = None,
 ) -> MergeResult:
     """register → analyze → plan → execute → commit in one call (what ``mergepipe merge`` runs),
-    committing at ``request.output``.
+    committing at ``request.output``. How it runs is the request's too
+    (:class:`mergepipe.request.RunOptions`): ``run.workers`` parts in parallel processes
+    (:func:`mergepipe.parts.run_workers`; a rerun resumes), else with ``run.resume`` the plan as
+    the one part of a resumable run (:func:`mergepipe.parts.execute_resumable`: a rerun after a
+    crash keeps what the interrupted attempt finished), else the single-process staging (a rerun
+    starts over); on ``run.device``.
 
     Args:
         where: renders request fields in the caller's terms for messages (see :func:`build_plan`).
+        catalog, storage: default the local catalog and the storage of ``request.base``.
+        prefetch_bytes: bytes the engine reads ahead (default the plan's working memory).
         progress: ``progress(stage, advance_bytes, total_bytes_or_None)``.
-        value, calibration: the planner's block value (see :func:`build_plan`).
-        sketch: fidelity tiers (see :func:`build_plan`).
-        workers: run the plan as this many parts in parallel processes and commit the run
-            (:func:`mergepipe.parts.run_workers`; a rerun resumes); default one process.
-        resume: in one process, run the plan as the one part of a resumable run
-            (:func:`mergepipe.parts.execute_resumable`): a rerun after a crash keeps what the
-            interrupted attempt finished. Default: the single-process staging (a rerun starts over).
 
     Raises:
         InputError: no ``request.output``, an invalid request, or an unusable output path.
@@ -502,17 +489,8 @@ def merge_request(
     ):
         probe_lock(out)
     cb = (lambda n: progress("analyze", n, None)) if progress else None
-    plan = build_plan(
-        catalog,
-        storage,
-        rr,
-        block_bytes=block_bytes,
-        work_bytes=work_bytes,
-        progress=cb,
-        value=value,
-        calibration=calibration,
-        sketch=sketch,
-    )
+    plan = build_plan(catalog, storage, rr, progress=cb)
+    workers, resume, device = request.run.workers, request.run.resume, request.run.device
     t_an = time.perf_counter() - t0
     if progress and not workers:  # (part processes report no progress to this one)
         progress("merge", 0, plan.io.output_write_bytes)
@@ -561,20 +539,47 @@ def merge(
     """:func:`merge_request` with command-line style inputs: ``experts`` as ``(name, uri)``
     pairs, ``params`` in the ``--param`` grammar (``["density=0.5", "math:weight=0.3"]``,
     :func:`mergepipe.request.parse_param_args`) and ``out_dtype`` the safetensors dtype of the
-    floating outputs; ``kw`` go to :func:`merge_request`."""
+    floating outputs; ``kw`` are planning and run options (:func:`with_options`: ``value``,
+    ``calibration``, ``sketch``, ``block_bytes``, ``work_bytes``, ``workers``, ``resume``,
+    ``device``) and :func:`merge_request`'s own arguments."""
     from mergepipe.request import RequestOptions, request_from_args
 
-    return merge_request(
-        request_from_args(
-            base_uri,
-            experts,
-            method,
-            params,
-            budget=budget,
-            fidelity=fidelity,
-            seed=seed,
-            output=str(out),
-            options=RequestOptions(out_dtype=out_dtype),
-        ),
-        **kw,
+    req = request_from_args(
+        base_uri,
+        experts,
+        method,
+        params,
+        budget=budget,
+        fidelity=fidelity,
+        seed=seed,
+        output=str(out),
+        options=RequestOptions(out_dtype=out_dtype),
     )
+    req, kw = with_options(req, **kw)
+    return merge_request(req, **kw)
+
+
+_PLANNING_KEYS = ("value", "calibration", "sketch", "block_bytes")
+_RUN_KEYS = ("work_bytes", "workers", "resume", "device")
+
+
+def with_options(request: MergeRequest, **kw: Any) -> tuple[MergeRequest, dict[str, Any]]:
+    """``request`` with the planning options (``value``, ``calibration``, ``sketch``,
+    ``block_bytes``: :class:`mergepipe.request.PlanningOptions`) and run options (``work_bytes``,
+    ``workers``, ``resume``, ``device``: :class:`mergepipe.request.RunOptions`) among ``kw`` set
+    (those given as None keep the request's), and the other keyword arguments: how the
+    command-line style helpers (:func:`merge`, :func:`mergepipe.config.merge_from_config`) fill a
+    request from keyword arguments.
+
+    Raises:
+        pydantic.ValidationError: a value of the wrong type.
+    """
+    plan_kw = {k: kw.pop(k) for k in _PLANNING_KEYS if k in kw}
+    run_kw = {k: kw.pop(k) for k in _RUN_KEYS if k in kw}
+    plan_kw = {k: v for k, v in plan_kw.items() if v is not None}
+    run_kw = {k: v for k, v in run_kw.items() if v is not None}
+    if plan_kw:
+        request = request.with_planning(**plan_kw)
+    if run_kw:
+        request = request.with_run(**run_kw)
+    return request, kw

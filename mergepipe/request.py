@@ -39,10 +39,13 @@ from mergepipe.methods.params import (
 )
 
 __all__ = [
+    "BLOCK_VALUES",
     "ExpertRequest",
     "Loc",
     "MergeRequest",
+    "PlanningOptions",
     "RequestOptions",
+    "RunOptions",
     "ResolvedRequest",
     "Where",
     "cli_where",
@@ -107,6 +110,114 @@ class RequestOptions(BaseModel):
     source: dict[str, Any] | None = None
 
 
+#: the planner's block values: ``energy`` (the expert block's task-vector energy) or ``fisher``
+#: (energy weighted by the base's per-block Fisher sensitivity on a calibration set)
+BLOCK_VALUES = ("energy", "fisher")
+
+
+class PlanningOptions(BaseModel):
+    """How the planner values and reads expert blocks (part of the request; none of it is a
+    method parameter).
+
+    Attributes:
+        value: the block value (:data:`BLOCK_VALUES`): ``"energy"``, or ``"fisher"`` with
+            ``calibration`` (the base's per-block Fisher from the catalog, computed once at analyze
+            time). None: ``"fisher"`` when a calibration set is given (it kept more of the full
+            merge's gain in docs/QUALITY.md), else ``"energy"``.
+        calibration: a JSON-lines calibration file (local path or ``s3://`` URI) of text the base's
+            sensitivity is measured on; None: no sensitivity.
+        sketch: fidelity tiers under a budget or fidelity target (``"none"``, ``"sign1"``,
+            ``"sign2"``, ``"sign3"``: :mod:`mergepipe.catalog.sketch`); None: the planner's default
+            (:data:`mergepipe.catalog.sketch.DEFAULT_SKETCH`).
+        block_bytes: the catalog's block size in bytes, 1 B to 1 GiB (whole rows are grouped up to
+            it); None: :data:`mergepipe.catalog.catalog.DEFAULT_BLOCK_BYTES` (128 KiB).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    value: str | None = None
+    calibration: str | None = None
+    sketch: str | None = None
+    block_bytes: int | None = None
+
+    @property
+    def block_value(self) -> str:
+        """The block value in force: :attr:`value`, else ``fisher`` with a calibration set, else
+        ``energy``."""
+        return self.value or ("fisher" if self.calibration else "energy")
+
+    def check(self, where: Where | None = None) -> None:
+        """Refuse an unknown block value or fidelity tier, ``fisher`` without a calibration set,
+        and a block size outside 1 B..1 GiB.
+
+        Args:
+            where: renders a field path (``("planning", "sketch")``) in the front end's terms
+                (default: command-line terms, ``--sketch``).
+
+        Raises:
+            InputError: with ``loc`` ``("planning", <field>)``.
+        """
+        from mergepipe.catalog.sketch import SKETCH_KINDS
+
+        w = where or cli_where()
+        if self.value is not None and self.value not in BLOCK_VALUES:
+            _refuse(w, ("planning", "value"), f"{short_repr(self.value)}: use {' or '.join(map(repr, BLOCK_VALUES))}.")
+        if self.value == "fisher" and not self.calibration:
+            _refuse(
+                w,
+                ("planning", "value"),
+                f"fisher needs {w(('planning', 'calibration'))} (a JSON-lines file of text the base's sensitivity "
+                "is measured on).",
+            )
+        if self.sketch is not None and self.sketch not in SKETCH_KINDS:
+            _refuse(w, ("planning", "sketch"), f"{short_repr(self.sketch)}: use one of {', '.join(SKETCH_KINDS)}.")
+        bb = self.block_bytes
+        if bb is not None and (isinstance(bb, bool) or not 1 <= bb <= MAX_BLOCK_BYTES):
+            _refuse(
+                w,
+                ("planning", "block_bytes"),
+                f"{short_repr(bb)}: must be a byte quantity from 1B to 1GiB (whole rows are grouped up to it), "
+                "e.g. 128KiB.",
+            )
+
+
+class RunOptions(BaseModel):
+    """How the merge runs (part of the request; none of it changes the merged bytes).
+
+    Attributes:
+        work_bytes: the engine's working-memory target in bytes (float32 working set per chunk,
+            and bytes prefetched ahead), at least 1 MiB; None:
+            :data:`mergepipe.planner.planner.DEFAULT_WORK_BYTES` (256 MiB). It sets the plan's
+            chunk rows, so it is part of the plan.
+        workers: run the plan as this many parts in parallel processes and commit the run
+            (:func:`mergepipe.parts.run_workers`); None: one process.
+        resume: in one process, run resumably: a rerun after a crash keeps what the interrupted
+            attempt finished (:func:`mergepipe.parts.execute_resumable`). None or False: a
+            plain run.
+        device: torch device of the merge arithmetic (``"cpu"``, ``"cuda"``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    work_bytes: int | None = None
+    workers: int | None = None
+    resume: bool | None = None
+    device: str = "cpu"
+
+    def check(self, where: Where | None = None) -> None:
+        """Refuse a working memory under 1 MiB and fewer than one worker.
+
+        Raises:
+            InputError: with ``loc`` ``("run", <field>)``, rendered by ``where`` (default:
+                command-line terms).
+        """
+        w = where or cli_where()
+        if self.work_bytes is not None and self.work_bytes < MIN_WORK_BYTES:
+            _refuse(w, ("run", "work_bytes"), f"{self.work_bytes} bytes: must be at least 1MiB, e.g. 256MiB.")
+        if self.workers is not None and self.workers < 1:
+            _refuse(w, ("run", "workers"), f"{self.workers}: must be at least 1.")
+
+
 class MergeRequest(BaseModel):
     """A merge as the core plans it: base, experts, method, parameters, budget, seed, output.
 
@@ -122,10 +233,9 @@ class MergeRequest(BaseModel):
         output: where the snapshot is committed (folder or ``s3://`` prefix); None when only
             planning.
         options: output dtype and what is recorded (:class:`RequestOptions`).
-        sketch: fidelity tiers under a budget or fidelity target (``"none"``, ``"sign1"``,
-            ``"sign2"``, ``"sign3"``: :mod:`mergepipe.catalog.sketch`); None: the planner's
-            default (:data:`mergepipe.catalog.sketch.DEFAULT_SKETCH`). ``build_plan``'s own
-            ``sketch`` argument (the CLI's ``--sketch``) overrides it.
+        planning: block value, calibration set, fidelity tiers and block size
+            (:class:`PlanningOptions`).
+        run: working memory, workers, resumability and device (:class:`RunOptions`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -139,11 +249,29 @@ class MergeRequest(BaseModel):
     seed: int = 0
     output: str | None = None
     options: RequestOptions = Field(default_factory=RequestOptions)
-    sketch: str | None = None
+    planning: PlanningOptions = Field(default_factory=PlanningOptions)
+    run: RunOptions = Field(default_factory=RunOptions)
 
     @property
     def names(self) -> list[str]:
         return [e.name for e in self.experts]
+
+    def with_planning(self, **changes: Any) -> MergeRequest:
+        """This request with the given :class:`PlanningOptions` fields changed (e.g.
+        ``value="fisher", calibration="cal.jsonl"``); validated as a new :class:`PlanningOptions`.
+
+        Raises:
+            pydantic.ValidationError: an unknown field or a value of the wrong type.
+        """
+        return self.model_copy(update={"planning": PlanningOptions(**{**self.planning.model_dump(), **changes})})
+
+    def with_run(self, **changes: Any) -> MergeRequest:
+        """This request with the given :class:`RunOptions` fields changed (e.g. ``workers=2``).
+
+        Raises:
+            pydantic.ValidationError: an unknown field or a value of the wrong type.
+        """
+        return self.model_copy(update={"run": RunOptions(**{**self.run.model_dump(), **changes})})
 
     @property
     def expert_uris(self) -> list[tuple[str, str]]:
@@ -190,12 +318,8 @@ class MergeRequest(BaseModel):
         elif self.budget is not None and self.budget < 0:
             problem = f"{self.budget} is negative; give bytes like 512MiB or a percentage like 25%."
             raise InputError(f"{w(('budget',))}: {problem}", loc=("budget",), problem=problem)
-        if self.sketch is not None:
-            from mergepipe.catalog.sketch import SKETCH_KINDS
-
-            if self.sketch not in SKETCH_KINDS:
-                problem = f"{short_repr(self.sketch)}: use one of {', '.join(SKETCH_KINDS)}."
-                raise InputError(f"{w(('sketch',))} {problem}", loc=("sketch",), problem=problem)
+        self.planning.check(w)
+        self.run.check(w)
         self._check_budget_supported(params, w)
         return ResolvedRequest(self, params, w)
 
@@ -222,8 +346,18 @@ class MergeRequest(BaseModel):
                 raise InputError(f"{w(loc)} {problem}", loc=loc, problem=problem)
 
 
+def _refuse(w: Where, loc: Loc, problem: str) -> None:
+    """Raise the :class:`InputError` of the request field ``loc``: ``"<field> <problem>"``, the
+    field rendered by the front end's ``w``."""
+    raise InputError(f"{w(loc)} {problem}", loc=loc, problem=problem)
+
+
 #: largest byte quantity accepted anywhere (a signed 64-bit count, as S3 and the kernel use)
 MAX_BYTES = 2**63 - 1
+#: largest catalog block size (bytes)
+MAX_BLOCK_BYTES = 1 << 30
+#: smallest engine working memory (bytes)
+MIN_WORK_BYTES = 1 << 20
 
 _UNITS = {
     "": 1,

@@ -147,8 +147,9 @@ def _plan(fam, tmp_path, budget="30%", method="dare_ties", params=("density=0.5"
     return build_plan(
         Catalog(tmp_path / "c.sqlite"),
         st_,
-        request_from_args(str(base), [(e.name, str(e)) for e in experts], method, list(params), budget=budget, seed=4),
-        work_bytes=16 << 10,
+        request_from_args(
+            str(base), [(e.name, str(e)) for e in experts], method, list(params), budget=budget, seed=4
+        ).with_run(work_bytes=16 << 10),
     )
 
 

@@ -42,8 +42,7 @@ def s3_fam4(s3_env, tmp_path):
         st,
         request_from_args(
             uris[0], [(u.rsplit("/", 1)[-1], u) for u in uris[1:]], "ties", ["density=0.5"], budget="40%", seed=2
-        ),
-        work_bytes=16 << 10,
+        ).with_run(work_bytes=16 << 10),
     )
     return bucket, plan
 

@@ -589,12 +589,13 @@ def test_latency_and_io_metrics_plumbed(family, tmp_path):
 
 
 def test_search_sketch_is_every_candidates_fidelity_tiers(family, tmp_path):
-    """``SearchConfig.sketch`` (``mergepipe search --sketch``, MergeSearch ``spec.sketch``) is each
-    candidate's ``MergeRequest.sketch``, so its plan has the tiers the search asked for; None
+    """``SearchConfig.planning.sketch`` (``mergepipe search --sketch``, MergeSearch ``spec.sketch``)
+    is each candidate's ``MergeRequest.planning.sketch``, so its plan has the tiers the search asked for; None
     leaves the planner's default; a bad kind is refused before anything is read."""
     from mergepipe.catalog.catalog import Catalog
     from mergepipe.catalog.sketch import DEFAULT_SKETCH
     from mergepipe.pipeline import build_plan
+    from mergepipe.request import PlanningOptions
     from mergepipe.storage.base import IOCounters
     from mergepipe.storage.routing import open_storage
 
@@ -602,18 +603,18 @@ def test_search_sketch_is_every_candidates_fidelity_tiers(family, tmp_path):
     params = {"experts": {"e0": {"weight": 0.5}, "e1": {"weight": 0.5}}}
     plans = {}
     for sk in (None, "none", "sign1", DEFAULT_SKETCH):
-        cfg = _config(family, tmp_path, budget="20%", sketch=sk)
+        cfg = _config(family, tmp_path, budget="20%", planning=PlanningOptions(sketch=sk))
         cfg.check()
         req = cfg.request(params)
-        assert req.sketch == sk
-        plans[sk] = build_plan(cat, st, req, block_bytes=cfg.block_bytes)
+        assert req.planning.sketch == sk
+        plans[sk] = build_plan(cat, st, req)
     assert plans["none"].sketch is None and plans["none"].io.sketch_read_bytes == 0
     levels = {k for t in plans["sign1"].tensors for e in t.experts for k in e.sketch_levels}
     assert levels == {1} and 0 < plans["sign1"].io.sketch_read_bytes <= plans["sign1"].io.expert_read_bytes
     assert plans["sign1"].retained_energy > plans["none"].retained_energy
     assert plans[None].digest == plans[DEFAULT_SKETCH].digest != plans["sign1"].digest
     with pytest.raises(InputError, match="--sketch 'sign4'"):
-        _config(family, tmp_path, sketch="sign4").check()
+        _config(family, tmp_path, planning=PlanningOptions(sketch="sign4")).check()
 
 
 def test_holm_and_paired_t_intervals_on_known_samples():

@@ -9,6 +9,7 @@ import copy
 
 import pytest
 
+from mergepipe.request import PlanningOptions
 from mergepipe.search.runner import SearchConfig
 from mergepipe_kube.search import CandidateFailed, KubernetesMerger, candidate_name
 
@@ -127,7 +128,10 @@ def test_candidate_body_is_a_modelmerge_owned_by_the_search():
     assert spec["output"] == {"uri": "s3://snaps/front/g1/c0007/"} and spec["budget"] == "1Gi" and spec["seed"] == 3
     assert spec["image"] == "x/y:1" and "ignored" not in spec
     assert "sketch" not in spec  # no --sketch: the ModelMerge's default (the operator's) applies
-    assert merger(FakeOperator([])).candidate_body(cfg(sketch="sign1"), CAND)["spec"]["sketch"] == "sign1"
+    assert (
+        merger(FakeOperator([])).candidate_body(cfg(planning=PlanningOptions(sketch="sign1")), CAND)["spec"]["sketch"]
+        == "sign1"
+    )
 
 
 def test_committed_candidate_returns_its_snapshot_after_waiting_out_the_quota():

@@ -81,22 +81,25 @@ def test_fisher_recorded_once_and_matches_a_direct_computation(tiny, tmp_path, m
     pf = build_plan(
         cat,
         st,
-        request_from_args(str(paths["base"]), experts, "ties", ["density=0.5"], budget="30%"),
-        block_bytes=bb,
-        value="fisher",
-        calibration=str(cal),
+        request_from_args(str(paths["base"]), experts, "ties", ["density=0.5"], budget="30%").with_planning(
+            block_bytes=bb, value="fisher", calibration=str(cal)
+        ),
     )
     pe = build_plan(
-        cat, st, request_from_args(str(paths["base"]), experts, "ties", ["density=0.5"], budget="30%"), block_bytes=bb
+        cat,
+        st,
+        request_from_args(str(paths["base"]), experts, "ties", ["density=0.5"], budget="30%").with_planning(
+            block_bytes=bb
+        ),
     )
     assert pf.block_value == {"kind": "fisher", "calibration": c.digest}
     # with a calibration set and no --value, the plan is the Fisher-valued one (the default)
     pd = build_plan(
         cat,
         st,
-        request_from_args(str(paths["base"]), experts, "ties", ["density=0.5"], budget="30%"),
-        block_bytes=bb,
-        calibration=str(cal),
+        request_from_args(str(paths["base"]), experts, "ties", ["density=0.5"], budget="30%").with_planning(
+            block_bytes=bb, calibration=str(cal)
+        ),
     )
     assert pd.digest == pf.digest
     assert pe.block_value is None and pf.digest != pe.digest
@@ -106,10 +109,9 @@ def test_fisher_recorded_once_and_matches_a_direct_computation(tiny, tmp_path, m
     pf2 = build_plan(
         cat,
         st,
-        request_from_args(str(paths["base"]), experts, "ties", ["density=0.5"], budget="30%"),
-        block_bytes=bb,
-        value="fisher",
-        calibration=str(cal2),
+        request_from_args(str(paths["base"]), experts, "ties", ["density=0.5"], budget="30%").with_planning(
+            block_bytes=bb, value="fisher", calibration=str(cal2)
+        ),
     )
     c2 = load_calibration(st, str(cal2))
     assert c2.digest != c.digest and pf2.block_value["calibration"] == c2.digest
@@ -130,8 +132,9 @@ def test_calibration_errors(tiny, tmp_path):
         build_plan(
             cat,
             st,
-            request_from_args(str(paths["base"]), [("e1", str(paths["e1"]))], "ties", ["density=0.5"]),
-            value="fisher",
+            request_from_args(str(paths["base"]), [("e1", str(paths["e1"]))], "ties", ["density=0.5"]).with_planning(
+                value="fisher"
+            ),
         )
 
 
@@ -214,8 +217,8 @@ def test_encoder_fisher_is_the_gaussian_output_fisher_and_plans_within_budget(tm
     register_and_analyze(cat, st, str(base_dir), [str(e) for e in experts], bb, calibration=str(cal))
     ex = [(f"e{i}", str(e)) for i, e in enumerate(experts)]
     req = request_from_args(str(base_dir), ex, "task_arithmetic", ["weight=0.5"], budget="20%")
-    pf = build_plan(cat, st, req, block_bytes=bb, value="fisher", calibration=str(cal))
-    pe = build_plan(cat, st, req, block_bytes=bb, value="energy")
+    pf = build_plan(cat, st, req.with_planning(block_bytes=bb, value="fisher", calibration=str(cal)))
+    pe = build_plan(cat, st, req.with_planning(block_bytes=bb, value="energy"))
     assert pf.io.expert_read_bytes <= pf.budget_bytes and pe.io.expert_read_bytes <= pe.budget_bytes
     assert pf.block_value["kind"] == "fisher" and pf.digest != pe.digest
 
@@ -224,6 +227,7 @@ def test_search_candidates_are_planned_with_the_fisher_value(tiny, tmp_path):
     """``mergepipe search --value fisher --calibration FILE`` (SearchConfig.value/calibration):
     every candidate's committed snapshot is the Fisher-valued plan of its settings, not the
     energy-valued one; ``fisher`` without a calibration set is refused before anything is read."""
+    from mergepipe.request import PlanningOptions
     from mergepipe.search.evaluators import CallableEvaluator
     from mergepipe.search.runner import SearchConfig, run_search
 
@@ -247,15 +251,16 @@ def test_search_candidates_are_planned_with_the_fisher_value(tiny, tmp_path):
         )
 
     with pytest.raises(InputError, match="--value fisher needs --calibration"):
-        cfg(value="fisher").check()
-    c = cfg(value="fisher", calibration=str(cal))
+        cfg(planning=PlanningOptions(value="fisher")).check()
+    c = cfg(planning=PlanningOptions(value="fisher", calibration=str(cal)))
     res = run_search(tmp_path / "s", c, CallableEvaluator(lambda p: {"a": 1.0}))
     assert res["failed"] == 0
     cat, st = Catalog(tmp_path / "cat.sqlite"), LocalStorage(IOCounters())
     state = json.loads((tmp_path / "s" / "state.json").read_text())
     for cand in state["candidates"]:
         req = c.request(cand["params"])
-        fisher = build_plan(cat, st, req, block_bytes=c.block_bytes, value="fisher", calibration=str(cal))
-        energy = build_plan(cat, st, req, block_bytes=c.block_bytes)
+        assert req.planning == c.planning  # the candidate's request carries the search's planning options
+        fisher = build_plan(cat, st, req)
+        energy = build_plan(cat, st, req.with_planning(value="energy", calibration=None))
         man = json.loads((Path(cand["snapshot"]) / "manifest.json").read_text())
         assert fisher.digest != energy.digest and man["plan_digest"] == fisher.digest

@@ -468,15 +468,18 @@ def test_fast_selection_plans_are_byte_identical(monkeypatch):
 
 
 def test_a_requests_sketch_is_checked_and_named_in_the_front_ends_terms():
-    """MergeRequest.sketch (how the operator passes spec.sketch) is validated with the rest of the
-    request; a bad value names the field (--sketch on the command line)."""
+    """MergeRequest.planning.sketch (how the operator passes spec.sketch) is validated with the
+    rest of the request; a bad value names the field path (``planning.sketch``), rendered as
+    --sketch on the command line."""
     from mergepipe.errors import InputError
 
     def req(kind):
-        return MergeRequest(base="b", experts=[ExpertRequest(name="e0", uri="e")], method="ties", sketch=kind)
+        return MergeRequest(base="b", experts=[ExpertRequest(name="e0", uri="e")], method="ties").with_planning(
+            sketch=kind
+        )
 
-    assert req(None).resolve().request.sketch is None
-    assert [req(k).resolve().request.sketch for k in ("none", "sign1", "sign2", "sign3")] == [
+    assert req(None).resolve().request.planning.sketch is None
+    assert [req(k).resolve().request.planning.sketch for k in ("none", "sign1", "sign2", "sign3")] == [
         "none",
         "sign1",
         "sign2",
@@ -484,7 +487,8 @@ def test_a_requests_sketch_is_checked_and_named_in_the_front_ends_terms():
     ]
     with pytest.raises(InputError) as e:
         req("sign9").resolve()
-    assert e.value.loc == ("sketch",) and str(e.value) == "--sketch 'sign9': use one of none, sign1, sign2, sign3."
+    assert e.value.loc == ("planning", "sketch") and e.value.field == "planning.sketch"
+    assert str(e.value) == "--sketch 'sign9': use one of none, sign1, sign2, sign3."
 
 
 def _load(folder) -> dict:

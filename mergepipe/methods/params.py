@@ -102,7 +102,14 @@ _CLI_FIELDS = {
     "fidelity": "--fidelity",
     "seed": "--seed",
     "output": "--out",
-    "sketch": "--sketch",
+    "planning.value": "--value",
+    "planning.calibration": "--calibration",
+    "planning.sketch": "--sketch",
+    "planning.block_bytes": "--block-size",
+    "run.work_bytes": "--work-memory",
+    "run.workers": "--workers",
+    "run.resume": "--resume",
+    "run.device": "--device",
 }
 
 
@@ -118,7 +125,10 @@ def cli_where(names: Sequence[str] | None = None) -> Where:
             return f"--param {who}{name}{sub_text(rest)}"
         if loc and loc[0] == "experts" and len(loc) >= 2:
             return f"--expert {names[loc[1]] if names else loc[1] + 1}"
-        return _CLI_FIELDS.get(str(loc[0]), str(loc[0])) if loc else "request"
+        if not loc:
+            return "request"
+        key = ".".join(map(str, loc[:2])) if loc[0] in ("planning", "run") else str(loc[0])
+        return _CLI_FIELDS.get(key, key)
 
     return where
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from mergepipe.catalog.objectstore import open_catalog
 from mergepipe.errors import InputError
 from mergepipe.pipeline import build_plan, execute_and_commit, register_and_analyze
+from mergepipe.request import PlanningOptions
 from mergepipe.search.evaluators import (
     EvaluationFailed,
     Evaluator,
@@ -88,15 +89,16 @@ class SearchConfig:
         items; ``layer_blocks``: layer blocks per varied parameter; ``objectives``: metric names
         (``NAME``/``NAME@min``/``NAME@max``); ``evaluations``: candidates in total (the budget,
         failed ones included); ``initial``: Sobol design points; ``workers``: parallel workers;
-        ``budget``: expert-I/O budget of every merge (None: unlimited); ``sketch``: fidelity
-        tiers of every merge's plan under its budget (``none``, ``sign1``..``sign3``, see
-        :attr:`mergepipe.request.MergeRequest.sketch`; None: the planner's default); ``seed``: seed of the
+        ``budget``: expert-I/O budget of every merge (None: unlimited); ``planning``: the
+        planning options of every candidate's request (:class:`mergepipe.request.PlanningOptions`:
+        block value, calibration set, fidelity tiers, catalog block size), as ``mergepipe merge
+        --value/--calibration/--sketch/--block-size``; ``seed``: seed of the
         design, the proposals and the merges; ``strategy``: ``async``/``sync``/``random``;
         ``prior``: use the discrepancy prior (``async`` only); ``probe``: texts for the
         activation part of the prior (None: parameter discrepancy only); ``ref_point``:
         hypervolume reference point, minimised form (None: from the first proposals' data);
         ``worker_delays``: seconds added to each worker's evaluations (simulates slower
-        devices; benchmarks); ``catalog``: catalog location; ``block_bytes``: catalog block size;
+        devices; benchmarks); ``catalog``: catalog location;
         ``design``: explicit unit-cube points used instead of the Sobol design for the first
         ``len(design)`` candidates (e.g. a grid; ``initial`` must equal ``len(design)``);
         ``prior_kind``: ``scaled`` (lengthscale multipliers on botorch's default prior) or
@@ -107,10 +109,6 @@ class SearchConfig:
         ``latency``: ``[fixed_s, full_s]``: each evaluation waits ``fixed_s + full_s·f`` seconds
         before it runs, ``f`` = the candidate's realized expert bytes / the experts' total bytes
         (a candidate-dependent cost, e.g. a device that streams what the merge read; benchmarks);
-        ``value``, ``calibration``: the planner's block value of every candidate's plan
-        (``energy``, or ``fisher`` with ``calibration``, a JSON-lines calibration file; None:
-        ``fisher`` when a calibration file is given, else ``energy``), as ``mergepipe merge
-        --value/--calibration`` (:func:`mergepipe.pipeline.build_plan`);
         ``lookahead``: ``async``/``random`` only: a proposer thread keeps one candidate queued
         ahead (proposed with every running one pending), so a freed worker starts at once instead
         of proposing itself (False: the freed worker proposes, AP-BMM's plain loop).
@@ -127,7 +125,7 @@ class SearchConfig:
     fixed: dict = field(default_factory=dict)
     layer_blocks: int = 4
     budget: str | None = None
-    sketch: str | None = None
+    planning: PlanningOptions = field(default_factory=PlanningOptions)
     seed: int = 0
     strategy: str = "async"
     prior: bool = True
@@ -135,25 +133,46 @@ class SearchConfig:
     ref_point: list[float] | None = None
     worker_delays: list[float] = field(default_factory=list)
     catalog: str | None = None
-    block_bytes: int = 128 * 1024
     design: list[list[float]] | None = None
     lookahead: bool = True
     prior_kind: str = "scaled"
     rerank: bool | None = None
     outer: bool = False
     latency: list[float] | None = None
-    value: str | None = None
-    calibration: str | None = None
 
     def __post_init__(self) -> None:
         from mergepipe.search.space import as_params
 
         self.fixed = as_params(self.fixed, self.method, [n for n, _ in self.experts])
+        if not isinstance(self.planning, PlanningOptions):  # (as recorded in a state: a mapping)
+            self.planning = PlanningOptions.model_validate(self.planning)
+
+    @classmethod
+    def from_json(cls, d: dict) -> SearchConfig:
+        """The config recorded in a search state (:meth:`to_json`); a state written before the
+        planning options were one field (top-level ``sketch``, ``value``, ``calibration``,
+        ``block_bytes``) is read too."""
+        d = dict(d)
+        old = {k: d.pop(k) for k in ("sketch", "value", "calibration", "block_bytes") if k in d}
+        if old:
+            d["planning"] = {**(d.get("planning") or {}), **{k: v for k, v in old.items() if v is not None}}
+        return cls(**d)
+
+    def to_json(self) -> dict:
+        """The config as JSON data (recorded in the search state)."""
+        return {**asdict(self), "planning": self.planning.model_dump()}
+
+    @property
+    def block_bytes(self) -> int:
+        """The catalog block size of every candidate (bytes)."""
+        from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES
+
+        return self.planning.block_bytes or DEFAULT_BLOCK_BYTES
 
     def request(self, params: dict, output: str | None = None):
         """The :class:`mergepipe.request.MergeRequest` of a candidate whose settings are
         ``params`` (:data:`mergepipe.search.space.Params`), with the search's base, experts,
-        method, budget, fidelity tiers and seed."""
+        method, budget, planning options and seed."""
         from mergepipe.request import ExpertRequest, MergeRequest
 
         own = params.get("experts") or {}
@@ -163,24 +182,14 @@ class SearchConfig:
             parameters=dict(params.get("parameters") or {}),
             experts=[ExpertRequest(name=n, uri=u, parameters=dict(own.get(n) or {})) for n, u in self.experts],
             budget=params.get("budget", self.budget),
-            sketch=self.sketch,
+            planning=self.planning,
             seed=self.seed,
             output=output,
         )
 
-    def plan_options(self) -> dict:
-        """The planning options of every candidate's plan beside its request (keyword arguments
-        of :func:`mergepipe.pipeline.build_plan`): ``value`` and ``calibration``."""
-        return {"value": self.value, "calibration": self.calibration}
-
     def check(self) -> None:
         """Raises InputError for counts and choices that cannot work (before anything is read)."""
-        if self.value not in (None, "energy", "fisher"):
-            raise InputError(f"--value {self.value!r}: use 'energy' or 'fisher'.")
-        if self.value == "fisher" and not self.calibration:
-            raise InputError(
-                "--value fisher needs --calibration FILE.jsonl (text the base's sensitivity is measured on)."
-            )
+        self.planning.check()
         if self.evaluations < 1:
             raise InputError(f"--evaluations {self.evaluations}: must be at least 1.")
         if self.initial < 1:
@@ -196,11 +205,6 @@ class SearchConfig:
             raise InputError(f"strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}.")
         if self.prior_kind not in PRIOR_KINDS:
             raise InputError(f"--prior {self.prior_kind!r}: use one of {', '.join(PRIOR_KINDS)} (or --no-prior).")
-        if self.sketch is not None:
-            from mergepipe.catalog.sketch import SKETCH_KINDS
-
-            if self.sketch not in SKETCH_KINDS:
-                raise InputError(f"--sketch {self.sketch!r}: use one of {', '.join(SKETCH_KINDS)}.")
         if self.latency is not None and (len(self.latency) != 2 or any(not 0 <= v < 1e6 for v in self.latency)):
             raise InputError(f"latency {self.latency}: give [fixed seconds, seconds at a full read], both >= 0.")
         if not self.objectives:
@@ -254,7 +258,11 @@ class LocalMerger(CandidateMerger):
         name = f"c{cand['id']:04d}"
         snap = f"{self.root}/{name}" if self.root else out / "snapshots" / name
         st = open_storage(None, IOCounters())  # local folders and s3:// inputs
-        plan = build_plan(catalog, st, cfg.request(cand["params"]), block_bytes=cfg.block_bytes, **cfg.plan_options())
+        plan = build_plan(
+            catalog,
+            st,
+            cfg.request(cand["params"]),
+        )
         res = execute_and_commit(plan, st, str(snap), lineage=lineage)
         return Merged(str(snap), res.manifest_hash, res.manifest["io"]["realized"]["expert_read_bytes"])
 
@@ -273,7 +281,7 @@ def dead_coordinates(cfg: SearchConfig, out: str | Path, *, delta: float = 0.4, 
     nothing, so a baseline with one is not the search its name says.
 
     Args:
-        cfg: the search (base, experts, method, vary, layer blocks, fixed, outer, budget, sketch);
+        cfg: the search (base, experts, method, vary, layer blocks, fixed, outer, budget, planning);
             local checkpoints.
         out: a scratch folder (created; the merges stay there).
         delta: the perturbation in unit-cube coordinates (``x_i ± delta``, towards the interior).
@@ -305,7 +313,11 @@ def dead_coordinates(cfg: SearchConfig, out: str | Path, *, delta: float = 0.4, 
     def merged(x: list[float], name: str) -> dict:
         req = cfg.request(space.to_params(x))
         req = req.model_copy(update={"options": req.options.model_copy(update={"out_dtype": "F32"})})
-        plan = build_plan(cat, st, req, block_bytes=cfg.block_bytes, **cfg.plan_options())
+        plan = build_plan(
+            cat,
+            st,
+            req,
+        )
         execute_and_commit(plan, st, str(out / name))
         t: dict = {}
         for f in sorted((out / name).glob("*.safetensors")):
@@ -380,7 +392,7 @@ class _Search:
         self.out, self.state, self.ev, self.log = out, state, evaluator, log
         self.merger = merger or LocalMerger()
         self.mirror: StateMirror | None = None
-        self.cfg = SearchConfig(**state["config"])
+        self.cfg = SearchConfig.from_json(state["config"])
         self.space = SearchSpace.from_json(state["space"])
         self.objectives = [Objective.parse(o) for o in self.cfg.objectives]
         self.cv = threading.Condition()
@@ -705,7 +717,9 @@ def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log) -> dict
     # Validate a candidate (the centre point) exactly as every candidate will be planned; this
     # also analyzes the experts once (cached in the catalog), which the prior reads.
     plan = build_plan(
-        cat, st, cfg.request(space.to_params([0.5] * space.d)), block_bytes=cfg.block_bytes, **cfg.plan_options()
+        cat,
+        st,
+        cfg.request(space.to_params([0.5] * space.d)),
     )
     prior = None
     if cfg.prior and cfg.strategy == "async":
@@ -724,7 +738,7 @@ def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log) -> dict
     return {
         "format": STATE_FORMAT,
         "search_id": uuid.uuid4().hex[:16],
-        "config": asdict(cfg),
+        "config": cfg.to_json(),
         "space": space.to_json(),
         "prior": prior,
         "ref_point": cfg.ref_point,

@@ -155,8 +155,8 @@ class KubernetesMerger(CandidateMerger):
             spec["parameters"] = dict(glob)
         if cfg.budget is not None:
             spec["budget"] = cfg.budget
-        if cfg.sketch is not None:
-            spec["sketch"] = cfg.sketch
+        if cfg.planning.sketch is not None:
+            spec["sketch"] = cfg.planning.sketch
         spec.update({k: v for k, v in self.template.items() if k in ("resources", "image", "s3", "queueName")})
         return {
             "apiVersion": f"{GROUP}/{VERSION}",

@@ -609,17 +609,19 @@ def test_spec_sketch_is_the_requests_fidelity_tiers():
     core, by the core's validator at spec.sketch."""
     from mergepipe.errors import InputError
 
-    assert merge_request(make_merge()["spec"]).sketch is None
+    assert merge_request(make_merge()["spec"]).planning.sketch is None
     for kind in ("none", "sign1", "sign2", "sign3"):
         spec = make_merge(sketch=kind)["spec"]
         assert issues(sketch=kind) == []
-        assert merge_request(spec, budget=GI).sketch == kind
-        assert merge_request(spec, budget=GI).resolve(spec_where(spec)).request.sketch == kind
+        assert merge_request(spec, budget=GI).planning.sketch == kind
+        assert merge_request(spec, budget=GI).resolve(spec_where(spec)).request.planning.sketch == kind
     assert paths(sketch="sign4") == {"spec.sketch"} and paths(sketch=True) == {"spec.sketch"}
     spec = make_merge(sketch="sign4")["spec"]
     with pytest.raises(InputError) as e:
         merge_request(spec, budget=GI).resolve(spec_where(spec))
-    assert e.value.loc == ("sketch",) and str(e.value).startswith("spec.sketch 'sign4': use one of none, sign1")
+    assert e.value.loc == ("planning", "sketch") and str(e.value).startswith(
+        "spec.sketch 'sign4': use one of none, sign1"
+    )
 
 
 def test_the_operators_default_sketch_is_read_and_checked():

@@ -89,11 +89,9 @@ def test_spec_sketch_sets_the_plans_fidelity_tiers_as_the_cli_does(s3_models, se
         cli = build_plan(
             ObjectCatalog(st, s3_models.catalog),
             st,
-            merge_request(spec, budget=budget),
+            merge_request(spec, budget=budget).with_planning(block_bytes=mmd.ANALYZE_BLOCK_BYTES, sketch=kind),
             where=spec_where(spec),
-            block_bytes=mmd.ANALYZE_BLOCK_BYTES,
             analyze=False,
-            sketch=kind,
         )
         assert cli.digest == got[kind].digest
     # without a budget every block is read exactly: no tiers whatever spec.sketch says

@@ -11,6 +11,7 @@ from mergepipe.catalog.sensitivity import load_calibration
 from mergepipe.errors import InputError
 from mergepipe.parts import max_useful_parts
 from mergepipe.pipeline import MissingAnalysis, build_plan
+from mergepipe.request import PlanningOptions
 from mergepipe.storage.base import IOCounters
 from mergepipe.storage.routing import open_storage
 
@@ -86,7 +87,7 @@ def plan_merge(spec: dict[str, Any], catalog_uri: str | None, *, storage: Any = 
     must be in the catalog (else ``missing_sensitivity``; the calibration file itself is read, a
     few kB, for its digest). Calls
     ``mergepipe.pipeline.build_plan(ObjectCatalog(storage, catalog_uri), storage,
-    merge_request(spec), analyze=False)``: only shard headers and catalog objects are read, never
+    merge_request(spec, planning=...), analyze=False)``: only shard headers and catalog objects are read, never
     a tensor. The core's errors name the request field, rendered as the spec field
     (:func:`mergepipe_operator.modelmerge.request.spec_where`).
 
@@ -105,7 +106,8 @@ def plan_merge(spec: dict[str, Any], catalog_uri: str | None, *, storage: Any = 
         budget = parse_quantity(budget, field="spec.budget")
     where = spec_where(spec)
     cal_uri = ((spec.get("calibration") or {}).get("uri") or "").strip() or None
-    value = spec.get("blockValue") or ("fisher" if cal_uri else "energy")
+    planning = PlanningOptions(value=spec.get("blockValue"), calibration=cal_uri, block_bytes=ANALYZE_BLOCK_BYTES)
+    value = planning.block_value
     if value == "fisher" and not cal_uri:
         raise PlanInputError(
             "blockValue fisher needs a calibration set: set spec.calibration.uri (or the operator's "
@@ -116,12 +118,9 @@ def plan_merge(spec: dict[str, Any], catalog_uri: str | None, *, storage: Any = 
         plan = build_plan(
             ObjectCatalog(storage, catalog_uri),
             storage,
-            merge_request(spec, budget=budget),
+            merge_request(spec, budget=budget, planning=planning),
             where=where,
-            block_bytes=ANALYZE_BLOCK_BYTES,
             analyze=False,
-            value=value,
-            calibration=cal_uri,
         )
     except MissingAnalysis as e:
         cal_digest = e.calibration
@@ -135,9 +134,7 @@ def plan_merge(spec: dict[str, Any], catalog_uri: str | None, *, storage: Any = 
             block_value=value,
         )
     except InputError as e:  # the core names the request field (e.loc); message without that prefix
-        flags = {"--calibration": "spec.calibration.uri", "--sketch": "spec.sketch"}
-        field_ = where(e.loc) if e.loc else next((f for k, f in flags.items() if k in e.problem), "spec")
-        raise PlanInputError(e.problem, field_) from None
+        raise PlanInputError(e.problem, where(e.loc) if e.loc else "spec") from None
     fid = plan.retained_energy
     return PlanSummary(
         digest=plan.digest,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mergepipe.request import ExpertRequest, Loc, MergeRequest, param_loc, sub_text
+from mergepipe.request import ExpertRequest, Loc, MergeRequest, PlanningOptions, param_loc, sub_text
 
 from .decisions import expert_names
 
@@ -30,11 +30,15 @@ def spec_settings(spec: Mapping[str, Any]) -> tuple[dict, list[dict]]:
     return dict(spec.get("parameters") or {}), per
 
 
-def merge_request(spec: Mapping[str, Any], *, budget: int | str | None = None) -> MergeRequest:
+def merge_request(
+    spec: Mapping[str, Any], *, budget: int | str | None = None, planning: PlanningOptions | None = None
+) -> MergeRequest:
     """The merge request of a ModelMerge spec: base, experts (named as in status, URIs without the
     trailing slash, as the catalog keys them; ``format: lora`` marks a PEFT LoRA adapter), method, settings (:func:`spec_settings`), ``budget``
     (the admitted budget in bytes, given by the caller), fidelity, seed, output and the fidelity
-    tiers (``spec.sketch``; unset: the planner's default, :data:`mergepipe.catalog.sketch.DEFAULT_SKETCH`).
+    tiers (``spec.sketch``; unset: the planner's default, :data:`mergepipe.catalog.sketch.DEFAULT_SKETCH`),
+    with the other planning options (block value, calibration set, block size) from ``planning``
+    (given by the caller, which knows the operator's defaults).
 
     Raises:
         pydantic.ValidationError, KeyError: the spec does not have the CRD's shape (the API
@@ -54,14 +58,24 @@ def merge_request(spec: Mapping[str, Any], *, budget: int | str | None = None) -
         fidelity=spec.get("fidelity"),
         seed=int(spec.get("seed") or 0),
         output=(spec.get("output") or {}).get("uri"),
-        sketch=spec.get("sketch"),
+        planning=(planning or PlanningOptions()).model_copy(update={"sketch": spec.get("sketch")}),
     )
+
+
+#: the request's planning and run options as the ModelMerge spec fields that set them (the block
+#: size and working memory are the operator's, not the spec's: they name the spec as a whole)
+_SPEC_OPTIONS = {
+    "planning.value": "spec.blockValue",
+    "planning.calibration": "spec.calibration.uri",
+    "planning.sketch": "spec.sketch",
+}
 
 
 def spec_where(spec: Mapping[str, Any]) -> Callable[[Loc], str]:
     """Renders a request field path as the spec field it came from: ``spec.parameters.t``,
     ``spec.experts[0].parameters.density[1].value``, ``spec.experts[2].weight`` (when the expert
-    set its weight with the shorthand), ``spec.experts[1].uri``, ``spec.experts``, ``spec.base.uri``."""
+    set its weight with the shorthand), ``spec.experts[1].uri``, ``spec.experts``, ``spec.base.uri``,
+    the planning options as ``spec.blockValue``, ``spec.calibration.uri``, ``spec.sketch``."""
     experts = [ex if isinstance(ex, Mapping) else {} for ex in (spec.get("experts") or [])]
 
     def where(loc: Loc) -> str:
@@ -78,6 +92,8 @@ def spec_where(spec: Mapping[str, Any]) -> Callable[[Loc], str]:
             return "spec"
         if loc[0] == "experts":
             return "spec.experts" + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in loc[1:])
+        if loc[0] in ("planning", "run") and len(loc) > 1:
+            return _SPEC_OPTIONS.get(f"{loc[0]}.{loc[1]}", "spec")
         return {"base": "spec.base.uri", "output": "spec.output.uri"}.get(str(loc[0]), f"spec.{loc[0]}")
 
     return where
