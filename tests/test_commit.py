@@ -89,12 +89,15 @@ def test_sigkill_at_any_moment_leaves_nothing_and_rerun_succeeds(medium_family, 
     done = subprocess.run(_cmd(base, experts, out), capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     res = json.loads(done.stdout)
-    # the same merged checkpoint as the clean run, byte for byte (the snapshot ids may differ: the plan
-    # digest holds each expert's sketch location, which lies in each run's own catalog)
+    # the same snapshot as the clean run with its own catalog, byte for byte
     ref_manifest = json.loads((tmp_path / "ref" / "manifest.json").read_text())
     manifest = json.loads((out / "manifest.json").read_text())
     assert (
         manifest["outputs"] == ref_manifest["outputs"] and manifest["io"]["realized"] == ref_manifest["io"]["realized"]
+    )
+    assert (
+        manifest["snapshot_id"] == ref_manifest["snapshot_id"]
+        and manifest["plan_digest"] == ref_manifest["plan_digest"]
     )
     assert (res["snapshot_id"], ref_res["snapshot_id"]) == (manifest["snapshot_id"], ref_manifest["snapshot_id"])
     assert [x for x in outdir.iterdir() if x.name.startswith(".snap.staging")] == [], "stale staging not cleaned"
@@ -176,3 +179,34 @@ def test_manifest_contents(family, tmp_path):
     assert {"python", "numpy", "torch", "mergepipe"} <= set(m["versions"])
     idx = json.loads((tmp_path / "o" / "model.safetensors.index.json").read_text())
     assert set(idx["weight_map"].values()) == {f for f in files if f.endswith(".safetensors")}
+
+
+def test_two_catalogs_give_one_snapshot_id(family, tmp_path):
+    """The same merge planned from two catalogs (two MERGEPIPE_HOMEs) is one plan digest and one
+    snapshot id: the digest holds each expert's sketch blob by its name under the catalog
+    (``sketches/<base>/<expert>...``), not by where the catalog is; execution reads the blob at the
+    plan's location and checks it against the per-block digests."""
+    from mergepipe.catalog.catalog import Catalog
+    from mergepipe.pipeline import merge
+
+    base, experts = family
+    got = []
+    for home in ("home-a", "home-b/deeper"):
+        r = merge(
+            str(base),
+            [(e.name, str(e)) for e in experts],
+            "ties",
+            str(tmp_path / home / "out"),
+            ["density=0.5"],
+            budget="30%",
+            catalog=Catalog(tmp_path / home / "catalog.sqlite"),
+        )
+        got.append(r)
+    a, b = got
+    uris = [[e.sketch["uri"] for e in r.plan.experts if e.sketch] for r in got]
+    assert uris[0] and all(u.startswith(str(tmp_path / "home-a")) for u in uris[0])  # the tiers were used...
+    assert all(u.startswith(str(tmp_path / "home-b")) for u in uris[1])  # ...from each run's own catalog
+    assert a.plan.io.sketch_read_bytes > 0 and a.plan.digest == b.plan.digest
+    assert a.manifest["snapshot_id"] == b.manifest["snapshot_id"]
+    assert a.manifest["outputs"] == b.manifest["outputs"]
+    assert a.manifest["io"]["realized"] == b.manifest["io"]["realized"]

@@ -111,16 +111,26 @@ def test_plan_pointing_a_sketch_outside_the_catalog_is_refused(fam, monkeypatch,
         _one_line_refusal(code, err, out, "experts[0].sketch.uri", "not the catalog location")
 
 
-def test_sketch_location_is_in_the_plan_digest(fam, monkeypatch, capsys):
+def test_sketch_blob_is_in_the_plan_digest_and_its_location_is_checked(fam, monkeypatch, capsys):
+    """The digest holds which sketch blob an expert's tiers read (its name under the catalog), so
+    naming another expert's blob breaks the digest; where the catalog lies is not in the digest
+    (two catalogs plan one digest), but a location outside the catalog's shape (``..``) is
+    refused when the plan is loaded."""
     from mergepipe.errors import InputError
     from mergepipe.planner.plan import Plan
 
     tmp, base, experts = fam
     plan_file, plan = _plan_with_sketches(tmp, base, experts, monkeypatch, capsys)
-    plan["experts"][0]["sketch"]["uri"] = plan["experts"][0]["sketch"]["uri"].replace(
-        "sketches", "sketches/../sketches"
-    )
+    uri = plan["experts"][0]["sketch"]["uri"]
+    other = json.loads(json.dumps(plan))
+    other["experts"][0]["sketch"]["uri"] = plan["experts"][1]["sketch"]["uri"]
     with pytest.raises(InputError, match="digest does not match"):
+        Plan.from_json(json.dumps(other))
+    moved = json.loads(json.dumps(plan))
+    moved["experts"][0]["sketch"]["uri"] = "/elsewhere/catalog/" + uri[uri.rindex("sketches/") :]
+    assert Plan.from_json(json.dumps(moved)).digest == plan["digest"]
+    plan["experts"][0]["sketch"]["uri"] = uri.replace("sketches", "sketches/../sketches")
+    with pytest.raises(InputError, match="not the catalog location"):
         Plan.from_json(json.dumps(plan))
 
 

@@ -280,7 +280,8 @@ class Plan(BaseModel):
                 e.pop("adapter", None)
             if e.get("sketch") is None:
                 e.pop("sketch", None)
-            # (a sketch's uri is semantic: it is read, and checked by the path policy and content)
+            else:  # which blob, not where its catalog keeps it (see _sketch_digest_name)
+                e["sketch"]["uri"] = _sketch_digest_name(d, e)
         if not d["io"].get("sketch_read_bytes"):
             d["io"].pop("sketch_read_bytes", None)
         if d.get("sketch") is None:
@@ -331,6 +332,24 @@ def sketch_name(base_identity: str, expert_identity: str, block_bytes: int, vers
     if objects:
         return f"sketches/{base_identity}/{expert_identity}/{block_bytes}-v{version}.sketch"
     return f"sketches/{base_identity}/{expert_identity}-{block_bytes}-v{version}.sketch"
+
+
+def _sketch_digest_name(d: dict, e: dict) -> str:
+    r"""What the plan digest holds of expert ``e``'s sketch ``uri`` (``d``: the plan as JSON data):
+    the blob's name in the object-catalog layout (:func:`sketch_name` of the plan's base, this
+    expert, the block size and the blob's stats version), not the catalog root it lies under nor
+    that catalog's layout, so the same merge planned from two catalogs (two ``MERGEPIPE_HOME``\ s,
+    a SQLite and an object catalog) has one digest and one snapshot id. Execution reads the blob
+    at the plan's ``uri`` (:func:`sketch_location` refuses any other file) and checks its bytes
+    against the per-block digests, which the plan digest holds. A ``uri`` of no catalog's shape
+    is kept whole (loading the plan refuses it)."""
+    uri = str(e["sketch"].get("uri", ""))
+    base_id, expert_id, bb = str(d["base"]["identity"]), str(e["identity"]), int(d["block_bytes"])
+    version = _stats_version(uri)
+    for objects in (False, True):
+        if uri.endswith("/" + sketch_name(base_id, expert_id, bb, version, objects)):
+            return sketch_name(base_id, expert_id, bb, version, objects=True)
+    return uri
 
 
 def sketch_location(plan: Plan, i: int, where: str) -> tuple[str, str]:
