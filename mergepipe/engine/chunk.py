@@ -23,24 +23,13 @@ from mergepipe.engine.worklist import WorkItem
 from mergepipe.formats.safetensors import DTYPES
 from mergepipe.methods.kernels import (
     ExpertTensorParams,
-    arcee_fusion_merge,
     combine,
     elementwise_merge,
-    filter_width,
     l1_row_sums,
     l1_rows,
-    lincomb_merge,
     magnitude_key_torch,
-    model_stock_merge,
-    nearswap_merge,
-    nuslerp_merge,
-    ram_counts,
-    ram_merge,
-    ramplus_gains,
     rescale_factor,
     row_numel_of,
-    sce_merge,
-    slerp_merge,
     sparsify,
 )
 from mergepipe.numerics import decode, exact_shrink
@@ -254,7 +243,7 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None, l1_all=N
                 groups.setdefault((tp.name, te.expert, slot), []).append(values_of(slot, key))
         eparts.append((_expert_params(tp, te, groups, values_of), runs))
     factors = [1.0] * len(eparts)
-    rescale = bool(tp.params.get("rescale")) and spec.kind == "gta" and spec.sparsify != "none"
+    rescale = spec.rescales(tp.params)
     which = [i for i, (ep, _) in enumerate(eparts) if rescale and ep.density < 1.0]
     if which:
         sums = _tiled_l1_rows(eparts, which, base_t, n, row_numel, offset, spec, tp.shape)
@@ -329,13 +318,24 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept, groups=Non
     out_dtype = tp.out_dtype or tp.dtype
     if it.kind == "convert":
         return _encode(b, out_dtype)
+    present = _chunk_deltas(it, b, exp, dev, spec.needs_expert_values)
+    if not spec.combines_task_vectors:
+        return _encode(spec.merge_chunk(b, present, tp, len(plan.experts)), out_dtype)
+    out = _task_vector_chunk(it, b, present, spec, l1_all, l1_kept, groups)
+    return None if out is None else _encode(out, out_dtype)
+
+
+def _chunk_deltas(it, b, exp, dev, keep_values: bool) -> dict:
+    """expert index -> ``(TensorExpert, δ, θ)`` of the chunk: float32 task vector (zeros on
+    unread rows) and, with ``keep_values``, the expert's values (the base on unread rows)."""
+    import torch
+
+    tp = it.tp
     row_numel = row_numel_of(tp.shape)
-    offset = it.r0 * row_numel
-    keep_x = spec.kind in ("slerp", "nearswap", "arcee_fusion")
     present = {}
     for te, parts in zip(tp.experts, exp):
         d = torch.zeros_like(b)
-        xf = b.clone() if keep_x else None
+        xf = b.clone() if keep_values else None
         for (a, z), buf in parts:
             sl = slice((a - it.r0) * row_numel, (z - it.r0) * row_numel)
             if te.lora is not None:  # δ = s·B·A from the factors; θ_e = θ_b + δ
@@ -351,53 +351,24 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept, groups=Non
             if xf is not None:
                 xf[sl] = x
         present[te.expert] = (te, d, xf)
-    K = len(plan.experts)
-    if spec.kind == "model_stock":
-        ds = [present[i][1] if i in present else torch.zeros_like(b) for i in range(K)]
-        t = None if tp.params.get("filter_wise") else tp.derived["t"]
-        return _encode(model_stock_merge(b, ds, t, filter_width(tp.shape)), out_dtype)
-    if spec.kind == "slerp":
-        e = present[0][2] if 0 in present else b
-        return _encode(slerp_merge(b, e, tp.derived["c_base"], tp.derived["c_expert"]), out_dtype)
-    if spec.kind == "nuslerp":
-        d0, d1 = (present[i][1] if i in present else torch.zeros_like(b) for i in range(2))
-        dv = tp.derived
-        coef = (dv["a"], dv["b"], dv["s"]) if "a" in dv else None
-        return _encode(nuslerp_merge(b, d0, d1, coef, filter_width(tp.shape), t=dv["t"]), out_dtype)
-    if spec.kind == "passthrough":  # mergekit: tensor * scale (no experts)
-        return _encode(b * float(tp.params["scale"]), out_dtype)
-    if spec.kind in ("multislerp", "karcher"):
-        dv = tp.derived
-        order = sorted(present)
-        ds = [present[i][1] for i in order]
-        return _encode(lincomb_merge(b, ds, [dv[f"c{i}"] for i in order], dv["c_base"]), out_dtype)
-    if spec.kind == "nearswap":
-        e = present[0][2] if 0 in present else b
-        return _encode(nearswap_merge(b, e, float(tp.params["t"])), out_dtype)
-    if spec.kind in ("ram", "ramplus_tl"):
-        ds = [present[i][1] for i in sorted(present)]
-        if not ds:
-            return _encode(b, out_dtype)
-        eps = float(tp.params["epsilon"])
-        gains = None
-        if spec.kind == "ramplus_tl":  # the whole tensor is this chunk (planner: _whole_tensor)
-            gains = ramplus_gains(ram_counts(ds, eps), float(tp.params["r"]), float(tp.params["alpha"]), eps)
-        return _encode(ram_merge(b, ds, eps, gains), out_dtype)
-    if spec.kind == "sce":
-        ds = [present[i][1] if i in present else torch.zeros_like(b) for i in range(K)]
-        topk = float(tp.params.get("select_topk", 1.0))
-        ws = None if topk < 1.0 else [tp.derived[f"w{i}"] for i in range(K)]
-        return _encode(sce_merge(b, ds, ws, topk), out_dtype)
-    if spec.kind == "arcee_fusion":
-        e = present[0][2] if 0 in present else b
-        return _encode(arcee_fusion_merge(b, e, filter_width(tp.shape)), out_dtype)
+    return present
+
+
+def _task_vector_chunk(it, b, present: dict, spec, l1_all, l1_kept, groups):
+    """The task-arithmetic family's chunk (whole-chunk path): threshold groups for a
+    ``threshold`` item, then per expert sparsify -> L1 rescale (with the tensor's pre-pass sums
+    when it has one) -> :func:`~mergepipe.methods.kernels.combine`. float32 output, or None for
+    ``stats`` and ``threshold`` items."""
+    tp = it.tp
+    row_numel = row_numel_of(tp.shape)
+    offset = it.r0 * row_numel
     if it.kind == "threshold" or it.fused == "threshold":  # (fused: the pre-pass skipped this chunk)
         for te, d, _ in present.values():
             for slot, key, _rank in _bounds(te):
                 groups.setdefault((tp.name, te.expert, slot), []).append(_group_values(d, key))
         if it.kind == "threshold":
             return None
-    rescale = bool(tp.params.get("rescale")) and spec.kind == "gta" and spec.sparsify != "none"
+    rescale = spec.rescales(tp.params)
     deltas, ws = [], []
     for te, d, _ in present.values():
         ep = _expert_params(tp, te, groups, lambda slot, key, d=d: _group_values(d, key))
@@ -419,5 +390,4 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept, groups=Non
         ws.append(ep.weight)
     if it.kind == "stats":
         return None
-    out = combine(b, deltas, ws, spec, tp.params, weight_sum=tp.weight_sum)
-    return _encode(out, out_dtype)
+    return combine(b, deltas, ws, spec, tp.params, weight_sum=tp.weight_sum)

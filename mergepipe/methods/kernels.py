@@ -23,13 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mergepipe.methods.registry import MethodSpec
+from mergepipe.methods.base import MethodSpec
 from mergepipe.numerics import (
     N_KEYS,
-    dare_keep_mask,
-    della_keep_mask,
-    della_probs,
-    magnitude_keys,
     model_stock_t,
     nuslerp_coefficients_rows,
     segment_dots,
@@ -95,7 +91,8 @@ def magnitude_shrink_lambda(min_key: int) -> float | None:
 
 
 def sparsify(delta, spec: MethodSpec, ep: ExpertTensorParams, offset: int, shape=None):
-    """Apply the method's sparsifier to a chunk of one expert's task vector.
+    """Apply the method's sparsifier (:mod:`mergepipe.methods.sparsify`) to a chunk of one
+    expert's task vector.
 
     Args:
         delta: float32 tensor ``(n,)``: flat elements ``[offset, offset + n)`` of the tensor;
@@ -104,56 +101,23 @@ def sparsify(delta, spec: MethodSpec, ep: ExpertTensorParams, offset: int, shape
         shape: the tensor's shape (DELLA ranks along mergekit's rank axis within rows).
 
     Returns:
-        ``δ ⊙ mask`` (float32, same device), not yet rescaled.
+        ``δ ⊙ mask`` (float32, same device), not yet rescaled; ``delta`` itself at density 1.
     """
-    import torch
+    from mergepipe.methods.sparsify import SPARSIFIERS
 
-    if spec.sparsify == "none" or ep.density >= 1.0:
+    if ep.density >= 1.0:
         return delta
-    if spec.sparsify == "magnitude":
-        if ep.shrink is not None:  # exact top-k on bf16/float16/float32 values (one vectorized pass)
-            return torch.nn.functional.hardshrink(delta, ep.shrink)
-        if ep.min_key <= 0:
-            return delta
-        lam = magnitude_shrink_lambda(ep.min_key)
-        if lam is not None:  # one vectorized pass: 0 where |δ| <= λ, δ elsewhere (NaN kept, as its key is)
-            return torch.nn.functional.hardshrink(delta, lam)
-        keep = magnitude_key_torch(delta) >= ep.min_key
-    elif spec.sparsify == "outliers":
-        if ep.shrink is None and ep.shrink_hi is None:
-            k = magnitude_key_torch(delta)
-            keep = (k >= ep.min_key) & (k < ep.max_key)
-        else:  # exact window on bf16/float16/float32 values (a bound without a shrink uses its key)
-            a = delta.abs()
-            keep = (a > ep.shrink) if ep.shrink is not None else (magnitude_key_torch(delta) >= ep.min_key)
-            keep &= (a <= ep.shrink_hi) if ep.shrink_hi is not None else (magnitude_key_torch(delta) < ep.max_key)
-    elif spec.sparsify == "della":
-        d = delta.detach().cpu().numpy()
-        rows = d.size // row_numel_of(shape) if len(shape) > 1 else 1
-        p = della_probs(magnitude_keys(d), shape, rows, ep.density, ep.epsilon)
-        keep = torch.from_numpy(della_keep_mask(ep.stream_key, offset, p)).to(delta.device)
-    elif spec.sparsify == "random":
-        m = dare_keep_mask(ep.stream_key, offset, delta.numel(), ep.density)
-        keep = torch.from_numpy(m).to(delta.device)
-    else:  # pragma: no cover - registry guards this
-        raise ValueError(spec.sparsify)
-    return torch.where(keep, delta, torch.zeros((), dtype=delta.dtype, device=delta.device))
-
-
-#: safetensors dtypes the tiled elementwise path reads in place (others are decoded per chunk)
-TILE_DTYPES = ("BF16", "F16", "F32")
+    return SPARSIFIERS[spec.sparsify].apply(delta, ep, offset, shape)
 
 
 def elementwise_merge(spec: MethodSpec, dtype: str) -> bool:
     """True when the engine merges a tensor tile by tile: every operation is elementwise given
     the plan's parameters (no row statistics) and the inputs can be viewed in place (``dtype``
-    in :data:`TILE_DTYPES`). An L1 rescale is elementwise once its factor is known: the engine
+    in :data:`~mergepipe.methods.gta.TILE_DTYPES`). An L1 rescale is elementwise once its factor is known: the engine
     gathers the row sums in a first sweep over the chunk's raw inputs, a few rows at a time
     (or over the tensor's chunks in a pre-pass), then scales each tile.
     """
-    if spec.kind not in ("gta", "linear") or spec.sparsify == "della":
-        return False
-    return dtype in TILE_DTYPES
+    return spec.elementwise(dtype)
 
 
 def work_floats(spec: MethodSpec, n_experts: int, elementwise: bool) -> int:
@@ -173,11 +137,7 @@ def work_floats(spec: MethodSpec, n_experts: int, elementwise: bool) -> int:
     * whole-chunk task-vector methods (DELLA; an L1 rescale on inputs the tiles cannot view in
       place): ``2·K + 11`` (measured ``2·K + 10.3`` with an L1 rescale, before it was tiled).
     """
-    if elementwise:
-        return n_experts + 3
-    if spec.kind != "gta":
-        return n_experts + 7
-    return 2 * n_experts + 11
+    return spec.work_floats(n_experts, elementwise)
 
 
 def row_numel_of(shape) -> int:
@@ -192,11 +152,7 @@ def filter_width(shape) -> int:
 
 def needs_row_stats(spec: MethodSpec, params: dict) -> bool:
     """The method computes row-local statistics in the engine (so a 1-D tensor must be one chunk)."""
-    return (
-        spec.sparsify == "della"
-        or (spec.kind == "model_stock" and bool(params.get("filter_wise")))
-        or (spec.kind == "nuslerp" and not params.get("nuslerp_flatten", True))
-    )
+    return spec.row_stats(params)
 
 
 def l1_row_sums(x, row_numel: int) -> list[float]:
@@ -374,15 +330,7 @@ def _add(base, mixed):
 def identity_on_zero_delta(spec: MethodSpec, weight_sum: float, globals_: dict) -> bool:
     """True when all-zero task vectors give back the base exactly (then a tensor no expert
     block touches is copied byte for byte). ``weight_sum``: the tensor's sum of weights."""
-    if spec.kind == "slerp":
-        return globals_.get("t") == 0.0
-    if spec.kind == "passthrough":
-        return globals_.get("scale", 1.0) == 1.0
-    if spec.kind == "karcher":
-        return False  # Σcᵢ·base: see the planner (copy only when the coefficients sum to 1)
-    if spec.linear and not globals_.get("normalize", True):
-        return weight_sum == 1.0
-    return True
+    return spec.identity_on_zero_delta(weight_sum, globals_)
 
 
 def sum_in_order(ts: list):

@@ -351,19 +351,12 @@ class ResolvedParams:
 
 
 def _check_tensor(rp: ResolvedParams, name: str, tpar: TensorParams) -> None:
-    spec = rp.spec
-    if spec.sparsify == "della":
-        for i, d in enumerate(tpar.experts):
-            dens, eps = d["density"], d["epsilon"]
-            if dens < 1.0 and not (dens - eps > 0.0 and dens + eps < 1.0):
-                loc = ("experts", i, "parameters", "density")
-                problem = (
-                    f"for tensor {name!r}, density={dens:g} and epsilon={eps:g}; {spec.name} needs density - epsilon "
-                    "> 0 and density + epsilon < 1 wherever density < 1 (keep probabilities run from density - "
-                    "epsilon to density + epsilon; mergekit refuses the same). Lower epsilon or move density."
-                )
-                both = f"{rp.where(loc)} / {rp.where(('experts', i, 'parameters', 'epsilon'))}"
-                raise InputError(f"{both}: {problem}", loc=loc, problem=problem)
+    bad = rp.spec.check_tensor(name, tpar.experts)
+    if bad is None:
+        return
+    i, names, problem = bad
+    locs = [("experts", i, "parameters", n) for n in names]
+    raise InputError(f"{' / '.join(rp.where(loc) for loc in locs)}: {problem}", loc=locs[0], problem=problem)
 
 
 def resolve_params(
@@ -398,10 +391,10 @@ def resolve_params(
         raise _fail(where, ("method",), e.problem) from None
     k = len(expert_params)
     if k < spec.min_experts or (spec.max_experts is not None and k > spec.max_experts):
-        extra = " (3 models including the base)" if spec.kind == "model_stock" else ""
-        extra = " (the base and one expert)" if spec.kind == "slerp" else extra
         raise _fail(
-            where, ("experts",), f"{method} takes {spec.experts_text} expert(s) besides the base{extra}; got {k}."
+            where,
+            ("experts",),
+            f"{method} takes {spec.experts_text} expert(s) besides the base{spec.experts_note}; got {k}.",
         )
     g: dict = {}
     shared: dict = {}
@@ -456,15 +449,9 @@ def resolve_params(
                     f"{method} needs {p.name} in {p.range_text} (e.g. {w}=0.5); it has no default.",
                 )
             g[p.name] = p.default
-    if spec.kind == "nuslerp" and g.get("nuslerp_row_wise") and not g.get("nuslerp_flatten"):
-        raise _fail(
-            where,
-            ("parameters", "nuslerp_row_wise"),
-            "nuslerp_row_wise=true with nuslerp_flatten=false interpolates "
-            "columns, which needs per-column statistics over all rows that mergepipe does not keep; "
-            "use nuslerp_flatten=true (default, whole tensors) or nuslerp_flatten=false with "
-            "nuslerp_row_wise=false (rows).",
-        )
+    refused = spec.check_globals(g)
+    if refused is not None:
+        raise _fail(where, ("parameters", refused[0]), refused[1])
     rp = ResolvedParams(method, tuple(experts), g, where)
     if not rp.layerwise:
         rp.for_tensor("", 0.0)  # scalar settings: the per-tensor checks hold for every tensor

@@ -39,7 +39,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -47,24 +47,11 @@ from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, CheckpointR
 from mergepipe.catalog.sketch import SKETCH_KINDS, sketch_levels, tensor_sketch_costs
 from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import FLOAT_DTYPES, TensorInfo, n_blocks, rows_per_block
-from mergepipe.methods.kernels import elementwise_merge, identity_on_zero_delta, needs_row_stats, work_floats
+from mergepipe.methods.base import MethodSpec, TensorStatsView
 from mergepipe.methods.params import layer_count, layer_t
 from mergepipe.methods.registry import get_method
-from mergepipe.numerics import (
-    N_KEYS,
-    f32,
-    karcher_coefficients,
-    model_stock_t,
-    multislerp_coefficients,
-    nuslerp_coefficients,
-    outlier_counts,
-    outlier_window,
-    sce_weights,
-    slerp_coefficients,
-    stream_key,
-    topk_rank,
-    trim_rank,
-)
+from mergepipe.methods.sparsify import EXACT_TRIM_DTYPES  # noqa: F401 - re-exported
+from mergepipe.numerics import stream_key
 from mergepipe.planner.plan import (
     ExpertRef,
     InputRef,
@@ -79,10 +66,6 @@ from mergepipe.request import ResolvedRequest
 from mergepipe.storage.base import DEFAULT_MAX_REQUEST, coalesce
 
 DEFAULT_WORK_BYTES = 256 * 1024 * 1024
-#: input dtypes whose magnitude trim (TIES) and window (breadcrumbs) rank the exact float32 |δ| (bf16 included: a
-#: difference of two bf16 values is often not a bf16 value, so its key group holds distinct magnitudes; a bf16
-#: group is refined only up to max(2^14, work memory / 16K) entries, else the key rule: the engine holds it whole)
-EXACT_TRIM_DTYPES = ("BF16", "F16", "F32")
 
 
 def chunk_rows(
@@ -232,7 +215,11 @@ def make_plan(
     selection: SelectionOptions = SelectionOptions(),
     engine: EngineOptions = EngineOptions(),
 ) -> Plan:
-    """Plan a merge of ``inputs.experts`` into ``inputs.base``.
+    """Plan a merge of ``inputs.experts`` into ``inputs.base``: candidates (per tensor and
+    expert, the method's block values, :func:`_tensor_candidates`) -> selection (the knapsack
+    under the budget or fidelity, :func:`_select_blocks`) -> assembly (the selected blocks into
+    the tensor plans, :func:`_assemble`, and the sealed :class:`Plan`, :func:`_plan_record`).
+    The method's behaviour comes from its object (:class:`mergepipe.methods.base.MethodSpec`).
 
     Args:
         request: the validated merge request (method, expert names, parameters resolved per
@@ -251,37 +238,75 @@ def make_plan(
             missing pair statistics, an analysis that does not match the base's layout.
     """
     t0 = time.perf_counter()
-    base, experts, analyses, gram = inputs.base, inputs.experts, inputs.analyses, inputs.gram
-    base_digests, extra_files, sensitivity = inputs.base_digests, inputs.extra_files, inputs.sensitivity
-    budget_bytes, fidelity = selection.budget_bytes, selection.fidelity
-    value, calibration = selection.value, selection.calibration
-    sketch = selection.sketch
-    work_bytes, coalesce_gap = engine.work_bytes, engine.coalesce_gap
-    method, params, seed = request.method, request.params, request.request.seed
-    out_dtype = request.request.options.out_dtype
-    requested_dtype, source = request.request.options.requested_dtype, request.request.options.source
-    expert_names = request.names
-    K = len(experts)
-    # multislerp whose base is one of its inputs (a mergekit config without base_model: the first
-    # model is the origin, a zero task vector): the barycentre of the raw weights, as mergekit
-    raw_points = get_method(method).kind == "multislerp" and any(r.uri == base.uri for r in experts)
-    if K == 0 and get_method(method).min_experts > 0:
+    pc = _planning(request, inputs, selection, engine)
+    tensors: list[TensorPlan] = []
+    cands: list[_Cand] = []
+    infos: list[TensorInfo] = []
+    for name, bt in inputs.base.layout.tensors.items():
+        tp, eps = _tensor_plan(pc, name, bt)
+        tensors.append(tp)
+        infos.append(bt)
+        if bt.dtype in FLOAT_DTYPES and bt.numel > 0:
+            cands.extend(_tensor_candidates(pc, len(tensors) - 1, tp, bt, eps))
+    sel = _select_blocks(pc, cands, tensors, infos, selection)
+    _assemble(pc, cands, tensors, infos, sel)
+    return _plan_record(pc, tensors, infos, sel, selection, t0)
+
+
+@dataclass(frozen=True)
+class _Planning:
+    """What every step of :func:`make_plan` reads: the method object, the inputs and the
+    options, checked (:func:`_planning`)."""
+
+    spec: MethodSpec
+    request: ResolvedRequest
+    inputs: PlanInputs
+    value: BlockValueRule
+    work_bytes: int
+    coalesce_gap: int
+    tiers: bool
+    levels: int
+    block_bytes: int
+    n_layers: int
+    lmaps: list
+    base_is_input: bool
+
+    @property
+    def experts(self) -> Sequence[CheckpointRecord]:
+        return self.inputs.experts
+
+    @property
+    def analyses(self) -> Sequence[Analysis]:
+        return self.inputs.analyses
+
+    @property
+    def K(self) -> int:
+        return len(self.inputs.experts)
+
+
+def _planning(
+    request: ResolvedRequest, inputs: PlanInputs, selection: SelectionOptions, engine: EngineOptions
+) -> _Planning:
+    """Check the options against the method and the inputs; the shared state of the plan.
+
+    Raises:
+        InputError: as :func:`make_plan`.
+    """
+    spec = get_method(request.method)
+    experts, analyses, K = inputs.experts, inputs.analyses, len(inputs.experts)
+    budget_bytes, fidelity, sketch = selection.budget_bytes, selection.fidelity, selection.sketch
+    if K == 0 and spec.min_experts > 0:
         raise InputError("no experts given; pass at least one --expert.")
     if budget_bytes is not None and budget_bytes < 0:
         raise InputError(f"--budget {budget_bytes} is negative; give bytes like 512MiB or a percentage like 25%.")
     if fidelity is not None and not (0.0 < fidelity <= 1.0):
         raise InputError(f"--fidelity {fidelity} is outside (0, 1]; e.g. --fidelity 0.99.")
-    if value not in ("energy", "fisher"):
-        raise InputError(f"--value {value!r}: use 'energy' or 'fisher'.")
+    value = BlockValueRule.of(selection, inputs.sensitivity)
     if sketch not in SKETCH_KINDS:
         raise InputError(f"--sketch {sketch!r}: use one of {', '.join(SKETCH_KINDS)}.")
     # fidelity tiers only where a block can be skipped and the method is the task-arithmetic family
-    levels = sketch_levels(sketch) if sketch in SKETCH_KINDS else 0
-    tiers = (
-        sketch != "none"
-        and (budget_bytes is not None or fidelity is not None)
-        and get_method(method).kind in ("gta", "linear")
-    )
+    tiers = sketch != "none" and (budget_bytes is not None or fidelity is not None) and spec.sketch_tiers
+    coalesce_gap = engine.coalesce_gap
     if tiers:
         # (LoRA adapter experts have no sketch: their factors are read whole, already small)
         missing = [e.uri for e, a in zip(experts, analyses) if not a.sketch and getattr(e, "adapter", None) is None]
@@ -291,226 +316,229 @@ def make_plan(
                 "re-run `mergepipe analyze` (analyses since stats version 3 record them) or pass --sketch none."
             )
         coalesce_gap = 0  # exact accounting of two tiers: blocks are read exactly, never bridged
-    if value == "fisher" and (sensitivity is None or not calibration):
+    if len(request.params.experts) != K:
+        raise InputError(f"{len(request.params.experts)} expert parameter sets for {K} experts.")
+    if spec.needs_gram and inputs.gram is None:
         raise InputError(
-            "--value fisher needs the base's sensitivity on a calibration set; pass --calibration FILE.jsonl."
+            f"{request.method} needs the experts' pair statistics; analyze with pairs (the pipeline does)."
         )
-    f_floor = 0.0
-    if value == "fisher":
-        # blocks the calibration text never exercised (F = 0, e.g. unseen token rows) keep a
-        # tiny value: read last, and always at unlimited budget (the output must not change)
-        allf = (
-            np.concatenate([np.asarray(v, dtype=np.float64) for v in sensitivity.values()])
-            if sensitivity
-            else np.zeros(1)
-        )
-        f_floor = 1e-6 * float(allf.mean()) if allf.size and allf.mean() > 0 else 1e-30
-    spec = get_method(method)
-    if len(params.experts) != K:
-        raise InputError(f"{len(params.experts)} expert parameter sets for {K} experts.")
-    block_bytes = analyses[0].block_bytes if analyses else DEFAULT_BLOCK_BYTES  # (passthrough: no experts)
-    if spec.needs_gram and gram is None:
-        raise InputError(f"{method} needs the experts' pair statistics; analyze with pairs (the pipeline does).")
-    n_layers = layer_count(base.layout.tensors)
-    # LoRA adapter experts: {base tensor: module} (δ = s·B·A there, 0 elsewhere)
-    lmaps = [lora_map(base, e) if e.adapter is not None else None for e in experts]
+    base = inputs.base
+    return _Planning(
+        spec=spec,
+        request=request,
+        inputs=inputs,
+        value=value,
+        work_bytes=engine.work_bytes,
+        coalesce_gap=coalesce_gap,
+        tiers=tiers,
+        levels=sketch_levels(sketch),
+        block_bytes=analyses[0].block_bytes if analyses else DEFAULT_BLOCK_BYTES,  # (passthrough: no experts)
+        n_layers=layer_count(base.layout.tensors),
+        # LoRA adapter experts: {base tensor: module} (δ = s·B·A there, 0 elsewhere)
+        lmaps=[lora_map(base, e) if e.adapter is not None else None for e in experts],
+        # a mergekit config without base_model: the base is one of the inputs (multislerp's raw points)
+        base_is_input=any(r.uri == base.uri for r in experts),
+    )
 
-    tensors: list[TensorPlan] = []
-    cands: list[_Cand] = []
-    infos: list[TensorInfo] = []
-    for name, bt in base.layout.tensors.items():
-        floating = bt.dtype in FLOAT_DTYPES and bt.numel > 0
-        rpb = rows_per_block(bt, block_bytes)
-        tpar = params.for_tensor(name, layer_t(name, n_layers)) if floating else None
-        g = dict(tpar.globals) if tpar else {}
-        eps = tpar.experts if tpar else ()
-        row_stats = floating and needs_row_stats(spec, g)
-        ew = elementwise_merge(spec, bt.dtype)
-        cr = chunk_rows(bt, rpb, K, work_bytes, floats=work_floats(spec, K, ew))
-        if (row_stats and len(bt.shape) < 2) or (floating and _whole_tensor(spec, g)):
-            cr = max(rpb, -(-bt.rows // rpb) * rpb)  # a 1-D tensor is one row / whole-tensor statistics: one chunk
-        weights = [float(e.get("weight", 1.0)) for e in eps]
-        tp = TensorPlan(
-            name=name,
-            dtype=bt.dtype,
-            shape=list(bt.shape),
-            file=bt.file,
-            start=bt.start,
-            rows_per_block=rpb,
-            n_blocks=n_blocks(bt, block_bytes),
-            chunk_rows=cr,
-            params=g,
-            weight_sum=float(sum(weights)),
-            out_dtype=(out_dtype if floating and out_dtype and out_dtype != bt.dtype else None),
-            base_sha256=(base_digests or {}).get(name, ""),
-        )
-        rescale = spec.kind == "gta" and bool(g.get("rescale")) and spec.sparsify != "none"
-        passes = 2 if rescale and cr < bt.rows and any(e.get("density", 1.0) < 1.0 for e in eps) else 1
-        tp.passes = passes
-        ti = len(tensors)
-        tensors.append(tp)
-        infos.append(bt)
-        if not floating:
+
+def _tensor_plan(pc: _Planning, name: str, bt: TensorInfo) -> tuple[TensorPlan, Sequence[Mapping[str, Any]]]:
+    """The tensor's plan before selection (resolved parameters, chunking and passes; no
+    experts yet) and its resolved per-expert parameters (empty for a tensor that is not
+    floating point)."""
+    spec, K = pc.spec, pc.K
+    floating = bt.dtype in FLOAT_DTYPES and bt.numel > 0
+    rpb = rows_per_block(bt, pc.block_bytes)
+    tpar = pc.request.params.for_tensor(name, layer_t(name, pc.n_layers)) if floating else None
+    g = dict(tpar.globals) if tpar else {}
+    eps = tpar.experts if tpar else ()
+    ew = spec.elementwise(bt.dtype)
+    cr = chunk_rows(bt, rpb, K, pc.work_bytes, floats=spec.work_floats(K, ew))
+    if (floating and spec.row_stats(g) and len(bt.shape) < 2) or (floating and spec.whole_tensor(g)):
+        cr = max(rpb, -(-bt.rows // rpb) * rpb)  # a 1-D tensor is one row / whole-tensor statistics: one chunk
+    weights = [float(e.get("weight", 1.0)) for e in eps]
+    out_dtype = pc.request.request.options.out_dtype
+    tp = TensorPlan(
+        name=name,
+        dtype=bt.dtype,
+        shape=list(bt.shape),
+        file=bt.file,
+        start=bt.start,
+        rows_per_block=rpb,
+        n_blocks=n_blocks(bt, pc.block_bytes),
+        chunk_rows=cr,
+        params=g,
+        weight_sum=float(sum(weights)),
+        out_dtype=(out_dtype if floating and out_dtype and out_dtype != bt.dtype else None),
+        base_sha256=(pc.inputs.base_digests or {}).get(name, ""),
+    )
+    # an L1 rescale of a tensor larger than one chunk needs a pre-pass over it
+    tp.passes = 2 if spec.rescales(g) and cr < bt.rows and any(e.get("density", 1.0) < 1.0 for e in eps) else 1
+    return tp, eps
+
+
+def _tensor_stats(pc: _Planning, name: str, rpb: int) -> list:
+    """The catalog's statistics of tensor ``name`` for every expert.
+
+    Raises:
+        InputError: an analysis lacks the tensor or has another block grid."""
+    stats = []
+    for e, a in zip(pc.experts, pc.analyses):
+        st = a.tensors.get(name)
+        if st is None:
+            raise InputError(f"catalog: analysis of {e.uri} lacks tensor {name!r}; re-run `mergepipe analyze`.")
+        if st.rows_per_block != rpb:
+            raise InputError(f"catalog: block grid of {name!r} differs from the plan's; re-run analyze.")
+        stats.append(st)
+    return stats
+
+
+def _tensor_candidates(
+    pc: _Planning, ti: int, tp: TensorPlan, bt: TensorInfo, eps: Sequence[Mapping[str, Any]]
+) -> list[_Cand]:
+    """The candidates of one floating tensor (one per expert with a task vector there), with
+    the method's coefficients and exact-threshold refinements recorded in ``tp`` and one
+    :class:`TensorExpert` per candidate appended to ``tp.experts``."""
+    spec, K = pc.spec, pc.K
+    weights = [float(e.get("weight", 1.0)) for e in eps]
+    ts = TensorStatsView(
+        tp.name, tp.params, _tensor_stats(pc, tp.name, tp.rows_per_block), weights, pc.inputs.gram, pc.base_is_input
+    )
+    coefs, tp.derived = spec.coefficients(ts)
+    # exact top-k (TIES) / window (breadcrumbs) on bf16/float16/float32: the key histogram gives the
+    # threshold group and how many of it to keep, the engine the float32 threshold inside it (a
+    # pre-pass when the tensor spans several chunks). The engine holds each refined group's float32
+    # values for the whole tensor: a bf16 group is refined only while it holds at most
+    # max(2^14, work memory / (16 K)) entries (the K groups within a quarter of the working memory)
+    group_cap = max(1 << 14, pc.work_bytes // (16 * max(1, K))) if bt.dtype == "BF16" else None
+    ranks, windows = spec.exact_bounds(ts, eps, bt.dtype, group_cap)
+    if any(ranks) and tp.chunk_rows < bt.rows:
+        tp.passes += 1
+        tp.derived = {**tp.derived, "threshold_pass": True}
+    row_stats = spec.row_stats(tp.params)
+    out = []
+    for i in range(K):
+        bv = spec.block_value(ts, i, eps[i], coefs[i], row_stats, (ranks[i], windows[i]))
+        val = pc.value.apply(bv.value, tp.name)
+        c = _expert_candidate(pc, ti, tp, bt, i, ts.stats[i], val)
+        if c is None:
             continue
-        stats = []
-        for e, a in zip(experts, analyses):
-            st = a.tensors.get(name)
-            if st is None:
-                raise InputError(f"catalog: analysis of {e.uri} lacks tensor {name!r}; re-run `mergepipe analyze`.")
-            if st.rows_per_block != rpb:
-                raise InputError(f"catalog: block grid of {name!r} differs from the plan's; re-run analyze.")
-            stats.append(st)
-        coefs = _coefficients(spec, g, tp, stats, weights, gram, name, K, raw_points)
-        # bf16/float16/float32 TIES: exact top-k; the key histogram gives the threshold group and how
-        # many of it to keep, the engine the float32 threshold inside it (a pre-pass when the
-        # tensor spans several chunks)
-        ranks = [0] * K
-        windows: list[tuple[int, int, int, int] | None] = [None] * K  # breadcrumbs: (τ_lo, r_lo, τ_hi, r_hi)
-        # the engine holds each refined group's float32 values for the whole tensor: a bf16 group
-        # (often a sizeable share of the tensor) is refined only while it holds at most
-        # max(2^14, work memory / (16 K)) entries (the K groups within a quarter of the working memory, or
-        # 64 KiB each); larger ones keep the key rule (:data:`EXACT_TRIM_DTYPES`)
-        group_cap = max(1 << 14, work_bytes // (16 * max(1, K))) if bt.dtype == "BF16" else None
-        if spec.sparsify == "magnitude" and bt.dtype in EXACT_TRIM_DTYPES:
-            for i, st in enumerate(stats):
-                tau, rank, ties = trim_rank(st.hist_keys, st.hist_counts, st.numel, float(eps[i].get("density", 1.0)))
-                if tau > 0 and rank < ties and (group_cap is None or ties <= group_cap):
-                    ranks[i] = rank
-        elif spec.sparsify == "outliers" and bt.dtype in EXACT_TRIM_DTYPES:
-            for i, st in enumerate(stats):
-                ks = outlier_counts(st.numel, float(eps[i].get("density", 1.0)), float(eps[i].get("gamma", 0.0)))
-                if ks is None or ks[0] == ks[1]:  # keep all, or nothing (target 0)
-                    continue
-                lo = topk_rank(st.hist_keys, st.hist_counts, ks[0])
-                hi = topk_rank(st.hist_keys, st.hist_counts, ks[1])
-                if group_cap is not None and max(lo[2], hi[2]) > group_cap // 2:
-                    continue
-                w = (lo[0], lo[1] if 0 < lo[1] < lo[2] else 0, hi[0], hi[1] if 0 < hi[1] < hi[2] else 0)
-                if w[1] or w[3]:
-                    windows[i] = w
-                    ranks[i] = w[1] or -1  # (-1: only the outlier bound is refined)
-        if any(ranks) and cr < bt.rows:
-            passes += 1
-            tp.passes = passes
-            tp.derived = {**tp.derived, "threshold_pass": True}
-        for i, (e, st) in enumerate(zip(experts, stats)):
-            ep = eps[i]
-            dens = float(ep.get("density", 1.0))
-            mk, xk = 0, N_KEYS
-            if spec.kind in ("gta", "linear"):
-                w2 = weights[i] ** 2
-                if spec.sparsify == "magnitude" and dens < 1.0:
-                    mk = st.min_key(dens)
-                    if ranks[i]:
-                        mk = trim_rank(st.hist_keys, st.hist_counts, st.numel, dens)[0]  # τ: part of its group kept
-                    kept = st.kept_energy(mk)
-                elif spec.sparsify == "outliers" and dens < 1.0:
-                    mk, xk = outlier_window(st.hist_keys, st.hist_counts, st.numel, dens, float(ep["gamma"]))
-                    win = windows[i]
-                    if win is not None:  # exact ends: the cut groups are inside the key window
-                        tl, rl, th, rh = win
-                        mk = tl if rl else mk
-                        xk = th + 1 if rh else xk
-                    kept = st.kept_energy_window(mk, xk)
-                elif spec.sparsify == "random" and dens < 1.0:
-                    kept = st.sq_norm * (1.0 / dens if g.get("rescale") else dens)
-                elif spec.sparsify == "della" and dens < 1.0:
-                    kept = st.della_kept_energy(dens, float(ep["epsilon"]))
-                    if g.get("rescale"):
-                        kept = kept / dens**2
-                else:
-                    kept = st.sq_norm.copy()
-                if rescale and dens < 1.0:
-                    # below-threshold blocks still count in the L1 norm the rescale matches
-                    kept = np.where((kept <= 0) & (st.sq_norm > 0), 1e-12 * st.sq_norm, kept)
-                val = kept * w2
-            else:
-                c2 = coefs[i] ** 2
-                if row_stats:
-                    c2 = max(c2, 1e-12)  # an estimate: the engine computes the per-row coefficient
-                val = st.sq_norm * c2
-            if value == "fisher":
-                fb = sensitivity.get(name) if sensitivity else None
-                if fb is None or len(fb) != len(val):
-                    raise InputError(
-                        f"catalog: the sensitivity statistic lacks tensor {name!r} on this block grid; "
-                        "re-run `mergepipe analyze --calibration ...`."
-                    )
-                val = val * (np.asarray(fb, dtype=np.float64) + f_floor)
-            lf = None
-            svalue = scost = None
-            lmap = lmaps[i]
-            if lmap is not None:
-                mod = lmap.get(name)
-                if mod is None:  # a tensor the adapter does not touch: δ = 0, nothing to read
-                    continue
-                # one unit: A for every chunk of a pass (the engine reads it with each chunk's
-                # rows of B) plus B once; bytes per pass; the last pre-pass skips the first chunk
-                n_chunks = -(-bt.rows // cr)
-                unit = np.array([n_chunks * mod.a.nbytes + mod.b.nbytes], dtype=np.int64)
-                first = mod.a.nbytes + min(cr, mod.b.rows) * mod.b.row_bytes if passes > 1 else 0
-                cands.append(
-                    _Cand(
-                        ti,
-                        i,
-                        np.array([val.sum()]),
-                        np.array([val.sum()]),
-                        unit,
-                        np.array([passes], dtype=np.int64),
-                        lora=True,
-                        lora_total=passes * int(unit[0]) - first,
-                    )
-                )
-                file, start = mod.b.file, mod.b.start
-                lf = LoraFactors(
-                    a_start=mod.a.start,
-                    a_end=mod.a.end,
-                    a_dtype=mod.a.dtype,
-                    b_dtype=mod.b.dtype,
-                    rank=mod.rank,
-                    scale=mod.scale,
-                    module=mod.module,
-                )
-            else:
-                et = e.layout.tensors[name]
-                cost = (
-                    np.minimum((np.arange(st.n_blocks) + 1) * rpb, et.rows) - np.arange(st.n_blocks) * rpb
-                ) * et.row_bytes
-                if tiers and st.has_sketch and len(bt.shape) >= 2:
-                    # level k keeps the share 1 − residual_k/Σδ² of the block's energy; the method's
-                    # value (trim, weights, Fisher) scales like the exact block's
-                    sq = np.asarray(st.sq_norm, dtype=np.float64)[:, None]
-                    res = np.asarray(st.sketch_sq, dtype=np.float64).reshape(len(val), -1)[:, :levels]
-                    rho = np.where(sq > 0, 1.0 - res / np.where(sq > 0, sq, 1.0), 0.0)
-                    svalue = val[:, None] * np.clip(rho, 0.0, 1.0)
-                    scost = tensor_sketch_costs(et.rows, et.numel // max(1, et.rows), rpb, st.n_blocks)
-                reads = np.asarray(block_reads(tp), dtype=np.int64)
-                cands.append(_Cand(ti, i, val, val.copy(), cost.astype(np.int64), reads, svalue, scost))
-                file, start = et.file, et.start
-            tp.experts.append(
-                TensorExpert(
-                    expert=i,
-                    file=file,
-                    start=start,
-                    lora=lf,
-                    weight=weights[i] if weights else 1.0,
-                    density=dens,
-                    gamma=float(ep.get("gamma", 0.0)),
-                    epsilon=float(ep.get("epsilon", 0.0)),
-                    min_key=int(mk),
-                    max_key=int(xk),
-                    stream_key=stream_key(seed, i, name),
-                    blocks=[],
-                    exact_rank=max(0, ranks[i]),
-                    exact_rank_hi=(windows[i] or (0, 0, 0, 0))[3],
-                    bytes=0,
-                    kept_energy=0.0,
-                    full_energy=float(val.sum()),
-                    sketch_start=int(st.sketch_start) if svalue is not None else -1,
-                )
+        cand, file, start, lf = c
+        out.append(cand)
+        ep = eps[i]
+        tp.experts.append(
+            TensorExpert(
+                expert=i,
+                file=file,
+                start=start,
+                lora=lf,
+                weight=weights[i] if weights else 1.0,
+                density=float(ep.get("density", 1.0)),
+                gamma=float(ep.get("gamma", 0.0)),
+                epsilon=float(ep.get("epsilon", 0.0)),
+                min_key=int(bv.min_key),
+                max_key=int(bv.max_key),
+                stream_key=stream_key(pc.request.request.seed, i, tp.name),
+                blocks=[],
+                exact_rank=max(0, ranks[i]),
+                exact_rank_hi=(windows[i] or (0, 0, 0, 0))[3],
+                bytes=0,
+                kept_energy=0.0,
+                full_energy=float(val.sum()),
+                sketch_start=int(ts.stats[i].sketch_start) if cand.svalue is not None else -1,
             )
+        )
+    return out
 
-    # --- selection -------------------------------------------------------------------------
+
+def _expert_candidate(
+    pc: _Planning, ti: int, tp: TensorPlan, bt: TensorInfo, i: int, st, val: np.ndarray
+) -> tuple[_Cand, str, int, LoraFactors | None] | None:
+    """Expert ``i``'s candidate on tensor ``ti`` with block values ``val``: its bytes per block
+    and reads (a LoRA module: one unit of its factors; a sketched tensor: the sign-plane tiers),
+    and where its data is (file, start, LoRA factors). None: a LoRA expert that does not touch
+    the tensor (δ = 0, nothing to read)."""
+    lmap = pc.lmaps[i]
+    passes, cr = tp.passes, tp.chunk_rows
+    if lmap is not None:
+        mod = lmap.get(tp.name)
+        if mod is None:
+            return None
+        # one unit: A for every chunk of a pass (the engine reads it with each chunk's
+        # rows of B) plus B once; bytes per pass; the last pre-pass skips the first chunk
+        n_chunks = -(-bt.rows // cr)
+        unit = np.array([n_chunks * mod.a.nbytes + mod.b.nbytes], dtype=np.int64)
+        first = mod.a.nbytes + min(cr, mod.b.rows) * mod.b.row_bytes if passes > 1 else 0
+        cand = _Cand(
+            ti,
+            i,
+            np.array([val.sum()]),
+            np.array([val.sum()]),
+            unit,
+            np.array([passes], dtype=np.int64),
+            lora=True,
+            lora_total=passes * int(unit[0]) - first,
+        )
+        lf = LoraFactors(
+            a_start=mod.a.start,
+            a_end=mod.a.end,
+            a_dtype=mod.a.dtype,
+            b_dtype=mod.b.dtype,
+            rank=mod.rank,
+            scale=mod.scale,
+            module=mod.module,
+        )
+        return cand, mod.b.file, mod.b.start, lf
+    rpb = tp.rows_per_block
+    et = pc.experts[i].layout.tensors[tp.name]
+    cost = (np.minimum((np.arange(st.n_blocks) + 1) * rpb, et.rows) - np.arange(st.n_blocks) * rpb) * et.row_bytes
+    svalue = scost = None
+    if pc.tiers and st.has_sketch and len(bt.shape) >= 2:
+        # level k keeps the share 1 − residual_k/Σδ² of the block's energy; the method's
+        # value (trim, weights, Fisher) scales like the exact block's
+        sq = np.asarray(st.sq_norm, dtype=np.float64)[:, None]
+        res = np.asarray(st.sketch_sq, dtype=np.float64).reshape(len(val), -1)[:, : pc.levels]
+        rho = np.where(sq > 0, 1.0 - res / np.where(sq > 0, sq, 1.0), 0.0)
+        svalue = val[:, None] * np.clip(rho, 0.0, 1.0)
+        scost = tensor_sketch_costs(et.rows, et.numel // max(1, et.rows), rpb, st.n_blocks)
+    reads = np.asarray(block_reads(tp), dtype=np.int64)
+    return _Cand(ti, i, val, val.copy(), cost.astype(np.int64), reads, svalue, scost), et.file, et.start, None
+
+
+@dataclass
+class _Selection:
+    """The outcome of :func:`_select_blocks` over the flattened candidate blocks."""
+
+    values: np.ndarray  # float64 per block
+    offs: np.ndarray  # candidate j's blocks are [offs[j], offs[j+1])
+    selected: np.ndarray  # bool per block: read exactly
+    level: np.ndarray  # int64 per block: sketch level read (0: none)
+    svals: np.ndarray | None  # float64 [block, level-1] (tiers only)
+    scosts: np.ndarray | None  # int64 bytes of one plane over all passes (tiers only)
+    coalesce_gap: int
+    expert_read: int
+    sketch_read: int
+
+    def picked(self, j: int) -> np.ndarray:
+        """Selected block indices of candidate ``j``."""
+        return np.nonzero(self.selected[self.offs[j] : self.offs[j + 1]])[0]
+
+
+def _select_blocks(
+    pc: _Planning,
+    cands: Sequence[_Cand],
+    tensors: Sequence[TensorPlan],
+    infos: Sequence[TensorInfo],
+    selection: SelectionOptions,
+) -> _Selection:
+    """The knapsack over every candidate block: exact reads (closed under the plan's gap,
+    :func:`_select_gap`) or, with fidelity tiers, sketch levels (:func:`_select_tiers_joint`
+    under a budget, :func:`_select_tiers` for a fidelity target alone); the read bytes checked
+    against the coalesced byte ranges the engine will request.
+
+    Raises:
+        RuntimeError: the selection's coalesced cost differs from its block cost or exceeds
+            the budget (a defect, never bad input)."""
+    budget_bytes, fidelity = selection.budget_bytes, selection.fidelity
     if cands:
         values = np.concatenate([c.value for c in cands])
         cost1 = np.concatenate([c.cost for c in cands]).astype(np.int64)
@@ -520,17 +548,14 @@ def make_plan(
         values = np.zeros(0)
         cost1 = costs = cand_of = np.zeros(0, dtype=np.int64)
     offs = np.cumsum([0] + [len(c.value) for c in cands])
-
-    def picked(sel: np.ndarray, j: int) -> np.ndarray:
-        """Selected block indices of candidate ``j``."""
-        return np.nonzero(sel[offs[j] : offs[j + 1]])[0]
-
-    total_value = float(values.sum())
     level = np.zeros(len(values), dtype=np.int64)  # sketch level read per block (0: none)
-    if tiers:
+    svals = scosts = None
+    gap = pc.coalesce_gap
+    if pc.tiers:
+        L = pc.levels
         svals = np.concatenate(
-            [c.svalue if c.svalue is not None else np.zeros((len(c.value), levels)) for c in cands]
-        ).reshape(len(values), levels)
+            [c.svalue if c.svalue is not None else np.zeros((len(c.value), L)) for c in cands]
+        ).reshape(len(values), L)
         scosts = np.concatenate(
             [c.scost * c.reads if c.scost is not None else np.zeros(len(c.value), dtype=np.int64) for c in cands]
         ).astype(np.int64)
@@ -543,92 +568,112 @@ def make_plan(
         else:  # fidelity alone: the fewest bytes to the retained-value target, block by block
             selected, level = _select_tiers(values, costs, svals, scosts, budget_bytes, fidelity)
     else:
-        selected, coalesce_gap = _select_gap(values, costs, cost1, cand_of, coalesce_gap, budget_bytes, fidelity)
-
-    def plan_cost(sel: np.ndarray) -> int:
-        """Expert bytes of a selection as the engine reads them: per expert and tensor, the
-        selected block runs coalesced under the plan's gap (the engine never coalesces across
-        tensors), once per pass that reads them (the last pre-pass skips the first chunk)."""
-        total = 0
-        for j, c in enumerate(cands):
-            idx = picked(sel, j)
-            if len(idx) == 0:
-                continue
-            if c.lora:  # A per chunk + B: exactly the ranges the engine requests (gap 0)
-                total += c.lora_total
-                continue
-            et = experts[c.expert].layout.tensors[infos[c.tensor].name]
-            for k in range(1, int(c.reads.max()) + 1):  # pass k reads the blocks read at least k times
-                rng = block_byte_ranges(et, tensors[c.tensor].rows_per_block, _runs(idx[c.reads[idx] >= k]))
-                total += sum(e - s for s, e in coalesce(rng, coalesce_gap, DEFAULT_MAX_REQUEST))
-        return total
-
-    sketch_read = int((scosts * level).sum()) if tiers else 0
-    expert_read = plan_cost(selected) + sketch_read
-    if expert_read != int(costs[selected].sum()) + sketch_read or (
-        budget_bytes is not None and expert_read > budget_bytes
+        selected, gap = _select_gap(values, costs, cost1, cand_of, gap, budget_bytes, fidelity)
+    sel = _Selection(values, offs, selected, level, svals, scosts, gap, 0, 0)
+    sel.sketch_read = int((scosts * level).sum()) if scosts is not None else 0
+    sel.expert_read = _plan_cost(pc, cands, tensors, infos, sel) + sel.sketch_read
+    if sel.expert_read != int(costs[selected].sum()) + sel.sketch_read or (
+        budget_bytes is not None and sel.expert_read > budget_bytes
     ):
         raise RuntimeError(  # a defect in _select, never bad input
-            f"planner: selection costs {expert_read} B coalesced vs {int(costs[selected].sum())} B by blocks "
+            f"planner: selection costs {sel.expert_read} B coalesced vs {int(costs[selected].sum())} B by blocks "
             f"(budget {budget_bytes}); please report this."
         )
+    return sel
 
-    # --- assemble --------------------------------------------------------------------------
+
+def _plan_cost(
+    pc: _Planning, cands: Sequence[_Cand], tensors: Sequence[TensorPlan], infos: Sequence[TensorInfo], sel: _Selection
+) -> int:
+    """Expert bytes of a selection as the engine reads them: per expert and tensor, the
+    selected block runs coalesced under the plan's gap (the engine never coalesces across
+    tensors), once per pass that reads them (the last pre-pass skips the first chunk)."""
+    total = 0
     for j, c in enumerate(cands):
-        idx = picked(selected, j)
+        idx = sel.picked(j)
+        if len(idx) == 0:
+            continue
+        if c.lora:  # A per chunk + B: exactly the ranges the engine requests (gap 0)
+            total += c.lora_total
+            continue
+        et = pc.experts[c.expert].layout.tensors[infos[c.tensor].name]
+        for k in range(1, int(c.reads.max()) + 1):  # pass k reads the blocks read at least k times
+            rng = block_byte_ranges(et, tensors[c.tensor].rows_per_block, _runs(idx[c.reads[idx] >= k]))
+            total += sum(e - s for s, e in coalesce(rng, sel.coalesce_gap, DEFAULT_MAX_REQUEST))
+    return total
+
+
+def _assemble(
+    pc: _Planning, cands: Sequence[_Cand], tensors: list[TensorPlan], infos: Sequence[TensorInfo], sel: _Selection
+) -> None:
+    """Record the selection in the tensor plans: each expert's block runs, bytes, kept value
+    and content digests (sketch levels and their digests with tiers); drop experts with no
+    block; decide which tensors are copied from the base and explain each."""
+    for j, c in enumerate(cands):
+        idx = sel.picked(j)
         te = next(t for t in tensors[c.tensor].experts if t.expert == c.expert)
         te.blocks = ([(0, tensors[c.tensor].n_blocks)] if len(idx) else []) if c.lora else _runs(idx)
         te.bytes = int(c.cost[idx].sum())
         te.kept_energy = float(c.value[idx].sum())
-        st_c = analyses[c.expert].tensors[infos[c.tensor].name]
+        st_c = pc.analyses[c.expert].tensors[infos[c.tensor].name]
         if not c.lora and len(idx):
-            te.block_digests = _digests_hex(st_c.block_sha, idx, analyses[c.expert], infos[c.tensor].name)
-        if tiers and c.svalue is not None and c.scost is not None:
-            lv = level[offs[j] : offs[j + 1]]
-            te.sketch_blocks, te.sketch_levels = _level_runs(lv)
-            if te.sketch_blocks:
-                sha = st_c.sketch_sha
-                if sha is None:
-                    _no_digests(analyses[c.expert], infos[c.tensor].name)
-                te.sketch_digests = "".join(
-                    sha[b0:b1, p].tobytes().hex()
-                    for (b0, b1), k in zip(te.sketch_blocks, te.sketch_levels)
-                    for p in range(k)
-                )
-            sidx = np.nonzero(lv)[0]
-            te.sketch_bytes = int((c.scost[sidx] * lv[sidx]).sum())
-            te.kept_energy += float(c.svalue[sidx, lv[sidx] - 1].sum())
+            te.block_digests = _digests_hex(st_c.block_sha, idx, pc.analyses[c.expert], infos[c.tensor].name)
+        if pc.tiers and c.svalue is not None and c.scost is not None:
+            _assemble_sketch(pc, te, c, st_c, sel.level[sel.offs[j] : sel.offs[j + 1]], infos[c.tensor].name)
         if not te.sketch_blocks:
             te.sketch_start = -1
+    names = list(pc.request.names or [])
     for tp, bt in zip(tensors, infos):
         tp.experts = [t for t in tp.experts if t.blocks or t.sketch_blocks]
-        floating = bt.dtype in FLOAT_DTYPES and bt.numel > 0
-        if not floating:
-            tp.copy_base = True
-        elif spec.kind == "slerp":
-            tp.copy_base = tp.params["t"] == 0.0  # t = 0 is the base; otherwise slerp rescales even the base
-        elif spec.kind in ("karcher", "multislerp"):
-            tp.copy_base = not tp.experts and tp.derived.get("c_base", 1.0) == 1.0  # (else the base is rescaled)
-        else:
-            tp.copy_base = not tp.experts and identity_on_zero_delta(spec, tp.weight_sum, tp.params)
-        tp.explain = _explain_tensor(tp, spec, [e for e in (expert_names or [])])
-    kept_value = float(values[selected].sum())
-    if tiers:
-        sk = np.nonzero(level)[0]
-        kept_value += float(svals[sk, level[sk] - 1].sum())
-    retained = kept_value / total_value if total_value > 0 else 1.0
+        tp.copy_base = not (bt.dtype in FLOAT_DTYPES and bt.numel > 0) or pc.spec.copies_base(tp)
+        tp.explain = _explain_tensor(tp, pc.spec, names)
 
-    plan_out_dtype = out_dtype if any(tp.out_dtype for tp in tensors) else None
-    base_read, out_bytes = _side_io(tensors, infos, base, extra_files, inputs.config_json, plan_out_dtype)
+
+def _assemble_sketch(pc: _Planning, te: TensorExpert, c: _Cand, st, lv: np.ndarray, tensor: str) -> None:
+    """Record the sketch levels ``lv`` (per block of candidate ``c``) in ``te``."""
+    assert c.svalue is not None and c.scost is not None
+    te.sketch_blocks, te.sketch_levels = _level_runs(lv)
+    if te.sketch_blocks:
+        sha = st.sketch_sha
+        if sha is None:
+            _no_digests(pc.analyses[c.expert], tensor)
+        te.sketch_digests = "".join(
+            sha[b0:b1, p].tobytes().hex() for (b0, b1), k in zip(te.sketch_blocks, te.sketch_levels) for p in range(k)
+        )
+    sidx = np.nonzero(lv)[0]
+    te.sketch_bytes = int((c.scost[sidx] * lv[sidx]).sum())
+    te.kept_energy += float(c.svalue[sidx, lv[sidx] - 1].sum())
+
+
+def _plan_record(
+    pc: _Planning,
+    tensors: list[TensorPlan],
+    infos: Sequence[TensorInfo],
+    sel: _Selection,
+    selection: SelectionOptions,
+    t0: float,
+) -> Plan:
+    """The sealed :class:`Plan` of the assembled tensors: inputs, retained value, I/O estimate."""
+    inputs, request, K = pc.inputs, pc.request, pc.K
+    base, experts, analyses = inputs.base, inputs.experts, inputs.analyses
+    options = request.request.options
+    kept_value = float(sel.values[sel.selected].sum())
+    if sel.svals is not None:
+        sk = np.nonzero(sel.level)[0]
+        kept_value += float(sel.svals[sk, sel.level[sk] - 1].sum())
+    total_value = float(sel.values.sum())
+    retained = kept_value / total_value if total_value > 0 else 1.0
+    plan_out_dtype = options.out_dtype if any(tp.out_dtype for tp in tensors) else None
+    base_read, out_bytes = _side_io(tensors, infos, base, inputs.extra_files, inputs.config_json, plan_out_dtype)
     used_sketch = [any(t.expert == i and t.sketch_blocks for tp in tensors for t in tp.experts) for i in range(K)]
-    names = list(expert_names) if expert_names else [e.uri.rstrip("/").rsplit("/", 1)[-1] for e in experts]
+    names = list(request.names) if request.names else [e.uri.rstrip("/").rsplit("/", 1)[-1] for e in experts]
     plan = Plan(
-        method=method,
-        globals=dict(params.globals),
-        seed=seed,
-        block_bytes=block_bytes,
-        coalesce_gap=coalesce_gap,
-        work_bytes=work_bytes,
+        method=request.method,
+        globals=dict(request.params.globals),
+        seed=request.request.seed,
+        block_bytes=pc.block_bytes,
+        coalesce_gap=sel.coalesce_gap,
+        work_bytes=pc.work_bytes,
         base=InputRef(uri=base.uri, identity=base.identity, signature=base.signature, total_bytes=base.total_bytes),
         experts=[
             ExpertRef(
@@ -637,33 +682,33 @@ def make_plan(
                 signature=e.signature,
                 total_bytes=e.total_bytes,
                 name=names[i],
-                params=params.experts[i],
+                params=request.params.experts[i],
                 content_digest=_content_digest(analyses[i]),
                 adapter=e.adapter.summary() if e.adapter is not None else None,
-                sketch=_sketch_ref(analyses[i]) if tiers and used_sketch[i] else None,
+                sketch=_sketch_ref(analyses[i]) if pc.tiers and used_sketch[i] else None,
             )
             for i, e in enumerate(experts)
         ],
-        budget_bytes=budget_bytes,
-        fidelity=fidelity,
+        budget_bytes=selection.budget_bytes,
+        fidelity=selection.fidelity,
         tensors=tensors,
         io=IOEstimate(
             base_read_bytes=base_read,
-            expert_read_bytes=expert_read,
+            expert_read_bytes=sel.expert_read,
             output_write_bytes=out_bytes,
-            sketch_read_bytes=sketch_read,
+            sketch_read_bytes=sel.sketch_read,
         ),
         expert_bytes_total=sum(e.layout.total_bytes for e in experts),
         retained_energy=retained,
-        extra_files=sorted(extra_files),
+        extra_files=sorted(inputs.extra_files),
         shard_metadata={f: sh.metadata for f, sh in base.layout.shards.items()},
         index_metadata=base.layout.index_metadata,
         out_dtype=plan_out_dtype,
-        n_layers=n_layers,
-        block_value={"kind": "fisher", "calibration": calibration} if value == "fisher" and calibration else None,
-        sketch=sketch if tiers else None,
-        requested_dtype=requested_dtype,
-        source=dict(source or {}),
+        n_layers=pc.n_layers,
+        block_value=pc.value.record(),
+        sketch=selection.sketch if pc.tiers else None,
+        requested_dtype=options.requested_dtype,
+        source=dict(options.source or {}),
         created_at=time.time(),
     )
     from mergepipe import __version__
@@ -671,6 +716,66 @@ def make_plan(
     plan.mergepipe_version = __version__
     plan.explain = _explain_plan(plan, time.perf_counter() - t0)
     return plan.seal()
+
+
+@dataclass(frozen=True)
+class BlockValueRule:
+    """The block value the selection maximises per byte, and the calibration it depends on:
+    the one place the planner applies ``SelectionOptions.value``.
+
+    ``energy``: the method's value as is (:meth:`MethodSpec.block_value`). ``fisher``: that
+    value times the block's mean diagonal Fisher of the base on the calibration set
+    (``PlanInputs.sensitivity``), plus a floor of 1e-6 of the mean Fisher so blocks the
+    calibration text never exercised (F = 0, e.g. unseen token rows) are read last, and always
+    at unlimited budget (the output must not change).
+    """
+
+    kind: str = "energy"
+    calibration: str | None = None
+    sensitivity: Mapping[str, np.ndarray] | None = None
+    floor: float = 0.0
+
+    @classmethod
+    def of(cls, selection: SelectionOptions, sensitivity: Mapping[str, np.ndarray] | None) -> BlockValueRule:
+        """The rule of ``selection``.
+
+        Raises:
+            InputError: an unknown value, or ``fisher`` without sensitivity or calibration."""
+        value, calibration = selection.value, selection.calibration
+        if value not in ("energy", "fisher"):
+            raise InputError(f"--value {value!r}: use 'energy' or 'fisher'.")
+        if value == "energy":
+            return cls("energy", calibration)
+        if sensitivity is None or not calibration:
+            raise InputError(
+                "--value fisher needs the base's sensitivity on a calibration set; pass --calibration FILE.jsonl."
+            )
+        allf = (
+            np.concatenate([np.asarray(v, dtype=np.float64) for v in sensitivity.values()])
+            if sensitivity
+            else np.zeros(1)
+        )
+        floor = 1e-6 * float(allf.mean()) if allf.size and allf.mean() > 0 else 1e-30
+        return cls("fisher", calibration, sensitivity, floor)
+
+    def apply(self, value: np.ndarray, tensor: str) -> np.ndarray:
+        """float64 ``[n_blocks]`` block values of ``tensor`` under this rule.
+
+        Raises:
+            InputError: ``fisher`` and the sensitivity lacks the tensor on this block grid."""
+        if self.kind != "fisher":
+            return value
+        fb = self.sensitivity.get(tensor) if self.sensitivity else None
+        if fb is None or len(fb) != len(value):
+            raise InputError(
+                f"catalog: the sensitivity statistic lacks tensor {tensor!r} on this block grid; "
+                "re-run `mergepipe analyze --calibration ...`."
+            )
+        return value * (np.asarray(fb, dtype=np.float64) + self.floor)
+
+    def record(self) -> dict | None:
+        """What the plan records (part of its digest): None for ``energy``."""
+        return {"kind": "fisher", "calibration": self.calibration} if self.kind == "fisher" else None
 
 
 def _side_io(
@@ -1110,144 +1215,14 @@ def _content_digest(a: Analysis) -> str:
     ).hexdigest()
 
 
-def _coefficients(
-    spec, g: dict, tp: TensorPlan, stats: list, weights: list[float], gram, name: str, K: int, raw: bool = False
-) -> list[float]:
-    """Per-expert coefficient of the task vector in the output (interpolating methods), and
-    ``tp.derived`` filled with what the engine needs. From whole-tensor catalog statistics.
-    ``raw``: multislerp over the inputs' raw weights θᵢ = base + δᵢ (mergekit without
-    ``base_model``; the base is one of the inputs), not over the task vectors."""
-    if spec.kind == "slerp":
-        st = stats[0]
-        ca, cb = slerp_coefficients(float(g["t"]), st.base_sq, st.expert_sq, st.base_dot_expert)
-        tp.derived = {"c_base": ca, "c_expert": cb}
-        return [cb]
-    if spec.kind == "nuslerp":
-        total = weights[0] + weights[1]
-        t = 0.5 if abs(total) < 1e-6 else weights[1] / total
-        a, b, s = nuslerp_coefficients(t, stats[0].delta_sq, stats[1].delta_sq, float(gram[(0, 1)][name]))
-        tp.derived = {"t": t}
-        if g.get("nuslerp_flatten", True):
-            tp.derived.update({"a": a, "b": b, "s": s})
-        return [a / s, b / s]
-    if spec.kind == "model_stock":
-        t = float(model_stock_t(K, [st.delta_sq for st in stats], {k: float(v[name]) for k, v in gram.items()}))
-        tp.derived = {} if g.get("filter_wise") else {"t": t}
-        return [t / K] * K
-    if spec.kind in ("multislerp", "karcher"):
-        dd = np.zeros((K, K))
-        for i in range(K):
-            dd[i, i] = stats[i].delta_sq
-            for j in range(i + 1, K):
-                dd[i, j] = dd[j, i] = float(gram[(i, j)][name])
-        if spec.kind == "multislerp" and not raw:
-            try:
-                cs = multislerp_coefficients(weights, dd, bool(g["normalize_weights"]), float(g["eps"]))
-            except ValueError as e:
-                raise InputError(f"multislerp: tensor {name!r}: {e}; change the weights.") from None
-            tp.derived = {"c_base": 1.0, **{f"c{i}": c for i, c in enumerate(cs)}}
-            return cs
-        # karcher (and multislerp without a base) over the points θᵢ = base + δᵢ:
-        # ⟨θᵢ,θⱼ⟩ = ⟨b,θᵢ⟩ + ⟨b,θⱼ⟩ − ‖b‖² + ⟨δᵢ,δⱼ⟩; the result Σ cᵢθᵢ = (Σ cᵢ)·base + Σ cᵢδᵢ
-        bb = stats[0].base_sq
-        bx = np.array([st.base_dot_expert for st in stats])
-        gt = dd + bx[:, None] + bx[None, :] - bb
-        for i in range(K):
-            gt[i, i] = stats[i].expert_sq
-        if spec.kind == "multislerp":
-            try:
-                cs = multislerp_coefficients(weights, gt, bool(g["normalize_weights"]), float(g["eps"]))
-            except ValueError as e:
-                raise InputError(f"multislerp: tensor {name!r}: {e}; change the weights.") from None
-            tp.derived = {
-                "c_base": f32(math.fsum(float(np.float32(c)) for c in cs)),
-                **{f"c{i}": c for i, c in enumerate(cs)},
-            }
-            return cs
-        cs = karcher_coefficients(gt, int(g["max_iter"]), float(g["tol"]))
-        tp.derived = {
-            "c_base": f32(math.fsum(float(np.float32(c)) for c in cs)),
-            **{f"c{i}": c for i, c in enumerate(cs)},
-        }
-        return cs
-    if spec.kind == "sce" and not _whole_tensor(spec, g):
-        ws = sce_weights([st.delta_sq for st in stats], stats[0].numel)
-        tp.derived = {f"w{i}": w for i, w in enumerate(ws)}
-        return ws
-    return [1.0] * K
-
-
-def _whole_tensor(spec, g: dict) -> bool:
-    """The engine merges this tensor in one chunk: its statistics are whole-tensor functions of
-    the expert values that the catalog does not keep (arcee_fusion's importance quantiles,
-    ramplus_tl's overlap counts, sce's variance top-k with select_topk < 1)."""
-    return spec.kind in ("arcee_fusion", "ramplus_tl") or (
-        spec.kind == "sce" and float(g.get("select_topk", 1.0)) < 1.0
-    )
-
-
-def _explain_tensor(tp: TensorPlan, spec, names: list[str]) -> str:
+def _explain_tensor(tp: TensorPlan, spec: MethodSpec, names: list[str]) -> str:
+    """One line on how tensor ``tp`` is merged: the method's head (its coefficients), then per
+    expert its blocks, sketch levels, share of energy and threshold, then the pre-passes."""
     if tp.copy_base:
-        if spec.kind == "slerp" and tp.params.get("t") == 0.0 and tp.dtype in FLOAT_DTYPES:
-            return "copied from base: slerp t=0"
-        return "copied from base: no expert block selected (or the tensor is not floating point)"
-    parts = []
-    for te in tp.experts:
-        nsel = sum(b1 - b0 for b0, b1 in te.blocks)
-        frac = te.kept_energy / te.full_energy if te.full_energy > 0 else 1.0
-        nm = names[te.expert] if te.expert < len(names) else f"expert {te.expert + 1}"
-        thr = ""
-        if spec.sparsify == "magnitude" and te.min_key:
-            thr = f", trim key>={te.min_key}"
-        elif spec.sparsify == "outliers" and te.density < 1.0:
-            thr = f", keep keys in [{te.min_key}, {te.max_key})"
-        pv = ""
-        if spec.has_weights and spec.kind != "nuslerp":
-            pv = f" (weight {te.weight:g}" + (f", density {te.density:g}" if spec.uses_density else "") + ")"
-        lo = ""
-        if te.lora is not None:
-            lo = f", LoRA {te.lora.module} r={te.lora.rank} scale={te.lora.scale:g}: reads A and B ({te.bytes:,} B)"
-        sk = ""
-        if te.sketch_blocks:
-            by: dict[int, int] = {}
-            for (b0, b1), k in zip(te.sketch_blocks, te.sketch_levels):
-                by[k] = by.get(k, 0) + b1 - b0
-            sk = " + sketched " + ", ".join(f"{n} at {k} plane{'s' if k > 1 else ''}" for k, n in sorted(by.items()))
-        parts.append(f"{nm}{pv}: {nsel}/{tp.n_blocks} blocks{sk}, {frac:.1%} of its energy{thr}{lo}")
-    head = ""
-    d = tp.derived
-    if spec.kind == "slerp":
-        head = (
-            f"slerp t={tp.params['t']:g}: {d['c_base']:.6g}·base + {d['c_expert']:.6g}·expert (coefficients "
-            "from the catalog's whole-tensor norms and dot product); "
-        )
-    elif spec.kind == "model_stock":
-        head = (
-            "model_stock filter_wise: per-row ratio computed by the engine from the rows it reads (unread rows "
-            "count as δ = 0); "
-            if tp.params.get("filter_wise")
-            else f"model_stock t={d['t']:.6g} from the catalog's pairwise cosines; "
-        )
-    elif spec.kind == "nuslerp":
-        head = (
-            f"nuslerp t={d['t']:.6g}: coefficients from the catalog's norms and ⟨δ₀,δ₁⟩; "
-            if "a" in d
-            else f"nuslerp t={d['t']:.6g}: per-row coefficients computed by the engine from the rows it reads; "
-        )
-    elif spec.kind in ("multislerp", "karcher"):
-        cs = ", ".join(
-            f"{d[k]:.6g}" for k in sorted(d, key=lambda k: (len(k), k)) if k.startswith("c") and k != "c_base"
-        )
-        head = (
-            f"{spec.kind}: base·{d.get('c_base', 1.0):.6g} + Σ cᵢδᵢ, c = [{cs}] from the catalog's norms and pair "
-            "statistics; "
-        )
-    elif spec.kind == "sce" and d:
-        head = f"sce: weights [{', '.join(f'{d[k]:.6g}' for k in sorted(d))}] from the catalog's ‖δᵢ‖²; "
-    elif spec.budget == "whole" or spec.kind == "sce":
-        head = f"{spec.kind}: whole-tensor statistics computed by the engine over the whole tensor (one chunk); "
-    elif spec.sparsify == "della":
-        head = "della: per-row magnitude ranks computed by the engine from the rows it reads; "
+        why = spec.explain_copy(tp) if tp.dtype in FLOAT_DTYPES else None
+        return why or "copied from base: no expert block selected (or the tensor is not floating point)"
+    parts = [_explain_expert(tp, te, spec, names) for te in tp.experts]
+    head = spec.explain_head(tp)
     if not parts:
         return head + "no expert block selected"
     extra = (
@@ -1257,6 +1232,23 @@ def _explain_tensor(tp: TensorPlan, spec, names: list[str]) -> str:
         else ""
     )
     return head + "; ".join(parts) + extra
+
+
+def _explain_expert(tp: TensorPlan, te: TensorExpert, spec: MethodSpec, names: list[str]) -> str:
+    nsel = sum(b1 - b0 for b0, b1 in te.blocks)
+    frac = te.kept_energy / te.full_energy if te.full_energy > 0 else 1.0
+    nm = names[te.expert] if te.expert < len(names) else f"expert {te.expert + 1}"
+    pv, thr = spec.explain_expert(te)
+    lo = ""
+    if te.lora is not None:
+        lo = f", LoRA {te.lora.module} r={te.lora.rank} scale={te.lora.scale:g}: reads A and B ({te.bytes:,} B)"
+    sk = ""
+    if te.sketch_blocks:
+        by: dict[int, int] = {}
+        for (b0, b1), k in zip(te.sketch_blocks, te.sketch_levels):
+            by[k] = by.get(k, 0) + b1 - b0
+        sk = " + sketched " + ", ".join(f"{n} at {k} plane{'s' if k > 1 else ''}" for k, n in sorted(by.items()))
+    return f"{nm}{pv}: {nsel}/{tp.n_blocks} blocks{sk}, {frac:.1%} of its energy{thr}{lo}"
 
 
 def _explain_plan(plan: Plan, seconds: float) -> str:

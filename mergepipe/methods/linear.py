@@ -1,0 +1,36 @@
+"""Linear: the weighted average of the models (mergekit ``merge_methods/linear.py``); with a
+base, the base plus the weighted average of the task vectors (Model soups, Wortsman et al.,
+2022, arXiv:2203.05482)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mergepipe.methods.base import WEIGHT, MethodSpec, normalize_param
+from mergepipe.methods.gta import TaskArithmeticMethod
+
+
+@dataclass(frozen=True)
+class LinearMethod(TaskArithmeticMethod):
+    """A task-arithmetic method whose combination is the weighted sum (``normalize``: mean)."""
+
+    def work_floats(self, n_experts: int, elementwise: bool) -> int:
+        return n_experts + 3 if elementwise else n_experts + 7
+
+    def identity_on_zero_delta(self, weight_sum: float, globals_: Mapping[str, Any]) -> bool:
+        # without normalize the output is base·Σwᵢ + Σwᵢδᵢ: the base only when Σwᵢ = 1
+        return bool(globals_.get("normalize", True)) or weight_sum == 1.0
+
+
+METHODS: tuple[MethodSpec, ...] = (
+    LinearMethod(
+        "linear",
+        "none",
+        None,
+        (WEIGHT, normalize_param(True)),
+        kind="linear",
+        paper="Model soups (Wortsman et al., 2022, arXiv:2203.05482)",
+    ),
+)

@@ -1,0 +1,193 @@
+"""Sparsifiers of the task-arithmetic family, one object each (mergekit 0.1.5 ``sparsify.py``).
+
+A :class:`Sparsifier` holds everything one way of dropping task-vector entries needs: the kernel
+that applies it to a chunk (:meth:`Sparsifier.apply`), the energy it keeps per block from the
+catalog's key histogram (:meth:`Sparsifier.kept`), the exact-threshold refinement the engine makes
+(:meth:`Sparsifier.exact_bound`) and its line in ``explain``. ``none`` keeps everything;
+``magnitude`` is TIES's top-k by ``|δ|``; ``random`` DARE's Bernoulli drop; ``outliers``
+breadcrumbs' magnitude window; ``della`` DELLA's magnitude-ranked Bernoulli drop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from mergepipe.numerics import (
+    N_KEYS,
+    dare_keep_mask,
+    della_keep_mask,
+    della_probs,
+    magnitude_keys,
+    outlier_counts,
+    outlier_window,
+    topk_rank,
+    trim_rank,
+)
+
+#: input dtypes whose magnitude trim (TIES) and window (breadcrumbs) rank the exact float32 |δ| (bf16 included: a
+#: difference of two bf16 values is often not a bf16 value, so its key group holds distinct magnitudes; a bf16
+#: group is refined only up to max(2^14, work memory / 16K) entries, else the key rule: the engine holds it whole)
+EXACT_TRIM_DTYPES = ("BF16", "F16", "F32")
+
+#: (rank inside the threshold key group, breadcrumbs window ``(τ_lo, r_lo, τ_hi, r_hi)`` or None)
+Bound = tuple[int, "tuple[int, int, int, int] | None"]
+
+
+class Sparsifier:
+    """Keep every entry (``none``); the base of the others."""
+
+    name = "none"
+    #: the kernel computes row-local statistics (ranks within rows)
+    row_stats = False
+
+    def apply(self, delta, ep, offset: int, shape):
+        """``δ ⊙ mask`` of a float32 torch chunk ``delta`` (flat elements ``[offset, offset + n)``
+        of a tensor of ``shape``, whole rows) for expert parameters ``ep``
+        (:class:`~mergepipe.methods.kernels.ExpertTensorParams`, ``density < 1``); not rescaled."""
+        return delta
+
+    def exact_bound(self, st, ep: Mapping[str, Any], group_cap: int | None) -> Bound:
+        """The exact-threshold refinement of expert ``ep`` on a tensor of an
+        :data:`EXACT_TRIM_DTYPES` dtype with catalog statistics ``st``: ``(0, None)`` for none."""
+        return 0, None
+
+    def kept(self, st, ep: Mapping[str, Any], rescale: bool, bound: Bound) -> tuple[np.ndarray, int, int]:
+        """float64 ``[n_blocks]`` task-vector energy kept per block at ``density < 1``, and the
+        magnitude-key window ``(min_key, max_key)`` the engine keeps."""
+        return st.sq_norm.copy(), 0, N_KEYS
+
+    def explain(self, te) -> str:
+        """The threshold text of one ``TensorExpert`` (``""``: nothing to say)."""
+        return ""
+
+
+def _where(keep, delta):
+    import torch
+
+    return torch.where(keep, delta, torch.zeros((), dtype=delta.dtype, device=delta.device))
+
+
+class Magnitude(Sparsifier):
+    """TIES: keep the ``density`` share of entries with the largest ``|δ|`` (Yadav et al., 2023)."""
+
+    name = "magnitude"
+
+    def apply(self, delta, ep, offset: int, shape):
+        import torch
+
+        from mergepipe.methods.kernels import magnitude_key_torch, magnitude_shrink_lambda
+
+        if ep.shrink is not None:  # exact top-k on bf16/float16/float32 values (one vectorized pass)
+            return torch.nn.functional.hardshrink(delta, ep.shrink)
+        if ep.min_key <= 0:
+            return delta
+        lam = magnitude_shrink_lambda(ep.min_key)
+        if lam is not None:  # one vectorized pass: 0 where |δ| <= λ, δ elsewhere (NaN kept, as its key is)
+            return torch.nn.functional.hardshrink(delta, lam)
+        return _where(magnitude_key_torch(delta) >= ep.min_key, delta)
+
+    def exact_bound(self, st, ep, group_cap):
+        tau, rank, ties = trim_rank(st.hist_keys, st.hist_counts, st.numel, float(ep.get("density", 1.0)))
+        if tau > 0 and rank < ties and (group_cap is None or ties <= group_cap):
+            return rank, None
+        return 0, None
+
+    def kept(self, st, ep, rescale, bound):
+        dens = float(ep.get("density", 1.0))
+        mk = st.min_key(dens)
+        if bound[0]:
+            mk = trim_rank(st.hist_keys, st.hist_counts, st.numel, dens)[0]  # τ: part of its group kept
+        return st.kept_energy(mk), mk, N_KEYS
+
+    def explain(self, te):
+        return f", trim key>={te.min_key}" if te.min_key else ""
+
+
+class Outliers(Sparsifier):
+    """Model Breadcrumbs: drop the ``gamma`` share of largest and keep the next ``density``
+    share of entries by ``|δ|`` (Davari & Belilovsky, 2023)."""
+
+    name = "outliers"
+
+    def apply(self, delta, ep, offset: int, shape):
+        from mergepipe.methods.kernels import magnitude_key_torch
+
+        if ep.shrink is None and ep.shrink_hi is None:
+            k = magnitude_key_torch(delta)
+            keep = (k >= ep.min_key) & (k < ep.max_key)
+        else:  # exact window on bf16/float16/float32 values (a bound without a shrink uses its key)
+            a = delta.abs()
+            keep = (a > ep.shrink) if ep.shrink is not None else (magnitude_key_torch(delta) >= ep.min_key)
+            keep &= (a <= ep.shrink_hi) if ep.shrink_hi is not None else (magnitude_key_torch(delta) < ep.max_key)
+        return _where(keep, delta)
+
+    def exact_bound(self, st, ep, group_cap):
+        ks = outlier_counts(st.numel, float(ep.get("density", 1.0)), float(ep.get("gamma", 0.0)))
+        if ks is None or ks[0] == ks[1]:  # keep all, or nothing (target 0)
+            return 0, None
+        lo = topk_rank(st.hist_keys, st.hist_counts, ks[0])
+        hi = topk_rank(st.hist_keys, st.hist_counts, ks[1])
+        if group_cap is not None and max(lo[2], hi[2]) > group_cap // 2:
+            return 0, None
+        w = (lo[0], lo[1] if 0 < lo[1] < lo[2] else 0, hi[0], hi[1] if 0 < hi[1] < hi[2] else 0)
+        if w[1] or w[3]:
+            return w[1] or -1, w  # (-1: only the outlier bound is refined)
+        return 0, None
+
+    def kept(self, st, ep, rescale, bound):
+        dens = float(ep.get("density", 1.0))
+        mk, xk = outlier_window(st.hist_keys, st.hist_counts, st.numel, dens, float(ep["gamma"]))
+        win = bound[1]
+        if win is not None:  # exact ends: the cut groups are inside the key window
+            tl, rl, th, rh = win
+            mk = tl if rl else mk
+            xk = th + 1 if rh else xk
+        return st.kept_energy_window(mk, xk), mk, xk
+
+    def explain(self, te):
+        return f", keep keys in [{te.min_key}, {te.max_key})" if te.density < 1.0 else ""
+
+
+class Random(Sparsifier):
+    """DARE: keep each entry with probability ``density`` (Yu et al., 2024)."""
+
+    name = "random"
+
+    def apply(self, delta, ep, offset: int, shape):
+        import torch
+
+        m = dare_keep_mask(ep.stream_key, offset, delta.numel(), ep.density)
+        return _where(torch.from_numpy(m).to(delta.device), delta)
+
+    def kept(self, st, ep, rescale, bound):
+        dens = float(ep.get("density", 1.0))
+        return st.sq_norm * (1.0 / dens if rescale else dens), 0, N_KEYS
+
+
+class Della(Sparsifier):
+    """DELLA: keep probabilities from ``density − epsilon`` to ``density + epsilon`` by
+    magnitude rank within rows (Deep et al., 2024)."""
+
+    name = "della"
+    row_stats = True
+
+    def apply(self, delta, ep, offset: int, shape):
+        import torch
+
+        from mergepipe.methods.kernels import row_numel_of
+
+        d = delta.detach().cpu().numpy()
+        rows = d.size // row_numel_of(shape) if len(shape) > 1 else 1
+        p = della_probs(magnitude_keys(d), shape, rows, ep.density, ep.epsilon)
+        return _where(torch.from_numpy(della_keep_mask(ep.stream_key, offset, p)).to(delta.device), delta)
+
+    def kept(self, st, ep, rescale, bound):
+        dens = float(ep.get("density", 1.0))
+        kept = st.della_kept_energy(dens, float(ep["epsilon"]))
+        return (kept / dens**2 if rescale else kept), 0, N_KEYS
+
+
+SPARSIFIERS: dict[str, Sparsifier] = {s.name: s for s in (Sparsifier(), Magnitude(), Outliers(), Random(), Della())}
