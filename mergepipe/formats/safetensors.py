@@ -211,51 +211,78 @@ def parse_header(raw: bytes, file: str, file_size: int, source: str | None = Non
         raise InputError(f"{src}: __metadata__ must be a string map.")
     data_start = 8 + n
     data_len = file_size - data_start
-    entries = []
-    for name, ent in obj.items():
-        if not isinstance(ent, dict):
-            raise InputError(f"{src}: tensor {short_repr(name)}: entry is not an object.")
-        if not name or len(name) > MAX_TENSOR_NAME:
-            raise InputError(
-                f"{src}: tensor name {short_repr(name)} is empty or longer than {MAX_TENSOR_NAME} characters."
-            )
-        dtype = ent.get("dtype")
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise InputError(
-                f"{src}: tensor {name!r} has unknown dtype {short_repr(dtype)}; supported: {', '.join(DTYPES)}."
-            )
-        shape = ent.get("shape")
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise InputError(f"{src}: tensor {name!r}: shape {short_repr(shape)} is not a list of non-negative ints.")
-        if len(shape) > MAX_RANK or math.prod(max(d, 1) for d in shape) * DTYPES[dtype][0] > MAX_TENSOR_BYTES:
-            raise InputError(
-                f"{src}: tensor {name!r}: shape {short_repr(shape)} is not a tensor any framework can hold (more "
-                f"than {MAX_RANK} dimensions, or over 2^63 bytes even without its empty dimensions); the header "
-                "is corrupt."
-            )
-        offs = ent.get("data_offsets")
-        if (
-            not isinstance(offs, list)
-            or len(offs) != 2
-            or not all(type(o) is int and o >= 0 for o in offs)
-            or offs[1] < offs[0]
-        ):
-            raise InputError(
-                f"{src}: tensor {name!r}: data_offsets {short_repr(offs)} must be [begin, end] with begin <= end."
-            )
-        expect = math.prod(shape) * DTYPES[dtype][0]
-        if offs[1] - offs[0] != expect:
-            raise InputError(
-                f"{src}: tensor {name!r}: data_offsets span {offs[1] - offs[0]} bytes but shape "
-                f"{shape} of {dtype} needs {expect}; the header is corrupt."
-            )
-        if offs[1] > data_len:
-            raise InputError(
-                f"{src}: tensor {name!r}: data_offsets end {offs[1]} is past the data section "
-                f"({data_len} bytes); the file is truncated. Re-export or re-download it."
-            )
-        entries.append((offs[0], offs[1], name, dtype, tuple(shape)))
-    entries.sort()
+    entries = sorted(_header_entry(src, name, ent, data_len) for name, ent in obj.items())
+    tensors = _contiguous_tensors(src, entries, file, data_start, data_len)
+    return ShardHeader(
+        file=file,
+        header_len=n,
+        data_start=data_start,
+        file_size=file_size,
+        tensors=tensors,
+        metadata={str(k): str(v) for k, v in meta.items()},
+        header_sha256=hashlib.sha256(raw[: 8 + n]).hexdigest(),
+    )
+
+
+def _header_entry(src: str, name: str, ent: object, data_len: int) -> tuple[int, int, str, str, tuple[int, ...]]:
+    """One header entry, validated: ``(begin, end, name, dtype, shape)`` (offsets relative to
+    the data section of ``data_len`` bytes).
+
+    Raises:
+        InputError: not an object, a bad name, an unknown dtype, a bad or impossible shape,
+            malformed offsets, a span that is not the shape's size, an end past the data section.
+    """
+    if not isinstance(ent, dict):
+        raise InputError(f"{src}: tensor {short_repr(name)}: entry is not an object.")
+    if not name or len(name) > MAX_TENSOR_NAME:
+        raise InputError(f"{src}: tensor name {short_repr(name)} is empty or longer than {MAX_TENSOR_NAME} characters.")
+    dtype = ent.get("dtype")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise InputError(
+            f"{src}: tensor {name!r} has unknown dtype {short_repr(dtype)}; supported: {', '.join(DTYPES)}."
+        )
+    shape = ent.get("shape")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise InputError(f"{src}: tensor {name!r}: shape {short_repr(shape)} is not a list of non-negative ints.")
+    if len(shape) > MAX_RANK or math.prod(max(d, 1) for d in shape) * DTYPES[dtype][0] > MAX_TENSOR_BYTES:
+        raise InputError(
+            f"{src}: tensor {name!r}: shape {short_repr(shape)} is not a tensor any framework can hold (more "
+            f"than {MAX_RANK} dimensions, or over 2^63 bytes even without its empty dimensions); the header "
+            "is corrupt."
+        )
+    offs = ent.get("data_offsets")
+    if (
+        not isinstance(offs, list)
+        or len(offs) != 2
+        or not all(type(o) is int and o >= 0 for o in offs)
+        or offs[1] < offs[0]
+    ):
+        raise InputError(
+            f"{src}: tensor {name!r}: data_offsets {short_repr(offs)} must be [begin, end] with begin <= end."
+        )
+    expect = math.prod(shape) * DTYPES[dtype][0]
+    if offs[1] - offs[0] != expect:
+        raise InputError(
+            f"{src}: tensor {name!r}: data_offsets span {offs[1] - offs[0]} bytes but shape "
+            f"{shape} of {dtype} needs {expect}; the header is corrupt."
+        )
+    if offs[1] > data_len:
+        raise InputError(
+            f"{src}: tensor {name!r}: data_offsets end {offs[1]} is past the data section "
+            f"({data_len} bytes); the file is truncated. Re-export or re-download it."
+        )
+    return (offs[0], offs[1], name, dtype, tuple(shape))
+
+
+def _contiguous_tensors(
+    src: str, entries: list[tuple[int, int, str, str, tuple[int, ...]]], file: str, data_start: int, data_len: int
+) -> dict[str, TensorInfo]:
+    """The entries (sorted by offset) as :class:`TensorInfo` (absolute offsets), checked to
+    tile the data section exactly.
+
+    Raises:
+        InputError: an overlap, a gap, or a data section longer or shorter than the tensors.
+    """
     pos = 0
     tensors: dict[str, TensorInfo] = {}
     for b, e, name, dtype, shape in entries:
@@ -270,15 +297,7 @@ def parse_header(raw: bytes, file: str, file_size: int, source: str | None = Non
             f"{src}: data section is {data_len} bytes but tensors cover {pos}; "
             + ("the file is truncated." if pos > data_len else "trailing bytes after the last tensor.")
         )
-    return ShardHeader(
-        file=file,
-        header_len=n,
-        data_start=data_start,
-        file_size=file_size,
-        tensors=tensors,
-        metadata={str(k): str(v) for k, v in meta.items()},
-        header_sha256=hashlib.sha256(raw[: 8 + n]).hexdigest(),
-    )
+    return tensors
 
 
 def build_header(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> bytes:
