@@ -155,6 +155,26 @@ class AdapterConfig:
         }
 
 
+#: PEFT LoRA fields whose non-empty value makes the saved factors something other than a plain
+#: ``s·B·A`` task vector: field -> why (the refusal names the field and the fix)
+_REFUSED_FIELDS = {
+    "use_dora": "DoRA's magnitude vector rescales whole columns of W + BA, so its task vector is not s·B·A",
+    "fan_in_fan_out": "fan_in_fan_out adapters (GPT-2 Conv1D weights stored transposed) are not supported",
+    "lora_bias": "a trained lora_B bias is not part of the weight's task vector",
+    "use_qalora": "QALoRA adapters pool the input and are not supported",
+    "modules_to_save": "modules_to_save replace whole tensors (not a low-rank task vector)",
+    "trainable_token_indices": "trainable tokens replace embedding rows (not a low-rank task vector)",
+    "layer_replication": "layer_replication changes the model's layer structure",
+    "target_parameters": "LoRA on nn.Parameter targets is not supported",
+    "alora_invocation_tokens": "activated LoRA (aLoRA) applies only after its invocation tokens",
+    "megatron_config": "Megatron-parallel LoRA layers are not supported",
+    "use_bdlora": "block-diagonal LoRA (BD-LoRA) factors are not plain B·A products",
+    "arrow_config": "Arrow routes between several adapters at inference time",
+    "kasa_config": "KaSA adds a singular-value vector between B and A",
+    "monteclora_config": "MonteCLoRA samples its factors",
+}
+
+
 def parse_adapter_config(raw: bytes, source: str) -> AdapterConfig:
     """Parse and check ``adapter_config.json`` bytes (``source``: its URI, for messages).
 
@@ -169,29 +189,42 @@ def parse_adapter_config(raw: bytes, source: str) -> AdapterConfig:
         raise InputError(f"{source}: not valid JSON; a PEFT adapter folder has a JSON adapter_config.json.") from None
     if not isinstance(d, dict):
         raise InputError(f"{source}: must be a JSON object (PEFT's LoraConfig).")
+    _refuse_unsupported(d, source)
+    r, alpha = d.get("r"), d.get("lora_alpha")
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise InputError(f"{source}: r: {short_repr(r)} must be a positive integer (the LoRA rank).")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise InputError(f"{source}: lora_alpha: {short_repr(alpha)} must be a finite number.")
+    pats = {k: _parse_pattern(d, k, kind, source) for k, kind in (("rank_pattern", "rank"), ("alpha_pattern", "alpha"))}
+    rs = d.get("use_rslora", False)
+    if not isinstance(rs, bool):
+        raise InputError(f"{source}: use_rslora: must be true or false.")
+    bm = d.get("base_model_name_or_path")
+    return AdapterConfig(
+        r=r,
+        lora_alpha=float(alpha),
+        use_rslora=rs,
+        rank_pattern=pats["rank_pattern"],
+        alpha_pattern=pats["alpha_pattern"],
+        base_model_name_or_path=bm if isinstance(bm, str) else None,
+        target_modules=d.get("target_modules"),
+        raw=d,
+        raw_text=text,
+        sha256=hashlib.sha256(raw).hexdigest(),
+    )
+
+
+def _refuse_unsupported(d: dict, source: str) -> None:
+    """Refuse (``InputError`` naming the field and the fix) an adapter that is not plain LoRA:
+    another ``peft_type``, a :data:`_REFUSED_FIELDS` field set, an initialisation relative to a
+    modified base (PiSSA, OLoRA, CorDA, LoftQ), trained biases."""
     pt = d.get("peft_type", "LORA")
     if pt != "LORA":
         raise InputError(
             f"{source}: peft_type: {short_repr(pt)} is not supported; mergepipe reads LoRA adapters "
             f"(peft_type LORA) — {_PRE_MERGE}."
         )
-    refusals = {
-        "use_dora": "DoRA's magnitude vector rescales whole columns of W + BA, so its task vector is not s·B·A",
-        "fan_in_fan_out": "fan_in_fan_out adapters (GPT-2 Conv1D weights stored transposed) are not supported",
-        "lora_bias": "a trained lora_B bias is not part of the weight's task vector",
-        "use_qalora": "QALoRA adapters pool the input and are not supported",
-        "modules_to_save": "modules_to_save replace whole tensors (not a low-rank task vector)",
-        "trainable_token_indices": "trainable tokens replace embedding rows (not a low-rank task vector)",
-        "layer_replication": "layer_replication changes the model's layer structure",
-        "target_parameters": "LoRA on nn.Parameter targets is not supported",
-        "alora_invocation_tokens": "activated LoRA (aLoRA) applies only after its invocation tokens",
-        "megatron_config": "Megatron-parallel LoRA layers are not supported",
-        "use_bdlora": "block-diagonal LoRA (BD-LoRA) factors are not plain B·A products",
-        "arrow_config": "Arrow routes between several adapters at inference time",
-        "kasa_config": "KaSA adds a singular-value vector between B and A",
-        "monteclora_config": "MonteCLoRA samples its factors",
-    }
-    for k, why in refusals.items():
+    for k, why in _REFUSED_FIELDS.items():
         v = d.get(k)
         if v not in (None, False, [], {}, ""):
             raise InputError(f"{source}: {k}: {short_repr(v)}: {why}; {_PRE_MERGE}.")
@@ -209,52 +242,39 @@ def parse_adapter_config(raw: bytes, source: str) -> AdapterConfig:
             f"{source}: bias: {short_repr(bias)}: trained biases are not part of the LoRA task vector; "
             f"use bias='none' or {_PRE_MERGE}."
         )
-    r, alpha = d.get("r"), d.get("lora_alpha")
-    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
-        raise InputError(f"{source}: r: {short_repr(r)} must be a positive integer (the LoRA rank).")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise InputError(f"{source}: lora_alpha: {short_repr(alpha)} must be a finite number.")
-    pats: dict[str, dict] = {}
-    for k, kind in (("rank_pattern", "rank"), ("alpha_pattern", "alpha")):
-        p = d.get(k) or {}
-        if not isinstance(p, dict):
-            raise InputError(f"{source}: {k}: must be a mapping of module-name patterns to {kind}s.")
-        for pk, pv in p.items():
-            ok = (
-                isinstance(pv, int) and not isinstance(pv, bool) and pv > 0
-                if kind == "rank"
-                else isinstance(pv, (int, float)) and not isinstance(pv, bool) and math.isfinite(pv)
+
+
+def _parse_pattern(d: dict, k: str, kind: str, source: str) -> dict:
+    """``d[k]`` (``rank_pattern``/``alpha_pattern``, absent: empty), checked: at most
+    :data:`MAX_PATTERN_KEYS` keys, each a valid pattern of at most :data:`MAX_PATTERN_CHARS`
+    characters mapped to a positive integer rank or a finite alpha (``kind``).
+
+    Raises:
+        InputError: naming ``k`` (and the key) and what is wrong.
+    """
+    p = d.get(k) or {}
+    if not isinstance(p, dict):
+        raise InputError(f"{source}: {k}: must be a mapping of module-name patterns to {kind}s.")
+    for pk, pv in p.items():
+        ok = (
+            isinstance(pv, int) and not isinstance(pv, bool) and pv > 0
+            if kind == "rank"
+            else isinstance(pv, (int, float)) and not isinstance(pv, bool) and math.isfinite(pv)
+        )
+        if not ok:
+            raise InputError(f"{source}: {k}.{pk}: {short_repr(pv)} is not a valid {kind}.")
+        if not isinstance(pk, str) or len(pk) > MAX_PATTERN_CHARS:
+            raise InputError(
+                f"{source}: {k}: key {short_repr(pk)} is longer than {MAX_PATTERN_CHARS} characters; "
+                "keys are module names or short patterns."
             )
-            if not ok:
-                raise InputError(f"{source}: {k}.{pk}: {short_repr(pv)} is not a valid {kind}.")
-            if not isinstance(pk, str) or len(pk) > MAX_PATTERN_CHARS:
-                raise InputError(
-                    f"{source}: {k}: key {short_repr(pk)} is longer than {MAX_PATTERN_CHARS} characters; "
-                    "keys are module names or short patterns."
-                )
-            try:
-                pattern_regex(pk)
-            except ValueError as e:
-                raise InputError(f"{source}: {k}: key {short_repr(pk)} is not a valid pattern ({e}).") from None
-        if len(p) > MAX_PATTERN_KEYS:
-            raise InputError(f"{source}: {k}: {len(p)} keys, over the limit of {MAX_PATTERN_KEYS}.")
-        pats[k] = dict(p)
-    rs = d.get("use_rslora", False)
-    if not isinstance(rs, bool):
-        raise InputError(f"{source}: use_rslora: must be true or false.")
-    bm = d.get("base_model_name_or_path")
-    return AdapterConfig(
-        r=r,
-        lora_alpha=float(alpha),
-        use_rslora=rs,
-        rank_pattern=pats["rank_pattern"],
-        alpha_pattern=pats["alpha_pattern"],
-        base_model_name_or_path=bm if isinstance(bm, str) else None,
-        target_modules=d.get("target_modules"),
-        raw=d,
-        raw_text=text,
-        sha256=hashlib.sha256(raw).hexdigest(),
-    )
+        try:
+            pattern_regex(pk)
+        except ValueError as e:
+            raise InputError(f"{source}: {k}: key {short_repr(pk)} is not a valid pattern ({e}).") from None
+    if len(p) > MAX_PATTERN_KEYS:
+        raise InputError(f"{source}: {k}: {len(p)} keys, over the limit of {MAX_PATTERN_KEYS}.")
+    return dict(p)
 
 
 @dataclass(frozen=True)
