@@ -31,7 +31,9 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import FLOAT_DTYPES
@@ -82,13 +84,37 @@ def extract_lora(
             the checkpoints' tensors differ in names or shapes, or nothing linear changed —
             before anything is written (the first four before anything is read).
     """
-    import numpy as np
-    import torch
-    from safetensors.torch import save_file
-
+    outp = _check_extract_args(rank, dtype, out, snapshot, base)
+    t0 = time.perf_counter()
     from mergepipe.formats.safetensors import load_layout
-    from mergepipe.numerics import decode
 
+    bl = load_layout(storage, base, role="catalog")
+    sl = load_layout(storage, snapshot, role="catalog")
+    _check_same_tensors(bl, sl, snapshot, base)
+    ex = _Extraction(str(snapshot))
+    for name, bt in bl.tensors.items():
+        if bt.dtype not in FLOAT_DTYPES or bt.numel == 0:
+            continue
+        d = _task_vector(storage, bl, sl, base, snapshot, name)
+        if d is not None:
+            ex.add(name, list(bt.shape), d, rank, dtype, progress)
+    if not ex.modules:
+        raise InputError(
+            f"{snapshot}: no linear weight differs from the base {base}; there is no task vector to extract."
+        )
+    config = _adapter_config(base, rank, ex)
+    report = _extract_report(snapshot, base, rank, dtype, ex)
+    _write_adapter(outp, ex.factors, config, report, t0)
+    return report
+
+
+def _check_extract_args(rank: int, dtype: str, out: str | os.PathLike, snapshot: str, base: str) -> Path:
+    """Validate :func:`extract_lora`'s arguments before any byte is read; returns ``out`` as a Path.
+
+    Raises:
+        InputError: a bad rank or dtype, ``out`` is not local or exists, or cannot be created
+            there (:func:`mergepipe.commit.manifest.check_output`).
+    """
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise InputError(f"--rank {rank!r}: must be a positive integer, e.g. 16.")
     if dtype not in FACTOR_DTYPES:
@@ -106,9 +132,11 @@ def extract_lora(
     # before any byte is read or any SVD computed: a parent that is a file, an unwritable folder,
     # a name too long for the filesystem, or a folder inside the snapshot or the base
     check_output(outp, None, inputs=[snapshot, base])
-    t0 = time.perf_counter()
-    bl = load_layout(storage, base, role="catalog")
-    sl = load_layout(storage, snapshot, role="catalog")
+    return outp
+
+
+def _check_same_tensors(bl: Any, sl: Any, snapshot: str, base: str) -> None:
+    """Refuse a snapshot whose tensor names or shapes differ from the base's (``InputError``)."""
     for n, bt in bl.tensors.items():
         st = sl.tensors.get(n)
         if st is None or st.shape != bt.shape:
@@ -121,73 +149,91 @@ def extract_lora(
     if extra:
         raise InputError(f"{snapshot}: tensor {extra[0]!r} is not in the base {base}; pick the snapshot's true base.")
 
-    def read(layout, uri, name, role):
-        t = layout.tensors[name]
-        return storage.read_range(storage.join(uri, t.file), t.start, t.end, role)
 
+def _task_vector(storage: Storage, bl: Any, sl: Any, base: str, snapshot: str, name: str) -> Any:
+    """Tensor ``name``'s task vector ``θ − θ_base`` (flat float32 numpy array), or None when the
+    snapshot's bytes equal the base's (same dtype). Reads role ``base`` then ``expert``."""
+    import numpy as np
+
+    from mergepipe.numerics import decode
+
+    bt, st = bl.tensors[name], sl.tensors[name]
+    braw = storage.read_range(storage.join(base, bt.file), bt.start, bt.end, "base")
+    sraw = storage.read_range(storage.join(snapshot, st.file), st.start, st.end, "expert")
+    if st.dtype == bt.dtype and braw == sraw:
+        return None  # unchanged: no task vector
+    b = decode(braw, bt.dtype).astype(np.float32, copy=False)
+    del braw
+    d = decode(sraw, st.dtype).astype(np.float32, copy=False) - b
+    return d
+
+
+def _factorize(d: Any, rows: int, cols: int, rank: int, dtype: str) -> tuple[Any, Any, int, float]:
+    """Truncated SVD of ``d`` (``rows·cols`` float32) as LoRA factors ``(A (r, cols), B (rows, r),
+    r, explained energy)``, ``r = min(rank, rows, cols)``, factors in ``dtype`` (see the module
+    docstring)."""
+    import torch
+
+    r = min(rank, rows, cols)
+    u, s, vh = torch.linalg.svd(torch.from_numpy(d.reshape(rows, cols)), full_matrices=False)
+    s64 = s.double()
+    explained = float((s64[:r] ** 2).sum() / (s64**2).sum()) if float(s64.abs().sum()) > 0 else 1.0
+    root = s[:r].sqrt()
     tdt = getattr(torch, dtype)
-    factors: dict[str, torch.Tensor] = {}
-    modules: list[dict] = []
-    skipped: list[dict] = []
-    rank_pattern: dict[str, int] = {}
-    total_energy = captured = 0.0
-    for name, bt in bl.tensors.items():
-        if bt.dtype not in FLOAT_DTYPES or bt.numel == 0:
-            continue
-        st = sl.tensors[name]
-        braw = read(bl, base, name, "base")
-        sraw = read(sl, snapshot, name, "expert")
-        if st.dtype == bt.dtype and braw == sraw:
-            continue  # unchanged: no task vector
-        b = decode(braw, bt.dtype).astype(np.float32, copy=False)
-        d = decode(sraw, st.dtype).astype(np.float32, copy=False) - b
-        del braw, sraw, b
+    bf = (u[:, :r] * root).to(tdt).contiguous()
+    af = (root[:, None] * vh[:r]).to(tdt).contiguous()
+    return af, bf, r, explained
+
+
+@dataclass
+class _Extraction:
+    """What :func:`extract_lora` has gathered so far: factors (PEFT names -> tensors), the
+    report's ``modules``/``skipped`` rows, the rank pattern, and the energies (float64 sums)."""
+
+    snapshot: str
+    factors: dict[str, Any] = field(default_factory=dict)
+    modules: list[dict] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    total_energy: float = 0.0
+    captured: float = 0.0
+
+    def add(
+        self, name: str, shape: list[int], d: Any, rank: int, dtype: str, progress: Callable[[str], None] | None
+    ) -> None:
+        """Account tensor ``name``'s task vector ``d``: factorize a changed linear weight, record
+        a changed other tensor as skipped. Raises InputError on a non-finite task vector."""
+        import numpy as np
+
         energy = float(np.dot(d.astype(np.float64), d.astype(np.float64)))
         if not math.isfinite(energy):
             raise InputError(
-                f"{snapshot}: tensor {name!r} has a non-finite task vector (NaN or inf); check the snapshot."
+                f"{self.snapshot}: tensor {name!r} has a non-finite task vector (NaN or inf); check the snapshot."
             )
-        total_energy += energy
-        linear = len(bt.shape) == 2 and name.endswith(".weight") and not _is_embedding(name)
+        self.total_energy += energy
+        linear = len(shape) == 2 and name.endswith(".weight") and not _is_embedding(name)
         if not linear or energy == 0.0:
             if energy > 0.0:
-                why = "embedding" if _is_embedding(name) else f"{len(bt.shape)}-D, not a linear layer's weight"
-                skipped.append({"tensor": name, "shape": list(bt.shape), "energy": energy, "reason": why})
-            continue
-        rows, cols = int(bt.shape[0]), int(bt.shape[1])
-        r = min(rank, rows, cols)
-        dm = torch.from_numpy(d.reshape(rows, cols))
-        u, s, vh = torch.linalg.svd(dm, full_matrices=False)
-        del dm, d
-        s64 = s.double()
-        explained = float((s64[:r] ** 2).sum() / (s64**2).sum()) if float(s64.abs().sum()) > 0 else 1.0
-        root = s[:r].sqrt()
-        bf = (u[:, :r] * root).to(tdt).contiguous()
-        af = (root[:, None] * vh[:r]).to(tdt).contiguous()
-        del u, s, vh
+                why = "embedding" if _is_embedding(name) else f"{len(shape)}-D, not a linear layer's weight"
+                self.skipped.append({"tensor": name, "shape": shape, "energy": energy, "reason": why})
+            return
+        rows, cols = int(shape[0]), int(shape[1])
+        af, bf, r, explained = _factorize(d, rows, cols, rank, dtype)
         module = name[: -len(".weight")]
-        factors[f"{SAVED_PREFIX}{module}.lora_A.weight"] = af
-        factors[f"{SAVED_PREFIX}{module}.lora_B.weight"] = bf
+        self.factors[f"{SAVED_PREFIX}{module}.lora_A.weight"] = af
+        self.factors[f"{SAVED_PREFIX}{module}.lora_B.weight"] = bf
         if r != rank:
-            rank_pattern[module] = r
-        captured += explained * energy
-        modules.append(
-            {
-                "module": module,
-                "tensor": name,
-                "shape": [rows, cols],
-                "rank": r,
-                "energy": energy,
-                "explained_energy": explained,
-            }
-        )
+            self.rank_pattern[module] = r
+        self.captured += explained * energy
+        row = {"module": module, "tensor": name, "shape": [rows, cols], "rank": r, "energy": energy}
+        self.modules.append({**row, "explained_energy": explained})
         if progress:
             progress(module)
-    if not modules:
-        raise InputError(
-            f"{snapshot}: no linear weight differs from the base {base}; there is no task vector to extract."
-        )
-    config = {
+
+
+def _adapter_config(base: str, rank: int, ex: _Extraction) -> dict:
+    """PEFT's ``adapter_config.json`` for the extracted factors (scale ``lora_alpha / r`` = 1)."""
+    return {
         "peft_type": "LORA",
         "task_type": None,
         "base_model_name_or_path": str(base),
@@ -198,30 +244,43 @@ def extract_lora(
         "fan_in_fan_out": False,
         "bias": "none",
         "lora_dropout": 0.0,
-        "target_modules": sorted(m["module"] for m in modules),
-        "rank_pattern": {k: v for k, v in rank_pattern.items()},
+        "target_modules": sorted(m["module"] for m in ex.modules),
+        "rank_pattern": {k: v for k, v in ex.rank_pattern.items()},
         # scale = lora_alpha / r must be 1 for every module, so a module of smaller rank gets alpha = rank
-        "alpha_pattern": {k: v for k, v in rank_pattern.items()},
+        "alpha_pattern": {k: v for k, v in ex.rank_pattern.items()},
         "modules_to_save": None,
         "init_lora_weights": True,
         "inference_mode": True,
     }
-    lin = sum(m["energy"] for m in modules)
-    report = {
+
+
+def _extract_report(snapshot: str, base: str, rank: int, dtype: str, ex: _Extraction) -> dict:
+    """``extract_report.json`` (see the module docstring); ``adapter_bytes``/``seconds`` are
+    filled in when the adapter is written."""
+    lin = sum(m["energy"] for m in ex.modules)
+    return {
         "format": "mergepipe.extract-lora/v1",
         "snapshot": str(snapshot),
         "base": str(base),
         "rank": rank,
         "dtype": dtype,
-        "modules": modules,
-        "skipped": skipped,
+        "modules": ex.modules,
+        "skipped": ex.skipped,
         "linear_energy": lin,
-        "explained_energy_linear": captured / lin if lin > 0 else 1.0,
-        "total_energy": total_energy,
-        "explained_energy_total": captured / total_energy if total_energy > 0 else 1.0,
+        "explained_energy_linear": ex.captured / lin if lin > 0 else 1.0,
+        "total_energy": ex.total_energy,
+        "explained_energy_total": ex.captured / ex.total_energy if ex.total_energy > 0 else 1.0,
         "adapter_bytes": None,
         "seconds": 0.0,
     }
+
+
+def _write_adapter(outp: Path, factors: dict[str, Any], config: dict, report: dict, t0: float) -> None:
+    """Write the adapter folder ``outp`` complete or not at all: the three files in a hidden
+    sibling folder (ours alone), fsynced, then renamed. Fills ``report``'s ``adapter_bytes`` and
+    ``seconds`` (since ``t0``, ``time.perf_counter``)."""
+    from safetensors.torch import save_file
+
     parent = outp.parent if str(outp.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
     stage = parent / f".{outp.name}.extract-{os.getpid()}"
@@ -241,4 +300,3 @@ def extract_lora(
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    return report
