@@ -242,18 +242,8 @@ def plan_vocab(
     Raises:
         InputError: a tokenizer that does not load, an invalid token source, an S3 model.
     """
-    from mergepipe.storage.base import is_s3
-
     where = f"{p}: tokenizer"
-    for u in [base, *models]:
-        if is_s3(u):
-            raise InputError(
-                f"{where}: {u} is on S3; building a merged tokenizer loads each model's tokenizer with "
-                "transformers from a local folder — download it first."
-            )
-    toks: list[tuple[str, Any]] = []
-    for u in [base, *[m for m in models if m != base]]:
-        toks.append((u, _load_tokenizer(u, where)))
+    toks = _load_tokenizers(base, models, where)
     tok_of = dict(toks)
     base_tok = tok_of[base]
     if source == "base":
@@ -275,17 +265,68 @@ def plan_vocab(
         if not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1:
             raise InputError(f"{where}.pad_to_multiple_of: must be a positive integer, got {pad_to_multiple_of!r}.")
         Vp = -(-V // pad_to_multiple_of) * pad_to_multiple_of
-    perms: dict[str, list[int]] = {}
+    perms = {u: _permutation(u, tok_of[u], vocab) for u in models}
+    cfgs = _token_sources(tokens, where, perms, tok_of, resolve_ref)
+    defaults = _default_rows(vocab, models, base, perms, cfgs, where)
+    forced = {vocab[t] for t, c in cfgs.items() if c[2]}
+    rows: dict[str, list] = {}
+    missing: dict[str, int] = {}
     for u in models:
-        mv = tok_of[u].get_vocab()
-        vs = _vocab_size(u) or len(mv)
-        perm = [-1] * V
-        for t, i in vocab.items():
-            j = mv.get(t, -1)
-            perm[i] = j if 0 <= j < vs else -1
-        perms[u] = perm
-    # token sources (mergekit's assign_embedding_sources), then default rows
-    cfgs: dict[str, tuple[str, Any, bool]] = {}  # token -> (kind, arg, force)
+        rows[u], missing[u] = _row_runs(u, V, Vp, perms[u], defaults, forced)
+    tpl = _chat_template(chat_template, toks, f"{p}: chat_template") if chat_template else None
+    files = tokenizer_files(out, tpl)
+    added = sorted(t for t in vocab if t not in base_tok.get_vocab())
+    summary = {
+        "source": source,
+        "vocab_size": Vp,
+        "tokens": V,
+        "added_to_base": added[:50],
+        "rows_not_own": {os.path.basename(u.rstrip("/")): n for u, n in missing.items()},
+        "chat_template": None if tpl is None else hashlib.sha256(tpl.encode()).hexdigest()[:16],
+    }
+    return VocabPlan(Vp, rows, files, summary)
+
+
+def _load_tokenizers(base: str, models: list[str], where: str) -> list[tuple[str, Any]]:
+    """``(uri, tokenizer)`` of the base then every other model, in config order.
+
+    Raises:
+        InputError: a model on S3 (transformers loads local folders), a tokenizer that does not load.
+    """
+    from mergepipe.storage.base import is_s3
+
+    for u in [base, *models]:
+        if is_s3(u):
+            raise InputError(
+                f"{where}: {u} is on S3; building a merged tokenizer loads each model's tokenizer with "
+                "transformers from a local folder — download it first."
+            )
+    return [(u, _load_tokenizer(u, where)) for u in [base, *[m for m in models if m != base]]]
+
+
+def _permutation(u: str, tok: Any, vocab: dict[str, int]) -> list[int]:
+    """For each output token id, model ``u``'s row of that token, or -1 (absent, or at or past
+    the model's embedding rows)."""
+    mv = tok.get_vocab()
+    vs = _vocab_size(u) or len(mv)
+    perm = [-1] * len(vocab)
+    for t, i in vocab.items():
+        j = mv.get(t, -1)
+        perm[i] = j if 0 <= j < vs else -1
+    return perm
+
+
+def _token_sources(
+    tokens: dict, where: str, perms: dict[str, list[int]], tok_of: dict[str, Any], resolve_ref
+) -> dict[str, tuple[str, Any, bool]]:
+    """The ``tokenizer.tokens`` entries (mergekit's ``assign_embedding_sources``), validated:
+    token -> ``(kind, arg, force)``, kind ``auto`` | ``zero`` | ``model_token`` (arg
+    ``(uri, row)``) | ``model`` (arg the uri).
+
+    Raises:
+        InputError: a malformed entry or a source that is not an input model (naming the key).
+    """
+    cfgs: dict[str, tuple[str, Any, bool]] = {}
     for t, c in tokens.items():
         w = f"{where}.tokens[{t!r}]"
         c = c or {}
@@ -316,6 +357,24 @@ def plan_vocab(
             if m not in perms:
                 raise InputError(f"{w}.source: {m} is not an input model of the merge.")
             cfgs[t] = ("model", m, force)
+    return cfgs
+
+
+def _default_rows(
+    vocab: dict[str, int],
+    models: list[str],
+    base: str,
+    perms: dict[str, list[int]],
+    cfgs: dict[str, tuple[str, Any, bool]],
+    where: str,
+) -> dict[int, tuple]:
+    """The row a model lacking token id ``i`` gets: the configured source, else the only model
+    having it, zero when none has it, the base's row, or the mean of the models having it.
+    Tokens every model has (and not forced) get none.
+
+    Raises:
+        InputError: a token's configured source model lacks that token.
+    """
     defaults: dict[int, tuple] = {}
     for t, i in vocab.items():
         have = [u for u in models if perms[u][i] >= 0]
@@ -341,49 +400,41 @@ def plan_vocab(
             defaults[i] = ("row", base, perms[base][i])
         else:
             defaults[i] = ("mean", [[u, perms[u][i]] for u in have])
-    forced = {vocab[t] for t, c in cfgs.items() if c[2]}
-    rows: dict[str, list] = {}
-    missing: dict[str, int] = {}
-    for u in models:
-        runs: list = []
-        miss = 0
-        for i in range(V):
-            r: tuple
-            if perms[u][i] >= 0 and i not in forced:
-                r = ("rows", u, perms[u][i])
-            elif i in defaults:
-                r = defaults[i]
-                miss += 1
+    return defaults
+
+
+def _row_runs(
+    u: str, V: int, Vp: int, perm: list[int], defaults: dict[int, tuple], forced: set[int]
+) -> tuple[list, int]:
+    """Model ``u``'s output rows ``0..Vp-1`` as runs (``["rows", src, start, n]``, ``["zero",
+    n]``, ``["mean", [[src, row], ...]]``, a final ``["padmean", Vp - V]``), and how many of the
+    ``V`` token rows are not its own."""
+    runs: list = []
+    miss = 0
+    for i in range(V):
+        r: tuple
+        if perm[i] >= 0 and i not in forced:
+            r = ("rows", u, perm[i])
+        elif i in defaults:
+            r = defaults[i]
+            miss += 1
+        else:
+            r = ("zero",)
+            miss += 1
+        if r[0] == "rows" or r[0] == "row":
+            src, idx = r[1], r[2]
+            last = runs[-1] if runs else None
+            if last and last[0] == "rows" and last[1] == src and last[2] + last[3] == idx:
+                last[3] += 1
             else:
-                r = ("zero",)
-                miss += 1
-            if r[0] == "rows" or r[0] == "row":
-                src, idx = r[1], r[2]
-                last = runs[-1] if runs else None
-                if last and last[0] == "rows" and last[1] == src and last[2] + last[3] == idx:
-                    last[3] += 1
-                else:
-                    runs.append(["rows", src, idx, 1])
-            elif r[0] == "zero":
-                if runs and runs[-1][0] == "zero":
-                    runs[-1][1] += 1
-                else:
-                    runs.append(["zero", 1])
+                runs.append(["rows", src, idx, 1])
+        elif r[0] == "zero":
+            if runs and runs[-1][0] == "zero":
+                runs[-1][1] += 1
             else:
-                runs.append(["mean", r[1]])
-        if Vp > V:
-            runs.append(["padmean", Vp - V])
-        rows[u] = runs
-        missing[u] = miss
-    tpl = _chat_template(chat_template, toks, f"{p}: chat_template") if chat_template else None
-    files = tokenizer_files(out, tpl)
-    added = sorted(t for t in vocab if t not in base_tok.get_vocab())
-    summary = {
-        "source": source,
-        "vocab_size": Vp,
-        "tokens": V,
-        "added_to_base": added[:50],
-        "rows_not_own": {os.path.basename(u.rstrip("/")): n for u, n in missing.items()},
-        "chat_template": None if tpl is None else hashlib.sha256(tpl.encode()).hexdigest()[:16],
-    }
-    return VocabPlan(Vp, rows, files, summary)
+                runs.append(["zero", 1])
+        else:
+            runs.append(["mean", r[1]])
+    if Vp > V:
+        runs.append(["padmean", Vp - V])
+    return runs, miss
