@@ -1,31 +1,32 @@
-"""The operator's controller: the per-resource reconcilers combined over one set of injected I/O,
-the process-wide instance the kopf handlers use, and the glue from a reconciler's outcome to
-kopf (status patch, Events, retries)."""
+"""The operator's controller: the per-resource reconcilers composed over one set of injected I/O,
+and the process-wide instance :mod:`mergepipe_operator.main` binds the kopf handlers to (the glue
+to kopf is :mod:`mergepipe_operator.kopfglue`)."""
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-import kopf
-
 from .k8s.api import Kube
-from .k8s.conditions import transition_events
+from .kueue.controller import IOBudgetCheck
 from .modelmerge.committing import commit_parts
 from .modelmerge.controller import MergeReconciler
 from .modelmerge.planning import PlanSummary, plan_merge
 from .objectstore import ObjectStore
-from .reconcile import Retry, RetryWithStatus, utcnow
+from .quota.controller import QuotaLedger
+from .reconcile import Services, utcnow
 from .search.controller import SearchReconciler
 from .settings import Settings
+from .snapshot.controller import SnapshotVerifier
 
 
-class Controller(MergeReconciler, SearchReconciler):
-    """The operator's reconciliation of all four resources (ModelMerge, MergedSnapshot,
-    MergeQuota, MergeSearch), with its I/O injected (tests pass fakes).
+class Controller:
+    """The operator's reconcilers of all four resources (ModelMerge, MergedSnapshot, MergeQuota,
+    MergeSearch) and the Kueue io-budget check, composed over one set of injected I/O (tests pass
+    fakes): the composition root. Each reconciler is given the services it uses in its
+    constructor; none inherits from another.
 
     Args:
         settings: the operator's configuration.
@@ -36,6 +37,14 @@ class Controller(MergeReconciler, SearchReconciler):
         committer: commits a partitioned merge's parts; default
             :func:`~mergepipe_operator.modelmerge.committing.commit_parts` over :meth:`core_storage`.
         clock: the current time (timezone-aware).
+
+    Attributes:
+        io: the shared I/O (:class:`~mergepipe_operator.reconcile.Services`).
+        quotas: :class:`~mergepipe_operator.quota.controller.QuotaLedger` (MergeQuotas).
+        snapshots: :class:`~mergepipe_operator.snapshot.controller.SnapshotVerifier` (MergedSnapshots).
+        kueue: :class:`~mergepipe_operator.kueue.controller.IOBudgetCheck` (Workloads, AdmissionChecks).
+        merges: :class:`~mergepipe_operator.modelmerge.controller.MergeReconciler` (ModelMerges).
+        searches: :class:`~mergepipe_operator.search.controller.SearchReconciler` (MergeSearches).
     """
 
     def __init__(
@@ -47,25 +56,43 @@ class Controller(MergeReconciler, SearchReconciler):
         clock: Callable[[], datetime] = utcnow,
         committer: Callable[[str, str, int], str] | None = None,
     ):
-        self.settings = settings
-        self.kube = kube
-        self.store = store
-        self.planner = planner or (lambda spec, catalog: plan_merge(spec, catalog, storage=self.core_storage()))
-        self.committer = committer or (
-            lambda plan_uri, out_uri, n: commit_parts(self.core_storage(), plan_uri, out_uri, n)
-        )
-        self.clock = clock
+        self.io = Services(settings, kube, store, clock)
         self._core_storage: Any = None
+        self.quotas = QuotaLedger(self.io)
+        self.snapshots = SnapshotVerifier(self.io)
+        self.kueue = IOBudgetCheck(self.io, self.quotas)
+        self.merges = MergeReconciler(
+            self.io,
+            ledger=self.quotas,
+            kueue=self.kueue,
+            verifier=self.snapshots,
+            planner=planner or (lambda spec, catalog: plan_merge(spec, catalog, storage=self.core_storage())),
+            committer=committer
+            or (lambda plan_uri, out_uri, n: commit_parts(self.core_storage(), plan_uri, out_uri, n)),
+        )
+        self.searches = SearchReconciler(self.io)
+
+    @property
+    def settings(self) -> Settings:
+        return self.io.settings
+
+    @property
+    def kube(self) -> Kube:
+        return self.io.kube
+
+    @property
+    def store(self) -> ObjectStore | None:
+        return self.io.store
 
     def core_storage(self) -> Any:
         """The core's storage that planning reads shard headers and catalog objects through: the
         object store's own (one S3 client and connection pool for everything), else one created
         once with the configured endpoint."""
-        shared = getattr(self.store, "storage", None)
+        shared = getattr(self.io.store, "storage", None)
         if shared is not None:
             return shared
         if self._core_storage is None:
-            self._core_storage = ObjectStore(endpoint=self.settings.s3_endpoint).storage
+            self._core_storage = ObjectStore(endpoint=self.io.settings.s3_endpoint).storage
         return self._core_storage
 
 
@@ -84,31 +111,3 @@ def controller() -> Controller:
         Kube.load_config()
         _controller = Controller(settings, Kube(), ObjectStore(endpoint=settings.s3_endpoint))
     return _controller
-
-
-def post_events(obj: Any, old_status: dict[str, Any] | None, new_status: dict[str, Any] | None) -> None:
-    """Post a Kubernetes Event on ``obj`` for each condition transition between the two statuses
-    (:func:`~mergepipe_operator.k8s.conditions.transition_events`), through kopf's event poster
-    (never blocks)."""
-    if not new_status or "conditions" not in new_status:
-        return
-    for ev in transition_events((old_status or {}).get("conditions"), new_status["conditions"]):
-        kopf.event(obj, type=ev.type, reason=ev.reason, message=ev.message)
-
-
-def run(fn: Callable[[], dict[str, Any] | None], patch: kopf.Patch, body: kopf.Body) -> None:
-    """Run one reconciliation for a kopf handler: patch the status it returns (and post its
-    Events); :class:`RetryWithStatus` patches first, then both retries become
-    ``kopf.TemporaryError`` with their delay."""
-    old = copy.deepcopy(dict(body.get("status") or {}))
-    try:
-        result = fn()
-    except RetryWithStatus as e:
-        patch.status.update(e.status)
-        post_events(body, old, e.status)
-        raise kopf.TemporaryError(str(e), delay=e.delay) from None
-    except Retry as e:
-        raise kopf.TemporaryError(str(e), delay=e.delay) from None
-    if result:
-        patch.status.update(result)
-        post_events(body, old, result)

@@ -12,8 +12,11 @@ with its I/O injected, and thin kopf ``handlers``):
 - :mod:`.search`: MergeSearch (the driver Job, results mirrored into the status);
 - :mod:`.kueue`: Kueue (queue labels, Queued Jobs; the io-budget AdmissionCheck controller, its
   handlers registered when ``MERGEPIPE_KUEUE_ADMISSION_CHECK`` is true);
-- :mod:`.k8s`: shared helpers (API adapter, conditions, quantities, names, Job templates);
-- :mod:`.controller`: the reconcilers combined, and the glue to kopf.
+- :mod:`.k8s`: shared helpers (API adapter, the shared model parts, conditions, names, Kueue's
+  Job label, Job templates), importing no resource; :mod:`.quantities`: the one byte grammar;
+- :mod:`.controller`: the reconcilers composed (each given the services it uses);
+  :mod:`.kopfglue`: the glue to kopf. This module binds each resource's handlers to its
+  reconciler in the process-wide controller (so no resource imports the controller).
 """
 
 from __future__ import annotations
@@ -24,18 +27,36 @@ from typing import Any
 
 import kopf
 
-from .controller import Controller, controller, run
+from .controller import Controller, controller
 from .k8s.names import FINALIZER
-from .modelmerge import handlers as _modelmerge_handlers  # noqa: F401  (registers the handlers)
+from .kopfglue import run
+from .modelmerge import handlers as _modelmerge_handlers  # (importing registers the handlers)
 from .modelmerge.planning import PlanInputError, PlanSummary, plan_merge
-from .quota import handlers as _quota_handlers  # noqa: F401
+from .quota import handlers as _quota_handlers
 from .reconcile import Retry, RetryWithStatus
-from .search import handlers as _search_handlers  # noqa: F401
+from .search import handlers as _search_handlers
 from .settings import Settings
-from .snapshot import handlers as _snapshot_handlers  # noqa: F401
+from .snapshot import handlers as _snapshot_handlers
 
-if Settings.from_env().kueue_admission_check:  # the chart grants the RBAC on Kueue's objects then
-    from .kueue import handlers as _kueue_handlers  # noqa: F401
+_modelmerge_handlers.merges.bind(lambda: controller().merges)
+_snapshot_handlers.snapshots.bind(lambda: controller().snapshots)
+_quota_handlers.quotas.bind(lambda: controller().quotas)
+_search_handlers.searches.bind(lambda: controller().searches)
+
+
+def serve_kueue_admission_check() -> None:
+    """Register the Kueue handlers (AdmissionChecks, Workloads) and bind them to the process-wide
+    controller's io-budget check; a merge Job's Workload change resyncs its ModelMerge. Done at
+    import when ``MERGEPIPE_KUEUE_ADMISSION_CHECK`` is true (the chart grants the RBAC on Kueue's
+    objects then)."""
+    from .kueue import handlers as kueue_handlers
+
+    kueue_handlers.checks.bind(lambda: controller().kueue)
+    kueue_handlers.merge_job_changed.bind(lambda: _modelmerge_handlers.resync_merge)
+
+
+if Settings.from_env().kueue_admission_check:
+    serve_kueue_admission_check()
 
 __all__ = ["Controller", "PlanInputError", "PlanSummary", "Retry", "RetryWithStatus", "controller", "plan_merge", "run"]
 

@@ -1,11 +1,16 @@
 """What every resource's reconciler shares: the outcomes a reconciliation can end with besides a
-status to patch (:class:`Retry`, :class:`RetryWithStatus`, :class:`Done`) and the injected I/O
-(:class:`Reconciler`: settings, the Kubernetes adapter, object storage, the clock)."""
+status to patch (:class:`Retry`, :class:`RetryWithStatus`, :class:`Done`), the injected I/O
+(:class:`Services`: settings, the Kubernetes adapter, object storage, the clock) and the base
+(:class:`Reconciler`) that holds them. Reconcilers are composed, not inherited from one another:
+one that needs another's work (the merge reconciler needs the quota ledger, the io-budget check
+and the snapshot verification) is given it in its constructor
+(:class:`~mergepipe_operator.controller.Controller` wires them)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -46,13 +51,13 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
-class Reconciler:
-    """Base of the per-resource reconcilers (:class:`~mergepipe_operator.controller.Controller`
-    combines them): their I/O, injected so tests pass fakes.
+@dataclass
+class Services:
+    """The I/O every reconciler is given (tests pass fakes).
 
     Attributes:
         settings: the operator's configuration.
-        kube: the Kubernetes API adapter.
+        kube: the Kubernetes API adapter (:class:`~mergepipe_operator.k8s.api.Kube` or a fake).
         store: object storage (plans, manifests); ``None`` when none is configured.
         clock: returns the current time (timezone-aware).
     """
@@ -60,7 +65,36 @@ class Reconciler:
     settings: Settings
     kube: Kube
     store: ObjectStore | None
-    clock: Callable[[], datetime]
+    clock: Callable[[], datetime] = field(default=utcnow)
+
+
+class Reconciler:
+    """Base of the per-resource reconcilers: their injected I/O (:class:`Services`), read through
+    ``settings``, ``kube``, ``store`` and ``clock``, and the Job-outcome reading they share.
+
+    Args:
+        io: the I/O (shared by every reconciler of one controller, so a test's fake clock or
+            store swapped on it is seen by all).
+    """
+
+    def __init__(self, io: Services):
+        self.io = io
+
+    @property
+    def settings(self) -> Settings:
+        return self.io.settings
+
+    @property
+    def kube(self) -> Kube:
+        return self.io.kube
+
+    @property
+    def store(self) -> ObjectStore | None:
+        return self.io.store
+
+    def clock(self) -> datetime:
+        """The current time (timezone-aware), from the injected clock."""
+        return self.io.clock()
 
     def job_outcome(self, job: dict[str, Any] | None, what: str) -> JobOutcome:
         """:func:`~mergepipe_operator.k8s.jobs.job_outcome`; for a failed Job with its pods' cause

@@ -137,7 +137,7 @@ class Settings:
             raise ValueError(f"{ENV_PREFIX}MAX_PARALLELISM must be >= 1, got {max_parallelism}")
         bytes_per_part = d.bytes_per_part
         if _opt(env, "BYTES_PER_PART"):
-            from .k8s.quantities import QuantityError, parse_quantity
+            from .quantities import QuantityError, parse_quantity
 
             try:
                 bytes_per_part = parse_quantity(_opt(env, "BYTES_PER_PART"), field=f"{ENV_PREFIX}BYTES_PER_PART")

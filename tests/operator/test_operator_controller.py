@@ -16,17 +16,19 @@ from op_testlib import DIGEST, NOW, FakeKube, FakeStore, make_merge, make_quota
 
 from mergepipe_operator import (
     controller as ctl,  # noqa: E402
+    kopfglue,  # noqa: E402
+    quantities as qty,  # noqa: E402
     reconcile,  # noqa: E402
 )
 from mergepipe_operator.k8s import (
     conditions as cond,  # noqa: E402
     names,  # noqa: E402
-    quantities as qty,  # noqa: E402
 )
 from mergepipe_operator.modelmerge import (
     decisions as mmd,  # noqa: E402
     planning,  # noqa: E402
 )
+from mergepipe_operator.quota.controller import QuotaLedger  # noqa: E402
 from mergepipe_operator.snapshot import decisions as snapd  # noqa: E402
 
 kopf = pytest.importorskip("kopf", reason="kopf (the operator framework) is not installed")
@@ -119,7 +121,7 @@ def test_storage_trouble_while_planning_waits_in_planning(settings):
 
     c, kube, store, mm = setup(settings, make_quota(), planner=planner)
     with pytest.raises(reconcile.RetryWithStatus) as e:
-        c.reconcile_merge(mm)
+        c.merges.reconcile_merge(mm)
     r = cond.get_condition(e.value.status["conditions"], "Ready")
     assert (r["status"], r["reason"]) == ("False", "Planning") and "s3 endpoint unreachable" in r["message"]
     assert kube.list(JOBS, "ns1") == []
@@ -132,17 +134,17 @@ def test_inputs_the_core_refuses_are_an_invalid_spec_naming_the_field(settings):
         raise planning.PlanInputError(msg, "spec.experts[1].uri")  # the core's loc, rendered (test_operator_planning)
 
     c, kube, store, mm = setup(settings, make_quota(), planner=planner)
-    st = c.reconcile_merge(mm)
+    st = c.merges.reconcile_merge(mm)
     r = cond.get_condition(st["conditions"], "Ready")
     assert (r["status"], r["reason"]) == ("False", "InvalidSpec")
     assert r["message"].startswith("spec.experts[1].uri: the planner refused the inputs: s3://models/math/")
     assert kube.list(JOBS, "ns1") == [] and kube.get(QUOTAS, "ns1", "q").get("status") is None
-    assert c.reconcile_merge(apply(kube, mm, st)) is None  # terminal for this generation
+    assert c.merges.reconcile_merge(apply(kube, mm, st)) is None  # terminal for this generation
 
 
 def test_happy_path_budget_mode(settings):
     c, kube, store, mm = setup(settings, make_quota(bytes_="100Gi", merges=5))
-    st = c.reconcile_merge(mm)
+    st = c.merges.reconcile_merge(mm)
     mm = apply(kube, mm, st)
     assert ready(mm)["reason"] == "JobRunning" and st["observedGeneration"] == 1
     assert st["budget"] == "10Gi" and st["plan"]["estimated"]["expertReadBytes"] == 8 * GI
@@ -153,15 +155,17 @@ def test_happy_path_budget_mode(settings):
     q = kube.get(QUOTAS, "ns1", "q")
     # the quota reserves what the plan reads (8Gi), not the whole 10Gi budget
     assert q["status"]["ledger"][0]["state"] == "Reserved" and q["status"]["used"]["expertReadBytes"] == 8 * GI
-    assert c.reconcile_merge(mm) is None  # same generation: nothing more to do (resume, retries)
+    assert c.merges.reconcile_merge(mm) is None  # same generation: nothing more to do (resume, retries)
 
     # the Job runs, then completes; the worker committed a manifest
     running = dict(job, status={"active": 1})
-    assert cond.get_condition(c.sync_job(mm, running)["conditions"], "Ready")["message"].startswith("merge Job running")
+    assert cond.get_condition(c.merges.sync_job(mm, running)["conditions"], "Ready")["message"].startswith(
+        "merge Job running"
+    )
     out = "s3://snapshots/mm1/"
     manifest = commit(store, out, st["plan"]["digest"], realized=7 * GI)
     done = dict(job, status={"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
-    patch = c.sync_job(mm, done)
+    patch = c.merges.sync_job(mm, done)
     mm = apply(kube, mm, patch)
     r = ready(mm)
     assert (r["status"], r["reason"]) == ("True", "Committed")
@@ -181,7 +185,7 @@ def test_happy_path_budget_mode(settings):
     assert snap["spec"]["manifestHash"] == snapd.manifest_hash(manifest)
     # the snapshot becomes Ready only through verification
     assert ready(snap) is None
-    sst = c.verify_snapshot(snap)
+    sst = c.snapshots.verify_snapshot(snap)
     assert (cond.get_condition(sst["conditions"], "Ready")["status"], sst["sizes"]) == (
         "True",
         {"totalBytes": 100, "files": 1},
@@ -189,13 +193,13 @@ def test_happy_path_budget_mode(settings):
     # the committed model folder (what KServe's storageUri loads): the run prefix the manifest names
     assert sst["storageUri"] == "s3://snapshots/mm1/runs/r1/" and store.get(sst["storageUri"] + "model.safetensors")
     # replays are harmless
-    assert c.sync_job(mm, done) is None
+    assert c.merges.sync_job(mm, done) is None
     assert kube.get(QUOTAS, "ns1", "q")["status"]["used"]["expertReadBytes"] == 7 * GI
 
 
 def test_invalid_spec_creates_nothing(settings):
     c, kube, store, mm = setup(settings, make_quota(), mm=make_merge(budget="10 GB"))
-    st = c.reconcile_merge(mm)
+    st = c.merges.reconcile_merge(mm)
     r = cond.get_condition(st["conditions"], "Ready")
     assert (r["reason"], r["observedGeneration"]) == ("InvalidSpec", 1) and "spec.budget" in r["message"]
     assert kube.list(JOBS, "ns1") == [] and kube.writes == []
@@ -205,7 +209,7 @@ def test_quota_reject_keeps_the_merge_waiting(settings):
     q = make_quota(bytes_="5Gi")
     c, kube, store, mm = setup(settings, q)
     with pytest.raises(reconcile.RetryWithStatus) as e:
-        c.reconcile_merge(mm)
+        c.merges.reconcile_merge(mm)
     assert e.value.delay == settings.quota_retry_seconds
     r = cond.get_condition(e.value.status["conditions"], "Ready")
     assert r["reason"] == "QuotaExceeded" and "requested 8Gi but only 5Gi is left" in r["message"]
@@ -215,7 +219,7 @@ def test_quota_reject_keeps_the_merge_waiting(settings):
 def test_an_output_holding_another_snapshot_is_refused_before_any_job(settings):
     c, kube, store, mm = setup(settings, make_quota())
     commit(store, "s3://snapshots/mm1/", "ef" * 32, realized=GI)
-    st = c.reconcile_merge(mm)
+    st = c.merges.reconcile_merge(mm)
     r = cond.get_condition(st["conditions"], "Ready")
     assert r["reason"] == "InvalidSpec" and "already holds a committed snapshot" in r["message"]
     assert kube.list(JOBS, "ns1") == [] and kube.get(QUOTAS, "ns1", "q")["status"]["ledger"] == []
@@ -224,7 +228,7 @@ def test_an_output_holding_another_snapshot_is_refused_before_any_job(settings):
 def test_a_broken_quota_blocks_admission(settings):
     c, kube, store, mm = setup(settings, make_quota(bytes_="lots"))
     with pytest.raises(reconcile.RetryWithStatus) as e:
-        c.reconcile_merge(mm)
+        c.merges.reconcile_merge(mm)
     r = cond.get_condition(e.value.status["conditions"], "Ready")
     assert (
         r["reason"] == "QuotaExceeded"
@@ -241,7 +245,7 @@ def test_quota_clamp_in_fidelity_mode_replans_under_the_lower_budget(settings):
         planner=planner,
         mm=make_merge(budget=None, fidelity=0.99),
     )
-    st = c.reconcile_merge(mm)
+    st = c.merges.reconcile_merge(mm)
     assert planner.calls == [(None, "s3://mergepipe/catalog/"), (3 * GI, "s3://mergepipe/catalog/")]
     assert st["budgetBytes"] == 3 * GI and st["admission"]["clamped"] is True
     assert cond.get_condition(st["conditions"], "QuotaAdmitted")["reason"] == "Clamped"
@@ -253,7 +257,7 @@ def test_missing_statistics_start_one_analyze_job_then_the_merge_is_planned(sett
     c, kube, store, mm = setup(settings, make_quota(), planner=planner)
     for _ in range(2):  # retries (and a restarted operator) find the Job instead of creating another
         with pytest.raises(reconcile.RetryWithStatus) as e:
-            c.reconcile_merge(mm)
+            c.merges.reconcile_merge(mm)
         assert e.value.delay == settings.analyze_poll_seconds
         r = cond.get_condition(e.value.status["conditions"], "Ready")
         assert (r["status"], r["reason"]) == ("False", "Analyzing") and "s3://models/math" in r["message"]
@@ -276,7 +280,7 @@ def test_missing_statistics_start_one_analyze_job_then_the_merge_is_planned(sett
     assert kube.get(QUOTAS, "ns1", "q").get("status") is None  # nothing reserved while analyzing
     # the Job finished and wrote the statistics: the next retry plans and starts the merge Job
     planner.missing = ()
-    st = c.reconcile_merge(mm)
+    st = c.merges.reconcile_merge(mm)
     assert cond.get_condition(st["conditions"], "Ready")["reason"] == "JobRunning"
     assert cond.get_condition(st["conditions"], "Analyzed")["status"] == "True"
     assert sorted(j["metadata"]["labels"][names.LABEL_COMPONENT] for j in kube.list(JOBS, "ns1")) == [
@@ -290,17 +294,17 @@ def test_a_failed_or_useless_analyze_job_fails_the_merge(settings, outcome):
     planner = Planner(missing=["s3://models/math"])
     c, kube, store, mm = setup(settings, make_quota(), planner=planner)
     with pytest.raises(reconcile.RetryWithStatus):
-        c.reconcile_merge(mm)
+        c.merges.reconcile_merge(mm)
     (job,) = kube.list(JOBS, "ns1")
     kube.objects[("jobs", "ns1", job["metadata"]["name"])]["status"] = {
         "conditions": [{"type": outcome, "status": "True", "reason": "BackoffLimitExceeded", "message": "exit 2"}]
     }
-    st = c.reconcile_merge(mm)
+    st = c.merges.reconcile_merge(mm)
     r = cond.get_condition(st["conditions"], "Ready")
     assert (r["status"], r["reason"]) == ("False", "JobFailed") and job["metadata"]["name"] in r["message"]
     assert ("exit 2" in r["message"]) if outcome == "Failed" else ("still has no statistics" in r["message"])
     assert len(kube.list(JOBS, "ns1")) == 1 and kube.get(QUOTAS, "ns1", "q").get("status") is None
-    assert c.reconcile_merge(apply(kube, mm, st)) is None  # terminal for this generation
+    assert c.merges.reconcile_merge(apply(kube, mm, st)) is None  # terminal for this generation
 
 
 def test_an_analysis_that_completes_while_planning_is_not_a_failure(settings):
@@ -309,7 +313,7 @@ def test_an_analysis_that_completes_while_planning_is_not_a_failure(settings):
     planner = Planner(missing=["s3://models/math"])
     c, kube, store, mm = setup(settings, make_quota(), planner=planner)
     with pytest.raises(reconcile.RetryWithStatus):
-        c.reconcile_merge(mm)
+        c.merges.reconcile_merge(mm)
     (job,) = kube.list(JOBS, "ns1")
     kube.objects[("jobs", "ns1", job["metadata"]["name"])]["status"] = {
         "conditions": [{"type": "Complete", "status": "True"}]
@@ -320,8 +324,8 @@ def test_an_analysis_that_completes_while_planning_is_not_a_failure(settings):
         planner.missing = ()
         return plan
 
-    c.planner = racing
-    st = c.reconcile_merge(mm)
+    c.merges.planner = racing
+    st = c.merges.reconcile_merge(mm)
     assert ready({"status": st})["reason"] == "JobRunning" and len(planner.calls) == 3
 
 
@@ -335,7 +339,7 @@ def test_no_analysis_for_a_merge_the_quota_cannot_admit(settings):
         settings, make_quota(merges=1, status=used), planner=Planner(missing=["s3://models/math"])
     )
     with pytest.raises(reconcile.RetryWithStatus) as e:
-        c.reconcile_merge(mm)
+        c.merges.reconcile_merge(mm)
     assert e.value.delay == settings.quota_retry_seconds
     r = cond.get_condition(e.value.status["conditions"], "Ready")
     assert r["reason"] == "QuotaExceeded" and "1 of 1 merges" in r["message"]
@@ -356,7 +360,7 @@ def test_pair_statistics_methods_analyze_with_pairs(settings):
     planner = Planner(missing=["s3://models/code", "s3://models/math/"])
     c, kube, store, mm = setup(settings, make_quota(), planner=planner, mm=mm)
     with pytest.raises(reconcile.RetryWithStatus):
-        c.reconcile_merge(mm)
+        c.merges.reconcile_merge(mm)
     (job,) = kube.list(JOBS, "ns1")
     assert job["spec"]["template"]["spec"]["containers"][0]["args"] == [
         "analyze",
@@ -387,12 +391,12 @@ def test_superseding_keeps_the_analyze_job(settings):
     planner = Planner(missing=["s3://models/math"])
     c, kube, store, mm = setup(settings, make_quota(), planner=planner)
     with pytest.raises(reconcile.RetryWithStatus):
-        c.reconcile_merge(mm)
+        c.merges.reconcile_merge(mm)
     planner.missing = ()
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     kube.objects[("modelmerges", "ns1", "mm1")]["spec"]["budget"] = "4Gi"
     kube.objects[("modelmerges", "ns1", "mm1")]["metadata"]["generation"] = 2
-    mm = apply(kube, kube.get(MERGES, "ns1", "mm1"), c.reconcile_merge(kube.get(MERGES, "ns1", "mm1")))
+    mm = apply(kube, kube.get(MERGES, "ns1", "mm1"), c.merges.reconcile_merge(kube.get(MERGES, "ns1", "mm1")))
     comps = sorted(
         (j["metadata"]["labels"][names.LABEL_COMPONENT], j["metadata"]["name"]) for j in kube.list(JOBS, "ns1")
     )
@@ -401,7 +405,7 @@ def test_superseding_keeps_the_analyze_job(settings):
 
 def test_job_failure_charges_the_reservation(settings):
     c, kube, store, mm = setup(settings, make_quota())
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     (job,) = kube.list(JOBS, "ns1")
     failed = dict(
         job,
@@ -410,25 +414,25 @@ def test_job_failure_charges_the_reservation(settings):
             "conditions": [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded", "message": "too slow"}],
         },
     )
-    mm = apply(kube, mm, c.sync_job(mm, failed))
+    mm = apply(kube, mm, c.merges.sync_job(mm, failed))
     assert (ready(mm)["reason"], ready(mm)["message"]) == ("JobFailed", "too slow")
     (entry,) = kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]
     assert (entry["state"], entry["bytes"]) == ("Charged", 8 * GI)  # the reservation: its reads are unknown
-    assert c.reconcile_merge(mm) is None  # a failed generation waits for a spec change
+    assert c.merges.reconcile_merge(mm) is None  # a failed generation waits for a spec change
 
 
 def test_a_job_that_failed_before_any_pod_ran_is_released(settings):
     """activeDeadlineSeconds passed while the pod was pending (unschedulable, image pull): nothing
     was read, so nothing is charged (issue 22 item 8)."""
     c, kube, store, mm = setup(settings, make_quota())
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     (job,) = kube.list(JOBS, "ns1")
     _pod_of(kube, job, {"phase": "Pending", "containerStatuses": [{"name": "merge", "state": {"waiting": {}}}]})
     failed = dict(
         job,
         status={"conditions": [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded", "message": "x"}]},
     )
-    mm = apply(kube, mm, c.sync_job(mm, failed))
+    mm = apply(kube, mm, c.merges.sync_job(mm, failed))
     assert ready(mm)["reason"] == "JobFailed"
     assert kube.get(QUOTAS, "ns1", "q")["status"]["ledger"] == []
 
@@ -458,7 +462,7 @@ SHARD_GONE = "error: s3://models/math/model-00001.safetensors: missing; it was p
 
 def test_job_failed_names_the_pods_cause(settings):
     c, kube, store, mm = setup(settings, make_quota())
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     (job,) = kube.list(JOBS, "ns1")
     _failed_pod(kube, job, SHARD_GONE)
     kube.put(
@@ -468,7 +472,7 @@ def test_job_failed_names_the_pods_cause(settings):
             "status": {"containerStatuses": [_term_status(1, "not this one")]},
         },
     )
-    mm = apply(kube, mm, c.sync_job(mm, _fail_job(kube, job, "Job has reached the specified backoff limit")))
+    mm = apply(kube, mm, c.merges.sync_job(mm, _fail_job(kube, job, "Job has reached the specified backoff limit")))
     assert (ready(mm)["reason"], ready(mm)["message"]) == (
         "JobFailed",
         SHARD_GONE + " (Job has reached the specified backoff limit)",
@@ -478,11 +482,11 @@ def test_job_failed_names_the_pods_cause(settings):
 def test_a_failed_analyze_job_names_the_pods_cause(settings):
     c, kube, store, mm = setup(settings, make_quota(), planner=Planner(missing=["s3://models/math"]))
     with pytest.raises(reconcile.RetryWithStatus):
-        c.reconcile_merge(mm)
+        c.merges.reconcile_merge(mm)
     (job,) = kube.list(JOBS, "ns1")
     _failed_pod(kube, job, "error: s3://models/math: not a safetensors checkpoint (no *.safetensors under it).")
     _fail_job(kube, job, "Job has reached the specified backoff limit")
-    r = cond.get_condition(c.reconcile_merge(mm)["conditions"], "Ready")
+    r = cond.get_condition(c.merges.reconcile_merge(mm)["conditions"], "Ready")
     assert r["reason"] == "JobFailed" and "s3://models/math: not a safetensors checkpoint" in r["message"]
 
 
@@ -500,22 +504,22 @@ def _fail_job(kube, job, message="OOMKilled"):
 
 def test_spec_change_after_job_failed_retries_with_a_new_job(settings):
     c, kube, store, mm = setup(settings, make_quota())
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     (job,) = kube.list(JOBS, "ns1")
-    mm = apply(kube, mm, c.sync_job(mm, _fail_job(kube, job)))
-    assert ready(mm)["reason"] == "JobFailed" and c.reconcile_merge(mm) is None
+    mm = apply(kube, mm, c.merges.sync_job(mm, _fail_job(kube, job)))
+    assert ready(mm)["reason"] == "JobFailed" and c.merges.reconcile_merge(mm) is None
     # more memory: the same plan (same digest), but this generation gets a Job of its own
     mm = bump(kube, resources={"memory": "64Gi"})
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     assert ready(mm)["reason"] == "JobRunning" and mm["status"]["observedGeneration"] == 2
     assert mm["status"]["plan"]["digest"] == job["metadata"]["annotations"][names.ANN_PLAN_DIGEST]
     new = kube.get(JOBS, "ns1", mm["status"]["jobName"])
     assert new["metadata"]["name"] == mmd.job_name("mm1", mm["status"]["plan"]["digest"], 2) != job["metadata"]["name"]
     assert new["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] == "64Gi"
     # the failed Job's (replayed) events no longer fail the merge; the new Job's do count
-    assert c.sync_job(mm, kube.get(JOBS, "ns1", job["metadata"]["name"])) is None
+    assert c.merges.sync_job(mm, kube.get(JOBS, "ns1", job["metadata"]["name"])) is None
     # a restarted operator reconciling generation 2 again finds the retry Job
-    again = c.reconcile_merge(dict(mm, status={}))
+    again = c.merges.reconcile_merge(dict(mm, status={}))
     assert again["jobName"] == new["metadata"]["name"] and len(kube.list(JOBS, "ns1")) == 2
     ledger = {e["key"]: e for e in kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]}
     uid = mm["metadata"]["uid"]
@@ -526,14 +530,14 @@ def test_spec_change_after_a_failed_analysis_retries_it(settings):
     planner = Planner(missing=["s3://models/math"])
     c, kube, store, mm = setup(settings, make_quota(), planner=planner)
     with pytest.raises(reconcile.RetryWithStatus):
-        c.reconcile_merge(mm)
+        c.merges.reconcile_merge(mm)
     (an,) = kube.list(JOBS, "ns1")
     _fail_job(kube, an, "exit code 1: s3 access denied")
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     assert ready(mm)["reason"] == "JobFailed"
     mm = bump(kube, resources={"cpu": "8"})
     with pytest.raises(reconcile.RetryWithStatus) as e:
-        c.reconcile_merge(mm)
+        c.merges.reconcile_merge(mm)
     assert cond.get_condition(e.value.status["conditions"], "Ready")["reason"] == "Analyzing"
     names = sorted(j["metadata"]["name"] for j in kube.list(JOBS, "ns1"))
     retry = mmd.analyze_job_name("mm1", an["metadata"]["annotations"][mmd.ANN_ANALYSIS], 2)
@@ -546,32 +550,32 @@ def test_spec_change_after_a_failed_analysis_retries_it(settings):
 
 def test_job_success_without_manifest_retries_then_bad_manifest_fails(settings):
     c, kube, store, mm = setup(settings)
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     (job,) = kube.list(JOBS, "ns1")
     done = dict(job, status={"conditions": [{"type": "Complete", "status": "True"}]})
     with pytest.raises(reconcile.Retry):
-        c.sync_job(mm, done)
+        c.merges.sync_job(mm, done)
     commit(store, "s3://snapshots/mm1/", DIGEST, realized=GI)  # a manifest of another plan
-    st = c.sync_job(mm, done)
+    st = c.merges.sync_job(mm, done)
     r = cond.get_condition(st["conditions"], "Ready")
     assert r["reason"] == "JobFailed" and "PlanDigestMismatch" in r["message"]
 
 
 def test_stale_job_events_are_ignored(settings):
     c, kube, store, mm = setup(settings)
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     (job,) = kube.list(JOBS, "ns1")
     job["metadata"]["annotations"][names.ANN_PLAN_DIGEST] = "ef" * 32
-    assert c.sync_job(mm, dict(job, status={"conditions": [{"type": "Failed", "status": "True"}]})) is None
+    assert c.merges.sync_job(mm, dict(job, status={"conditions": [{"type": "Failed", "status": "True"}]})) is None
 
 
 def test_spec_change_supersedes_the_running_job(settings):
     c, kube, store, mm = setup(settings, make_quota())
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     (old_job,) = kube.list(JOBS, "ns1")
     _pod_of(kube, old_job, {"phase": "Running", "containerStatuses": [{"name": "merge", "state": {"running": {}}}]})
     mm = bump(kube, budget="4Gi")
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     (new_job,) = kube.list(JOBS, "ns1")
     assert new_job["metadata"]["name"] != old_job["metadata"]["name"]
     ledger = {e["key"]: e for e in kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]}
@@ -584,19 +588,19 @@ def test_a_spec_made_invalid_retires_the_running_job(settings, started):
     """The new generation is refused (InvalidSpec): the previous generation's Job stops and its
     reservation is settled (charged if it ran, released if not), not left Reserved forever."""
     c, kube, store, mm = setup(settings, make_quota())
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     (old_job,) = kube.list(JOBS, "ns1")
     if started:
         _pod_of(kube, old_job, {"phase": "Running", "containerStatuses": [{"name": "merge", "state": {"running": {}}}]})
     mm = bump(kube, budget="10 GB")  # refused: not a Kubernetes quantity
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     assert ready(mm)["reason"] == "InvalidSpec" and "spec.budget" in ready(mm)["message"]
     assert kube.list(JOBS, "ns1") == []
     uid = mm["metadata"]["uid"]
     ledger = [(e["key"], e["state"]) for e in kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]]
     assert ledger == ([(f"{uid}.1", "Charged")] if started else [])
     assert not mm["status"].get("admission") and not mm["status"].get("jobName")
-    c.finalize_merge(mm)  # deleting it now settles nothing twice
+    c.merges.finalize_merge(mm)  # deleting it now settles nothing twice
     assert [(e["key"], e["state"]) for e in kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]] == ledger
 
 
@@ -624,7 +628,7 @@ def _pod_of(kube, job, status):
 )
 def test_a_superseded_job_that_never_started_is_released_not_charged(settings, pods):
     c, kube, store, mm = setup(settings, make_quota())
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     (old_job,) = kube.list(JOBS, "ns1")
     kube.objects[("jobs", "ns1", old_job["metadata"]["name"])]["status"] = {
         "active": 1,
@@ -633,7 +637,7 @@ def test_a_superseded_job_that_never_started_is_released_not_charged(settings, p
     for st in pods:
         _pod_of(kube, old_job, st)
     mm = bump(kube, budget="4Gi")
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     (new_job,) = kube.list(JOBS, "ns1")
     assert new_job["metadata"]["name"] != old_job["metadata"]["name"]
     uid = mm["metadata"]["uid"]
@@ -683,10 +687,10 @@ def bump(kube, **spec):
 
 def test_spec_change_with_the_same_plan_keeps_the_job_and_moves_the_reservation(settings):
     c, kube, store, mm = setup(settings, make_quota())
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     (job,) = kube.list(JOBS, "ns1")
     mm = bump(kube, resources={"cpu": "8"})  # the planner gives the same digest
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     assert [j["metadata"]["name"] for j in kube.list(JOBS, "ns1")] == [job["metadata"]["name"]]
     ledger = kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]
     assert [(e["key"].split(".")[1], e["state"]) for e in ledger] == [("2", "Reserved")]
@@ -694,12 +698,12 @@ def test_spec_change_with_the_same_plan_keeps_the_job_and_moves_the_reservation(
 
 def test_committed_merge_with_an_unchanged_plan_stays_committed(settings):
     c, kube, store, mm = setup(settings, make_quota())
-    st = c.reconcile_merge(mm)
+    st = c.merges.reconcile_merge(mm)
     st["conditions"] = cond.set_condition(st["conditions"], "Ready", "True", "Committed", "snapshot s1", 1, NOW)
     mm = apply(kube, mm, st)
     writes = len(kube.writes)
     mm = bump(kube, resources={"cpu": "8"})
-    st = c.reconcile_merge(mm)
+    st = c.merges.reconcile_merge(mm)
     r = cond.get_condition(st["conditions"], "Ready")
     assert (r["status"], r["reason"], r["observedGeneration"]) == ("True", "Committed", 2)
     assert len(kube.writes) == writes  # no new reservation, no Job
@@ -707,10 +711,10 @@ def test_committed_merge_with_an_unchanged_plan_stays_committed(settings):
 
 def test_finalizer_deletes_jobs_and_settles(settings):
     c, kube, store, mm = setup(settings, make_quota())
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     (job,) = kube.list(JOBS, "ns1")
     _failed_pod(kube, job, "killed")  # a container of it ran
-    c.finalize_merge(mm)
+    c.merges.finalize_merge(mm)
     assert kube.list(JOBS, "ns1") == []
     (entry,) = kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]
     assert entry["state"] == "Charged"  # it may have read: charge the reservation
@@ -719,7 +723,7 @@ def test_finalizer_deletes_jobs_and_settles(settings):
 def test_finalizer_releases_a_merge_whose_job_never_started(settings):
     """Deleted while its Job's pod was still pending (or suspended, no pod): nothing was read."""
     c, kube, store, mm = setup(settings, make_quota())
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     (job,) = kube.list(JOBS, "ns1")
     name = job["metadata"]["name"]
     kube.put(
@@ -730,7 +734,7 @@ def test_finalizer_releases_a_merge_whose_job_never_started(settings):
         },
     )
     assert [e["state"] for e in kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]] == ["Reserved"]
-    c.finalize_merge(mm)
+    c.merges.finalize_merge(mm)
     assert kube.list(JOBS, "ns1") == []
     assert kube.get(QUOTAS, "ns1", "q")["status"]["ledger"] == []  # the reservation is dropped, not charged
 
@@ -738,14 +742,14 @@ def test_finalizer_releases_a_merge_whose_job_never_started(settings):
 def test_finalizer_charges_when_the_recorded_job_is_gone(settings):
     """status.jobName names a Job that no longer exists: it may have run, charge."""
     c, kube, store, mm = setup(settings, make_quota())
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     (job,) = kube.list(JOBS, "ns1")
     kube.delete(JOBS, "ns1", job["metadata"]["name"])
-    c.finalize_merge(mm)
+    c.merges.finalize_merge(mm)
     (entry,) = kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]
     assert entry["state"] == "Charged"
     c2, kube2, _, mm2 = setup(settings, make_quota())
-    c2.finalize_merge(mm2)  # never admitted: nothing to do
+    c2.merges.finalize_merge(mm2)  # never admitted: nothing to do
     assert kube2.get(QUOTAS, "ns1", "q").get("status") is None
 
 
@@ -758,10 +762,10 @@ def test_concurrent_admission_never_overspends_a_quota(settings):
     results = {}
 
     def admit_b(_):
-        results["b"] = c.reserve("ns1", "b", "uid-b.1", 10 * GI, NOW)
+        results["b"] = c.quotas.reserve("ns1", "b", "uid-b.1", 10 * GI, NOW)
 
     kube.before_replace = admit_b  # b slips in between a's read and a's write
-    results["a"] = c.reserve("ns1", "a", "uid-a.1", 10 * GI, NOW)
+    results["a"] = c.quotas.reserve("ns1", "a", "uid-a.1", 10 * GI, NOW)
     assert results["b"][0].allowed and not results["a"][0].allowed
     st = kube.get(QUOTAS, "ns1", "q")["status"]
     assert [e["key"] for e in st["ledger"]] == ["uid-b.1"] and st["used"]["expertReadBytes"] == 10 * GI
@@ -786,7 +790,7 @@ def test_many_threads_never_overspend(settings, enforcement):
 
     def worker(i):
         try:
-            out.append(c.reserve("ns1", f"m{i}", f"uid{i}.1", 30 * GI, NOW)[0])
+            out.append(c.quotas.reserve("ns1", f"m{i}", f"uid{i}.1", 30 * GI, NOW)[0])
         except reconcile.Retry:
             out.append(None)
 
@@ -810,15 +814,15 @@ def test_quota_refresh_ages_the_window(settings):
     old = qty.rfc3339(NOW - timedelta(hours=30))
     q = make_quota(status={"ledger": [{"key": "k", "merge": "m", "bytes": 5, "state": "Charged", "time": old}]})
     c, kube, _, _ = setup(settings, q)
-    c.refresh_quota(kube.get(QUOTAS, "ns1", "q"))
+    c.quotas.refresh_quota(kube.get(QUOTAS, "ns1", "q"))
     st = kube.get(QUOTAS, "ns1", "q")["status"]
     assert st["ledger"] == [] and st["used"] == {"expertReadBytes": 0, "merges": 0}
     assert cond.get_condition(st["conditions"], "Ready")["status"] == "True"
     writes = len(kube.writes)
-    c.refresh_quota(kube.get(QUOTAS, "ns1", "q"))
+    c.quotas.refresh_quota(kube.get(QUOTAS, "ns1", "q"))
     assert len(kube.writes) == writes  # nothing changed: no write
     kube.objects[("mergequotas", "ns1", "q")]["spec"]["window"] = "soon"
-    c.refresh_quota(kube.get(QUOTAS, "ns1", "q"))
+    c.quotas.refresh_quota(kube.get(QUOTAS, "ns1", "q"))
     assert cond.get_condition(kube.get(QUOTAS, "ns1", "q")["status"]["conditions"], "Ready")["reason"] == "InvalidSpec"
 
 
@@ -838,12 +842,12 @@ def test_kopf_handlers_are_registered():
 def test_run_maps_retries_to_kopf_errors():
     patch = kopf.Patch()
     with pytest.raises(kopf.TemporaryError):
-        ctl.run(
+        kopfglue.run(
             lambda: (_ for _ in ()).throw(reconcile.RetryWithStatus("wait", 7, {"observedGeneration": 3})), patch, {}
         )
     assert patch["status"] == {"observedGeneration": 3}
     patch = kopf.Patch()
-    ctl.run(lambda: {"x": 1}, patch, {})
+    kopfglue.run(lambda: {"x": 1}, patch, {})
     assert patch["status"] == {"x": 1}
 
 
@@ -856,7 +860,7 @@ def test_quota_gauges_follow_the_quota_status(settings):
         return REGISTRY.get_sample_value(metric, {"namespace": "ns1", "quota": quota, "resource": res})
 
     c, kube, store, mm = setup(settings, make_quota(bytes_="100Gi", merges=5))
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     assert sample("mergepipe_quota_used", "expertReadBytes") == 8 * GI  # reserved: the plan's bytes
     assert sample("mergepipe_quota_used", "merges") == 1
     assert (
@@ -864,14 +868,14 @@ def test_quota_gauges_follow_the_quota_status(settings):
     )
     commit(store, "s3://snapshots/mm1/", mm["status"]["plan"]["digest"], realized=3 * GI)
     job = kube.get(JOBS, "ns1", mm["status"]["jobName"])
-    apply(kube, mm, c.sync_job(mm, dict(job, status={"conditions": [{"type": "Complete", "status": "True"}]})))
+    apply(kube, mm, c.merges.sync_job(mm, dict(job, status={"conditions": [{"type": "Complete", "status": "True"}]})))
     assert sample("mergepipe_quota_used", "expertReadBytes") == 3 * GI  # charged: the realized bytes
     # the limit on merges is dropped: its hard sample goes, used stays
     q = kube.objects[("mergequotas", "ns1", "q")]
     del q["spec"]["hard"]["merges"]
-    c.refresh_quota(kube.get(QUOTAS, "ns1", "q"))
+    c.quotas.refresh_quota(kube.get(QUOTAS, "ns1", "q"))
     assert sample("mergepipe_quota_hard", "merges") is None and sample("mergepipe_quota_used", "merges") == 1
-    ctl.Controller.forget_quota("ns1", "q")
+    QuotaLedger.forget_quota("ns1", "q")
     assert (
         sample("mergepipe_quota_used", "expertReadBytes") is None
         and sample("mergepipe_quota_hard", "expertReadBytes") is None
@@ -906,34 +910,34 @@ def test_parallelism_runs_an_indexed_job_and_the_operator_commits_its_parts(sett
 
     settings = dataclasses.replace(settings, bytes_per_part=4 * GI)  # 1 + 8 + 1 GiB moved: auto = 3 parts
     c, kube, store, mm = setup(settings, make_quota(bytes_="100Gi", merges=5), planner=ShardedPlanner(6))
-    c.committer = committer
-    st = c.reconcile_merge(mm)
+    c.merges.committer = committer
+    st = c.merges.reconcile_merge(mm)
     mm = apply(kube, mm, st)
     (job,) = kube.list(JOBS, "ns1")
     assert (job["spec"]["completions"], mmd.job_parts(job)) == (3, 3) and st["parts"]["progress"] == "0/3"
     assert "Indexed Job of 3 parts" in ready(mm)["message"]
     running = dict(job, status={"active": 2, "completedIndexes": "1", "failed": 1})
-    p = c.sync_job(mm, running)
+    p = c.merges.sync_job(mm, running)
     assert p["parts"]["progress"] == "1/3" and p["parts"]["failedPods"] == 1
     assert cond.get_condition(p["conditions"], "Ready")["message"] == (
         f"merge Job {job['metadata']['name']}: 1/3 parts done, 2 pod(s) running, 1 failed attempt(s) retried per index"
     )
     mm = apply(kube, mm, p)
-    assert c.sync_job(mm, running) is None  # nothing new
+    assert c.merges.sync_job(mm, running) is None  # nothing new
     assert calls == []  # nothing is committed before every index succeeded
     done = dict(
         job, status={"completedIndexes": "0-2", "succeeded": 3, "conditions": [{"type": "Complete", "status": "True"}]}
     )
-    mm = apply(kube, mm, c.sync_job(mm, done))
+    mm = apply(kube, mm, c.merges.sync_job(mm, done))
     assert calls == [(st["plan"]["uri"], "s3://snapshots/mm1/", 3)]
     assert ready(mm)["reason"] == "Committed" and mm["status"]["parts"]["progress"] == "3/3"
     assert kube.get(QUOTAS, "ns1", "q")["status"]["used"]["expertReadBytes"] == 6 * GI  # the manifest's sum
-    assert c.sync_job(mm, done) is None and len(calls) == 1  # a replayed event commits nothing more
+    assert c.merges.sync_job(mm, done) is None and len(calls) == 1  # a replayed event commits nothing more
 
 
 def test_an_explicit_parallelism_above_the_chart_limit_is_an_invalid_spec(settings):
     c, kube, store, mm = setup(settings, mm=make_merge(parallelism=settings.max_parallelism + 1))
-    st = c.reconcile_merge(mm)
+    st = c.merges.reconcile_merge(mm)
     r = cond.get_condition(st["conditions"], "Ready")
     assert r["reason"] == "InvalidSpec" and "spec.parallelism" in r["message"] and kube.list(JOBS, "ns1") == []
 
@@ -944,7 +948,7 @@ def test_a_refused_commit_fails_the_merge_and_storage_trouble_retries(settings):
     c, kube, store, mm = setup(
         settings, make_quota(bytes_="100Gi", merges=5), mm=make_merge(parallelism=2), planner=ShardedPlanner(2)
     )
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     (job,) = kube.list(JOBS, "ns1")
     done = dict(
         job, status={"completedIndexes": "0-1", "succeeded": 2, "conditions": [{"type": "Complete", "status": "True"}]}
@@ -953,15 +957,15 @@ def test_a_refused_commit_fails_the_merge_and_storage_trouble_retries(settings):
     def flaky(plan_uri, out_uri, n):
         raise ConnectionError("endpoint unreachable")
 
-    c.committer = flaky
+    c.merges.committer = flaky
     with pytest.raises(reconcile.Retry, match="endpoint unreachable"):
-        c.sync_job(mm, done)
+        c.merges.sync_job(mm, done)
 
     def refuses(plan_uri, out_uri, n):
         raise CommitConflict("run plan-x: part 1/2 has no record; run `mergepipe execute ...` again.")
 
-    c.committer = refuses
-    st = c.sync_job(mm, done)
+    c.merges.committer = refuses
+    st = c.merges.sync_job(mm, done)
     r = cond.get_condition(st["conditions"], "Ready")
     assert r["reason"] == "JobFailed" and "part 1/2 has no record" in r["message"]
     q = kube.get(QUOTAS, "ns1", "q")
@@ -999,7 +1003,7 @@ def test_a_missing_sensitivity_starts_an_analyze_job_with_the_calibration_set_on
     planner = CalibrationPlanner()
     c, kube, store, mm = setup(settings, make_quota(), planner=planner, mm=mm)
     with pytest.raises(reconcile.RetryWithStatus) as e:
-        c.reconcile_merge(mm)
+        c.merges.reconcile_merge(mm)
     r = cond.get_condition(e.value.status["conditions"], "Ready")
     assert r["reason"] == "Analyzing" and f"sensitivity on {cal}" in r["message"]
     (job,) = kube.list(JOBS, "ns1")
@@ -1026,7 +1030,7 @@ def test_a_missing_sensitivity_starts_an_analyze_job_with_the_calibration_set_on
     ]
     assert (ctr["resources"].get("limits", {}).get(settings.gpu_resource_name) == "1") == bool(gpus)
     planner.sensitivity = True
-    st = c.reconcile_merge(mm)
+    st = c.merges.reconcile_merge(mm)
     assert cond.get_condition(st["conditions"], "Ready")["reason"] == "JobRunning"
     assert cond.get_condition(st["conditions"], "Analyzed")["status"] == "True"
 
@@ -1038,11 +1042,11 @@ def test_the_operators_default_calibration_set_applies_to_merges_without_one(set
     planner = CalibrationPlanner()
     planner.sensitivity = True
     c, kube, store, mm = setup(s, make_quota(), planner=planner)
-    c.reconcile_merge(mm)
+    c.merges.reconcile_merge(mm)
     assert planner.specs[0]["calibration"] == {"uri": s.calibration_uri}
     own = make_merge(name="mm2", calibration={"uri": "s3://models/calibration/own.jsonl"})
     c2, _, _, mm2 = setup(s, make_quota(), planner=planner, mm=own)
-    c2.reconcile_merge(mm2)
+    c2.merges.reconcile_merge(mm2)
     assert planner.specs[-1]["calibration"] == {"uri": "s3://models/calibration/own.jsonl"}
     # the analyze Job of a merge without a calibration set gets no GPU (task-vector statistics are numpy)
     plain = mmd.build_analyze_job(make_merge(), ["s3://models/math"], "a" * 64, settings)
@@ -1054,12 +1058,12 @@ def test_a_resumed_merge_is_charged_what_every_attempt_read(settings):
     """A pod that died and was retried resumed: the manifest's realized bytes are the final
     attempt's, io.earlier_attempts what the dead one had read; the quota is charged both."""
     c, kube, store, mm = setup(settings, make_quota(bytes_="100Gi", merges=5))
-    st = c.reconcile_merge(mm)
+    st = c.merges.reconcile_merge(mm)
     mm = apply(kube, mm, st)
     (job,) = kube.list(JOBS, "ns1")
     commit(store, "s3://snapshots/mm1/", st["plan"]["digest"], realized=5 * GI, earlier=2 * GI)
     done = dict(job, status={"succeeded": 1, "failed": 1, "conditions": [{"type": "Complete", "status": "True"}]})
-    mm = apply(kube, mm, c.sync_job(mm, done))
+    mm = apply(kube, mm, c.merges.sync_job(mm, done))
     assert ready(mm)["reason"] == "Committed" and mm["status"]["realized"]["expertReadBytes"] == 5 * GI
     q = kube.get(QUOTAS, "ns1", "q")
     assert q["status"]["ledger"][0]["state"] == "Charged" and q["status"]["used"]["expertReadBytes"] == 7 * GI
@@ -1091,25 +1095,25 @@ def test_spec_sketch_or_the_operators_default_reaches_the_plan_and_its_status(se
     the Planned condition says how many of the expert reads are sketches."""
     planner = SketchPlanner()
     c, kube, store, mm = setup(settings, make_quota(), planner=planner)
-    st = c.reconcile_merge(mm)
+    st = c.merges.reconcile_merge(mm)
     assert "sketch" not in planner.specs[-1]  # the core's default applies
     assert (st["plan"]["sketch"], st["plan"]["sketchReadBytes"]) == ("sign3", 2 * GI)
     assert "2Gi of them block sketches, sign3" in cond.get_condition(st["conditions"], "Planned")["message"]
 
     s = dataclasses.replace(settings, sketch="none")
     c, kube, store, mm = setup(s, make_quota(), planner=planner)
-    st = c.reconcile_merge(mm)
+    st = c.merges.reconcile_merge(mm)
     assert planner.specs[-1]["sketch"] == "none"
     assert (st["plan"]["sketch"], st["plan"]["sketchReadBytes"]) == ("none", 0)
     assert "block sketches" not in cond.get_condition(st["conditions"], "Planned")["message"]
     # the namespace's default (chart merges.sketchByNamespace) comes before the operator's
     s2 = dataclasses.replace(s, sketch_by_namespace={"ns1": "sign2", "other": "sign1"})
     c, kube, store, mm = setup(s2, make_quota(), planner=planner)
-    st = c.reconcile_merge(mm)
+    st = c.merges.reconcile_merge(mm)
     assert planner.specs[-1]["sketch"] == "sign2" and st["plan"]["sketch"] == "sign2"
     # the merge's own spec.sketch wins over both defaults
     c, kube, store, mm = setup(s2, make_quota(), planner=planner, mm=make_merge(sketch="sign1"))
-    st = c.reconcile_merge(mm)
+    st = c.merges.reconcile_merge(mm)
     assert planner.specs[-1]["sketch"] == "sign1" and st["plan"]["sketch"] == "sign1"
     assert mm["spec"]["sketch"] == "sign1" and "sketch" not in make_merge()["spec"]  # the object is not changed
 
@@ -1127,7 +1131,7 @@ def test_a_quota_clamp_on_a_method_that_refuses_budgets_waits_and_says_why(setti
     )
     c, kube, store, mm = setup(settings, make_quota(bytes_="3Gi", enforcement="Clamp"), planner=planner, mm=mm)
     with pytest.raises(reconcile.RetryWithStatus) as e:
-        c.reconcile_merge(mm)
+        c.merges.reconcile_merge(mm)
     assert e.value.delay == settings.quota_retry_seconds
     assert planner.calls == [(None, "s3://mergepipe/catalog/")]  # never re-planned under a clamped budget
     r = cond.get_condition(e.value.status["conditions"], "Ready")
@@ -1137,6 +1141,6 @@ def test_a_quota_clamp_on_a_method_that_refuses_budgets_waits_and_says_why(setti
     assert kube.list(JOBS, "ns1") == [] and kube.get(QUOTAS, "ns1", "q").get("status", {}).get("ledger", []) == []
     # with room for its whole read it is admitted as usual
     c, kube, store, mm = setup(settings, make_quota(bytes_="10Gi", enforcement="Clamp"), planner=planner, mm=mm)
-    st = c.reconcile_merge(mm)
+    st = c.merges.reconcile_merge(mm)
     assert cond.get_condition(st["conditions"], "Ready")["reason"] == "JobRunning"
     assert st["admission"]["clamped"] is False

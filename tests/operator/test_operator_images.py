@@ -61,13 +61,13 @@ def _setup(settings, mm=None):
 
 def test_a_merge_naming_an_image_is_refused_by_default(settings):
     c, kube, store, mm = _setup(settings, make_merge(image="evil.example/steal-keys:1"))
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     r = ready(mm)
     assert (r["status"], r["reason"]) == ("False", "InvalidSpec")
     assert "spec.image" in r["message"] and "merges.allowedImages" in r["message"]
     assert kube.list(JOBS, "ns1") == []  # no Job, no reservation, no plan written
     assert not (kube.get(QUOTAS, "ns1", "q").get("status") or {}).get("ledger") and store.objects == {}
-    assert c.reconcile_merge(mm) is None  # terminal for this generation
+    assert c.merges.reconcile_merge(mm) is None  # terminal for this generation
     with pytest.raises(ValueError, match="merges.allowedImages"):
         mmd.build_job(mm, "s3://p/plan.json", "ab" * 32, settings)  # defence in depth
 
@@ -75,20 +75,20 @@ def test_a_merge_naming_an_image_is_refused_by_default(settings):
 def test_an_allowed_image_runs_the_merge_job_but_never_the_analyze_job(settings):
     s = dataclasses.replace(settings, allowed_images=("registry.example/team-a/*",))
     c, kube, store, mm = _setup(s, make_merge(image="registry.example/team-a/merger:2"))
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     assert ready(mm)["reason"] == "JobRunning"
     (job,) = kube.list(JOBS, "ns1")
     assert job["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example/team-a/merger:2"
     an = mmd.build_analyze_job(mm, ["s3://models/code"], "cd" * 32, s)
     assert an["spec"]["template"]["spec"]["containers"][0]["image"] == s.merger_image
     c2, kube2, _, mm2 = _setup(s, make_merge(image="registry.example/team-b/merger:2"))
-    r = ready(apply(kube2, mm2, c2.reconcile_merge(mm2)))
+    r = ready(apply(kube2, mm2, c2.merges.reconcile_merge(mm2)))
     assert r["reason"] == "InvalidSpec" and "matches no entry" in r["message"] and kube2.list(JOBS, "ns1") == []
 
 
 def test_a_running_merge_whose_spec_gains_a_refused_image_is_retired(settings):
     c, kube, store, mm = _setup(settings)
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     (job,) = kube.list(JOBS, "ns1")
     name = job["metadata"]["name"]
     kube.put(
@@ -98,7 +98,7 @@ def test_a_running_merge_whose_spec_gains_a_refused_image_is_retired(settings):
             "status": {"phase": "Running"},
         },
     )
-    mm = apply(kube, mm, c.reconcile_merge(bump(kube, image="evil.example/x:1")))
+    mm = apply(kube, mm, c.merges.reconcile_merge(bump(kube, image="evil.example/x:1")))
     assert ready(mm)["reason"] == "InvalidSpec" and kube.list(JOBS, "ns1") == []
     (entry,) = kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]
     assert entry["state"] == "Charged"  # it ran: settled, not left Reserved
@@ -126,7 +126,7 @@ def test_the_search_driver_runs_the_operator_image_whatever_the_spec_asks(settin
 
 def test_a_search_naming_a_refused_image_starts_nothing(settings):
     c, kube, ms = _search_controller(settings, search(image="evil.example/x:1"))
-    st = c.reconcile_search(ms)
+    st = c.searches.reconcile_search(ms)
     r = get_condition(st["conditions"], "Ready")
     assert r["reason"] == "InvalidSpec" and "spec.image" in r["message"] and "merges.allowedImages" in r["message"]
     assert kube.list(JOBS, "team-llm") == []

@@ -7,7 +7,8 @@ from datetime import timedelta
 import pytest
 from op_testlib import NOW
 
-from mergepipe_operator.k8s import conditions as cond, jobs as kjobs, names, quantities as qty
+from mergepipe_operator import quantities as qty
+from mergepipe_operator.k8s import conditions as cond, jobs as kjobs, names
 
 GI = 1024**3
 

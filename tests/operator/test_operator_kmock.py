@@ -668,7 +668,8 @@ def test_kueue_queued_jobs_and_the_io_budget_admission_check(cluster, monkeypatc
     monkeypatch.setenv("MERGEPIPE_KUEUE_ADMISSION_CHECK", "true")
     monkeypatch.setenv("MERGEPIPE_QUEUE_NAME", "llm")  # the chart's kueue.queueName
     monkeypatch.setenv("MERGEPIPE_QUOTA_RETRY_SECONDS", "2")  # Retry's requeueAfterSeconds
-    assert kueue_handlers.workload_event  # imported: its handlers are registered (main does it when enabled)
+    main.serve_kueue_admission_check()  # registered and bound (main does it at import when enabled)
+    assert kueue_handlers.workload_event
     full = planned_expert_bytes(c)
     c.quota("budget", bytes_=full * 3 // 2, enforcement="Reject")
     c.api.create(

@@ -172,19 +172,19 @@ def test_a_suspended_job_is_queued_naming_its_local_queue():
 
 def test_queued_then_admitted_merge_in_the_reconciler(settings):
     c, kube, store, mm = setup(settings, mm=make_merge(queueName="llm"))
-    st = c.reconcile_merge(mm)
+    st = c.merges.reconcile_merge(mm)
     mm = apply(kube, mm, st)
     assert ready(mm)["reason"] == "JobRunning"
     assert st["admission"].get("admissionCheck") is None  # no Kueue objects: the operator admits itself
     (job,) = kube.list(JOBS, "ns1")
     job["spec"]["suspend"] = True  # Kueue's webhook
-    st = c.sync_job(mm, job)
+    st = c.merges.sync_job(mm, job)
     mm = apply(kube, mm, st)
     assert ready(mm)["reason"] == "Queued" and "LocalQueue llm" in ready(mm)["message"]
-    assert mmd.generation_settled(mm["status"], 1) and c.reconcile_merge(mm) is None
+    assert mmd.generation_settled(mm["status"], 1) and c.merges.reconcile_merge(mm) is None
     job["spec"]["suspend"] = False  # Kueue admitted it
     job["status"] = {"active": 1}
-    mm = apply(kube, mm, c.sync_job(mm, job))
+    mm = apply(kube, mm, c.merges.sync_job(mm, job))
     assert ready(mm)["reason"] == "JobRunning"
     assert ("patch", "jobs") not in {(w[0], w[1]) for w in kube.writes}  # the operator never writes a Job
 
@@ -204,7 +204,7 @@ def test_with_an_io_budget_check_the_operator_does_not_reserve_before_the_job(se
     full = 8 * GI
     c, kube, store, mm = setup(settings, make_quota(bytes_=full * 3 // 2), mm=make_merge(queueName="llm"))
     kueue_objects(kube)
-    st = c.reconcile_merge(mm)
+    st = c.merges.reconcile_merge(mm)
     mm = apply(kube, mm, st)
     assert ready(mm)["reason"] == "JobRunning" and st["admission"]["admissionCheck"] == CHECK
     admitted = cond.get_condition(st["conditions"], "QuotaAdmitted")
@@ -224,8 +224,8 @@ def test_with_an_io_budget_check_the_operator_does_not_reserve_before_the_job(se
 def test_io_budget_check_lookup(settings, controller, queue, want):
     c, kube, *_ = setup(settings)
     kueue_objects(kube, controller=controller)
-    assert c.io_budget_check("ns1", queue) == want
-    assert c.io_budget_check("ns1", None) is None
+    assert c.kueue.io_budget_check("ns1", queue) == want
+    assert c.kueue.io_budget_check("ns1", None) is None
 
 
 def _admitted_merge(settings, quota, name="mm1"):
@@ -242,7 +242,7 @@ def _merge(name):
 
 def _plan_and_job(c, kube, name):
     mm = kube.get(MERGES, "ns1", name) or kube.put(MERGES, _merge(name))
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     job = kube.get(JOBS, "ns1", mm["status"]["jobName"])
     return mm, job
 
@@ -252,7 +252,7 @@ def test_the_check_reserves_the_plan_ready_then_retry_then_rejected(settings):
     c, kube = _admitted_merge(settings, make_quota(bytes_=full * 3 // 2))
     mm1, job1 = _plan_and_job(c, kube, "mm1")
     wl1 = workload_for(kube, job1)
-    assert c.check_workload(wl1)
+    assert c.kueue.check_workload(wl1)
     st = check_state(kube, wl1)
     assert st["state"] == "Ready" and "admitted by MergeQuota q" in st["message"]
     (entry,) = kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]
@@ -262,11 +262,11 @@ def test_the_check_reserves_the_plan_ready_then_retry_then_rejected(settings):
         "Reserved",
         "mm1",
     )
-    assert not c.check_workload(kube.get(kq.WORKLOADS, "ns1", wl1["metadata"]["name"]))  # decided: nothing more
+    assert not c.kueue.check_workload(kube.get(kq.WORKLOADS, "ns1", wl1["metadata"]["name"]))  # decided: nothing more
 
     mm2, job2 = _plan_and_job(c, kube, "mm2")
     wl2 = workload_for(kube, job2)
-    assert c.check_workload(wl2)
+    assert c.kueue.check_workload(wl2)
     st = check_state(kube, wl2)
     assert st["state"] == "Retry" and st["requeueAfterSeconds"] == settings.quota_retry_seconds
     assert "MergeQuota q" in st["message"]
@@ -276,7 +276,7 @@ def test_the_check_reserves_the_plan_ready_then_retry_then_rejected(settings):
     c3, kube3 = _admitted_merge(settings, make_quota(bytes_=full // 2))
     _, job3 = _plan_and_job(c3, kube3, "mm1")
     wl3 = workload_for(kube3, job3)
-    c3.check_workload(wl3)
+    c3.kueue.check_workload(wl3)
     st = check_state(kube3, wl3)
     assert st["state"] == "Rejected" and "more than MergeQuota q ever allows" in st["message"]
 
@@ -286,10 +286,10 @@ def test_a_clamp_quota_cannot_clamp_an_admitted_job(settings):
     c, kube = _admitted_merge(settings, make_quota(bytes_=full * 3 // 2, enforcement="Clamp"))
     _plan_and_job(c, kube, "mm1")
     wl1 = workload_for(kube, kube.get(JOBS, "ns1", kube.get(MERGES, "ns1", "mm1")["status"]["jobName"]))
-    c.check_workload(wl1)
+    c.kueue.check_workload(wl1)
     _, job2 = _plan_and_job(c, kube, "mm2")
     wl2 = workload_for(kube, job2)
-    c.check_workload(wl2)
+    c.kueue.check_workload(wl2)
     assert check_state(kube, wl2)["state"] == "Retry"  # Clamp would lower a budget the Job's plan already fixed
     assert len(kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]) == 1
 
@@ -298,18 +298,18 @@ def test_the_check_ignores_what_is_not_its_business(settings):
     c, kube = _admitted_merge(settings, make_quota(bytes_="1Gi"))
     mm, job = _plan_and_job(c, kube, "mm1")
     # before Kueue reserved quota: nothing to decide
-    assert not c.check_workload(workload_for(kube, job, reserved=False))
+    assert not c.kueue.check_workload(workload_for(kube, job, reserved=False))
     # another controller's check: untouched
     kube.objects.clear()
     kueue_objects(kube, checks=("prov",), controller="kueue.x-k8s.io/provisioning-request")
-    assert not c.check_workload(workload_for(kube, job, states=(("prov", "Pending"),)))
+    assert not c.kueue.check_workload(workload_for(kube, job, states=(("prov", "Pending"),)))
     # a Job that is not a mergepipe merge: Ready (it reads no expert bytes)
     kube.objects.clear()
     kueue_objects(kube)
     other = {"metadata": {"name": "train", "namespace": "ns1", "labels": {kq.QUEUE_LABEL: "llm"}}, "spec": {}}
     kube.put(JOBS, other)
     wl = workload_for(kube, other)
-    assert c.check_workload(wl)
+    assert c.kueue.check_workload(wl)
     assert check_state(kube, wl)["state"] == "Ready" and "not a mergepipe merge" in check_state(kube, wl)["message"]
 
 
@@ -322,14 +322,14 @@ def test_settling_after_an_admission_check_finds_the_reservation(settings):
     c, kube = _admitted_merge(settings, make_quota(bytes_=full * 3 // 2))
     mm, job = _plan_and_job(c, kube, "mm1")
     wl = workload_for(kube, job)
-    c.check_workload(wl)
+    c.kueue.check_workload(wl)
     job["status"] = {"active": 1}
-    mm = apply(kube, mm, c.sync_job(mm, job))
+    mm = apply(kube, mm, c.merges.sync_job(mm, job))
     admitted = cond.get_condition(mm["status"]["conditions"], "QuotaAdmitted")
     assert admitted["status"] == "True" and CHECK in admitted["message"]
     commit(c.store, "s3://snapshots/mm1/", mm["status"]["plan"]["digest"], realized=5 * GI)
     done = dict(job, status={"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
-    mm = apply(kube, mm, c.sync_job(mm, done))
+    mm = apply(kube, mm, c.merges.sync_job(mm, done))
     assert ready(mm)["reason"] == "Committed"
     (entry,) = kube.get(QUOTAS, "ns1", "q")["status"]["ledger"]
     assert (entry["state"], entry["bytes"]) == ("Charged", 5 * GI)
@@ -340,7 +340,7 @@ def test_our_admission_checks_are_marked_active(settings):
     kueue_objects(kube, checks=(CHECK,))
     kueue_objects(kube, checks=("prov",), controller="kueue.x-k8s.io/provisioning-request")
     for ac in kube.list_cluster(kq.ADMISSION_CHECKS):
-        c.activate_check(ac)
+        c.kueue.activate_check(ac)
     got = {
         a["metadata"]["name"]: cond.get_condition((a.get("status") or {}).get("conditions"), "Active")
         for a in kube.list_cluster(kq.ADMISSION_CHECKS)
@@ -364,9 +364,9 @@ def test_planner_is_unused_by_the_check(settings):
     planner = Planner()
     c, kube, store, mm = setup(settings, make_quota(bytes_="100Gi"), planner=planner, mm=make_merge(queueName="llm"))
     kueue_objects(kube)
-    mm = apply(kube, mm, c.reconcile_merge(mm))
+    mm = apply(kube, mm, c.merges.reconcile_merge(mm))
     calls = len(planner.calls)
-    c.check_workload(workload_for(kube, kube.get(JOBS, "ns1", mm["status"]["jobName"])))
+    c.kueue.check_workload(workload_for(kube, kube.get(JOBS, "ns1", mm["status"]["jobName"])))
     assert len(planner.calls) == calls
 
 
@@ -381,6 +381,6 @@ def test_the_kueue_example_routes_team_llm_through_the_io_budget_check(settings)
     kube.put(kq.LOCAL_QUEUES, docs["LocalQueue"])
     kube.put(kq.CLUSTER_QUEUES, docs["ClusterQueue"])
     kube.put(kq.ADMISSION_CHECKS, docs["AdmissionCheck"])
-    assert c.io_budget_check(docs["LocalQueue"]["metadata"]["namespace"], "llm") == "io-budget"
+    assert c.kueue.io_budget_check(docs["LocalQueue"]["metadata"]["namespace"], "llm") == "io-budget"
     flavors = docs["ClusterQueue"]["spec"]["resourceGroups"][0]["flavors"]
     assert [f["name"] for f in flavors] == [docs["ResourceFlavor"]["metadata"]["name"]]

@@ -148,7 +148,7 @@ class World:
     def reconcile(self, apply=True):
         mm = self.mm()
         try:
-            st_ = self.c.reconcile_merge(mm)
+            st_ = self.c.merges.reconcile_merge(mm)
         except Exception as e:  # RetryWithStatus (QuotaExceeded, ...) never happens under 1000Gi
             raise AssertionError(f"unexpected {e!r}") from None
         if st_ and apply:
@@ -187,7 +187,7 @@ class World:
         return self.kube.get(JOBS, "ns1", st_["jobName"])
 
     def sync(self, job):
-        res = self.c.sync_job(self.mm(), job)
+        res = self.c.merges.sync_job(self.mm(), job)
         if res:
             self.kube.patch_status(MERGES, "ns1", "mm1", res)
 
@@ -259,7 +259,7 @@ class World:
             self.sync(self.kube.get(JOBS, "ns1", name))
 
     def delete(self):
-        self.c.finalize_merge(self.mm())
+        self.c.merges.finalize_merge(self.mm())
 
     def expected(self):
         return {

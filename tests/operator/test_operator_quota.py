@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 from op_testlib import NOW, make_quota
 
-from mergepipe_operator.k8s import quantities as qty
+from mergepipe_operator import quantities as qty
 from mergepipe_operator.k8s.conditions import Reason
 from mergepipe_operator.quota import decisions as qd
 

@@ -341,28 +341,28 @@ def setup(ms=None):
 
 def test_reconcile_creates_one_driver_job_and_mirrors_results():
     c, kube, store, ms = setup()
-    st = c.reconcile_search(ms)
+    st = c.searches.reconcile_search(ms)
     jobs = kube.list(JOBS, "team-llm")
     assert [j["metadata"]["name"] for j in jobs] == ["llama-code-math-front-search-g1"]
     assert get_condition(st["conditions"], "Ready")["reason"] == "Searching"
     kube.patch_status(SEARCHES, "team-llm", "llama-code-math-front", st)
     ms = kube.get(SEARCHES, "team-llm", "llama-code-math-front")
-    assert c.reconcile_search(ms) is None  # again (restart, resume): 409 on the Job, nothing new
+    assert c.searches.reconcile_search(ms) is None  # again (restart, resume): 409 on the Job, nothing new
     assert len(kube.list(JOBS, "team-llm")) == 1
-    assert c.sync_search(ms) is None
+    assert c.searches.sync_search(ms) is None
     store.put(sd.results_uri(ms["spec"], 1), json.dumps(core_results()).encode())
-    st = c.sync_search(ms)
+    st = c.searches.sync_search(ms)
     assert st["evaluations"] == 4 and st["paretoSize"] == 2
     kube.patch_status(SEARCHES, "team-llm", "llama-code-math-front", st)
     job = kube.get(JOBS, "team-llm", "llama-code-math-front-search-g1")
     job["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
-    st = c.sync_search(kube.get(SEARCHES, "team-llm", "llama-code-math-front"), job)
+    st = c.searches.sync_search(kube.get(SEARCHES, "team-llm", "llama-code-math-front"), job)
     assert get_condition(st["conditions"], "Ready")["reason"] == "Completed"
 
 
 def test_a_failed_driver_names_the_pods_cause():
     c, kube, store, ms = setup()
-    c.reconcile_search(ms)
+    c.searches.reconcile_search(ms)
     jname = "llama-code-math-front-search-g1"
     kube.put(
         PODS,
@@ -394,25 +394,25 @@ def test_a_failed_driver_names_the_pods_cause():
             }
         ]
     }
-    st = c.sync_search(kube.get(SEARCHES, "team-llm", "llama-code-math-front"), job)
+    st = c.searches.sync_search(kube.get(SEARCHES, "team-llm", "llama-code-math-front"), job)
     r = get_condition(st["conditions"], "Ready")
     assert r["reason"] == "Failed" and "the evaluator exited 127 (not found)" in r["message"], r
 
 
 def test_a_new_generation_starts_a_new_driver_and_stops_the_old_one():
     c, kube, store, ms = setup()
-    c.reconcile_search(ms)
+    c.searches.reconcile_search(ms)
     ms2 = copy.deepcopy(ms)
     ms2["metadata"]["generation"] = 2
     ms2["spec"]["evaluations"] = 40
-    st = c.reconcile_search(ms2)
+    st = c.searches.reconcile_search(ms2)
     assert [j["metadata"]["name"] for j in kube.list(JOBS, "team-llm")] == ["llama-code-math-front-search-g2"]
     assert st["stateURI"].endswith("/g2/state.json")
 
 
 def test_invalid_spec_starts_nothing():
     c, kube, store, ms = setup(search(vary=[{"name": "density", "min": 0.1, "max": 0.5}]))
-    st = c.reconcile_search(ms)
+    st = c.searches.reconcile_search(ms)
     r = get_condition(st["conditions"], "Ready")
     assert (r["status"], r["reason"]) == ("False", "InvalidSpec") and "spec.vary[0].name" in r["message"]
     assert kube.list(JOBS, "team-llm") == []

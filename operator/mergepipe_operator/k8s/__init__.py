@@ -1,3 +1,4 @@
-"""Kubernetes helpers every resource uses: the API adapter (:mod:`.api`), conditions and their
-Events (:mod:`.conditions`), units (:mod:`.quantities`), names (:mod:`.names`) and the worker Job
-template (:mod:`.jobs`)."""
+"""Kubernetes helpers every resource uses, importing no resource: the API adapter (:mod:`.api`),
+the model parts the kinds share (:mod:`.model`), conditions and their Events
+(:mod:`.conditions`), names (:mod:`.names`), Kueue's Job label (:mod:`.queueing`), the worker
+Job template (:mod:`.jobs`) and the tenant-image rule (:mod:`.images`)."""

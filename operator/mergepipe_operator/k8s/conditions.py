@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
+from ..quantities import rfc3339
 from .model import CONDITION_REASON_PATTERN
-from .quantities import rfc3339
 
 #: A problem with an object's spec: (field path such as ``spec.experts[0].uri``, message).
 Issue = tuple[str, str]

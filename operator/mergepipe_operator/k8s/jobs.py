@@ -8,10 +8,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..kueue.decisions import job_suspended, queue_labels, queue_name, queued_message
 from ..settings import Settings
 from .conditions import Reason
 from .model import API_VERSION
+from .queueing import job_suspended, queue_labels, queue_name, queued_message
 
 #: Where the worker container writes its one-line error (the Kubernetes default path; the kubelet
 #: makes it the container's termination message).

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
-from .quantities import BYTES_PATTERN
+from ..quantities import BYTES_PATTERN
 
 GROUP = "mergepipe.io"
 VERSION = "v1alpha1"

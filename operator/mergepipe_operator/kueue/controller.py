@@ -12,7 +12,7 @@ from ..k8s.api import JOBS, MERGES, QUOTAS, Conflict
 from ..k8s.names import ANN_MERGE, LABEL_COMPONENT, LABEL_MANAGED_BY, MANAGER
 from ..quota.controller import QuotaLedger
 from ..quota.decisions import admission_key, quota_limits
-from ..reconcile import Retry
+from ..reconcile import Reconciler, Retry, Services
 from .decisions import (
     ADMISSION_CHECKS,
     CLUSTER_QUEUES,
@@ -30,9 +30,18 @@ from .decisions import (
 log = logging.getLogger("mergepipe.operator")
 
 
-class IOBudgetCheck(QuotaLedger):
+class IOBudgetCheck(Reconciler):
     """Kueue integration: which LocalQueues route through an io-budget check, the check's
-    ``Active`` condition, and each Workload's check state."""
+    ``Active`` condition, and each Workload's check state.
+
+    Args:
+        io: the injected I/O.
+        ledger: the MergeQuota ledger a Workload's check reserves in.
+    """
+
+    def __init__(self, io: Services, ledger: QuotaLedger):
+        super().__init__(io)
+        self.ledger = ledger
 
     def io_budget_check(self, ns: str, queue: str | None) -> str | None:
         """The io-budget AdmissionCheck that Kueue applies to Jobs of LocalQueue ``queue`` in
@@ -130,7 +139,7 @@ class IOBudgetCheck(QuotaLedger):
         key = (status.get("admission") or {}).get("key") or admission_key(
             mm["metadata"]["uid"], status.get("observedGeneration")
         )
-        adm, quotas = self.reserve(ns, mm_name, key, int(need), self.clock(), clamp=False)
+        adm, quotas = self.ledger.reserve(ns, mm_name, key, int(need), self.clock(), clamp=False)
         if adm.allowed:
             return "Ready", f"plan {str(plan.get('digest', ''))[:12]}: {adm.message}", None
         for q in self.kube.list(QUOTAS, ns):

@@ -28,7 +28,15 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from ..k8s.conditions import get_condition
-from ..k8s.quantities import rfc3339
+from ..k8s.queueing import (  # noqa: F401  (the Job side of Kueue: shared k8s code, named here too)
+    QUEUE_LABEL,
+    job_queue,
+    job_suspended,
+    queue_labels,
+    queue_name,
+    queued_message,
+)
+from ..quantities import rfc3339
 
 GROUP = "kueue.x-k8s.io"
 VERSION = "v1beta2"
@@ -37,65 +45,10 @@ LOCAL_QUEUES = (GROUP, VERSION, "localqueues")
 CLUSTER_QUEUES = (GROUP, VERSION, "clusterqueues")
 ADMISSION_CHECKS = (GROUP, VERSION, "admissionchecks")
 
-#: The label that puts a Job in a LocalQueue (Kueue's ``constants.QueueLabel``).
-QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 #: ``spec.controllerName`` of the AdmissionChecks this operator serves.
 CONTROLLER_NAME = "mergepipe.io/io-budget"
 
 CheckState = Literal["Pending", "Ready", "Retry", "Rejected"]
-
-
-def queue_name(spec: Mapping[str, Any] | None, default: str | None) -> str | None:
-    """The LocalQueue of a ModelMerge's or MergeSearch's Jobs: ``spec.queueName``, else the
-    operator's default (chart value ``kueue.queueName``), else none (no Kueue label)."""
-    q = (spec or {}).get("queueName") or default
-    return str(q) if q else None
-
-
-def queue_labels(queue: str | None) -> dict[str, str]:
-    """Labels that put a Job in ``queue`` (none without a queue)."""
-    return {QUEUE_LABEL: queue} if queue else {}
-
-
-def job_queue(job: Mapping[str, Any] | None) -> str | None:
-    """The LocalQueue a Job is labelled for, or ``None``."""
-    return ((job or {}).get("metadata", {}).get("labels") or {}).get(QUEUE_LABEL)
-
-
-def job_suspended(job: Mapping[str, Any] | None) -> bool:
-    """Is the Job held suspended (``spec.suspend``) and not finished?"""
-    if not job or not (job.get("spec") or {}).get("suspend"):
-        return False
-    for c in (job.get("status") or {}).get("conditions") or []:
-        if c.get("type") in ("Complete", "Failed") and c.get("status") == "True":
-            return False
-    return True
-
-
-def queued_message(what: str, job: Mapping[str, Any], workload: Mapping[str, Any] | None = None) -> str:
-    """Ready's message while Kueue holds ``job`` suspended: names the Job, its LocalQueue and, if
-    known, why its Workload waits (Kueue's QuotaReserved/Admitted condition messages, and the
-    admission checks that are not Ready)."""
-    name = job["metadata"]["name"]
-    queue = job_queue(job)
-    msg = (
-        f"{what} {name} is queued in LocalQueue {queue} (suspended until Kueue admits it)"
-        if queue
-        else (f"{what} {name} is suspended (not started until it is unsuspended)")
-    )
-    if workload:
-        st = workload.get("status") or {}
-        reserved = get_condition(st.get("conditions"), "QuotaReserved")
-        if reserved and reserved.get("status") != "True" and reserved.get("message"):
-            msg += f"; Kueue: {reserved['message']}"
-        waiting = [
-            f"{c.get('name')} {c.get('state')}" + (f" ({c['message']})" if c.get("message") else "")
-            for c in st.get("admissionChecks") or []
-            if c.get("state") != "Ready" and (c.get("message") or (reserved and reserved.get("status") == "True"))
-        ]
-        if waiting:
-            msg += "; admission checks: " + "; ".join(waiting)
-    return msg
 
 
 def cluster_queue_checks(cq: Mapping[str, Any] | None) -> list[str]:

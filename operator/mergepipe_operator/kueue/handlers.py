@@ -5,17 +5,25 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import kopf
 
-from ..controller import controller, post_events
-from ..k8s.api import JOBS, MERGES
-from ..k8s.names import ANN_MERGE, LABEL_COMPONENT, LABEL_MANAGED_BY, MANAGER
+from ..k8s.api import JOBS
+from ..k8s.names import LABEL_COMPONENT, LABEL_MANAGED_BY, MANAGER
+from ..kopfglue import Bound
 from ..reconcile import Retry
+from .controller import IOBudgetCheck
 from .decisions import ADMISSION_CHECKS, WORKLOADS, owner_job
 
 log = logging.getLogger("mergepipe.operator")
+
+#: the io-budget AdmissionCheck controller (bound by :mod:`mergepipe_operator.main`)
+checks: Bound[IOBudgetCheck] = Bound("Kueue io-budget check")
+#: what to call with a merge Job whose Workload changed (bound by :mod:`mergepipe_operator.main`
+#: to the ModelMerge handlers' resync: the merge's Queued message follows its Workload)
+merge_job_changed: Bound[Callable[[dict[str, Any]], None]] = Bound("ModelMerge resync")
 
 
 @kopf.on.resume(*ADMISSION_CHECKS)
@@ -23,10 +31,10 @@ log = logging.getLogger("mergepipe.operator")
 @kopf.on.update(*ADMISSION_CHECKS)
 def admission_check_changed(body: kopf.Body, **_: Any) -> None:
     """Our AdmissionChecks are Active (Kueue only admits through active checks)."""
-    if not controller().settings.kueue_admission_check:
+    if not checks().settings.kueue_admission_check:
         return
     try:
-        controller().activate_check(dict(body))
+        checks().activate_check(dict(body))
     except Retry as e:
         raise kopf.TemporaryError(str(e), delay=e.delay) from None
 
@@ -37,7 +45,7 @@ def workload_event(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
     Writes nothing on Workloads without a Pending check of ours."""
     if event.get("type") == "DELETED":
         return
-    c = controller()
+    c = checks()
     if not c.settings.kueue_admission_check:
         return
     wl = dict(body)
@@ -52,14 +60,4 @@ def workload_event(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
     labels = ((job or {}).get("metadata") or {}).get("labels") or {}
     if job is None or labels.get(LABEL_MANAGED_BY) != MANAGER or labels.get(LABEL_COMPONENT, "merge") != "merge":
         return
-    mm_name = (job["metadata"].get("annotations") or {}).get(ANN_MERGE)
-    mm = c.kube.get(MERGES, ns, mm_name) if mm_name else None
-    if mm is None or not mm_name:
-        return
-    try:
-        result = c.sync_job(mm, job)
-    except Retry:
-        return
-    if result:
-        c.kube.patch_status(MERGES, ns, mm_name, result)
-        post_events(mm, mm.get("status"), result)
+    merge_job_changed()(job)

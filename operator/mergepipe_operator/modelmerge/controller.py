@@ -34,9 +34,8 @@ from ..k8s.names import (
     MANAGER,
     label_value,
 )
-from ..k8s.quantities import QuantityError, human_bytes
+from ..k8s.queueing import job_suspended, queue_name, queued_message
 from ..kueue.controller import IOBudgetCheck
-from ..kueue.decisions import job_suspended, queue_name, queued_message
 from ..metrics import (
     ADMISSIONS,
     ANALYZE_JOBS_CREATED,
@@ -46,8 +45,10 @@ from ..metrics import (
     REALIZED_BYTES,
 )
 from ..objectstore import manifest_uri
+from ..quantities import QuantityError, human_bytes
+from ..quota.controller import QuotaLedger
 from ..quota.decisions import Admission, Closing, admission_key, admit, close, closing, keys_of
-from ..reconcile import Done, Retry, RetryWithStatus
+from ..reconcile import Done, Reconciler, Retry, RetryWithStatus, Services
 from ..snapshot.controller import SnapshotVerifier
 from ..snapshot.decisions import (
     manifest_facts,
@@ -130,10 +131,15 @@ def _parts_message(job: dict[str, Any] | None, parts: dict[str, Any]) -> str:
     return msg
 
 
-class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
-    """ModelMerge reconciliation (uses the quota ledger and the snapshot verification of the same controller).
+class MergeReconciler(Reconciler):
+    """ModelMerge reconciliation, composed with the services it uses.
 
-    Attributes:
+    Args:
+        io: the injected I/O.
+        ledger: the MergeQuota ledger (admission reserves in it, every run's end settles it).
+        kueue: the Kueue io-budget AdmissionCheck (whether a LocalQueue's Jobs are admitted by
+            it rather than by the operator before the Job exists; a queued Job's Workload).
+        verifier: the MergedSnapshot verification (a finished Job's manifest and outputs).
         planner: ``(spec with the admitted budget in bytes, catalog URI) -> PlanSummary``
             (:func:`~mergepipe_operator.modelmerge.planning.plan_merge` in production).
         committer: ``(plan URI, output URI, N) -> manifest hash``: commits the N parts of an
@@ -141,8 +147,22 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             in production).
     """
 
-    planner: Callable[[dict[str, Any], str | None], PlanSummary]
-    committer: Callable[[str, str, int], str]
+    def __init__(
+        self,
+        io: Services,
+        *,
+        ledger: QuotaLedger,
+        kueue: IOBudgetCheck,
+        verifier: SnapshotVerifier,
+        planner: Callable[[dict[str, Any], str | None], PlanSummary],
+        committer: Callable[[str, str, int], str],
+    ):
+        super().__init__(io)
+        self.ledger = ledger
+        self.kueue = kueue
+        self.verifier = verifier
+        self.planner = planner
+        self.committer = committer
 
     def reconcile_merge(self, body: dict[str, Any]) -> dict[str, Any] | None:
         """One reconciliation of a ModelMerge; returns the status fields to patch (``None``: no
@@ -202,7 +222,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         if ready and ready.get("reason") == Reason.COMMITTED and status_plan_digest(status) == first.digest:
             # the new generation plans to the same digest: its snapshot is already committed
             return finish("True", Reason.COMMITTED, f"plan unchanged; {ready.get('message', '')}".strip())
-        check = self.io_budget_check(ns, queue_name(spec, self.settings.queue_name))
+        check = self.kueue.io_budget_check(ns, queue_name(spec, self.settings.queue_name))
         quotas: list[str]
         if check:  # Kueue's AdmissionCheck reserves the plan when Kueue admits the Job
             adm, quotas = (
@@ -216,7 +236,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
                 [],
             )
         else:
-            adm, quotas = self.reserve(
+            adm, quotas = self.ledger.reserve(
                 ns, name, key, first.expert_read_bytes, now, unclampable=budget_refusal_text(spec)
             )
             ADMISSIONS.labels(adm.reason).inc()
@@ -244,7 +264,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
                 else self._plan(body, budget, out, conds, gen, now)
             )
         except (RetryWithStatus, Done):
-            self.unreserve(ns, key, quotas, job_started=False)
+            self.ledger.unreserve(ns, key, quotas, job_started=False)
             raise
         if self.store is None:
             raise RuntimeError("the operator has no object store configured")
@@ -252,7 +272,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         other = self._committed_plan(out_uri)
         if other is not None and other != plan.digest:
             # snapshots are immutable: the worker would refuse this output (and fail the Job)
-            self.unreserve(ns, key, quotas, job_started=False)
+            self.ledger.unreserve(ns, key, quotas, job_started=False)
             self._retire(ns, name, status, out, now)
             return finish(
                 "False",
@@ -277,7 +297,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         if other == plan.digest and choice.follow is None:
             # the output already holds this plan's committed snapshot and no Job of it exists: an
             # earlier generation committed it (and was charged); nothing is read again
-            self.unreserve(ns, key, quotas, job_started=False)
+            self.ledger.unreserve(ns, key, quotas, job_started=False)
             self._retire(ns, name, status, out, now)
             return finish(
                 "True",
@@ -559,7 +579,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             known = self._known_read(old_out, old_digest)
             how = closing(old_started or not old_found, known)
         for q in self.admission_quotas(ns, adm):
-            self.update_quota(ns, q, lambda quota: close(quota, adm["key"], how, now))
+            self.ledger.update_quota(ns, q, lambda quota: close(quota, adm["key"], how, now))
 
     def _known_read(self, out_uri: str | None, plan_digest: str | None) -> int | None:
         """Expert bytes a run of ``plan_digest`` read, from the manifest committed at ``out_uri``
@@ -629,7 +649,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         if outcome.state == "Running":
             message = outcome.message
             if outcome.reason == Reason.QUEUED and job is not None and self.settings.kueue_admission_check:
-                message = queued_message("merge Job", job, self.workload_of(ns, job))
+                message = queued_message("merge Job", job, self.kueue.workload_of(ns, job))
             reason = Reason.QUEUED if outcome.reason == Reason.QUEUED else Reason.JOB_RUNNING
             if n > 1 and reason == Reason.JOB_RUNNING and parts:
                 message = _parts_message(job, parts)
@@ -653,7 +673,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         if outcome.state == "Failed" and raw is None:
             # a Job that failed before any container ran (deadline while pending, image pull) read nothing
             ran = bool(adm.get("started")) or job is None or self._job_started(ns, job)
-            self.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=ran)
+            self.ledger.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=ran)
             return {
                 "conditions": set_condition(conds, "Ready", "False", Reason.JOB_FAILED, outcome.message, gen, now),
                 **extra,
@@ -662,19 +682,19 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             # every index succeeded: commit the parts here, with the core's `mergepipe commit` code
             failure = self._commit_parts(mm, job, out_uri, n)
             if failure is not None:
-                self.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=True)
+                self.ledger.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=True)
                 return {
                     "conditions": set_condition(conds, "Ready", "False", Reason.JOB_FAILED, failure, gen, now),
                     **extra,
                 }
             raw = self.store.get(manifest_uri(out_uri)) if self.store else None
         # Succeeded (or the Job is gone but a manifest is there): verify what was committed
-        sizes = self._output_sizes(out_uri, raw)
+        sizes = self.verifier.output_sizes(out_uri, raw)
         ok, reason, message = snapshot_ready(raw, digest, None, object_sizes=sizes)
         if not ok:
             if reason == Reason.MANIFEST_MISSING:
                 raise Retry(f"Job {outcome.reason}; waiting for the committed manifest", 30)
-            self.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=True)
+            self.ledger.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=True)
             return {
                 "conditions": set_condition(
                     conds,
@@ -716,7 +736,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
         rx = facts.realized.get("expertReadBytes")
         # quotas are charged what was read: after a resumed retry, the earlier attempts' reads too
         spent = facts.spent_expert_bytes
-        self.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=True, realized=spent)
+        self.ledger.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=True, realized=spent)
         return {
             **extra,
             "realized": facts.realized,
@@ -788,7 +808,7 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
             )
             how = closing(started, known)
             for q in self.admission_quotas(ns, adm):
-                self.update_quota(ns, q, lambda quota: close(quota, adm["key"], how, now))
+                self.ledger.update_quota(ns, q, lambda quota: close(quota, adm["key"], how, now))
         for quota_obj in self.kube.list(QUOTAS, ns):  # reservations the status never named
             for k in keys_of(quota_obj, uid):
                 if k == adm.get("key"):
@@ -798,4 +818,4 @@ class MergeReconciler(IOBudgetCheck, SnapshotVerifier):
                 def end(quota: dict[str, Any], k: str = k, stray: Closing = stray) -> dict[str, Any] | None:
                     return close(quota, k, stray, now)
 
-                self.update_quota(ns, quota_obj["metadata"]["name"], end)
+                self.ledger.update_quota(ns, quota_obj["metadata"]["name"], end)

@@ -15,7 +15,7 @@ from mergepipe.request import PlanningOptions
 from mergepipe.storage.base import IOCounters
 from mergepipe.storage.routing import open_storage
 
-from ..k8s.quantities import parse_quantity
+from ..quantities import parse_quantity
 from .decisions import ANALYZE_BLOCK_BYTES, analysis_id
 from .request import merge_request, spec_where
 

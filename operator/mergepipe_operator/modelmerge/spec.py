@@ -14,7 +14,7 @@ from mergepipe.methods.params import resolve_params
 from mergepipe.methods.registry import METHODS as CORE_METHODS
 
 from ..k8s.conditions import Issue
-from ..k8s.quantities import QuantityError, is_number, parse_quantity
+from ..quantities import QuantityError, is_number, parse_quantity
 from ..settings import Settings
 from .model import ModelMergeSpec
 from .request import spec_settings, spec_where

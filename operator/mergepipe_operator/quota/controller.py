@@ -9,8 +9,8 @@ from typing import Any
 
 from ..k8s.api import QUOTAS, Conflict
 from ..k8s.conditions import Reason, set_condition
-from ..k8s.quantities import QuantityError, human_bytes
 from ..metrics import QUOTA_HARD, QUOTA_USED
+from ..quantities import QuantityError, human_bytes
 from ..reconcile import Reconciler, Retry
 from .decisions import Admission, admit, close, closing, quota_status, release
 

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any, Literal, cast
 
 from ..k8s.conditions import Reason
-from ..k8s.quantities import (
+from ..quantities import (
     QuantityError,
     human_bytes,
     parse_duration,

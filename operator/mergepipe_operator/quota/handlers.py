@@ -6,9 +6,13 @@ from typing import Any
 
 import kopf
 
-from ..controller import Controller, controller
 from ..k8s.api import QUOTAS
+from ..kopfglue import Bound
 from ..reconcile import Retry
+from .controller import QuotaLedger
+
+#: the MergeQuota ledger (bound by :mod:`mergepipe_operator.main`)
+quotas: Bound[QuotaLedger] = Bound("MergeQuota ledger")
 
 
 @kopf.on.resume(*QUOTAS)
@@ -17,7 +21,7 @@ from ..reconcile import Retry
 @kopf.timer(*QUOTAS, interval=300, initial_delay=60)
 def quota_changed(body: kopf.Body, **_: Any) -> None:
     try:
-        controller().refresh_quota(dict(body))
+        quotas().refresh_quota(dict(body))
     except Retry as e:
         raise kopf.TemporaryError(str(e), delay=e.delay) from None
 
@@ -25,4 +29,4 @@ def quota_changed(body: kopf.Body, **_: Any) -> None:
 @kopf.on.delete(*QUOTAS, optional=True)
 def quota_deleted(body: kopf.Body, **_: Any) -> None:
     """No finalizer (optional): when seen, drop the deleted quota's gauge samples."""
-    Controller.forget_quota(body["metadata"]["namespace"], body["metadata"]["name"])
+    QuotaLedger.forget_quota(body["metadata"]["namespace"], body["metadata"]["name"])

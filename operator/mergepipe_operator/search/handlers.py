@@ -8,19 +8,23 @@ from typing import Any
 
 import kopf
 
-from ..controller import controller, post_events, run
 from ..k8s.api import JOBS, SEARCHES
 from ..k8s.conditions import get_condition
 from ..k8s.names import LABEL_COMPONENT, LABEL_MANAGED_BY, MANAGER
+from ..kopfglue import Bound, post_events, run
 from ..settings import Settings
+from .controller import SearchReconciler
 from .decisions import ANN_SEARCH, SearchReason, job_generation
+
+#: the MergeSearch reconciler (bound by :mod:`mergepipe_operator.main`)
+searches: Bound[SearchReconciler] = Bound("MergeSearch reconciler")
 
 
 @kopf.on.resume(*SEARCHES)
 @kopf.on.create(*SEARCHES)
 @kopf.on.update(*SEARCHES, field="spec")
 def search_changed(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
-    run(lambda: controller().reconcile_search(dict(body)), patch, body)
+    run(lambda: searches().reconcile_search(dict(body)), patch, body)
 
 
 def _searching(status: kopf.Status, **_: Any) -> bool:
@@ -36,7 +40,7 @@ SEARCH_POLL_SECONDS = float(os.environ.get("MERGEPIPE_SEARCH_POLL_SECONDS") or S
 @kopf.timer(*SEARCHES, interval=SEARCH_POLL_SECONDS, initial_delay=SEARCH_POLL_SECONDS, when=_searching)
 def search_poll(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
     """Mirror the running search's results (the driver rewrites them after every candidate)."""
-    run(lambda: controller().sync_search(dict(body)), patch, body)
+    run(lambda: searches().sync_search(dict(body)), patch, body)
 
 
 @kopf.on.event(*JOBS, labels={LABEL_MANAGED_BY: MANAGER, LABEL_COMPONENT: "search"})
@@ -44,7 +48,7 @@ def search_job_event(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
     """The driver Job changed (started, completed, failed): mirror at once."""
     if event.get("type") == "DELETED":
         return
-    c = controller()
+    c = searches()
     ns = body["metadata"]["namespace"]
     name = (body["metadata"].get("annotations") or {}).get(ANN_SEARCH)
     ms = c.kube.get(SEARCHES, ns, name) if name else None

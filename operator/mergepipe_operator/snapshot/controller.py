@@ -7,9 +7,9 @@ import json
 from typing import Any
 
 from ..k8s.conditions import Reason, get_condition, set_condition
-from ..k8s.quantities import human_bytes, rfc3339
 from ..metrics import VERIFICATIONS
 from ..objectstore import join, manifest_uri
+from ..quantities import human_bytes, rfc3339
 from ..reconcile import Reconciler, RetryWithStatus
 from .decisions import manifest_facts, output_path, snapshot_ready, storage_uri
 
@@ -17,7 +17,7 @@ from .decisions import manifest_facts, output_path, snapshot_ready, storage_uri
 class SnapshotVerifier(Reconciler):
     """Verification of MergedSnapshots (also used by the merge reconciler for a finished Job)."""
 
-    def _output_sizes(self, prefix: str | None, raw: bytes | None) -> dict[str, int | None] | None:
+    def output_sizes(self, prefix: str | None, raw: bytes | None) -> dict[str, int | None] | None:
         """HEAD every output listed in the manifest: ``{path relative to prefix: size or None}``."""
         if raw is None or prefix is None or self.store is None:
             return None
@@ -37,7 +37,7 @@ class SnapshotVerifier(Reconciler):
         now = self.clock()
         raw = self.store.get(manifest_uri(spec["uri"])) if self.store else None
         ok, reason, message = snapshot_ready(
-            raw, spec.get("planDigest"), spec.get("manifestHash"), object_sizes=self._output_sizes(spec["uri"], raw)
+            raw, spec.get("planDigest"), spec.get("manifestHash"), object_sizes=self.output_sizes(spec["uri"], raw)
         )
         VERIFICATIONS.labels(reason).inc()
         out: dict[str, Any] = {"observedGeneration": gen}

@@ -14,7 +14,7 @@ from mergepipe.commit.manifest import MANIFEST_FORMAT, manifest_bytes as _core_m
 
 from ..k8s.conditions import Reason
 from ..k8s.names import DIGEST_RE, dns_label
-from ..k8s.quantities import human_bytes, is_number
+from ..quantities import human_bytes, is_number
 
 TERMINAL_SNAPSHOT_REASONS = frozenset(
     {
