@@ -123,6 +123,20 @@ class Settings:
     queue_name: str | None = None
     kueue_admission_check: bool = False
 
+    @property
+    def default_budget_bytes(self) -> int | None:
+        """``default_budget`` in bytes (the one byte grammar,
+        :func:`~mergepipe_operator.quantities.parse_quantity`); ``None`` when unset.
+
+        Raises:
+            QuantityError: the value is not a byte quantity (:meth:`from_env` refuses it at start).
+        """
+        from .quantities import parse_quantity
+
+        if not self.default_budget:
+            return None
+        return parse_quantity(self.default_budget, field=f"{ENV_PREFIX}DEFAULT_BUDGET")
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         """Read ``MERGEPIPE_*`` variables (``os.environ`` by default)."""
@@ -145,6 +159,15 @@ class Settings:
                 raise ValueError(str(e)) from None
             if bytes_per_part < 1:
                 raise ValueError(f"{ENV_PREFIX}BYTES_PER_PART must be at least 1 byte")
+        default_budget = _opt(env, "DEFAULT_BUDGET")
+        if default_budget:  # refused at start, not at each merge (the chart's merges.defaultBudget)
+            from .quantities import QuantityError, parse_quantity
+
+            try:
+                if parse_quantity(default_budget, field=f"{ENV_PREFIX}DEFAULT_BUDGET") < 1:
+                    raise ValueError(f"{ENV_PREFIX}DEFAULT_BUDGET must be at least 1 byte")
+            except QuantityError as e:
+                raise ValueError(str(e)) from None
         from mergepipe.catalog.sketch import SKETCH_KINDS
 
         sketch = _opt(env, "SKETCH")
@@ -173,7 +196,7 @@ class Settings:
             calibration_uri=_opt(env, "CALIBRATION_URI"),
             sketch=sketch,
             sketch_by_namespace={str(k): str(v) for k, v in by_ns.items()},
-            default_budget=_opt(env, "DEFAULT_BUDGET"),
+            default_budget=default_budget,
             gpu_resource_name=_opt(env, "GPU_RESOURCE_NAME") or d.gpu_resource_name,
             gpu_count=gpu_count,
             cpu=_opt(env, "JOB_CPU") or d.cpu,

@@ -170,18 +170,22 @@ def test_format_issues_limits_length():
 
 
 def test_requested_budget(settings):
+    """The budget asked for, read from the typed spec (parsed once) or the default budget."""
+    from mergepipe_operator.modelmerge.model import ModelMergeSpec
+
+    typed = ModelMergeSpec.model_validate
     spec = make_merge()["spec"]
-    assert mmspec.requested_budget(spec, settings) == 10 * GI
+    assert mmspec.requested_budget(typed(spec), settings) == 10 * GI
     s2 = dataclasses.replace(settings, default_budget="5Gi")
-    assert mmspec.requested_budget({**spec, "budget": None}, s2) == 5 * GI
-    assert mmspec.requested_budget({**spec, "budget": None, "fidelity": 0.9}, s2) is None
-    assert mmspec.requested_budget({**spec, "budget": None}, settings) is None
+    assert mmspec.requested_budget(typed({**spec, "budget": None}), s2) == 5 * GI
+    assert mmspec.requested_budget(typed({**spec, "budget": None, "fidelity": 0.9}), s2) is None
+    assert mmspec.requested_budget(typed({**spec, "budget": None}), settings) is None
     # methods that need whole tensors get no default budget (an explicit one is refused by the core)
     whole = {**spec, "budget": None, "method": "arcee_fusion"}
-    assert mmspec.requested_budget(whole, s2) is None
+    assert mmspec.requested_budget(typed(whole), s2) is None
     sce = {**spec, "budget": None, "method": "sce", "parameters": {"select_topk": 0.5}}
-    assert mmspec.requested_budget(sce, s2) is None
-    assert mmspec.requested_budget({**sce, "parameters": {}}, s2) == 5 * GI
+    assert mmspec.requested_budget(typed(sce), s2) is None
+    assert mmspec.requested_budget(typed({**sce, "parameters": {}}), s2) == 5 * GI
 
 
 def test_budget_refused_for_whole_tensor_method_names_spec_budget():
@@ -804,3 +808,17 @@ def test_build_job_indexed(settings):
     k8s_validate(job)
     with pytest.raises(ValueError):
         mmd.build_job(mm, PLAN_URI, DIGEST, settings, parts=0)
+
+
+def test_a_bad_default_budget_is_refused_at_start_and_a_good_one_read_by_the_one_grammar():
+    """The chart's merges.defaultBudget (MERGEPIPE_DEFAULT_BUDGET) is read by the same parser as
+    spec.budget, once at start: a bad value stops the operator with the variable named, not each
+    merge later."""
+    from mergepipe_operator.settings import Settings
+
+    assert Settings.from_env({"MERGEPIPE_DEFAULT_BUDGET": "10Gi"}).default_budget_bytes == 10 * 1024**3
+    assert Settings.from_env({}).default_budget_bytes is None
+    for bad, why in (("10 Gi", "spaces"), ("10gb", "unknown unit"), ("0", "at least 1 byte")):
+        with pytest.raises(ValueError, match=why) as e:
+            Settings.from_env({"MERGEPIPE_DEFAULT_BUDGET": bad})
+        assert "MERGEPIPE_DEFAULT_BUDGET" in str(e.value)

@@ -466,3 +466,27 @@ def test_a_candidate_of_the_example_is_a_valid_modelmerge():
     assert cr_errors(body) == []
     assert validate_merge_spec(body["spec"]) == []
     assert body["metadata"]["name"] == sd.candidate_merge_name(ms["metadata"]["name"], 3)
+
+
+@pytest.mark.parametrize(
+    ("budget", "expected"),
+    [
+        (4096, 4096),
+        ("4096", 4096),
+        ("10Gi", 10 * 1024**3),
+        ("1.5G", 1_500_000_000),
+        ("1Pi", 1024**5),
+        ("7E", 7 * 10**18),
+    ],
+)
+def test_the_search_budget_reaches_the_driver_in_bytes_by_the_operator_grammar(budget, expected):
+    """A MergeSearch budget is read by the operator's one byte grammar (the CRD's) and handed to
+    ``mergepipe search`` as bytes with a unit: the core's ``--budget`` grammar refuses a bare
+    number ("needs a unit") and has no Pi/E units, so passing the spec's text through failed
+    the driver for budgets the CRD accepts. The core reads the argument back to the same bytes."""
+    from mergepipe.request import parse_bytes
+
+    args = sd.driver_args(search(gen=2, budget=budget), make_settings())
+    arg = args[args.index("--budget") + 1]
+    assert arg == f"{expected}B"
+    assert parse_bytes(arg, total=None, bare=False) == expected

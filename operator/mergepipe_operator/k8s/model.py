@@ -11,10 +11,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StringConstraints, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
-from ..quantities import BYTES_PATTERN
+from ..quantities import BYTES_PATTERN, QuantityError, parse_quantity
 
 GROUP = "mergepipe.io"
 VERSION = "v1alpha1"
@@ -60,8 +60,25 @@ class K8sModel(BaseModel):
 
 # --- shared field types -----------------------------------------------------------------------
 
+
+def _whole_bytes(value: int | str) -> int | str:
+    """A byte quantity the model accepts is one :func:`~mergepipe_operator.quantities.parse_quantity`
+    reads as at least 1 byte (the pattern alone admits ``"0"`` or ``"1.5B"``); the value is kept
+    as written (``budget_bytes`` properties give the bytes)."""
+    try:
+        n = parse_quantity(value)
+    except QuantityError as e:  # the message without parse_quantity's field prefix
+        raise ValueError(str(e).split(": ", 1)[-1]) from None
+    if n < 1:
+        raise ValueError("must be at least 1 byte")
+    return value
+
+
+#: A byte quantity field (budgets, quota limits): an integer >= 1 or a string in
+#: :data:`~mergepipe_operator.quantities.BYTES_PATTERN`, read by its one parser.
 ByteQuantity = Annotated[
     Annotated[StrictInt, Field(ge=1)] | Annotated[str, StringConstraints(pattern=BYTES_PATTERN)],
+    AfterValidator(_whole_bytes),
     WithJsonSchema(
         {
             "x-kubernetes-int-or-string": True,

@@ -73,7 +73,7 @@ from .decisions import (
     status_plan_digest,
 )
 from .planning import PlanInputError, PlanSummary
-from .spec import budget_refusal_text, format_issues, requested_budget, validate_merge_spec
+from .spec import budget_refusal_text, format_issues, parse_merge_spec, requested_budget
 
 log = logging.getLogger("mergepipe.operator")
 
@@ -198,15 +198,15 @@ class MergeReconciler(Reconciler):
             return out
 
         ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
-        issues = validate_merge_spec(spec)
+        typed, issues = parse_merge_spec(spec)  # parsed once; the spec field of each problem named
         refusal = parallelism_issue(spec, self.settings) or merge_image_issue(spec, self.settings)
-        if issues or refusal:
+        if typed is None or refusal:
             # the previous generation's run is retired as on any spec change
             self._retire(ns, name, status, out, now)
             return finish("False", Reason.INVALID_SPEC, format_issues(issues) if issues else str(refusal))
 
         key = admission_key(uid, gen)
-        requested = requested_budget(spec, self.settings)
+        requested = requested_budget(typed, self.settings)
         # Planning is in-process and cheap: plan first, so the quota is charged with what the
         # plan will read (<= the budget), not with the whole budget.
         first = self._plan(body, requested, out, conds, gen, now)

@@ -41,6 +41,7 @@ from ..k8s.model import (
     Seed,
     Sha256,
 )
+from ..quantities import parse_quantity
 
 #: mergekit's names of the merge methods the CRD accepts: the core's registry
 #: (:data:`mergepipe.methods.registry.METHODS`), in its order, except the methods that take no
@@ -282,6 +283,12 @@ class ModelMergeSpec(K8sModel):
             "kueue.queueName); none: no label."
         ),
     )
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """``spec.budget`` in bytes (:func:`~mergepipe_operator.quantities.parse_quantity`, the
+        operator's one byte grammar); ``None`` when unset."""
+        return None if self.budget is None else parse_quantity(self.budget, field="spec.budget")
 
 
 class AdmissionStatus(K8sModel):

@@ -15,7 +15,6 @@ from mergepipe.request import PlanningOptions
 from mergepipe.storage.base import IOCounters
 from mergepipe.storage.routing import open_storage
 
-from ..quantities import parse_quantity
 from .decisions import ANALYZE_BLOCK_BYTES, analysis_id
 from .request import merge_request, spec_where
 
@@ -102,8 +101,9 @@ def plan_merge(spec: dict[str, Any], catalog_uri: str | None, *, storage: Any = 
         raise PlanInputError("the operator has no catalog; set values catalog.uri (MERGEPIPE_CATALOG_URI)")
     storage = storage if storage is not None else open_storage(None, IOCounters())
     budget = spec.get("budget")
-    if budget is not None and not isinstance(budget, int):
-        budget = parse_quantity(budget, field="spec.budget")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+        # the admitted budget, already read by the one byte grammar (requested_budget, the quota)
+        raise TypeError(f"plan_merge takes the admitted budget in bytes (int), got {budget!r}")
     where = spec_where(spec)
     cal_uri = ((spec.get("calibration") or {}).get("uri") or "").strip() or None
     planning = PlanningOptions(value=spec.get("blockValue"), calibration=cal_uri, block_bytes=ANALYZE_BLOCK_BYTES)

@@ -83,6 +83,17 @@ def _method_issues(spec: Mapping[str, Any], method: Any, experts: list) -> list[
     return []
 
 
+def parse_merge_spec(spec: Mapping[str, Any]) -> tuple[ModelMergeSpec | None, list[Issue]]:
+    """A ModelMerge spec parsed once into its typed model, with its problems
+    (:func:`validate_merge_spec`): ``(model, [])`` when valid, ``(None, issues)`` otherwise (each
+    issue a ``(field path, message)`` the controller reports as ``Ready=False``, reason
+    ``InvalidSpec``, and as an Event)."""
+    issues = validate_merge_spec(spec)
+    if issues:
+        return None, issues
+    return ModelMergeSpec.model_validate(dict(spec)), []
+
+
 def validate_merge_spec(spec: Mapping[str, Any]) -> list[Issue]:
     """Problems in a ModelMerge spec, as ``(field path, message)``; empty when valid.
 
@@ -181,18 +192,19 @@ def budget_refusal_text(spec: Mapping[str, Any]) -> str | None:
     return None if why is None else f"{name} reads every expert block ({why})"
 
 
-def _needs_whole_tensors(spec: Mapping[str, Any]) -> bool:
-    return budget_refusal_text(spec) is not None
-
-
-def requested_budget(spec: Mapping[str, Any], settings: Settings) -> int | None:
-    """The budget a merge asks for: ``spec.budget``, else (without a fidelity target) the
-    operator's default budget, else ``None`` (unbounded / fidelity-driven). Methods that cannot
+def requested_budget(spec: ModelMergeSpec, settings: Settings) -> int | None:
+    """The budget a merge asks for, in bytes: ``spec.budget``, else (without a fidelity target)
+    the operator's default budget, else ``None`` (unbounded / fidelity-driven). Methods that cannot
     honour a budget (:func:`mergepipe.methods.registry.budget_refusal`: arcee_fusion, ramplus_tl,
     sce with select_topk < 1) get no default budget; an explicit ``spec.budget`` is refused for
-    them by the core's validator."""
-    if spec.get("budget") is not None:
-        return parse_quantity(spec["budget"], field="spec.budget")
-    if spec.get("fidelity") is None and settings.default_budget and not _needs_whole_tensors(spec):
-        return parse_quantity(settings.default_budget, field="default budget")
+    them by the core's validator. Both read by the one byte grammar
+    (:func:`~mergepipe_operator.quantities.parse_quantity`)."""
+    if spec.budget is not None:
+        return spec.budget_bytes
+    if (
+        spec.fidelity is None
+        and settings.default_budget
+        and budget_refusal_text({"method": spec.method, "parameters": spec.parameters}) is None
+    ):
+        return settings.default_budget_bytes
     return None

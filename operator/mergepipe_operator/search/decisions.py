@@ -46,6 +46,7 @@ from ..k8s.names import (
 )
 from ..modelmerge.request import spec_settings
 from ..modelmerge.spec import Issue, _pydantic_issues, validate_merge_spec
+from ..quantities import parse_quantity
 from ..settings import Settings
 from ..snapshot.decisions import snapshot_name
 from .model import MergeSearchSpec
@@ -229,8 +230,9 @@ def driver_args(ms: Mapping[str, Any], settings: Settings) -> list[str]:
         args.append("--no-prior")
     if spec.get("refPoint"):
         args += ["--ref-point", ",".join(repr(float(x)) for x in spec["refPoint"])]
-    if spec.get("budget") is not None:
-        args += ["--budget", str(spec["budget"])]
+    budget = None if spec.get("budget") is None else parse_quantity(spec["budget"], field="spec.budget")
+    if budget is not None:  # bytes with a unit: the core's --budget grammar differs (no bare numbers, no Pi/Ei)
+        args += ["--budget", f"{budget}B"]
     if spec.get("sketch") is not None:
         args += ["--sketch", str(spec["sketch"])]
     if settings.catalog_uri:

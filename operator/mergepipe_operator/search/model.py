@@ -12,6 +12,7 @@ from mergepipe.catalog.sketch import SKETCH_KINDS
 
 from ..k8s.model import IMAGE_PATTERN, ByteQuantity, DnsLabel, DnsSubdomain, K8sModel, NonNegInt, ObservedStatus, Seed
 from ..modelmerge.model import METHODS, CheckpointRef, ExpertSpec, OutputSpec, ParamMap, ResourcesSpec, S3Spec
+from ..quantities import parse_quantity
 
 SEARCH_STRATEGIES: tuple[str, ...] = ("async", "sync", "random")
 PARAM_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -200,6 +201,12 @@ class MergeSearchSpec(K8sModel):
         if len(set(metrics)) != len(metrics):
             raise ValueError(f"objectives: a metric is listed twice ({', '.join(metrics)})")
         return self
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """``spec.budget`` (every candidate's) in bytes (:func:`~mergepipe_operator.quantities.parse_quantity`, the
+        operator's one byte grammar); ``None`` when unset."""
+        return None if self.budget is None else parse_quantity(self.budget, field="spec.budget")
 
 
 class ParetoPoint(K8sModel):
