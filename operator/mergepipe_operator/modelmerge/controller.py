@@ -34,7 +34,7 @@ from ..k8s.names import (
     MANAGER,
     label_value,
 )
-from ..k8s.queueing import job_suspended, queue_name, queued_message
+from ..k8s.queueing import job_suspended, queued_message
 from ..kueue.controller import IOBudgetCheck
 from ..metrics import (
     ADMISSIONS,
@@ -215,14 +215,14 @@ class MergeReconciler(Reconciler):
             "Analyzed",
             "True",
             "Analyzed",
-            f"the catalog has statistics for all {len(spec['experts'])} expert(s)",
+            f"the catalog has statistics for all {len(typed.experts)} expert(s)",
             gen,
             now,
         )
         if ready and ready.get("reason") == Reason.COMMITTED and status_plan_digest(status) == first.digest:
             # the new generation plans to the same digest: its snapshot is already committed
             return finish("True", Reason.COMMITTED, f"plan unchanged; {ready.get('message', '')}".strip())
-        check = self.kueue.io_budget_check(ns, queue_name(spec, self.settings.queue_name))
+        check = self.kueue.io_budget_check(ns, typed.queue_name or self.settings.queue_name)
         quotas: list[str]
         if check:  # Kueue's AdmissionCheck reserves the plan when Kueue admits the Job
             adm, quotas = (
@@ -268,7 +268,7 @@ class MergeReconciler(Reconciler):
             raise
         if self.store is None:
             raise RuntimeError("the operator has no object store configured")
-        out_uri = spec["output"]["uri"]
+        out_uri = typed.output.uri
         other = self._committed_plan(out_uri)
         if other is not None and other != plan.digest:
             # snapshots are immutable: the worker would refuse this output (and fail the Job)
@@ -308,7 +308,7 @@ class MergeReconciler(Reconciler):
         job = choice.follow
         if job is None:
             parts = choose_parallelism(
-                spec.get("parallelism"),
+                typed.parallelism,
                 plan.base_read_bytes + plan.expert_read_bytes + plan.output_write_bytes,
                 plan.shards,
                 self.settings.max_parallelism,
