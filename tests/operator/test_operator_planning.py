@@ -134,7 +134,7 @@ def test_missing_statistics_are_named_and_content_addressed(s3_models, seaweed):
     st = core_storage(seaweed)
     catalog = f"s3://{s3_models.bucket}/catalog-partial"
     analyze_into(seaweed, catalog, s3_models.base, s3_models.experts[:1])
-    spec = merge_spec(s3_models, budget="10Gi")
+    spec = merge_spec(s3_models, budget=10 * 1024**3)
     before = st.counters.snapshot()["read"]
     p = planning.plan_merge(spec, catalog, storage=st)
     after = st.counters.snapshot()["read"]
