@@ -79,7 +79,7 @@ def compile_slices(cfg: Any, p: str) -> CompiledSlices:
     Raises:
         InputError: naming ``slices[i]...`` and the fix — see the module docstring.
     """
-    from mergepipe.config_refs import model_ref as _model_ref, model_uri as _model_uri
+    from mergepipe.config_refs import model_uri as _model_uri
     from mergepipe.planner.plan import EXTRA_FILES
     from mergepipe.storage.base import IOCounters
     from mergepipe.storage.routing import open_storage
@@ -88,12 +88,41 @@ def compile_slices(cfg: Any, p: str) -> CompiledSlices:
         spec = get_method(cfg.merge_method)
     except InputError as e:
         raise InputError(f"{p}: merge_method: {e.problem or e}") from None
-    slices = cfg.slices
-    if not slices:
+    if not cfg.slices:
         raise InputError(f"{p}: slices: empty; give at least one slice with sources and layer_range.")
     storage = open_storage(None, IOCounters())
     base = _model_uri(cfg.base_model, f"{p}: base_model") if cfg.base_model is not None else None
-    srcs: list[list[tuple[str, int, int, dict | None]]] = []
+    srcs, n_layers = _read_sources(cfg.slices, p, base, storage)
+    out = CompiledSlices(models=[], base=None, parameters=cfg.parameters)
+    views: dict[str, StackView] = {}
+    if cfg.merge_method == "passthrough":
+        model_of = _compile_passthrough(p, srcs, base, storage, list(EXTRA_FILES), out, views)
+    else:
+        model_of = _compile_model_views(p, srcs, base, n_layers, storage, list(EXTRA_FILES), out, views)
+    for u, v in views.items():
+        out.stacks[u] = {
+            "spec": v.spec.to_json(),
+            "layers": [[src, a, b] for src, a, b in v.spec.layers],
+        }
+    _compile_params(cfg, p, spec, srcs, out, model_of, storage)
+    return out
+
+
+#: one slice source: ``(model URI, layer start, layer end (exclusive), its parameters)``
+_Source = tuple[str, int, int, dict | None]
+
+
+def _read_sources(slices: list, p: str, base: str | None, storage: Any) -> tuple[list[list[_Source]], dict[str, int]]:
+    """Each slice's sources, validated (layer ranges against the models' layer counts, read from
+    their shard headers); returns them and ``model URI -> number of layers``.
+
+    Raises:
+        InputError: ``residual_weight``, empty sources, a per-slice base other than the merge's,
+            a LoRA source, a bad or out-of-range layer range, sources of different lengths.
+    """
+    from mergepipe.config_refs import model_ref as _model_ref, model_uri as _model_uri
+
+    srcs: list[list[_Source]] = []
     n_layers: dict[str, int] = {}
     for i, sl in enumerate(slices):
         w = f"{p}: slices[{i}]"
@@ -135,66 +164,92 @@ def compile_slices(cfg: Any, p: str) -> CompiledSlices:
                 "the same number of layers (mergekit: 'All inputs to a slice must contain the same number of layers')."
             )
         srcs.append(row)
-    extra = list(EXTRA_FILES)
-    out = CompiledSlices(models=[], base=None, parameters=cfg.parameters)
-    views: dict[str, StackView] = {}
-    if cfg.merge_method == "passthrough":
-        for i, row in enumerate(srcs):
-            if len(row) != 1:
-                raise InputError(
-                    f"{p}: slices[{i}].sources: passthrough takes one source per slice (mergekit: exactly one "
-                    f"input per tensor), got {len(row)}; merge them with another merge_method."
-                )
-        if base is not None and all(base != row[0][0] for row in srcs):
+    return srcs, n_layers
+
+
+def _compile_passthrough(
+    p: str,
+    srcs: list[list[_Source]],
+    base: str | None,
+    storage: Any,
+    extra: list[str],
+    out: CompiledSlices,
+    views: dict[str, StackView],
+) -> dict[str, str | None]:
+    """passthrough: one view stacking each slice's one source, the only model of ``out`` (no
+    base); registers it in ``views``. Returns ``view URI -> None`` (the view has no one model).
+
+    Raises:
+        InputError: a slice with several sources, a ``base_model`` that is none of the sources.
+    """
+    for i, row in enumerate(srcs):
+        if len(row) != 1:
             raise InputError(
-                f"{p}: base_model: passthrough copies its slices' sources and {base!r} is none of them; remove "
-                "base_model (the first source's config and tokenizer are used) or name one of the sources."
+                f"{p}: slices[{i}].sources: passthrough takes one source per slice (mergekit: exactly one "
+                f"input per tensor), got {len(row)}; merge them with another merge_method."
             )
-        donor = base or srcs[0][0][0]
-        st = StackSpec(srcs[0][0][0], srcs[-1][0][0], tuple((u, a, b) for (u, a, b, _) in (r[0] for r in srcs)), donor)
-        v = register_view(storage, st, extra)
-        views[v.uri] = v
-        out.models = [(v.uri, None)]
-        out.base = None
-        out.names[v.uri] = "stack"
-        model_of: dict[str, str | None] = {v.uri: None}
-    else:
-        order = [u for u, *_ in srcs[0]]
-        if len(set(order)) != len(order):
-            raise InputError(f"{p}: slices[0].sources: a model is listed twice in one slice; list each once.")
-        for i, row in enumerate(srcs[1:], 1):
-            us = [u for u, *_ in row]
-            if sorted(us) != sorted(order):
-                raise InputError(
-                    f"{p}: slices[{i}].sources: its models differ from slices[0]'s; mergepipe merges every slice "
-                    "over the same models (a frankenmerge of different models is merge_method: passthrough)."
-                )
-        if base is not None and base not in order:
+    if base is not None and all(base != row[0][0] for row in srcs):
+        raise InputError(
+            f"{p}: base_model: passthrough copies its slices' sources and {base!r} is none of them; remove "
+            "base_model (the first source's config and tokenizer are used) or name one of the sources."
+        )
+    donor = base or srcs[0][0][0]
+    st = StackSpec(srcs[0][0][0], srcs[-1][0][0], tuple((u, a, b) for (u, a, b, _) in (r[0] for r in srcs)), donor)
+    v = register_view(storage, st, extra)
+    views[v.uri] = v
+    out.models = [(v.uri, None)]
+    out.base = None
+    out.names[v.uri] = "stack"
+    return {v.uri: None}
+
+
+def _compile_model_views(
+    p: str,
+    srcs: list[list[_Source]],
+    base: str | None,
+    n_layers: dict[str, int],
+    storage: Any,
+    extra: list[str],
+    out: CompiledSlices,
+    views: dict[str, StackView],
+) -> dict[str, str | None]:
+    """Any other method: each model becomes the view of its layer ranges in slice order (or
+    itself when that is all its layers), in the first slice's order; fills ``out.models``,
+    ``out.names``, ``out.base`` and ``views``. Returns ``URI -> source model``.
+
+    Raises:
+        InputError: a model twice in a slice, slices over different models, a base that is not a source.
+    """
+    order = [u for u, *_ in srcs[0]]
+    if len(set(order)) != len(order):
+        raise InputError(f"{p}: slices[0].sources: a model is listed twice in one slice; list each once.")
+    for i, row in enumerate(srcs[1:], 1):
+        us = [u for u, *_ in row]
+        if sorted(us) != sorted(order):
             raise InputError(
-                f"{p}: base_model: not among the slices' sources; list the base in every slice with the same "
-                "layer_range as the others (mergekit gathers a slice's tensors from its sources only)."
+                f"{p}: slices[{i}].sources: its models differ from slices[0]'s; mergepipe merges every slice "
+                "over the same models (a frankenmerge of different models is merge_method: passthrough)."
             )
-        model_of = {}
-        for m in order:
-            runs = tuple((m, a, b) for row in srcs for (u, a, b, _) in row if u == m)
-            if len(runs) == 1 and runs[0][1] == 0 and runs[0][2] == n_layers[m]:
-                uri = m  # the model itself
-            else:
-                v = register_view(storage, StackSpec(m, m, runs, m), extra)
-                views[v.uri] = v
-                uri = v.uri
-            model_of[uri] = m
-            out.names[uri] = _name(m)
-            out.models.append((uri, None))
-        if base is not None:
-            out.base = next(u for u, m in model_of.items() if m == base)
-    for u, v in views.items():
-        out.stacks[u] = {
-            "spec": v.spec.to_json(),
-            "layers": [[src, a, b] for src, a, b in v.spec.layers],
-        }
-    _compile_params(cfg, p, spec, srcs, out, model_of, storage)
-    return out
+    if base is not None and base not in order:
+        raise InputError(
+            f"{p}: base_model: not among the slices' sources; list the base in every slice with the same "
+            "layer_range as the others (mergekit gathers a slice's tensors from its sources only)."
+        )
+    model_of: dict[str, str | None] = {}
+    for m in order:
+        runs = tuple((m, a, b) for row in srcs for (u, a, b, _) in row if u == m)
+        if len(runs) == 1 and runs[0][1] == 0 and runs[0][2] == n_layers[m]:
+            uri = m  # the model itself
+        else:
+            v = register_view(storage, StackSpec(m, m, runs, m), extra)
+            views[v.uri] = v
+            uri = v.uri
+        model_of[uri] = m
+        out.names[uri] = _name(m)
+        out.models.append((uri, None))
+    if base is not None:
+        out.base = next(u for u, m in model_of.items() if m == base)
+    return model_of
 
 
 def _positions(srcs) -> list[tuple[int, float]]:

@@ -255,6 +255,42 @@ def test_budgeted_slices_realized_le_planned_le_budget(bf16, tmp_path, monkeypat
             },
             r"slices\[0\]\.parameters\.nonsense: ties takes no parameter 'nonsense'",
         ),
+        (
+            lambda m: {
+                "merge_method": "ties",
+                "base_model": m["base"],
+                "slices": [
+                    {
+                        "sources": [
+                            {"model": m["base"], "layer_range": [0, 2]},
+                            {"model": m["a"], "layer_range": [0, 2]},
+                        ],
+                        "parameters": {"normalize": True},
+                    },
+                    {
+                        "sources": [
+                            {"model": m["base"], "layer_range": [2, 4]},
+                            {"model": m["a"], "layer_range": [2, 4]},
+                        ],
+                        "parameters": {"normalize": False},
+                    },
+                ],
+            },
+            r"parameters\.normalize: takes one value per merge .* but the slices give \['False', 'True'\]",
+        ),
+        (
+            lambda m: {
+                "merge_method": "ties",
+                "slices": [
+                    {"sources": [{"model": m["a"], "layer_range": [0, 2]}, {"model": m["a"], "layer_range": [2, 4]}]}
+                ],
+            },
+            r"slices\[0\]\.sources: a model is listed twice in one slice",
+        ),
+        (
+            lambda m: {"base_model": m["base"], "slices": [{"sources": [{"model": m["a"], "layer_range": [0, 2]}]}]},
+            r"base_model: passthrough copies its slices' sources and .* is none of them",
+        ),
     ],
 )
 def test_slices_refusals_name_the_key(bf16, tmp_path, patch, match):
