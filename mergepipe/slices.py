@@ -271,6 +271,37 @@ def _compile_params(cfg, p: str, spec, srcs, out: CompiledSlices, model_of: dict
         out.models = [(u, (src_params[0].get(model_of[u] or srcs[0][0][0]) or None)) for u, _ in out.models]
         return
     params = {q.name: q for q in spec.params}
+    parsed = _parse_given(cfg, p, params, slice_params, srcs)
+    # output tensor names and their (slice, t): from the base's (or first model's) view or model
+    first = out.base or out.models[0][0]
+    ev = _SliceParams(p, parsed, list(load_layout(storage, first, role="catalog").tensors), srcs, _positions(srcs))
+    new_globals: dict[str, Any] = {}
+    model_params: dict[str, dict] = {u: {} for u, _ in out.models}
+    for k, q in params.items():
+        if not any(key.endswith(f"parameters.{k}") for key in parsed):
+            continue
+        enc = ev.merge_wide(k, q.kind)
+        if enc is not None:
+            new_globals[k] = enc
+        for u, _ in out.models:
+            m = model_of[u]
+            enc = ev.of_model(k, q.kind, m)
+            if enc is not None:
+                if m is None:  # passthrough's one input: its parameters are the merge's
+                    new_globals[k] = enc if k not in new_globals else _overlay(enc, new_globals[k])
+                else:
+                    model_params[u][k] = enc
+    out.parameters = new_globals or None
+    out.models = [(u, model_params[u] or None) for u, _ in out.models]
+
+
+def _parse_given(cfg, p: str, params: dict, slice_params: list[dict], srcs) -> dict[str, Any]:
+    """Every parameter given merge-wide, per slice and per source, parsed: config key (e.g.
+    ``slices[1].sources[0].parameters.weight``) -> setting.
+
+    Raises:
+        InputError: a parameter the method does not take, or an invalid value (naming the key).
+    """
     given: list[tuple[str, Any, str]] = [(k, v, f"parameters.{k}") for k, v in (cfg.parameters or {}).items()]
     for i, sp in enumerate(slice_params):
         given += [(k, v, f"slices[{i}].parameters.{k}") for k, v in sp.items()]
@@ -286,79 +317,88 @@ def _compile_params(cfg, p: str, spec, srcs, out: CompiledSlices, model_of: dict
         parsed[key] = parse_setting(
             params[k], v, (key,), lambda loc: f"{p}: {loc[0]}" + "".join(f"[{x}]" for x in loc[1:])
         )
-    # output tensor names and their (slice, t): from the base's (or first model's) view or model
-    first = out.base or out.models[0][0]
-    names = list(load_layout(storage, first, role="catalog").tensors)
-    pos = _positions(srcs)
+    return parsed
 
-    def where_of(n: str) -> tuple[int, float]:
+
+@dataclass
+class _SliceParams:
+    """Evaluates parsed slice parameters per output tensor with mergekit's precedence (source >
+    slice > merge-wide) at the tensor's position ``(slice, t)``; ``names`` are the output tensors,
+    ``pos`` the (slice, t) of each output layer (:func:`_positions`)."""
+
+    p: str
+    parsed: dict[str, Any]
+    names: list[str]
+    srcs: list
+    pos: list[tuple[int, float]]
+
+    def where_of(self, n: str) -> tuple[int, float]:
+        """Output tensor ``n``'s slice and t (pre-weights: first slice, post-weights: last, t = 0)."""
         li = layer_of(n)
         if li is None:
-            return (0 if is_pre_weight(n) else len(srcs) - 1), 0.0
-        return pos[li]
+            return (0 if is_pre_weight(n) else len(self.srcs) - 1), 0.0
+        return self.pos[li]
 
-    def chain(k: str, s: int, src_j: int | None) -> list[str]:
+    def chain(self, k: str, s: int, src_j: int | None) -> list[str]:
+        """The given keys for parameter ``k`` in slice ``s`` (and its source ``src_j``), by precedence."""
         keys = []
         if src_j is not None:
             keys.append(f"slices[{s}].sources[{src_j}].parameters.{k}")
         keys += [f"slices[{s}].parameters.{k}", f"parameters.{k}"]
-        return [x for x in keys if x in parsed]
+        return [x for x in keys if x in self.parsed]
 
-    def value(keys: list[str], n: str, t: float):
+    def value(self, keys: list[str], n: str, t: float):
+        """The first of ``keys`` whose setting has a value for tensor ``n`` at ``t``, or None."""
         for key in keys:
-            x = evaluate(parsed[key], n, t)
+            x = evaluate(self.parsed[key], n, t)
             if x is not None:
                 return x
         return None
 
-    def encode(vals: dict[str, Any], what: str, kind: str):
+    def encode(self, vals: dict[str, Any], what: str, kind: str):
+        """Per-tensor values as one setting: None, a scalar when uniform over every tensor, else
+        (float parameters only) a filter list naming each tensor, longest name first.
+
+        Raises:
+            InputError: a boolean or integer parameter that varies across tensors.
+        """
         if not vals:
             return None
         distinct = set(vals.values())
-        if len(distinct) == 1 and len(vals) == len(names):
+        if len(distinct) == 1 and len(vals) == len(self.names):
             return next(iter(distinct))
         if kind != "float":
             raise InputError(
-                f"{p}: {what}: takes one value per merge (boolean and integer parameters are not layer-wise), "
+                f"{self.p}: {what}: takes one value per merge (boolean and integer parameters are not layer-wise), "
                 f"but the slices give {sorted(map(str, distinct))}; give one value under parameters."
             )
         return [{"filter": n, "value": vals[n]} for n in sorted(vals, key=lambda x: (-len(x), x))]
 
-    new_globals: dict[str, Any] = {}
-    model_params: dict[str, dict] = {u: {} for u, _ in out.models}
-    for k, q in params.items():
-        if not any(key.endswith(f"parameters.{k}") for key in parsed):
-            continue
+    def merge_wide(self, k: str, kind: str):
+        """Parameter ``k`` from the slice-level and merge-wide keys, encoded (or None)."""
         g: dict[str, Any] = {}
-        for n in names:
-            s, t = where_of(n)
-            x = value(chain(k, s, None), n, t)
+        for n in self.names:
+            s, t = self.where_of(n)
+            x = self.value(self.chain(k, s, None), n, t)
             if x is not None:
                 g[n] = x
-        enc = encode(g, f"parameters.{k}", q.kind)
-        if enc is not None:
-            new_globals[k] = enc
-        for u, _ in out.models:
-            m = model_of[u]
-            e: dict[str, Any] = {}
-            for n in names:
-                s, t = where_of(n)
-                row = srcs[s]
-                js = [j for j, (su, *_r) in enumerate(row) if su == (m if m is not None else su)]
-                if m is None:  # passthrough: the one source of the slice
-                    js = [0]
-                ks = [x for x in chain(k, s, js[0]) if ".sources[" in x] if js else []
-                x = value(ks, n, t)
-                if x is not None:
-                    e[n] = x
-            enc = encode(e, f"slices[*].sources[*].parameters.{k}", q.kind)
-            if enc is not None:
-                if m is None:  # passthrough's one input: its parameters are the merge's
-                    new_globals[k] = enc if k not in new_globals else _overlay(enc, new_globals[k])
-                else:
-                    model_params[u][k] = enc
-    out.parameters = new_globals or None
-    out.models = [(u, model_params[u] or None) for u, _ in out.models]
+        return self.encode(g, f"parameters.{k}", kind)
+
+    def of_model(self, k: str, kind: str, m: str | None):
+        """Parameter ``k`` from model ``m``'s source keys (``m`` None: passthrough's one source
+        per slice), encoded (or None)."""
+        e: dict[str, Any] = {}
+        for n in self.names:
+            s, t = self.where_of(n)
+            row = self.srcs[s]
+            js = [j for j, (su, *_r) in enumerate(row) if su == (m if m is not None else su)]
+            if m is None:  # passthrough: the one source of the slice
+                js = [0]
+            ks = [x for x in self.chain(k, s, js[0]) if ".sources[" in x] if js else []
+            x = self.value(ks, n, t)
+            if x is not None:
+                e[n] = x
+        return self.encode(e, f"slices[*].sources[*].parameters.{k}", kind)
 
 
 def _overlay(first: Any, then: Any) -> Any:
