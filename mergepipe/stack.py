@@ -206,7 +206,34 @@ def build_view(storage: Storage, spec: StackSpec, extra_files: Sequence[str] = (
     layouts: dict[str, CheckpointLayout] = {}
     for u in spec.sources():
         layouts[u] = _layout(storage, u)
-    plan: list[tuple[str, str, str]] = []  # (output name, source uri, source name)
+    plan = _output_tensors(spec, layouts)
+    groups = _shard_groups(plan, layouts)
+    names = (
+        [SINGLE_NAME]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    view = StackView(spec)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for fname, group in zip(names, groups):
+        view.shards[fname], nb = _view_shard(storage, layouts, spec.vocab, group, view.tensors)
+        total += nb
+        weight_map.update({out: fname for out, _, _ in group})
+    if len(names) > 1:
+        view.files[INDEX_NAME] = index_json(weight_map, total)
+    _add_view_files(storage, spec, extra_files, view)
+    return view
+
+
+def _output_tensors(spec: StackSpec, layouts: dict[str, CheckpointLayout]) -> list[tuple[str, str, str]]:
+    """The view's tensors in output order, ``(output name, source URI, source name)``: the pre's
+    pre-weights, each layer range's layers renumbered from 0, the post's post-weights.
+
+    Raises:
+        InputError: a layer range outside its source's layers, an output name twice.
+    """
+    plan: list[tuple[str, str, str]] = []
     for name in layouts[spec.pre].tensors:
         if layer_of(name) is None and is_pre_weight(name):
             plan.append((name, spec.pre, name))
@@ -230,13 +257,18 @@ def build_view(storage: Storage, spec: StackSpec, extra_files: Sequence[str] = (
     for name in layouts[spec.post].tensors:
         if layer_of(name) is None and not is_pre_weight(name):
             plan.append((name, spec.post, name))
-    view = StackView(spec)
     seen: set[str] = set()
     for out, _, _ in plan:
         if out in seen:
             raise InputError(f"{spec.uri}: tensor {out!r} would be written twice; the layer ranges overlap in output.")
         seen.add(out)
-    # shards of at most MAX_SHARD_BYTES of data, in output order
+    return plan
+
+
+def _shard_groups(
+    plan: list[tuple[str, str, str]], layouts: dict[str, CheckpointLayout]
+) -> list[list[tuple[str, str, str]]]:
+    """``plan`` cut into shards of at most :data:`MAX_SHARD_BYTES` of (source) data, in order."""
     groups: list[list[tuple[str, str, str]]] = [[]]
     acc = 0
     for item in plan:
@@ -247,53 +279,56 @@ def build_view(storage: Storage, spec: StackSpec, extra_files: Sequence[str] = (
             acc = 0
         groups[-1].append(item)
         acc += nb
-    names = (
-        [SINGLE_NAME]
-        if len(groups) == 1
-        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    )
-    weight_map: dict[str, str] = {}
-    total = 0
-    vocab = spec.vocab
+    return groups
+
+
+def _view_shard(
+    storage: Storage,
+    layouts: dict[str, CheckpointLayout],
+    vocab: dict | None,
+    group: list[tuple[str, str, str]],
+    tensors: dict[str, tuple[str, str]],
+) -> tuple[_Shard, int]:
+    """One view shard: its synthesized header and the pieces behind its data (source byte ranges,
+    or rows computed for a remapped vocabulary, read under role ``catalog``); records each
+    output tensor's source in ``tensors``. Returns the shard and its data bytes."""
     vnames = set((vocab or {}).get("tensors", []))
-    for fname, group in zip(names, groups):
-        infos = [layouts[u].tensors[n] for _, u, n in group]
-        shapes = [
-            (int(vocab["vocab_size"]), *i.shape[1:]) if (vocab and out in vnames) else tuple(i.shape)
-            for (out, _, _), i in zip(group, infos)
-        ]
-        header = build_header(
-            [(out, i.dtype, shp) for (out, _, _), i, shp in zip(group, infos, shapes)], {"format": "pt"}
-        )
-        pos = len(header)
-        pieces = []
-        computed_from: set[str] = set()  # files behind computed rows (their versions are the view's too)
-        for (out, u, n), ti in zip(group, infos):
-            if vocab and out in vnames:
-                pcs, nb = _vocab_pieces(storage, layouts, vocab, n, ti, pos, computed_from)
-                pieces += pcs
-                pos += nb
-                weight_map[out] = fname
-                view.tensors[out] = (u, n)
-                total += nb
-                continue
+    infos = [layouts[u].tensors[n] for _, u, n in group]
+    shapes = [
+        (int(vocab["vocab_size"]), *i.shape[1:]) if (vocab and out in vnames) else tuple(i.shape)
+        for (out, _, _), i in zip(group, infos)
+    ]
+    header = build_header([(out, i.dtype, shp) for (out, _, _), i, shp in zip(group, infos, shapes)], {"format": "pt"})
+    pos = len(header)
+    pieces = []
+    total = 0
+    computed_from: set[str] = set()  # files behind computed rows (their versions are the view's too)
+    for (out, u, n), ti in zip(group, infos):
+        if vocab and out in vnames:
+            pcs, nb = _vocab_pieces(storage, layouts, vocab, n, ti, pos, computed_from)
+            pieces += pcs
+        else:
             nb = ti.end - ti.start
-            src = storage.join(u, ti.file)
             if nb:
-                pieces.append(_Piece(pos, pos + nb, src, ti.start))
-            pos += nb
-            weight_map[out] = fname
-            view.tensors[out] = (u, n)
-            total += nb
-        view.shards[fname] = _Shard(
-            header,
-            pieces,
-            [p.vstart for p in pieces],
-            pos,
-            sorted({p.src_file for p in pieces if p.src_file} | computed_from),
-        )
-    if len(names) > 1:
-        view.files[INDEX_NAME] = index_json(weight_map, total)
+                pieces.append(_Piece(pos, pos + nb, storage.join(u, ti.file), ti.start))
+        pos += nb
+        tensors[out] = (u, n)
+        total += nb
+    shard = _Shard(
+        header,
+        pieces,
+        [p.vstart for p in pieces],
+        pos,
+        sorted({p.src_file for p in pieces if p.src_file} | computed_from),
+    )
+    return shard, total
+
+
+def _add_view_files(storage: Storage, spec: StackSpec, extra_files: Sequence[str], view: StackView) -> None:
+    """The view's non-weight files: the donor's ``extra_files`` it has (``config.json`` rewritten
+    for the view's layer count and vocabulary), the merged vocabulary's tokenizer files instead
+    of the donor's when the spec has them."""
+    vocab = spec.vocab
     for f in extra_files:
         src = storage.join(spec.donor, f)
         if not storage.exists(src):
@@ -308,7 +343,6 @@ def build_view(storage: Storage, spec: StackSpec, extra_files: Sequence[str] = (
 
         for f, digest in vocab["files"].items():
             view.files[f] = tokenizer_file_bytes(digest)
-    return view
 
 
 def _vocab_pieces(
