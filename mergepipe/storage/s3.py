@@ -485,36 +485,7 @@ class S3Storage(Storage):
                     kw["IfMatch"] = etag
                 resp = self.client.get_object(**kw)
                 body = resp["Body"]
-                status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
-                cr = resp.get("ContentRange")
-                length = int(resp.get("ContentLength", -1))
-                if status == 206 and cr:
-                    m = _CONTENT_RANGE.match(cr.strip())
-                    if not m:
-                        raise S3Error(f"{uri}: unparseable Content-Range {cr!r} for bytes [{first}, {stop})")
-                    a, b = int(m.group(1)), int(m.group(2))
-                    if m.group(3) != "*":
-                        total = int(m.group(3))
-                    past_end = total is not None and b == total - 1 and b < stop - 1
-                    if a == first and past_end and not allow_short:
-                        raise S3Error(
-                            f"{uri}: object is {total} bytes, shorter than the requested "
-                            f"bytes [{start}, {end}); it was truncated or replaced"
-                        )
-                    if a != first or (b != stop - 1 and not (allow_short and past_end)):
-                        raise S3Error(
-                            f"{uri}: server answered Content-Range {cr!r} to a request for "
-                            f"bytes [{first}, {stop}); the store does not honour ranges correctly"
-                        )
-                    stop = b + 1
-                elif status == 200 and first == 0 and length == stop:
-                    total = length  # whole object returned, and it is exactly the range
-                else:
-                    raise S3Error(
-                        f"{uri}: expected 206 Partial Content for bytes [{first}, {stop}), got "
-                        f"HTTP {status} (Content-Range {cr!r}, {length} bytes); the store "
-                        "does not honour Range requests"
-                    )
+                stop, total = _checked_range_answer(uri, resp, start, end, first, stop, total, allow_short)
                 etag = etag or resp.get("ETag")
                 want = stop - start
                 while pos < want:
@@ -524,42 +495,53 @@ class S3Storage(Storage):
                     pos += n
                 return (buf if stop == end else buf[: stop - start]), total, etag
             except Exception as e:  # noqa: BLE001 - classified below
-                if isinstance(e, StorageError) or not _is_retryable(e):
-                    err = self._error(e, uri, f"GetObject bytes [{start}, {end})")
-                    if isinstance(err, PreconditionFailed):
-                        err = S3Error(
-                            f"{uri}: object changed while reading bytes [{start}, {end}) "
-                            "(its ETag no longer matches); retry the operation",
-                            "PreconditionFailed",
-                            412,
-                        )
-                    raise err from None
-                failures += 1 + _retry_attempts(e)
-                if failures >= self.read_attempts:
-                    code, status = _client_error_parts(e)[:2] if hasattr(e, "response") else (None, None)
-                    raise S3Error(
-                        f"{uri}: GetObject bytes [{start}, {end}) failed after {failures} "
-                        f"attempts (last error: {self._redact(_describe(e))}; {pos} bytes "
-                        "received); the store is unavailable or overloaded, retry later",
-                        code,
-                        status,
-                    ) from None
-                log.debug(
-                    "%s bytes [%d, %d): attempt %d failed (%s), resuming at byte %d",
-                    uri,
-                    start,
-                    end,
-                    failures,
-                    _describe(e),
-                    start + pos,
-                )
-                self._sleep(failures - 1)
+                failures = self._range_failure(e, uri, start, end, failures, pos)
             finally:
                 if body is not None:
                     try:
                         body.close()
                     except Exception:  # noqa: BLE001
                         pass
+
+    def _range_failure(self, e: Exception, uri: str, start: int, end: int, failures: int, pos: int) -> int:
+        """Classify a failed attempt of :meth:`_get_range` (``pos`` bytes received so far):
+        raise when it is not retryable or the ``read_attempts`` budget is spent, else log, back
+        off and return the new failure count (botocore's internal retries included).
+
+        Raises:
+            NotFoundError, S3Error: as :meth:`_get_range`.
+        """
+        if isinstance(e, StorageError) or not _is_retryable(e):
+            err = self._error(e, uri, f"GetObject bytes [{start}, {end})")
+            if isinstance(err, PreconditionFailed):
+                err = S3Error(
+                    f"{uri}: object changed while reading bytes [{start}, {end}) "
+                    "(its ETag no longer matches); retry the operation",
+                    "PreconditionFailed",
+                    412,
+                )
+            raise err from None
+        failures += 1 + _retry_attempts(e)
+        if failures >= self.read_attempts:
+            code, status = _client_error_parts(e)[:2] if hasattr(e, "response") else (None, None)
+            raise S3Error(
+                f"{uri}: GetObject bytes [{start}, {end}) failed after {failures} "
+                f"attempts (last error: {self._redact(_describe(e))}; {pos} bytes "
+                "received); the store is unavailable or overloaded, retry later",
+                code,
+                status,
+            ) from None
+        log.debug(
+            "%s bytes [%d, %d): attempt %d failed (%s), resuming at byte %d",
+            uri,
+            start,
+            end,
+            failures,
+            _describe(e),
+            start + pos,
+        )
+        self._sleep(failures - 1)
+        return failures
 
     def _fetch(self, uri: str, requests: Sequence[tuple[int, int]]) -> list[bytearray]:
         """Fetch coalesced ``requests`` (``[start, end)`` byte ranges) as one ranged GET each,
@@ -1115,3 +1097,46 @@ class S3Writer(Writer):
                     self._pool.shutdown(wait=False, cancel_futures=True)
                 except Exception:  # noqa: BLE001
                     pass
+
+
+def _checked_range_answer(
+    uri: str, resp: dict, start: int, end: int, first: int, stop: int, total: int | None, allow_short: bool
+) -> tuple[int, int | None]:
+    """Check a GetObject answer to ``bytes=first-(stop-1)`` (of the range ``[start, end)``): 206
+    with a matching Content-Range (truncated at the object's end only with ``allow_short``), or
+    200 carrying exactly the requested bytes from offset 0. Returns the new ``(stop, total)``
+    (``total``: the object's size when the answer tells it, else the one given).
+
+    Raises:
+        S3Error: an unparseable or mismatched Content-Range, an object shorter than the range,
+            another status (the store does not honour Range requests).
+    """
+    status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    cr = resp.get("ContentRange")
+    length = int(resp.get("ContentLength", -1))
+    if status == 206 and cr:
+        m = _CONTENT_RANGE.match(cr.strip())
+        if not m:
+            raise S3Error(f"{uri}: unparseable Content-Range {cr!r} for bytes [{first}, {stop})")
+        a, b = int(m.group(1)), int(m.group(2))
+        if m.group(3) != "*":
+            total = int(m.group(3))
+        past_end = total is not None and b == total - 1 and b < stop - 1
+        if a == first and past_end and not allow_short:
+            raise S3Error(
+                f"{uri}: object is {total} bytes, shorter than the requested "
+                f"bytes [{start}, {end}); it was truncated or replaced"
+            )
+        if a != first or (b != stop - 1 and not (allow_short and past_end)):
+            raise S3Error(
+                f"{uri}: server answered Content-Range {cr!r} to a request for "
+                f"bytes [{first}, {stop}); the store does not honour ranges correctly"
+            )
+        return b + 1, total
+    if status == 200 and first == 0 and length == stop:
+        return stop, length  # whole object returned, and it is exactly the range
+    raise S3Error(
+        f"{uri}: expected 206 Partial Content for bytes [{first}, {stop}), got "
+        f"HTTP {status} (Content-Range {cr!r}, {length} bytes); the store "
+        "does not honour Range requests"
+    )
