@@ -162,21 +162,6 @@ def _err_console():
     return Console(stderr=True)
 
 
-def _worker_backend(name: str):
-    """The module of ``mergepipe search --worker-backend NAME`` from the entry-point group
-    ``mergepipe.worker_backends`` (``kubernetes``: :mod:`mergepipe_kube.search`, outside the core so
-    the core never imports the kubernetes client). Exits 2 naming the fix when it is not installed."""
-    from importlib.metadata import entry_points
-
-    found = [ep for ep in entry_points(group="mergepipe.worker_backends") if ep.name == name]
-    try:
-        if not found:
-            raise ImportError(name)
-        return found[0].load()
-    except ImportError:
-        _fail(f"--worker-backend {name} is not installed: pip install 'mergepipe[kube]'.")
-
-
 #: Environment variable naming a file that receives the one-line error of a failed run (the
 #: operator's Jobs set it to the container's terminationMessagePath, so the Kubernetes Job's
 #: failure explains itself).
@@ -1238,8 +1223,16 @@ def demo(
 ):
     """Build (once) a zoo of real trained experts (needs the zoo extra), merge them with task_arithmetic at
     full budget and at 50/25/10%, and print cost, retained energy, per-domain eval loss and normalised gain."""
-    from mergepipe.demo import run_demo
+    from mergepipe.errors import InputError
+    from mergepipe.plugins import PluginMissing, load_plugin
 
+    try:
+        run_demo = load_plugin("mergepipe.demos", "zoo")
+    except PluginMissing as e:
+        raise InputError(
+            f"mergepipe demo needs the model zoo ({e}): install mergepipe with its zoo extra "
+            "(torch, transformers, tokenizers)."
+        ) from None
     rows = run_demo(
         zoo_root,
         out_root,
@@ -1438,87 +1431,26 @@ def search(
     """Search layer-wise merge parameters with multi-objective Bayesian optimisation (asynchronous,
     prior-guided; after AP-BMM). Every candidate is a committed merge followed by an evaluation; the
     result is a Pareto set of snapshots (results.json)."""
-    import hashlib
-    import os
-    import tempfile
-
-    from mergepipe.pipeline import parse_expert
     from mergepipe.request import PlanningOptions
-    from mergepipe.search.evaluators import CommandEvaluator, Objective, ZooEvaluator
-    from mergepipe.search.runner import SearchConfig, StateMirror, run_search
-    from mergepipe.search.space import params_from_args
-    from mergepipe.search.state import STATE_NAME
+    from mergepipe.search import driver
 
     log = lambda m: _err_console().print(m, highlight=False)  # noqa: E731
-    mirror = None
-    out_arg = out
-    if out.startswith("s3://"):
-        mirror = StateMirror(out)
-        out_dir = Path(tempfile.gettempdir()) / "mergepipe-search" / hashlib.sha256(out_arg.encode()).hexdigest()[:16]
-    else:
-        out_dir = Path(out)
+    place = driver.SearchPlace(out)
     if worker_backend not in ("local", "kubernetes"):
         _fail(f"--worker-backend {worker_backend!r}: use local or kubernetes.")
-    merger = None
+    kube = None
     if worker_backend == "kubernetes":
-        if mirror is None or not (namespace and search_name and search_uid):
+        if place.mirror is None or not (namespace and search_name and search_uid):
             _fail("--worker-backend kubernetes needs an s3:// --out, --namespace, --search-name and --search-uid.")
         if value or calibration:
             _fail(
                 "--value/--calibration: the kubernetes backend plans each candidate in its ModelMerge, which "
                 "has no such fields yet; drop them or use --worker-backend local."
             )
-        kube = _worker_backend("kubernetes")
-        try:
-            template = json.loads(os.environ.get("MERGEPIPE_CANDIDATE_TEMPLATE") or "{}")
-        except ValueError as e:
-            _fail(f"MERGEPIPE_CANDIDATE_TEMPLATE is not JSON ({e}).")
-        poll = float(os.environ.get("MERGEPIPE_SEARCH_POLL_SECONDS") or 10)
-        merger = kube.KubernetesMerger(
-            kube.kube_api(), namespace, search_name, search_uid, out_arg, template=template, poll_seconds=poll
-        )
-        try:
-            eval_template = json.loads(os.environ.get("MERGEPIPE_EVAL_JOB_TEMPLATE") or "null")
-        except ValueError as e:
-            _fail(f"MERGEPIPE_EVAL_JOB_TEMPLATE is not JSON ({e}).")
-    elif mirror is not None:  # local merges of an s3:// search commit beside its state, not in /tmp
-        from mergepipe.search.runner import LocalMerger
-
-        merger = LocalMerger(out_arg.rstrip("/") + "/snapshots")
-    if (resume or resume_existing) and mirror is not None and not (out_dir / STATE_NAME).exists():
-        mirror.fetch(out_dir)
-    if resume_existing and (out_dir / STATE_NAME).exists():
-        resume = True
-    job_evaluator = None
-    if worker_backend == "kubernetes" and eval_template:
-        # each evaluation in its own Job (the operator's template: image, GPU, Secret-only credentials)
-        from mergepipe.search.state import load_state
-        from mergepipe.storage.base import IOCounters
-        from mergepipe.storage.routing import open_storage
-
-        spec = (
-            load_state(out_dir / STATE_NAME).get("evaluator")
-            if resume
-            else {"command": eval_command, "timeout": eval_timeout}
-        )
-        if not spec or not spec.get("command"):
-            _fail(
-                "--worker-backend kubernetes evaluates in Jobs: give --eval-command (a command that reads the "
-                "snapshot URI {checkpoint})."
-            )
-        job_evaluator = kube.KubernetesJobEvaluator(
-            kube.kube_batch_api(),
-            namespace,
-            search_name,
-            search_uid,
-            eval_template,
-            spec["command"],
-            out_arg,
-            open_storage(None, IOCounters()),
-            timeout=spec.get("timeout"),
-            poll_seconds=poll,
-        )
-    if resume:
+        kube = driver.KubernetesWorkers.from_environment(namespace, search_name, search_uid)
+    resuming = place.resumes(resume, resume_existing)
+    cfg = ev = None
+    if resuming:
         given = [
             f
             for f, v in (
@@ -1532,59 +1464,28 @@ def search(
             if v
         ]
         if given and not resume_existing:
-            _fail(f"--resume continues the search recorded in {out_arg}/state.json; drop {', '.join(given)}.")
-        res = run_search(
-            out_dir,
-            evaluator=job_evaluator,
-            resume=True,
-            workers=workers,
-            evaluations=evaluations,
-            log=log,
-            merger=merger,
-            mirror=mirror,
-        )
+            _fail(f"--resume continues the search recorded in {out}/state.json; drop {', '.join(given)}.")
     else:
         if not base or not expert or not vary or not objective:
             _fail(
                 "a search needs --base, --expert (one or more), --vary and --objective "
                 "(e.g. --vary weight=0:1 --objective loss:python --objective loss:json)."
             )
-        objs = [Objective.parse(o) for o in objective]
-        refs = None
-        if ref_point is not None:
-            try:
-                refs = [o.to_min(float(v)) for o, v in zip(objs, ref_point.split(","), strict=True)]
-            except ValueError:
-                _fail(f"--ref-point {ref_point!r}: give one number per objective ({len(objs)}), comma-separated.")
-        texts = None
-        if probe is not None:
-            try:
-                raw = probe.read_text()
-            except OSError as e:
-                _fail(f"--probe {probe}: cannot read ({e.strerror}).")
-            if probe.suffix == ".jsonl":
-                texts = [json.loads(ln)["text"] for ln in raw.splitlines() if ln.strip()]
-            else:
-                texts = [raw]
-        if job_evaluator is not None:
-            ev = job_evaluator
-        elif eval_command:
-            ev = CommandEvaluator(eval_command, eval_timeout)
-        else:
-            domains = sorted({o.metric.split(":", 1)[1] for o in objs if o.metric.startswith("loss:")})
-            ev = ZooEvaluator(domains or None, tiny=zoo_tiny, max_batches=eval_batches, timeout=eval_timeout)
-        experts = [list(parse_expert(e)) for e in expert]
-        fixed = params_from_args(param or [], method, [n for n, _ in experts])  # --param strings end here
-        cfg = SearchConfig(
+        cfg, ev = _search_config(
             base=base,
-            experts=experts,
+            expert=expert,
             method=method,
-            vary=list(vary),
-            objectives=list(objective),
-            evaluations=evaluations or 24,
+            param=param,
+            vary=vary,
+            objective=objective,
+            ref_point=ref_point,
+            probe=probe,
+            eval_command=eval_command,
+            eval_timeout=eval_timeout,
+            zoo=None if kube is not None and kube.eval_job_template else (zoo_tiny, eval_batches),
+            evaluations=evaluations,
             initial=initial,
-            workers=workers or 1,
-            fixed=fixed,
+            workers=workers,
             layer_blocks=layer_blocks,
             budget=budget,
             planning=PlanningOptions(value=value, calibration=calibration, sketch=sketch),
@@ -1594,11 +1495,18 @@ def search(
             prior_kind=prior_kind,
             rerank=rerank,
             outer=search_outer,
-            probe=texts,
-            ref_point=refs,
             catalog=catalog,
         )
-        res = run_search(out_dir, cfg, ev, log=log, merger=merger, mirror=mirror)
+    res = driver.run(
+        place,
+        cfg,
+        ev,
+        resume=resuming,
+        workers=workers,
+        evaluations=evaluations,
+        kubernetes=kube,
+        log=log,
+    )
     if json_out:
         print(json.dumps({k: v for k, v in res.items() if k != "trace"}))
         return
@@ -1617,8 +1525,60 @@ def search(
     hv = res["hypervolume"][-1]["hv"] if res["hypervolume"] else 0.0
     log(
         f"hypervolume {hv:.5g} (reference {res['ref_point']}); wall {res['wall_s']:.1f} s; results in "
-        f"{out_arg.rstrip('/')}/results.json"
+        f"{out.rstrip('/')}/results.json"
     )
+
+
+def _search_config(
+    *, base, expert, method, param, vary, objective, ref_point, probe, eval_command, eval_timeout, zoo, **settings
+):
+    """``mergepipe search``'s options as a :class:`~mergepipe.search.runner.SearchConfig` and its
+    evaluator: ``--eval-command``'s, else the demo zoo's (``zoo`` = ``(tiny, max_batches)``; None
+    when the evaluations run as Kubernetes Jobs, which need a command)."""
+    from mergepipe.pipeline import parse_expert
+    from mergepipe.search.evaluators import CommandEvaluator, Evaluator, Objective, zoo_evaluator
+    from mergepipe.search.runner import SearchConfig
+    from mergepipe.search.space import params_from_args
+
+    objs = [Objective.parse(o) for o in objective]
+    refs = None
+    if ref_point is not None:
+        try:
+            refs = [o.to_min(float(v)) for o, v in zip(objs, ref_point.split(","), strict=True)]
+        except ValueError:
+            _fail(f"--ref-point {ref_point!r}: give one number per objective ({len(objs)}), comma-separated.")
+    texts = None
+    if probe is not None:
+        try:
+            raw = probe.read_text()
+        except OSError as e:
+            _fail(f"--probe {probe}: cannot read ({e.strerror}).")
+        if probe.suffix == ".jsonl":
+            texts = [json.loads(ln)["text"] for ln in raw.splitlines() if ln.strip()]
+        else:
+            texts = [raw]
+    ev: Evaluator | None = None
+    if eval_command:
+        ev = CommandEvaluator(eval_command, eval_timeout)
+    elif zoo is not None:
+        domains = sorted({o.metric.split(":", 1)[1] for o in objs if o.metric.startswith("loss:")})
+        ev = zoo_evaluator(domains or None, tiny=zoo[0], max_batches=zoo[1], timeout=eval_timeout)
+    experts = [list(parse_expert(e)) for e in expert]
+    fixed = params_from_args(param or [], method, [n for n, _ in experts])  # --param strings end here
+    cfg = SearchConfig(
+        base=base,
+        experts=experts,
+        method=method,
+        vary=list(vary),
+        objectives=list(objective),
+        evaluations=settings.pop("evaluations") or 24,
+        workers=settings.pop("workers") or 1,
+        fixed=fixed,
+        probe=texts,
+        ref_point=refs,
+        **settings,
+    )
+    return cfg, ev
 
 
 @app.command("search-eval")

@@ -1,6 +1,7 @@
 """The core package's border: nothing under mergepipe/ imports Kubernetes code (the kubernetes
-client, kopf, the operator, or mergepipe_kube); the search's Kubernetes backend is found through
-the ``mergepipe.worker_backends`` entry point."""
+client, kopf, the operator, or mergepipe_kube) or the testbeds (mergepipe_zoo); the search's
+Kubernetes backend, the zoo evaluator and the demo are found through entry points
+(:mod:`mergepipe.plugins`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import ast
 from pathlib import Path
 
 CORE = Path(__file__).resolve().parents[1] / "mergepipe"
-FORBIDDEN = ("kubernetes", "kopf", "mergepipe_operator", "mergepipe_kube")
+FORBIDDEN = ("kubernetes", "kopf", "mergepipe_operator", "mergepipe_kube", "mergepipe_zoo")
 
 
 def _imports(path: Path) -> list[str]:
@@ -21,7 +22,7 @@ def _imports(path: Path) -> list[str]:
     return out
 
 
-def test_core_never_imports_kubernetes_code():
+def test_core_never_imports_kubernetes_code_or_the_zoo():
     bad = [
         f"{p.relative_to(CORE.parent)}: {m}"
         for p in sorted(CORE.rglob("*.py"))
@@ -38,3 +39,20 @@ def test_the_kubernetes_worker_backend_is_an_entry_point():
     mod = ep.load()
     assert mod.__name__ == "mergepipe_kube.search"
     assert callable(mod.KubernetesMerger) and callable(mod.KubernetesJobEvaluator) and callable(mod.kube_api)
+
+
+def test_the_zoo_evaluator_and_the_demo_are_entry_points():
+    from mergepipe.plugins import PluginMissing, load_plugin
+    from mergepipe.search.evaluators import Evaluator, evaluator_from_spec
+
+    cls = load_plugin("mergepipe.evaluators", "zoo")
+    assert cls.__module__ == "mergepipe_zoo.evaluator" and issubclass(cls, Evaluator)
+    ev = evaluator_from_spec({"kind": "zoo", "domains": ["json"], "tiny": True, "zoo_root": None, "max_batches": 1})
+    assert type(ev) is cls and ev.known_metrics() == ["loss:json"]
+    assert load_plugin("mergepipe.demos", "zoo").__module__ == "mergepipe_zoo.demo"
+    try:
+        load_plugin("mergepipe.evaluators", "no-such-kind")
+    except PluginMissing as e:
+        assert "no-such-kind" in str(e)
+    else:
+        raise AssertionError("an unknown plugin was found")

@@ -1,8 +1,10 @@
 """Evaluators of a merge search: checkpoint folder in, ``{metric: float}`` out.
 
-* :class:`ZooEvaluator` — built-in: per-domain eval loss (mean next-token cross-entropy,
-  nats/token) on the demo zoo's held-out sets (:func:`mergepipe_zoo.evaluate`); metrics
-  ``loss:<domain>``.
+* the zoo evaluator (:func:`zoo_evaluator`, the default of ``mergepipe search``): per-domain
+  eval loss (mean next-token cross-entropy, nats/token) on the demo zoo's held-out sets, metrics
+  ``loss:<domain>``; it lives with the zoo (``mergepipe_zoo.evaluator.ZooEvaluator``) and is
+  found through the entry-point group ``mergepipe.evaluators`` (:mod:`mergepipe.plugins`), so the
+  core does not import the zoo.
 * :class:`CommandEvaluator` — any command: ``{checkpoint}`` in the command is replaced by the
   checkpoint folder (appended as the last argument when absent); the command prints a JSON object
   of metrics on stdout (the last line that parses as a JSON object is used). Non-zero exit,
@@ -108,66 +110,18 @@ class Evaluator:
         return None
 
     def spec(self) -> dict | None:
-        """JSON description to rebuild it on ``--resume`` (None: not rebuildable)."""
+        """JSON description to rebuild it on ``--resume`` (None: not rebuildable); its ``kind``
+        names the class: ``command``, or an entry point of ``mergepipe.evaluators``."""
         return None
 
+    @classmethod
+    def from_spec(cls, spec: dict) -> Evaluator:
+        """The evaluator :meth:`spec` described (plugins override it).
 
-class ZooEvaluator(Evaluator):
-    """Per-domain eval loss on the demo zoo's held-out sets.
-
-    Args:
-        domains: domains to score (default: all four).
-        tiny: the tiny zoo (tests) instead of the demo size.
-        zoo_root: zoo cache root (default ``$MERGEPIPE_HOME/zoo``).
-        max_batches: score only the first ``max_batches`` batches per domain (faster).
-    """
-
-    def __init__(
-        self,
-        domains: Sequence[str] | None = None,
-        *,
-        tiny: bool = False,
-        zoo_root: str | None = None,
-        max_batches: int | None = None,
-        timeout: float | None = None,
-    ) -> None:
-        from mergepipe_zoo import DOMAINS
-
-        self.domains = list(domains or DOMAINS)
-        bad = [d for d in self.domains if d not in DOMAINS]
-        if bad:
-            raise InputError(f"--evaluator zoo: unknown domain(s) {bad}; the zoo's domains are {list(DOMAINS)}.")
-        self.tiny, self.zoo_root, self.max_batches, self.timeout = tiny, zoo_root, max_batches, timeout
-        self._zoo = None
-
-    @property
-    def zoo(self):
-        if self._zoo is None:
-            from mergepipe_zoo import ZooConfig, build_zoo
-
-            self._zoo = build_zoo(
-                Path(self.zoo_root) if self.zoo_root else None, ZooConfig.tiny() if self.tiny else ZooConfig()
-            )
-        return self._zoo
-
-    def metrics(self, checkpoint: str | Path) -> dict[str, float]:
-        from mergepipe_zoo import evaluate
-
-        r = evaluate(Path(checkpoint), self.zoo, max_batches=self.max_batches, domains=self.domains)
-        return {f"loss:{d}": v for d, v in r.items()}
-
-    def known_metrics(self) -> list[str]:
-        return [f"loss:{d}" for d in self.domains]
-
-    def spec(self) -> dict:
-        return {
-            "kind": "zoo",
-            "domains": self.domains,
-            "tiny": self.tiny,
-            "zoo_root": self.zoo_root,
-            "max_batches": self.max_batches,
-            "timeout": self.timeout,
-        }
+        Raises:
+            InputError: this class cannot be rebuilt from a spec.
+        """
+        raise InputError(f"evaluator kind {spec.get('kind')!r} cannot be rebuilt from the search state.")
 
 
 class CommandEvaluator(Evaluator):
@@ -251,6 +205,57 @@ class CallableEvaluator(Evaluator):
         return self._known
 
 
+def _evaluator_plugin(kind: str) -> type[Evaluator]:
+    """The evaluator class registered as ``kind`` in the entry-point group ``mergepipe.evaluators``.
+
+    Raises:
+        InputError: none is installed (the ``zoo`` kind needs the ``zoo`` extra).
+    """
+    from mergepipe.plugins import PluginMissing, load_plugin
+
+    try:
+        return load_plugin("mergepipe.evaluators", kind)
+    except PluginMissing as e:
+        raise InputError(
+            f"evaluator {kind!r} is not installed ({e}): install mergepipe with its zoo extra "
+            "(pip install 'mergepipe[zoo]'), or evaluate with --eval-command."
+        ) from None
+
+
+def zoo_evaluator(
+    domains: Sequence[str] | None = None,
+    *,
+    tiny: bool = False,
+    zoo_root: str | None = None,
+    max_batches: int | None = None,
+    timeout: float | None = None,
+) -> Evaluator:
+    """The demo zoo's evaluator (``mergepipe_zoo.evaluator.ZooEvaluator``, through the entry point
+    ``mergepipe.evaluators`` / ``zoo``): metrics ``loss:<domain>``, the mean next-token
+    cross-entropy in nats/token on each domain's held-out set of the zoo (built once and cached).
+
+    Args:
+        domains: domains to score (default: all four of the zoo).
+        tiny: the tiny zoo (``ZooConfig.tiny()``) instead of the demo size.
+        zoo_root: zoo cache root (default ``$MERGEPIPE_HOME/zoo``).
+        max_batches: score only the first ``max_batches`` batches per domain (faster, noisier).
+        timeout: seconds per evaluation (in process: the evaluation is abandoned, not killed).
+
+    Raises:
+        InputError: an unknown domain, or the zoo is not installed.
+    """
+    return _evaluator_plugin("zoo").from_spec(
+        {
+            "kind": "zoo",
+            "domains": list(domains) if domains else None,
+            "tiny": tiny,
+            "zoo_root": zoo_root,
+            "max_batches": max_batches,
+            "timeout": timeout,
+        }
+    )
+
+
 def evaluator_from_spec(spec: dict | None) -> Evaluator:
     """Rebuild an evaluator recorded in a search state.
 
@@ -262,14 +267,8 @@ def evaluator_from_spec(spec: dict | None) -> Evaluator:
             "the search state records no rebuildable evaluator (it was a Python function); "
             "pass the evaluator again to resume."
         )
-    if spec["kind"] == "zoo":
-        return ZooEvaluator(
-            spec["domains"],
-            tiny=spec["tiny"],
-            zoo_root=spec["zoo_root"],
-            max_batches=spec["max_batches"],
-            timeout=spec.get("timeout"),
-        )
+    if spec.get("kind") != "command":
+        return _evaluator_plugin(str(spec.get("kind"))).from_spec(spec)
     return CommandEvaluator(spec["command"], spec.get("timeout"))
 
 

@@ -11,8 +11,9 @@ gain kept on the worst domain. Budgeted merges use the planner's default fidelit
 is read exactly, merged from 1-3 sign planes of its sketch, or skipped; sketch bytes count against the budget
 and are shown beside the bytes read).
 
-Needs the ``zoo`` extra (``pip install 'mergepipe[zoo]'``): the zoo lives in the separate
-package ``mergepipe_zoo``, imported only here.
+Lives with the zoo (needs the ``zoo`` extra, ``pip install 'mergepipe[zoo]'``): the core finds
+:func:`run_demo` through the entry point ``mergepipe.demos`` / ``zoo`` (:mod:`mergepipe.plugins`)
+and never imports this package.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def run_demo(
     try:
         import transformers
 
-        from mergepipe_zoo import ZooConfig, ZooGateError, build_zoo, evaluate
+        from mergepipe_zoo.zoo import ZooConfig, ZooGateError, build_zoo, evaluate
     except ImportError as e:
         raise InputError(
             f"mergepipe demo needs the model zoo ({e}): install mergepipe with its zoo extra "
