@@ -395,10 +395,14 @@ class Catalog:
 
     def sketch_uri(self, base: str, expert: str, block_bytes: int) -> str:
         """Where the catalog keeps an expert's block sketches: ``sketches/<base identity>/<expert
-        identity>-<block bytes>-v<stats version>.sketch`` beside the SQLite file."""
+        identity>-<block bytes>-v<stats version>.sketch`` beside the SQLite file (an absolute
+        path: a plan made with a relative catalog path must name the blob as a catalog location,
+        :func:`mergepipe.planner.plan.sketch_location`)."""
         from mergepipe.planner.plan import sketch_name
 
-        return str(Path(self.path).parent / sketch_name(base, expert, block_bytes, STATS_VERSION, objects=False))
+        return str(
+            Path(self.path).absolute().parent / sketch_name(base, expert, block_bytes, STATS_VERSION, objects=False)
+        )
 
     def _open_sketch(self, base: str, expert: str, block_bytes: int, spill_bytes: int) -> SketchSink:
         """A sink for an expert's sketch blob, written while it is analysed (see
