@@ -385,7 +385,10 @@ def analyze(
 ):
     """Analyze experts against the base once: per-block task-vector statistics (cached by identity);
     with --pairs also the per-tensor dot products of every two experts' task vectors."""
-    from mergepipe.pipeline import parse_expert, register_and_analyze
+    from dataclasses import asdict
+
+    from mergepipe import api
+    from mergepipe.pipeline import parse_expert
 
     c = _catalog(catalog)
     st = _storage_for(base)
@@ -396,53 +399,28 @@ def analyze(
         _fail("--pairs needs at least two distinct --expert checkpoints (pair statistics relate two experts).")
     t0 = time.perf_counter()
     with _Progress(True) as prog:
-        b, recs, ans = register_and_analyze(
-            c,
-            st,
+        a = api.analyze(
             base,
             uris,
-            bb,
-            progress=lambda n: prog("analyze", n, None),
+            block_size=bb,
             pairs=pairs,
             calibration=calibration,
             device=device,
-            work_bytes=wb,
+            work_memory=wb,
             force=force,
+            catalog=c,
+            storage=st,
+            progress=lambda n: prog("analyze", n, None),
         )
-    rd = st.counters.snapshot()["read"]
-    res: dict[str, Any] = {
-        "base": {"uri": b.uri, "identity": b.identity},
-        "experts": [
-            {
-                "uri": r.uri,
-                "identity": r.identity,
-                "tensors": len(a.tensors),
-                "blocks": int(sum(s.n_blocks for s in a.tensors.values())),
-                "energy": float(sum(s.energy for s in a.tensors.values())),
-            }
-            for r, a in zip(recs, ans)
-        ],
-        "bytes_read": {"base": rd["base"], "expert": rd["expert"], "catalog": rd["catalog"]},
-        "block_bytes": bb,
-    }
-    if calibration:
-        from mergepipe.catalog.sensitivity import load_calibration
-
-        res["calibration"] = {"uri": calibration, "digest": load_calibration(st, calibration).digest}
-    if pairs:
-        dots = c.pair_dots(b, recs, ans)
-        res["pairs"] = [
-            {"experts": [recs[i].uri, recs[j].uri], "tensors": len(d)}
-            for (i, j), d in sorted(dots.items())
-            if recs[i].identity != recs[j].identity
-        ]
+    rd = a.bytes_read
+    res: dict[str, Any] = {k: v for k, v in asdict(a).items() if v is not None}
     res["wall_s"] = round(time.perf_counter() - t0, 3)
     if json_out:
         print(json.dumps(res))
     else:
         extra = f" and {len(res['pairs'])} pair(s)" if pairs else ""
         _err_console().print(
-            f"analyzed {len(recs)} expert(s){extra}; read base {_human(rd['base'])}, experts "
+            f"analyzed {len(a.experts)} expert(s){extra}; read base {_human(rd['base'])}, experts "
             f"{_human(rd['expert'])} (0 means cached)"
         )
 
@@ -585,7 +563,7 @@ def plan(
 ):
     """Plan a merge (registers and analyzes as needed) and print its summary; --out saves the plan.
     Takes the same inputs as `merge`: --base/--expert/--method/--param or a mergekit --config."""
-    from mergepipe.pipeline import build_plan
+    from mergepipe import api
     from mergepipe.request import PlanningOptions, RunOptions
 
     req, where = _merge_request(
@@ -602,7 +580,7 @@ def plan(
         ),
         run=RunOptions(work_bytes=_work_bytes(work_memory)),
     )
-    p = build_plan(_catalog(catalog), _storage_for(req.base), req, where=where)
+    p = api.plan(req, where=where, catalog=_catalog(catalog), storage=_storage_for(req.base))
     if out:
         from mergepipe.storage.local import replace_file
 
@@ -888,7 +866,7 @@ def merge(
     json_out: JsonOpt = False,
 ):
     """register → analyze → plan → execute → commit, in one go (or from a mergekit config: --config)."""
-    from mergepipe.pipeline import merge_request
+    from mergepipe import api
     from mergepipe.request import PlanningOptions, RunOptions
 
     planning = PlanningOptions(
@@ -904,7 +882,7 @@ def merge(
         config, base, expert, method, param, budget, fidelity, seed, out=out, planning=planning, run=run
     )
     with _Progress(True) as prog:
-        res = merge_request(req, where=where, catalog=_catalog(catalog), storage=_storage_for(req.base), progress=prog)
+        res = api.merge(req, where=where, catalog=_catalog(catalog), storage=_storage_for(req.base), progress=prog)
     res.total_s = max(res.total_s or 0.0, _since_process_start())  # from process start, imports included
     _emit_merge(res, json_out)
 
@@ -1179,19 +1157,21 @@ def commit(
 @app.command()
 def verify(snapshot: Annotated[str, typer.Argument(help="Snapshot folder or s3:// URI")], json_out: JsonOpt = False):
     """Re-hash a snapshot's files against its manifest. Exit 1 when anything differs."""
-    from mergepipe.commit.target import verify_any
+    from dataclasses import asdict
 
-    r = verify_any(_storage_for(snapshot), snapshot)
+    from mergepipe import api
+
+    v = api.verify(snapshot, storage=_storage_for(snapshot))
     if json_out:
-        print(json.dumps(r))
-    elif r["ok"]:
+        print(json.dumps(asdict(v)))
+    elif v.ok:
         _err_console().print(
-            f"[green]ok[/] {_esc(r['snapshot_id'])}: {r['files']} files match; manifest {r['manifest_hash'][:16]}"
+            f"[green]ok[/] {_esc(v.snapshot_id)}: {v.files} files match; manifest {(v.manifest_hash or '')[:16]}"
         )
     else:
-        for pr in r["problems"]:
+        for pr in v.problems:
             _err_console().print(f"[red]{_esc(pr)}[/]")
-    if not r["ok"]:
+    if not v.ok:
         raise typer.Exit(1)
 
 
