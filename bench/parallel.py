@@ -153,7 +153,7 @@ def main() -> None:
                 outs = str(a.work / "out-local")
             else:
                 from bench.s3_bench import _upload
-                from tests.s3support import start_seaweed
+                from testkit.s3support import start_seaweed
 
                 sw_dir = tempfile.mkdtemp(prefix="mp-sw-")
                 srv = start_seaweed(sw_dir)
@@ -183,14 +183,14 @@ def main() -> None:
                     _clear(out, client)
             result["stores"][store] = {"plan_and_analyze_s": round(t_plan, 2), "rows": rows}
             if srv is not None:
-                from tests.s3support import stop_seaweed
+                from testkit.s3support import stop_seaweed
 
                 stop_seaweed(srv)
                 shutil.rmtree(sw_dir, ignore_errors=True)
                 srv = None
     finally:
         if srv is not None:
-            from tests.s3support import stop_seaweed
+            from testkit.s3support import stop_seaweed
 
             stop_seaweed(srv)
             shutil.rmtree(sw_dir, ignore_errors=True)

@@ -380,9 +380,9 @@ def oracle(method: str, tp, b, xs):
         sing = den.abs() < 1e-6
         t = torch.where(sing, torch.zeros_like(cos), n * cos / torch.where(sing, torch.ones_like(den), den))
         return (t * (sum(ws) / n) + (1 - t) * w0).reshape(b.shape)
-    if method in ("multislerp", "karcher", "sce"):  # mergekit's code (tests/mergekit_reference.py) in float64
+    if method in ("multislerp", "karcher", "sce"):  # mergekit's code (testkit/mergekit_reference.py) in float64
         sys.path.insert(0, str(REPO))
-        from tests import mergekit_reference as mkr
+        from testkit import mergekit_reference as mkr
 
         if method == "multislerp":
             return mkr.multislerp(
@@ -699,7 +699,7 @@ def _llama_name(name: str) -> str | None:
 
 
 def minilm_llama_family(work: Path, n_experts: int = 4, seed: int = 0) -> tuple[Path, dict[str, Path]]:
-    """The MiniLM family of :func:`tests.minilm.make_minilm_family` (real fp32 base, synthetic
+    """The MiniLM family of :func:`testkit.minilm.make_minilm_family` (real fp32 base, synthetic
     task vectors), stored under Llama tensor names with a ``LlamaForCausalLM`` config
     (hidden 384, 6 layers, tied embeddings) so that mergekit can plan it: mergekit 0.1.5 cannot
     merge the BERT checkpoint itself (see :func:`mergekit_on_bert`). ``gate_proj`` holds a copy of
@@ -709,7 +709,7 @@ def minilm_llama_family(work: Path, n_experts: int = 4, seed: int = 0) -> tuple[
     from safetensors.torch import load_file, save_file
 
     sys.path.insert(0, str(REPO))
-    from tests.minilm import make_minilm_family
+    from testkit.minilm import make_minilm_family
 
     out = work / "minilm-llama"
     names = [f"e{i}" for i in range(n_experts)]
@@ -753,7 +753,7 @@ def mergekit_on_bert(r: Runner, work: Path) -> dict:
     import yaml
 
     sys.path.insert(0, str(REPO))
-    from tests.minilm import make_minilm_family
+    from testkit.minilm import make_minilm_family
 
     d = work / "minilm-bert-probe"
     shutil.rmtree(d, ignore_errors=True)

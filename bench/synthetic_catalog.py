@@ -38,8 +38,8 @@ PROTO = 1 << 14
 
 def llama_7b_shapes() -> dict[str, tuple[int, ...]]:
     """Llama-2-7B's tensor names and shapes, in checkpoint order (the test suite's Llama layout,
-    :func:`tests.synth.llama_like_shapes`, at 7B sizes)."""
-    from tests.synth import llama_like_shapes
+    :func:`testkit.synth.llama_like_shapes`, at 7B sizes)."""
+    from testkit.synth import llama_like_shapes
 
     return llama_like_shapes(hidden=4096, inter=11008, layers=32, vocab=32000)
 

@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--cols", type=int, default=4096)
     a = ap.parse_args()
-    from tests.synth import make_family
+    from testkit.synth import make_family
 
     out = []
     with tempfile.TemporaryDirectory(dir=HERE / ".work" if (HERE / ".work").is_dir() else None) as tmp:

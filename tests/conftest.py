@@ -30,7 +30,7 @@ def tiny_zoo_home(tmp_path_factory):
 @pytest.fixture(scope="session")
 def family(tmp_path_factory):
     """A bf16 base + 3 experts (2 shards each) with fine-tuning-like task vectors."""
-    from tests.synth import make_family
+    from testkit.synth import make_family
 
     root = tmp_path_factory.mktemp("family")
     base, experts = make_family(root, 3, seed=1)
@@ -52,28 +52,7 @@ def run_cli(args, monkeypatch, capsys):
     return code, out, err
 
 
-def merged_tensors(folder) -> dict:
-    import glob
-
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(glob.glob(os.path.join(str(folder), "*.safetensors"))):
-        out.update(load_file(f))
-    return out
-
-
-def same_bits(a, b) -> bool:
-    import torch
-
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.dtype.is_floating_point:
-        iv = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        return torch.equal(a.view(iv), b.view(iv))
-    return torch.equal(a, b)
-
-
+from testkit.tensors import merged_tensors, same_bits  # noqa: E402,F401  (tests import them from here)
 from tests.conftest_s3 import *  # noqa: F401,F403,E402  (SeaweedFS fixtures)
 
 
@@ -81,7 +60,6 @@ def fail_folder_fsync(monkeypatch) -> list[str]:
     """Make ``os.fsync`` fail with EIO on folder descriptors (as some network and FUSE file
     systems do), and work on files; returns the list of folders whose fsync was tried."""
     import errno
-    import os
     import stat as stat_
 
     tried = []

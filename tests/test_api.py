@@ -82,7 +82,7 @@ def test_mergepipe_search_is_callable_even_after_its_package_is_imported():
 @pytest.fixture
 def family(tmp_path):
     pytest.importorskip("torch")
-    from tests.synth import make_family
+    from testkit.synth import make_family
 
     return make_family(tmp_path / "fam", n_experts=2, n_shards=1)
 

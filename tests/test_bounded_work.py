@@ -153,7 +153,7 @@ def test_non_finite_expert_is_refused_at_analyze_on_both_catalogs(tmp_path, monk
     import torch
     from safetensors.torch import load_file, save_file
 
-    from tests.synth import make_family
+    from testkit.synth import make_family
 
     base, experts = make_family(tmp_path / "fam", 1, seed=3)
     shard = sorted(experts[0].glob("*.safetensors"))[0]

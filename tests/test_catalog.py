@@ -13,7 +13,7 @@ from mergepipe.errors import InputError
 from mergepipe.numerics import magnitude_keys
 from mergepipe.storage.base import IOCounters
 from mergepipe.storage.local import LocalStorage
-from tests.synth import make_family, save_checkpoint
+from testkit.synth import make_family, save_checkpoint
 
 
 def _load(folder):

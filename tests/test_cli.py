@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from testkit.synth import make_family, save_checkpoint
 from tests.conftest import run_cli
-from tests.synth import make_family, save_checkpoint
 
 
 @pytest.fixture()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.synth import llama_like_shapes, make_family
+from testkit.synth import llama_like_shapes, make_family
 
 
 @pytest.fixture(scope="module")

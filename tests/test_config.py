@@ -13,8 +13,8 @@ from mergepipe.config import load_config, merge_from_config
 from mergepipe.errors import InputError
 from mergepipe.storage.base import IOCounters
 from mergepipe.storage.local import LocalStorage
+from testkit.dense_reference import merge_checkpoint_dense
 from tests.conftest import merged_tensors, run_cli, same_bits
-from tests.dense_reference import merge_checkpoint_dense
 
 
 def write(tmp_path, cfg, name="merge.yml") -> Path:

@@ -1,6 +1,6 @@
 """Everything the engine reads is checked by content before anything is published (issue 22).
 
-Real checkpoints (tests/synth.py, bf16 safetensors), the real SQLite catalog and CLI: a block
+Real checkpoints (testkit/synth.py, bf16 safetensors), the real SQLite catalog and CLI: a block
 sketch blob or an expert block replaced by other bytes of the same size, another expert's
 sketch, or a plan pointing a sketch elsewhere is refused with exit code 2 and one line naming
 the expert and the fix, and nothing appears at ``--out``. Missing sketch blobs are re-created
@@ -24,7 +24,7 @@ from tests.conftest import run_cli
 
 @pytest.fixture
 def fam(tmp_path):
-    from tests.synth import make_family
+    from testkit.synth import make_family
 
     base, experts = make_family(tmp_path / "fam", 2, seed=7)
     return tmp_path, base, experts

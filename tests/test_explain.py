@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from testkit.synth import make_family
 from tests.conftest import run_cli
-from tests.synth import make_family
 
 FLOAT = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")

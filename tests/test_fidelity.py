@@ -22,7 +22,7 @@ from mergepipe.storage.local import LocalStorage
 def fp32_family(tmp_path_factory):
     """A float32 base + 3 experts with independent (near-orthogonal) task vectors; float32 so
     that output rounding does not blur the distances."""
-    from tests.synth import make_family
+    from testkit.synth import make_family
 
     return make_family(tmp_path_factory.mktemp("fp32fam"), 3, seed=7, dtype="float32")
 

@@ -38,7 +38,7 @@ from mergepipe.formats.safetensors import (
 )
 from mergepipe.storage.base import ROLES, IOCounters
 from mergepipe.storage.local import LocalStorage
-from tests.synth import llama_like_shapes, save_checkpoint
+from testkit.synth import llama_like_shapes, save_checkpoint
 
 # --------------------------------------------------------------------------------------------
 # helpers

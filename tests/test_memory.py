@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.synth import llama_like_shapes, make_family
+from testkit.synth import llama_like_shapes, make_family
 
 SCRIPT = """
 import json, sys

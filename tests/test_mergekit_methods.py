@@ -1,6 +1,6 @@
 """mergekit 0.1.5's newer methods (multislerp, karcher, sce, nearswap, ram, ramplus_tl,
 arcee_fusion): the streaming engine against a whole-tensor transcription of mergekit's code
-(``tests/mergekit_reference.py``) on real safetensors checkpoints, their budget semantics, and
+(``testkit/mergekit_reference.py``) on real safetensors checkpoints, their budget semantics, and
 the refusals of a budget where a method needs whole tensors."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from mergepipe.methods.registry import METHODS, budget_refusal
 from mergepipe.numerics import karcher_coefficients, multislerp_coefficients
 from mergepipe.pipeline import merge
 from mergepipe.request import request_from_args
-from tests import mergekit_reference as mk
+from testkit import mergekit_reference as mk
 from tests.conftest import merged_tensors, same_bits
 
 NEW = ("multislerp", "karcher", "sce", "nearswap", "ram", "ramplus_tl", "arcee_fusion")

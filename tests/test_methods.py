@@ -10,8 +10,8 @@ from mergepipe.methods.params import resolve_params
 from mergepipe.methods.registry import METHODS
 from mergepipe.numerics import dare_keep_mask, histogram, magnitude_keys, trim_min_key
 from mergepipe.pipeline import merge
+from testkit.dense_reference import merge_checkpoint_dense, reference_min_key
 from tests.conftest import merged_tensors, same_bits
-from tests.dense_reference import merge_checkpoint_dense, reference_min_key
 
 CASES = [
     ("linear", []),
@@ -86,7 +86,7 @@ def test_other_dtypes_equal_reference(tmp_path, dtype):
     """bf16/float16/float32 TIES and breadcrumbs trim by exact ranks of the stored magnitudes: the engine (threshold
     group from the key histogram, float32 threshold inside it; in one chunk, or with a pre-pass
     over many chunks, with and without the L1 rescale pre-pass) equals the dense sort."""
-    from tests.synth import make_family
+    from testkit.synth import make_family
 
     base, experts = make_family(tmp_path / "m", 2, seed=3, dtype=dtype)
     n_exact = 0
@@ -135,7 +135,7 @@ def test_exact_trim_keeps_exactly_k_unless_values_are_equal():
     import numpy as np
 
     from mergepipe.numerics import exact_shrink, histogram, magnitude_keys, trim_rank
-    from tests.dense_reference import reference_topk_mask
+    from testkit.dense_reference import reference_topk_mask
 
     g = torch.Generator().manual_seed(0)
     d = torch.randn(100_000, generator=g) * 1e-3
@@ -275,7 +275,7 @@ def test_new_methods_registered_with_mergekit_defaults():
 )
 def test_breadcrumbs_window_from_histogram_equals_sort(density, gamma):
     from mergepipe.numerics import outlier_window
-    from tests.dense_reference import reference_outlier_window
+    from testkit.dense_reference import reference_outlier_window
 
     rng = np.random.default_rng(int(density * 1000 + gamma * 100))
     d = torch.from_numpy((rng.standard_normal(40_000) * 1e-3).astype(np.float32)).to(torch.bfloat16).float()
@@ -470,7 +470,7 @@ def test_ties_divisor_and_rescale_thresholds_follow_mergekit(weights):
     from mergepipe.methods.kernels import combine, rescale_factor
     from mergepipe.methods.params import TensorParams
     from mergepipe.methods.registry import get_method
-    from tests.dense_reference import merge_tensor_dense
+    from testkit.dense_reference import merge_tensor_dense
 
     g = torch.Generator().manual_seed(3)
     base = torch.randn(8, 64, generator=g)

@@ -30,7 +30,7 @@ def test_very_long_base_path_is_one_line(tmp_path, monkeypatch, capsys):
 
 @pytest.fixture
 def snapshot_pair(tmp_path):
-    from tests.synth import make_family
+    from testkit.synth import make_family
 
     base, experts = make_family(tmp_path / "fam", 1, seed=2, n_shards=1)
     return base, experts[0]

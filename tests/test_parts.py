@@ -26,7 +26,7 @@ from mergepipe.planner.plan import InputRef, IOEstimate, Plan, TensorExpert, Ten
 from mergepipe.request import request_from_args
 from mergepipe.storage.base import IOCounters
 from mergepipe.storage.routing import open_storage
-from tests.synth import llama_like_shapes, make_family
+from testkit.synth import llama_like_shapes, make_family
 
 # ---- parts cover the plan exactly once ---------------------------------------------------------
 

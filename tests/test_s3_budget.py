@@ -14,7 +14,7 @@ from mergepipe.catalog.catalog import Catalog
 from mergepipe.pipeline import merge
 from mergepipe.storage.base import IOCounters
 from mergepipe.storage.routing import open_storage
-from tests.minilm import make_minilm_family, minilm_folder
+from testkit.minilm import make_minilm_family, minilm_folder
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 

@@ -17,7 +17,7 @@ from mergepipe.pipeline import build_plan, execute_and_commit, merge
 from mergepipe.request import request_from_args
 from mergepipe.storage.base import IOCounters
 from mergepipe.storage.routing import open_storage
-from tests.s3support import FaultProxy
+from testkit.s3support import FaultProxy
 
 pytestmark = pytest.mark.s3
 
@@ -244,7 +244,7 @@ def test_unchanged_tensors_are_copied_server_side(s3_env, tmp_path):
     """Tensors the plan leaves unchanged (>= 16 MiB) are written with UploadPartCopy from the base:
     neither read nor uploaded by the worker; the snapshot's content (tree digests) equals the
     local merge's."""
-    from tests.synth import llama_like_shapes, make_family
+    from testkit.synth import llama_like_shapes, make_family
 
     base, experts = make_family(tmp_path / "m", 2, seed=4, shapes=llama_like_shapes(512, 1024, 2, 20480), n_shards=2)
     c = s3_env.client()
@@ -285,7 +285,7 @@ def test_object_catalog_streams_sketch_blobs_as_multipart_uploads(s3_env, tmp_pa
     """analyze into an S3 catalog writes an expert's sketch blob as a multipart upload while it
     streams (a ~40 MB bf16 expert: its blob fills two parts of S3's 5 MiB minimum), byte-identical
     to the local catalog's blob, and leaves no upload open."""
-    from tests.synth import llama_like_shapes, make_family
+    from testkit.synth import llama_like_shapes, make_family
 
     base, experts = make_family(tmp_path / "fam", 1, seed=5, shapes=llama_like_shapes(512, 1376, 4, 8192))
     c = s3_env.client()

@@ -20,7 +20,7 @@ from mergepipe.pipeline import build_plan, execute_and_commit
 from mergepipe.request import request_from_args
 from mergepipe.storage.base import IOCounters
 from mergepipe.storage.routing import open_storage
-from tests.synth import llama_like_shapes, make_family
+from testkit.synth import llama_like_shapes, make_family
 from tests.test_parts import KILL_SCRIPT
 
 pytestmark = pytest.mark.s3

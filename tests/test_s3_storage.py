@@ -24,7 +24,7 @@ from mergepipe.storage.base import (
 )
 from mergepipe.storage.routing import open_storage
 from mergepipe.storage.s3 import MIN_PART, MiB, S3Error, S3Storage, S3Writer
-from tests.s3support import FaultProxy
+from testkit.s3support import FaultProxy
 
 pytestmark = pytest.mark.s3
 

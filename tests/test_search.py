@@ -1,6 +1,6 @@
 """mergepipe search: space, prior, asynchronous dispatch, failures, resume, CLI (issue 7).
 
-The candidates are real merges of the small synthetic family (tests/synth.py); the evaluators
+The candidates are real merges of the small synthetic family (testkit/synth.py); the evaluators
 are fakes whose metrics come from the merged weights (distance to expert 0 and to expert 1: a
 genuine trade-off), with injected latencies, crashes and timeouts.
 """

@@ -18,7 +18,7 @@ def family32(tmp_path_factory):
     """The synthetic family in float32: in bf16, ties in |τ| at the trimming threshold let a
     shared ``ties`` weight move ~1 % of the merged model through rounding; in float32 it cancels
     to ~1e-7 (as on the zoo, issue 27)."""
-    from tests.synth import make_family
+    from testkit.synth import make_family
 
     return make_family(tmp_path_factory.mktemp("family32"), 3, seed=1, dtype="float32")
 

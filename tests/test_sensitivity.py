@@ -169,7 +169,7 @@ def test_encoder_fisher_is_the_gaussian_output_fisher_and_plans_within_budget(tm
     checked against a direct computation; the pooler, unused by mean pooling, gets 0; the
     ``fisher`` plan stays within its budget and differs from the energy plan."""
     from mergepipe.catalog.sensitivity import compute_fisher
-    from tests.minilm import make_minilm_family
+    from testkit.minilm import make_minilm_family
 
     base_dir, experts = make_minilm_family(tmp_path / "m", n_experts=2)
     cal = tmp_path / "cal.jsonl"

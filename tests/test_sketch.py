@@ -321,8 +321,8 @@ def test_tiered_merge_equals_dense_reference_on_reconstructed_deltas(tmp_path, m
     realized expert bytes (sketch bytes included) equal the planned ones, within the budget."""
     import torch
 
+    from testkit.synth import make_family
     from tests.conftest import merged_tensors
-    from tests.synth import make_family
 
     base, experts = make_family(tmp_path / "fam", 3, seed=3, dtype="float32")
     total = sum(sum(f.stat().st_size for f in e.glob("*.safetensors")) for e in experts)

@@ -3,7 +3,7 @@ HTTP proxy, both bound to 127.0.0.1 only.
 
 Fixtures (import them into a test module or ``conftest.py``)::
 
-    from tests.s3support import seaweed, s3_env  # noqa: F401
+    from testkit.s3support import seaweed, s3_env  # noqa: F401
 
 * ``seaweed`` (session): starts ``weed mini`` once per session on free loopback ports with
   telemetry off, a temporary data directory and an identities file holding per-session test keys;
