@@ -513,9 +513,9 @@ def main(argv=None) -> None:
         "--sketches",
         nargs="+",
         default=["none", "sign1", "sign3"],
-        choices=("none", "sign1", "sign2", "sign3"),
+        choices=("none", "sign1", "sign2", "sign3", "sign3+r1"),
         help="fidelity tiers: none (read or skip a block) and/or signK (a block may be merged from the first "
-        "k <= K sign planes of its sketch)",
+        "k <= K sign planes of its sketch); sign3+r1 adds the rank-1 tier (factors + one residual plane)",
     )
     ap.add_argument("--work", type=Path, default=REPO / "bench" / ".work" / "quality")
     ap.add_argument(

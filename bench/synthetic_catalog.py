@@ -27,7 +27,7 @@ import math
 import numpy as np
 
 from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, CheckpointRecord
-from mergepipe.catalog.sketch import PLANES, tensor_sketch_costs
+from mergepipe.catalog.sketch import PLANES, SECTIONS, tensor_sketch_bytes
 from mergepipe.catalog.stats import BLOCK_DIGEST_BYTES, TensorStats
 from mergepipe.formats.safetensors import CheckpointLayout, build_header, n_blocks, parse_header, rows_per_block
 from mergepipe.numerics import OCT_SHIFT, magnitude_keys
@@ -112,7 +112,9 @@ def _tensor_stats(
     sketch_sq = None
     if len(shape) >= 2 and sketch_at >= 0:
         r = np.cumprod(rng.uniform(0.33, 0.39, size=(nb, PLANES)), axis=1)
-        sketch_sq = sq[:, None] * r
+        # the rank-1 tier (factors + one residual plane): a little below one plane's residual
+        r1 = r[:, :1] * rng.uniform(0.85, 1.0, size=(nb, 1))
+        sketch_sq = sq[:, None] * np.concatenate([r, r1], axis=1)
     numel = int(bn.sum())
     return TensorStats(
         name=name,
@@ -133,7 +135,7 @@ def _tensor_stats(
         sketch_sq=sketch_sq,
         # content digests of blocks and sketch planes (the plan carries the selected ones)
         block_sha=np.zeros((nb, BLOCK_DIGEST_BYTES), dtype=np.uint8),
-        sketch_sha=np.zeros((nb, PLANES, BLOCK_DIGEST_BYTES), dtype=np.uint8) if sketch_sq is not None else None,
+        sketch_sha=np.zeros((nb, SECTIONS, BLOCK_DIGEST_BYTES), dtype=np.uint8) if sketch_sq is not None else None,
     )
 
 
@@ -161,7 +163,7 @@ def family(
             sigma = 1e-3 * kind * (1.0 + layer / n_layers) * float(rng.uniform(0.5, 2.0))
             tensors[name] = _tensor_stats(name, ti.shape, rpb, nb, sigma, rng, at if len(ti.shape) >= 2 else -1)
             if len(ti.shape) >= 2:
-                at += PLANES * int(tensor_sketch_costs(ti.rows, ti.numel // ti.rows, rpb, nb).sum())
+                at += tensor_sketch_bytes(ti.rows, ti.numel // ti.rows, rpb, nb)
         sk = {
             "kind": "sign-planes",
             "planes": PLANES,

@@ -11,11 +11,18 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from mergepipe.catalog.catalog import Catalog
 from mergepipe.catalog.sketch import (
     PLANES,
+    R1_LEVEL,
+    SECTIONS,
+    TIERS,
     SketchBuilder,
     SketchWriter,
     decode_blocks,
+    decode_factors,
     encode_block,
+    section_offsets,
     sketch_block_bytes,
+    sketch_tiers,
+    tensor_sketch_bytes,
     tensor_sketch_costs,
 )
 from mergepipe.pipeline import merge
@@ -104,17 +111,30 @@ def test_catalog_records_sketch_blobs(analyzed):
             assert ts.has_sketch and ts.sketch_start == expected
             rn = info.numel // info.rows
             n = int(tensor_sketch_costs(info.rows, rn, ts.rows_per_block, ts.n_blocks).sum())  # one plane
-            expected += PLANES * n
+            offs = section_offsets(info.rows, rn, ts.rows_per_block, ts.n_blocks)
+            assert (offs[:PLANES, -1] - offs[:PLANES, 0] == n).all()
+            expected += tensor_sketch_bytes(info.rows, rn, ts.rows_per_block, ts.n_blocks)
             delta = (et[name].to(torch.float32) - bt[name].to(torch.float32)).numpy().reshape(-1)
             rec = np.zeros_like(delta)
-            assert ts.sketch_sq.shape == (ts.n_blocks, PLANES)
+            assert ts.sketch_sq.shape == (ts.n_blocks, TIERS)
+            assert ts.sketch_sha.shape == (ts.n_blocks, SECTIONS, 16)
+
+            def per_block(rec, rn=rn, ts=ts, info=info, delta=delta):
+                resid = ((delta.astype(np.float64) - rec) ** 2).reshape(-1, rn)
+                return [resid[r : r + ts.rows_per_block].sum() for r in range(0, info.rows, ts.rows_per_block)]
+
             for p in range(PLANES):  # plane-major: plane p of every block, then plane p + 1
                 o = ts.sketch_start + p * n
                 rec = rec + decode_blocks(data[o : o + n], info.rows, rn, ts.rows_per_block)
-                resid = ((delta.astype(np.float64) - rec) ** 2).reshape(-1, rn)
-                per_block = [resid[r : r + ts.rows_per_block].sum() for r in range(0, info.rows, ts.rows_per_block)]
-                np.testing.assert_allclose(ts.sketch_sq[:, p], per_block, rtol=1e-5, atol=1e-12)
-            assert (np.diff(ts.sketch_sq, axis=1) <= 1e-15).all()
+                np.testing.assert_allclose(ts.sketch_sq[:, p], per_block(rec), rtol=1e-5, atol=1e-12)
+            # the rank-1 tier: the factor section, then the residual plane
+            f0, f1 = ts.sketch_start + offs[PLANES, 0], ts.sketch_start + offs[PLANES, -1]
+            lr = decode_factors(data[f0:f1], info.rows, rn, ts.rows_per_block)
+            r0 = ts.sketch_start + offs[PLANES + 1, 0]
+            rec1 = lr + decode_blocks(data[r0 : r0 + n], info.rows, rn, ts.rows_per_block)
+            np.testing.assert_allclose(ts.sketch_sq[:, PLANES], per_block(rec1), rtol=1e-5, atol=1e-12)
+            assert (ts.sketch_sq[:, PLANES] <= ts.sq_norm * (1 + 1e-9) + 1e-15).all()
+            assert (np.diff(ts.sketch_sq[:, :PLANES], axis=1) <= 1e-15).all()
             assert (ts.sketch_sq[:, 0] <= ts.sq_norm * (1 + 1e-9) + 1e-15).all()
         assert expected == len(data)
         # cached: a second analyze reads nothing and returns the same sketch
@@ -148,7 +168,7 @@ METHODS = st.sampled_from([("ties", True), ("dare_ties", True), ("task_arithmeti
     density=st.floats(0.05, 1.0),
     gap=st.sampled_from([0, 5000, 1 << 20]),
     w=st.lists(st.floats(-2, 2), min_size=3, max_size=3),
-    sk=st.sampled_from(["sign1", "sign2", "sign3"]),
+    sk=st.sampled_from(["sign1", "sign2", "sign3", "sign3+r1"]),
     fid=st.sampled_from([None, 0.5, 0.95]),
 )
 def test_tiered_plans_stay_within_budget(analyzed, frac, m, density, gap, w, sk, fid):
@@ -175,11 +195,13 @@ def test_tiered_plans_stay_within_budget(analyzed, frac, m, density, gap, w, sk,
             assert len(te.sketch_levels) == len(te.sketch_blocks)
             if te.sketch_blocks:
                 assert len(t.shape) >= 2 and te.sketch_start >= 0
-                assert all(1 <= k <= int(sk[4:]) for k in te.sketch_levels)
+                assert all(k in sketch_tiers(sk) for k in te.sketch_levels)
                 rn = math.prod(t.shape[1:])
                 costs = tensor_sketch_costs(t.shape[0], rn, t.rows_per_block, t.n_blocks)
+                fac = 2 * (np.minimum(t.rows_per_block, t.shape[0] - t.rows_per_block * np.arange(t.n_blocks)) + rn)
                 assert te.sketch_bytes == sum(
-                    k * int(costs[a:z].sum()) for (a, z), k in zip(te.sketch_blocks, te.sketch_levels)
+                    int(costs[a:z].sum()) * (k if k <= PLANES else 1) + (int(fac[a:z].sum()) if k > PLANES else 0)
+                    for (a, z), k in zip(te.sketch_blocks, te.sketch_levels)
                 )
             exact += te.bytes * t.passes
             sketch += te.sketch_bytes * t.passes
@@ -295,15 +317,15 @@ def _reference_experts(plan, base: Path, experts: list[Path], out: Path) -> list
                 if te.sketch_blocks:
                     blob = Path(plan.experts[i].sketch["uri"]).read_bytes()
                     rn = d.shape[1]
-                    offs = np.concatenate(
-                        [[0], np.cumsum(tensor_sketch_costs(tp.shape[0], rn, rpb, tp.n_blocks))]
-                    ).astype(int)
+                    offs = section_offsets(tp.shape[0], rn, rpb, tp.n_blocks) + te.sketch_start
                     for (b0, b1), k in zip(te.sketch_blocks, te.sketch_levels):
                         r0, r1 = b0 * rpb, min(tp.shape[0], b1 * rpb)
                         acc = np.zeros((r1 - r0) * rn, dtype=np.float32)
-                        for p in range(k):
-                            o = te.sketch_start + p * int(offs[-1])
-                            acc += decode_blocks(blob[o + offs[b0] : o + offs[b1]], r1 - r0, rn, rpb)
+                        if k == R1_LEVEL:  # u·vᵀ + (0 + the residual plane)
+                            acc += decode_blocks(blob[offs[4, b0] : offs[4, b1]], r1 - r0, rn, rpb)
+                            acc = decode_factors(blob[offs[3, b0] : offs[3, b1]], r1 - r0, rn, rpb) + acc
+                        for p in range(k if k <= PLANES else 0):
+                            acc += decode_blocks(blob[offs[p, b0] : offs[p, b1]], r1 - r0, rn, rpb)
                         d[r0:r1] = torch.from_numpy(acc.reshape(r1 - r0, rn))
         dst = out / f"ref{i}"
         shutil.copytree(e, dst)
@@ -314,8 +336,15 @@ def _reference_experts(plan, base: Path, experts: list[Path], out: Path) -> list
     return refs
 
 
-@pytest.mark.parametrize("method, params", [("task_arithmetic", ["weight=0.5"]), ("dare_linear", ["density=0.5"])])
-def test_tiered_merge_equals_dense_reference_on_reconstructed_deltas(tmp_path, method, params):
+@pytest.mark.parametrize(
+    "method, params, sketch",
+    [
+        ("task_arithmetic", ["weight=0.5"], "sign3"),
+        ("dare_linear", ["density=0.5"], "sign3"),
+        ("task_arithmetic", ["weight=0.5"], "sign3+r1"),
+    ],
+)
+def test_tiered_merge_equals_dense_reference_on_reconstructed_deltas(tmp_path, method, params, sketch):
     """float32 checkpoints: the tiered merge equals an unlimited read-or-skip merge of experts
     whose task vectors are the reconstructed ones (the same float32 arithmetic), bit for bit; and
     realized expert bytes (sketch bytes included) equal the planned ones, within the budget."""
@@ -340,14 +369,16 @@ def test_tiered_merge_equals_dense_reference_on_reconstructed_deltas(tmp_path, m
         catalog=cat,
         storage=st_,
         block_bytes=4096,
+        sketch=sketch,
     )
     plan = res.plan
-    assert plan.sketch == "sign3" and any(te.sketch_blocks for tp in plan.tensors for te in tp.experts)
-    assert len({k for tp in plan.tensors for te in tp.experts for k in te.sketch_levels}) >= 2
+    assert plan.sketch == sketch and any(te.sketch_blocks for tp in plan.tensors for te in tp.experts)
+    used = {k for tp in plan.tensors for te in tp.experts for k in te.sketch_levels}
+    assert len(used) >= 2 and (R1_LEVEL in used) == (sketch == "sign3+r1")
     io = res.manifest["io"]
     assert io["realized"]["expert_read_bytes"] == io["estimated"]["expert_read_bytes"] <= budget
     assert io["estimated"]["sketch_read_bytes"] > 0
-    assert res.manifest["sketch"]["kind"] == "sign3" and sum(res.manifest["sketch"]["sketched_blocks"].values()) > 0
+    assert res.manifest["sketch"]["kind"] == sketch and sum(res.manifest["sketch"]["sketched_blocks"].values()) > 0
     refs = _reference_experts(plan, base, experts, tmp_path)
     merge(
         str(base),
@@ -479,16 +510,12 @@ def test_a_requests_sketch_is_checked_and_named_in_the_front_ends_terms():
         )
 
     assert req(None).resolve().request.planning.sketch is None
-    assert [req(k).resolve().request.planning.sketch for k in ("none", "sign1", "sign2", "sign3")] == [
-        "none",
-        "sign1",
-        "sign2",
-        "sign3",
-    ]
+    kinds = ("none", "sign1", "sign2", "sign3", "sign3+r1")
+    assert [req(k).resolve().request.planning.sketch for k in kinds] == list(kinds)
     with pytest.raises(InputError) as e:
         req("sign9").resolve()
     assert e.value.loc == ("planning", "sketch") and e.value.field == "planning.sketch"
-    assert str(e.value) == "--sketch 'sign9': use one of none, sign1, sign2, sign3."
+    assert str(e.value) == "--sketch 'sign9': use one of none, sign1, sign2, sign3, sign3+r1."
 
 
 def _load(folder) -> dict:

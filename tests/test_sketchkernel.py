@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from mergepipe.catalog.sketch import PLANES, decode_blocks, encode_block
+from mergepipe.catalog.sketch import PLANES, SECTIONS, decode_blocks, decode_factors, encode_block
 from mergepipe.engine.sketchkernel import SketchRun
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _planes(delta: np.ndarray, rpb: int) -> list[bytes]:
-    planes: list[list[bytes]] = [[] for _ in range(PLANES)]
+    """The tensor's sections: PLANES sign planes, the rank-1 factors, the residual plane."""
+    planes: list[list[bytes]] = [[] for _ in range(SECTIONS)]
     for r in range(0, delta.shape[0], rpb):
         parts, _ = encode_block(delta[r : r + rpb])
         for p, b in enumerate(parts):
@@ -53,6 +54,7 @@ def test_kernel_equals_numpy_decoder_for_any_rows_and_levels(dtype, rows, rn, rp
     bn = base.numpy()
     planes = _planes(delta, rpb)
     n = rows * rn
+    _check_rank1_tier(planes, rows, rn, rpb, base)
     for k in range(1, PLANES + 1):
         ref_d, ref_x = _reference(planes, k, rows, rn, rpb, bn)
         run = SketchRun(rows, rn, rpb, planes[:k])
@@ -70,14 +72,52 @@ def test_kernel_equals_numpy_decoder_for_any_rows_and_levels(dtype, rows, rn, rp
             assert torch.equal(run.delta_rows(r0, r1, torch.device("cpu")), want)
 
 
+def _check_rank1_tier(planes, rows, rn, rpb, base):
+    """The rank-1 tier (factors + residual plane) through the kernel equals the numpy reference:
+    ``u·vᵀ`` (float32) + ``(0 + ±s)`` of the residual plane, then the engine's ``(b + δ̂) − b``."""
+    bn = base.numpy()
+    fac, res = planes[PLANES], planes[PLANES + 1]
+    # plane sums start from float32 zeros, as for the sign levels (a zero row's −0 scale gives +0)
+    d = decode_factors(fac, rows, rn, rpb) + (np.zeros(rows * rn, np.float32) + decode_blocks(res, rows, rn, rpb))
+    x = bn + d
+    ref_d = torch.sub(torch.from_numpy(x), torch.from_numpy(bn))
+    run = SketchRun(rows, rn, rpb, [res], factors=fac)
+    n = rows * rn
+    assert run.nbytes == len(fac) + len(res)
+    assert np.array_equal(_bits(run.delta(0, n, base)), _bits(ref_d))
+    assert np.array_equal(_bits(run.values(0, n, base)), _bits(torch.from_numpy(x)))
+    for e0, e1 in {(0, 1), (1, n), (n // 3, 2 * n // 3 + 1), (n - 1, n), (rn, min(n, 3 * rn + 2))}:
+        if e1 > e0:
+            assert np.array_equal(_bits(run.delta(e0, e1, base[e0:e1])), _bits(ref_d[e0:e1])), (e0, e1)
+    for r0, r1 in {(0, rows), (rows // 2, rows), (0, 1), (rows - 1, rows)}:
+        want = torch.from_numpy(d.reshape(rows, rn)[r0:r1])
+        assert torch.equal(run.delta_rows(r0, r1, torch.device("cpu")), want)
+
+
+def test_rank1_tier_keeps_a_low_rank_delta():
+    """A rank-1 task vector plus small noise: the rank-1 tier's residual is far below one sign plane's."""
+    rng = np.random.default_rng(5)
+    d = (np.outer(rng.standard_normal(24), rng.standard_normal(40)) + 0.05 * rng.standard_normal((24, 40))).astype(
+        np.float32
+    )
+    _, resid = encode_block(d)
+    sq = float((d.astype(np.float64) ** 2).sum())
+    assert resid[PLANES] < 0.01 * sq < resid[0]
+
+
 def test_run_refuses_planes_of_the_wrong_size():
     delta = np.ones((7, 5), dtype=np.float32)
     planes = _planes(delta, 3)
-    SketchRun(7, 5, 3, planes)
+    SketchRun(7, 5, 3, planes[:PLANES])
     with pytest.raises(ValueError, match="plane 2 has"):
         SketchRun(7, 5, 3, [planes[0], planes[1][:-1]])
     with pytest.raises(ValueError, match="expected for 6 rows"):
         SketchRun(6, 5, 3, planes[:1])
+    SketchRun(7, 5, 3, [planes[PLANES + 1]], factors=planes[PLANES])
+    with pytest.raises(ValueError, match="rank-1 factors of"):
+        SketchRun(7, 5, 3, [planes[PLANES + 1]], factors=planes[PLANES][:-2])
+    with pytest.raises(ValueError, match="one residual plane expected"):
+        SketchRun(7, 5, 3, planes[:2], factors=planes[PLANES])
 
 
 def test_kernel_runs_on_the_requested_device():
@@ -85,12 +125,13 @@ def test_kernel_runs_on_the_requested_device():
     rows, rn, rpb = 12, 11, 5
     rng = np.random.default_rng(3)
     planes = _planes(rng.standard_normal((rows, rn)).astype(np.float32), rpb)
-    run = SketchRun(rows, rn, rpb, planes)
+    runs = [SketchRun(rows, rn, rpb, planes[:PLANES]), SketchRun(rows, rn, rpb, [planes[-1]], factors=planes[PLANES])]
     devs = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
-    outs = []
-    for dev in devs:
-        b = torch.zeros(rows * rn, device=dev)
-        d = run.delta(0, rows * rn, b)
-        assert d.device.type == dev.type
-        outs.append(d.cpu())
-    assert all(torch.equal(outs[0], o) for o in outs)
+    for run in runs:
+        outs = []
+        for dev in devs:
+            b = torch.zeros(rows * rn, device=dev)
+            d = run.delta(0, rows * rn, b)
+            assert d.device.type == dev.type
+            outs.append(d.cpu())
+        assert all(torch.equal(outs[0], o) for o in outs)

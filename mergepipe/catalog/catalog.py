@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mergepipe.catalog.sketch import PLANES, SketchWriter
+from mergepipe.catalog.sketch import PLANES, TIERS, SketchWriter
 from mergepipe.catalog.stats import BLOCK_DIGEST_BYTES, TensorStats, TensorStatsBuilder, block_digest
 from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import (
@@ -72,8 +72,9 @@ DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 #: (counted in ``_analyze_stream`` and ``TensorStatsBuilder.add``: ~86; measured 43 bytes per
 #: bf16 base byte, docs/CONCEPTS.md), rounded up
 ANALYZE_BYTES_PER_ELEMENT = 96
-STATS_VERSION = 4  # 2: exact whole-tensor sums of products; pair statistics; 3: block sketches (sign planes);
-# 4: per-block content digests of expert blocks and sketch planes (checked by the engine)
+STATS_VERSION = 5  # 2: exact whole-tensor sums of products; pair statistics; 3: block sketches (sign planes);
+# 4: per-block content digests of expert blocks and sketch planes (checked by the engine);
+# 5: the rank-1 sketch tier (factors + residual sign plane after the three planes of each tensor)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS checkpoints (
@@ -1016,7 +1017,7 @@ def _analyze_stream(
                 st.sketch_start, st.sketch_sq = sk_start[e.identity], w.end()
                 st.sketch_sha = w.digests
             elif w is not None:  # a LoRA expert: no planes are coded (as before streaming)
-                st.sketch_start, st.sketch_sq = w.nbytes, np.zeros((0, PLANES))
+                st.sketch_start, st.sketch_sq = w.nbytes, np.zeros((0, TIERS))
             builders[e.identity][name] = st
         for p in pair_ids:
             dots[p][name] = exact_total(np.concatenate(prow[p])) if prow[p] else 0.0

@@ -62,14 +62,14 @@ class TensorStats:
             module docstring).
         sketch_start: first byte of this tensor's sign planes in the expert's sketch blob
             (:mod:`mergepipe.catalog.sketch`); -1: no sketch (1-D tensors, older analyses).
-        sketch_sq: float64[nb, planes] residual energy ``Σ (δ − δ̂_k)²`` of each block after
-            each sign plane ``k`` (None: no sketch).
+        sketch_sq: float64[nb, TIERS] residual energy ``Σ (δ − δ̂_k)²`` of each block after
+            each sketch level ``k`` (the sign planes, then the rank-1 tier; None: no sketch).
         block_sha: uint8[nb, 16]: the first 16 bytes of the SHA-256 of each block's raw expert
             bytes (:data:`BLOCK_DIGEST_BYTES`), so the engine can check the blocks it reads
             (a partial read of a tensor cannot be checked against ``content_sha256``); None: not
             recorded (a LoRA adapter, analyses before stats version 4).
-        sketch_sha: uint8[nb, planes, 16]: the same for each block's bytes of each sign plane
-            in the sketch blob (None: no sketch).
+        sketch_sha: uint8[nb, SECTIONS, 16]: the same for each block's bytes of each section
+            of the sketch blob (sign planes, rank-1 factors, residual plane; None: no sketch).
     """
 
     name: str
@@ -229,6 +229,8 @@ class TensorStats:
             raise
         except Exception as e:  # zipfile.BadZipFile, KeyError, OSError, EOFError, TypeError ...
             raise ValueError(f"not a statistics blob ({type(e).__name__}: {str(e)[:80]})") from None
+        from mergepipe.catalog.sketch import SECTIONS, TIERS  # (sketch imports this module)
+
         nb = len(st.sq_norm)
         shapes_ok = (
             st.numel >= 0
@@ -242,11 +244,13 @@ class TensorStats:
             and st.oct_energy.shape == st.oct_count.shape
             and st.hist_keys.shape == st.hist_counts.shape
             and (st.block_sha is None or st.block_sha.shape == (nb, BLOCK_DIGEST_BYTES))
-            and (st.sketch_sq is None or (st.sketch_sq.ndim == 2 and st.sketch_sq.shape[0] in (0, nb)))
-            and (st.sketch_sha is None or st.sketch_sha.shape[::2] == (nb, BLOCK_DIGEST_BYTES))
+            and (st.sketch_sq is None or st.sketch_sq.shape in ((0, TIERS), (nb, TIERS)))
+            and (st.sketch_sha is None or st.sketch_sha.shape == (nb, SECTIONS, BLOCK_DIGEST_BYTES))
         )
         if not shapes_ok:
             raise ValueError("statistics arrays of inconsistent shapes")
+        if st.sketch_sq is not None and not (np.isfinite(st.sketch_sq).all() and (st.sketch_sq >= 0).all()):
+            raise ValueError("sketch residual energies not finite and >= 0")
         return st
 
     @classmethod

@@ -53,7 +53,9 @@ def _index(te, kind: str) -> tuple[list[int], list[int]]:
     if kind == "blocks":
         starts, cum = _runs_index(te.blocks)
     else:
-        starts, cum = _runs_index(te.sketch_blocks, te.sketch_levels)
+        from mergepipe.catalog.sketch import level_sections
+
+        starts, cum = _runs_index(te.sketch_blocks, [len(level_sections(k)) for k in te.sketch_levels])
     if len(_INDEX) > 1 << 16:
         _INDEX.clear()
     _INDEX[(id(te), kind)] = (te, starts, cum)
@@ -74,13 +76,16 @@ def expected_block(te, b: int) -> str | None:
 
 
 def expected_sketch(te, b: int, plane: int) -> str | None:
-    """The recorded digest (hex) of block ``b``'s bytes of sign plane ``plane`` (0-based) in
-    ``te``'s sketched runs, or None when not read at that plane."""
+    """The recorded digest (hex) of block ``b``'s bytes of the ``plane``-th section (0-based, in
+    :func:`~mergepipe.catalog.sketch.level_sections` order: a sign plane, or the rank-1 factors
+    and the residual plane) its run reads in ``te``'s sketched runs, or None when not read."""
+    from mergepipe.catalog.sketch import level_sections
+
     if not te.sketch_digests:
         return None
     starts, cum = _index(te, "sketch")
     i = bisect.bisect_right(starts, b) - 1
-    if i < 0 or b >= te.sketch_blocks[i][1] or plane >= te.sketch_levels[i]:
+    if i < 0 or b >= te.sketch_blocks[i][1] or plane >= len(level_sections(te.sketch_levels[i])):
         return None
     b0, b1 = te.sketch_blocks[i]
     p = cum[i] + plane * (b1 - b0) + b - b0
@@ -119,9 +124,9 @@ def check_expert_runs(
 
 
 def check_sketch_plane(te, tensor: str, expert: str, uri: str, blocks: range, plane: int, buf, offs) -> None:
-    """Check one sign plane's bytes of ``blocks`` (consecutive; ``buf`` starts at
-    ``offs[blocks.start]`` of the plane, ``offs`` the plane's block offsets) against ``te``'s
-    sketch digests.
+    """Check one section's bytes of ``blocks`` (consecutive; ``buf`` starts at
+    ``offs[blocks.start]`` of the section, ``offs`` the section's block offsets; ``plane`` the
+    section's ordinal among those its run reads) against ``te``'s sketch digests.
 
     Raises:
         ContentMismatch: naming the expert, the sketch blob, the tensor, block and plane, and the fix.

@@ -87,45 +87,51 @@ def sketch_parts(plan: Plan, storage: Storage, tp, te, r0: int, r1: int) -> list
     """The rows of ``te``'s sketched blocks inside ``[r0, r1)`` as ``((row0, row1), SketchRun)``
     runs: the run's first ``k`` sign planes, undecoded (:class:`mergepipe.engine.sketchkernel.
     SketchRun`; the merge decodes a tile's rows at a time, on its device). A tensor's sketch is
-    plane-major, so level ``k`` of a run is ``k`` byte ranges, read through ``storage`` with role
+    section-major, so level ``k`` of a run is one byte range per section it reads
+    (:func:`mergepipe.catalog.sketch.level_sections`: ``k`` sign planes, or the rank-1 factors
+    and the residual plane), read through ``storage`` with role
     ``expert``: they are derived from the expert and count against the same budget (the planner
     charged them). ``r0`` is a block boundary.
 
     Raises:
         ValueError: a plane's bytes do not match the run's blocks.
     """
-    from mergepipe.catalog.sketch import block_offsets
+    from mergepipe.catalog.sketch import R1_LEVEL, level_sections, section_offsets
     from mergepipe.engine.sketchkernel import SketchRun
 
     rpb, rows = tp.rows_per_block, n_rows(tp)
     row_numel = max(1, math.prod(tp.shape[1:]))
-    offs = block_offsets(rows, row_numel, rpb, tp.n_blocks)
-    plane = int(offs[-1])
+    offs = section_offsets(rows, row_numel, rpb, tp.n_blocks)  # (sections, n_blocks + 1), from sketch_start
     runs, rngs = [], []
     for (b0, b1), k in zip(te.sketch_blocks, te.sketch_levels, strict=True):
         a, z = max(r0, b0 * rpb), min(r1, b1 * rpb, rows)
         if z <= a:
             continue
         runs.append(((a, z), k))
-        lo, hi = int(offs[a // rpb]), int(offs[-(-z // rpb)])
-        rngs += [(te.sketch_start + p * plane + lo, te.sketch_start + p * plane + hi) for p in range(k)]
+        lo, hi = a // rpb, -(-z // rpb)
+        rngs += [(te.sketch_start + int(offs[s, lo]), te.sketch_start + int(offs[s, hi])) for s in level_sections(k)]
     if not runs:
         return []
     root, name = sketch_location(plan, te.expert, f"plan: experts[{te.expert}].sketch.uri")
     uri = storage.join(root, name)
     bufs = storage.read_ranges(uri, rngs, "expert", max_gap=0)
     q = 0
-    for (a, z), k in runs:  # every plane's bytes checked before any is decoded
-        for p in range(k):
+    for (a, z), k in runs:  # every section's bytes checked before any is decoded
+        for p, s in enumerate(level_sections(k)):
             blocks = range(a // rpb, -(-z // rpb))
-            check_sketch_plane(te, tp.name, plan.experts[te.expert].name, uri, blocks, p, bufs[q], offs)
+            check_sketch_plane(te, tp.name, plan.experts[te.expert].name, uri, blocks, p, bufs[q], offs[s] - offs[s, 0])
             q += 1
     if storage.counters is not None:
         storage.counters.add_detail("sketch", sum(memoryview(b).nbytes for b in bufs))
     out, q = [], 0
     for (a, z), k in runs:
-        out.append(((a, z), SketchRun(z - a, row_numel, rpb, list(bufs[q : q + k]))))
-        q += k
+        n = len(level_sections(k))
+        if k == R1_LEVEL:  # the rank-1 tier: factors, then the residual plane
+            run = SketchRun(z - a, row_numel, rpb, [bufs[q + 1]], factors=bufs[q])
+        else:
+            run = SketchRun(z - a, row_numel, rpb, list(bufs[q : q + n]))
+        out.append(((a, z), run))
+        q += n
     return out
 
 

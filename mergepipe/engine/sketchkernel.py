@@ -18,6 +18,12 @@ rows live in one tile's temporaries. The arithmetic is the one the numpy decoder
 for element in the same order, so the merged bytes are identical (tests/test_sketchkernel.py).
 The kernels are torch operations on whatever device holds the base tile (CPU threads via torch's
 intra-op pool; ``cuda`` through the same code).
+
+A run read at the rank-1 tier (level ``R1_LEVEL``, :mod:`mergepipe.catalog.sketch`) carries its
+blocks' factor bytes (``factors``) and one plane, the residual plane: ``δ̂ = u[row]·v[col] + (0 + σ·s)``,
+the product in float32 (exact for bfloat16 factors) then one float32 add -- the numpy reference
+(:func:`~mergepipe.catalog.sketch.decode_factors` + (0 + :func:`~mergepipe.catalog.sketch.decode_blocks`),
+the plane summed from zeros like the sign levels) in the same order, so bit-identical on any device.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ class _Prepared:
 
     codes: Any  # uint8 (rows·row_numel,) torch tensor: the k sign bits of each entry, plane 1 most significant
     table: Any  # float32 (rows, 2**k) torch tensor: the value of each k-bit sign code per row
+    u: Any = None  # float32 (rows,) torch tensor: the rank-1 tier's row factor (None: sign planes only)
+    v: Any = None  # float32 (n_blocks, row_numel) torch tensor: the column factor of each block
+    blk: Any = None  # int64 (rows,) torch tensor: each row's block in the run
 
 
 @dataclass
@@ -52,16 +61,21 @@ class SketchRun:
         rows_per_block: the tensor's block height.
         planes: ``k`` buffers, plane 1 first, each one plane's bytes of the run's blocks
             (:func:`mergepipe.catalog.sketch.sketch_block_bytes` per block).
+        factors: the rank-1 tier's factor bytes of the run's blocks
+            (:func:`mergepipe.catalog.sketch.factor_block_bytes` per block), with exactly one
+            plane (the residual plane); None: sign planes only.
 
     Raises:
-        ValueError: no planes (or more than 8), a non-positive size, or a plane that is not
-            exactly the bytes of those blocks (a truncated or foreign sketch blob).
+        ValueError: no planes (or more than 8), a non-positive size, a plane or factor buffer
+            that is not exactly the bytes of those blocks (a truncated or foreign sketch blob),
+            or factors with other than one plane.
     """
 
     rows: int
     row_numel: int
     rows_per_block: int
     planes: list[Buffer]
+    factors: Buffer | None = None
     _dev: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -74,6 +88,17 @@ class SketchRun:
             (r * self.row_numel + 7) // 8 + 2 * r
             for r in (min(self.rows_per_block, self.rows - r0) for r0 in range(0, self.rows, self.rows_per_block))
         )
+        if self.factors is not None:
+            fwant = sum(
+                2 * (min(self.rows_per_block, self.rows - r0) + self.row_numel)
+                for r0 in range(0, self.rows, self.rows_per_block)
+            )
+            if len(self.planes) != 1 or memoryview(self.factors).nbytes != fwant:
+                raise ValueError(
+                    f"sketch bytes: rank-1 factors of {memoryview(self.factors).nbytes} bytes with "
+                    f"{len(self.planes)} planes; {fwant} bytes and one residual plane expected for "
+                    f"{self.rows} rows of {self.row_numel}"
+                )
         for p, buf in enumerate(self.planes):
             if memoryview(buf).nbytes != want:
                 raise ValueError(
@@ -83,8 +108,10 @@ class SketchRun:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the run's planes (what was read)."""
-        return sum(memoryview(b).nbytes for b in self.planes)
+        """Bytes of the run's planes and factors (what was read)."""
+        return sum(memoryview(b).nbytes for b in self.planes) + (
+            memoryview(self.factors).nbytes if self.factors is not None else 0
+        )
 
     def _prepared(self, dev) -> _Prepared:
         """The run as device tensors, built once per device: the ``k``-bit sign code of every
@@ -132,7 +159,19 @@ class SketchRun:
                 code.bitwise_left_shift_(1).bitwise_or_(lut.index_select(0, whole[pos : pos + nb].to(torch.int32)))
             codes[r0 * rn : (r0 + r) * rn] = code.view(torch.uint8)[: r * rn]
             pos += nb + 2 * r
-        got = self._dev[dev] = _Prepared(codes, torch.from_numpy(table).to(dev))
+        got = _Prepared(codes, torch.from_numpy(table).to(dev))
+        if self.factors is not None:
+            f = np.frombuffer(memoryview(self.factors), dtype="<u2")
+            us, vs, pos = [], [], 0
+            for r0 in range(0, self.rows, rpb):
+                r = min(rpb, self.rows - r0)
+                us.append(f[pos : pos + r])
+                vs.append(f[pos + r : pos + r + rn])
+                pos += r + rn
+            got.u = torch.from_numpy(_from_bf16_bits(np.concatenate(us))).to(dev)
+            got.v = torch.from_numpy(_from_bf16_bits(np.stack(vs))).to(dev)
+            got.blk = torch.arange(self.rows, device=dev) // rpb
+        self._dev[dev] = got
         return got
 
     def delta_rows(self, r0: int, r1: int, dev):
@@ -144,7 +183,12 @@ class SketchRun:
         pr = self._prepared(dev)
         rn = self.row_numel
         idx = pr.codes[r0 * rn : r1 * rn].view(r1 - r0, rn).to(torch.int64)
-        return torch.gather(pr.table[r0:r1], 1, idx)
+        g = torch.gather(pr.table[r0:r1], 1, idx)
+        if pr.u is None:
+            return g
+        # rank-1 tier: u[row]·v[col] (float32, exact for bf16 factors), then + σ·s
+        lr = torch.mul(pr.u[r0:r1, None], pr.v.index_select(0, pr.blk[r0:r1]))
+        return torch.add(lr, g)
 
     def delta(self, e0: int, e1: int, b):
         """float32 task vector of the run's flat elements ``[e0, e1)`` as the engine merges it:

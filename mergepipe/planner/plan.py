@@ -16,7 +16,7 @@ import hashlib
 import json
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from mergepipe.errors import InputError
 
@@ -112,7 +112,8 @@ class TensorExpert(BaseModel):
             is read whole: A once per chunk plus B). None for a full checkpoint.
         sketch_blocks: block runs ``[b0, b1)`` merged from the expert's sketch instead of its
             exact bytes (fidelity tiers; disjoint from ``blocks``), sorted.
-        sketch_levels: per run, the sketch level read (its first ``k`` sign planes).
+        sketch_levels: per run, the sketch level read: ``k`` = 1..3 its first ``k`` sign planes,
+            4 the rank-1 tier (factors + residual plane; :func:`mergepipe.catalog.sketch.level_sections`).
         sketch_start: first byte of this tensor's blocks in the expert's sketch blob (-1: none).
         sketch_bytes: sketch bytes of ``sketch_blocks`` (one pass); ``kept_energy`` includes
             the energy they keep.
@@ -148,6 +149,15 @@ class TensorExpert(BaseModel):
     sketch_bytes: int = 0
     block_digests: str = ""
     sketch_digests: str = ""
+
+    @field_validator("sketch_levels")
+    @classmethod
+    def _levels_known(cls, v: list[int]) -> list[int]:
+        from mergepipe.catalog.sketch import R1_LEVEL
+
+        if any(not 1 <= k <= R1_LEVEL for k in v):
+            raise ValueError(f"sketch levels must be 1..{R1_LEVEL} (sign planes 1-3, {R1_LEVEL}: rank-1 tier)")
+        return v
 
 
 class TensorPlan(BaseModel):

@@ -44,7 +44,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, CheckpointRecord, lora_map
-from mergepipe.catalog.sketch import SKETCH_KINDS, sketch_levels, tensor_sketch_costs
+from mergepipe.catalog.sketch import R1_LEVEL, SKETCH_KINDS, level_sections, sketch_tiers, tier_costs
 from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import FLOAT_DTYPES, TensorInfo, n_blocks, rows_per_block
 from mergepipe.methods.base import MethodSpec, TensorStatsView
@@ -89,8 +89,8 @@ class _Cand:
     full: np.ndarray
     cost: np.ndarray  # bytes per block (one read)
     reads: np.ndarray  # int64 per block: how many times the engine reads it (plan.block_reads)
-    svalue: np.ndarray | None = None  # [block, level-1]: value a level-k sketch read keeps (None: no sketch tier)
-    scost: np.ndarray | None = None  # bytes of one sign plane per block (one pass); level k reads k planes
+    svalue: np.ndarray | None = None  # [block, j]: value a read at the policy's j-th tier keeps (None: no sketch)
+    scost: np.ndarray | None = None  # [block, j]: bytes (one pass) of that read (catalog.sketch.tier_costs)
     lora: bool = False
     lora_total: int = 0  # a LoRA module: bytes over all passes (A with every chunk read, B's rows)
 
@@ -265,7 +265,8 @@ class _Planning:
     work_bytes: int
     coalesce_gap: int
     tiers: bool
-    levels: int
+    levels: int  # tiers the policy offers (columns of svals/scosts)
+    tier_levels: np.ndarray  # int64 (levels,): the sketch level of each column (catalog.sketch.sketch_tiers)
     block_bytes: int
     n_layers: int
     lmaps: list
@@ -331,7 +332,8 @@ def _planning(
         work_bytes=engine.work_bytes,
         coalesce_gap=coalesce_gap,
         tiers=tiers,
-        levels=sketch_levels(sketch),
+        levels=len(sketch_tiers(sketch)),
+        tier_levels=np.asarray(sketch_tiers(sketch), dtype=np.int64),
         block_bytes=analyses[0].block_bytes if analyses else DEFAULT_BLOCK_BYTES,  # (passthrough: no experts)
         n_layers=layer_count(base.layout.tensors),
         # LoRA adapter experts: {base tensor: module} (δ = s·B·A there, 0 elsewhere)
@@ -496,10 +498,10 @@ def _expert_candidate(
         # level k keeps the share 1 − residual_k/Σδ² of the block's energy; the method's
         # value (trim, weights, Fisher) scales like the exact block's
         sq = np.asarray(st.sq_norm, dtype=np.float64)[:, None]
-        res = np.asarray(st.sketch_sq, dtype=np.float64).reshape(len(val), -1)[:, : pc.levels]
+        res = np.asarray(st.sketch_sq, dtype=np.float64).reshape(len(val), -1)[:, pc.tier_levels - 1]
         rho = np.where(sq > 0, 1.0 - res / np.where(sq > 0, sq, 1.0), 0.0)
         svalue = val[:, None] * np.clip(rho, 0.0, 1.0)
-        scost = tensor_sketch_costs(et.rows, et.numel // max(1, et.rows), rpb, st.n_blocks)
+        scost = tier_costs(et.rows, et.numel // max(1, et.rows), rpb, st.n_blocks)[:, pc.tier_levels - 1]
     reads = np.asarray(block_reads(tp), dtype=np.int64)
     return _Cand(ti, i, val, val.copy(), cost.astype(np.int64), reads, svalue, scost), et.file, et.start, None
 
@@ -512,8 +514,8 @@ class _Selection:
     offs: np.ndarray  # candidate j's blocks are [offs[j], offs[j+1])
     selected: np.ndarray  # bool per block: read exactly
     level: np.ndarray  # int64 per block: sketch level read (0: none)
-    svals: np.ndarray | None  # float64 [block, level-1] (tiers only)
-    scosts: np.ndarray | None  # int64 bytes of one plane over all passes (tiers only)
+    svals: np.ndarray | None  # float64 [block, tier column] (tiers only)
+    scosts: np.ndarray | None  # int64 [block, tier column] bytes over all passes (tiers only)
     coalesce_gap: int
     expert_read: int
     sketch_read: int
@@ -548,7 +550,7 @@ def _select_blocks(
         values = np.zeros(0)
         cost1 = costs = cand_of = np.zeros(0, dtype=np.int64)
     offs = np.cumsum([0] + [len(c.value) for c in cands])
-    level = np.zeros(len(values), dtype=np.int64)  # sketch level read per block (0: none)
+    level = np.zeros(len(values), dtype=np.int64)  # tier read per block: column + 1 of svals/scosts (0: none)
     svals = scosts = None
     gap = pc.coalesce_gap
     if pc.tiers:
@@ -556,9 +558,16 @@ def _select_blocks(
         svals = np.concatenate(
             [c.svalue if c.svalue is not None else np.zeros((len(c.value), L)) for c in cands]
         ).reshape(len(values), L)
-        scosts = np.concatenate(
-            [c.scost * c.reads if c.scost is not None else np.zeros(len(c.value), dtype=np.int64) for c in cands]
-        ).astype(np.int64)
+        scosts = (
+            np.concatenate(
+                [
+                    c.scost * c.reads[:, None] if c.scost is not None else np.zeros((len(c.value), L), np.int64)
+                    for c in cands
+                ]
+            )
+            .astype(np.int64)
+            .reshape(len(values), L)
+        )
         if budget_bytes is not None:
             # one representation per block across experts (skip, sketch level k, or exact for all):
             # see _select_tiers_joint for why (sign election; the worst task)
@@ -570,7 +579,11 @@ def _select_blocks(
     else:
         selected, gap = _select_gap(values, costs, cost1, cand_of, gap, budget_bytes, fidelity)
     sel = _Selection(values, offs, selected, level, svals, scosts, gap, 0, 0)
-    sel.sketch_read = int((scosts * level).sum()) if scosts is not None else 0
+    sel.sketch_read = (
+        int(np.take_along_axis(scosts, np.maximum(level, 1)[:, None] - 1, 1)[level > 0].sum())
+        if scosts is not None
+        else 0
+    )
     sel.expert_read = _plan_cost(pc, cands, tensors, infos, sel) + sel.sketch_read
     if sel.expert_read != int(costs[selected].sum()) + sel.sketch_read or (
         budget_bytes is not None and sel.expert_read > budget_bytes
@@ -630,18 +643,21 @@ def _assemble(
 
 
 def _assemble_sketch(pc: _Planning, te: TensorExpert, c: _Cand, st, lv: np.ndarray, tensor: str) -> None:
-    """Record the sketch levels ``lv`` (per block of candidate ``c``) in ``te``."""
+    """Record the sketch tiers ``lv`` (per block of candidate ``c``: column + 1 of its
+    ``svalue``/``scost``, 0: none) in ``te`` as sketch levels."""
     assert c.svalue is not None and c.scost is not None
-    te.sketch_blocks, te.sketch_levels = _level_runs(lv)
+    te.sketch_blocks, te.sketch_levels = _level_runs(np.where(lv > 0, pc.tier_levels[np.maximum(lv, 1) - 1], 0))
     if te.sketch_blocks:
         sha = st.sketch_sha
         if sha is None:
             _no_digests(pc.analyses[c.expert], tensor)
         te.sketch_digests = "".join(
-            sha[b0:b1, p].tobytes().hex() for (b0, b1), k in zip(te.sketch_blocks, te.sketch_levels) for p in range(k)
+            sha[b0:b1, p].tobytes().hex()
+            for (b0, b1), k in zip(te.sketch_blocks, te.sketch_levels)
+            for p in level_sections(k)
         )
     sidx = np.nonzero(lv)[0]
-    te.sketch_bytes = int((c.scost[sidx] * lv[sidx]).sum())
+    te.sketch_bytes = int(c.scost[sidx, lv[sidx] - 1].sum())
     te.kept_energy += float(c.svalue[sidx, lv[sidx] - 1].sum())
 
 
@@ -1034,13 +1050,15 @@ def _select_tiers(
 
     Args:
         values, costs: float64/int64 ``(n,)`` exact value and bytes (all passes) of each block.
-        svalues: float64 ``(n, L)`` value of each sketch level; scosts: int64 ``(n,)`` bytes of
-            one sign plane (all passes; 0: the block has no sketch tier).
+        svalues: float64 ``(n, L)`` value of each sketch tier; scosts: int64 ``(n, L)`` bytes of
+            each tier (all passes), or ``(n,)`` bytes of one sign plane with tier ``k`` reading
+            ``k`` planes (0: the block has no sketch tier). Tiers need not be in byte order: each
+            block's are sorted by bytes for the hull.
         budget: bytes (None: unlimited); fidelity: share of ``values.sum()`` to reach (None: off).
 
     Returns:
-        (exact, level): bool ``(n,)`` blocks read exactly and int64 ``(n,)`` the sketch level
-        read instead (0: none; never both), with ``costs[exact].sum() + (level·scosts).sum() <= budget``.
+        (exact, level): bool ``(n,)`` blocks read exactly and int64 ``(n,)`` the sketch tier
+        (column + 1 of ``svalues``) read instead (0: none; never both), within ``budget`` bytes.
 
     Each block offers upgrades along the upper convex hull of its (bytes, value) points, the
     LP-greedy of the multiple-choice knapsack (Sinha & Zoltners, Oper. Res. 1979): a point below
@@ -1052,14 +1070,18 @@ def _select_tiers(
     """
     n, L = svalues.shape
     T = L + 2
+    sc = _tier_cost_matrix(scosts, L)
+    # the hull walks each block's tiers in increasing bytes: sort the sketch tiers per block
+    perm = np.argsort(sc, axis=1, kind="stable")
+    sc = np.take_along_axis(sc, perm, 1)
+    svalues = np.take_along_axis(svalues, perm, 1)
     X = np.zeros((n, T), dtype=np.int64)
     Y = np.zeros((n, T))
-    lv = np.arange(1, L + 1)
-    X[:, 1 : L + 1] = scosts[:, None] * lv[None, :]
+    X[:, 1 : L + 1] = sc
     Y[:, 1 : L + 1] = svalues
     X[:, -1], Y[:, -1] = costs, values
     ok = np.ones((n, T), dtype=bool)
-    ok[:, 1 : L + 1] = (scosts[:, None] > 0) & (X[:, 1 : L + 1] < costs[:, None]) & (svalues > 0)
+    ok[:, 1 : L + 1] = (sc > 0) & (X[:, 1 : L + 1] < costs[:, None]) & (svalues > 0)
     ok[:, -1] = values > 0
     idx = np.broadcast_to(np.arange(T), (n, T))
     while True:  # drop points on or below the segment between their hull neighbours
@@ -1110,7 +1132,19 @@ def _select_tiers(
             room -= int(dx[k])
             kept += float(dy[k])
     exact = tier == T - 1
-    return exact, np.where(exact, 0, tier)
+    sk = (tier > 0) & ~exact
+    level = np.zeros(n, dtype=np.int64)
+    level[sk] = perm[sk, tier[sk] - 1] + 1  # back to the caller's tier columns
+    return exact, level
+
+
+def _tier_cost_matrix(scosts: np.ndarray, L: int) -> np.ndarray:
+    """int64 ``(n, L)`` bytes of each sketch tier: ``scosts`` as given when 2-D, else the bytes of
+    one sign plane per block, level ``k`` reading ``k`` planes."""
+    sc = np.asarray(scosts, dtype=np.int64)
+    if sc.ndim == 2:
+        return sc.reshape(-1, L)
+    return sc[:, None] * np.arange(1, L + 1, dtype=np.int64)[None, :]
 
 
 def _digests_hex(sha: np.ndarray | None, idx: np.ndarray, a: Analysis, tensor: str) -> str:
@@ -1186,18 +1220,20 @@ def _select_tiers_joint(
     gv = np.bincount(group, weights=np.where(live, values, 0.0), minlength=G)
     gc = np.zeros(G, dtype=np.int64)
     np.add.at(gc, group, np.where(live, costs, 0))
-    gsc = np.zeros(G, dtype=np.int64)
-    np.add.at(gsc, group, np.where(live, scosts, 0))
-    no_sketch = np.zeros(G, dtype=np.int64)  # live members without a sketch tier
-    np.add.at(no_sketch, group, (live & (scosts <= 0)).astype(np.int64))
     L = svalues.shape[1]
+    sc = _tier_cost_matrix(scosts, L)
+    gsc = np.zeros((G, L), dtype=np.int64)
+    np.add.at(gsc, group, np.where(live[:, None], sc, 0))
+    no_sketch = np.zeros(G, dtype=np.int64)  # live members without a sketch tier
+    has = (sc > 0).all(axis=1) if L else np.zeros(n, dtype=bool)
+    np.add.at(no_sketch, group, (live & ~has).astype(np.int64))
     gsv = np.stack(
         [np.bincount(group, weights=np.where(live, svalues[:, k], 0.0), minlength=G) for k in range(L)], axis=1
     ).reshape(G, L)
-    gsc = np.where(no_sketch > 0, 0, gsc)
+    gsc = np.where(no_sketch[:, None] > 0, 0, gsc)
     gexact, glevel = _select_tiers(gv, gc, gsv, gsc, budget, fidelity)
     exact = gexact[group] & live
-    level = np.where(live & (scosts > 0), glevel[group], 0)
+    level = np.where(live & has, glevel[group], 0)
     return exact, level
 
 
@@ -1247,7 +1283,10 @@ def _explain_expert(tp: TensorPlan, te: TensorExpert, spec: MethodSpec, names: l
         by: dict[int, int] = {}
         for (b0, b1), k in zip(te.sketch_blocks, te.sketch_levels):
             by[k] = by.get(k, 0) + b1 - b0
-        sk = " + sketched " + ", ".join(f"{n} at {k} plane{'s' if k > 1 else ''}" for k, n in sorted(by.items()))
+        sk = " + sketched " + ", ".join(
+            f"{n} at " + ("rank 1 + 1 plane" if k == R1_LEVEL else f"{k} plane{'s' if k > 1 else ''}")
+            for k, n in sorted(by.items())
+        )
     return f"{nm}{pv}: {nsel}/{tp.n_blocks} blocks{sk}, {frac:.1%} of its energy{thr}{lo}"
 
 
@@ -1266,7 +1305,7 @@ def _explain_plan(plan: Plan, seconds: float) -> str:
     if plan.sketch:
         nb = sum(b1 - b0 for t in plan.tensors for te in t.experts for b0, b1 in te.sketch_blocks)
         sk = (
-            f" Fidelity tiers ({plan.sketch}): {nb} blocks merged from their sign-plane sketches, "
+            f" Fidelity tiers ({plan.sketch}): {nb} blocks merged from their sketches (sign planes; rank-1 factors + a plane), "
             f"{plan.io.sketch_read_bytes:,} of the bytes read (charged to the budget like expert bytes)."
         )
     dist = ""
