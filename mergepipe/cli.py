@@ -532,7 +532,7 @@ SketchOpt = Annotated[
         help="Fidelity tiers under a budget: signK lets the planner merge a block from the first k <= K "
         "(1-3) sign planes of its sketch (recorded by analyze; their bytes count against the budget) "
         "instead of reading it exactly or skipping it; sign3+r1 adds a rank-1 tier (the block's rank-1 "
-        "factors + one sign plane of the rest); none: read exactly or skip [default: sign3]",
+        "factors + one sign plane of the rest); none: read exactly or skip [default: sign3+r1]",
     ),
 ]
 MemOpt = Annotated[

@@ -127,7 +127,7 @@ class PlanningOptions(BaseModel):
         calibration: a JSON-lines calibration file (local path or ``s3://`` URI) of text the base's
             sensitivity is measured on; None: no sensitivity.
         sketch: fidelity tiers under a budget or fidelity target (``"none"``, ``"sign1"``,
-            ``"sign2"``, ``"sign3"``: :mod:`mergepipe.catalog.sketch`); None: the planner's default
+            ``"sign2"``, ``"sign3"``, ``"sign3+r1"``: :mod:`mergepipe.catalog.sketch`); None: the planner's default
             (:data:`mergepipe.catalog.sketch.DEFAULT_SKETCH`).
         block_bytes: the catalog's block size in bytes, 1 B to 1 GiB (whole rows are grouped up to
             it); None: :data:`mergepipe.catalog.catalog.DEFAULT_BLOCK_BYTES` (128 KiB).

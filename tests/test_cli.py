@@ -421,7 +421,7 @@ def test_help_reads_as_sentences_and_keeps_bracketed_defaults():
     flat = " ".join(" ".join(ln.strip("│ ").split()) for ln in top.splitlines())
     assert "(truncated SVD, one module at a time)" in flat
     text = " ".join(_help(["merge"]).replace("│", " ").split())
-    for needle in ("[default: 0]", "[default: sign3]", "[default: resume when an interrupted"):
+    for needle in ("[default: 0]", "[default: sign3+r1]", "[default: resume when an interrupted"):
         assert needle in text, needle
 
 

@@ -73,7 +73,7 @@ SECTIONS = PLANES + 2
 #: ``sign3+r1`` (levels 1-3 and the rank-1 tier)
 SKETCH_KINDS = ("none", "sign1", "sign2", "sign3", "sign3+r1")
 #: the sketch a plan uses when the caller does not say (see docs/QUALITY.md for the measurements)
-DEFAULT_SKETCH = "sign3"
+DEFAULT_SKETCH = "sign3+r1"
 
 
 def sketch_levels(kind: str) -> int:

@@ -67,7 +67,7 @@ class Settings:
     #: calibration set (s3:// JSON lines) of merges whose spec names none: their plans use the
     #: fisher block value, and the analyze Job records the base's sensitivity on it
     calibration_uri: str | None = None
-    #: fidelity tiers (``none``, ``sign1``..``sign3``) of merges whose spec sets no ``sketch``
+    #: fidelity tiers (``none``, ``sign1``..``sign3``, ``sign3+r1``) of merges whose spec sets no ``sketch``
     #: (chart ``merges.sketch``); None: the core's default (:data:`mergepipe.catalog.sketch.DEFAULT_SKETCH`)
     sketch: str | None = None
     #: per-namespace fidelity tiers of merges whose spec sets no ``sketch`` (chart

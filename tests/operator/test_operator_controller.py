@@ -14,6 +14,7 @@ from datetime import timedelta
 import pytest
 from op_testlib import DIGEST, NOW, FakeKube, FakeStore, make_merge, make_quota
 
+from mergepipe.catalog.sketch import DEFAULT_SKETCH
 from mergepipe_operator import (
     controller as ctl,  # noqa: E402
     kopfglue,  # noqa: E402
@@ -1082,7 +1083,7 @@ class SketchPlanner(Planner):
     def __call__(self, spec, catalog_uri):
         self.specs.append(spec)
         p = super().__call__(spec, catalog_uri)
-        kind = spec.get("sketch") or "sign3"  # the core's default
+        kind = spec.get("sketch") or DEFAULT_SKETCH  # the core's default
         if kind == "none" or spec.get("budget") is None:
             return p
         return dataclasses.replace(p, sketch=kind, sketch_read_bytes=p.expert_read_bytes // 4)
@@ -1097,8 +1098,8 @@ def test_spec_sketch_or_the_operators_default_reaches_the_plan_and_its_status(se
     c, kube, store, mm = setup(settings, make_quota(), planner=planner)
     st = c.merges.reconcile_merge(mm)
     assert "sketch" not in planner.specs[-1]  # the core's default applies
-    assert (st["plan"]["sketch"], st["plan"]["sketchReadBytes"]) == ("sign3", 2 * GI)
-    assert "2Gi of them block sketches, sign3" in cond.get_condition(st["conditions"], "Planned")["message"]
+    assert (st["plan"]["sketch"], st["plan"]["sketchReadBytes"]) == (DEFAULT_SKETCH, 2 * GI)
+    assert f"2Gi of them block sketches, {DEFAULT_SKETCH}" in cond.get_condition(st["conditions"], "Planned")["message"]
 
     s = dataclasses.replace(settings, sketch="none")
     c, kube, store, mm = setup(s, make_quota(), planner=planner)

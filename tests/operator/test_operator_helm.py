@@ -252,7 +252,7 @@ def test_values_reach_the_operator_settings(chart):
     assert s.metrics_port == 9090 and s.watch_namespaces == ()
     assert (s.quota_retry_seconds, s.analyze_poll_seconds) == (300, 15)
     assert (s.max_parallelism, s.bytes_per_part) == (8, 100 * 1024**3)
-    assert s.sketch is None and s.sketch_by_namespace == {}  # the core's default tiers (sign3)
+    assert s.sketch is None and s.sketch_by_namespace == {}  # the core's default tiers (DEFAULT_SKETCH)
     assert s.allowed_images == ()  # spec.image refused by default (issue 22)
 
     custom = settings_from(deployment(render(chart, values_of(CHART / "ci" / "custom-values.yaml"))))

@@ -13,6 +13,7 @@ import sys
 import pytest
 from op_testlib import ROOT, analyze_into, core_storage, make_merge, upload_dir
 
+from mergepipe.catalog.sketch import DEFAULT_SKETCH
 from mergepipe_operator.modelmerge import (
     decisions as mmd,  # noqa: E402
     planning,  # noqa: E402
@@ -73,7 +74,7 @@ def test_spec_sketch_sets_the_plans_fidelity_tiers_as_the_cli_does(s3_models, se
     st = core_storage(seaweed)
     got = {
         kind: planning.plan_merge({**spec, "sketch": kind} if kind else spec, s3_models.catalog, storage=st)
-        for kind in ("none", "sign1", "sign3", None)
+        for kind in ("none", "sign1", "sign3", DEFAULT_SKETCH, None)
     }
     none, tiered = got["none"], got["sign3"]
     assert (none.sketch, none.sketch_read_bytes) == ("none", 0) and 0 < none.expert_read_bytes <= budget
@@ -82,7 +83,9 @@ def test_spec_sketch_sets_the_plans_fidelity_tiers_as_the_cli_does(s3_models, se
     assert tiered.sketch == "sign3" and 0 < tiered.sketch_read_bytes <= tiered.expert_read_bytes <= budget
     assert got["sign1"].sketch == "sign1" and 0 < got["sign1"].sketch_read_bytes <= budget
     assert tiered.retained_energy > none.retained_energy  # the same budget keeps more with tiers
-    assert len({none.digest, got["sign1"].digest, tiered.digest}) == 3 and got[None].digest == tiered.digest
+    assert (
+        len({none.digest, got["sign1"].digest, tiered.digest}) == 3 and got[None].digest == got[DEFAULT_SKETCH].digest
+    )
     tplan = Plan.from_json(tiered.plan_json.decode())
     assert tplan.sketch == "sign3" and any(te.sketch_blocks for t in tplan.tensors for te in t.experts)
     for kind in ("none", "sign3"):  # the CLI's path: the request without a sketch, --sketch KIND

@@ -160,7 +160,7 @@ def plan_status(
     """A ModelMerge's ``status.plan`` (model.PlanStatus, camelCase): the plan's digest (64 hex), the
     URI of the full plan object, its estimated bytes per role, the retained task-vector
     energy fraction in [0, 1] (``None``: unknown), the fidelity tiers it was made with
-    (``"none"``, ``"sign1"``..``"sign3"``) and the bytes of block sketches among its expert reads.
+    (``"none"``, ``"sign1"``..``"sign3"``, ``"sign3+r1"``) and the bytes of block sketches among its expert reads.
     Every key is present (a merge patch replaces each of them, so nothing of an earlier plan
     survives).
 

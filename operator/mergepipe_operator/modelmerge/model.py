@@ -246,10 +246,11 @@ class ModelMergeSpec(K8sModel):
             "Fidelity tiers under a budget or fidelity target: signK lets the planner merge an expert "
             "block from the first k <= K (1-3) residual sign planes of its sketch (recorded by the "
             "analyze Job; their bytes count against the same budget) instead of reading it exactly "
-            "or skipping it; none: read exactly or skip. Only the task-arithmetic family (linear, "
+            "or skipping it; sign3+r1 adds a rank-1 tier (the block's rank-1 factors + one residual sign "
+            "plane); none: read exactly or skip. Only the task-arithmetic family (linear, "
             "task_arithmetic, ties, dare_*, breadcrumbs*, della*) uses tiers; an unbounded merge reads "
             "every block exactly. Default: the namespace's (chart value merges.sketchByNamespace), else "
-            "the operator's (merges.sketch), else sign3."
+            "the operator's (merges.sketch), else sign3+r1."
         ),
     )
     output: OutputSpec

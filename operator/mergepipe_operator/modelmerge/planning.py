@@ -38,7 +38,7 @@ class PlanSummary:
             (:func:`mergepipe.parts.max_useful_parts`).
         calibration_uri: the calibration set the plan uses (``spec.calibration.uri``), or None.
         block_value: the planner's block value (``"energy"`` or ``"fisher"``).
-        sketch: the fidelity tiers the plan was made with (``"none"``, ``"sign1"``..``"sign3"``:
+        sketch: the fidelity tiers the plan was made with (``"none"``, ``"sign1"``..``"sign3"``, ``"sign3+r1"``:
             ``"none"`` when the plan reads or skips every block, see :attr:`mergepipe.planner.plan.Plan.sketch`).
         sketch_read_bytes: of ``expert_read_bytes``, the bytes of block sketches the plan reads.
     """

@@ -159,9 +159,10 @@ class MergeSearchSpec(K8sModel):
         description=(
             "Fidelity tiers of every candidate merge under its budget (the candidates' ModelMerge "
             "spec.sketch): signK lets the planner merge an expert block from the first k <= K (1-3) "
-            "residual sign planes of its sketch instead of reading it exactly or skipping it; none: "
+            "residual sign planes of its sketch instead of reading it exactly or skipping it; sign3+r1 "
+            "adds a rank-1 tier (rank-1 factors + one residual sign plane); none: "
             "read exactly or skip. Default: the candidates' ModelMerge default (chart values "
-            "merges.sketchByNamespace, merges.sketch), else sign3."
+            "merges.sketchByNamespace, merges.sketch), else sign3+r1."
         ),
     )
     seed: Seed = Field(default=0, description="Seed of the design, proposals and merges: 0 to 2^53-1.")
