@@ -242,21 +242,7 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None, l1_all=N
             for slot, key, _rank in _bounds(te):  # the pre-pass skipped this chunk: add its group values
                 groups.setdefault((tp.name, te.expert, slot), []).append(values_of(slot, key))
         eparts.append((_expert_params(tp, te, groups, values_of), runs))
-    factors = [1.0] * len(eparts)
-    rescale = spec.rescales(tp.params)
-    which = [i for i, (ep, _) in enumerate(eparts) if rescale and ep.density < 1.0]
-    if which:
-        sums = _tiled_l1_rows(eparts, which, base_t, n, row_numel, offset, spec, tp.shape)
-        two_pass = tp.passes - (1 if tp.derived.get("threshold_pass") else 0) == 2  # an L1 pre-pass
-        for i in which:
-            key = (tp.name, tp.experts[i].expert)
-            if it.kind == "stats" or it.fused == "stats":  # (fused: the pre-pass skipped this chunk)
-                l1_all.setdefault(key, []).extend(sums[i][0])
-                l1_kept.setdefault(key, []).extend(sums[i][1])
-            if two_pass:
-                factors[i] = rescale_factor(math.fsum(l1_all[key]), math.fsum(l1_kept[key]))
-            else:  # the whole tensor is this chunk
-                factors[i] = rescale_factor(math.fsum(sums[i][0]), math.fsum(sums[i][1]))
+    factors = _tiled_factors(it, eparts, base_t, spec, l1_all, l1_kept)
     if it.kind == "stats":
         return None
     out = torch.empty(n, dtype=_torch_dtype(tp.out_dtype or tp.dtype), device=dev)
@@ -270,6 +256,33 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None, l1_all=N
             deltas.append(kept * f if f != 1.0 else kept)
         out[s:e].copy_(combine(b, deltas, ws, spec, tp.params, weight_sum=tp.weight_sum, consume=True))
     return memoryview(out.cpu().view(torch.uint8).numpy()) if n else b""
+
+
+def _tiled_factors(it, eparts, base_t, spec, l1_all, l1_kept) -> list[float]:
+    """The L1 rescale factor of each expert of a tiled chunk (1.0 without a rescale): its row
+    sums gathered a few rows at a time (added to the tensor's pre-pass sums for a ``stats`` item
+    or a ``fused`` one), the factor from the whole tensor's sums when the tensor has an L1
+    pre-pass, else from this chunk's (then the whole tensor)."""
+    tp = it.tp
+    row_numel = row_numel_of(tp.shape)
+    n = base_t.numel()
+    factors = [1.0] * len(eparts)
+    rescale = spec.rescales(tp.params)
+    which = [i for i, (ep, _) in enumerate(eparts) if rescale and ep.density < 1.0]
+    if not which:
+        return factors
+    sums = _tiled_l1_rows(eparts, which, base_t, n, row_numel, it.r0 * row_numel, spec, tp.shape)
+    two_pass = tp.passes - (1 if tp.derived.get("threshold_pass") else 0) == 2  # an L1 pre-pass
+    for i in which:
+        key = (tp.name, tp.experts[i].expert)
+        if it.kind == "stats" or it.fused == "stats":  # (fused: the pre-pass skipped this chunk)
+            l1_all.setdefault(key, []).extend(sums[i][0])
+            l1_kept.setdefault(key, []).extend(sums[i][1])
+        if two_pass:
+            factors[i] = rescale_factor(math.fsum(l1_all[key]), math.fsum(l1_kept[key]))
+        else:  # the whole tensor is this chunk
+            factors[i] = rescale_factor(math.fsum(sums[i][0]), math.fsum(sums[i][1]))
+    return factors
 
 
 @dataclass

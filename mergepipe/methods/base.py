@@ -399,6 +399,12 @@ class MethodSpec:
         """
         raise NotImplementedError(f"{self.name}: no chunk kernel")
 
+    def combine(self, base, deltas: list, weights: list[float], globals_, weight_sum=None, consume=False):
+        """The task-arithmetic family's combination of sparsified, rescaled task vectors
+        (:attr:`combines_task_vectors`; :func:`mergepipe.methods.kernels.combine` documents the
+        arguments). float32 ``(n,)``."""
+        raise NotImplementedError(f"{self.name}: not a task-arithmetic method")
+
     # --- explanation ----------------------------------------------------------------------
 
     def explain_head(self, tp) -> str:

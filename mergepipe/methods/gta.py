@@ -33,6 +33,7 @@ from mergepipe.methods.base import (
     normalize_param,
     rescale_param,
 )
+from mergepipe.methods.kernels import TILE_DTYPES, task_arithmetic_combine
 from mergepipe.methods.sparsify import EXACT_TRIM_DTYPES, SPARSIFIERS, Sparsifier
 
 GAMMA = ParamSpec(
@@ -46,8 +47,6 @@ EPSILON = ParamSpec(
     hi=1.0,
     doc="keep probabilities run from density-epsilon to density+epsilon by magnitude rank",
 )
-#: safetensors dtypes the tiled elementwise path reads in place (others are decoded per chunk)
-TILE_DTYPES = ("BF16", "F16", "F32")
 
 
 @dataclass(frozen=True)
@@ -112,6 +111,10 @@ class TaskArithmeticMethod(MethodSpec):
 
     def work_floats(self, n_experts: int, elementwise: bool) -> int:
         return n_experts + 3 if elementwise else 2 * n_experts + 11
+
+    def combine(self, base, deltas: list, weights: list[float], globals_, weight_sum=None, consume=False):
+        """Sign consensus (if any), normalize, ``lambda``, base: :func:`~mergepipe.methods.kernels.task_arithmetic_combine`."""
+        return task_arithmetic_combine(base, deltas, weights, globals_, self.consensus, weight_sum, consume)
 
     def explain_head(self, tp) -> str:
         if self.sparsify == "della":

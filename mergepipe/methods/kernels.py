@@ -24,12 +24,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from mergepipe.methods.base import MethodSpec
+from mergepipe.methods.sparsify import (  # noqa: F401 - re-exported (the kernels' vocabulary)
+    SPARSIFIERS,
+    magnitude_key_torch,
+    magnitude_shrink_lambda,
+    row_numel_of,
+)
 from mergepipe.numerics import (
     N_KEYS,
     model_stock_t,
     nuslerp_coefficients_rows,
     segment_dots,
 )
+
+#: safetensors dtypes the tiled elementwise path reads in place (others are decoded per chunk)
+TILE_DTYPES = ("BF16", "F16", "F32")
 
 
 @dataclass(frozen=True)
@@ -62,34 +71,6 @@ class ExpertTensorParams:
     shrink_hi: float | None = None
 
 
-def magnitude_key_torch(delta):
-    """Magnitude keys of a float32 torch tensor; equals :func:`mergepipe.numerics.magnitude_keys`."""
-    import torch
-
-    return delta.abs().to(torch.bfloat16).view(torch.int16).to(torch.int32).clamp_(max=0x7F80)
-
-
-def magnitude_shrink_lambda(min_key: int) -> float | None:
-    """The float32 ``λ`` with ``|δ| > λ  ⇔  magnitude_key(δ) >= min_key`` for every finite and
-    infinite float32 ``δ`` (and NaN kept on both sides), or None when there is none
-    (``min_key`` outside ``[1, 0x7F80]``).
-
-    The key rounds ``|δ|`` to bf16 with round-to-nearest-even, which is monotone: the smallest
-    float32 whose key is ``>= m`` is the midpoint between the bf16 values ``m − 1`` and ``m``
-    (bit pattern ``(m − 1) << 16 | 0x8000``) when ``m`` is even (the tie rounds to ``m``), one
-    ulp above it when ``m`` is odd. ``λ`` is the float32 just below that value, so
-    ``torch.nn.functional.hardshrink(δ, λ)`` (``0`` where ``−λ <= δ <= λ``) is the magnitude
-    trim in a single vectorized pass, bit-identical to ``where(key >= m, δ, 0)`` (tested
-    exhaustively over every key boundary in ``tests/test_kernels_fast.py``).
-    """
-    if not 1 <= min_key <= 0x7F80:
-        return None
-    lower = ((min_key - 1) << 16) | 0x8000
-    if min_key & 1:
-        lower += 1
-    return float(np.array([lower - 1], dtype=np.uint32).view(np.float32)[0])
-
-
 def sparsify(delta, spec: MethodSpec, ep: ExpertTensorParams, offset: int, shape=None):
     """Apply the method's sparsifier (:mod:`mergepipe.methods.sparsify`) to a chunk of one
     expert's task vector.
@@ -103,8 +84,6 @@ def sparsify(delta, spec: MethodSpec, ep: ExpertTensorParams, offset: int, shape
     Returns:
         ``δ ⊙ mask`` (float32, same device), not yet rescaled; ``delta`` itself at density 1.
     """
-    from mergepipe.methods.sparsify import SPARSIFIERS
-
     if ep.density >= 1.0:
         return delta
     return SPARSIFIERS[spec.sparsify].apply(delta, ep, offset, shape)
@@ -113,7 +92,7 @@ def sparsify(delta, spec: MethodSpec, ep: ExpertTensorParams, offset: int, shape
 def elementwise_merge(spec: MethodSpec, dtype: str) -> bool:
     """True when the engine merges a tensor tile by tile: every operation is elementwise given
     the plan's parameters (no row statistics) and the inputs can be viewed in place (``dtype``
-    in :data:`~mergepipe.methods.gta.TILE_DTYPES`). An L1 rescale is elementwise once its factor is known: the engine
+    in :data:`TILE_DTYPES`). An L1 rescale is elementwise once its factor is known: the engine
     gathers the row sums in a first sweep over the chunk's raw inputs, a few rows at a time
     (or over the tensor's chunks in a pre-pass), then scales each tile.
     """
@@ -138,10 +117,6 @@ def work_floats(spec: MethodSpec, n_experts: int, elementwise: bool) -> int:
       place): ``2·K + 11`` (measured ``2·K + 10.3`` with an L1 rescale, before it was tiled).
     """
     return spec.work_floats(n_experts, elementwise)
-
-
-def row_numel_of(shape) -> int:
-    return int(np.prod(shape[1:])) if len(shape) > 1 else 1
 
 
 def filter_width(shape) -> int:
@@ -191,8 +166,10 @@ def combine(
     globals_: dict,
     weight_sum: float | None = None,
     consume: bool = False,
-):  # noqa: C901 - one branch per mergekit mode
-    """Combine sparsified (and rescaled) task vectors with the base.
+):
+    """Combine sparsified (and rescaled) task vectors with the base: the method's combination
+    (:func:`linear_combine` for ``linear``, :func:`task_arithmetic_combine` for the other
+    task-arithmetic methods, with the method's ``consensus``).
 
     Args:
         base: float32 ``(n,)``.
@@ -205,29 +182,45 @@ def combine(
 
     Returns:
         float32 ``(n,)`` merged values.
+    """
+    return spec.combine(base, deltas, weights, globals_, weight_sum, consume)
 
-    Follows mergekit 0.1.5 ``GeneralizedTaskArithmeticMerge``: weighted task vectors; with
-    consensus ``sum``, the elected sign is ``sign(Σ wᵢδᵢ)`` with 0 counted as +, and only
+
+def linear_combine(base, deltas: list, weights: list[float], globals_: dict, weight_sum: float | None = None):
+    """mergekit 0.1.5 ``linear``: ``Σwᵢθᵢ / Σwᵢ`` written as ``base + Σwᵢδᵢ / Σwᵢ`` (``normalize``;
+    the divisor is 1 where ``|Σwᵢ| < 1e-8``), else ``base·Σwᵢ + Σwᵢδᵢ``. float32 ``(n,)``."""
+    normalize = bool(globals_.get("normalize", False))
+    acc = None
+    for d, w in zip(deltas, weights):
+        t = d * w
+        acc = t if acc is None else acc + t
+    wsum = sum(weights) if weight_sum is None else weight_sum
+    if normalize:
+        den = wsum if abs(wsum) >= 1e-8 else 1.0
+        return _add(base, acc / den) if acc is not None else base
+    return base * wsum + (acc if acc is not None else 0.0)
+
+
+def task_arithmetic_combine(
+    base,
+    deltas: list,
+    weights: list[float],
+    globals_: dict,
+    consensus: str | None,
+    weight_sum: float | None = None,
+    consume: bool = False,
+):
+    """mergekit 0.1.5 ``GeneralizedTaskArithmeticMerge``: weighted task vectors; with
+    ``consensus="sum"``, the elected sign is ``sign(Σ wᵢδᵢ)`` with 0 counted as +, and only
     entries agreeing with it (zeros never agree) are summed and counted in the divisor; the
     divisor is replaced by 1 where it is exactly 0 (without consensus: where the weight sum is
-    below 1e-8 in magnitude), as mergekit does.
-    """
+    below 1e-8 in magnitude), as mergekit does; times ``lambda``, added to the base.
+    Arguments as :func:`combine`; float32 ``(n,)``."""
     import torch
 
     normalize = bool(globals_.get("normalize", False))
-    if spec.linear:
-        acc = None
-        for d, w in zip(deltas, weights):
-            t = d * w
-            acc = t if acc is None else acc + t
-        wsum = sum(weights) if weight_sum is None else weight_sum
-        if normalize:
-            den = wsum if abs(wsum) >= 1e-8 else 1.0
-            return _add(base, acc / den) if acc is not None else base
-        return base * wsum + (acc if acc is not None else 0.0)
-
     lam = float(globals_.get("lambda", 1.0))
-    if spec.consensus == "sum":
+    if consensus == "sum":
         if not deltas:
             return base
         fast = _sum_consensus_arith(base, deltas, weights, normalize, lam, consume)

@@ -19,6 +19,12 @@ class LinearMethod(TaskArithmeticMethod):
     def work_floats(self, n_experts: int, elementwise: bool) -> int:
         return n_experts + 3 if elementwise else n_experts + 7
 
+    def combine(self, base, deltas: list, weights: list[float], globals_, weight_sum=None, consume=False):
+        """The weighted sum (mean with ``normalize``): :func:`~mergepipe.methods.kernels.linear_combine`."""
+        from mergepipe.methods.kernels import linear_combine
+
+        return linear_combine(base, deltas, weights, globals_, weight_sum)
+
     def identity_on_zero_delta(self, weight_sum: float, globals_: Mapping[str, Any]) -> bool:
         # without normalize the output is base·Σwᵢ + Σwᵢδᵢ: the base only when Σwᵢ = 1
         return bool(globals_.get("normalize", True)) or weight_sum == 1.0

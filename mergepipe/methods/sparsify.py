@@ -32,6 +32,40 @@ from mergepipe.numerics import (
 #: group is refined only up to max(2^14, work memory / 16K) entries, else the key rule: the engine holds it whole)
 EXACT_TRIM_DTYPES = ("BF16", "F16", "F32")
 
+
+def row_numel_of(shape) -> int:
+    """Elements per row of a tensor of ``shape`` (1 for a 1-D tensor: each element is a row)."""
+    return int(np.prod(shape[1:])) if len(shape) > 1 else 1
+
+
+def magnitude_key_torch(delta):
+    """Magnitude keys of a float32 torch tensor; equals :func:`mergepipe.numerics.magnitude_keys`."""
+    import torch
+
+    return delta.abs().to(torch.bfloat16).view(torch.int16).to(torch.int32).clamp_(max=0x7F80)
+
+
+def magnitude_shrink_lambda(min_key: int) -> float | None:
+    """The float32 ``λ`` with ``|δ| > λ  ⇔  magnitude_key(δ) >= min_key`` for every finite and
+    infinite float32 ``δ`` (and NaN kept on both sides), or None when there is none
+    (``min_key`` outside ``[1, 0x7F80]``).
+
+    The key rounds ``|δ|`` to bf16 with round-to-nearest-even, which is monotone: the smallest
+    float32 whose key is ``>= m`` is the midpoint between the bf16 values ``m − 1`` and ``m``
+    (bit pattern ``(m − 1) << 16 | 0x8000``) when ``m`` is even (the tie rounds to ``m``), one
+    ulp above it when ``m`` is odd. ``λ`` is the float32 just below that value, so
+    ``torch.nn.functional.hardshrink(δ, λ)`` (``0`` where ``−λ <= δ <= λ``) is the magnitude
+    trim in a single vectorized pass, bit-identical to ``where(key >= m, δ, 0)`` (tested
+    exhaustively over every key boundary in ``tests/test_kernels_fast.py``).
+    """
+    if not 1 <= min_key <= 0x7F80:
+        return None
+    lower = ((min_key - 1) << 16) | 0x8000
+    if min_key & 1:
+        lower += 1
+    return float(np.array([lower - 1], dtype=np.uint32).view(np.float32)[0])
+
+
 #: (rank inside the threshold key group, breadcrumbs window ``(τ_lo, r_lo, τ_hi, r_hi)`` or None)
 Bound = tuple[int, "tuple[int, int, int, int] | None"]
 
@@ -78,8 +112,6 @@ class Magnitude(Sparsifier):
     def apply(self, delta, ep, offset: int, shape):
         import torch
 
-        from mergepipe.methods.kernels import magnitude_key_torch, magnitude_shrink_lambda
-
         if ep.shrink is not None:  # exact top-k on bf16/float16/float32 values (one vectorized pass)
             return torch.nn.functional.hardshrink(delta, ep.shrink)
         if ep.min_key <= 0:
@@ -113,8 +145,6 @@ class Outliers(Sparsifier):
     name = "outliers"
 
     def apply(self, delta, ep, offset: int, shape):
-        from mergepipe.methods.kernels import magnitude_key_torch
-
         if ep.shrink is None and ep.shrink_hi is None:
             k = magnitude_key_torch(delta)
             keep = (k >= ep.min_key) & (k < ep.max_key)
@@ -176,8 +206,6 @@ class Della(Sparsifier):
 
     def apply(self, delta, ep, offset: int, shape):
         import torch
-
-        from mergepipe.methods.kernels import row_numel_of
 
         d = delta.detach().cpu().numpy()
         rows = d.size // row_numel_of(shape) if len(shape) > 1 else 1
