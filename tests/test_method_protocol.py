@@ -74,7 +74,7 @@ def _dense(base, experts, s: float) -> dict:
 
 def test_a_new_method_is_one_class_and_a_registry_entry(family, tmp_path, monkeypatch):
     base, experts = family
-    spec = ScaledSum("scaled_sum", "none", None, (SCALE,), kind="gta", paper="test")
+    spec = ScaledSum("scaled_sum", "none", None, (SCALE,), kind="scaled_sum", paper="test")
     monkeypatch.setitem(registry.METHODS, spec.name, spec)
     cat = Catalog(tmp_path / "c.sqlite")
     pairs = [(e.name, str(e)) for e in experts]
