@@ -810,8 +810,11 @@ def check_gates(
 
 
 def _build_into(tmp: Path, cfg: ZooConfig, log: Callable[[str], None]) -> dict:
-    """Build every artifact into ``tmp``; return the manifest (without file hashes)."""
-    import torch
+    """Build every artifact into ``tmp``; return the manifest (without file hashes).
+
+    Steps (in this order, which fixes every random draw): corpora -> tokenizer -> held-out and
+    calibration sets -> token streams -> base -> testbed -> experts (each scored) -> gates.
+    """
     from transformers import LlamaForCausalLM
 
     t0 = time.perf_counter()
@@ -825,10 +828,32 @@ def _build_into(tmp: Path, cfg: ZooConfig, log: Callable[[str], None]) -> dict:
     tok = _train_tokenizer(cfg, corpora)
     hf_tok = _wrap_tokenizer(tok, cfg)
     _save_tokenizer(hf_tok, tmp / "tokenizer")
-    eos = tok.token_to_id(_EOS)
     log(f"tokenizer: vocab {tok.get_vocab_size()} ({time.perf_counter() - t0:.1f}s)")
 
-    # held-out sets: just enough documents to fill eval_sequences windows (+ one spare doc)
+    eval_files = _write_eval_sets(tmp, cfg, tok, corpora, log)
+    streams = _token_streams(cfg, tok, corpora, t0, log)
+    del corpora
+
+    lcfg = _llama_config(cfg)
+    base_sd, n_params = _train_base(tmp, cfg, lcfg, hf_tok, streams, log)
+
+    (tmp / TESTBED).write_text(json.dumps(_testbed_json(cfg, eval_files), indent=1) + "\n")
+    from mergepipe.evaluate import causal_lm_windows, load_testbed
+
+    windows = causal_lm_windows(load_testbed(tmp), DOMAINS)
+    gate_model = LlamaForCausalLM(lcfg)
+    gate_model.eval()
+    losses_of = _LossProbe(gate_model, windows, cfg.batch_size)
+    base_losses = losses_of(base_sd)
+    experts, expert_losses, merged_losses = _train_experts(tmp, cfg, lcfg, hf_tok, streams, base_sd, losses_of, log)
+    log(f"trained base + {len(experts)} experts ({time.perf_counter() - t0:.1f}s)")
+    gates = _check_zoo_gates(cfg, base_losses, expert_losses, merged_losses, log)
+    return _zoo_manifest(cfg, experts, eval_files, n_params, gates)
+
+
+def _write_eval_sets(tmp: Path, cfg: ZooConfig, tok: Any, corpora: dict, log: Callable[[str], None]) -> dict[str, str]:
+    """Write the held-out sets (``eval/<domain>.jsonl``: just enough documents to fill
+    ``eval_sequences`` windows, plus one spare) and the calibration set; returns domain -> path."""
     (tmp / "eval").mkdir()
     need = cfg.eval_sequences * cfg.seq_len
     eval_files = {}
@@ -848,6 +873,16 @@ def _build_into(tmp: Path, cfg: ZooConfig, log: Callable[[str], None]) -> dict:
     (tmp / CALIBRATION).write_text(
         "".join(json.dumps({"text": t}) + "\n" for t in _calibration_docs(corpora)), encoding="utf-8"
     )
+    return eval_files
+
+
+def _token_streams(cfg: ZooConfig, tok: Any, corpora: dict, t0: float, log: Callable[[str], None]) -> dict:
+    """Each domain's training text as one token stream (documents joined by EOS).
+
+    Raises:
+        ValueError: a domain with less than one training window of text.
+    """
+    eos = tok.token_to_id(_EOS)
     streams = {d: _token_stream(tok, corpora[d][0], eos) for d in DOMAINS}
     for d, st in streams.items():
         if len(st) < cfg.seq_len + 1:
@@ -857,9 +892,17 @@ def _build_into(tmp: Path, cfg: ZooConfig, log: Callable[[str], None]) -> dict:
         + ", ".join(f"{d} {len(streams[d]) / 1e3:.0f}k" for d in DOMAINS)
         + f" ({time.perf_counter() - t0:.1f}s)"
     )
-    del corpora
+    return streams
 
-    lcfg = _llama_config(cfg)
+
+def _train_base(
+    tmp: Path, cfg: ZooConfig, lcfg: Any, hf_tok: Any, streams: dict, log: Callable[[str], None]
+) -> tuple[dict, int]:
+    """Train the base on the domain mixture and save it to ``base/``; returns its bf16-rounded
+    state dict (what the experts start from) and its parameter count."""
+    import torch
+    from transformers import LlamaForCausalLM
+
     torch.manual_seed(cfg.seed)
     model = LlamaForCausalLM(lcfg)
     model.generation_config.pad_token_id = 0
@@ -877,25 +920,41 @@ def _build_into(tmp: Path, cfg: ZooConfig, log: Callable[[str], None]) -> dict:
         "base",
     )
     _save_checkpoint(model, hf_tok, tmp / "base", cfg)
-    base_sd = _bf16_round_trip(model)  # experts start from the released (bf16) base
-    del model
+    return _bf16_round_trip(model), n_params  # experts start from the released (bf16) base
 
-    (tmp / TESTBED).write_text(json.dumps(_testbed_json(cfg, eval_files), indent=1) + "\n")
-    from mergepipe.evaluate import causal_lm_losses, causal_lm_windows, load_testbed
 
-    windows = causal_lm_windows(load_testbed(tmp), DOMAINS)
-    gate_model = LlamaForCausalLM(lcfg)
-    gate_model.eval()
+class _LossProbe:
+    """Held-out loss per domain of a state dict, on one reused model (``causal_lm_losses``)."""
 
-    def losses_of(sd: dict) -> dict[str, float]:
-        gate_model.load_state_dict(sd)
-        return {d: r["loss"] for d, r in causal_lm_losses(gate_model, windows, cfg.batch_size).items()}
+    def __init__(self, model: Any, windows: Any, batch_size: int) -> None:
+        self.model, self.windows, self.batch_size = model, windows, batch_size
 
-    base_losses = losses_of(base_sd)
+    def __call__(self, sd: dict) -> dict[str, float]:
+        from mergepipe.evaluate import causal_lm_losses
+
+        self.model.load_state_dict(sd)
+        return {d: r["loss"] for d, r in causal_lm_losses(self.model, self.windows, self.batch_size).items()}
+
+
+def _train_experts(
+    tmp: Path,
+    cfg: ZooConfig,
+    lcfg: Any,
+    hf_tok: Any,
+    streams: dict,
+    base_sd: dict,
+    losses_of: _LossProbe,
+    log: Callable[[str], None],
+) -> tuple[dict[str, str], dict[str, dict[str, float]], dict[str, float]]:
+    """Fine-tune and save each expert (``experts/<name>``) from the base; score each, and the
+    task-arithmetic merge of all (weight ``merge_weight / n_experts_per_domain``). Returns
+    name -> path, the experts' losses and the merge's losses."""
+    import torch
+    from transformers import LlamaForCausalLM
+
     expert_losses: dict[str, dict[str, float]] = {}
     merged_delta = {k: torch.zeros_like(v) for k, v in base_sd.items()}
     w = cfg.merge_weight / cfg.n_experts_per_domain
-
     experts = {}
     for name in cfg.expert_names():
         domain, r = (name, 1) if name in DOMAINS else (name.rsplit("-", 1)[0], int(name.rsplit("-", 1)[1]))
@@ -923,8 +982,19 @@ def _build_into(tmp: Path, cfg: ZooConfig, log: Callable[[str], None]) -> dict:
         for k, v in esd.items():
             merged_delta[k] += w * (v - base_sd[k])
         del esd
-    log(f"trained base + {len(experts)} experts ({time.perf_counter() - t0:.1f}s)")
     merged_losses = losses_of({k: base_sd[k] + merged_delta[k] for k in base_sd})
+    return experts, expert_losses, merged_losses
+
+
+def _check_zoo_gates(
+    cfg: ZooConfig, base_losses: dict, expert_losses: dict, merged_losses: dict, log: Callable[[str], None]
+) -> dict:
+    """:func:`check_gates`, logged; returns its result.
+
+    Raises:
+        ZooGateError: the gates failed and ``cfg.enforce_gates``.
+    """
+    w = cfg.merge_weight / cfg.n_experts_per_domain
     gates = check_gates(base_losses, expert_losses, merged_losses)
     log(
         "gates: "
@@ -940,8 +1010,13 @@ def _build_into(tmp: Path, cfg: ZooConfig, log: Callable[[str], None]) -> dict:
             + "; ".join(gates["failures"])
             + " (set ZooConfig.enforce_gates=False to keep such a zoo anyway)"
         )
+    return gates
 
+
+def _zoo_manifest(cfg: ZooConfig, experts: dict, eval_files: dict, n_params: int, gates: dict) -> dict:
+    """The zoo manifest (without file hashes)."""
     import tokenizers
+    import torch
     import transformers
 
     return {
