@@ -935,93 +935,131 @@ def _analyze_stream(
     dots: dict[tuple[str, str], dict[str, float]] = {p: {} for p in pair_ids}
     held = {i for p in pair_ids for i in p}
     stat_readers = [e for e in readers if e.identity in stat_ids]
-    lora_ids = {e.identity for e in stat_readers if e.adapter is not None}
     base_digests: dict[str, str] = {}
     for name, bt in base.layout.tensors.items():
         if bt.dtype not in FLOAT_DTYPES or bt.numel == 0:
             continue
-        rpb = rows_per_block(bt, block_bytes)
-        row_numel = bt.numel // max(1, bt.rows)
-        if work_bytes is not None:  # a memory target: chunk elements from the per-element working set
-            chunk_bytes = work_bytes // ANALYZE_BYTES_PER_ELEMENT * max(1, bt.row_bytes // max(1, row_numel))
-        cb = chunk_bytes // max(1, len(held)) if held else chunk_bytes  # pairs hold every delta of a chunk
-        chunk_rows = max(rpb, (cb // max(1, bt.row_bytes)) // rpb * rpb)
-        bs = {e.identity: TensorStatsBuilder(name, bt.rows, row_numel, rpb) for e in stat_readers}
-        sks = {i: w for i, w in sketches.items() if i in stat_ids} if len(bt.shape) >= 2 else {}
-        sk_start = {i: w.begin(bt.rows, row_numel, rpb) for i, w in sks.items() if i not in lora_ids}
-        hashes = {e.identity: hashlib.sha256() for e in stat_readers}
-        blk_sha = {e.identity: [] for e in stat_readers if e.adapter is None}  # per-block digests
-        nonfinite = {e.identity: 0 for e in readers}
-        base_nonfinite = 0
-        prow: dict[tuple[str, str], list[np.ndarray]] = {p: [] for p in pair_ids}
-        lora_a: dict[str, np.ndarray] = {}  # per LoRA expert: this tensor's A, read once
-        bh = hashlib.sha256()
+        tp = _TensorPass(name, bt, readers, stat_ids, stat_readers, held, pair_ids, sketches, block_bytes)
+        chunk_rows = tp.chunk_rows(chunk_bytes, work_bytes)
         for r0 in range(0, bt.rows, chunk_rows):
-            r1 = min(bt.rows, r0 + chunk_rows)
-            s, t = bt.row_range(r0, r1)
-            braw = storage.read_range(storage.join(base.uri, bt.file), s, t, "base")
-            bh.update(braw)
-            b = decode(braw, bt.dtype)
-            if not np.isfinite(b).all():
-                base_nonfinite += int(np.count_nonzero(~np.isfinite(b)))
-            b64 = b.astype(np.float64) if stat_readers else None
-            bsq = (b64 * b64).reshape(-1, row_numel).sum(axis=1) if stat_readers else None
-            deltas = {}
-            for e in readers:
-                if e.adapter is not None:  # a LoRA expert: δ from its factors, one block at a time
-                    d = _lora_blocks(
-                        storage, base, e, name, r0, r1, rpb, row_numel, b64 if b64 is not None else b,
-                        bsq, lora_a, hashes.get(e.identity), bs.get(e.identity), e.identity in held,
-                    )  # fmt: skip
-                    if e.identity in held:
-                        deltas[e.identity] = d
-                    if d is not None:
-                        nonfinite[e.identity] += int(np.count_nonzero(~np.isfinite(d)))
-                    elif e.identity in bs:  # δ is not kept: its blocks' Σδ² tell whether it is finite
-                        nonfinite[e.identity] += int(np.count_nonzero(~np.isfinite(bs[e.identity].sq[r0 // rpb :])))
-                    continue
-                et = e.layout.tensors[name]
-                es, ee = et.row_range(r0, r1)
-                raw = storage.read_range(storage.join(e.uri, et.file), es, ee, "expert")
-                x = decode(raw, et.dtype)
-                d = (x - b).astype(np.float32, copy=False)
-                if not np.isfinite(d).all():
-                    nonfinite[e.identity] += int(np.count_nonzero(~np.isfinite(d)))
-                if e.identity in bs:
-                    hashes[e.identity].update(raw)
-                    mv, rb = memoryview(raw), et.row_bytes
-                    blk_sha[e.identity] += [
-                        block_digest(mv[(q - r0) * rb : (min(q + rpb, r1) - r0) * rb]) for q in range(r0, r1, rpb)
-                    ]
-                    bs[e.identity].add(r0, d, expert=x, base=b64, base_sq_rows=bsq)
-                    if e.identity in sks:
-                        sks[e.identity].add(r0, d)
-                if e.identity in held:
-                    deltas[e.identity] = d
-            for p in pair_ids:
-                prow[p].append(segment_dots(deltas[p[0]], deltas[p[1]], row_numel))
-            if progress:
-                progress((t - s) * (1 + len(readers)))
-        _refuse_nonfinite(base, name, base_nonfinite, "base")
+            tp.chunk(storage, base, readers, r0, min(bt.rows, r0 + chunk_rows), progress)
+        _refuse_nonfinite(base, name, tp.base_nonfinite, "base")
         for e in readers:
-            _refuse_nonfinite(e, name, nonfinite[e.identity], "expert")
-        base_digests[name] = bh.hexdigest()
+            _refuse_nonfinite(e, name, tp.nonfinite[e.identity], "expert")
+        base_digests[name] = tp.bh.hexdigest()
         for e in stat_readers:
-            st = bs[e.identity].finish(hashes[e.identity].hexdigest())
-            if e.identity in blk_sha:
-                st.block_sha = np.frombuffer(b"".join(blk_sha[e.identity]), dtype=np.uint8).reshape(
-                    -1, BLOCK_DIGEST_BYTES
-                )
-            w = sks.get(e.identity)
-            if w is not None and e.identity in sk_start:
-                st.sketch_start, st.sketch_sq = sk_start[e.identity], w.end()
-                st.sketch_sha = w.digests
-            elif w is not None:  # a LoRA expert: no planes are coded (as before streaming)
-                st.sketch_start, st.sketch_sq = w.nbytes, np.zeros((0, TIERS))
-            builders[e.identity][name] = st
+            builders[e.identity][name] = tp.stats(e.identity)
         for p in pair_ids:
-            dots[p][name] = exact_total(np.concatenate(prow[p])) if prow[p] else 0.0
+            dots[p][name] = exact_total(np.concatenate(tp.prow[p])) if tp.prow[p] else 0.0
     return builders, dots, base_digests
+
+
+class _TensorPass:
+    """One base tensor's pass of :func:`_analyze_stream`: its statistics builders, sketch
+    writers, content digests, non-finite counts and pair dot segments, fed chunk by chunk."""
+
+    def __init__(self, name, bt, readers, stat_ids, stat_readers, held, pair_ids, sketches, block_bytes) -> None:
+        self.name, self.bt, self.held, self.pair_ids = name, bt, held, pair_ids
+        self.stat_readers = stat_readers
+        self.rpb = rows_per_block(bt, block_bytes)
+        self.row_numel = bt.numel // max(1, bt.rows)
+        lora_ids = {e.identity for e in stat_readers if e.adapter is not None}
+        self.bs = {e.identity: TensorStatsBuilder(name, bt.rows, self.row_numel, self.rpb) for e in stat_readers}
+        self.sks = {i: w for i, w in sketches.items() if i in stat_ids} if len(bt.shape) >= 2 else {}
+        self.sk_start = {
+            i: w.begin(bt.rows, self.row_numel, self.rpb) for i, w in self.sks.items() if i not in lora_ids
+        }
+        self.hashes = {e.identity: hashlib.sha256() for e in stat_readers}
+        self.blk_sha: dict[str, list] = {e.identity: [] for e in stat_readers if e.adapter is None}  # per block
+        self.nonfinite = {e.identity: 0 for e in readers}
+        self.base_nonfinite = 0
+        self.prow: dict[tuple[str, str], list[np.ndarray]] = {p: [] for p in pair_ids}
+        self.lora_a: dict[str, np.ndarray] = {}  # per LoRA expert: this tensor's A, read once
+        self.bh = hashlib.sha256()
+
+    def chunk_rows(self, chunk_bytes: int, work_bytes: int | None) -> int:
+        """Rows per chunk: whole blocks within ``chunk_bytes`` (or, under a memory target
+        ``work_bytes``, the per-element working set's share), divided among held deltas."""
+        bt = self.bt
+        if work_bytes is not None:  # a memory target: chunk elements from the per-element working set
+            chunk_bytes = work_bytes // ANALYZE_BYTES_PER_ELEMENT * max(1, bt.row_bytes // max(1, self.row_numel))
+        cb = chunk_bytes // max(1, len(self.held)) if self.held else chunk_bytes  # pairs hold every delta of a chunk
+        return max(self.rpb, (cb // max(1, bt.row_bytes)) // self.rpb * self.rpb)
+
+    def chunk(self, storage, base, readers, r0: int, r1: int, progress) -> None:
+        """Read rows ``[r0, r1)`` of the base (role ``base``) and every reader, and feed them."""
+        bt = self.bt
+        s, t = bt.row_range(r0, r1)
+        braw = storage.read_range(storage.join(base.uri, bt.file), s, t, "base")
+        self.bh.update(braw)
+        b = decode(braw, bt.dtype)
+        if not np.isfinite(b).all():
+            self.base_nonfinite += int(np.count_nonzero(~np.isfinite(b)))
+        b64: np.ndarray | None = None
+        bsq: np.ndarray | None = None
+        if self.stat_readers:
+            b64 = b.astype(np.float64)
+            bsq = (b64 * b64).reshape(-1, self.row_numel).sum(axis=1)
+        deltas = {}
+        for e in readers:
+            if e.adapter is not None:
+                d = self._lora_chunk(storage, base, e, r0, r1, b64 if b64 is not None else b, bsq)
+            else:
+                d = self._expert_chunk(storage, e, r0, r1, b, b64, bsq)
+            if e.identity in self.held:
+                deltas[e.identity] = d
+        for p in self.pair_ids:
+            self.prow[p].append(segment_dots(deltas[p[0]], deltas[p[1]], self.row_numel))
+        if progress:
+            progress((t - s) * (1 + len(readers)))
+
+    def _lora_chunk(self, storage, base, e, r0: int, r1: int, b, bsq):
+        """A LoRA expert's rows: δ from its factors, one block at a time (returned when held)."""
+        i = e.identity
+        d = _lora_blocks(
+            storage, base, e, self.name, r0, r1, self.rpb, self.row_numel, b,
+            bsq, self.lora_a, self.hashes.get(i), self.bs.get(i), i in self.held,
+        )  # fmt: skip
+        if d is not None:
+            self.nonfinite[i] += int(np.count_nonzero(~np.isfinite(d)))
+        elif i in self.bs:  # δ is not kept: its blocks' Σδ² tell whether it is finite
+            self.nonfinite[i] += int(np.count_nonzero(~np.isfinite(self.bs[i].sq[r0 // self.rpb :])))
+        return d
+
+    def _expert_chunk(self, storage, e, r0: int, r1: int, b, b64, bsq):
+        """A checkpoint expert's rows (role ``expert``): δ = x − base, its statistics, block
+        digests and sketch planes; returns δ (float32)."""
+        i, rpb = e.identity, self.rpb
+        et = e.layout.tensors[self.name]
+        es, ee = et.row_range(r0, r1)
+        raw = storage.read_range(storage.join(e.uri, et.file), es, ee, "expert")
+        x = decode(raw, et.dtype)
+        d = (x - b).astype(np.float32, copy=False)
+        if not np.isfinite(d).all():
+            self.nonfinite[i] += int(np.count_nonzero(~np.isfinite(d)))
+        if i in self.bs:
+            self.hashes[i].update(raw)
+            mv, rb = memoryview(raw), et.row_bytes
+            self.blk_sha[i] += [
+                block_digest(mv[(q - r0) * rb : (min(q + rpb, r1) - r0) * rb]) for q in range(r0, r1, rpb)
+            ]
+            self.bs[i].add(r0, d, expert=x, base=b64, base_sq_rows=bsq)
+            if i in self.sks:
+                self.sks[i].add(r0, d)
+        return d
+
+    def stats(self, i: str) -> TensorStats:
+        """Expert ``i``'s finished statistics of this tensor (digests and sketch extent set)."""
+        st = self.bs[i].finish(self.hashes[i].hexdigest())
+        if i in self.blk_sha:
+            st.block_sha = np.frombuffer(b"".join(self.blk_sha[i]), dtype=np.uint8).reshape(-1, BLOCK_DIGEST_BYTES)
+        w = self.sks.get(i)
+        if w is not None and i in self.sk_start:
+            st.sketch_start, st.sketch_sq = self.sk_start[i], w.end()
+            st.sketch_sha = w.digests
+        elif w is not None:  # a LoRA expert: no planes are coded (as before streaming)
+            st.sketch_start, st.sketch_sq = w.nbytes, np.zeros((0, TIERS))
+        return st
 
 
 def _refuse_nonfinite(rec: CheckpointRecord, tensor: str, count: int, role: str) -> None:
