@@ -543,63 +543,11 @@ class Catalog:
         for e in todo:
             first.setdefault(e.identity, e)
         todo = list(first.values())
-        missing_pairs: list[tuple[CheckpointRecord, CheckpointRecord]] = []
-        if pairs:
-            uniq = []
-            ids = set()
-            for e in experts:
-                if e.identity not in ids:
-                    ids.add(e.identity)
-                    uniq.append(e)
-            for i, a in enumerate(uniq):
-                for b in uniq[i + 1 :]:
-                    if self._find_pair(base.identity, *sorted((a.identity, b.identity))) is None:
-                        missing_pairs.append((a, b))
+        missing_pairs = self._missing_pairs(base, experts) if pairs else []
         if todo or missing_pairs:
-            readers = list(todo)
-            for a, b in missing_pairs:
-                for e in (a, b):
-                    if all(e.identity != r.identity for r in readers):
-                        readers.append(e)
-            check_compatible(base, readers)
-            t0 = time.perf_counter()
-            before = storage.counters.snapshot()["read"]
-            sinks: dict[str, SketchSink] = {}
-            try:
-                for e in todo:
-                    spill = chunk_bytes if work_bytes is None else max(1 << 20, work_bytes // 8)
-                    sinks[e.identity] = self._open_sketch(base.identity, e.identity, block_bytes, spill)
-                results, dots, bdig = _analyze_stream(
-                    storage,
-                    base,
-                    readers,
-                    {e.identity for e in todo},
-                    block_bytes,
-                    chunk_bytes,
-                    progress,
-                    missing_pairs,
-                    {i: s.writer for i, s in sinks.items()},
-                    work_bytes,
-                )
-                after = storage.counters.snapshot()["read"]
-                secs = time.perf_counter() - t0
-                nread = sum(after.values()) - sum(before.values())
-                for e in todo:
-                    # the blob is published before the rows that name it: a reader finds an
-                    # analysis only once its sketch is whole
-                    sk = sinks.pop(e.identity).publish()
-                    self._store(
-                        base.identity, e.identity, block_bytes, results[e.identity], secs, nread, sk,
-                        replace=e.identity in redo,
-                    )  # fmt: skip
-            finally:
-                for s in sinks.values():
-                    s.abort()
-            for (a, b), d in dots.items():
-                self._store_pair(base.identity, a, b, d)
-            if not self.tensor_digests(base.identity):
-                bdig.update(_hash_tensors(storage, base, [n for n in base.layout.tensors if n not in bdig]))
-                self._store_digests(base.identity, bdig)
+            self._analyze_and_store(
+                storage, base, todo, missing_pairs, block_bytes, redo, chunk_bytes, progress, work_bytes
+            )
         if not self.tensor_digests(base.identity):
             self._store_digests(base.identity, _hash_tensors(storage, base, list(base.layout.tensors)))
         if calibration is not None:
@@ -610,6 +558,83 @@ class Catalog:
             assert found is not None
             out.append(found)
         return out
+
+    def _missing_pairs(
+        self, base: CheckpointRecord, experts: Sequence[CheckpointRecord]
+    ) -> list[tuple[CheckpointRecord, CheckpointRecord]]:
+        """The pairs of distinct experts (first of each identity, in order) without pair statistics."""
+        missing: list[tuple[CheckpointRecord, CheckpointRecord]] = []
+        uniq = []
+        ids = set()
+        for e in experts:
+            if e.identity not in ids:
+                ids.add(e.identity)
+                uniq.append(e)
+        for i, a in enumerate(uniq):
+            for b in uniq[i + 1 :]:
+                if self._find_pair(base.identity, *sorted((a.identity, b.identity))) is None:
+                    missing.append((a, b))
+        return missing
+
+    def _analyze_and_store(
+        self,
+        storage: Storage,
+        base: CheckpointRecord,
+        todo: list[CheckpointRecord],
+        missing_pairs: list[tuple[CheckpointRecord, CheckpointRecord]],
+        block_bytes: int,
+        redo: set[str],
+        chunk_bytes: int,
+        progress: Callable[[int], None] | None,
+        work_bytes: int | None,
+    ) -> None:
+        """One stream over the base and the experts of ``todo`` and ``missing_pairs``
+        (:func:`_analyze_stream`); stores each analysis after its sketch blob is published,
+        the pair statistics, and the base's tensor digests when not yet known."""
+        readers = list(todo)
+        for a, b in missing_pairs:
+            for e in (a, b):
+                if all(e.identity != r.identity for r in readers):
+                    readers.append(e)
+        check_compatible(base, readers)
+        t0 = time.perf_counter()
+        before = storage.counters.snapshot()["read"]
+        sinks: dict[str, SketchSink] = {}
+        try:
+            for e in todo:
+                spill = chunk_bytes if work_bytes is None else max(1 << 20, work_bytes // 8)
+                sinks[e.identity] = self._open_sketch(base.identity, e.identity, block_bytes, spill)
+            results, dots, bdig = _analyze_stream(
+                storage,
+                base,
+                readers,
+                {e.identity for e in todo},
+                block_bytes,
+                chunk_bytes,
+                progress,
+                missing_pairs,
+                {i: s.writer for i, s in sinks.items()},
+                work_bytes,
+            )
+            after = storage.counters.snapshot()["read"]
+            secs = time.perf_counter() - t0
+            nread = sum(after.values()) - sum(before.values())
+            for e in todo:
+                # the blob is published before the rows that name it: a reader finds an
+                # analysis only once its sketch is whole
+                sk = sinks.pop(e.identity).publish()
+                self._store(
+                    base.identity, e.identity, block_bytes, results[e.identity], secs, nread, sk,
+                    replace=e.identity in redo,
+                )  # fmt: skip
+        finally:
+            for s in sinks.values():
+                s.abort()
+        for (a, b), d in dots.items():
+            self._store_pair(base.identity, a, b, d)
+        if not self.tensor_digests(base.identity):
+            bdig.update(_hash_tensors(storage, base, [n for n in base.layout.tensors if n not in bdig]))
+            self._store_digests(base.identity, bdig)
 
     def tensor_digests(self, identity: str) -> dict[str, str]:
         """``{tensor: SHA-256 of its raw bytes}`` of a checkpoint (recorded for bases at analyze
