@@ -644,3 +644,44 @@ def test_writer_bounds_parts_in_flight():
     assert [p["PartNumber"] for p in fake.completed] == list(range(1, 13))
     assert all(fake.parts[i + 1] == bytes([i]) * MIN_PART for i in range(12))
     assert isinstance(w, S3Writer) and not fake.aborted
+
+
+# --------------------------------------------------------------------------------------------
+# the answer to a ranged GET (stores that do not honour Range, or honour it wrongly)
+# --------------------------------------------------------------------------------------------
+
+
+def _answer(status: int, length: int, content_range: str | None = None) -> dict:
+    r: dict = {"ResponseMetadata": {"HTTPStatusCode": status}, "ContentLength": length}
+    if content_range is not None:
+        r["ContentRange"] = content_range
+    return r
+
+
+@pytest.mark.parametrize(
+    ("resp", "first", "stop", "allow_short", "want"),
+    [
+        (_answer(206, 10, "bytes 100-109/500"), 100, 110, False, (110, 500)),
+        (_answer(206, 10, "bytes 100-109/*"), 100, 110, False, (110, None)),
+        (_answer(206, 5, "bytes 495-499/500"), 495, 510, True, (500, 500)),  # truncated at the end
+        (_answer(200, 64), 0, 64, False, (64, 64)),  # the whole object, exactly the range
+        (_answer(200, 500), 0, 64, False, "does not honour Range requests"),  # Range ignored
+        (_answer(200, 10), 100, 110, False, "expected 206 Partial Content"),
+        (_answer(206, 10, "bytes 0-9/500"), 100, 110, False, "does not honour ranges correctly"),
+        (_answer(206, 10, "bytes 100-104/500"), 100, 110, False, "does not honour ranges correctly"),
+        (_answer(206, 5, "bytes 495-499/500"), 495, 510, False, "object is 500 bytes, shorter than"),
+        (_answer(206, 10, "items 1-2"), 100, 110, False, "unparseable Content-Range"),
+    ],
+)
+def test_range_answers_are_checked(resp, first, stop, allow_short, want):
+    """A GetObject answer is taken only when it carries exactly the bytes asked for (pure check:
+    no store answers these wrong on purpose, SeaweedFS honours ranges)."""
+    from mergepipe.storage.s3 import _checked_range_answer
+
+    uri = "s3://b/k"
+    if isinstance(want, tuple):
+        assert _checked_range_answer(uri, resp, first, stop, first, stop, None, allow_short) == want
+    else:
+        with pytest.raises(S3Error, match=want) as ei:
+            _checked_range_answer(uri, resp, first, stop, first, stop, None, allow_short)
+        assert str(ei.value).startswith(uri)
