@@ -10,7 +10,8 @@ the bf16 checkpoints), codes of δ per row-block and their bytes, as a share of 
 * ``q2``: 2-bit uniform code per entry with 4 levels {±a, ±3a} per row (least-squares a), + a
   bf16 scale per row;
 * ``lowrankR``: the truncated SVD of the tensor's δ at rank R in bf16 factors (``2R(m+n)`` bytes);
-* ``lowrank1+signK``: rank-1 factors, then K sign planes of the residual.
+* ``lowrankR+signK`` / ``lowrankR+ternary`` (R = 1, 2): rank-R factors, then K sign planes (or the
+  ternary code) of the residual; ``lowrank1+sign1`` is the catalog's rank-1 tier (``--sketch sign3+r1``).
 
 Prints one row per code: bytes (% of the bf16 expert) and the residual energy share
 ``Σ(δ − δ̂)²/Σδ²`` summed over the experts' tensors. Cheap: seconds on the tiny zoo.
@@ -107,10 +108,15 @@ def main(argv=None) -> None:
             cand = {f"sign{k}": (sign_planes(d, k), k * (m * n / 8 + 2 * m)) for k in (1, 2, 3)}
             cand["ternary"] = (ternary(d), m * n / 4 + 2 * m)
             cand["q2"] = (q2(d), m * n / 4 + 2 * m)
-            if min(m, n) > 1:  # rank-1 factors first, sign planes of what they leave
-                l1 = lowrank(d, 1)
-                for k in (1, 2):
-                    cand[f"lowrank1+sign{k}"] = (l1 + sign_planes(d - l1, k), 2 * (m + n) + k * (m * n / 8 + 2 * m))
+            if min(m, n) > 2:  # rank-r factors first, sign planes (or a ternary code) of what they leave
+                for r in (1, 2):
+                    lr = lowrank(d, r)
+                    for k in (1, 2):
+                        cand[f"lowrank{r}+sign{k}"] = (
+                            lr + sign_planes(d - lr, k),
+                            2 * r * (m + n) + k * (m * n / 8 + 2 * m),
+                        )
+                    cand[f"lowrank{r}+ternary"] = (lr + ternary(d - lr), 2 * r * (m + n) + m * n / 4 + 2 * m)
             for r in (1, 2, 4, 8):
                 if r < min(m, n):
                     cand[f"lowrank{r}"] = (lowrank(d, r), 2 * r * (m + n))
