@@ -255,6 +255,8 @@ def _parse_pattern(d: dict, k: str, kind: str, source: str) -> dict:
     p = d.get(k) or {}
     if not isinstance(p, dict):
         raise InputError(f"{source}: {k}: must be a mapping of module-name patterns to {kind}s.")
+    if len(p) > MAX_PATTERN_KEYS:  # before compiling any: the work a crafted file can cause stays bounded
+        raise InputError(f"{source}: {k}: {len(p)} keys, over the limit of {MAX_PATTERN_KEYS}.")
     for pk, pv in p.items():
         ok = (
             isinstance(pv, int) and not isinstance(pv, bool) and pv > 0
@@ -272,8 +274,6 @@ def _parse_pattern(d: dict, k: str, kind: str, source: str) -> dict:
             pattern_regex(pk)
         except ValueError as e:
             raise InputError(f"{source}: {k}: key {short_repr(pk)} is not a valid pattern ({e}).") from None
-    if len(p) > MAX_PATTERN_KEYS:
-        raise InputError(f"{source}: {k}: {len(p)} keys, over the limit of {MAX_PATTERN_KEYS}.")
     return dict(p)
 
 

@@ -66,6 +66,22 @@ def test_unsupported_adapter_fields_are_refused_by_name(field, value):
     assert msg.startswith("a/adapter_config.json: ") and field in msg
 
 
+def test_pattern_key_limit_is_checked_before_any_key_is_compiled(monkeypatch):
+    """A crafted adapter_config.json with more rank_pattern keys than the limit is refused by the count,
+    before any of its keys is compiled as a pattern (the work it can cause stays bounded)."""
+    import mergepipe.lora as lora
+
+    compiled = []
+    real = lora.pattern_regex
+    monkeypatch.setattr(lora, "pattern_regex", lambda k: compiled.append(k) or real(k))
+    monkeypatch.setattr(lora, "MAX_PATTERN_KEYS", 3)
+    with pytest.raises(InputError, match=r"rank_pattern: 4 keys, over the limit of 3"):
+        parse_adapter_config(_cfg(rank_pattern={f"layers.{i}.q_proj": 4 for i in range(4)}), "a/adapter_config.json")
+    assert compiled == []
+    assert parse_adapter_config(_cfg(rank_pattern={f"layers.{i}.q_proj": 4 for i in range(3)}), "x")
+    assert len(compiled) == 3
+
+
 def test_scale_rank_and_alpha_patterns():
     c = parse_adapter_config(
         _cfg(r=8, lora_alpha=16, rank_pattern={"v_proj": 4}, alpha_pattern={"layers.1.self_attn.q_proj": 2}), "x"
