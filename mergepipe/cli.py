@@ -925,9 +925,9 @@ def _interrupted_runs(out: str, plan_digest: str | None = None) -> tuple[list[tu
         ``(folder, files, bytes)``; ``staged`` is ``(files, bytes)`` in a dead plain run's staging
         folder ``.<name>.staging`` (no records: a plain rerun cannot keep them). Empty on S3.
     """
-    from mergepipe.storage.base import is_s3
+    from mergepipe.storage.base import local_path
 
-    if is_s3(out):
+    if local_path(out) is None:
         return [], (0, 0)
     p = Path(out)
     if plan_digest is not None:

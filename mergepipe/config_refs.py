@@ -15,8 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from mergepipe.errors import InputError
 from mergepipe.limits import short_repr
-from mergepipe.stack import is_stack
-from mergepipe.storage.base import is_s3
+from mergepipe.storage.base import local_path
 
 __all__ = ["ModelEntry", "model_ref", "model_uri"]
 
@@ -68,7 +67,7 @@ def model_uri(ref: Any, where: str) -> str:
         raise InputError(f"{where}: {ref!r} is a mergekit model+LoRA reference; {_REF_REFUSAL['lora']}")
     if "@" in ref:
         raise InputError(f"{where}: {ref!r} is a mergekit model@revision reference; {_REF_REFUSAL['revision']}")
-    if is_s3(ref) or is_stack(ref):
+    if local_path(ref) is None:  # an s3:// prefix or a stacked view: read through storage
         return ref.rstrip("/")
     if not os.path.isdir(ref):
         raise InputError(

@@ -10,7 +10,7 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, Catalog, CheckpointRecord, check_compatible
 from mergepipe.catalog.sensitivity import load_calibration
@@ -30,6 +30,9 @@ from mergepipe.request import MAX_BLOCK_BYTES, MAX_BYTES, MergeRequest, Resolved
 from mergepipe.result import MergeResult, build_manifest, output_storage, realized_io, versions  # noqa: F401  (re-exported)
 from mergepipe.storage.base import IOCounters, Storage
 from mergepipe.storage.routing import open_storage
+
+if TYPE_CHECKING:
+    from mergepipe.commit.target import CommitTarget
 
 
 def parse_block_size(text: str, what: str = "--block-size") -> int:
@@ -322,19 +325,22 @@ def execute_and_commit(
     progress: Callable[[int], None] | None = None,
     prefetch_bytes: int | None = None,
     out_storage: Storage | None = None,
-    object_mode: bool | None = None,
+    target: CommitTarget | None = None,
     unsafe_single_writer: bool = False,
     lineage: dict | None = None,
 ) -> MergeResult:
     """Execute ``plan`` and publish the snapshot at ``out`` atomically.
 
-    Local folders: staging folder beside ``out`` + ``rename(2)``. Object storage (``s3://``, or
-    ``object_mode=True``): fresh run prefix + conditional manifest create (see
-    :mod:`mergepipe.commit.objectstore`).
+    Where the storage declares folders: staging folder beside ``out`` + ``rename(2)``. Object
+    storage (``s3://``, or a :class:`mergepipe.commit.target.PrefixTarget` given as ``target``):
+    fresh run prefix + conditional manifest create (see :mod:`mergepipe.commit.objectstore`).
 
     Args:
-        out_storage: storage for ``out`` (default: derived from ``out``, sharing ``storage``'s
-            byte counters).
+        out_storage: storage for ``out`` (default: ``target``'s, else derived from ``out``,
+            sharing ``storage``'s byte counters).
+        target: the commit target of ``out`` (default:
+            :func:`mergepipe.commit.target.commit_target` of ``out_storage``; e.g. a
+            ``PrefixTarget`` over local storage runs the object-store protocol on a folder).
         lineage: extra top-level manifest keys recording where the merge came from, e.g.
             ``{"search": {"search_id", "candidate", "point", ...}}`` (``mergepipe search``).
 
@@ -356,8 +362,9 @@ def execute_and_commit(
     from mergepipe.engine.executor import execute
 
     if out_storage is None:
-        out_storage = output_storage(plan, storage, out)
-    target = commit_target(out_storage, out, object_mode=object_mode)
+        out_storage = target.storage if target is not None else output_storage(plan, storage, out)
+    if target is None:
+        target = commit_target(out_storage, out)
     pf = prefetch_bytes or plan.work_bytes
     started = time.time()
     if isinstance(target, PrefixTarget):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from mergepipe.commit.manifest import snapshot_id
 from mergepipe.formats.safetensors import FLOAT_DTYPES as floating
 from mergepipe.planner.plan import Plan
-from mergepipe.storage.base import Storage, is_s3
+from mergepipe.storage.base import Storage, local_path
 from mergepipe.storage.routing import open_storage
 
 
@@ -185,6 +185,6 @@ def build_manifest(
 def output_storage(plan: Plan, storage: Storage, out: str) -> Storage:
     """The storage to write ``out`` with: ``storage`` itself when it can (a routing storage, or
     input and output of the same kind), else one for ``out`` sharing ``storage``'s counters."""
-    if storage.backend(out) is not storage or is_s3(out) == is_s3(plan.base.uri):  # routing, or same kind
+    if storage.backend(out) is not storage or (local_path(out) is None) == (local_path(plan.base.uri) is None):
         return storage
     return open_storage(out, storage.counters)

@@ -291,15 +291,15 @@ def _load_tokenizers(base: str, models: list[str], where: str) -> list[tuple[str
     """``(uri, tokenizer)`` of the base then every other model, in config order.
 
     Raises:
-        InputError: a model on S3 (transformers loads local folders), a tokenizer that does not load.
+        InputError: a model not in a local folder (transformers loads those), a tokenizer that does not load.
     """
-    from mergepipe.storage.base import is_s3
+    from mergepipe.storage.base import local_path
 
     for u in [base, *models]:
-        if is_s3(u):
+        if local_path(u) is None:
             raise InputError(
-                f"{where}: {u} is on S3; building a merged tokenizer loads each model's tokenizer with "
-                "transformers from a local folder — download it first."
+                f"{where}: {u} is not a local folder (it is on S3 or a stacked view); building a merged "
+                "tokenizer loads each model's tokenizer with transformers from a local folder — download it first."
             )
     return [(u, _load_tokenizer(u, where)) for u in [base, *[m for m in models if m != base]]]
 

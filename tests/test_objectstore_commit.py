@@ -7,11 +7,19 @@ import pytest
 
 from mergepipe.catalog.catalog import Catalog
 from mergepipe.commit.objectstore import read_manifest_obj, verify_obj
+from mergepipe.commit.target import PrefixTarget
 from mergepipe.errors import CommitConflict, InputError
 from mergepipe.pipeline import build_plan, execute_and_commit
 from mergepipe.request import request_from_args
 from mergepipe.storage.base import IOCounters
 from mergepipe.storage.local import LocalStorage
+
+
+def _commit_obj(plan, out):
+    """``execute_and_commit`` with the object-store commit protocol (run prefix + conditional
+    manifest create) on a local folder."""
+    st = LocalStorage(IOCounters())
+    return execute_and_commit(plan, st, str(out), target=PrefixTarget(st, str(out)))
 
 
 def _plan(family, tmp_path, method="ties", params=("density=0.5",)):
@@ -31,7 +39,7 @@ def test_concurrent_writers_one_manifest(family, tmp_path):
 
     def worker():
         try:
-            results.append(execute_and_commit(plan, LocalStorage(IOCounters()), out, object_mode=True))
+            results.append(_commit_obj(plan, out))
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
 
@@ -52,10 +60,10 @@ def test_concurrent_writers_one_manifest(family, tmp_path):
 
 def test_different_snapshot_is_refused(family, tmp_path):
     out = str(tmp_path / "snap")
-    execute_and_commit(_plan(family, tmp_path), LocalStorage(IOCounters()), out, object_mode=True)
+    _commit_obj(_plan(family, tmp_path), out)
     other = _plan(family, tmp_path, params=("density=0.3",))
     with pytest.raises(InputError, match="different plan"):
-        execute_and_commit(other, LocalStorage(IOCounters()), out, object_mode=True)
+        _commit_obj(other, out)
 
 
 def test_lost_race_to_different_snapshot_is_conflict(family, tmp_path, monkeypatch):
@@ -71,12 +79,12 @@ def test_lost_race_to_different_snapshot_is_conflict(family, tmp_path, monkeypat
     def racing_publish(storage, out_, run, manifest):
         if not raced:
             raced.append(1)
-            execute_and_commit(p2, LocalStorage(IOCounters()), out, object_mode=True)
+            _commit_obj(p2, out)
         return real_publish(storage, out_, run, manifest)
 
     monkeypatch.setattr(objectstore, "publish_obj", racing_publish)
     with pytest.raises(CommitConflict, match="another writer"):
-        execute_and_commit(p1, LocalStorage(IOCounters()), out, object_mode=True)
+        _commit_obj(p1, out)
     m, _ = read_manifest_obj(LocalStorage(), out)
     assert m["plan_digest"] == p2.digest
     assert len(list((tmp_path / "snap" / "runs").iterdir())) == 1
@@ -97,7 +105,7 @@ def test_failed_run_leaves_no_objects(family, tmp_path, monkeypatch):
 
     monkeypatch.setattr(local.LocalWriter, "write", flaky)
     with pytest.raises(ConnectionResetError):
-        execute_and_commit(plan, LocalStorage(IOCounters()), str(tmp_path / "snap"), object_mode=True)
+        _commit_obj(plan, tmp_path / "snap")
     assert read_manifest_obj(LocalStorage(), str(tmp_path / "snap")) is None
     runs = tmp_path / "snap" / "runs"
     assert not runs.exists() or list(runs.iterdir()) == []
@@ -115,12 +123,12 @@ def test_commit_fails_when_manifest_folder_cannot_be_fsynced(family, tmp_path, m
     real = os.fsync
     fail_folder_fsync(monkeypatch)
     with pytest.raises(OSError, match="folder fsync refused"):
-        execute_and_commit(plan, LocalStorage(IOCounters()), str(out), object_mode=True)
+        _commit_obj(plan, str(out))
     assert read_manifest_obj(LocalStorage(), str(out)) is None
     assert not (out / "runs").exists() or list((out / "runs").iterdir()) == []
     assert sorted(p.name for p in out.iterdir()) in ([], ["runs"])
     monkeypatch.setattr(os, "fsync", real)
-    res = execute_and_commit(plan, LocalStorage(IOCounters()), str(out), object_mode=True)
+    res = _commit_obj(plan, str(out))
     assert not res.already_committed and verify_obj(LocalStorage(), str(out))["ok"]
 
 
@@ -141,7 +149,7 @@ def test_commit_makes_run_folders_durable_before_the_manifest(family, tmp_path, 
         return real(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    res = execute_and_commit(plan, LocalStorage(IOCounters()), str(out), object_mode=True)
+    res = _commit_obj(plan, str(out))
     run = out / res.manifest["files_prefix"]
     before = {p for p, published in events if not published}
     assert {str(run), str(out / "runs"), str(out), str(tmp_path)} <= before

@@ -42,7 +42,7 @@ from mergepipe.catalog.catalog import (
 )
 from mergepipe.catalog.stats import TensorStats
 from mergepipe.errors import InputError
-from mergepipe.storage.base import IOCounters, NotFoundError, PreconditionFailed, Storage, is_s3
+from mergepipe.storage.base import IOCounters, NotFoundError, PreconditionFailed, Storage, local_path
 from mergepipe.storage.routing import open_storage
 
 
@@ -150,7 +150,7 @@ class ObjectCatalog(Catalog):
         into place. Concurrent analyzers of the same (identity-keyed) blob write the same bytes;
         the last to finish replaces the other's object with identical content."""
         uri = self.sketch_uri(base, expert, block_bytes)
-        if is_s3(uri):
+        if not self.storage.capabilities(uri).folders:
             return WriterSketchSink(self.storage, uri, spill_bytes)
         return LocalSketchSink(uri[len("file://") :] if uri.startswith("file://") else uri, spill_bytes)
 
@@ -302,7 +302,7 @@ def read_analysis_zip(data: bytes, source: str) -> tuple[dict, dict[str, TensorS
 def open_catalog(location: str | None):
     """``s3://…`` or an existing folder given as ``objects:PATH`` -> :class:`ObjectCatalog`; a file
     path (or None: the default) -> the SQLite :class:`Catalog`."""
-    if location and (is_s3(location) or location.startswith("objects:")):
+    if location and (local_path(location) is None or location.startswith("objects:")):
         loc = location[len("objects:") :] if location.startswith("objects:") else location
         return ObjectCatalog(open_storage(loc, IOCounters()), loc)
     return Catalog(location)

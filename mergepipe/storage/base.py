@@ -372,3 +372,14 @@ class Storage(abc.ABC):
 
 def is_s3(uri: str) -> bool:
     return str(uri).startswith("s3://")
+
+
+def local_path(uri: str) -> str | None:
+    """The local filesystem path ``uri`` names, or None when a storage routes it elsewhere (an
+    ``s3://`` object prefix, a ``stack://`` view): how a caller without a storage asks whether
+    ``uri`` is a local file or folder (e.g. to load a tokenizer with transformers, or to list a
+    crashed run's staging folder). A ``file://`` URI gives its path."""
+    uri = str(uri)
+    if is_s3(uri) or uri.startswith("stack://"):
+        return None
+    return uri[len("file://") :] if uri.startswith("file://") else uri
