@@ -1425,8 +1425,8 @@ def search(
             _fail("--worker-backend kubernetes needs an s3:// --out, --namespace, --search-name and --search-uid.")
         if value or calibration:
             _fail(
-                "--value/--calibration: the kubernetes backend plans each candidate in its ModelMerge, which "
-                "has no such fields yet; drop them or use --worker-backend local."
+                "--value/--calibration: the kubernetes backend plans each candidate in its ModelMerge and does "
+                "not pass them there yet; drop them or use --worker-backend local."
             )
         kube = driver.KubernetesWorkers.from_environment(namespace, search_name, search_uid)
     resuming = place.resumes(resume, resume_existing)
