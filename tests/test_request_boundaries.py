@@ -254,3 +254,52 @@ def test_every_front_end_gives_the_same_verdict(
     # the same problem, in each front end's terms: the text after the field agrees
     problem = cli_err.split(": ", 1)[1]
     assert yml_err.split(": ", 1)[1] == problem and op_msg == problem
+
+
+def test_planning_and_run_refusals_carry_a_field_path_each_front_end_renders():
+    """The request's planning and run options are refused with a field path (``planning.value``,
+    ``run.workers``), never a front end's flag: the command line renders it as the option
+    (``--value``), the operator as the spec field (``spec.blockValue``), and the search checks its
+    ``SearchConfig.planning`` with the same validator."""
+    from mergepipe.errors import InputError
+    from mergepipe.request import ExpertRequest, MergeRequest, PlanningOptions, RunOptions
+    from mergepipe.search.runner import SearchConfig
+    from mergepipe_operator.modelmerge.request import spec_where
+
+    req = MergeRequest(base="b", experts=[ExpertRequest(name="e0", uri="e")], method="ties", budget="10%")
+    spec = {"base": {"uri": "b"}, "experts": [{"uri": "e"}], "method": "ties"}
+    cases = [
+        (PlanningOptions(value="curvature"), RunOptions(), "planning.value", "--value 'curvature'", "spec.blockValue"),
+        (PlanningOptions(value="fisher"), RunOptions(), "planning.value", "--value fisher needs --calibration", None),
+        (PlanningOptions(sketch="sign7"), RunOptions(), "planning.sketch", "--sketch 'sign7'", "spec.sketch"),
+        (PlanningOptions(block_bytes=0), RunOptions(), "planning.block_bytes", "--block-size 0", None),
+        (PlanningOptions(), RunOptions(work_bytes=10), "run.work_bytes", "--work-memory 10 bytes", None),
+        (PlanningOptions(), RunOptions(workers=0), "run.workers", "--workers 0", None),
+    ]
+    for planning, run, field, cli, op in cases:
+        r = req.model_copy(update={"planning": planning, "run": run})
+        with pytest.raises(InputError) as e:
+            r.resolve()
+        assert e.value.field == field and str(e.value).startswith(cli), (field, str(e.value))
+        if op is not None:
+            with pytest.raises(InputError) as e:
+                r.resolve(spec_where(spec))
+            assert e.value.field == field and str(e.value).startswith(op) and "--" not in str(e.value)
+    cfg = SearchConfig(
+        base="b",
+        experts=[["e0", "e"]],
+        method="ties",
+        vary=["weight=0:1"],
+        objectives=["a"],
+        evaluations=2,
+        initial=2,
+        planning=PlanningOptions(sketch="sign7"),
+    )
+    with pytest.raises(InputError, match=r"^--sketch 'sign7': use one of"):
+        cfg.check()
+    # a search state recorded before the planning options were one field reads the same
+    old = {**cfg.to_json(), "planning": None}
+    del old["planning"]
+    back = SearchConfig.from_json({**old, "sketch": "sign1", "value": None, "block_bytes": 4096})
+    assert back.planning == PlanningOptions(sketch="sign1", block_bytes=4096)
+    assert SearchConfig.from_json(cfg.to_json()).planning == cfg.planning
