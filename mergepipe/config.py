@@ -396,6 +396,8 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
         if loc and loc[0] == "experts":
             return f"{p}: models[{model_index[loc[1]]}].model" if len(loc) > 1 else f"{p}: models"
         head = loc[0] if loc else ""
+        if head in ("planning", "run"):  # not keys of a config: the request's field (the CLI names its option)
+            return ".".join(map(str, loc[:2]))
         return f"{p}: " + {"method": "merge_method", "base": "base_model"}.get(head, str(head))
 
     source: dict[str, Any] = {
