@@ -186,7 +186,7 @@ class RunOptions(BaseModel):
 
     Attributes:
         work_bytes: the engine's working-memory target in bytes (float32 working set per chunk,
-            and bytes prefetched ahead), at least 1 MiB; None:
+            and bytes prefetched ahead), positive (the command line asks for 1 MiB or more); None:
             :data:`mergepipe.planner.planner.DEFAULT_WORK_BYTES` (256 MiB). It sets the plan's
             chunk rows, so it is part of the plan.
         workers: run the plan as this many parts in parallel processes and commit the run
@@ -205,15 +205,16 @@ class RunOptions(BaseModel):
     device: str = "cpu"
 
     def check(self, where: Where | None = None) -> None:
-        """Refuse a working memory under 1 MiB and fewer than one worker.
+        """Refuse a working memory below one byte and fewer than one worker (the command line
+        asks for at least 1 MiB; tests and benchmarks plan with a few KiB to get many chunks).
 
         Raises:
             InputError: with ``loc`` ``("run", <field>)``, rendered by ``where`` (default:
                 command-line terms).
         """
         w = where or cli_where()
-        if self.work_bytes is not None and self.work_bytes < MIN_WORK_BYTES:
-            _refuse(w, ("run", "work_bytes"), f"{self.work_bytes} bytes: must be at least 1MiB, e.g. 256MiB.")
+        if self.work_bytes is not None and self.work_bytes < 1:
+            _refuse(w, ("run", "work_bytes"), f"{self.work_bytes} bytes: must be positive, e.g. 256MiB.")
         if self.workers is not None and self.workers < 1:
             _refuse(w, ("run", "workers"), f"{self.workers}: must be at least 1.")
 
@@ -356,8 +357,6 @@ def _refuse(w: Where, loc: Loc, problem: str) -> None:
 MAX_BYTES = 2**63 - 1
 #: largest catalog block size (bytes)
 MAX_BLOCK_BYTES = 1 << 30
-#: smallest engine working memory (bytes)
-MIN_WORK_BYTES = 1 << 20
 
 _UNITS = {
     "": 1,

@@ -273,7 +273,7 @@ def test_planning_and_run_refusals_carry_a_field_path_each_front_end_renders():
         (PlanningOptions(value="fisher"), RunOptions(), "planning.value", "--value fisher needs --calibration", None),
         (PlanningOptions(sketch="sign7"), RunOptions(), "planning.sketch", "--sketch 'sign7'", "spec.sketch"),
         (PlanningOptions(block_bytes=0), RunOptions(), "planning.block_bytes", "--block-size 0", None),
-        (PlanningOptions(), RunOptions(work_bytes=10), "run.work_bytes", "--work-memory 10 bytes", None),
+        (PlanningOptions(), RunOptions(work_bytes=0), "run.work_bytes", "--work-memory 0 bytes", None),
         (PlanningOptions(), RunOptions(workers=0), "run.workers", "--workers 0", None),
     ]
     for planning, run, field, cli, op in cases:
