@@ -197,6 +197,66 @@ def exact_shrink(group: np.ndarray, rank: int, all_below: bool = False) -> float
     return float(v)
 
 
+#: bins of a key group's bit histogram (:func:`key_group_bits`): every float32 in one key group
+GROUP_BINS = 0x10001
+
+
+def key_group_bits(tau: int) -> tuple[int, int]:
+    """The float32 bit patterns of the magnitudes whose key is ``tau``: ``(lo, n)``, the group is
+    the bit patterns ``lo .. lo + n − 1`` (consecutive: the key rounds ``|δ|`` to bf16 with
+    round-to-nearest-even, which is monotone; ``n <= GROUP_BINS``).
+
+    For an even ``tau`` both midpoints round to it (``n = 0x10001``); for an odd one neither
+    (``n = 0xFFFF``). Positive float32 values compare as their bit patterns, so a count per
+    pattern is an exact histogram of the group's values.
+
+    Raises:
+        ValueError: ``tau`` outside ``[1, 0x7F7F]`` (key 0 is the zeros, key ``0x7F80`` holds
+            infinities and NaN, which have no bit order).
+    """
+    if not 1 <= tau < 0x7F80:
+        raise ValueError(f"key_group_bits: key {tau} has no bounded float32 group (1 .. 0x7F7F)")
+    odd = tau & 1
+    return (tau << 16) - 0x8000 + odd, GROUP_BINS - 2 * odd
+
+
+def exact_shrink_hist(hist: np.ndarray, lo: int, rank: int, all_below: bool = False) -> float | None:
+    """:func:`exact_shrink` from a bit histogram of the group instead of its values.
+
+    Args:
+        hist: int64 ``(n,)``: ``hist[i]`` entries of the group have float32 bit pattern ``lo + i``
+            (:func:`key_group_bits`; built tile by tile, so memory is ``8·GROUP_BINS`` bytes
+            whatever the group's size).
+        lo: the bit pattern of bin 0 (positive, so the patterns order as the values).
+        rank, all_below: as :func:`exact_shrink`.
+
+    Returns:
+        The value :func:`exact_shrink` returns for the multiset of values the histogram counts
+        (the same ``λ`` bit for bit: the rank-th largest ``v`` is the bin where the count from
+        the top reaches ``rank``; ``a`` and ``t`` are the counts above and in that bin; "just
+        below ``v``" is the bit pattern ``v − 1``, positive values being ordered by bits).
+
+    This is an exact selection in bounded memory (a radix select with one 16-bit digit: the key
+    fixes the upper bits), replacing the collect-and-partition of the group's values.
+    """
+    h = np.asarray(hist, dtype=np.int64)
+    total = int(h.sum())
+    if total <= rank:
+        if not all_below or total == 0:
+            return None
+        return _bits_f32(lo + int(np.flatnonzero(h)[0]) - 1)
+    top = np.cumsum(h[::-1])
+    j = int(np.searchsorted(top, rank, side="left"))  # bins from the top until the count reaches rank
+    ties = int(h[len(h) - 1 - j])
+    above = int(top[j]) - ties
+    v = lo + len(h) - 1 - j
+    return _bits_f32(v - 1 if above + ties - rank <= rank - above else v)
+
+
+def _bits_f32(bits: int) -> float:
+    return float(np.array([bits], dtype=np.uint32).view(np.float32)[0])
+
+
 def histogram(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sparse histogram of magnitude keys: (distinct keys ascending, counts)."""
     c = np.bincount(keys.ravel(), minlength=N_KEYS)

@@ -1,7 +1,9 @@
 """The engine's bit-sliced sketch decoder equals the numpy reference decoder, bit for bit.
 
-Reference: :func:`mergepipe.catalog.sketch.decode_blocks` summed over planes in float32, then the
-engine's former arithmetic ``x = b + δ̂`` (float32 numpy) and ``δ = x − b`` (float32 torch).
+Reference: :func:`mergepipe.catalog.sketch.decode_blocks` summed over planes in float32 (``δ̂``, the
+task vector the engine merges for a sketched entry), and the expert values ``b + δ̂`` (float32).
+The table forms -- a trimmed gather, the exact-threshold histogram counted from the tables -- equal
+the same operations on the decoded entries.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import pytest
 import torch
 
 from mergepipe.catalog.sketch import PLANES, SECTIONS, decode_blocks, decode_factors, encode_block
+from mergepipe.engine.chunk import _dense_group_hist, _GroupHist
 from mergepipe.engine.sketchkernel import SketchRun
+from mergepipe.numerics import GROUP_BINS, exact_shrink, exact_shrink_hist, key_group_bits, magnitude_keys
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -30,8 +34,7 @@ def _reference(planes: list[bytes], k: int, rows: int, rn: int, rpb: int, base: 
     d = np.zeros(rows * rn, dtype=np.float32)
     for p in range(k):
         d += decode_blocks(planes[p], rows, rn, rpb)
-    x = base + d
-    return torch.sub(torch.from_numpy(x), torch.from_numpy(base)), torch.from_numpy(x)
+    return torch.from_numpy(d), torch.from_numpy(base + d)
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -74,14 +77,24 @@ def test_kernel_equals_numpy_decoder_for_any_rows_and_levels(dtype, rows, rn, rp
 
 def _check_rank1_tier(planes, rows, rn, rpb, base):
     """The rank-1 tier (factors + residual plane) through the kernel equals the numpy reference:
-    ``u·vᵀ`` (float32) + ``(0 + ±s)`` of the residual plane, then the engine's ``(b + δ̂) − b``."""
+    ``u·vᵀ`` (float32) + ``(0 + ±s)`` of the residual plane (``δ̂``, merged as is), its trim and its
+    group histogram (decoded: a rank-1 row is no table of values)."""
     bn = base.numpy()
     fac, res = planes[PLANES], planes[PLANES + 1]
     # plane sums start from float32 zeros, as for the sign levels (a zero row's −0 scale gives +0)
     d = decode_factors(fac, rows, rn, rpb) + (np.zeros(rows * rn, np.float32) + decode_blocks(res, rows, rn, rpb))
     x = bn + d
-    ref_d = torch.sub(torch.from_numpy(x), torch.from_numpy(bn))
+    ref_d = torch.from_numpy(d)
     run = SketchRun(rows, rn, rpb, [res], factors=fac)
+    lam = float(np.sort(np.abs(d))[len(d) // 2])
+    assert torch.equal(run.delta(0, rows * rn, base, shrink=lam), torch.nn.functional.hardshrink(ref_d, lam))
+    keys = magnitude_keys(d)
+    for tau in sorted(set(keys[keys > 0].tolist()))[:3]:
+        g = _GroupHist(tau)
+        g.add_run(run, torch.device("cpu"))
+        assert np.array_equal(g.done(), _dense_group_hist(ref_d, tau))
+    with pytest.raises(ValueError, match="rank-1 run"):
+        run.add_group_hist(np.zeros(GROUP_BINS, dtype=np.int64), 0x3C000000, torch.device("cpu"))
     n = rows * rn
     assert run.nbytes == len(fac) + len(res)
     assert np.array_equal(_bits(run.delta(0, n, base)), _bits(ref_d))
@@ -135,3 +148,67 @@ def test_kernel_runs_on_the_requested_device():
             assert d.device.type == dev.type
             outs.append(d.cpu())
         assert all(torch.equal(outs[0], o) for o in outs)
+
+
+@pytest.mark.parametrize(("rows", "rn", "rpb"), [(7, 5, 3), (40, 33, 6), (17, 64, 5), (300, 700, 7)])
+def test_table_forms_equal_the_decoded_entries(rows, rn, rpb):
+    """A trimmed gather is ``hardshrink`` of the decoded entries, and the group histogram counted
+    from the value tables (no decode) is the one counted from the decoded entries, at every key
+    present; its exact threshold is :func:`exact_shrink` of the decoded group's values."""
+    rng = np.random.default_rng(rows + rn)
+    delta = (rng.standard_normal((rows, rn)) * 0.01).astype(np.float32)
+    delta[rng.random((rows, rn)) < 0.1] = 0.0
+    planes = _planes(delta, rpb)
+    n = rows * rn
+    cpu = torch.device("cpu")
+    for k in range(1, PLANES + 1):
+        run = SketchRun(rows, rn, rpb, planes[:k])
+        b = torch.zeros(n)
+        d = run.delta(0, n, b)
+        counts = run.code_counts(cpu)
+        assert counts.shape == (rows, 1 << k) and (counts.sum(axis=1) == rn).all()
+        keys = magnitude_keys(d.numpy())
+        for tau in sorted(set(keys[keys > 0].tolist()))[:12]:
+            lo, nb = key_group_bits(tau)
+            h = np.zeros(nb, dtype=np.int64)
+            run.add_group_hist(h, lo, cpu)
+            want = _dense_group_hist(d, tau)
+            assert np.array_equal(h, want), (k, tau)
+            group = np.abs(d.numpy())[keys == tau]
+            assert h.sum() == len(group)
+            for rank in {1, len(group) // 2 + 1, max(1, len(group) - 1)}:
+                assert exact_shrink_hist(h, lo, rank) == exact_shrink(group, rank)
+            lam = float(np.sort(np.abs(d.numpy()))[n // 2])
+            for e0, e1 in [(0, n), (rn + 1, min(n, 5 * rn - 2))]:
+                got = run.delta(e0, e1, b[e0:e1], shrink=lam)
+                assert torch.equal(got, torch.nn.functional.hardshrink(d[e0:e1], lam))
+
+
+def test_key_group_bits_are_exactly_the_key_group():
+    """Every float32 in ``key_group_bits(τ)`` has key ``τ`` and its neighbours outside do not
+    (even and odd keys: round-to-nearest-even includes both midpoints or neither)."""
+    for tau in (1, 2, 0x3C00, 0x3C01, 0x3F7F, 0x7F7F):
+        lo, nb = key_group_bits(tau)
+        inside = np.array([lo, lo + 1, lo + nb // 2, lo + nb - 2, lo + nb - 1], dtype=np.uint32).view(np.float32)
+        outside = np.array([lo - 1, lo + nb], dtype=np.uint32).view(np.float32)
+        assert (magnitude_keys(inside) == tau).all(), tau
+        assert (magnitude_keys(outside) != tau).all(), tau
+    for bad in (0, 0x7F80):
+        with pytest.raises(ValueError, match="no bounded float32 group"):
+            key_group_bits(bad)
+
+
+def test_exact_shrink_hist_equals_exact_shrink_on_random_groups():
+    """The histogram select returns :func:`exact_shrink`'s ``λ`` bit for bit, ties included."""
+    rng = np.random.default_rng(7)
+    for trial in range(200):
+        tau = int(rng.integers(0x3000, 0x3F00))
+        lo, nb = key_group_bits(tau)
+        m = int(rng.integers(1, 300))
+        spread = nb if trial % 2 else 4  # many exact ties when the group uses few bit patterns
+        bits = lo + rng.integers(0, spread, size=m)
+        g = bits.astype(np.uint32).view(np.float32)
+        h = np.bincount(bits - lo, minlength=nb)
+        for rank in {1, m // 2 + 1, max(1, m - 1), m, m + 1}:
+            for all_below in (False, True):
+                assert exact_shrink_hist(h, lo, rank, all_below) == exact_shrink(g, rank, all_below)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -27,12 +28,12 @@ from mergepipe.methods.kernels import (
     elementwise_merge,
     l1_row_sums,
     l1_rows,
-    magnitude_key_torch,
+    magnitude_shrink_lambda,
     rescale_factor,
     row_numel_of,
     sparsify,
 )
-from mergepipe.numerics import decode, exact_shrink
+from mergepipe.numerics import GROUP_BINS, decode, exact_shrink_hist, key_group_bits
 from mergepipe.planner.plan import Plan
 
 
@@ -81,54 +82,130 @@ def _raw_tensor(raw, dtype: str):
         return torch.frombuffer(raw, dtype=_torch_dtype(dtype))
 
 
-def _group_values(d, tau: int):
-    """float32 numpy ``|δ|`` of the entries of ``d`` (float32 torch) whose magnitude key is ``tau``."""
-    a = d.abs()
-    return a[magnitude_key_torch(d) == tau].cpu().numpy()
+class _GroupHist:
+    """Accumulates the exact-threshold histogram of one key group (:func:`mergepipe.numerics.
+    exact_shrink_hist`) from float32 task-vector tiles: the offsets of a tile's entries in the
+    group are buffered (int64, at most ~1M entries: 8 MiB) and counted into the ``GROUP_BINS``
+    int64 bins when the buffer fills, so a tile does not pay for the whole bin array."""
+
+    FLUSH = 1 << 20
+
+    def __init__(self, tau: int):
+        self.lo, n = key_group_bits(tau)
+        self.hist = np.zeros(n, dtype=np.int64)
+        self._buf: list = []
+        self._n = 0
+
+    def add_dense(self, d) -> None:
+        """Count the entries of ``d`` (float32 torch, any device) whose ``|δ|`` is in the group."""
+        import torch
+
+        off = d.abs().view(torch.int32).to(torch.int64).sub_(self.lo)
+        sel = off[(off >= 0) & (off < len(self.hist))]
+        if sel.numel():
+            self._buf.append(sel)
+            self._n += sel.numel()
+            if self._n >= self.FLUSH:
+                self._flush()
+
+    def add_run(self, run: SketchRun, dev) -> None:
+        """Count a sketched run's entries: a sign-plane run from its rows' value tables (no
+        decode); a rank-1 run (its entries are not a table's) decoded a tile of rows at a time."""
+        if run.factors is None:
+            run.add_group_hist(self.hist, self.lo, dev)
+            return
+        step = max(1, TILE_ELEMS // run.row_numel)
+        for r0 in range(0, run.rows, step):
+            self.add_dense(run.delta_rows(r0, min(run.rows, r0 + step), dev).view(-1))
+
+    def _flush(self) -> None:
+        import torch
+
+        if self._buf:
+            sel = torch.cat(self._buf) if len(self._buf) > 1 else self._buf[0]
+            self.hist += torch.bincount(sel, minlength=len(self.hist)).cpu().numpy()
+            self._buf, self._n = [], 0
+
+    def done(self) -> np.ndarray:
+        """The int64 histogram (bin ``i``: bit pattern ``lo + i``)."""
+        self._flush()
+        return self.hist
 
 
-def _concat(parts):
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+def _dense_group_hist(d, tau: int) -> np.ndarray:
+    """int64 bit histogram of the entries of ``d`` (float32 torch) whose magnitude key is ``tau``."""
+    g = _GroupHist(tau)
+    g.add_dense(d)
+    return g.done()
 
 
 def _bounds(te):
     """The threshold key groups of ``te`` to refine: ``(slot, key, rank)`` for the lower end
-    (TIES's threshold, breadcrumbs' window start; slot 0) and breadcrumbs' outlier bound (slot 1)."""
+    (TIES's threshold, breadcrumbs' window start; slot 0) and breadcrumbs' outlier bound (slot 1).
+    (A key outside ``[1, 0x7F7F]`` has no bounded group: the key rule applies there.)"""
     out = []
-    if te.exact_rank:
+    if te.exact_rank and 1 <= te.min_key < 0x7F80:
         out.append((0, te.min_key, te.exact_rank))
-    if te.exact_rank_hi:
+    if te.exact_rank_hi and 1 <= te.max_key - 1 < 0x7F80:
         out.append((1, te.max_key - 1, te.exact_rank_hi))
     return out
 
 
-def _shrinks(values_of, te) -> tuple[float | None, float | None]:
-    """(shrink, shrink_hi) of ``te`` from ``values_of(slot, key)`` (float32 ``|δ|`` of a key group)."""
+def _shrinks(hist_of, te) -> tuple[float | None, float | None]:
+    """(shrink, shrink_hi) of ``te`` from ``hist_of(slot, key)`` (the int64 bit histogram of the
+    key group's ``|δ|``, :func:`mergepipe.numerics.exact_shrink_hist`)."""
     lo = hi = None
     for slot, key, rank in _bounds(te):
+        bits = key_group_bits(key)[0]
         if slot == 0:
-            lo = exact_shrink(values_of(slot, key), rank)
+            lo = exact_shrink_hist(hist_of(slot, key), bits, rank)
         else:
-            hi = exact_shrink(values_of(slot, key), rank, all_below=True)
+            hi = exact_shrink_hist(hist_of(slot, key), bits, rank, all_below=True)
     return lo, hi
 
 
 def _shrinks_from(groups, tp, te):
-    """The exact thresholds of ``te`` in ``tp`` from the values its ``threshold`` pre-pass gathered."""
-    return _shrinks(lambda slot, key: _concat(groups.get((tp.name, te.expert, slot), [])), te)
+    """The exact thresholds of ``te`` in ``tp`` from the histograms its ``threshold`` pre-pass
+    gathered; computed once per tensor (cached in ``groups`` under ``(name, expert, "shrinks")``,
+    the histograms then dropped)."""
+    key = (tp.name, te.expert, "shrinks")
+    got = groups.get(key)
+    if got is None:
+        got = groups[key] = _shrinks(
+            lambda slot, k: groups.get((tp.name, te.expert, slot), np.zeros(GROUP_BINS, dtype=np.int64)), te
+        )
+        for slot, _k, _r in _bounds(te):
+            groups.pop((tp.name, te.expert, slot), None)
+    return got
 
 
-def _expert_params(tp, te, groups, values_of) -> ExpertTensorParams:
+def _add_group(groups, tp, te, slot: int, hist: np.ndarray) -> None:
+    key = (tp.name, te.expert, slot)
+    if key in groups:
+        groups[key] += hist
+    else:
+        groups[key] = hist
+
+
+def _trim_lambda(spec, ep: ExpertTensorParams) -> float | None:
+    """The ``λ`` of the magnitude trim ``hardshrink(δ, λ)`` that :func:`sparsify` applies to this
+    expert's task vector, or None when it applies something else (or nothing)."""
+    if spec.sparsify != "magnitude" or ep.density >= 1.0:
+        return None
+    if ep.shrink is not None:
+        return ep.shrink
+    return magnitude_shrink_lambda(ep.min_key) if ep.min_key > 0 else None
+
+
+def _expert_params(tp, te, groups, hist_of) -> ExpertTensorParams:
     """The sparsification parameters of expert ``te`` (a ``TensorExpert`` of tensor ``tp``) for
     one chunk: the plan's weight, density and key range, plus the exact-threshold shrinks when
-    ``te`` has threshold key groups (:func:`_bounds`) -- from the values the tensor's
+    ``te`` has threshold key groups (:func:`_bounds`) -- from the histograms the tensor's
     ``threshold`` pre-pass gathered in ``groups`` (``tp.derived["threshold_pass"]``), otherwise
-    from ``values_of(slot, key)`` over this chunk, which is then the whole tensor."""
+    from ``hist_of(slot, key)`` over this chunk, which is then the whole tensor."""
     shrink = shrink_hi = None
     if _bounds(te):
-        shrink, shrink_hi = (
-            _shrinks_from(groups, tp, te) if tp.derived.get("threshold_pass") else _shrinks(values_of, te)
-        )
+        shrink, shrink_hi = _shrinks_from(groups, tp, te) if tp.derived.get("threshold_pass") else _shrinks(hist_of, te)
     return ExpertTensorParams(
         weight=te.weight,
         density=te.density,
@@ -141,34 +218,41 @@ def _expert_params(tp, te, groups, values_of) -> ExpertTensorParams:
     )
 
 
-def _tile_delta(runs, b, s: int, e: int):
+def _tile_delta(runs, b, s: int, e: int, shrink: float | None = None):
     """float32 task vector of one expert over the chunk's elements ``[s, e)`` (zeros where it
     has no run); ``b`` is the base's ``[s, e)`` in float32. Runs are ``(elem0, elem1, values,
     is_delta)`` (see :func:`_merge_chunk_tiled`); a sketched run's ``values`` is its
-    :class:`~mergepipe.engine.sketchkernel.SketchRun`, decoded here for the tile's rows only."""
+    :class:`~mergepipe.engine.sketchkernel.SketchRun`, decoded here for the tile's rows only.
+
+    Returns ``(δ, trimmed)``: with ``shrink`` (the ``λ`` of the expert's magnitude trim), the
+    sketched pieces come trimmed from their value tables, and ``trimmed`` says the whole tile
+    did (no exact run in it), so the caller skips the trim (``hardshrink`` is idempotent:
+    trimming again would give the same values)."""
     import torch
 
     d = None
+    trimmed = shrink is not None
     for a, z, x, dl in runs:
         lo, hi = max(a, s), min(z, e)
         if hi <= lo:
             continue
         if isinstance(x, SketchRun):
-            piece = x.delta(lo - a, hi - a, b[lo - s : hi - s])
+            piece = x.delta(lo - a, hi - a, b[lo - s : hi - s], shrink)
             if lo == s and hi == e:
-                return piece
+                return piece, trimmed
             if d is None:
                 d = torch.zeros_like(b)
             d[lo - s : hi - s] = piece
             continue
+        trimmed = False
         if lo == s and hi == e:
             # widened exactly to float32, then subtracted (a LoRA run: δ itself, copied since
             # sparsify may write into it)
-            return x[lo - a : hi - a].clone() if dl else torch.sub(x[lo - a : hi - a], b)
+            return (x[lo - a : hi - a].clone() if dl else torch.sub(x[lo - a : hi - a], b)), False
         if d is None:
             d = torch.zeros_like(b)
         d[lo - s : hi - s] = x[lo - a : hi - a] if dl else torch.sub(x[lo - a : hi - a], b[lo - s : hi - s])
-    return d if d is not None else torch.zeros_like(b)
+    return (d if d is not None else torch.zeros_like(b)), trimmed
 
 
 def _tiled_l1_rows(eparts, which, base_t, n: int, row_numel: int, offset: int, spec, shape):
@@ -183,7 +267,7 @@ def _tiled_l1_rows(eparts, which, base_t, n: int, row_numel: int, offset: int, s
         b = base_t[s:e].float()
         for i in which:
             ep, runs = eparts[i]
-            d = _tile_delta(runs, b, s, e)
+            d, _ = _tile_delta(runs, b, s, e)
             out[i][0].extend(l1_row_sums(d, row_numel))
             out[i][1].extend(l1_row_sums(sparsify(d, spec, ep, offset + s, shape), row_numel))
     return out
@@ -225,23 +309,27 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None, l1_all=N
             if z > a
         ]
 
-        def values_of(slot, key, runs=runs):
-            """This chunk's threshold key group values, a tile at a time."""
-            vals = []
+        def hist_of(slot, key, runs=runs):
+            """This chunk's bit histogram of a threshold key group, a tile at a time (a sketched
+            run from its value tables, without decoding)."""
+            g = _GroupHist(key)
             for a, z, x, dl in runs:
+                if isinstance(x, SketchRun):
+                    g.add_run(x, dev)
+                    continue
                 for s in range(a, z, TILE_ELEMS):
                     e = min(z, s + TILE_ELEMS)
-                    if isinstance(x, SketchRun):
-                        dd = x.delta(s - a, e - a, base_t[s:e].float())
-                    else:
-                        dd = x[s - a : e - a] if dl else torch.sub(x[s - a : e - a], base_t[s:e].float())
-                    vals.append(_group_values(dd, key))
-            return _concat(vals)
+                    g.add_dense(x[s - a : e - a] if dl else torch.sub(x[s - a : e - a], base_t[s:e].float()))
+            return g.done()
 
-        if _bounds(te) and tp.derived.get("threshold_pass") and it.fused == "threshold":
-            for slot, key, _rank in _bounds(te):  # the pre-pass skipped this chunk: add its group values
-                groups.setdefault((tp.name, te.expert, slot), []).append(values_of(slot, key))
-        eparts.append((_expert_params(tp, te, groups, values_of), runs))
+        if it.kind == "threshold" or (tp.derived.get("threshold_pass") and it.fused == "threshold"):
+            for slot, key, _rank in _bounds(te):  # (fused: the pre-pass skipped this chunk: add its groups)
+                _add_group(groups, tp, te, slot, hist_of(slot, key))
+            if it.kind == "threshold":
+                continue
+        eparts.append((_expert_params(tp, te, groups, hist_of), runs))
+    if it.kind == "threshold":
+        return None
     factors = _tiled_factors(it, eparts, base_t, spec, l1_all, l1_kept)
     if it.kind == "stats":
         return None
@@ -252,7 +340,8 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None, l1_all=N
         b = base_t[s:e].float()  # (F32: a read-only view; nothing below writes into the base)
         deltas = []
         for (ep, runs), f in zip(eparts, factors):
-            kept = sparsify(_tile_delta(runs, b, s, e), spec, ep, offset + s, tp.shape)
+            d, trimmed = _tile_delta(runs, b, s, e, _trim_lambda(spec, ep))
+            kept = d if trimmed else sparsify(d, spec, ep, offset + s, tp.shape)
             deltas.append(kept * f if f != 1.0 else kept)
         out[s:e].copy_(combine(b, deltas, ws, spec, tp.params, weight_sum=tp.weight_sum, consume=True))
     return memoryview(out.cpu().view(torch.uint8).numpy()) if n else b""
@@ -294,10 +383,12 @@ class L1Sums:
 
     all: dict[tuple[str, int], list[float]] = field(default_factory=dict)
     kept: dict[tuple[str, int], list[float]] = field(default_factory=dict)
-    #: per (tensor, expert index, slot): float32 ``|δ|`` of a threshold key group (exact float16/
-    #: float32 TIES and breadcrumbs; slot 1: breadcrumbs' outlier bound), gathered by
-    #: ``threshold`` pre-pass items (and the first ``merge`` item when that pre-pass is the last)
-    groups: dict[tuple[str, int], list] = field(default_factory=dict)
+    #: per (tensor, expert index, slot): the int64 bit histogram of ``|δ|`` in a threshold key group
+    #: (exact bf16/float16/float32 TIES and breadcrumbs; slot 1: breadcrumbs' outlier bound,
+    #: :func:`mergepipe.numerics.exact_shrink_hist`), gathered by ``threshold`` pre-pass items (and
+    #: the first ``merge`` item when that pre-pass is the last); then, under ``(tensor, expert
+    #: index, "shrinks")``, the thresholds computed from them (the histograms are dropped)
+    groups: dict[tuple, Any] = field(default_factory=dict)
 
 
 def merge_chunk(it: WorkItem, inputs: ChunkInputs, plan: Plan, spec, dev, l1: L1Sums):
@@ -314,7 +405,11 @@ def merge_chunk(it: WorkItem, inputs: ChunkInputs, plan: Plan, spec, dev, l1: L1
         The output bytes of the rows (``bytes`` or a ``memoryview``) in ``tp.out_dtype or
         tp.dtype``; None for ``stats`` and ``threshold`` items.
     """
-    return _merge_chunk(it, inputs.base, inputs.experts, plan, spec, dev, l1.all, l1.kept, l1.groups)
+    out = _merge_chunk(it, inputs.base, inputs.experts, plan, spec, dev, l1.all, l1.kept, l1.groups)
+    if it.ends_tensor and l1.groups:  # the tensor's thresholds are spent
+        for key in [k for k in l1.groups if k[0] == it.tp.name]:
+            del l1.groups[key]
+    return out
 
 
 def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept, groups=None):
@@ -323,7 +418,7 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept, groups=Non
     import torch
 
     tp = it.tp
-    if it.kind in ("merge", "stats") and _elementwise(tp, spec) and len(base_raw):
+    if it.kind in ("merge", "stats", "threshold") and _elementwise(tp, spec) and len(base_raw):
         return _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups, l1_all, l1_kept)
     b = torch.from_numpy(decode(base_raw, tp.dtype)).to(dev)
     if b.dtype != torch.float32:
@@ -356,10 +451,12 @@ def _chunk_deltas(it, b, exp, dev, keep_values: bool) -> dict:
                 if xf is not None:
                     xf[sl] = b[sl] + d[sl]
                 continue
-            if isinstance(buf, SketchRun):  # base + δ̂_k (float32), as the numpy decoder gave it
-                x = buf.values(0, (z - a) * row_numel, b[sl])
-            else:
-                x = torch.from_numpy(decode(buf, tp.dtype)).to(dev).float()
+            if isinstance(buf, SketchRun):  # δ̂_k (float32); the expert's values b + δ̂_k
+                d[sl] = buf.delta(0, (z - a) * row_numel, b[sl])
+                if xf is not None:
+                    xf[sl] = b[sl] + d[sl]
+                continue
+            x = torch.from_numpy(decode(buf, tp.dtype)).to(dev).float()
             d[sl] = x - b[sl]
             if xf is not None:
                 xf[sl] = x
@@ -378,13 +475,13 @@ def _task_vector_chunk(it, b, present: dict, spec, l1_all, l1_kept, groups):
     if it.kind == "threshold" or it.fused == "threshold":  # (fused: the pre-pass skipped this chunk)
         for te, d, _ in present.values():
             for slot, key, _rank in _bounds(te):
-                groups.setdefault((tp.name, te.expert, slot), []).append(_group_values(d, key))
+                _add_group(groups, tp, te, slot, _dense_group_hist(d, key))
         if it.kind == "threshold":
             return None
     rescale = spec.rescales(tp.params)
     deltas, ws = [], []
     for te, d, _ in present.values():
-        ep = _expert_params(tp, te, groups, lambda slot, key, d=d: _group_values(d, key))
+        ep = _expert_params(tp, te, groups, lambda slot, key, d=d: _dense_group_hist(d, key))
         kept = sparsify(d, spec, ep, offset, tp.shape)
         key = (tp.name, te.expert)
         if rescale and ep.density < 1.0:

@@ -7,15 +7,20 @@ task vector of a few rows at a time -- the rows of one tile of the elementwise p
 (:func:`mergepipe.engine.chunk._merge_chunk_tiled`), where an exact block's rows would be widened
 -- and :meth:`SketchRun.delta` decodes only those rows, straight into float32 on the device:
 
-    unpack   byte → 8 bits: ``(u8[:, None] >> [7..0]) & 1`` (uint8, big-endian as ``numpy.packbits``)
-    select   ``where(bit, s_p[row], −s_p[row])``          (σ_p·s_p, exact: a sign times a bf16 scale)
-    sum      ``((σ₁s₁ + σ₂s₂) + σ₃s₃)``                     (float32, plane order, as before)
-    rebase   ``(b + δ̂) − b``                                (float32: the value the engine merged)
+    unpack   byte → 8 bits (a 256-entry table, big-endian as ``numpy.packbits``) → a k-bit sign
+             code per entry (uint8)
+    table    per row, the ``2^k`` values ``((±s₁ + ±s₂) + ±s₃)`` (float32, plane order)
+    gather   ``δ̂ = T[row, code]``
 
-No float32 sign matrix per plane, no per-plane float32 copy of the whole run, and the decoded
-rows live in one tile's temporaries. The arithmetic is the one the numpy decoder
-(:func:`mergepipe.catalog.sketch.decode_blocks`) followed by the engine's ``x − b`` did, element
-for element in the same order, so the merged bytes are identical (tests/test_sketchkernel.py).
+The task vector the merge uses for a sketched entry is ``δ̂`` itself, the float32 sum of the
+planes (:func:`mergepipe.catalog.sketch.decode_blocks` summed in plane order, element for element
+the same value). So a row of a sketched run holds at most ``2^k <= 8`` distinct values, and what
+a merge does to each entry through a monotone elementwise function of its value alone (a
+magnitude trim) is done on the table, not on the entries (:meth:`SketchRun.delta` with
+``shrink``), and the exact-threshold histogram of a row is its table's values times how often
+each code occurs (:meth:`SketchRun.add_group_hist`), without decoding. (Before, the engine
+merged ``(b + δ̂) − b``, the float32 round trip through the reconstructed expert value, which
+differs from ``δ̂`` by the base's rounding and gave every entry its own value.)
 The kernels are torch operations on whatever device holds the base tile (CPU threads via torch's
 intra-op pool; ``cuda`` through the same code).
 
@@ -174,40 +179,87 @@ class SketchRun:
         self._dev[dev] = got
         return got
 
-    def delta_rows(self, r0: int, r1: int, dev):
+    def _table(self, dev, shrink: float | None):
+        """The value table on ``dev``, trimmed by ``hardshrink(·, shrink)`` when ``shrink`` is given
+        (cached per device and threshold: a few floats per row)."""
+        pr = self._prepared(dev)
+        if shrink is None:
+            return pr.table
+        key = (dev, "shrink", shrink)
+        t = self._dev.get(key)
+        if t is None:
+            import torch
+
+            t = self._dev[key] = torch.nn.functional.hardshrink(pr.table, shrink)
+        return t
+
+    def delta_rows(self, r0: int, r1: int, dev, shrink: float | None = None):
         """float32 ``(r1 − r0, row_numel)`` torch tensor on ``dev``: ``δ̂_k`` of rows ``[r0, r1)``
         of the run (``Σ_p σ_p·s_p`` in plane order): one gather of the rows' sign codes from
-        their rows' value tables."""
+        their rows' value tables; with ``shrink``, ``hardshrink(δ̂_k, shrink)`` (the table
+        trimmed: the same values, entry for entry, as trimming the decoded rows)."""
         import torch
 
         pr = self._prepared(dev)
         rn = self.row_numel
         idx = pr.codes[r0 * rn : r1 * rn].view(r1 - r0, rn).to(torch.int64)
-        g = torch.gather(pr.table[r0:r1], 1, idx)
         if pr.u is None:
-            return g
-        # rank-1 tier: u[row]·v[col] (float32, exact for bf16 factors), then + σ·s
+            return torch.gather(self._table(dev, shrink)[r0:r1], 1, idx)
+        # rank-1 tier: u[row]·v[col] (float32, exact for bf16 factors), then + σ·s; no value table
+        # holds these entries, so a trim applies to the decoded rows
         lr = torch.mul(pr.u[r0:r1, None], pr.v.index_select(0, pr.blk[r0:r1]))
-        return torch.add(lr, g)
+        d = torch.add(lr, torch.gather(pr.table[r0:r1], 1, idx))
+        return d if shrink is None else torch.nn.functional.hardshrink(d, shrink)
 
-    def delta(self, e0: int, e1: int, b):
-        """float32 task vector of the run's flat elements ``[e0, e1)`` as the engine merges it:
-        ``(b + δ̂_k) − b`` (float32), ``b`` the base's float32 values of those elements (a 1-D
-        torch tensor whose device is used)."""
-        import torch
-
+    def delta(self, e0: int, e1: int, b, shrink: float | None = None):
+        """float32 task vector ``δ̂_k`` of the run's flat elements ``[e0, e1)`` (a 1-D torch tensor
+        on the device of ``b``, the base's float32 values of those elements, which only name the
+        device); with ``shrink``, trimmed: ``hardshrink(δ̂_k, shrink)`` (see :meth:`delta_rows`)."""
         rn = self.row_numel
         r0, r1 = e0 // rn, -(-e1 // rn)
-        d = self.delta_rows(r0, r1, b.device).view(-1)[e0 - r0 * rn : e1 - r0 * rn]
-        return torch.sub(torch.add(b, d), b)
+        return self.delta_rows(r0, r1, b.device, shrink).view(-1)[e0 - r0 * rn : e1 - r0 * rn]
 
     def values(self, e0: int, e1: int, b):
         """float32 reconstructed expert values ``b + δ̂_k`` of elements ``[e0, e1)`` (see :meth:`delta`)."""
         import torch
 
-        rn = self.row_numel
-        r0, r1 = e0 // rn, -(-e1 // rn)
-        return torch.add(b, self.delta_rows(r0, r1, b.device).view(-1)[e0 - r0 * rn : e1 - r0 * rn])
+        return torch.add(b, self.delta(e0, e1, b))
+
+    def _count_codes(self, rows_i: np.ndarray, codes_i: np.ndarray, dev) -> np.ndarray:
+        """int64 counts of code ``codes_i[j]`` in row ``rows_i[j]`` of the run, for each ``j``: per
+        distinct code, one comparison over the rows that ask for it (uint8, on ``dev``)."""
+        import torch
+
+        c2 = self._prepared(dev).codes.view(self.rows, self.row_numel)
+        out = np.zeros(len(rows_i), dtype=np.int64)
+        for c in np.unique(codes_i):
+            sel = np.flatnonzero(codes_i == c)
+            r = torch.from_numpy(np.ascontiguousarray(rows_i[sel], dtype=np.int64)).to(c2.device)
+            out[sel] = c2.index_select(0, r).eq_(int(c)).sum(1).cpu().numpy()
+        return out
+
+    def code_counts(self, dev) -> np.ndarray:
+        """int64 ``(rows, 2^k)`` numpy array: how many entries of each row have each sign code."""
+        k = len(self.planes)
+        rows_i, codes_i = np.divmod(np.arange(self.rows << k), 1 << k)
+        return self._count_codes(rows_i, codes_i, dev).reshape(self.rows, 1 << k)
+
+    def add_group_hist(self, hist: np.ndarray, lo: int, dev) -> None:
+        """Add to ``hist`` (int64, :func:`mergepipe.numerics.exact_shrink_hist`'s layout: bin ``i``
+        counts the bit pattern ``lo + i`` of ``|δ|``) the run's entries whose ``|δ̂_k|`` falls in
+        its range, without decoding: the rows' table values in range, each weighted by how often
+        its code occurs in its row (counted only for those (row, code) pairs: a key group is a
+        narrow band of magnitudes, so few rows have a table value in it).
+
+        Raises:
+            ValueError: a rank-1 run (``factors``): its entries are not its table's values."""
+        if self.factors is not None:
+            raise ValueError("sketch run: a rank-1 run has no per-row value table; decode it")
+        t = self._prepared(dev).table.cpu().numpy()
+        off = np.abs(t).view(np.int32).astype(np.int64) - lo
+        rows_i, codes_i = np.nonzero((off >= 0) & (off < len(hist)))
+        if len(rows_i):
+            np.add.at(hist, off[rows_i, codes_i], self._count_codes(rows_i, codes_i, dev))
 
 
 _LUTS: dict = {}

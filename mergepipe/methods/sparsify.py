@@ -28,8 +28,8 @@ from mergepipe.numerics import (
 )
 
 #: input dtypes whose magnitude trim (TIES) and window (breadcrumbs) rank the exact float32 |δ| (bf16 included: a
-#: difference of two bf16 values is often not a bf16 value, so its key group holds distinct magnitudes; a bf16
-#: group is refined only up to max(2^14, work memory / 16K) entries, else the key rule: the engine holds it whole)
+#: difference of two bf16 values is often not a bf16 value, so its key group holds distinct magnitudes; the engine
+#: selects inside a group with a bit histogram, exact at any size in bounded memory)
 EXACT_TRIM_DTYPES = ("BF16", "F16", "F32")
 
 

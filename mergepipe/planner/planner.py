@@ -408,11 +408,10 @@ def _tensor_candidates(
     coefs, tp.derived = spec.coefficients(ts)
     # exact top-k (TIES) / window (breadcrumbs) on bf16/float16/float32: the key histogram gives the
     # threshold group and how many of it to keep, the engine the float32 threshold inside it (a
-    # pre-pass when the tensor spans several chunks). The engine holds each refined group's float32
-    # values for the whole tensor: a bf16 group is refined only while it holds at most
-    # max(2^14, work memory / (16 K)) entries (the K groups within a quarter of the working memory)
-    group_cap = max(1 << 14, pc.work_bytes // (16 * max(1, K))) if bt.dtype == "BF16" else None
-    ranks, windows = spec.exact_bounds(ts, eps, bt.dtype, group_cap)
+    # pre-pass when the tensor spans several chunks). The engine counts each refined group's float32
+    # bit patterns (a 65,537-bin histogram per expert, mergepipe.numerics.exact_shrink_hist): exact
+    # at any group size in bounded memory, so no group is capped
+    ranks, windows = spec.exact_bounds(ts, eps, bt.dtype, None)
     if any(ranks) and tp.chunk_rows < bt.rows:
         tp.passes += 1
         tp.derived = {**tp.derived, "threshold_pass": True}
