@@ -154,16 +154,27 @@ class SketchRun:
             sc = _from_bf16_bits(np.concatenate(scales))[:, None]
             bit = (signs >> (k - 1 - p)) & 1
             table = table + np.where(bit[None, :] == 1, sc, -sc)  # float32, plane order (0 + v₁ first)
-        codes = torch.empty(self.rows * rn, dtype=torch.uint8, device=dev)
-        pos = 0
+        spans, pos = [], 0  # per block: (first bit byte, bit bytes, rows)
         for r0 in range(0, self.rows, rpb):
             r = min(rpb, self.rows - r0)
             nb = (r * rn + 7) // 8
-            code = lut.index_select(0, wholes[0][pos : pos + nb].to(torch.int32))
-            for whole in wholes[1:]:
-                code.bitwise_left_shift_(1).bitwise_or_(lut.index_select(0, whole[pos : pos + nb].to(torch.int32)))
-            codes[r0 * rn : (r0 + r) * rn] = code.view(torch.uint8)[: r * rn]
+            spans.append((pos, nb, r))
             pos += nb + 2 * r
+        if all(r * rn % 8 == 0 for _, _, r in spans):  # no padding bits: the run's codes in one sweep
+            code = None
+            for whole in wholes:
+                bits = whole[: spans[0][1]] if len(spans) == 1 else torch.cat([whole[a : a + nb] for a, nb, _ in spans])
+                v = lut.index_select(0, bits.to(torch.int32))
+                code = v if code is None else code.bitwise_left_shift_(1).bitwise_or_(v)
+            assert code is not None
+            codes = code.view(torch.uint8)
+        else:  # a block ends inside a byte: block by block, the padding cut
+            codes = torch.empty(self.rows * rn, dtype=torch.uint8, device=dev)
+            for (a, nb, r), r0 in zip(spans, range(0, self.rows, rpb)):
+                code = lut.index_select(0, wholes[0][a : a + nb].to(torch.int32))
+                for whole in wholes[1:]:
+                    code.bitwise_left_shift_(1).bitwise_or_(lut.index_select(0, whole[a : a + nb].to(torch.int32)))
+                codes[r0 * rn : (r0 + r) * rn] = code.view(torch.uint8)[: r * rn]
         got = _Prepared(codes, torch.from_numpy(table).to(dev))
         if self.factors is not None:
             f = np.frombuffer(memoryview(self.factors), dtype="<u2")
