@@ -10,7 +10,8 @@ shared machine's load) or CUDA-synchronised wall time on a GPU:
   engine did before issue 23), plus the engine's ``(b + δ̂) − b``;
 - ``prepare``: :class:`~mergepipe.engine.sketchkernel.SketchRun` building its sign codes and
   value tables (once per run);
-- ``tiles``: decoding the run tile by tile (64Ki entries, the engine's tile) into ``(b + δ̂) − b``.
+- ``tiles``: decoding the run tile by tile (64Ki entries, the engine's tile) into ``δ̂`` (the
+  task vector the engine merges for a sketched entry since issue 23's table forms).
 
 Throughput is the bf16 bytes the decoded entries stand for (2 bytes per entry) per second.
 Usage::
