@@ -346,8 +346,10 @@ def _reference_experts(plan, base: Path, experts: list[Path], out: Path) -> list
 )
 def test_tiered_merge_equals_dense_reference_on_reconstructed_deltas(tmp_path, method, params, sketch):
     """float32 checkpoints: the tiered merge equals an unlimited read-or-skip merge of experts
-    whose task vectors are the reconstructed ones (the same float32 arithmetic), bit for bit; and
-    realized expert bytes (sketch bytes included) equal the planned ones, within the budget."""
+    whose task vectors are the reconstructed ones, up to rounding: the engine merges a sketched
+    entry's ``δ̂`` itself, the reference ``(b + δ̂) − b`` read back from a checkpoint, which differs
+    from ``δ̂`` by the rounding of ``b + δ̂`` (a few ulps of the base); and realized expert bytes
+    (sketch bytes included) equal the planned ones, within the budget."""
     import torch
 
     from testkit.synth import make_family
@@ -394,7 +396,8 @@ def test_tiered_merge_equals_dense_reference_on_reconstructed_deltas(tmp_path, m
     got, want = merged_tensors(tmp_path / "tiered"), merged_tensors(tmp_path / "ref")
     assert got.keys() == want.keys()
     for k in got:
-        assert torch.equal(got[k], want[k]), k
+        scale = float(want[k].abs().max()) if want[k].numel() else 0.0
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=2.0**-20 * scale + 1e-30, msg=k)
 
 
 def test_select_tiers_by_hand():
