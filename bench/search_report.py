@@ -177,7 +177,8 @@ def render(meta: dict, an: dict) -> str:
         f"{len(doms)}. {meta['evaluations']} evaluations ({meta['initial']} initial) per run; "
         f"{meta['search_windows']} search + {meta['search_windows']} held-out windows per domain. "
         f"{len(an['runs'])} runs ({sum(len(r['cands']) for r in an['runs'])} evaluated candidates) in "
-        f"{meta.get('processes', 1)} processes, {meta['total_s']:.0f} s wall; "
+        f"{meta.get('processes', 1)} process{'es' if meta.get('processes', 1) != 1 else ''}, "
+        f"{meta['total_s']:.0f} s wall (sum of the runs' times {meta.get('run_s_sum', meta['total_s']):.0f} s); "
         f"load average {mc['load_start'][0]:.1f} at the start, {mc['load_end'][0]:.1f} at the end "
         f"({mc['cpus']} cores, Python {mc['python']}, torch {mc['torch']}, botorch {mc['botorch']})."
     )
