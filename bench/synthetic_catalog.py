@@ -27,8 +27,9 @@ import math
 import numpy as np
 
 from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, CheckpointRecord
+from mergepipe.catalog.digest import BLOCK_DIGEST_BYTES
 from mergepipe.catalog.sketch import PLANES, SECTIONS, tensor_sketch_bytes
-from mergepipe.catalog.stats import BLOCK_DIGEST_BYTES, TensorStats
+from mergepipe.catalog.stats import TensorStats
 from mergepipe.formats.safetensors import CheckpointLayout, build_header, n_blocks, parse_header, rows_per_block
 from mergepipe.numerics import OCT_SHIFT, magnitude_keys
 

@@ -36,8 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
+from mergepipe.catalog.digest import BLOCK_DIGEST_BYTES, block_digest
 from mergepipe.catalog.sketch import PLANES, TIERS, SketchWriter
-from mergepipe.catalog.stats import BLOCK_DIGEST_BYTES, TensorStats, TensorStatsBuilder, block_digest
+from mergepipe.catalog.stats import TensorStats, TensorStatsBuilder
 from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import (
     FLOAT_DTYPES,

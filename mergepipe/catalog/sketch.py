@@ -58,7 +58,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mergepipe.catalog.stats import BLOCK_DIGEST_BYTES, block_digest
+from mergepipe.catalog.digest import BLOCK_DIGEST_BYTES, block_digest
 
 #: sign planes of δ recorded per block (levels 1..PLANES)
 PLANES = 3

@@ -20,7 +20,6 @@ Everything is numpy: the planner and the operator use these without torch.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import re
 import struct
@@ -28,18 +27,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mergepipe.catalog.digest import BLOCK_DIGEST_BYTES
+from mergepipe.catalog.sketch import SECTIONS, TIERS
 from mergepipe.numerics import N_KEYS, N_OCT, OCT_SHIFT, exact_total, key_value, magnitude_keys, trim_min_key
 
+
 #: bytes kept of each block's SHA-256 (128 bits: a forged block needs a second preimage, 2^128 work)
-BLOCK_DIGEST_BYTES = 16
-
-
-def block_digest(data: bytes | memoryview) -> bytes:
-    """The content digest of one block's bytes: the first :data:`BLOCK_DIGEST_BYTES` bytes of
-    its SHA-256 (``hashlib`` releases the GIL while hashing, so reader threads hash in parallel)."""
-    return hashlib.sha256(data).digest()[:BLOCK_DIGEST_BYTES]
-
-
 @dataclass
 class TensorStats:
     """Statistics of one expert tensor's task vector.
@@ -229,8 +222,6 @@ class TensorStats:
             raise
         except Exception as e:  # zipfile.BadZipFile, KeyError, OSError, EOFError, TypeError ...
             raise ValueError(f"not a statistics blob ({type(e).__name__}: {str(e)[:80]})") from None
-        from mergepipe.catalog.sketch import SECTIONS, TIERS  # (sketch imports this module)
-
         nb = len(st.sq_norm)
         shapes_ok = (
             st.numel >= 0

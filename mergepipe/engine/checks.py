@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from mergepipe.catalog.stats import BLOCK_DIGEST_BYTES, block_digest
+from mergepipe.catalog.digest import BLOCK_DIGEST_BYTES, block_digest
 from mergepipe.errors import InputError
 
 _HEX = 2 * BLOCK_DIGEST_BYTES
