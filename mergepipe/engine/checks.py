@@ -19,9 +19,16 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from mergepipe.catalog.digest import BLOCK_DIGEST_BYTES, block_digest
 from mergepipe.errors import InputError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    from mergepipe.planner.plan import TensorExpert
 
 _HEX = 2 * BLOCK_DIGEST_BYTES
 
@@ -44,7 +51,7 @@ def _runs_index(runs: Sequence[tuple[int, int]], per_run: Sequence[int] | None =
 _INDEX: dict[tuple[int, str], tuple[object, list[int], list[int]]] = {}
 
 
-def _index(te, kind: str) -> tuple[list[int], list[int]]:
+def _index(te: TensorExpert, kind: str) -> tuple[list[int], list[int]]:
     """:func:`_runs_index` of ``te``'s exact (``kind="blocks"``) or sketched runs, cached per
     plan object (reader threads share it; a race computes the same value twice)."""
     got = _INDEX.get((id(te), kind))
@@ -62,7 +69,7 @@ def _index(te, kind: str) -> tuple[list[int], list[int]]:
     return starts, cum
 
 
-def expected_block(te, b: int) -> str | None:
+def expected_block(te: TensorExpert, b: int) -> str | None:
     """The recorded digest (hex) of block ``b`` of ``te``'s exact blocks, or None when ``b`` is
     not selected or the plan carries no digests."""
     if not te.block_digests:
@@ -75,7 +82,7 @@ def expected_block(te, b: int) -> str | None:
     return te.block_digests[p * _HEX : (p + 1) * _HEX]
 
 
-def expected_sketch(te, b: int, plane: int) -> str | None:
+def expected_sketch(te: TensorExpert, b: int, plane: int) -> str | None:
     """The recorded digest (hex) of block ``b``'s bytes of the ``plane``-th section (0-based, in
     :func:`~mergepipe.catalog.sketch.level_sections` order: a sign plane, or the rank-1 factors
     and the residual plane) its run reads in ``te``'s sketched runs, or None when not read."""
@@ -93,7 +100,14 @@ def expected_sketch(te, b: int, plane: int) -> str | None:
 
 
 def check_expert_runs(
-    te, tensor: str, expert: str, uri: str, rpb: int, row_bytes: int, runs: Sequence[tuple[int, int]], bufs
+    te: TensorExpert,
+    tensor: str,
+    expert: str,
+    uri: str,
+    rpb: int,
+    row_bytes: int,
+    runs: Sequence[tuple[int, int]],
+    bufs: Sequence[bytes | memoryview],
 ) -> None:
     """Check the expert bytes of row runs ``runs`` (block-aligned starts; ``bufs[i]`` holds rows
     ``runs[i]``) of tensor ``tensor`` against ``te``'s block digests.
@@ -123,7 +137,16 @@ def check_expert_runs(
                 )
 
 
-def check_sketch_plane(te, tensor: str, expert: str, uri: str, blocks: range, plane: int, buf, offs) -> None:
+def check_sketch_plane(
+    te: TensorExpert,
+    tensor: str,
+    expert: str,
+    uri: str,
+    blocks: range,
+    plane: int,
+    buf: bytes | memoryview,
+    offs: npt.NDArray[np.int64],
+) -> None:
     """Check one section's bytes of ``blocks`` (consecutive; ``buf`` starts at
     ``offs[blocks.start]`` of the section, ``offs`` the section's block offsets; ``plane`` the
     section's ordinal among those its run reads) against ``te``'s sketch digests.

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from mergepipe.engine.reader import ChunkInputs
+from mergepipe.engine.reader import ChunkInputs, ExpertRun, LoraBytes
 from mergepipe.engine.sketchkernel import SketchRun
 from mergepipe.engine.worklist import WorkItem
 from mergepipe.formats.safetensors import DTYPES
@@ -34,16 +35,31 @@ from mergepipe.methods.kernels import (
     sparsify,
 )
 from mergepipe.numerics import GROUP_BINS, decode, exact_shrink_hist, key_group_bits
-from mergepipe.planner.plan import Plan
+from mergepipe.planner.plan import LoraFactors, Plan, TensorExpert, TensorPlan
+
+if TYPE_CHECKING:
+    import torch
+
+    from mergepipe.engine.reader import Buffer
+    from mergepipe.methods.base import MethodSpec
+
+#: a run of the tiled path: ``(elem0, elem1, values, is_delta)`` (see :func:`_merge_chunk_tiled`)
+Run = tuple[int, int, "torch.Tensor | SketchRun", bool]
+#: the int64 bit histogram of a threshold key group: ``hist_of(slot, key)``
+HistOf = Callable[[int, int], np.ndarray]
+#: :attr:`L1Sums.groups`
+Groups = dict[tuple[Any, ...], Any]
+#: :attr:`L1Sums.all` / :attr:`L1Sums.kept`
+L1Map = dict[tuple[str, int], list[float]]
 
 
-def _torch_dtype(name: str):
+def _torch_dtype(name: str) -> torch.dtype:
     import torch
 
     return getattr(torch, DTYPES[name][1])
 
 
-def _encode(t, dtype: str) -> bytes:
+def _encode(t: torch.Tensor, dtype: str) -> bytes:
     """float32 torch tensor -> little-endian bytes of ``dtype`` (round to nearest even)."""
     import torch
 
@@ -59,21 +75,20 @@ def _encode(t, dtype: str) -> bytes:
 TILE_ELEMS = 1 << 16
 
 
-def _elementwise(tp, spec) -> bool:
+def _elementwise(tp: TensorPlan, spec: MethodSpec) -> bool:
     """The merge of this tensor runs tile by tile (:func:`mergepipe.methods.kernels.elementwise_merge`)."""
     return elementwise_merge(spec, tp.dtype)
 
 
-def _lora_delta(te, buf, rows: int):
+def _lora_delta(lf: LoraFactors, buf: LoraBytes, rows: int) -> np.ndarray:
     """float32 numpy ``δ = scale·B·A`` (flat) of ``rows`` rows of a LoRA expert from its
     :class:`~mergepipe.engine.reader.LoraBytes` (the catalog's arithmetic, bit for bit)."""
     from mergepipe.lora import delta_from_bytes
 
-    lf = te.lora
     return delta_from_bytes(lf.a_dtype, buf.a, lf.b_dtype, buf.b, lf.rank, lf.scale).reshape(-1)
 
 
-def _raw_tensor(raw, dtype: str):
+def _raw_tensor(raw: Buffer, dtype: str) -> torch.Tensor:
     """Zero-copy torch view of little-endian safetensors bytes (BF16, F16, F32)."""
     import torch
 
@@ -90,13 +105,13 @@ class _GroupHist:
 
     FLUSH = 1 << 20
 
-    def __init__(self, tau: int):
+    def __init__(self, tau: int) -> None:
         self.lo, n = key_group_bits(tau)
         self.hist = np.zeros(n, dtype=np.int64)
-        self._buf: list = []
+        self._buf: list[torch.Tensor] = []
         self._n = 0
 
-    def add_dense(self, d) -> None:
+    def add_dense(self, d: torch.Tensor) -> None:
         """Count the entries of ``d`` (float32 torch, any device) whose ``|δ|`` is in the group."""
         import torch
 
@@ -108,7 +123,7 @@ class _GroupHist:
             if self._n >= self.FLUSH:
                 self._flush()
 
-    def add_run(self, run: SketchRun, dev) -> None:
+    def add_run(self, run: SketchRun, dev: torch.device) -> None:
         """Count a sketched run's entries: a sign-plane run from its rows' value tables (no
         decode); a rank-1 run (its entries are not a table's) decoded a tile of rows at a time."""
         if run.factors is None:
@@ -132,18 +147,23 @@ class _GroupHist:
         return self.hist
 
 
-def _dense_group_hist(d, tau: int) -> np.ndarray:
+def _dense_group_hist(d: torch.Tensor, tau: int) -> np.ndarray:
     """int64 bit histogram of the entries of ``d`` (float32 torch) whose magnitude key is ``tau``."""
     g = _GroupHist(tau)
     g.add_dense(d)
     return g.done()
 
 
-def _bounds(te):
+def _dense_hist_of(d: torch.Tensor) -> HistOf:
+    """``hist_of(slot, key)`` over the whole-chunk task vector ``d`` (:func:`_dense_group_hist`)."""
+    return lambda slot, key: _dense_group_hist(d, key)
+
+
+def _bounds(te: TensorExpert) -> list[tuple[int, int, int]]:
     """The threshold key groups of ``te`` to refine: ``(slot, key, rank)`` for the lower end
     (TIES's threshold, breadcrumbs' window start; slot 0) and breadcrumbs' outlier bound (slot 1).
     (A key outside ``[1, 0x7F7F]`` has no bounded group: the key rule applies there.)"""
-    out = []
+    out: list[tuple[int, int, int]] = []
     if te.exact_rank and 1 <= te.min_key < 0x7F80:
         out.append((0, te.min_key, te.exact_rank))
     if te.exact_rank_hi and 1 <= te.max_key - 1 < 0x7F80:
@@ -151,7 +171,7 @@ def _bounds(te):
     return out
 
 
-def _shrinks(hist_of, te) -> tuple[float | None, float | None]:
+def _shrinks(hist_of: HistOf, te: TensorExpert) -> tuple[float | None, float | None]:
     """(shrink, shrink_hi) of ``te`` from ``hist_of(slot, key)`` (the int64 bit histogram of the
     key group's ``|δ|``, :func:`mergepipe.numerics.exact_shrink_hist`)."""
     lo = hi = None
@@ -164,7 +184,7 @@ def _shrinks(hist_of, te) -> tuple[float | None, float | None]:
     return lo, hi
 
 
-def _shrinks_from(groups, tp, te):
+def _shrinks_from(groups: Groups, tp: TensorPlan, te: TensorExpert) -> tuple[float | None, float | None]:
     """The exact thresholds of ``te`` in ``tp`` from the histograms its ``threshold`` pre-pass
     gathered; computed once per tensor (cached in ``groups`` under ``(name, expert, "shrinks")``,
     the histograms then dropped)."""
@@ -179,7 +199,7 @@ def _shrinks_from(groups, tp, te):
     return got
 
 
-def _add_group(groups, tp, te, slot: int, hist: np.ndarray) -> None:
+def _add_group(groups: Groups, tp: TensorPlan, te: TensorExpert, slot: int, hist: np.ndarray) -> None:
     key = (tp.name, te.expert, slot)
     if key in groups:
         groups[key] += hist
@@ -187,7 +207,7 @@ def _add_group(groups, tp, te, slot: int, hist: np.ndarray) -> None:
         groups[key] = hist
 
 
-def _trim_lambda(spec, ep: ExpertTensorParams) -> float | None:
+def _trim_lambda(spec: MethodSpec, ep: ExpertTensorParams) -> float | None:
     """The ``λ`` of the magnitude trim ``hardshrink(δ, λ)`` that :func:`sparsify` applies to this
     expert's task vector, or None when it applies something else (or nothing)."""
     if spec.sparsify != "magnitude" or ep.density >= 1.0:
@@ -197,7 +217,7 @@ def _trim_lambda(spec, ep: ExpertTensorParams) -> float | None:
     return magnitude_shrink_lambda(ep.min_key) if ep.min_key > 0 else None
 
 
-def _expert_params(tp, te, groups, hist_of) -> ExpertTensorParams:
+def _expert_params(tp: TensorPlan, te: TensorExpert, groups: Groups, hist_of: HistOf) -> ExpertTensorParams:
     """The sparsification parameters of expert ``te`` (a ``TensorExpert`` of tensor ``tp``) for
     one chunk: the plan's weight, density and key range, plus the exact-threshold shrinks when
     ``te`` has threshold key groups (:func:`_bounds`) -- from the histograms the tensor's
@@ -218,7 +238,9 @@ def _expert_params(tp, te, groups, hist_of) -> ExpertTensorParams:
     )
 
 
-def _tile_delta(runs, b, s: int, e: int, shrink: float | None = None):
+def _tile_delta(
+    runs: list[Run], b: torch.Tensor, s: int, e: int, shrink: float | None = None
+) -> tuple[torch.Tensor, bool]:
     """float32 task vector of one expert over the chunk's elements ``[s, e)`` (zeros where it
     has no run); ``b`` is the base's ``[s, e)`` in float32. Runs are ``(elem0, elem1, values,
     is_delta)`` (see :func:`_merge_chunk_tiled`); a sketched run's ``values`` is its
@@ -255,7 +277,16 @@ def _tile_delta(runs, b, s: int, e: int, shrink: float | None = None):
     return (d if d is not None else torch.zeros_like(b)), trimmed
 
 
-def _tiled_l1_rows(eparts, which, base_t, n: int, row_numel: int, offset: int, spec, shape):
+def _tiled_l1_rows(
+    eparts: list[tuple[ExpertTensorParams, list[Run]]],
+    which: list[int],
+    base_t: torch.Tensor,
+    n: int,
+    row_numel: int,
+    offset: int,
+    spec: MethodSpec,
+    shape: list[int],
+) -> dict[int, tuple[list[float], list[float]]]:
     """Per expert index in ``which``: the float64 L1 sums of each row of its task vector over
     the chunk and of what its sparsifier keeps (:func:`mergepipe.methods.kernels.l1_row_sums`),
     computed a few whole rows at a time (about ``TILE_ELEMS`` elements), so the rescale needs no
@@ -273,7 +304,17 @@ def _tiled_l1_rows(eparts, which, base_t, n: int, row_numel: int, offset: int, s
     return out
 
 
-def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None, l1_all=None, l1_kept=None):
+def _merge_chunk_tiled(
+    it: WorkItem,
+    base_raw: Buffer,
+    exp: list[list[ExpertRun]],
+    plan: Plan,
+    spec: MethodSpec,
+    dev: torch.device,
+    groups: Groups,
+    l1_all: L1Map,
+    l1_kept: L1Map,
+) -> memoryview | bytes | None:
     """Elementwise merge of one row chunk, ``TILE_ELEMS`` elements at a time (see
     :func:`_elementwise`). Inputs stay in their storage dtype until a tile is widened to
     float32, so the chunk holds its raw bytes, the output and one tile's temporaries instead of
@@ -298,18 +339,18 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None, l1_all=N
             (
                 (a - it.r0) * row_numel,
                 (z - it.r0) * row_numel,
-                torch.from_numpy(_lora_delta(te, buf, z - a)).to(dev)
+                torch.from_numpy(_lora_delta(te.lora, cast(LoraBytes, buf), z - a)).to(dev)
                 if te.lora is not None
                 else buf
                 if isinstance(buf, SketchRun)
-                else _raw_tensor(buf, tp.dtype).to(dev),
+                else _raw_tensor(cast("Buffer", buf), tp.dtype).to(dev),
                 te.lora is not None,
             )
             for (a, z), buf in parts
             if z > a
         ]
 
-        def hist_of(slot, key, runs=runs):
+        def hist_of(slot: int, key: int, runs: list[Run] = runs) -> np.ndarray:
             """This chunk's bit histogram of a threshold key group, a tile at a time (a sketched
             run from its value tables, without decoding)."""
             g = _GroupHist(key)
@@ -344,10 +385,17 @@ def _merge_chunk_tiled(it, base_raw, exp, plan, spec, dev, groups=None, l1_all=N
             kept = d if trimmed else sparsify(d, spec, ep, offset + s, tp.shape)
             deltas.append(kept * f if f != 1.0 else kept)
         out[s:e].copy_(combine(b, deltas, ws, spec, tp.params, weight_sum=tp.weight_sum, consume=True))
-    return memoryview(out.cpu().view(torch.uint8).numpy()) if n else b""
+    return out.cpu().view(torch.uint8).numpy().data if n else b""
 
 
-def _tiled_factors(it, eparts, base_t, spec, l1_all, l1_kept) -> list[float]:
+def _tiled_factors(
+    it: WorkItem,
+    eparts: list[tuple[ExpertTensorParams, list[Run]]],
+    base_t: torch.Tensor,
+    spec: MethodSpec,
+    l1_all: L1Map,
+    l1_kept: L1Map,
+) -> list[float]:
     """The L1 rescale factor of each expert of a tiled chunk (1.0 without a rescale): its row
     sums gathered a few rows at a time (added to the tensor's pre-pass sums for a ``stats`` item
     or a ``fused`` one), the factor from the whole tensor's sums when the tensor has an L1
@@ -381,17 +429,19 @@ class L1Sums:
     first ``merge`` item, :attr:`WorkItem.fused`) for the rescale factor of its ``merge`` items
     (DARE/DELLA rescale over the whole tensor)."""
 
-    all: dict[tuple[str, int], list[float]] = field(default_factory=dict)
-    kept: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    all: L1Map = field(default_factory=dict)
+    kept: L1Map = field(default_factory=dict)
     #: per (tensor, expert index, slot): the int64 bit histogram of ``|δ|`` in a threshold key group
     #: (exact bf16/float16/float32 TIES and breadcrumbs; slot 1: breadcrumbs' outlier bound,
     #: :func:`mergepipe.numerics.exact_shrink_hist`), gathered by ``threshold`` pre-pass items (and
     #: the first ``merge`` item when that pre-pass is the last); then, under ``(tensor, expert
     #: index, "shrinks")``, the thresholds computed from them (the histograms are dropped)
-    groups: dict[tuple, Any] = field(default_factory=dict)
+    groups: Groups = field(default_factory=dict)
 
 
-def merge_chunk(it: WorkItem, inputs: ChunkInputs, plan: Plan, spec, dev, l1: L1Sums):
+def merge_chunk(
+    it: WorkItem, inputs: ChunkInputs, plan: Plan, spec: MethodSpec, dev: torch.device, l1: L1Sums
+) -> bytes | memoryview | None:
     """Merge one work item (kinds ``merge``, ``stats``, ``threshold`` or ``convert``).
 
     Args:
@@ -405,14 +455,25 @@ def merge_chunk(it: WorkItem, inputs: ChunkInputs, plan: Plan, spec, dev, l1: L1
         The output bytes of the rows (``bytes`` or a ``memoryview``) in ``tp.out_dtype or
         tp.dtype``; None for ``stats`` and ``threshold`` items.
     """
-    out = _merge_chunk(it, inputs.base, inputs.experts, plan, spec, dev, l1.all, l1.kept, l1.groups)
+    exp = cast("list[list[ExpertRun]]", inputs.experts)  # (None only for copies, which are not merged)
+    out = _merge_chunk(it, inputs.base, exp, plan, spec, dev, l1.all, l1.kept, l1.groups)
     if it.ends_tensor and l1.groups:  # the tensor's thresholds are spent
         for key in [k for k in l1.groups if k[0] == it.tp.name]:
             del l1.groups[key]
     return out
 
 
-def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept, groups=None):
+def _merge_chunk(
+    it: WorkItem,
+    base_raw: Buffer,
+    exp: list[list[ExpertRun]],
+    plan: Plan,
+    spec: MethodSpec,
+    dev: torch.device,
+    l1_all: L1Map,
+    l1_kept: L1Map,
+    groups: Groups,
+) -> bytes | memoryview | None:
     """Merge one row chunk; for ``stats`` items only accumulate L1 sums and return None. Uses
     only the plan's per-tensor parameters (``tp.params``, ``TensorExpert`` fields, ``tp.derived``)."""
     import torch
@@ -433,7 +494,9 @@ def _merge_chunk(it, base_raw, exp, plan, spec, dev, l1_all, l1_kept, groups=Non
     return None if out is None else _encode(out, out_dtype)
 
 
-def _chunk_deltas(it, b, exp, dev, keep_values: bool) -> dict:
+def _chunk_deltas(
+    it: WorkItem, b: torch.Tensor, exp: list[list[ExpertRun]], dev: torch.device, keep_values: bool
+) -> dict[int, tuple[TensorExpert, torch.Tensor, torch.Tensor | None]]:
     """expert index -> ``(TensorExpert, δ, θ)`` of the chunk: float32 task vector (zeros on
     unread rows) and, with ``keep_values``, the expert's values (the base on unread rows)."""
     import torch
@@ -447,7 +510,7 @@ def _chunk_deltas(it, b, exp, dev, keep_values: bool) -> dict:
         for (a, z), buf in parts:
             sl = slice((a - it.r0) * row_numel, (z - it.r0) * row_numel)
             if te.lora is not None:  # δ = s·B·A from the factors; θ_e = θ_b + δ
-                d[sl] = torch.from_numpy(_lora_delta(te, buf, z - a)).to(dev)
+                d[sl] = torch.from_numpy(_lora_delta(te.lora, cast(LoraBytes, buf), z - a)).to(dev)
                 if xf is not None:
                     xf[sl] = b[sl] + d[sl]
                 continue
@@ -456,7 +519,7 @@ def _chunk_deltas(it, b, exp, dev, keep_values: bool) -> dict:
                 if xf is not None:
                     xf[sl] = b[sl] + d[sl]
                 continue
-            x = torch.from_numpy(decode(buf, tp.dtype)).to(dev).float()
+            x = torch.from_numpy(decode(cast("Buffer", buf), tp.dtype)).to(dev).float()
             d[sl] = x - b[sl]
             if xf is not None:
                 xf[sl] = x
@@ -464,7 +527,15 @@ def _chunk_deltas(it, b, exp, dev, keep_values: bool) -> dict:
     return present
 
 
-def _task_vector_chunk(it, b, present: dict, spec, l1_all, l1_kept, groups):
+def _task_vector_chunk(
+    it: WorkItem,
+    b: torch.Tensor,
+    present: dict[int, tuple[TensorExpert, torch.Tensor, torch.Tensor | None]],
+    spec: MethodSpec,
+    l1_all: L1Map,
+    l1_kept: L1Map,
+    groups: Groups,
+) -> torch.Tensor | None:
     """The task-arithmetic family's chunk (whole-chunk path): threshold groups for a
     ``threshold`` item, then per expert sparsify -> L1 rescale (with the tensor's pre-pass sums
     when it has one) -> :func:`~mergepipe.methods.kernels.combine`. float32 output, or None for
@@ -474,14 +545,14 @@ def _task_vector_chunk(it, b, present: dict, spec, l1_all, l1_kept, groups):
     offset = it.r0 * row_numel
     if it.kind == "threshold" or it.fused == "threshold":  # (fused: the pre-pass skipped this chunk)
         for te, d, _ in present.values():
-            for slot, key, _rank in _bounds(te):
-                _add_group(groups, tp, te, slot, _dense_group_hist(d, key))
+            for slot, gkey, _rank in _bounds(te):
+                _add_group(groups, tp, te, slot, _dense_group_hist(d, gkey))
         if it.kind == "threshold":
             return None
     rescale = spec.rescales(tp.params)
     deltas, ws = [], []
     for te, d, _ in present.values():
-        ep = _expert_params(tp, te, groups, lambda slot, key, d=d: _dense_group_hist(d, key))
+        ep = _expert_params(tp, te, groups, _dense_hist_of(d))
         kept = sparsify(d, spec, ep, offset, tp.shape)
         key = (tp.name, te.expert)
         if rescale and ep.density < 1.0:

@@ -14,12 +14,16 @@ import math
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mergepipe.engine.checks import check_expert_runs, check_sketch_plane
 from mergepipe.engine.worklist import WorkItem, base_byte_range, expert_runs, n_rows, row_bytes
 from mergepipe.formats.safetensors import DTYPES
-from mergepipe.planner.plan import Plan, sketch_location
+from mergepipe.planner.plan import Plan, TensorExpert, TensorPlan, sketch_location
 from mergepipe.storage.base import Storage
+
+if TYPE_CHECKING:
+    from mergepipe.engine.sketchkernel import SketchRun
 
 Buffer = bytes | memoryview
 
@@ -31,6 +35,11 @@ class LoraBytes:
 
     a: Buffer
     b: Buffer
+
+
+#: one run of an expert's input rows: ``((row0, row1), bytes)``; a LoRA expert's
+#: :class:`LoraBytes`; a sketched run's :class:`~mergepipe.engine.sketchkernel.SketchRun`
+ExpertRun = tuple[tuple[int, int], "Buffer | LoraBytes | SketchRun"]
 
 
 @dataclass(slots=True)
@@ -46,7 +55,7 @@ class ChunkInputs:
     """
 
     base: Buffer
-    experts: list[list[tuple[tuple[int, int], Buffer | LoraBytes]]] | None
+    experts: list[list[ExpertRun]] | None
 
 
 def fetch_inputs(plan: Plan, storage: Storage, it: WorkItem) -> ChunkInputs:
@@ -59,7 +68,7 @@ def fetch_inputs(plan: Plan, storage: Storage, it: WorkItem) -> ChunkInputs:
     base = storage.read_ranges(storage.join(plan.base.uri, tp.file), [(s, e)], "base")[0] if e > s else b""
     if it.kind in ("copy", "convert"):
         return ChunkInputs(base, None)
-    experts: list[list[tuple[tuple[int, int], Buffer | LoraBytes]]] = []
+    experts: list[list[ExpertRun]] = []
     for te in tp.experts:
         runs = expert_runs(te, tp.rows_per_block, it.r0, it.r1, n_rows(tp))
         if te.lora is not None:  # A (whole) and the runs' rows of B, exactly as planned (no gap)
@@ -83,7 +92,9 @@ def fetch_inputs(plan: Plan, storage: Storage, it: WorkItem) -> ChunkInputs:
     return ChunkInputs(base, experts)
 
 
-def sketch_parts(plan: Plan, storage: Storage, tp, te, r0: int, r1: int) -> list:
+def sketch_parts(
+    plan: Plan, storage: Storage, tp: TensorPlan, te: TensorExpert, r0: int, r1: int
+) -> list[tuple[tuple[int, int], SketchRun]]:
     """The rows of ``te``'s sketched blocks inside ``[r0, r1)`` as ``((row0, row1), SketchRun)``
     runs: the run's first ``k`` sign planes, undecoded (:class:`mergepipe.engine.sketchkernel.
     SketchRun`; the merge decodes a tile's rows at a time, on its device). A tensor's sketch is

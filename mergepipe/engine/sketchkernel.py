@@ -35,11 +35,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mergepipe.catalog.sketch import _from_bf16_bits
+
+if TYPE_CHECKING:
+    import torch
 
 Buffer = bytes | memoryview
 
@@ -48,8 +51,8 @@ Buffer = bytes | memoryview
 class _Prepared:
     """A run ready for the device: each entry's sign code, and the per-row value table."""
 
-    codes: Any  # uint8 (rows·row_numel,) torch tensor: the k sign bits of each entry, plane 1 most significant
-    table: Any  # float32 (rows, 2**k) torch tensor: the value of each k-bit sign code per row
+    codes: torch.Tensor  # uint8 (rows·row_numel,) torch tensor: the k sign bits of each entry, plane 1 most significant
+    table: torch.Tensor  # float32 (rows, 2**k) torch tensor: the value of each k-bit sign code per row
     u: Any = None  # float32 (rows,) torch tensor: the rank-1 tier's row factor (None: sign planes only)
     v: Any = None  # float32 (n_blocks, row_numel) torch tensor: the column factor of each block
     blk: Any = None  # int64 (rows,) torch tensor: each row's block in the run
@@ -81,7 +84,7 @@ class SketchRun:
     rows_per_block: int
     planes: list[Buffer]
     factors: Buffer | None = None
-    _dev: dict = field(default_factory=dict, repr=False)
+    _dev: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.planes) <= 8 or self.rows < 1 or self.row_numel < 1 or self.rows_per_block < 1:
@@ -118,7 +121,7 @@ class SketchRun:
             memoryview(self.factors).nbytes if self.factors is not None else 0
         )
 
-    def _prepared(self, dev) -> _Prepared:
+    def _prepared(self, dev: torch.device) -> _Prepared:
         """The run as device tensors, built once per device: the ``k``-bit sign code of every
         entry (uint8, one byte per entry: half the bytes of the bf16 block, a quarter of the
         float32 the numpy decoder materialised per plane) and per row the table of the ``2^k``
@@ -190,7 +193,7 @@ class SketchRun:
         self._dev[dev] = got
         return got
 
-    def _table(self, dev, shrink: float | None):
+    def _table(self, dev: torch.device, shrink: float | None) -> torch.Tensor:
         """The value table on ``dev``, trimmed by ``hardshrink(·, shrink)`` when ``shrink`` is given
         (cached per device and threshold: a few floats per row)."""
         pr = self._prepared(dev)
@@ -204,7 +207,7 @@ class SketchRun:
             t = self._dev[key] = torch.nn.functional.hardshrink(pr.table, shrink)
         return t
 
-    def delta_rows(self, r0: int, r1: int, dev, shrink: float | None = None):
+    def delta_rows(self, r0: int, r1: int, dev: torch.device, shrink: float | None = None) -> torch.Tensor:
         """float32 ``(r1 − r0, row_numel)`` torch tensor on ``dev``: ``δ̂_k`` of rows ``[r0, r1)``
         of the run (``Σ_p σ_p·s_p`` in plane order): one gather of the rows' sign codes from
         their rows' value tables; with ``shrink``, ``hardshrink(δ̂_k, shrink)`` (the table
@@ -222,7 +225,7 @@ class SketchRun:
         d = torch.add(lr, torch.gather(pr.table[r0:r1], 1, idx))
         return d if shrink is None else torch.nn.functional.hardshrink(d, shrink)
 
-    def delta(self, e0: int, e1: int, b, shrink: float | None = None):
+    def delta(self, e0: int, e1: int, b: torch.Tensor, shrink: float | None = None) -> torch.Tensor:
         """float32 task vector ``δ̂_k`` of the run's flat elements ``[e0, e1)`` (a 1-D torch tensor
         on the device of ``b``, the base's float32 values of those elements, which only name the
         device); with ``shrink``, trimmed: ``hardshrink(δ̂_k, shrink)`` (see :meth:`delta_rows`)."""
@@ -230,13 +233,13 @@ class SketchRun:
         r0, r1 = e0 // rn, -(-e1 // rn)
         return self.delta_rows(r0, r1, b.device, shrink).view(-1)[e0 - r0 * rn : e1 - r0 * rn]
 
-    def values(self, e0: int, e1: int, b):
+    def values(self, e0: int, e1: int, b: torch.Tensor) -> torch.Tensor:
         """float32 reconstructed expert values ``b + δ̂_k`` of elements ``[e0, e1)`` (see :meth:`delta`)."""
         import torch
 
         return torch.add(b, self.delta(e0, e1, b))
 
-    def _count_codes(self, rows_i: np.ndarray, codes_i: np.ndarray, dev) -> np.ndarray:
+    def _count_codes(self, rows_i: np.ndarray, codes_i: np.ndarray, dev: torch.device) -> np.ndarray:
         """int64 counts of code ``codes_i[j]`` in row ``rows_i[j]`` of the run, for each ``j``: per
         distinct code, one comparison over the rows that ask for it (uint8, on ``dev``)."""
         import torch
@@ -249,13 +252,13 @@ class SketchRun:
             out[sel] = c2.index_select(0, r).eq_(int(c)).sum(1).cpu().numpy()
         return out
 
-    def code_counts(self, dev) -> np.ndarray:
+    def code_counts(self, dev: torch.device) -> np.ndarray:
         """int64 ``(rows, 2^k)`` numpy array: how many entries of each row have each sign code."""
         k = len(self.planes)
         rows_i, codes_i = np.divmod(np.arange(self.rows << k), 1 << k)
         return self._count_codes(rows_i, codes_i, dev).reshape(self.rows, 1 << k)
 
-    def add_group_hist(self, hist: np.ndarray, lo: int, dev) -> None:
+    def add_group_hist(self, hist: np.ndarray, lo: int, dev: torch.device) -> None:
         """Add to ``hist`` (int64, :func:`mergepipe.numerics.exact_shrink_hist`'s layout: bin ``i``
         counts the bit pattern ``lo + i`` of ``|δ|``) the run's entries whose ``|δ̂_k|`` falls in
         its range, without decoding: the rows' table values in range, each weighted by how often
@@ -273,10 +276,10 @@ class SketchRun:
             np.add.at(hist, off[rows_i, codes_i], self._count_codes(rows_i, codes_i, dev))
 
 
-_LUTS: dict = {}
+_LUTS: dict[torch.device, torch.Tensor] = {}
 
 
-def _bit_lut(dev):
+def _bit_lut(dev: torch.device) -> torch.Tensor:
     """int64 ``(256,)`` on ``dev``: byte ``v`` → the eight bytes ``bit_7(v), …, bit_0(v)`` (0/1) in
     memory order, so ``lut[u8].view(uint8)`` unpacks big-endian bits like ``numpy.unpackbits``."""
     t = _LUTS.get(dev)

@@ -124,11 +124,11 @@ class ByteQueue:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
-        self.items: deque = deque()
+        self.items: deque[tuple[WriterMessage | None, int]] = deque()
         self.cv = threading.Condition()
         self.failed = False
 
-    def put(self, msg, nbytes: int = 0) -> None:
+    def put(self, msg: WriterMessage | None, nbytes: int = 0) -> None:
         with self.cv:
             while not self.failed and self.used > 0 and self.used + nbytes > self.limit:
                 self.cv.wait()
@@ -138,7 +138,7 @@ class ByteQueue:
             self.items.append((msg, nbytes))
             self.cv.notify_all()
 
-    def get(self):
+    def get(self) -> tuple[WriterMessage | None, int]:
         with self.cv:
             while not self.items and not self.failed:
                 self.cv.wait()
