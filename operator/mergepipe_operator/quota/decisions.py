@@ -163,6 +163,72 @@ def _window_text(limits: QuotaLimits) -> str:
     return f"in the last {limits.window_text}" if limits.window else "in total"
 
 
+def _repeat_admission(
+    status: Mapping[str, Any],
+    limits: QuotaLimits,
+    requested_budget: int | None,
+    key: str,
+    name: str,
+    used: dict[str, int],
+) -> Admission | None:
+    """The idempotent answer when ``key`` already has a ledger entry (``None`` when it has not):
+    allowed again, its budget capped at the reserved bytes when the quota limits bytes."""
+    for e in status.get("ledger") or []:
+        if e.get("key") == key:
+            budget = requested_budget
+            if limits.expert_read_bytes is not None:
+                budget = (
+                    int(e.get("bytes") or 0)
+                    if requested_budget is None
+                    else min(requested_budget, int(e.get("bytes") or 0))
+                )
+            return Admission(
+                True, budget, Reason.ALREADY_ADMITTED, f"already admitted by MergeQuota {name}", used, None
+            )
+    return None
+
+
+def _byte_admission(
+    limits: QuotaLimits,
+    requested_budget: int | None,
+    name: str,
+    used: dict[str, int],
+) -> tuple[int | None, str, str] | Admission:
+    """Apply the byte limit: ``(budget, reason, message)`` when the merge may proceed (as asked,
+    or lowered under ``Clamp``), or the rejecting ``Admission``."""
+    if limits.expert_read_bytes is None:
+        return requested_budget, Reason.ADMITTED, f"admitted by MergeQuota {name}"
+    used_b = used["expertReadBytes"]
+    hard = limits.expert_read_bytes
+    left = max(0, hard - used_b)
+    used_text = f"{human_bytes(used_b)} of {human_bytes(hard)} expert reads used {_window_text(limits)}"
+    if requested_budget is not None and requested_budget <= left:
+        budget = requested_budget
+        return (
+            budget,
+            Reason.ADMITTED,
+            f"admitted by MergeQuota {name} ({used_text}, reserving {human_bytes(budget)})",
+        )
+    if limits.enforcement == "Clamp" and left >= 1:
+        asked = "an unbounded read" if requested_budget is None else human_bytes(requested_budget)
+        return (
+            left,
+            Reason.CLAMPED,
+            f"budget lowered from {asked} to {human_bytes(left)} by MergeQuota {name} (Clamp; {used_text})",
+        )
+    if requested_budget is None:
+        why = "the merge sets no budget (unbounded expert reads); set spec.budget"
+    else:
+        why = f"requested {human_bytes(requested_budget)} but only {human_bytes(left)} is left"
+    return Admission(
+        False,
+        None,
+        Reason.QUOTA_EXCEEDED,
+        f"MergeQuota {name} ({limits.enforcement}): {why}; {used_text}",
+        used,
+    )
+
+
 def admit(
     quota: Mapping[str, Any],
     requested_budget: int | None,
@@ -189,18 +255,9 @@ def admit(
     used_b, used_m = _usage(status, limits, now)
     used = {"expertReadBytes": used_b, "merges": used_m}
     if key is not None:
-        for e in status.get("ledger") or []:
-            if e.get("key") == key:
-                budget = requested_budget
-                if limits.expert_read_bytes is not None:
-                    budget = (
-                        int(e.get("bytes") or 0)
-                        if requested_budget is None
-                        else min(requested_budget, int(e.get("bytes") or 0))
-                    )
-                return Admission(
-                    True, budget, Reason.ALREADY_ADMITTED, f"already admitted by MergeQuota {name}", used, None
-                )
+        repeat = _repeat_admission(status, limits, requested_budget, key, name, used)
+        if repeat is not None:
+            return repeat
     if limits.merges is not None and used_m + 1 > limits.merges:
         return Admission(
             False,
@@ -209,33 +266,10 @@ def admit(
             f"MergeQuota {name}: {used_m} of {limits.merges} merges used {_window_text(limits)}; wait or raise spec.hard.merges",
             used,
         )
-    reason, message = Reason.ADMITTED, f"admitted by MergeQuota {name}"
-    if limits.expert_read_bytes is None:
-        budget = requested_budget
-    else:
-        hard = limits.expert_read_bytes
-        left = max(0, hard - used_b)
-        used_text = f"{human_bytes(used_b)} of {human_bytes(hard)} expert reads used {_window_text(limits)}"
-        if requested_budget is not None and requested_budget <= left:
-            budget = requested_budget
-            message = f"admitted by MergeQuota {name} ({used_text}, reserving {human_bytes(budget)})"
-        elif limits.enforcement == "Clamp" and left >= 1:
-            budget = left
-            reason = Reason.CLAMPED
-            asked = "an unbounded read" if requested_budget is None else human_bytes(requested_budget)
-            message = f"budget lowered from {asked} to {human_bytes(left)} by MergeQuota {name} (Clamp; {used_text})"
-        else:
-            if requested_budget is None:
-                why = "the merge sets no budget (unbounded expert reads); set spec.budget"
-            else:
-                why = f"requested {human_bytes(requested_budget)} but only {human_bytes(left)} is left"
-            return Admission(
-                False,
-                None,
-                Reason.QUOTA_EXCEEDED,
-                f"MergeQuota {name} ({limits.enforcement}): {why}; {used_text}",
-                used,
-            )
+    decided = _byte_admission(limits, requested_budget, name, used)
+    if isinstance(decided, Admission):
+        return decided
+    budget, reason, message = decided
     reserve = budget or 0
     new_used = {"expertReadBytes": used_b + reserve, "merges": used_m + 1}
     new_status = None
