@@ -433,6 +433,66 @@ def _finite(x: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
+def _pareto_points(search: str, results: Mapping[str, Any], objs: list[str]) -> list[dict[str, Any]]:
+    """The driver's Pareto points in status form, by candidate number: user-unit objective
+    values, the MergedSnapshot name when the manifest hash is a sha256, the snapshot URI."""
+    pareto = []
+    for p in sorted(results["pareto"], key=lambda p: int(p["id"])):
+        point: dict[str, Any] = {
+            "candidate": int(p["id"]),
+            "objectives": {
+                o.split("@")[0]: _user_value(o, p["objectives"][o]) for o in objs if o in (p.get("objectives") or {})
+            },
+        }
+        if _SHA256.match(str(p.get("manifest_hash") or "")):
+            point["snapshot"] = snapshot_name(candidate_merge_name(search, int(p["id"])), p["manifest_hash"])
+        if p.get("snapshot"):
+            point["uri"] = str(p["snapshot"])
+        pareto.append(point)
+    return pareto
+
+
+def _results_fields(search: str, results: Mapping[str, Any], total: int, max_pareto: int) -> tuple[dict[str, Any], str]:
+    """The status fields the driver's results fill (counts, hypervolume, refPoint, Pareto set)
+    and the one-line progress summary."""
+    objs = list(results["objectives"])
+    done, failed = int(results["evaluations"]), int(results["failed"])
+    pareto = _pareto_points(search, results, objs)
+    hv = (results.get("hypervolume") or [{}])[-1].get("hv")
+    ref = results.get("ref_point")
+    fields: dict[str, Any] = dict(
+        searchID=str(results["search_id"]),
+        evaluations=done + failed,
+        failed=failed,
+        running=int(results.get("running") or 0),
+        hypervolume=None if (hv_f := _finite(hv)) is None else max(0.0, hv_f),
+        refPoint=[_user_value(o, r) for o, r in zip(objs, ref)] if ref else [],
+        paretoSize=len(pareto),
+        pareto=pareto[:max_pareto],
+    )
+    summary = f"{done + failed}/{total} candidates evaluated ({failed} failed), Pareto set of {len(pareto)}"
+    if fields["hypervolume"] is not None:
+        summary += f", hypervolume {fields['hypervolume']:.6g}"
+    return fields, summary
+
+
+def _ready(outcome: JobOutcome, has_results: bool, job_name: str, summary: str, uri: str) -> tuple[str, str, str]:
+    """The Ready condition ``(status, reason, message)`` from the driver Job's outcome."""
+    if outcome.state == "Running" and outcome.reason == Reason.QUEUED:
+        return ("False", SearchReason.QUEUED, outcome.message)
+    if outcome.state == "Running":
+        return ("False", SearchReason.SEARCHING, f"driver Job {job_name}: {summary}")
+    if outcome.state == "Succeeded" and has_results:
+        return ("True", SearchReason.COMPLETED, summary)
+    if outcome.state == "Succeeded":
+        return ("False", SearchReason.FAILED, f"driver Job {job_name} completed but wrote no results at {uri}")
+    return (
+        "False",
+        SearchReason.FAILED,
+        f"driver Job {job_name} failed ({outcome.reason}): {outcome.message}; {summary}",
+    )
+
+
 def search_status(
     ms: Mapping[str, Any],
     results: Mapping[str, Any] | None,
@@ -466,56 +526,9 @@ def search_status(
     total = int(spec.get("evaluations", 24))
     summary = f"0/{total} candidates evaluated"
     if results is not None:
-        objs = list(results["objectives"])
-        done, failed = int(results["evaluations"]), int(results["failed"])
-        pareto = []
-        for p in sorted(results["pareto"], key=lambda p: int(p["id"])):
-            point: dict[str, Any] = {
-                "candidate": int(p["id"]),
-                "objectives": {
-                    o.split("@")[0]: _user_value(o, p["objectives"][o])
-                    for o in objs
-                    if o in (p.get("objectives") or {})
-                },
-            }
-            if _SHA256.match(str(p.get("manifest_hash") or "")):
-                point["snapshot"] = snapshot_name(candidate_merge_name(meta["name"], int(p["id"])), p["manifest_hash"])
-            if p.get("snapshot"):
-                point["uri"] = str(p["snapshot"])
-            pareto.append(point)
-        hv = (results.get("hypervolume") or [{}])[-1].get("hv")
-        ref = results.get("ref_point")
-        out.update(
-            searchID=str(results["search_id"]),
-            evaluations=done + failed,
-            failed=failed,
-            running=int(results.get("running") or 0),
-            hypervolume=None if (hv_f := _finite(hv)) is None else max(0.0, hv_f),
-            refPoint=[_user_value(o, r) for o, r in zip(objs, ref)] if ref else [],
-            paretoSize=len(pareto),
-            pareto=pareto[:max_pareto],
-        )
-        summary = f"{done + failed}/{total} candidates evaluated ({failed} failed), Pareto set of {len(pareto)}"
-        if out["hypervolume"] is not None:
-            summary += f", hypervolume {out['hypervolume']:.6g}"
-    if outcome.state == "Running" and outcome.reason == Reason.QUEUED:
-        ready = ("False", SearchReason.QUEUED, outcome.message)
-    elif outcome.state == "Running":
-        ready = ("False", SearchReason.SEARCHING, f"driver Job {job_name}: {summary}")
-    elif outcome.state == "Succeeded" and results is not None:
-        ready = ("True", SearchReason.COMPLETED, summary)
-    elif outcome.state == "Succeeded":
-        ready = (
-            "False",
-            SearchReason.FAILED,
-            f"driver Job {job_name} completed but wrote no results at {results_uri(spec, gen)}",
-        )
-    else:
-        ready = (
-            "False",
-            SearchReason.FAILED,
-            f"driver Job {job_name} failed ({outcome.reason}): {outcome.message}; {summary}",
-        )
+        fields, summary = _results_fields(meta["name"], results, total, max_pareto)
+        out.update(fields)
+    ready = _ready(outcome, results is not None, job_name, summary, results_uri(spec, gen))
     out["conditions"] = set_condition(status.get("conditions"), "Ready", *ready, gen, now)
     return out
 
