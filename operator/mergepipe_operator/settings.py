@@ -48,6 +48,76 @@ def _bool(env: Mapping[str, str], name: str) -> bool:
     return v in ("true", "1")
 
 
+def _bytes_per_part(env: Mapping[str, str], default: int) -> int:
+    """``MERGEPIPE_BYTES_PER_PART`` as bytes (a Kubernetes quantity), ``default`` when unset.
+
+    Raises:
+        ValueError: not a quantity, or below 1 byte.
+    """
+    if not _opt(env, "BYTES_PER_PART"):
+        return default
+    from .quantities import QuantityError, parse_quantity
+
+    try:
+        bytes_per_part = parse_quantity(_opt(env, "BYTES_PER_PART"), field=f"{ENV_PREFIX}BYTES_PER_PART")
+    except QuantityError as e:
+        raise ValueError(str(e)) from None
+    if bytes_per_part < 1:
+        raise ValueError(f"{ENV_PREFIX}BYTES_PER_PART must be at least 1 byte")
+    return bytes_per_part
+
+
+def _default_budget(env: Mapping[str, str]) -> str | None:
+    """``MERGEPIPE_DEFAULT_BUDGET`` as given (the chart's merges.defaultBudget), checked here so a
+    bad value is refused at start, not at each merge.
+
+    Raises:
+        ValueError: not a quantity, or below 1 byte.
+    """
+    default_budget = _opt(env, "DEFAULT_BUDGET")
+    if default_budget:
+        from .quantities import QuantityError, parse_quantity
+
+        try:
+            if parse_quantity(default_budget, field=f"{ENV_PREFIX}DEFAULT_BUDGET") < 1:
+                raise ValueError(f"{ENV_PREFIX}DEFAULT_BUDGET must be at least 1 byte")
+        except QuantityError as e:
+            raise ValueError(str(e)) from None
+    return default_budget
+
+
+def _sketches(env: Mapping[str, str]) -> tuple[str | None, dict[Any, Any]]:
+    """``(MERGEPIPE_SKETCH, MERGEPIPE_SKETCH_BY_NAMESPACE)``: the default sketch kind and the
+    per-namespace kinds (JSON object).
+
+    Raises:
+        ValueError: a kind that is not one of ``SKETCH_KINDS``, or a non-object mapping.
+    """
+    from mergepipe.catalog.sketch import SKETCH_KINDS
+
+    sketch = _opt(env, "SKETCH")
+    if sketch is not None and sketch not in SKETCH_KINDS:
+        raise ValueError(f"{ENV_PREFIX}SKETCH must be one of {', '.join(SKETCH_KINDS)}, got {sketch!r}")
+    by_ns = _json(env, "SKETCH_BY_NAMESPACE", {})
+    if not isinstance(by_ns, dict) or any(v not in SKETCH_KINDS for v in by_ns.values()):
+        raise ValueError(
+            f"{ENV_PREFIX}SKETCH_BY_NAMESPACE must map namespaces to one of {', '.join(SKETCH_KINDS)}, got {by_ns!r}"
+        )
+    return sketch, by_ns
+
+
+def _allowed_images(env: Mapping[str, str]) -> list[str]:
+    """``MERGEPIPE_ALLOWED_IMAGES``: a JSON list of non-empty image patterns (``[]`` when unset).
+
+    Raises:
+        ValueError: not a list of non-empty strings.
+    """
+    allowed = _json(env, "ALLOWED_IMAGES", [])
+    if not isinstance(allowed, list) or not all(isinstance(a, str) and a.strip() for a in allowed):
+        raise ValueError(f"{ENV_PREFIX}ALLOWED_IMAGES must be a JSON list of non-empty strings, got {allowed!r}")
+    return allowed
+
+
 @dataclass(frozen=True)
 class Settings:
     """Cluster-wide defaults of the operator. A ModelMerge's spec overrides the per-merge ones
@@ -149,40 +219,11 @@ class Settings:
         max_parallelism = _int(env, "MAX_PARALLELISM", d.max_parallelism)
         if max_parallelism < 1:
             raise ValueError(f"{ENV_PREFIX}MAX_PARALLELISM must be >= 1, got {max_parallelism}")
-        bytes_per_part = d.bytes_per_part
-        if _opt(env, "BYTES_PER_PART"):
-            from .quantities import QuantityError, parse_quantity
-
-            try:
-                bytes_per_part = parse_quantity(_opt(env, "BYTES_PER_PART"), field=f"{ENV_PREFIX}BYTES_PER_PART")
-            except QuantityError as e:
-                raise ValueError(str(e)) from None
-            if bytes_per_part < 1:
-                raise ValueError(f"{ENV_PREFIX}BYTES_PER_PART must be at least 1 byte")
-        default_budget = _opt(env, "DEFAULT_BUDGET")
-        if default_budget:  # refused at start, not at each merge (the chart's merges.defaultBudget)
-            from .quantities import QuantityError, parse_quantity
-
-            try:
-                if parse_quantity(default_budget, field=f"{ENV_PREFIX}DEFAULT_BUDGET") < 1:
-                    raise ValueError(f"{ENV_PREFIX}DEFAULT_BUDGET must be at least 1 byte")
-            except QuantityError as e:
-                raise ValueError(str(e)) from None
-        from mergepipe.catalog.sketch import SKETCH_KINDS
-
-        sketch = _opt(env, "SKETCH")
-        if sketch is not None and sketch not in SKETCH_KINDS:
-            raise ValueError(f"{ENV_PREFIX}SKETCH must be one of {', '.join(SKETCH_KINDS)}, got {sketch!r}")
-        by_ns = _json(env, "SKETCH_BY_NAMESPACE", {})
-        if not isinstance(by_ns, dict) or any(v not in SKETCH_KINDS for v in by_ns.values()):
-            raise ValueError(
-                f"{ENV_PREFIX}SKETCH_BY_NAMESPACE must map namespaces to one of {', '.join(SKETCH_KINDS)}, "
-                f"got {by_ns!r}"
-            )
+        bytes_per_part = _bytes_per_part(env, d.bytes_per_part)
+        default_budget = _default_budget(env)
+        sketch, by_ns = _sketches(env)
         ns = _opt(env, "WATCH_NAMESPACES")
-        allowed = _json(env, "ALLOWED_IMAGES", [])
-        if not isinstance(allowed, list) or not all(isinstance(a, str) and a.strip() for a in allowed):
-            raise ValueError(f"{ENV_PREFIX}ALLOWED_IMAGES must be a JSON list of non-empty strings, got {allowed!r}")
+        allowed = _allowed_images(env)
         return cls(
             merger_image=_opt(env, "MERGER_IMAGE") or d.merger_image,
             image_pull_policy=_opt(env, "IMAGE_PULL_POLICY") or d.image_pull_policy,
