@@ -376,6 +376,44 @@ def parts_status(job: Mapping[str, Any] | None, total: int) -> dict[str, Any]:
     }
 
 
+def _merge_job_metadata(
+    name: str, generation: int | None, plan_uri: str, plan_digest: str
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The merge Job's ``(labels, annotations)``: which merge and plan it runs (the plan digest
+    in full in an annotation, its first 16 hex digits in a label for selection)."""
+    labels = {
+        LABEL_NAME: "mergepipe-merger",
+        LABEL_COMPONENT: "merge",
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_MERGE: label_value(name),
+        LABEL_PLAN: plan_digest[:16],
+    }
+    annotations = {
+        ANN_PLAN_DIGEST: plan_digest,
+        ANN_PLAN_URI: plan_uri,
+        ANN_MERGE: name,
+        ANN_GENERATION: str(generation or 0),
+    }
+    return labels, annotations
+
+
+def _make_indexed(job_spec: dict[str, Any], parts: int, backoff_limit: int) -> None:
+    """Turn a merge Job's spec (in place) into an Indexed Job of ``parts`` pods, each index
+    retried ``backoff_limit`` times on its own, the Job failing at the first index out of
+    retries, and an exit 2 (bad input) failing its index at once."""
+    job_spec.pop("backoffLimit", None)  # per index instead (the Job-wide default is then unbounded)
+    job_spec.update(
+        completionMode="Indexed",
+        completions=parts,
+        parallelism=parts,
+        backoffLimitPerIndex=backoff_limit,
+        maxFailedIndexes=0,
+    )
+    job_spec["podFailurePolicy"]["rules"].append(
+        {"action": "FailIndex", "onExitCodes": {"containerName": "merge", "operator": "In", "values": [2]}}
+    )
+
+
 def build_job(
     mm: Mapping[str, Any],
     plan_uri: str,
@@ -422,19 +460,7 @@ def build_job(
     if not out_uri:
         raise ValueError("spec.output.uri is required")
     jname = job_name(name, plan_digest, retry_generation)
-    labels = {
-        LABEL_NAME: "mergepipe-merger",
-        LABEL_COMPONENT: "merge",
-        LABEL_MANAGED_BY: MANAGER,
-        LABEL_MERGE: label_value(name),
-        LABEL_PLAN: plan_digest[:16],
-    }
-    annotations = {
-        ANN_PLAN_DIGEST: plan_digest,
-        ANN_PLAN_URI: plan_uri,
-        ANN_MERGE: name,
-        ANN_GENERATION: str(meta.get("generation") or 0),
-    }
+    labels, annotations = _merge_job_metadata(name, meta.get("generation"), plan_uri, plan_digest)
     if parts < 1:
         raise ValueError(f"parts must be >= 1, got {parts}")
     args = ["execute", plan_uri, "--out", out_uri]
@@ -457,18 +483,7 @@ def build_job(
         image=(mm.get("spec") or {}).get("image"),
     )
     if parts > 1:
-        js = job["spec"]
-        js.pop("backoffLimit", None)  # per index instead (the Job-wide default is then unbounded)
-        js.update(
-            completionMode="Indexed",
-            completions=parts,
-            parallelism=parts,
-            backoffLimitPerIndex=settings.backoff_limit,
-            maxFailedIndexes=0,
-        )
-        js["podFailurePolicy"]["rules"].append(
-            {"action": "FailIndex", "onExitCodes": {"containerName": "merge", "operator": "In", "values": [2]}}
-        )
+        _make_indexed(job["spec"], parts, settings.backoff_limit)
     return job
 
 
