@@ -60,7 +60,95 @@ def worker_job(
     gpu_spec = res.get("gpu") or {}
     gpu_count = (settings.gpu_count if gpu_spec.get("count") is None else int(gpu_spec["count"])) if gpu else 0
     gpu_name = gpu_spec.get("resourceName") or settings.gpu_resource_name
-    s3 = spec.get("s3") or {}
+    env = _s3_env(spec.get("s3") or {}, settings)
+    env += [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "TMPDIR", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    env += [dict(e) for e in env_extra]
+    if gpu_count == 0:
+        env.append({"name": "CUDA_VISIBLE_DEVICES", "value": ""})
+    resources = _resources(res, settings, gpu_count, gpu_name)
+
+    tmp_volume: dict[str, Any] = {"name": "tmp", "emptyDir": {}}
+    if settings.tmp_size_limit:
+        tmp_volume["emptyDir"]["sizeLimit"] = settings.tmp_size_limit
+    env = env + [{"name": "MERGEPIPE_TERMINATION_LOG", "value": TERMINATION_LOG}]
+    container = _container(component, image or settings.merger_image, args, env, resources, gpu_count, settings)
+    job_meta: dict[str, Any] = {
+        "name": name,
+        "labels": {**dict(labels), **queue_labels(queue_name(spec, settings.queue_name))},
+        "annotations": dict(annotations),
+        "ownerReferences": [dict(owner) if owner is not None else owner_reference(mm)],
+    }
+    if namespace:
+        job_meta["namespace"] = namespace
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": job_meta,
+        "spec": {
+            "backoffLimit": settings.backoff_limit,
+            "activeDeadlineSeconds": settings.active_deadline_seconds,
+            "ttlSecondsAfterFinished": settings.ttl_seconds_after_finished,
+            "podFailurePolicy": {
+                # evictions/preemptions of a (GPU) pod do not count towards backoffLimit
+                "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+            },
+            "template": {
+                "metadata": {"labels": dict(labels), "annotations": dict(annotations)},
+                "spec": _pod_spec(container, tmp_volume, settings),
+            },
+        },
+    }
+
+
+def _container(
+    component: str,
+    image: str,
+    args: list[str],
+    env: list[dict[str, Any]],
+    resources: dict[str, Any],
+    gpu_count: int,
+    settings: Settings,
+) -> dict[str, Any]:
+    """The worker container: ``mergepipe <args>`` (``--device cuda`` added when it gets GPUs) in
+    ``image``, non-root, read-only root filesystem (an emptyDir at /tmp), all capabilities
+    dropped, its one-line error in the termination log."""
+    container = {
+        "name": component,
+        "image": image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": ["mergepipe"],
+        # `mergepipe execute` computes on --device (default cpu): use the GPU the pod gets
+        "args": list(args) + (["--device", "cuda"] if gpu_count > 0 else []),
+        "env": env,
+        "resources": resources,
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": settings.run_as_user,
+            "runAsGroup": settings.run_as_user,
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        # the worker writes its one-line error there (MERGEPIPE_TERMINATION_LOG); a pod that died
+        # without writing it (OOM, a crash) gets the tail of its log instead
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    return container
+
+
+def _s3_env(s3: Mapping[str, Any], settings: Settings) -> list[dict[str, Any]]:
+    """The worker's S3 environment: credentials only as ``secretKeyRef`` (``s3.credentialsSecretRef``
+    of the spec, else the operator's secret; the session token optional), then the endpoint and
+    region (the spec's, else the operator's)."""
     secret = s3.get("credentialsSecretRef") or (
         {
             "name": settings.s3_secret_name,
@@ -91,16 +179,13 @@ def worker_job(
     if region:
         env.append({"name": "AWS_REGION", "value": region})
         env.append({"name": "AWS_DEFAULT_REGION", "value": region})
-    env += [
-        {"name": "HOME", "value": "/tmp"},
-        {"name": "TMPDIR", "value": "/tmp"},
-        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
-        {"name": "PYTHONUNBUFFERED", "value": "1"},
-    ]
-    env += [dict(e) for e in env_extra]
-    if gpu_count == 0:
-        env.append({"name": "CUDA_VISIBLE_DEVICES", "value": ""})
+    return env
 
+
+def _resources(res: Mapping[str, Any], settings: Settings, gpu_count: int, gpu_name: str) -> dict[str, Any]:
+    """The container's requests/limits: CPU and memory from ``res`` (``spec.resources``) else
+    ``settings`` (memory limit = request; CPU limited only with ``settings.limit_cpu``), and
+    ``gpu_count`` of ``gpu_name`` as a limit. Empty sections are left out."""
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
     cpu = res.get("cpu", settings.cpu)
@@ -118,36 +203,13 @@ def worker_job(
         resources["requests"] = requests
     if limits:
         resources["limits"] = limits
+    return resources
 
-    tmp_volume: dict[str, Any] = {"name": "tmp", "emptyDir": {}}
-    if settings.tmp_size_limit:
-        tmp_volume["emptyDir"]["sizeLimit"] = settings.tmp_size_limit
-    env = env + [{"name": "MERGEPIPE_TERMINATION_LOG", "value": TERMINATION_LOG}]
-    container = {
-        "name": component,
-        "image": image or settings.merger_image,
-        "imagePullPolicy": settings.image_pull_policy,
-        "command": ["mergepipe"],
-        # `mergepipe execute` computes on --device (default cpu): use the GPU the pod gets
-        "args": list(args) + (["--device", "cuda"] if gpu_count > 0 else []),
-        "env": env,
-        "resources": resources,
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": settings.run_as_user,
-            "runAsGroup": settings.run_as_user,
-            "allowPrivilegeEscalation": False,
-            "privileged": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
-        # the worker writes its one-line error there (MERGEPIPE_TERMINATION_LOG); a pod that died
-        # without writing it (OOM, a crash) gets the tail of its log instead
-        "terminationMessagePath": TERMINATION_LOG,
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-    }
+
+def _pod_spec(container: dict[str, Any], tmp_volume: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """The worker pod's spec: never restarted in place, no service-account token or service
+    links, non-root with seccomp RuntimeDefault, and the operator's service account, node
+    selector and tolerations when set."""
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
@@ -168,32 +230,7 @@ def worker_job(
         pod_spec["nodeSelector"] = dict(settings.node_selector)
     if settings.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in settings.tolerations]
-    job_meta: dict[str, Any] = {
-        "name": name,
-        "labels": {**dict(labels), **queue_labels(queue_name(spec, settings.queue_name))},
-        "annotations": dict(annotations),
-        "ownerReferences": [dict(owner) if owner is not None else owner_reference(mm)],
-    }
-    if namespace:
-        job_meta["namespace"] = namespace
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": job_meta,
-        "spec": {
-            "backoffLimit": settings.backoff_limit,
-            "activeDeadlineSeconds": settings.active_deadline_seconds,
-            "ttlSecondsAfterFinished": settings.ttl_seconds_after_finished,
-            "podFailurePolicy": {
-                # evictions/preemptions of a (GPU) pod do not count towards backoffLimit
-                "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
-            },
-            "template": {
-                "metadata": {"labels": dict(labels), "annotations": dict(annotations)},
-                "spec": pod_spec,
-            },
-        },
-    }
+    return pod_spec
 
 
 @dataclass(frozen=True)
