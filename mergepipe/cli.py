@@ -535,6 +535,15 @@ SketchOpt = Annotated[
         "factors + one sign plane of the rest); none: read exactly or skip [default: sign3+r1]",
     ),
 ]
+DeadlineOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--deadline",
+        help="Time target with a unit (60s, 2m, 1.5h): plan the largest budget (at most --budget) whose "
+        "predicted time fits, from this machine's measured throughput (`mergepipe calibrate`; measured on "
+        "first use); a bare number is refused",
+    ),
+]
 MemOpt = Annotated[
     str,
     typer.Option(
@@ -558,6 +567,7 @@ def plan(
     value: ValueOpt = None,
     calibration: CalibrationOpt = None,
     sketch: SketchOpt = None,
+    deadline: DeadlineOpt = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the plan JSON here")] = None,
     catalog: CatalogOpt = None,
     json_out: JsonOpt = False,
@@ -577,7 +587,11 @@ def plan(
         fidelity,
         seed,
         planning=PlanningOptions(
-            value=value, calibration=calibration, sketch=sketch, block_bytes=_block_bytes(block_size)
+            value=value,
+            calibration=calibration,
+            sketch=sketch,
+            block_bytes=_block_bytes(block_size),
+            deadline=deadline,
         ),
         run=RunOptions(work_bytes=_work_bytes(work_memory)),
     )
@@ -594,6 +608,7 @@ def plan(
         "expert_budget_bytes": p.budget_bytes,
         "expert_bytes_total": p.expert_bytes_total,
         "retained_energy": p.retained_energy,
+        "predicted_seconds": p.predicted_seconds,
         "plan": str(out) if out else None,
     }
     if json_out:
@@ -615,6 +630,10 @@ def _print_explain(p, per_tensor: bool = False, manifest: dict | None = None):
     con.print(_esc(summary(p, manifest)), highlight=False)
     if p.explain:
         con.print(f"[dim]planner:[/] {_esc(p.explain)}", highlight=False)
+    if p.predicted_seconds is not None:
+        from mergepipe.planner.cost import describe
+
+        con.print(_esc(describe(p.predicted_seconds)) + " on the calibrated machine", highlight=False)
     con.print()
     for word, meaning in terms(p):
         con.print(f"  [bold]{_esc(word)}[/]: {_esc(meaning)}", highlight=False)
@@ -843,6 +862,7 @@ def merge(
     value: ValueOpt = None,
     calibration: CalibrationOpt = None,
     sketch: SketchOpt = None,
+    deadline: DeadlineOpt = None,
     workers: Annotated[
         Optional[int],
         typer.Option(
@@ -871,7 +891,7 @@ def merge(
     from mergepipe.request import PlanningOptions, RunOptions
 
     planning = PlanningOptions(
-        value=value, calibration=calibration, sketch=sketch, block_bytes=_block_bytes(block_size)
+        value=value, calibration=calibration, sketch=sketch, block_bytes=_block_bytes(block_size), deadline=deadline
     )
     run = RunOptions(
         work_bytes=_work_bytes(work_memory),
@@ -886,6 +906,25 @@ def merge(
         res = api.merge(req, where=where, catalog=_catalog(catalog), storage=_storage_for(req.base), progress=prog)
     res.total_s = max(res.total_s or 0.0, _since_process_start())  # from process start, imports included
     _emit_merge(res, json_out)
+
+
+@app.command()
+def calibrate(json_out: JsonOpt = False):
+    """Measure this machine's throughput (local read/write bytes/s, seconds per request, sketch decode
+    and merge bytes/s; a few seconds) and cache it at $MERGEPIPE_HOME/throughput.json: the planner's
+    predicted seconds and --deadline use it."""
+    from mergepipe.planner.cost import calibrate as measure, save_throughput
+
+    tp = measure()
+    path = save_throughput(tp)
+    if json_out:
+        print(json.dumps({**tp.model_dump(), "path": str(path)}))
+        return
+    print(
+        f"read {tp.read_bytes_per_s / 1e9:.2f} GB/s, {tp.request_s * 1e6:.0f} µs/request, write "
+        f"{tp.write_bytes_per_s / 1e9:.2f} GB/s, decode {tp.decode_bytes_per_s / 1e9:.2f} GB/s, merge "
+        f"{tp.merge_bytes_per_s / 1e9:.2f} GB/s ({tp.device}, {tp.threads} threads) -> {path}"
+    )
 
 
 @app.command("multi-merge")

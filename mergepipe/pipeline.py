@@ -243,27 +243,66 @@ def build_plan(
         _check_budget_buys_a_block(budget_bytes, req.budget, analyses, recs, rr.where)
     gap = storage.gap_for([e.uri for e in req.experts])
     fisher = cal is not None and value == "fisher"
-    return make_plan(
-        rr,
-        PlanInputs(
-            base,
-            recs,
-            analyses,
-            gram=gram,
-            base_digests=catalog.tensor_digests(base.identity),
-            extra_files=extra,
-            sensitivity=sens if fisher else None,
-            config_json=config_json,
-        ),
-        SelectionOptions(
-            budget_bytes=budget_bytes,
-            fidelity=req.fidelity,
-            value=value,
-            calibration=cal.digest if (cal is not None and fisher) else None,
-            sketch=planning.sketch if planning.sketch is not None else DEFAULT_SKETCH,
-        ),
-        EngineOptions(work_bytes=req.run.work_bytes or DEFAULT_WORK_BYTES, coalesce_gap=gap),
-    )
+
+    def plan_at(budget: int | None) -> Plan:
+        return make_plan(
+            rr,
+            PlanInputs(
+                base,
+                recs,
+                analyses,
+                gram=gram,
+                base_digests=catalog.tensor_digests(base.identity),
+                extra_files=extra,
+                sensitivity=sens if fisher else None,
+                config_json=config_json,
+            ),
+            SelectionOptions(
+                budget_bytes=budget,
+                fidelity=req.fidelity,
+                value=value,
+                calibration=cal.digest if (cal is not None and fisher) else None,
+                sketch=planning.sketch if planning.sketch is not None else DEFAULT_SKETCH,
+            ),
+            EngineOptions(work_bytes=req.run.work_bytes or DEFAULT_WORK_BYTES, coalesce_gap=gap),
+        )
+
+    from mergepipe.planner.cost import budget_for_deadline, load_throughput, parse_duration, predict_seconds
+
+    try:
+        tp = load_throughput()
+    except InputError as e:
+        if planning.deadline is None:
+            tp = None  # a broken cache does not stop planning by bytes; calibrate reports it
+        else:
+            raise e from None
+    if planning.deadline is not None:
+        if tp is None:
+            tp = _first_calibration()
+        hi = total if budget_bytes is None else min(budget_bytes, total)
+        try:
+            plan = budget_for_deadline(
+                lambda b: plan_at(budget_bytes if b is None else min(b, hi)),
+                hi,
+                parse_duration(planning.deadline, what=rr.where(("planning", "deadline"))),
+                tp,
+            )
+        except InputError as e:
+            raise rr.at(("planning", "deadline"), e) from None
+    else:
+        plan = plan_at(budget_bytes)
+    if tp is not None:
+        plan = plan.model_copy(update={"predicted_seconds": predict_seconds(plan, tp)})
+    return plan
+
+
+def _first_calibration():
+    """Measure and cache this machine's throughput on first use of a deadline (a few seconds)."""
+    from mergepipe.planner.cost import calibrate, save_throughput
+
+    tp = calibrate()
+    save_throughput(tp)
+    return tp
 
 
 def _extra_files(storage: Storage, base_uri: str) -> dict[str, int]:

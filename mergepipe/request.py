@@ -131,6 +131,9 @@ class PlanningOptions(BaseModel):
             (:data:`mergepipe.catalog.sketch.DEFAULT_SKETCH`).
         block_bytes: the catalog's block size in bytes, 1 B to 1 GiB (whole rows are grouped up to
             it); None: :data:`mergepipe.catalog.catalog.DEFAULT_BLOCK_BYTES` (128 KiB).
+        deadline: a time target with a unit (``"60s"``, ``"2m"``): the planner picks the largest
+            byte budget (at most ``budget``) whose predicted time fits
+            (:func:`mergepipe.planner.cost.budget_for_deadline`); None: off.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -139,6 +142,7 @@ class PlanningOptions(BaseModel):
     calibration: str | None = None
     sketch: str | None = None
     block_bytes: int | None = None
+    deadline: str | None = None
 
     @property
     def block_value(self) -> str:
@@ -179,6 +183,13 @@ class PlanningOptions(BaseModel):
                 f"{short_repr(bb)}: must be a byte quantity from 1B to 1GiB (whole rows are grouped up to it), "
                 "e.g. 128KiB.",
             )
+        if self.deadline is not None:
+            from mergepipe.planner.cost import parse_duration
+
+            try:
+                parse_duration(self.deadline, what=w(("planning", "deadline")))
+            except InputError as e:
+                raise InputError(str(e), loc=("planning", "deadline")) from None
 
 
 class RunOptions(BaseModel):
@@ -320,6 +331,9 @@ class MergeRequest(BaseModel):
             problem = f"{self.budget} is negative; give bytes like 512MiB or a percentage like 25%."
             raise InputError(f"{w(('budget',))}: {problem}", loc=("budget",), problem=problem)
         self.planning.check(w)
+        if self.planning.deadline is not None and f is not None:
+            problem = f"a fidelity target and {w(('planning', 'deadline'))} cannot both choose the blocks; give one."
+            raise InputError(f"{w(('fidelity',))}: {problem}", loc=("fidelity",), problem=problem)
         self.run.check(w)
         self._check_budget_supported(params, w)
         return ResolvedRequest(self, params, w)

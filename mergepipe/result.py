@@ -67,6 +67,7 @@ class MergeResult:
             },
             "retained_energy": m["retained_energy"],
             "wall_s": m["time"]["wall_s"],
+            "predicted_s": (self.plan.predicted_seconds or {}).get("total"),
             **(
                 {"analyze_plan_s": round(self.analyze_s, 3), "total_s": round(self.total_s, 3)}
                 if self.total_s is not None

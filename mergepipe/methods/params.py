@@ -106,6 +106,7 @@ _CLI_FIELDS = {
     "planning.calibration": "--calibration",
     "planning.sketch": "--sketch",
     "planning.block_bytes": "--block-size",
+    "planning.deadline": "--deadline",
     "run.work_bytes": "--work-memory",
     "run.workers": "--workers",
     "run.resume": "--resume",

@@ -261,13 +261,16 @@ class Plan(BaseModel):
     # non-semantic
     requested_dtype: str | None = None
     source: dict = Field(default_factory=dict)
+    #: predicted wall seconds by term (:func:`mergepipe.planner.cost.predict_seconds`) on the
+    #: calibrated machine; None: not calibrated
+    predicted_seconds: dict[str, float] | None = None
     created_at: float = 0.0
     mergepipe_version: str = ""
     explain: str = ""
     digest: str = ""
 
     NON_SEMANTIC: ClassVar[frozenset] = frozenset(
-        {"created_at", "mergepipe_version", "explain", "digest", "requested_dtype", "source"}
+        {"created_at", "mergepipe_version", "explain", "digest", "requested_dtype", "source", "predicted_seconds"}
     )
 
     def semantic_json(self) -> str:
