@@ -131,6 +131,28 @@ def _parts_message(job: dict[str, Any] | None, parts: dict[str, Any]) -> str:
     return msg
 
 
+def _missing_statistics(plan: PlanSummary) -> str:
+    """What the catalog lacks for ``plan``, in words: the missing experts and/or the base's
+    sensitivity on the calibration set."""
+    return " and ".join(
+        ([f"{len(plan.missing_experts)} expert(s) ({', '.join(plan.missing_experts)})"] if plan.missing_experts else [])
+        + ([f"the base's sensitivity on {plan.calibration_uri}"] if plan.missing_sensitivity else [])
+    )
+
+
+def _analysis_failure(jname: str, outcome: JobOutcome, what: str, catalog_uri: str | None) -> str:
+    """The JobFailed message of a finished analyze Job that did not give the statistics: it
+    failed, or it completed but the catalog still lacks ``what``."""
+    if outcome.state == "Failed":
+        msg = f"analyze Job {jname} failed ({outcome.reason}): {outcome.message}"
+    else:
+        msg = (
+            f"analyze Job {jname} completed, but the catalog {catalog_uri} still has no "
+            f"statistics for {what}; check that the Job and the operator use the same catalog and S3 endpoint"
+        )
+    return msg + "; fix the cause, then change the spec (or delete and re-create the ModelMerge) to retry"
+
+
 class MergeReconciler(Reconciler):
     """ModelMerge reconciliation, composed with the services it uses.
 
@@ -464,14 +486,7 @@ class MergeReconciler(Reconciler):
         ns, name = meta["namespace"], meta["name"]
         if not plan.analysis_id:
             raise RuntimeError("the planner reported missing statistics without an analysis id")
-        what = " and ".join(
-            (
-                [f"{len(plan.missing_experts)} expert(s) ({', '.join(plan.missing_experts)})"]
-                if plan.missing_experts
-                else []
-            )
-            + ([f"the base's sensitivity on {plan.calibration_uri}"] if plan.missing_sensitivity else [])
-        )
+        what = _missing_statistics(plan)
         analyze_jobs = self.kube.list(JOBS, ns, f"{LABEL_MERGE}={label_value(name)},{LABEL_COMPONENT}=analyze")
         # a complete analyze Job whose statistics are still missing is as good as failed
         choice = choose_job(analyze_jobs, ANN_ANALYSIS, plan.analysis_id, gen, usable=frozenset({"Running"}))
@@ -506,14 +521,7 @@ class MergeReconciler(Reconciler):
         if outcome.state == "Succeeded" and not final:
             return True
         if outcome.state != "Running":
-            if outcome.state == "Failed":
-                msg = f"analyze Job {jname} failed ({outcome.reason}): {outcome.message}"
-            else:
-                msg = (
-                    f"analyze Job {jname} completed, but the catalog {self.settings.catalog_uri} still has no "
-                    f"statistics for {what}; check that the Job and the operator use the same catalog and S3 endpoint"
-                )
-            msg += "; fix the cause, then change the spec (or delete and re-create the ModelMerge) to retry"
+            msg = _analysis_failure(jname, outcome, what, self.settings.catalog_uri)
             c = set_condition(conds, "Analyzed", "False", Reason.JOB_FAILED, msg, gen, now)
             out["conditions"] = set_condition(c, "Ready", "False", Reason.JOB_FAILED, msg, gen, now)
             raise Done(out)
