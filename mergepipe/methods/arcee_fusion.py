@@ -4,17 +4,25 @@ tensors and refuses a budget."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from mergepipe.methods.base import MethodSpec, value_or_base
+
+if TYPE_CHECKING:
+    import torch
+
+    from mergepipe.planner.plan import TensorPlan
 
 
 @dataclass(frozen=True)
 class ArceeFusionMethod(MethodSpec):
     needs_expert_values: ClassVar[bool] = True
 
-    def merge_chunk(self, base, present, tp, n_experts):
+    def merge_chunk(
+        self, base: torch.Tensor, present: Mapping[int, tuple], tp: TensorPlan, n_experts: int
+    ) -> torch.Tensor:
         from mergepipe.methods.kernels import arcee_fusion_merge, filter_width
 
         return arcee_fusion_merge(base, value_or_base(present, base), filter_width(tp.shape))

@@ -32,7 +32,9 @@ from mergepipe.errors import InputError
 from mergepipe.limits import short_repr
 
 if TYPE_CHECKING:
-    pass
+    import torch
+
+    from mergepipe.planner.plan import TensorExpert, TensorPlan
 
 Sparsify = Literal["none", "magnitude", "random", "outliers", "della"]
 #: the family names of the registered methods (data for front ends and tests; a new family may
@@ -83,7 +85,7 @@ class ParamSpec:
         hi = "inf" if self.hi is None else f"{self.hi:g}"
         return f"{'(' if self.lo_open or self.lo is None else '['}{lo}, {hi}{')' if self.hi_open or self.hi is None else ']'}"
 
-    def check(self, value, where: str, loc: tuple = ()):
+    def check(self, value: object, where: str, loc: tuple[str | int, ...] = ()) -> Any:  # bool, int or float
         """Validate one scalar value and return it as ``bool`` or ``float``. Values are typed: a
         boolean parameter takes ``True``/``False``, a numeric one an ``int`` or ``float`` (the
         command line converts its text at its edge, :func:`mergepipe.request.parse_param_args`).
@@ -358,7 +360,7 @@ class MethodSpec:
             c2 = max(c2, 1e-12)
         return BlockValue(ts.stats[i].sq_norm * c2)
 
-    def copies_base(self, tp) -> bool:
+    def copies_base(self, tp: TensorPlan) -> bool:
         """A floating tensor no expert block reaches (``tp.experts`` empty after selection) is
         copied from the base: all-zero task vectors give back the base exactly."""
         return not tp.experts and self.identity_on_zero_delta(tp.weight_sum, tp.params)
@@ -384,7 +386,9 @@ class MethodSpec:
         (:func:`mergepipe.methods.kernels.work_floats` documents the measurements)."""
         return n_experts + 3 if elementwise else n_experts + 7
 
-    def merge_chunk(self, base, present: Mapping[int, tuple], tp, n_experts: int):
+    def merge_chunk(
+        self, base: torch.Tensor, present: Mapping[int, tuple], tp: TensorPlan, n_experts: int
+    ) -> torch.Tensor:
         """Merge one row chunk on its torch device.
 
         Args:
@@ -401,7 +405,15 @@ class MethodSpec:
         """
         raise NotImplementedError(f"{self.name}: no chunk kernel")
 
-    def combine(self, base, deltas: list, weights: list[float], globals_, weight_sum=None, consume=False):
+    def combine(
+        self,
+        base: torch.Tensor,
+        deltas: list[torch.Tensor],
+        weights: list[float],
+        globals_: Mapping[str, Any],
+        weight_sum: float | None = None,
+        consume: bool = False,
+    ) -> torch.Tensor:
         """The task-arithmetic family's combination of sparsified, rescaled task vectors
         (:attr:`combines_task_vectors`; :func:`mergepipe.methods.kernels.combine` documents the
         arguments). float32 ``(n,)``."""
@@ -409,31 +421,31 @@ class MethodSpec:
 
     # --- explanation ----------------------------------------------------------------------
 
-    def explain_head(self, tp) -> str:
+    def explain_head(self, tp: TensorPlan) -> str:
         """The tensor explanation's opening: how this tensor's coefficients were found (``""``
         when there is nothing to say)."""
         if self.budget == "whole":
             return f"{self.kind}: whole-tensor statistics computed by the engine over the whole tensor (one chunk); "
         return ""
 
-    def explain_expert(self, te) -> tuple[str, str]:
+    def explain_expert(self, te: TensorExpert) -> tuple[str, str]:
         """(parameters, threshold) texts of one ``TensorExpert`` in the tensor explanation."""
         if not self.has_weights:
             return "", ""
         return f" (weight {te.weight:g}" + (f", density {te.density:g}" if self.uses_density else "") + ")", ""
 
-    def explain_copy(self, tp) -> str | None:
+    def explain_copy(self, tp: TensorPlan) -> str | None:
         """Why a floating tensor was copied from the base, when the method has its own reason."""
         return None
 
 
-def ds_or_zeros(present: Mapping[int, tuple], n_experts: int, like) -> list:
+def ds_or_zeros(present: Mapping[int, tuple], n_experts: int, like: torch.Tensor) -> list[torch.Tensor]:
     """Every expert's task vector in plan order, zeros for experts absent from the chunk."""
     import torch
 
     return [present[i][1] if i in present else torch.zeros_like(like) for i in range(n_experts)]
 
 
-def value_or_base(present: Mapping[int, tuple], base):
+def value_or_base(present: Mapping[int, tuple], base: torch.Tensor) -> torch.Tensor:
     """Expert 0's values over the chunk (the base where it has no block)."""
     return present[0][2] if 0 in present else base

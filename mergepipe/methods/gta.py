@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 
@@ -29,12 +29,18 @@ from mergepipe.methods.base import (
     BlockValue,
     MethodSpec,
     ParamSpec,
+    Sparsify,
     TensorStatsView,
     normalize_param,
     rescale_param,
 )
 from mergepipe.methods.kernels import TILE_DTYPES, task_arithmetic_combine
 from mergepipe.methods.sparsify import EXACT_TRIM_DTYPES, SPARSIFIERS, Sparsifier
+
+if TYPE_CHECKING:
+    import torch
+
+    from mergepipe.planner.plan import TensorExpert, TensorPlan
 
 GAMMA = ParamSpec(
     "gamma", 0.01, "expert", lo=0.0, hi=1.0, hi_open=True, doc="fraction of largest magnitudes dropped as outliers"
@@ -80,7 +86,9 @@ class TaskArithmeticMethod(MethodSpec):
     def rescales(self, g: Mapping[str, Any]) -> bool:
         return bool(g.get("rescale")) and self.sparsify != "none"
 
-    def exact_bounds(self, ts, experts, dtype, group_cap):
+    def exact_bounds(
+        self, ts: TensorStatsView, experts: Sequence[Mapping[str, Any]], dtype: str, group_cap: int | None
+    ) -> tuple[list[int], list[tuple[int, int, int, int] | None]]:
         ranks: list[int] = [0] * ts.n_experts
         windows: list[tuple[int, int, int, int] | None] = [None] * ts.n_experts
         if dtype in EXACT_TRIM_DTYPES:
@@ -88,7 +96,15 @@ class TaskArithmeticMethod(MethodSpec):
                 ranks[i], windows[i] = self.sparsifier.exact_bound(st, experts[i], group_cap)
         return ranks, windows
 
-    def block_value(self, ts: TensorStatsView, i, ep, coef, row_stats, bounds) -> BlockValue:
+    def block_value(
+        self,
+        ts: TensorStatsView,
+        i: int,
+        ep: Mapping[str, Any],
+        coef: float,
+        row_stats: bool,
+        bounds: tuple[int, tuple[int, int, int, int] | None],
+    ) -> BlockValue:
         """``wᵢ²`` times the energy the sparsifier keeps per block; with an L1 rescale, blocks
         below the threshold keep a tiny positive value (they still change the tensor's L1 norm)."""
         st = ts.stats[i]
@@ -103,7 +119,7 @@ class TaskArithmeticMethod(MethodSpec):
             kept = np.where((kept <= 0) & (st.sq_norm > 0), 1e-12 * st.sq_norm, kept)
         return BlockValue(kept * ts.weights[i] ** 2, mk, xk)
 
-    def row_stats(self, g):
+    def row_stats(self, g: Mapping[str, Any]) -> bool:
         return self.sparsifier.row_stats
 
     def elementwise(self, dtype: str) -> bool:
@@ -112,20 +128,30 @@ class TaskArithmeticMethod(MethodSpec):
     def work_floats(self, n_experts: int, elementwise: bool) -> int:
         return n_experts + 3 if elementwise else 2 * n_experts + 11
 
-    def combine(self, base, deltas: list, weights: list[float], globals_, weight_sum=None, consume=False):
+    def combine(
+        self,
+        base: torch.Tensor,
+        deltas: list[torch.Tensor],
+        weights: list[float],
+        globals_: Mapping[str, Any],
+        weight_sum: float | None = None,
+        consume: bool = False,
+    ) -> torch.Tensor:
         """Sign consensus (if any), normalize, ``lambda``, base: :func:`~mergepipe.methods.kernels.task_arithmetic_combine`."""
         return task_arithmetic_combine(base, deltas, weights, globals_, self.consensus, weight_sum, consume)
 
-    def explain_head(self, tp) -> str:
+    def explain_head(self, tp: TensorPlan) -> str:
         if self.sparsify == "della":
             return "della: per-row magnitude ranks computed by the engine from the rows it reads; "
         return ""
 
-    def explain_expert(self, te) -> tuple[str, str]:
+    def explain_expert(self, te: TensorExpert) -> tuple[str, str]:
         return super().explain_expert(te)[0], self.sparsifier.explain(te)
 
 
-def _gta(name, sparsify, consensus, params, paper) -> TaskArithmeticMethod:
+def _gta(
+    name: str, sparsify: Sparsify, consensus: Literal["sum"] | None, params: tuple[ParamSpec, ...], paper: str
+) -> TaskArithmeticMethod:
     return TaskArithmeticMethod(name, sparsify, consensus, params, paper=paper)
 
 

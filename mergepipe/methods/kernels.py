@@ -19,7 +19,9 @@ treats as one row, is one chunk).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -186,7 +188,9 @@ def combine(
     return spec.combine(base, deltas, weights, globals_, weight_sum, consume)
 
 
-def linear_combine(base, deltas: list, weights: list[float], globals_: dict, weight_sum: float | None = None):
+def linear_combine(
+    base, deltas: list, weights: list[float], globals_: Mapping[str, Any], weight_sum: float | None = None
+):
     """mergekit 0.1.5 ``linear``: ``Σwᵢθᵢ / Σwᵢ`` written as ``base + Σwᵢδᵢ / Σwᵢ`` (``normalize``;
     the divisor is 1 where ``|Σwᵢ| < 1e-8``), else ``base·Σwᵢ + Σwᵢδᵢ``. float32 ``(n,)``."""
     normalize = bool(globals_.get("normalize", False))
@@ -205,7 +209,7 @@ def task_arithmetic_combine(
     base,
     deltas: list,
     weights: list[float],
-    globals_: dict,
+    globals_: Mapping[str, Any],
     consensus: str | None,
     weight_sum: float | None = None,
     consume: bool = False,

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mergepipe.methods.base import WEIGHT, MethodSpec, normalize_param
 from mergepipe.methods.gta import TaskArithmeticMethod
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -19,7 +22,15 @@ class LinearMethod(TaskArithmeticMethod):
     def work_floats(self, n_experts: int, elementwise: bool) -> int:
         return n_experts + 3 if elementwise else n_experts + 7
 
-    def combine(self, base, deltas: list, weights: list[float], globals_, weight_sum=None, consume=False):
+    def combine(
+        self,
+        base: torch.Tensor,
+        deltas: list[torch.Tensor],
+        weights: list[float],
+        globals_: Mapping[str, Any],
+        weight_sum: float | None = None,
+        consume: bool = False,
+    ) -> torch.Tensor:
         """The weighted sum (mean with ``normalize``): :func:`~mergepipe.methods.kernels.linear_combine`."""
         from mergepipe.methods.kernels import linear_combine
 

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from mergepipe.methods.base import MethodSpec, ParamSpec, TensorStatsView, ds_or_zeros
+
+if TYPE_CHECKING:
+    import torch
+
+    from mergepipe.planner.plan import TensorPlan
 
 FILTER_WISE = ParamSpec("filter_wise", False, "global", kind="bool", doc="one ratio per row (last-dim vector)")
 
@@ -30,13 +35,15 @@ class ModelStockMethod(MethodSpec):
     def row_stats(self, g: Mapping[str, Any]) -> bool:
         return bool(g.get("filter_wise"))
 
-    def merge_chunk(self, base, present, tp, n_experts):
+    def merge_chunk(
+        self, base: torch.Tensor, present: Mapping[int, tuple], tp: TensorPlan, n_experts: int
+    ) -> torch.Tensor:
         from mergepipe.methods.kernels import filter_width, model_stock_merge
 
         t = None if tp.params.get("filter_wise") else tp.derived["t"]
         return model_stock_merge(base, ds_or_zeros(present, n_experts, base), t, filter_width(tp.shape))
 
-    def explain_head(self, tp) -> str:
+    def explain_head(self, tp: TensorPlan) -> str:
         if tp.params.get("filter_wise"):
             return (
                 "model_stock filter_wise: per-row ratio computed by the engine from the rows it reads (unread "

@@ -8,13 +8,18 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from mergepipe.errors import InputError
 from mergepipe.methods.base import MethodSpec, ParamSpec, TensorStatsView
 from mergepipe.numerics import f32
+
+if TYPE_CHECKING:
+    import torch
+
+    from mergepipe.planner.plan import TensorPlan
 
 WEIGHT_REQUIRED = ParamSpec(
     "weight", None, "expert", doc="interpolation weight of this expert (required, as in mergekit)"
@@ -54,17 +59,19 @@ def _points(cs: list[float]) -> dict:
 class _SphereMethod(MethodSpec):
     needs_gram: ClassVar[bool] = True
 
-    def copies_base(self, tp) -> bool:
+    def copies_base(self, tp: TensorPlan) -> bool:
         return not tp.experts and tp.derived.get("c_base", 1.0) == 1.0  # (else the base is rescaled)
 
-    def merge_chunk(self, base, present, tp, n_experts):
+    def merge_chunk(
+        self, base: torch.Tensor, present: Mapping[int, tuple], tp: TensorPlan, n_experts: int
+    ) -> torch.Tensor:
         from mergepipe.methods.kernels import lincomb_merge
 
         dv = tp.derived
         order = sorted(present)
         return lincomb_merge(base, [present[i][1] for i in order], [dv[f"c{i}"] for i in order], dv["c_base"])
 
-    def explain_head(self, tp) -> str:
+    def explain_head(self, tp: TensorPlan) -> str:
         d = tp.derived
         cs = ", ".join(
             f"{d[k]:.6g}" for k in sorted(d, key=lambda k: (len(k), k)) if k.startswith("c") and k != "c_base"

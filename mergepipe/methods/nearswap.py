@@ -4,10 +4,16 @@ Elementwise: ``base + δ`` clipped to ``[−t, t]``; unread blocks are the base.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from mergepipe.methods.base import MethodSpec, ParamSpec, value_or_base
+
+if TYPE_CHECKING:
+    import torch
+
+    from mergepipe.planner.plan import TensorPlan
 
 NEARSWAP_T = ParamSpec(
     "t", None, "global", lo=0.0, doc="distance below which the expert's value is taken (|δ| clipped at t)"
@@ -18,7 +24,9 @@ NEARSWAP_T = ParamSpec(
 class NearswapMethod(MethodSpec):
     needs_expert_values: ClassVar[bool] = True
 
-    def merge_chunk(self, base, present, tp, n_experts):
+    def merge_chunk(
+        self, base: torch.Tensor, present: Mapping[int, tuple], tp: TensorPlan, n_experts: int
+    ) -> torch.Tensor:
         from mergepipe.methods.kernels import nearswap_merge
 
         return nearswap_merge(base, value_or_base(present, base), float(tp.params["t"]))

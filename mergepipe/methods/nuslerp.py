@@ -6,9 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from mergepipe.methods.base import WEIGHT, MethodSpec, ParamSpec, TensorStatsView, ds_or_zeros
+
+if TYPE_CHECKING:
+    import torch
+
+    from mergepipe.planner.plan import TensorExpert, TensorPlan
 
 NUSLERP_FLATTEN = ParamSpec("nuslerp_flatten", True, "global", kind="bool", doc="treat each tensor as one vector")
 NUSLERP_ROW_WISE = ParamSpec(
@@ -50,7 +55,9 @@ class NuslerpMethod(MethodSpec):
     def row_stats(self, g: Mapping[str, Any]) -> bool:
         return not g.get("nuslerp_flatten", True)
 
-    def merge_chunk(self, base, present, tp, n_experts):
+    def merge_chunk(
+        self, base: torch.Tensor, present: Mapping[int, tuple], tp: TensorPlan, n_experts: int
+    ) -> torch.Tensor:
         from mergepipe.methods.kernels import filter_width, nuslerp_merge
 
         d0, d1 = ds_or_zeros(present, 2, base)
@@ -58,13 +65,13 @@ class NuslerpMethod(MethodSpec):
         coef = (dv["a"], dv["b"], dv["s"]) if "a" in dv else None
         return nuslerp_merge(base, d0, d1, coef, filter_width(tp.shape), t=dv["t"])
 
-    def explain_head(self, tp) -> str:
+    def explain_head(self, tp: TensorPlan) -> str:
         d = tp.derived
         if "a" in d:
             return f"nuslerp t={d['t']:.6g}: coefficients from the catalog's norms and ⟨δ₀,δ₁⟩; "
         return f"nuslerp t={d['t']:.6g}: per-row coefficients computed by the engine from the rows it reads; "
 
-    def explain_expert(self, te) -> tuple[str, str]:
+    def explain_expert(self, te: TensorExpert) -> tuple[str, str]:
         return "", ""  # (its weights only set t, shown in the head)
 
 

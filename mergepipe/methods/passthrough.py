@@ -5,9 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mergepipe.methods.base import MethodSpec, ParamSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from mergepipe.planner.plan import TensorPlan
 
 SCALE = ParamSpec("scale", 1.0, "global", doc="factor on every floating tensor of the one input model")
 
@@ -17,7 +22,9 @@ class PassthroughMethod(MethodSpec):
     def identity_on_zero_delta(self, weight_sum: float, globals_: Mapping[str, Any]) -> bool:
         return globals_.get("scale", 1.0) == 1.0
 
-    def merge_chunk(self, base, present, tp, n_experts):
+    def merge_chunk(
+        self, base: torch.Tensor, present: Mapping[int, tuple], tp: TensorPlan, n_experts: int
+    ) -> torch.Tensor:
         return base * float(tp.params["scale"])  # mergekit: tensor * scale
 
 

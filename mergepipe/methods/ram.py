@@ -5,9 +5,16 @@ tensor, so it merges whole tensors and refuses a budget."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mergepipe.methods.base import MethodSpec, ParamSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from mergepipe.planner.plan import TensorPlan
 
 RAM_EPSILON = ParamSpec("epsilon", 1e-5, "global", lo=0.0, doc="|δ| above which an expert contributes an entry")
 RAM_R = ParamSpec("r", 0.1, "global", doc="gain on the experts' unique entries")
@@ -16,7 +23,9 @@ RAM_ALPHA = ParamSpec("alpha", 0.2, "global", lo=0.0, doc="cap of the shared/uni
 
 @dataclass(frozen=True)
 class RamMethod(MethodSpec):
-    def merge_chunk(self, base, present, tp, n_experts):
+    def merge_chunk(
+        self, base: torch.Tensor, present: Mapping[int, tuple], tp: TensorPlan, n_experts: int
+    ) -> torch.Tensor:
         from mergepipe.methods.kernels import ram_counts, ram_merge, ramplus_gains
 
         ds = [present[i][1] for i in sorted(present)]

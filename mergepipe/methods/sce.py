@@ -8,9 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mergepipe.methods.base import INT8_MASK, MethodSpec, ParamSpec, TensorStatsView, ds_or_zeros
+
+if TYPE_CHECKING:
+    import torch
+
+    from mergepipe.planner.plan import TensorPlan
 
 SELECT_TOPK = ParamSpec(
     "select_topk",
@@ -49,14 +54,16 @@ class SceMethod(MethodSpec):
         ws = sce_weights([st.delta_sq for st in ts.stats], ts.stats[0].numel)
         return ws, {f"w{i}": w for i, w in enumerate(ws)}
 
-    def merge_chunk(self, base, present, tp, n_experts):
+    def merge_chunk(
+        self, base: torch.Tensor, present: Mapping[int, tuple], tp: TensorPlan, n_experts: int
+    ) -> torch.Tensor:
         from mergepipe.methods.kernels import sce_merge
 
         topk = float(tp.params.get("select_topk", 1.0))
         ws = None if topk < 1.0 else [tp.derived[f"w{i}"] for i in range(n_experts)]
         return sce_merge(base, ds_or_zeros(present, n_experts, base), ws, topk)
 
-    def explain_head(self, tp) -> str:
+    def explain_head(self, tp: TensorPlan) -> str:
         d = tp.derived
         if d:
             return f"sce: weights [{', '.join(f'{d[k]:.6g}' for k in sorted(d))}] from the catalog's ‖δᵢ‖²; "
