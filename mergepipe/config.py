@@ -198,15 +198,12 @@ def _pydantic_message(path: str, e: ValidationError) -> str:
     return " ".join(msgs[:3])
 
 
-def load_config(path: str | os.PathLike) -> LoadedConfig:
-    """Read and validate a mergekit YAML config.
+def _read_config(p: str) -> tuple[str, _Config]:
+    """The config file ``p``'s text and its validated top-level keys.
 
     Raises:
-        InputError: unreadable file, invalid YAML, an unsupported or unknown key, a bad model
-            reference, method, parameter, dtype or own key — the message starts with the
-            config path and the key path.
+        InputError: unreadable, not UTF-8, not one YAML mapping, a refused or unknown key.
     """
-    p = str(path)
     try:
         text = read_file(p, MAX_YAML_BYTES, "config").decode("utf-8")
     except UnicodeDecodeError:
@@ -223,9 +220,18 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
         if raw.get(k) is not None:
             raise InputError(f"{p}: {k}: {why}.")
     try:
-        cfg = _Config.model_validate(raw)
+        return text, _Config.model_validate(raw)
     except ValidationError as e:
         raise InputError(_pydantic_message(p, e)) from None
+
+
+def _compile_views(cfg: _Config, p: str) -> tuple[_Config, dict[str, str], dict[str, dict], Any]:
+    """Rewrite ``slices:`` and a merged vocabulary into a plain ``models:`` config.
+
+    Returns ``(cfg, names, stacks, vocab_summary)``: the rewritten config, expert names by URI,
+    the stacked views (:mod:`mergepipe.slices`, :mod:`mergepipe.vocab_config`) and the merged
+    vocabulary's summary (None without one).
+    """
     names: dict[str, str] = {}
     stacks: dict[str, dict] = {}
     if cfg.slices is not None:
@@ -264,6 +270,25 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
             cfg, vnames, vstacks, vocab_summary = apply_vocab(cfg, p, skip_identity=True)
             names.update(vnames)
             stacks.update(vstacks)
+    return cfg, names, stacks, vocab_summary
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """How a method treats its input models (mergekit's semantics)."""
+
+    linear: bool  # Σ wᵢθᵢ / Σ wᵢ over every input, base_model included
+    averaged: bool  # the base (or first model) takes part as a zero task vector with its weight
+    passthrough: bool  # exactly one input model, copied (scaled)
+
+
+def _method_shape(cfg: _Config, p: str) -> _Shape:
+    """The method's treatment of its inputs, after checking the models it is given fit it.
+
+    Raises:
+        InputError: no models, passthrough with more than one, a missing base_model where the
+            method needs one, or ``linear`` with ``normalize`` other than true.
+    """
     if not cfg.models:
         raise InputError(f"{p}: models: required (a non-empty list of {{model: <folder or s3:// URI>, parameters}}).")
     linear = cfg.merge_method == "linear"
@@ -292,18 +317,33 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
                 "which is not a merge of task vectors; use merge_method: task_arithmetic (θ_base + "
                 "Σ wᵢ(θᵢ − θ_base)) or remove normalize."
             )
-    # linear: every input model is averaged (mergekit adds base_model to the inputs); the origin
-    # (base_model, or the first model) takes part as a zero task vector with its own weight.
-    base_ref = cfg.base_model if cfg.base_model is not None else cfg.models[0].model
-    base = _model_uri(base_ref, f"{p}: base_model" if cfg.base_model is not None else f"{p}: models[0].model")
-    experts: list[tuple[str, str]] = []
-    kinds: list[Literal["lora"] | None] = []
-    expert_params: list[dict] = []
-    model_index: list[int] = []
+    return _Shape(linear=linear, averaged=averaged, passthrough=passthrough)
+
+
+@dataclass
+class _Inputs:
+    """The merge's experts, parallel lists in request order, and the merge-wide parameters."""
+
+    experts: list[tuple[str, str]]  # (name, uri)
+    kinds: list[Literal["lora"] | None]
+    params: list[dict]
+    model_index: list[int]  # the models[] entry of each expert (len(models): the added base)
+    global_params: dict
+    own_params: set[str]  # passthrough: the parameters its one model entry gave
+
+
+def _collect_inputs(cfg: _Config, p: str, base: str, names: dict[str, str], shape: _Shape) -> _Inputs:
+    """The experts named by ``models:`` (the base entry dropped or, when averaged, kept), with
+    mergekit's implicit base input appended for averaging methods.
+
+    Raises:
+        InputError: an adapter on a model other than the base, the base listed twice or with
+            parameters, two experts with the same folder name, linear without every weight.
+    """
+    assert cfg.models
+    ins = _Inputs([], [], [], [], dict(cfg.parameters or {}), set())
     base_listed = False
-    global_params = dict(cfg.parameters or {})
-    own_params: set[str] = set()
-    if passthrough and _model_uri(cfg.models[0].model, f"{p}: models[0].model") != base:
+    if shape.passthrough and _model_uri(cfg.models[0].model, f"{p}: models[0].model") != base:
         raise InputError(
             f"{p}: base_model: passthrough takes one model and mergekit adds base_model as a second input; "
             "remove base_model or make it the model listed."
@@ -325,11 +365,11 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
             if base_listed:
                 raise InputError(f"{w}.model: the base {uri!r} is listed twice; list it once.")
             base_listed = True
-            if passthrough:  # the one input: its parameters (scale) are the merge's
-                global_params = {**global_params, **dict(m.parameters or {})}
-                own_params = set(m.parameters or {})
+            if shape.passthrough:  # the one input: its parameters (scale) are the merge's
+                ins.global_params = {**ins.global_params, **dict(m.parameters or {})}
+                ins.own_params = set(m.parameters or {})
                 continue
-            if not averaged:
+            if not shape.averaged:
                 if m.parameters:
                     raise InputError(
                         f"{w}.parameters: parameters on the base model are not used by mergepipe (the "
@@ -338,38 +378,52 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
                     )
                 continue
         name = names.get(uri) or uri.rstrip("/").rsplit("/", 1)[-1] or uri
-        if any(name == n for n, _ in experts):
-            prev = next(i for i, (n, _) in zip(model_index, experts) if n == name)
+        if any(name == n for n, _ in ins.experts):
+            prev = next(i for i, (n, _) in zip(ins.model_index, ins.experts) if n == name)
             raise InputError(
                 f"{w}.model: {uri!r} has the same name {name!r} as models[{prev}]; experts are named by "
                 "their folder's last component, so give them distinct folder names."
             )
-        experts.append((name, uri))
-        kinds.append("lora" if adapter is not None else None)
-        expert_params.append(dict(m.parameters or {}))
-        model_index.append(j)
-    if averaged and not base_listed:  # mergekit: "Base model specified but not in input models - adding"
+        _add(ins, name, uri, "lora" if adapter is not None else None, dict(m.parameters or {}), j)
+    if shape.averaged and not base_listed:  # mergekit: "Base model specified but not in input models - adding"
         name = base.rstrip("/").rsplit("/", 1)[-1] or base
-        if any(name == n for n, _ in experts):
+        if any(name == n for n, _ in ins.experts):
             raise InputError(
                 f"{p}: base_model: {base!r} has the same folder name {name!r} as an expert; experts are "
                 "named by their folder's last component, so give them distinct folder names."
             )
-        experts.append((name, base))
-        kinds.append(None)
-        expert_params.append({})
-        model_index.append(len(cfg.models))  # messages about it name models[<n>], i.e. the base_model entry
-    if linear:
-        gw = "weight" in (cfg.parameters or {})
-        missing = [model_index[i] for i, ep in enumerate(expert_params) if "weight" not in ep and not gw]
-        if missing:
-            which = ", ".join("base_model" if j == len(cfg.models) else f"models[{j}]" for j in missing)
-            raise InputError(
-                f"{p}: {which}: parameters.weight: required by mergekit's linear for every input model "
-                "(base_model included: mergekit averages it in); give each model a weight or set "
-                "parameters.weight."
-            )
+        _add(ins, name, base, None, {}, len(cfg.models))  # messages about it name models[<n>], the base_model entry
+    if shape.linear:
+        _check_linear_weights(cfg, p, ins)
+    return ins
 
+
+def _add(ins: _Inputs, name: str, uri: str, kind: Literal["lora"] | None, params: dict, j: int) -> None:
+    """Append one expert to the parallel lists of ``ins``."""
+    ins.experts.append((name, uri))
+    ins.kinds.append(kind)
+    ins.params.append(params)
+    ins.model_index.append(j)
+
+
+def _check_linear_weights(cfg: _Config, p: str, ins: _Inputs) -> None:
+    """mergekit's linear needs a weight for every input model (or a merge-wide one)."""
+    n_models = len(cfg.models or ())
+    gw = "weight" in (cfg.parameters or {})
+    missing = [ins.model_index[i] for i, ep in enumerate(ins.params) if "weight" not in ep and not gw]
+    if missing:
+        which = ", ".join("base_model" if j == n_models else f"models[{j}]" for j in missing)
+        raise InputError(
+            f"{p}: {which}: parameters.weight: required by mergekit's linear for every input model "
+            "(base_model included: mergekit averages it in); give each model a weight or set "
+            "parameters.weight."
+        )
+
+
+def _dtypes(cfg: _Config, p: str) -> tuple[str | None, str | None]:
+    """``(dtype, out_dtype)``: the requested compute dtype's torch name (``bfloat16``) and the
+    output's safetensors code (``BF16``; mergekit's results stay in ``dtype`` unless
+    ``out_dtype`` says otherwise); None when not given."""
     dtype = out = None
     if cfg.dtype is not None:
         dtype_code(cfg.dtype, f"{p}: dtype")
@@ -377,10 +431,14 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
     if cfg.out_dtype is not None:
         out = dtype_code(cfg.out_dtype, f"{p}: out_dtype")
     elif dtype is not None:
-        out = DTYPE_NAMES[dtype]  # mergekit's results stay in dtype unless out_dtype says otherwise
-    if cfg.seed is not None and cfg.seed < 0:
-        raise InputError(f"{p}: seed: must be a non-negative integer, got {cfg.seed}.")
+        out = DTYPE_NAMES[dtype]
+    return dtype, out
+
+
+def _where_in(p: str, cfg: _Config, ins: _Inputs) -> Where:
+    """A renderer of request field paths in the config's terms (``merge.yml: models[1].parameters.density``)."""
     n_models = len(cfg.models or ())  # expert_params' extra entry (linear's base) names models[n_models]
+    model_index, own_params = ins.model_index, ins.own_params
 
     def where(loc: Loc) -> str:
         """A request field in the config's terms."""
@@ -400,6 +458,12 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
             return ".".join(map(str, loc[:2]))
         return f"{p}: " + {"method": "merge_method", "base": "base_model"}.get(head, str(head))
 
+    return where
+
+
+def _source(p: str, text: str, stacks: dict[str, dict], vocab_summary: Any) -> dict[str, Any]:
+    """The provenance recorded in the plan and manifest: the config's path, digest and text,
+    with the stacked views and merged vocabulary it compiled into."""
     source: dict[str, Any] = {
         "path": os.path.abspath(p),
         "sha256": hashlib.sha256(text.encode()).hexdigest(),
@@ -409,18 +473,46 @@ def load_config(path: str | os.PathLike) -> LoadedConfig:
         source["stacks"] = stacks
     if vocab_summary is not None:  # the merged vocabulary (mergepipe.vocab)
         source["vocab"] = vocab_summary
+    return source
+
+
+def load_config(path: str | os.PathLike) -> LoadedConfig:
+    """Read and validate a mergekit YAML config.
+
+    Steps: read and validate the keys; compile slices and a merged vocabulary into models;
+    check the models fit the method; collect the experts; build and resolve the request.
+
+    Raises:
+        InputError: unreadable file, invalid YAML, an unsupported or unknown key, a bad model
+            reference, method, parameter, dtype or own key — the message starts with the
+            config path and the key path.
+    """
+    p = str(path)
+    text, cfg = _read_config(p)
+    cfg, names, stacks, vocab_summary = _compile_views(cfg, p)
+    shape = _method_shape(cfg, p)
+    assert cfg.models
+    # linear: every input model is averaged (mergekit adds base_model to the inputs); the origin
+    # (base_model, or the first model) takes part as a zero task vector with its own weight.
+    base_ref = cfg.base_model if cfg.base_model is not None else cfg.models[0].model
+    base = _model_uri(base_ref, f"{p}: base_model" if cfg.base_model is not None else f"{p}: models[0].model")
+    ins = _collect_inputs(cfg, p, base, names, shape)
+    dtype, out = _dtypes(cfg, p)
+    if cfg.seed is not None and cfg.seed < 0:
+        raise InputError(f"{p}: seed: must be a non-negative integer, got {cfg.seed}.")
+    where = _where_in(p, cfg, ins)
     request = MergeRequest(
         base=base,
         method=cfg.merge_method,
-        parameters=global_params,
+        parameters=ins.global_params,
         experts=[
             ExpertRequest(name=n, uri=u, parameters=ep, kind=k)
-            for (n, u), ep, k in zip(experts, expert_params, kinds, strict=True)
+            for (n, u), ep, k in zip(ins.experts, ins.params, ins.kinds, strict=True)
         ],
         budget=cfg.budget,
         fidelity=cfg.fidelity,
         seed=cfg.seed or 0,
-        options=RequestOptions(out_dtype=out, requested_dtype=dtype, source=source),
+        options=RequestOptions(out_dtype=out, requested_dtype=dtype, source=_source(p, text, stacks, vocab_summary)),
     )
     resolved = request.resolve(where)
     return LoadedConfig(path=p, request=request, where=where, resolved=resolved.params)
