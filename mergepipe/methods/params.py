@@ -360,6 +360,79 @@ def _check_tensor(rp: ResolvedParams, name: str, tpar: TensorParams) -> None:
     raise InputError(f"{' / '.join(rp.where(loc) for loc in locs)}: {problem}", loc=locs[0], problem=problem)
 
 
+def _global_settings(spec: MethodSpec, global_params: dict, where: Where) -> tuple[dict, dict]:
+    """The merge-wide settings, parsed: ``(global-scoped, expert-scoped)`` by name; the
+    expert-scoped ones are every expert's fallback."""
+    g: dict = {}
+    shared: dict = {}
+    for name, raw in global_params.items():
+        loc: Loc = ("parameters", name)
+        p = spec.param(name, where(loc), loc)
+        v = parse_setting(p, raw, loc, where)
+        (g if p.scope == "global" else shared)[name] = v
+    return g, shared
+
+
+def _expert_settings(spec: MethodSpec, method: str, i: int, ep: dict, shared: dict, where: Where) -> dict:
+    """Expert ``i``'s view of every expert-scoped parameter: its own setting, else the merge's,
+    else the default; an own filter list without a catch-all falls back to the merge's setting.
+
+    Raises:
+        InputError: a global parameter set per expert, a bad setting, a required one missing.
+    """
+    d = {}
+    for name, raw in ep.items():
+        loc: Loc = ("experts", i, "parameters", name)
+        p = spec.param(name, where(loc), loc)
+        if p.scope != "expert":
+            raise _fail(where, loc, f"{name} is a global parameter of {method}; set it for the merge, not per expert.")
+        d[name] = parse_setting(p, raw, loc, where)
+    view = {}
+    for p in spec.params:
+        if p.scope != "expert":
+            continue
+        own, fb = d.get(p.name), shared.get(p.name, p.default)
+        if own is None:
+            view[p.name] = fb
+        elif isinstance(own, list) and own and isinstance(own[0], dict):
+            if fb is None or own[-1]["filter"] is None:  # no fallback, or own catch-all
+                view[p.name] = own
+            elif isinstance(fb, list) and fb and isinstance(fb[0], dict):
+                view[p.name] = own + fb
+            else:
+                view[p.name] = own + [{"filter": None, "value": fb}]
+        else:
+            view[p.name] = own
+        if view[p.name] is None:  # a required per-expert parameter (multislerp's weight)
+            w = where(("experts", i, "parameters", p.name))
+            raise _fail(
+                where,
+                ("experts", i, "parameters", p.name),
+                f"{method} needs {p.name} for every expert (it has no default, as in mergekit); e.g. "
+                f"{w}=0.5, or set it for the merge.",
+            )
+    return view
+
+
+def _fill_global_defaults(spec: MethodSpec, method: str, g: dict, where: Where) -> None:
+    """Add to ``g`` the default of every global parameter not given (what is missing, after
+    what is given).
+
+    Raises:
+        InputError: a required global parameter (no default, e.g. slerp's t) is missing.
+    """
+    for p in spec.params:
+        if p.scope == "global" and p.name not in g:
+            if p.default is None:
+                w = where(("parameters", p.name))
+                raise _fail(
+                    where,
+                    ("parameters", p.name),
+                    f"{method} needs {p.name} in {p.range_text} (e.g. {w}=0.5); it has no default.",
+                )
+            g[p.name] = p.default
+
+
 def resolve_params(
     method: str,
     global_params: dict,
@@ -397,59 +470,9 @@ def resolve_params(
             ("experts",),
             f"{method} takes {spec.experts_text} expert(s) besides the base{spec.experts_note}; got {k}.",
         )
-    g: dict = {}
-    shared: dict = {}
-    for name, raw in global_params.items():
-        loc: Loc = ("parameters", name)
-        p = spec.param(name, where(loc), loc)
-        v = parse_setting(p, raw, loc, where)
-        (g if p.scope == "global" else shared)[name] = v
-    experts = []
-    for i, ep in enumerate(expert_params):
-        d = {}
-        for name, raw in ep.items():
-            loc = ("experts", i, "parameters", name)
-            p = spec.param(name, where(loc), loc)
-            if p.scope != "expert":
-                raise _fail(
-                    where, loc, f"{name} is a global parameter of {method}; set it for the merge, not per expert."
-                )
-            d[name] = parse_setting(p, raw, loc, where)
-        view = {}
-        for p in spec.params:
-            if p.scope != "expert":
-                continue
-            own, fb = d.get(p.name), shared.get(p.name, p.default)
-            if own is None:
-                view[p.name] = fb
-            elif isinstance(own, list) and own and isinstance(own[0], dict):
-                if fb is None or own[-1]["filter"] is None:  # no fallback, or own catch-all
-                    view[p.name] = own
-                elif isinstance(fb, list) and fb and isinstance(fb[0], dict):
-                    view[p.name] = own + fb
-                else:
-                    view[p.name] = own + [{"filter": None, "value": fb}]
-            else:
-                view[p.name] = own
-            if view[p.name] is None:  # a required per-expert parameter (multislerp's weight)
-                w = where(("experts", i, "parameters", p.name))
-                raise _fail(
-                    where,
-                    ("experts", i, "parameters", p.name),
-                    f"{method} needs {p.name} for every expert (it has no default, as in mergekit); e.g. "
-                    f"{w}=0.5, or set it for the merge.",
-                )
-        experts.append(view)
-    for p in spec.params:  # what is missing, after what is given
-        if p.scope == "global" and p.name not in g:
-            if p.default is None:
-                w = where(("parameters", p.name))
-                raise _fail(
-                    where,
-                    ("parameters", p.name),
-                    f"{method} needs {p.name} in {p.range_text} (e.g. {w}=0.5); it has no default.",
-                )
-            g[p.name] = p.default
+    g, shared = _global_settings(spec, global_params, where)
+    experts = [_expert_settings(spec, method, i, ep, shared, where) for i, ep in enumerate(expert_params)]
+    _fill_global_defaults(spec, method, g, where)
     refused = spec.check_globals(g)
     if refused is not None:
         raise _fail(where, ("parameters", refused[0]), refused[1])
