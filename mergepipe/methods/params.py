@@ -155,6 +155,25 @@ def parse_setting(p: ParamSpec, raw: Any, loc: Loc, where: Where) -> Any:
         raw = [raw]
     if not isinstance(raw, list):
         return p.check(raw, where(loc), loc)
+    _check_listable(p, raw, loc, where)
+    if all(_is_scalar(e) for e in raw):
+        return _gradient(p, raw, loc, where)
+    if not all(isinstance(e, dict) for e in raw):
+        raise _fail(
+            where,
+            loc,
+            "the list mixes numbers and {filter, value} entries; use a gradient "
+            "(numbers only) or filter entries (mappings only).",
+        )
+    return _filter_entries(p, raw, loc, where)
+
+
+def _check_listable(p: ParamSpec, raw: list, loc: Loc, where: Where) -> None:
+    """Refuse a list for a boolean or integer parameter, and an empty list.
+
+    Raises:
+        InputError: naming the field.
+    """
     if p.kind == "bool":
         raise _fail(
             where,
@@ -175,15 +194,16 @@ def parse_setting(p: ParamSpec, raw: Any, loc: Loc, where: Where) -> Any:
             "empty list; give a number, a gradient of at least two numbers such as "
             '[0.2, 0.8], or filter entries [{"filter": "mlp", "value": 0.5}, {"value": 0.3}].',
         )
-    if all(_is_scalar(e) for e in raw):
-        return _gradient(p, raw, loc, where)
-    if not all(isinstance(e, dict) for e in raw):
-        raise _fail(
-            where,
-            loc,
-            "the list mixes numbers and {filter, value} entries; use a gradient "
-            "(numbers only) or filter entries (mappings only).",
-        )
+
+
+def _filter_entries(p: ParamSpec, raw: list[dict], loc: Loc, where: Where) -> list[dict[str, Any]]:
+    """Validate mergekit filter entries ``[{filter, value}, ...]`` (first match wins; ``'*'`` or
+    no filter is the catch-all, which must come last) into ``[{"filter": str | None, "value": ...}]``.
+
+    Raises:
+        InputError: an unknown key, a missing value, a bad or shadowed filter, an entry after the
+            catch-all, a value that is neither a number nor a gradient.
+    """
     out: list[dict[str, Any]] = []
     catch_all = None
     for i, e in enumerate(raw):
@@ -215,20 +235,22 @@ def parse_setting(p: ParamSpec, raw: Any, loc: Loc, where: Where) -> Any:
                     f"{f!r} is never used: every tensor it matches also matches entry {j} "
                     f"({prev['filter']!r}) before it (first match wins); put the more specific filter first.",
                 )
-        v = e["value"]
-        vl = (*el, "value")
-        if isinstance(v, list):
-            if not all(_is_scalar(x) for x in v):
-                raise _fail(where, vl, "a value is a number or a gradient of numbers, not nested entries.")
-            val = _gradient(p, v, vl, where)
-        elif isinstance(v, dict):
-            raise _fail(where, vl, "a value is a number or a gradient of numbers, not a mapping.")
-        else:
-            val = p.check(v, where(vl), vl)
+        val = _entry_value(p, e["value"], (*el, "value"), where)
         if f is None:
             catch_all = i
         out.append({"filter": f, "value": val})
     return out
+
+
+def _entry_value(p: ParamSpec, v: Any, vl: Loc, where: Where) -> Any:
+    """One filter entry's value (a number or a gradient), validated; ``vl`` is its field path."""
+    if isinstance(v, list):
+        if not all(_is_scalar(x) for x in v):
+            raise _fail(where, vl, "a value is a number or a gradient of numbers, not nested entries.")
+        return _gradient(p, v, vl, where)
+    if isinstance(v, dict):
+        raise _fail(where, vl, "a value is a number or a gradient of numbers, not a mapping.")
+    return p.check(v, where(vl), vl)
 
 
 def _gradient(p: ParamSpec, raw: list, loc: Loc, where: Where) -> list:
