@@ -17,7 +17,7 @@ the rules of ``docs/quality/preregistration.json``:
 
 numpy only (no torch): ``python bench/quality_report.py`` prints the tables, ``--write`` puts
 them into docs/QUALITY.md between the markers, ``--check`` exits 1 when the document differs
-from what the committed data give (tests/test_quality_report.py runs it in the suite).
+from what the committed data give (tests/unit/test_quality_report.py runs it in the suite).
 """
 
 from __future__ import annotations

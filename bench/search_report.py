@@ -25,7 +25,7 @@ Usage::
 
     python bench/search_report.py            # print the blocks
     python bench/search_report.py --write    # rewrite them in docs/SEARCH.md
-    python bench/search_report.py --check    # exit 1 when docs/SEARCH.md differs (CI: tests/test_search_report.py)
+    python bench/search_report.py --check    # exit 1 when docs/SEARCH.md differs (CI: tests/unit/test_search_report.py)
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 All arithmetic is elementwise in float32 with a fixed order of operations (experts are summed
 one by one in plan order), so the result of an element does not depend on how a tensor is cut
 into chunks or blocks, nor on the device: block-wise execution is bit-identical to a dense
-whole-tensor merge (``tests/test_methods.py`` checks this against the dense reference in
+whole-tensor merge (``tests/unit/test_methods.py`` checks this against the dense reference in
 ``testkit/dense_reference.py``).
 
 Unread expert blocks enter as ``δ = 0`` (the expert is assumed equal to the base there): they

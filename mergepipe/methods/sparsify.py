@@ -56,7 +56,7 @@ def magnitude_shrink_lambda(min_key: int) -> float | None:
     ulp above it when ``m`` is odd. ``λ`` is the float32 just below that value, so
     ``torch.nn.functional.hardshrink(δ, λ)`` (``0`` where ``−λ <= δ <= λ``) is the magnitude
     trim in a single vectorized pass, bit-identical to ``where(key >= m, δ, 0)`` (tested
-    exhaustively over every key boundary in ``tests/test_kernels_fast.py``).
+    exhaustively over every key boundary in ``tests/unit/test_kernels_fast.py``).
     """
     if not 1 <= min_key <= 0x7F80:
         return None

@@ -2,7 +2,7 @@
 code, and the operator image has no torch: the commit's import path must stay torch-free.
 
 Checked twice: statically (every module-level import reachable from the operator's commit module,
-as tests/test_core_border.py reads imports) and by running the commit with torch made
+as tests/unit/test_core_border.py reads imports) and by running the commit with torch made
 unimportable, on parts executed by the real engine."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import textwrap
 
 from mergepipe_operator import controller as ctl
 from mergepipe_operator.reconcile import Reconciler
-from tests.test_import_graph import _cycles, _edges, _modules
+from tests.unit.test_import_graph import _cycles, _edges, _modules
 
 RESOURCES = ("modelmerge", "snapshot", "quota", "search", "kueue")
 

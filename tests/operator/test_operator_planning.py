@@ -256,7 +256,7 @@ def s3_llm(seaweed, tmp_path_factory):
     calibration file: what the Fisher statistic needs (config.json, tokenizer.json)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from tests.tiny_llm import tiny_llama_family
+    from testkit.tiny_llm import tiny_llama_family
 
     root = tmp_path_factory.mktemp("llm")
     text = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n# f{i} grows with x" for i in range(120)]

@@ -1,0 +1,71 @@
+"""docs/QUALITY.md's pre-registered tables are what the committed raw results give."""
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+
+from bench import quality_report as qr
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_quality_doc_matches_committed_raw_results():
+    """Re-derive every generated figure of docs/QUALITY.md from docs/quality/fresh-*.json; a
+    mismatch (a hand-edited figure, raw data changed without re-deriving) fails."""
+    assert sorted((REPO / "docs" / "quality").glob("fresh-*.json")), "no committed fresh results"
+    assert qr.main(["--check"]) == 0
+
+
+def _seed(full_q: dict, point_q: dict) -> dict:
+    items = {t: [v] * 4 for t, v in {"a": 2.0, "b": 2.0}.items()}
+    return {
+        "seed": 0,
+        "metric": "loss",
+        "base": {"a": 2.0, "b": 2.0},
+        "experts": {"ea": {"a": 1.0, "b": 2.0}, "eb": {"a": 2.0, "b": 1.0}},
+        "expert_task": {"ea": "a", "eb": "b"},
+        "base_items": items,
+        "expert_items": {"ea": {"a": [1.0] * 4, "b": [2.0] * 4}, "eb": {"a": [2.0] * 4, "b": [1.0] * 4}},
+        "methods": {
+            "ties": {
+                "full": {"quality": full_q, "items": {t: [v] * 4 for t, v in full_q.items()}},
+                "points": [
+                    {
+                        "value": "energy+sign3",
+                        "budget": "10%",
+                        "read_fraction": 0.1,
+                        "quality": point_q,
+                        "items": {t: [v] * 4 for t, v in point_q.items()},
+                    }
+                ],
+            }
+        },
+    }
+
+
+def test_kept_share_floor_lists_small_gains_apart():
+    """A task whose full merge keeps less than the floor of its expert's gain has no kept share
+    (0.05 -> 0.08 would read as 160%); it is listed apart and the worst task is taken over the
+    others."""
+    # full merge: NG a = 0.5, NG b = 0.05 (below the 0.2 floor); budgeted: NG a = 0.45, b = 0.08
+    s = _seed({"a": 1.5, "b": 1.95}, {"a": 1.55, "b": 1.92})
+    out = qr.seed_points(s, 0.2, 50, np.random.default_rng(0))["ties"]
+    p = out["points"][("energy+sign3", 10.0)]
+    assert abs(p["worst_kept"] - 0.9) < 1e-9
+    assert [t for t, _, _ in p["below"]] == ["b"]
+    assert np.allclose(p["boot"], 0.9)  # constant items: every replicate is the point estimate
+    s2 = copy.deepcopy(s)
+    s2["methods"]["ties"]["full"]["quality"]["b"] = 1.5  # now above the floor: b's share counts
+    s2["methods"]["ties"]["full"]["items"]["b"] = [1.5] * 4
+    p2 = qr.seed_points(s2, 0.2, 10, np.random.default_rng(0))["ties"]["points"][("energy+sign3", 10.0)]
+    assert abs(p2["worst_kept"] - 0.16) < 1e-9 and not p2["below"]
+
+
+def test_preregistration_is_committed_shape():
+    pr = json.loads((REPO / "docs" / "quality" / "preregistration.json").read_text())
+    dev = set(pr["development_seeds"])
+    for tb in pr["testbeds"].values():
+        assert len(tb["fresh_seeds"]) >= 5 and not dev & set(tb["fresh_seeds"] + tb["replacement_seeds"])
+    assert 0 < pr["floor"] < 1

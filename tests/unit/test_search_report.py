@@ -1,0 +1,149 @@
+"""bench/search_report.py: every figure of docs/SEARCH.md's search measurement is re-derived from
+the committed raw results (issue 27); a changed figure or a changed raw file fails."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("botorch")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _raw(path: Path, seeds: int = 4) -> None:
+    doms = ["p", "q"]
+    rng = random.Random(0)
+    arms = ["lw-bo", "ml-bo", "ml-grid"]
+    meta = {
+        "testbed": "toy",
+        "arms": arms,
+        "evaluations": 5,
+        "initial": 2,
+        "blocks": 2,
+        "search_windows": 4,
+        "domains": doms,
+        "objectives": [f"loss:{d}" for d in doms],
+        "zoo": {"key": "k", "format": 3, "config": "toy", "layers": 2},
+        "reference": {
+            "metrics": {
+                n: {
+                    f"{pre}loss:{d}": (1.0 if n == d else 2.0) + (0.1 if pre else 0.0)
+                    for d in doms
+                    for pre in ("", "heldout:")
+                }
+                for n in ["base", *doms]
+            }
+        },
+        "machine": {"python": "3", "cpus": 2, "torch": "t", "botorch": "b", "load_start": [1.0], "load_end": [2.0]},
+        "total_s": 1.0,
+        "seeds": {a: list(range(seeds)) for a in arms},
+    }
+    with gzip.open(path, "wt") as f:
+        f.write(json.dumps(meta) + "\n")
+        for s in range(seeds):
+            for a in arms:
+                cands = []
+                for _ in range(5):
+                    y = [rng.uniform(1.0, 2.0), rng.uniform(1.0, 2.0)]
+                    cands.append({"x": [0.5], "y": y, "h": [v + rng.uniform(0, 0.2) for v in y]})
+                f.write(
+                    json.dumps({"arm": a, "seed": s, "run_s": 1.0, "load": [1.0], "failed": 0, "cands": cands}) + "\n"
+                )
+
+
+def test_report_round_trip_and_mismatch(tmp_path):
+    from bench.search_report import analyse, blocks, check, load
+
+    _raw(tmp_path / "raw-toy.jsonl.gz")
+    meta, runs = load(tmp_path / "raw-toy.jsonl.gz")
+    an = analyse(meta, runs)
+    assert an["family"] == 4  # lw-bo − ml-bo and lw-bo − ml-grid, each on HV and held-out HV
+    holm = [p[k]["holm"] for p in an["pairs"] for k in ("hv", "held")]
+    raw_p = [p[k]["p"] for p in an["pairs"] for k in ("hv", "held")]
+    assert all(h >= p for h, p in zip(holm, raw_p))
+    block = blocks(tmp_path)["toy"]
+    doc = tmp_path / "DOC.md"
+    doc.write_text(f"intro\n<!-- search-report:toy:begin -->\n{block}\n<!-- search-report:toy:end -->\nrest\n")
+    assert check(doc, tmp_path) == []
+    # a figure edited by hand is caught
+    line = next(x for x in block.splitlines() if x.startswith("| lw-bo |"))
+    doc.write_text(doc.read_text().replace(line, line.replace("| 5 |", "| 6 |", 1)))
+    assert check(doc, tmp_path) and "differs" in check(doc, tmp_path)[0]
+    # so is a block with no markers
+    doc.write_text("nothing\n")
+    assert "no search-report block" in check(doc, tmp_path)[0]
+
+
+def test_search_md_matches_the_committed_raw_results():
+    from bench.search_report import RAW, check
+
+    raws = sorted(RAW.glob("raw-*.jsonl.gz"))
+    assert [p.name for p in raws][:1] == ["raw-zoo8-dev.jsonl.gz"]
+    assert all(p.stat().st_size < 4 * 2**20 for p in raws)  # compact: a few MB at most
+    assert check() == []
+
+
+def test_preregistered_family_is_fixed_and_primary_stated(tmp_path):
+    """A pre-registered run keeps its registered family: a comparison that did not run stays in
+    Holm's family with p = 1 (so it cannot make the others look stronger), comparisons outside
+    the registration are left out, and the primary endpoint is stated."""
+    from bench.search_report import analyse, blocks, load
+
+    path = tmp_path / "raw-toy-fresh.jsonl.gz"
+    _raw(path)
+    with gzip.open(path, "rt") as f:
+        lines = f.read().splitlines()
+    meta = json.loads(lines[0])
+    meta["preregistration_commit"] = "0" * 40
+    meta["preregistration"] = {"family": {"comparisons": [["lw-bo", "ml-bo"], ["lw-bo", "lw-nsga2"]]}}
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join([json.dumps(meta), *lines[1:]]) + "\n")
+    meta, runs = load(path)
+    an = analyse(meta, runs)
+    assert an["family"] == 4  # lw-bo − ml-grid ran but was not registered; lw-bo − lw-nsga2 did not run
+    missing = next(p for p in an["pairs"] if p["b"] == "lw-nsga2")
+    assert missing["hv"]["p"] == 1.0 and missing["held"]["holm"] == 1.0
+    ran = next(p for p in an["pairs"] if p["b"] == "ml-bo")
+    ph, pv = ran["held"]["p"], ran["hv"]["p"]  # Holm over 4 tests, two of them p = 1
+    assert ran["held"]["holm"] == pytest.approx(min(1.0, 4 * ph if ph <= pv else max(4 * pv, 3 * ph)))
+    block = blocks(tmp_path)["toy-fresh"]
+    assert "| lw-bo − lw-nsga2 | BO vs NSGA-II, layer-wise | 0 | held-out HV | not run |" in block
+    assert (
+        "Primary endpoint (pre-registered, commit `0000000`): held-out HV of lw-bo − ml-bo over 4 fresh seeds" in block
+    )
+
+
+def test_fresh_run_refuses_an_uncommitted_preregistration(tmp_path, monkeypatch):
+    """bench/search.py --fresh runs only from a committed, unchanged pre-registration and takes
+    seeds, arms (main arms first, NSGA-II second) and budget from it."""
+    import subprocess
+    from types import SimpleNamespace
+
+    import bench.search as bs
+
+    pr = json.loads((ROOT / "docs" / "search" / "preregistration.json").read_text())
+    (tmp_path / "docs" / "search").mkdir(parents=True)
+    f = tmp_path / "docs" / "search" / "preregistration.json"
+    f.write_text(json.dumps(pr))
+    monkeypatch.setattr(bs, "ROOT", tmp_path)
+    monkeypatch.setattr(bs, "PREREG", f)
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    args = SimpleNamespace()
+    with pytest.raises(SystemExit, match="not committed"):
+        bs._preregistered(args)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "prereg"], check=True)
+    passes = bs._preregistered(args)
+    assert passes[0] == (pr["fresh_seeds"], ["lw-bo", "ml-bo", "ml-bo-default", "lw-random", "ml-random", "ml-grid"])
+    assert passes[1] == (pr["fresh_seeds"], ["lw-nsga2", "ml-nsga2"])
+    assert (args.evaluations, args.initial, args.blocks, args.search_windows) == (12, 6, 4, 16)
+    assert len(args.prereg_commit) == 40
+    f.write_text(json.dumps(pr | {"fresh_seeds": [0]}))  # edited after the commit: refused
+    with pytest.raises(SystemExit, match="not committed"):
+        bs._preregistered(args)
