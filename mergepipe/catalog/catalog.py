@@ -3,7 +3,7 @@
 Embedded default: one SQLite file, ``$MERGEPIPE_HOME/catalog.sqlite`` (``~/.mergepipe``).
 
 * ``register`` records a checkpoint's layout (all shard headers) and its **identity digest**:
-  SHA-256 of, per shard file, its size, its storage version token (local ``mtime_ns``, S3
+  SHA-256 of, per shard file, its size, its storage version token (local ``mtime_ns``, device and inode, S3
   ETag) and the SHA-256 of its header. Re-registering an unchanged checkpoint only stats its
   files (no byte is read); any change gives a new identity.
 * ``analyze`` streams an expert and its base once, with bounded memory (row chunks of at most

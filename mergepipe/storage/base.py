@@ -95,7 +95,7 @@ class IOCounters:
 
 @dataclass(frozen=True)
 class ObjectStat:
-    """Size in bytes and a version token (local: ``mtime_ns``; S3: ETag) of one object."""
+    """Size in bytes and a version token (local: ``mtime_ns.device.inode``; S3: ETag) of one object."""
 
     size: int
     version: str

@@ -276,7 +276,10 @@ class LocalStorage(Storage):
             raise StorageError(f"{shown}: cannot be read ({e.strerror}); check the path.") from None
         if not os.path.isfile(_path(uri)):
             raise NotFoundError(f"{uri}: not a regular file")
-        return ObjectStat(size=st.st_size, version=str(st.st_mtime_ns))
+        # mtime alone does not tell two files apart: a script writing two same-layout checkpoints in
+        # one clock tick gives them one size, mtime and header; the inode does (and a file replaced
+        # in place by a new one gets a new inode even with its mtime restored)
+        return ObjectStat(size=st.st_size, version=f"{st.st_mtime_ns}.{st.st_dev}.{st.st_ino}")
 
     def _fetch(self, uri: str, requests: Sequence[tuple[int, int]]) -> list[bytes]:
         p = _path(uri)

@@ -97,6 +97,32 @@ def test_cached_analysis_reads_nothing_and_change_reanalyzes(tmp_path):
     assert st3.counters.snapshot()["read"]["expert"] > 0
 
 
+def test_two_checkpoints_with_one_size_mtime_and_header_are_two_identities(tmp_path):
+    """Two experts written by one script (same layout, so same sizes and header bytes) in one
+    clock tick: size, mtime and header agree, the files and their contents do not. They must be
+    two identities (the file's inode is part of the local version token), or the catalog would use
+    one expert's statistics for the other and the merge would stop at the per-block content check."""
+    base, experts = make_family(tmp_path / "m", 2, seed=5)
+    t = _load(experts[0])
+    twin = tmp_path / "m" / "twin"
+    save_checkpoint(twin, {k: (v.float() * -1.0).to(v.dtype) for k, v in t.items()}, 2)
+    pairs = []
+    for f in sorted(experts[0].glob("*.safetensors")):
+        g = twin / f.name
+        assert g.stat().st_size == f.stat().st_size and g.read_bytes()[:64] == f.read_bytes()[:64]
+        os.utime(g, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns))
+        pairs.append((f, g))
+    assert pairs and all(f.read_bytes() != g.read_bytes() for f, g in pairs)
+    cat = Catalog(tmp_path / "c.sqlite")
+    st = LocalStorage(IOCounters())
+    a, b = cat.register(st, str(experts[0])), cat.register(st, str(twin))
+    assert a.identity != b.identity
+    base_rec = cat.register(st, str(base))
+    sa, sb = cat.analyze(st, base_rec, [a, b])
+    name = next(iter(sa.tensors))
+    assert not np.array_equal(sa.tensors[name].l1, sb.tensors[name].l1)  # each its own statistics
+
+
 def test_incompatible_expert_is_refused_before_reading(tmp_path):
     base, (e1,) = make_family(tmp_path / "m", 1, seed=6)
     t = _load(e1)

@@ -270,7 +270,8 @@ def test_stat_and_not_found(blob, tmp_path):
     storage = LocalStorage()
     stt = storage.stat(path)
     assert stt.size == len(content)
-    assert stt.version == str(os.stat(path).st_mtime_ns)
+    st = os.stat(path)
+    assert stt.version == f"{st.st_mtime_ns}.{st.st_dev}.{st.st_ino}"  # mtime, and which file (inode)
     assert storage.exists(path)
     missing = str(tmp_path / "nope")
     for call in (
