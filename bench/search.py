@@ -31,7 +31,7 @@ seeds (``--seeds`` can be raised later).
 
 Run (docs/SEARCH.md)::
 
-    PYTHONPATH=. nice -n 15 .venv/bin/python -W ignore bench/search.py --work /tmp/search-work
+    PYTHONPATH=. nice -n 15 .venv/bin/python -W ignore bench/search.py --work bench/.work/search
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ recipe) and caches it (with every expert) under ``--work``, so comparing expert 
 merge weights costs only the fine-tunes. It uses the zoo's own data, tokenizer, training loop and
 gate check (:mod:`mergepipe_zoo.zoo`), so a recipe that passes here passes in ``build_zoo``.
 
-    python bench/zoo_recipe.py --size demo --seed 0 --work /tmp/zr \
+    python bench/zoo_recipe.py --size demo --seed 0 --work bench/.work/zr \
         --recipe steps=60,lr=5e-4,mix=0.5 --recipe steps=120,lr=2.5e-4,mix=0.5 --lambdas 0.25 0.3 0.4
 
 A recipe is ``key=value`` pairs: ``steps``, ``lr``, ``mix`` (replay share), ``base_steps``,
