@@ -131,6 +131,18 @@ def build(testbed: str, size: str, seed: int):
     )
 
 
+def checkpoint_dtype(folder: Path) -> str:
+    """The tensor dtypes of a safetensors checkpoint folder, e.g. ``"BF16"`` or ``"F32"`` (sorted,
+    comma-joined when mixed), read from the files' headers (no tensor data is loaded)."""
+    from safetensors import safe_open
+
+    dts: set[str] = set()
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            dts.update(str(h.get_slice(k).get_dtype()) for k in h.keys())
+    return ",".join(sorted(dts))
+
+
 def sweep_seed(a, seed: int, errors: list) -> dict:
     from mergepipe.catalog.catalog import Catalog
     from mergepipe.metrics import kept_share, normalised_gain, worst
@@ -174,6 +186,7 @@ def sweep_seed(a, seed: int, errors: list) -> dict:
         "key": key,
         "build_s": round(build_s, 1),
         "metric": metric,
+        "dtype": checkpoint_dtype(next(iter(experts.values()))),
         "base": base_q,
         "experts": exp_q,
         "expert_task": task_of,
@@ -467,13 +480,26 @@ def report(results: list[tuple[str, dict]], doc: Path) -> None:
 PREREG = OUT / "preregistration.json"
 
 
+def testbed_label(testbed: str, size: str) -> str:
+    """The testbed's name in docs/quality/preregistration.json and in ``fresh-<label>.json``:
+    ``zoo-<size>`` for the zoo, the testbed's name otherwise (``minilm``)."""
+    return f"zoo-{size}" if testbed == "zoo" else testbed
+
+
 def _preregistered(a) -> str:
     """Apply docs/quality/preregistration.json to ``a`` (seeds, methods, budgets, settings,
     per-item metrics); returns the commit that holds it.
 
+    The testbed's entry may override the registered ``settings``, ``budgets_pct`` and
+    ``primary_setting`` (an amendment that reduces a testbed's grid). ``--seeds`` (e.g. one
+    cache-filling ``--no-report`` process per seed, or a report over the seeds that finished)
+    must name registered fresh or replacement seeds of the testbed; the raw results record the
+    registered fresh seeds beside the ones run, and the report shows both.
+
     Raises:
         SystemExit: the file has uncommitted changes (a pre-registration is committed before
-            the fresh run), or names no fresh seeds for this testbed.
+            the fresh run), names no fresh seeds for this testbed, or ``--seeds`` names an
+            unregistered seed.
     """
     import subprocess
 
@@ -485,14 +511,20 @@ def _preregistered(a) -> str:
     if dirty.stdout.strip() or not commit:
         sys.exit(f"{rel}: not committed (or changed since); commit the pre-registration before the fresh run.")
     pr = json.loads(PREREG.read_text())
-    tb = pr["testbeds"].get(f"{a.testbed}-{a.size}" if a.testbed == "zoo" else a.testbed)
+    label = testbed_label(a.testbed, a.size)
+    tb = pr["testbeds"].get(label)
     if not tb:
-        sys.exit(f"{rel}: no fresh seeds for testbed {a.testbed}; add them (and commit) first.")
-    a.seeds = list(tb["fresh_seeds"])
+        sys.exit(f"{rel}: no fresh seeds for testbed {label}; add them (and commit) first.")
+    registered = list(tb["fresh_seeds"]) + list(tb.get("replacement_seeds", []))
+    if a.seeds is None:
+        a.seeds = list(tb["fresh_seeds"])
+    elif set(a.seeds) - set(registered):
+        sys.exit(f"--seeds {a.seeds}: not registered for {label} in {rel} (fresh/replacement seeds {registered})")
     a.methods = list(pr["methods"])
-    a.budgets = [float(b) for b in pr["budgets_pct"]]
-    a.values = sorted({v for v, _ in pr["settings"]})
-    a.sketches = sorted({k for _, k in pr["settings"]})
+    a.budgets = [float(b) for b in tb.get("budgets_pct", pr["budgets_pct"])]
+    settings = tb.get("settings", pr["settings"])
+    a.values = sorted({v for v, _ in settings})
+    a.sketches = sorted({k for _, k in settings})
     a.items = True
     return commit
 
@@ -503,7 +535,9 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--size", choices=("tiny", "demo"), default="tiny", help="zoo size (ZooConfig.tiny() or ZooConfig())"
     )
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument(
+        "--seeds", type=int, nargs="+", default=None, help="default 0 1 2; with --fresh the registered fresh seeds"
+    )
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
     ap.add_argument(
         "--budgets", type=float, nargs="+", default=list(BUDGETS), help="expert budgets in %% of the experts' bytes"
@@ -544,6 +578,8 @@ def main(argv=None) -> None:
     prereg_commit = None
     if a.fresh:
         prereg_commit = _preregistered(a)
+    elif a.seeds is None:
+        a.seeds = [0, 1, 2]
     if a.report_only:
         results = [
             (p.stem, json.loads(p.read_text()))
@@ -580,7 +616,7 @@ def main(argv=None) -> None:
     res["evaluations_run"] = Evals.runs
     res["loadavg_end"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     res["errors"] = errors
-    if a.fresh:
+    if a.fresh and not a.no_report:
         import subprocess
 
         res["preregistration_commit"] = prereg_commit
@@ -588,14 +624,15 @@ def main(argv=None) -> None:
             ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True
         ).stdout.strip()
         res["preregistration"] = json.loads(PREREG.read_text())
-        out = OUT / f"fresh-{a.testbed}-{a.size}.json"
+        res["testbed_label"] = testbed_label(a.testbed, a.size)
+        out = OUT / f"fresh-{testbed_label(a.testbed, a.size)}.json"
         out.write_text(json.dumps(res, separators=(",", ":")) + "\n")
         log(f"raw results: {out}; tables: python bench/quality_report.py --write")
         sys.exit(1 if errors else 0)
     if a.no_report:
         log(f"caches filled in {res['wall_s']:.0f} s; {len(errors)} error(s): {errors}")
         sys.exit(1 if errors else 0)
-    label = f"zoo-{a.size}" if a.testbed == "zoo" else "minilm"
+    label = testbed_label(a.testbed, a.size)
     (OUT / f"{label}.json").write_text(json.dumps(res, indent=1) + "\n")
     results = [
         (p.stem, json.loads(p.read_text())) for p in sorted(OUT.glob("*.json")) if p.stem.startswith(("zoo-", "minilm"))

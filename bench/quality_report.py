@@ -106,25 +106,91 @@ def _t(vals: list[float], pct: bool = True) -> str:
     return f(m) if len(vals) < 2 else f"{f(m)} [{f(lo)}, {f(hi)}]"
 
 
+def testbed_label(res: dict) -> str:
+    """The testbed's name in the registration: ``zoo-<size>`` for the zoo, else the testbed's name."""
+    return str(
+        res.get("testbed_label") or (f"{res['testbed']}-{res['size']}" if res["testbed"] == "zoo" else res["testbed"])
+    )
+
+
+def _registered_checkpoints(label: str) -> str:
+    """The checkpoint dtype the committed registration states for a testbed (``"not recorded"``)."""
+    tb = json.loads((OUT / "preregistration.json").read_text())["testbeds"].get(label, {})
+    return str(tb.get("checkpoints", "not recorded"))
+
+
+def registration(res: dict) -> dict:
+    """The rules a fresh run was registered under (its own copy of the registration): the
+    testbed's entry's ``settings``/``budgets_pct``/``primary_setting`` override the global ones.
+
+    Returns:
+        ``{"floor": float, "targets": {budget_pct: share}, "primary": setting, "fresh_seeds": [int],
+        "statistics": {...}}``.
+    """
+    pr = res["preregistration"]
+    tb = pr["testbeds"].get(testbed_label(res), {})
+    return {
+        "floor": float(pr["floor"]),
+        "targets": {float(k): float(v) for k, v in pr["targets"].items()},
+        # the setting the targets judge (amendment 1 names it; the first registration's was energy+sign3)
+        "primary": str(tb.get("primary_setting", pr.get("primary_setting", "energy+sign3"))),
+        "fresh_seeds": list(tb.get("fresh_seeds", [])),
+        "statistics": pr["statistics"],
+    }
+
+
 def derive(res: dict, n_boot: int | None = None) -> str:
     """Markdown tables of one fresh run (see the module docstring); deterministic."""
-    pr = res["preregistration"]
-    floor = float(pr["floor"])
-    targets = {float(k): float(v) for k, v in pr["targets"].items()}
-    # the setting the targets judge (amendment 1 names it; the first registration's was energy+sign3)
-    primary = str(pr.get("primary_setting", "energy+sign3"))
-    stats = pr["statistics"]
+    return derive_with_summary(res, n_boot)[0]
+
+
+def derive_with_summary(res: dict, n_boot: int | None = None) -> tuple[str, dict]:
+    """Markdown tables of one fresh run and the figures the cross-testbed summary shows.
+
+    Returns:
+        (markdown, ``{"label", "dtype", "metric", "seeds", "registered", "primary", "targets":
+        [(method, budget, mean, per-seed min, n, target share)], "mono": {method: [step
+        strings that fall]}}``); deterministic (bootstrap ``default_rng(0)``).
+    """
+    reg = registration(res)
+    floor = reg["floor"]
+    targets = reg["targets"]
+    primary = reg["primary"]
+    stats = reg["statistics"]
     n_boot = n_boot or 1000
     rng = np.random.default_rng(0)
     seeds = res["seeds"]
     per = [seed_points(s, floor, n_boot, rng) for s in seeds]
     methods = list(dict.fromkeys(m for p in per for m in p))
-    testbed = f"{res['testbed']}-{res['size']}" if res["testbed"] == "zoo" else res["testbed"]
+    testbed = testbed_label(res)
+    ran = [s["seed"] for s in seeds]
+    missing = [x for x in reg["fresh_seeds"] if x not in ran]
+    # recorded per seed since amendment 2; earlier raw results: the testbed's registered checkpoints
+    dtype = ",".join(sorted({str(s["dtype"]) for s in seeds if s.get("dtype")})) or _registered_checkpoints(testbed)
+    summary: dict = {
+        "label": testbed,
+        "dtype": dtype,
+        "metric": seeds[0]["metric"] if seeds else "",
+        "seeds": ran,
+        "registered": reg["fresh_seeds"],
+        "primary": primary,
+        "targets": [],
+        "mono": {},
+    }
     import re
 
     cmd = re.sub(r"--work \S+", "--work WORK", res["command"])  # the run's scratch folder, not part of the result
     L = [
-        f"#### {testbed}: fresh seeds {[s['seed'] for s in seeds]} (pre-registered)\n",
+        f"#### {testbed}: fresh seeds {ran} (pre-registered)\n",
+        *(
+            [
+                f"**{len(ran)} of the {len(reg['fresh_seeds'])} registered fresh seeds**: seeds {missing} did not "
+                "finish in the session's time and are not in any figure below.\n"
+            ]
+            if missing
+            else []
+        ),
+        f"Metric: {summary['metric']} per task; checkpoints {dtype}.\n",
         f"Command: `{cmd}` at commit `{res['code_commit'][:12]}` (pre-registration committed in "
         f"`{res['preregistration_commit'][:12]}`); wall {res['wall_s']:.0f} s; machine: {res['machine']}; load "
         f"average {res['loadavg_start']} at start, {res['loadavg_end']} at end. Kept share floor: tasks whose full "
@@ -178,6 +244,7 @@ def derive(res: dict, n_boot: int | None = None) -> str:
                 boot = f"[{_pct(lo)}, {_pct(hi)}]"
                 if k[0] == primary and k[1] in targets:
                     tgt = f"{'met' if np.mean(v) >= targets[k[1]] else 'missed'} ({targets[k[1]]:.0%})"
+                    summary["targets"].append((m, k[1], float(np.mean(v)), float(min(v)), len(v), targets[k[1]]))
             L.append(
                 f"| {m} | {k[0]} | {k[1]:g}% | {_pct(read)} ({_pct(sk)}) | {cell} | {boot} | {mn} | {len(kp)} | {tgt} "
                 f"| {np.mean([p['worst_ng'] for p in pts]):+.3f} |"
@@ -200,6 +267,8 @@ def derive(res: dict, n_boot: int | None = None) -> str:
                 mu, lo, hi = mean_ci_t(diffs)
                 verdict = "non-monotone" if len(diffs) > 1 and hi < 0 else ("dip" if mu < 0 else "up")
                 steps.append(f"{b0:g}→{b1:g}%: {100 * mu:+.1f} pt ({verdict})")
+                if mu < 0:
+                    summary["mono"].setdefault(m, []).append(f"{setting} {steps[-1]}")
             mono.append(f"| {m} | {setting} | " + "; ".join(steps) + " |")
     L += [
         "",
@@ -222,13 +291,51 @@ def derive(res: dict, n_boot: int | None = None) -> str:
     else:
         L += [f"No task fell below the floor (every full merge kept >= {floor:.0%} of each expert's gain).", ""]
     L.append(f"Statistics as registered: {stats['test_set']}")
+    summary["methods"] = methods
+    return "\n".join(L) + "\n", summary
+
+
+def summary_md(sums: list[dict]) -> str:
+    """The cross-testbed summary: per testbed and method the primary setting's mean worst-task
+    kept share at each target budget, met or missed by how many points, the per-seed minimum and
+    n; and whether every budget step raised the mean (the monotone check)."""
+    L = [
+        "#### Summary over testbeds (fresh seeds; the primary setting of each registration)\n",
+        "| testbed | checkpoints | method | budget | mean worst-task kept share | target | met / missed by "
+        "| per-seed min | n (of registered) |",
+        "|---|---|---|---:|---:|---:|---|---:|---|",
+    ]
+    for s in sums:
+        for m, b, mean, mn, n, tgt in s["targets"]:
+            gap = 100 * (mean - tgt)
+            verdict = "met" if gap >= 0 else f"missed by {-gap:.1f} pt"
+            L.append(
+                f"| {s['label']} | {s['dtype']} | {m} | {b:g}% | {_pct(mean)} | {tgt:.0%} | {verdict} | {_pct(mn)} "
+                f"| {n} (of {len(s['registered'])}) |"
+            )
+    L += ["", "| testbed | monotone in budget (every setting, every method; 100% = the full merge) |", "|---|---|"]
+    for s in sums:
+        falls = [f"{m}: {x}" for m, xs in s["mono"].items() for x in xs]
+        L.append(
+            f"| {s['label']} | "
+            + ("yes: every step raises the mean worst-task kept share" if not falls else "no: " + "; ".join(falls))
+            + " |"
+        )
     return "\n".join(L) + "\n"
 
 
+def fresh_files() -> list[Path]:
+    """Committed raw results, in the registration's testbed order (unregistered ones last, by name)."""
+    files = sorted(OUT.glob("fresh-*.json"))
+    order = list(json.loads((OUT / "preregistration.json").read_text())["testbeds"])
+    return sorted(files, key=lambda p: (order.index(p.stem[6:]) if p.stem[6:] in order else len(order), p.name))
+
+
 def render() -> str:
-    """The generated block of docs/QUALITY.md from every committed ``docs/quality/fresh-*.json``."""
-    parts = [derive(json.loads(p.read_text())) for p in sorted(OUT.glob("fresh-*.json"))]
-    return BEGIN + "\n" + "\n".join(parts) + END
+    """The generated block of docs/QUALITY.md from every committed ``docs/quality/fresh-*.json``:
+    the cross-testbed summary, then one section per testbed."""
+    done = [derive_with_summary(json.loads(p.read_text())) for p in fresh_files()]
+    return BEGIN + "\n" + summary_md([s for _, s in done]) + "\n" + "\n".join(md for md, _ in done) + END
 
 
 def main(argv=None) -> int:
