@@ -21,7 +21,7 @@ for budgeted merges, the kept share NG_budget/NG_full; then the worst task, and 
 Student-t and bootstrap intervals over seeds (:mod:`mergepipe.metrics`).
 
     python bench/quality.py --testbed zoo --size tiny --seeds 0 1 2      # -> docs/quality/zoo-tiny.json
-    python bench/quality.py --testbed minilm --seeds 0 1 2                 # -> docs/quality/minilm.json
+    python bench/quality.py --testbed minilm --seeds 0 1 2                 # -> docs/quality/minilm.json (development; not committed)
     python bench/quality.py --report-only                                 # tables + plots from the JSONs
 
 Cached: testbed builds (``~/.mergepipe``), snapshots, catalog and evaluations (keyed by snapshot

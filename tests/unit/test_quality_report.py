@@ -69,3 +69,62 @@ def test_preregistration_is_committed_shape():
     for tb in pr["testbeds"].values():
         assert len(tb["fresh_seeds"]) >= 5 and not dev & set(tb["fresh_seeds"] + tb["replacement_seeds"])
     assert 0 < pr["floor"] < 1
+
+
+def _fresh(seeds: list[dict], registered: list[int], label: str = "tb") -> dict:
+    pr = {
+        "testbeds": {label: {"fresh_seeds": registered, "primary_setting": "energy+sign3"}},
+        "floor": 0.2,
+        "targets": {"10": 0.9},
+        "statistics": {"test_set": "bootstrap"},
+    }
+    return {
+        "testbed": label,
+        "testbed_label": label,
+        "size": "tiny",
+        "command": "python bench/quality.py --fresh --testbed tb --work /tmp/x",
+        "code_commit": "0" * 40,
+        "preregistration_commit": "0" * 40,
+        "wall_s": 1.0,
+        "machine": "m",
+        "loadavg_start": "1",
+        "loadavg_end": "1",
+        "preregistration": pr,
+        "seeds": seeds,
+    }
+
+
+def test_summary_states_target_gap_and_missing_seeds():
+    """A seed that did not finish is named and every n says 'of' the registered seeds; the
+    summary states the target's gap in points and the monotone check per testbed."""
+    s0 = _seed({"a": 1.5, "b": 1.5}, {"a": 1.55, "b": 1.6})  # kept a 0.9, b 0.8 -> worst 0.8
+    s1 = copy.deepcopy(s0)
+    s1["seed"] = 1
+    md, summ = qr.derive_with_summary(_fresh([s0, s1], [0, 1, 2]), n_boot=20)
+    assert "**2 of the 3 registered fresh seeds**: seeds [2] did not finish" in md
+    (m, b, mean, mn, n, tgt) = summ["targets"][0]
+    assert (m, b, n, tgt) == ("ties", 10.0, 2, 0.9) and abs(mean - 0.8) < 1e-9
+    out = qr.summary_md([summ])
+    assert "| tb | not recorded | ties | 10% | 80.0% | 90% | missed by 10.0 pt | 80.0% | 2 (of 3) |" in out
+    assert "| tb | yes: every step raises" in out  # 10% -> 100%: 0.8 -> 1.0
+
+
+def test_testbed_entry_overrides_primary_setting():
+    """A testbed's registration entry names its own primary setting (MiniLM: amendment 2)."""
+    res = _fresh([_seed({"a": 1.5, "b": 1.5}, {"a": 1.55, "b": 1.6})], [0])
+    res["preregistration"]["primary_setting"] = "energy+sign3+r1"
+    assert qr.registration(res)["primary"] == "energy+sign3"
+
+
+def test_fresh_run_refuses_an_unregistered_seed():
+    """``--fresh --seeds`` runs only seeds the committed registration names for the testbed
+    (development seed 0 is not one): one clear line, before anything is built or written."""
+    import pytest
+
+    from bench import quality
+
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout: the registration's commit cannot be checked")
+    with pytest.raises(SystemExit) as e:
+        quality.main(["--fresh", "--testbed", "minilm", "--seeds", "0", "--no-report"])
+    assert "--seeds [0]: not registered for minilm" in str(e.value.code)
