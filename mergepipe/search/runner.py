@@ -750,6 +750,82 @@ def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log) -> dict
     }
 
 
+def _resumed_state(
+    path: Path, evaluator: Evaluator | None, workers: int | None, evaluations: int | None
+) -> tuple[dict, Evaluator]:
+    """The state at ``path`` made ready to resume: in-flight candidates queued again, ``workers`` /
+    ``evaluations`` changed when given; the evaluator rebuilt from the state when ``None``.
+
+    Raises:
+        InputError: an unreadable state, or ``evaluations`` below the candidates already proposed.
+    """
+    state = load_state(path)
+    if evaluator is None:
+        evaluator = evaluator_from_spec(state.get("evaluator"))
+    for c in state["candidates"]:
+        if c["status"] in ("running", "queued"):
+            c["status"] = "queued"
+            c["worker"] = None
+    if workers is not None:
+        state["config"]["workers"] = workers
+    if evaluations is not None:
+        if evaluations < len(state["candidates"]):
+            raise InputError(
+                f"--evaluations {evaluations}: the search already proposed {len(state['candidates'])} candidates."
+            )
+        state["config"]["evaluations"] = evaluations
+    return state, evaluator
+
+
+def _new_state(
+    out: Path, path: Path, config: SearchConfig | None, evaluator: Evaluator | None, log: Callable[[str], None]
+) -> tuple[dict, Evaluator]:
+    """The state of a new search into ``out`` (created), after :func:`_init_state` validated it,
+    and its evaluator.
+
+    Raises:
+        InputError: no configuration or evaluator, ``out`` already holds a search, or a bad configuration.
+    """
+    if config is None or evaluator is None:
+        raise InputError("a new search needs its configuration and an evaluator.")
+    if path.exists():
+        raise InputError(
+            f"--out {out}: already holds a search ({STATE_NAME}); add --resume to continue it, or choose another --out."
+        )
+    state = _init_state(out, config, evaluator, log)
+    out.mkdir(parents=True, exist_ok=True)
+    return state, evaluator
+
+
+def _run_session(s: _Search, sess: dict) -> None:
+    """Run the search's worker threads (and its lookahead proposer) until they end; the session's
+    end time is recorded and the state saved however they end. Re-raises a worker's error, and
+    a ``KeyboardInterrupt`` (after telling the workers to stop)."""
+    threads = [
+        threading.Thread(target=s.worker, args=(w,), name=f"search-worker-{w}", daemon=True)
+        for w in range(s.cfg.workers)
+    ]
+    if s.lookahead:
+        threads.append(threading.Thread(target=s.proposer, name="search-proposer", daemon=True))
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)
+    except KeyboardInterrupt:
+        with s.cv:
+            s.error = KeyboardInterrupt()
+            s.cv.notify_all()
+        raise
+    finally:
+        with s.cv:
+            sess["ended"] = time.time()
+            s.save()
+    if s.error is not None:
+        raise s.error
+
+
 def run_search(
     out: str | Path,
     config: SearchConfig | None = None,
@@ -783,64 +859,97 @@ def run_search(
     out = Path(out)
     path = out / STATE_NAME
     if resume:
-        state = load_state(path)
-        if evaluator is None:
-            evaluator = evaluator_from_spec(state.get("evaluator"))
-        for c in state["candidates"]:
-            if c["status"] in ("running", "queued"):
-                c["status"] = "queued"
-                c["worker"] = None
-        if workers is not None:
-            state["config"]["workers"] = workers
-        if evaluations is not None:
-            if evaluations < len(state["candidates"]):
-                raise InputError(
-                    f"--evaluations {evaluations}: the search already proposed {len(state['candidates'])} candidates."
-                )
-            state["config"]["evaluations"] = evaluations
+        state, evaluator = _resumed_state(path, evaluator, workers, evaluations)
     else:
-        if config is None or evaluator is None:
-            raise InputError("a new search needs its configuration and an evaluator.")
-        if path.exists():
-            raise InputError(
-                f"--out {out}: already holds a search ({STATE_NAME}); add --resume to continue it, "
-                "or choose another --out."
-            )
-        state = _init_state(out, config, evaluator, log)
-        out.mkdir(parents=True, exist_ok=True)
+        state, evaluator = _new_state(out, path, config, evaluator, log)
     sess = {"started": time.time(), "ended": None, "workers": state["config"]["workers"]}
     state["sessions"].append(sess)
     s = _Search(out, state, evaluator, log, merger)
     s.mirror = mirror
     s.save()
-    threads = [
-        threading.Thread(target=s.worker, args=(w,), name=f"search-worker-{w}", daemon=True)
-        for w in range(s.cfg.workers)
-    ]
-    if s.lookahead:
-        threads.append(threading.Thread(target=s.proposer, name="search-proposer", daemon=True))
-    for t in threads:
-        t.start()
-    try:
-        for t in threads:
-            while t.is_alive():
-                t.join(0.2)
-    except KeyboardInterrupt:
-        with s.cv:
-            s.error = KeyboardInterrupt()
-            s.cv.notify_all()
-        raise
-    finally:
-        with s.cv:
-            sess["ended"] = time.time()
-            s.save()
-    if s.error is not None:
-        raise s.error
+    _run_session(s, sess)
     res = results(state)
     save_state(out / "results.json", res)
     if mirror:
         mirror.put("results.json", (out / "results.json").read_bytes())
     return res
+
+
+def _search_clock(sessions: list[dict]) -> Callable[[float], float]:
+    """``t`` (a wall clock time, seconds) -> seconds of search time: the gaps between the
+    ``sessions`` (``{started, ended}``; ``ended`` ``None`` for the running one) removed."""
+
+    def rel(t: float) -> float:
+        acc = 0.0
+        for s in sessions:
+            end = s["ended"] or t
+            if t <= end:
+                return acc + max(0.0, t - s["started"])
+            acc += end - s["started"]
+        return acc
+
+    return rel
+
+
+def _hypervolume_curve(done: list[dict], ref: list[float] | None, rel: Callable[[float], float]) -> list[dict]:
+    """``[{evaluations, t, hv}]``: the hypervolume (w.r.t. ``ref``) of the first k finished
+    candidates, k = 1..len(done) (``done`` in completion order); empty when ``ref`` is ``None``."""
+    hv: list[dict] = []
+    if ref is not None:  # None only when nothing is done
+        for k in range(1, len(done) + 1):
+            hv.append(
+                {
+                    "evaluations": k,
+                    "t": round(rel(done[k - 1]["times"]["ended"]), 3),
+                    "hv": hypervolume([c["objectives"] for c in done[:k]], ref),
+                }
+            )
+    return hv
+
+
+def _pareto_front(done: list[dict], objectives: list[str]) -> list[dict]:
+    """The non-dominated finished candidates, each ``{id, values, params, metrics, objectives
+    (name -> minimised value), snapshot, manifest_hash}``, in completion order."""
+    mask = pareto_mask([c["objectives"] for c in done]) if done else []
+    return [
+        {
+            "id": c["id"],
+            "values": c["values"],
+            "params": c["params"],
+            "metrics": c["metrics"],
+            "objectives": dict(zip(objectives, c["objectives"])),
+            "snapshot": c["snapshot"],
+            "manifest_hash": c["manifest_hash"],
+        }
+        for c, m in zip(done, mask)
+        if m
+    ]
+
+
+def _worker_stats(events: list[dict], wall: float) -> tuple[dict, float]:
+    """Per worker ``{jobs, busy_s, wait_s, propose_s, idle_fraction}`` (keyed by the worker number
+    as a string) from the trace ``events``, and the lookahead proposer's seconds (worker -1);
+    ``wall`` is the search's wall time in seconds (``idle_fraction`` ``None`` when 0)."""
+    workers: dict = {}
+    proposer_s = 0.0
+    for e in events:
+        if e["worker"] < 0:
+            proposer_s += e["t1"] - e["t0"]
+            continue
+        w = workers.setdefault(str(e["worker"]), {"jobs": 0, "busy_s": 0.0, "wait_s": 0.0, "propose_s": 0.0})
+        dt = e["t1"] - e["t0"]
+        if e["kind"] in ("merge", "eval"):
+            w["busy_s"] += dt
+            w["jobs"] += int(e["kind"] == "eval")
+        elif e["kind"] == "propose":
+            w["propose_s"] += dt
+        else:
+            w["wait_s"] += dt
+    for w in workers.values():
+        w["idle_fraction"] = round(1 - w["busy_s"] / wall, 4) if wall > 0 else None
+        for key in ("busy_s", "wait_s", "propose_s"):
+            w[key] = round(w[key], 3)
+    return workers, proposer_s
 
 
 def results(state: dict) -> dict:
@@ -858,65 +967,16 @@ def results(state: dict) -> dict:
     cfg = state["config"]
     done = sorted((c for c in state["candidates"] if c["status"] == "done"), key=lambda c: c["times"]["ended"])
     sessions = state["sessions"]
-
-    def rel(t: float) -> float:  # seconds of search time: gaps between sessions removed
-        acc = 0.0
-        for s in sessions:
-            end = s["ended"] or t
-            if t <= end:
-                return acc + max(0.0, t - s["started"])
-            acc += end - s["started"]
-        return acc
-
+    rel = _search_clock(sessions)
     ref = (
         cfg.get("ref_point")
         or state.get("ref_point")
         or (default_ref_point([c["objectives"] for c in done]) if done else None)
     )
-    hv = []
-    if ref is not None:  # None only when nothing is done
-        for k in range(1, len(done) + 1):
-            hv.append(
-                {
-                    "evaluations": k,
-                    "t": round(rel(done[k - 1]["times"]["ended"]), 3),
-                    "hv": hypervolume([c["objectives"] for c in done[:k]], ref),
-                }
-            )
-    mask = pareto_mask([c["objectives"] for c in done]) if done else []
-    pareto = [
-        {
-            "id": c["id"],
-            "values": c["values"],
-            "params": c["params"],
-            "metrics": c["metrics"],
-            "objectives": dict(zip(cfg["objectives"], c["objectives"])),
-            "snapshot": c["snapshot"],
-            "manifest_hash": c["manifest_hash"],
-        }
-        for c, m in zip(done, mask)
-        if m
-    ]
+    hv = _hypervolume_curve(done, ref, rel)
+    pareto = _pareto_front(done, cfg["objectives"])
     wall = sum((s["ended"] or s["started"]) - s["started"] for s in sessions)
-    workers: dict = {}
-    proposer_s = 0.0
-    for e in state["events"]:
-        if e["worker"] < 0:
-            proposer_s += e["t1"] - e["t0"]
-            continue
-        w = workers.setdefault(str(e["worker"]), {"jobs": 0, "busy_s": 0.0, "wait_s": 0.0, "propose_s": 0.0})
-        dt = e["t1"] - e["t0"]
-        if e["kind"] in ("merge", "eval"):
-            w["busy_s"] += dt
-            w["jobs"] += int(e["kind"] == "eval")
-        elif e["kind"] == "propose":
-            w["propose_s"] += dt
-        else:
-            w["wait_s"] += dt
-    for w in workers.values():
-        w["idle_fraction"] = round(1 - w["busy_s"] / wall, 4) if wall > 0 else None
-        for key in ("busy_s", "wait_s", "propose_s"):
-            w[key] = round(w[key], 3)
+    workers, proposer_s = _worker_stats(state["events"], wall)
     return {
         "search_id": state["search_id"],
         "strategy": cfg["strategy"],

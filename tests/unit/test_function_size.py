@@ -28,8 +28,6 @@ EXCEPTIONS: dict[str, str] = {
     "mergepipe/planner/planner.py:_select": "not split yet: the block knapsack (issue 25 follow-up)",
     "mergepipe/planner/planner.py:_select_tiers": "not split yet: the tier knapsack (issue 25 follow-up)",
     "mergepipe/result.py:build_manifest": "not split yet: one manifest record, field by field (issue 25 follow-up)",
-    "mergepipe/search/runner.py:run_search": "not split yet: the search loop (issue 25 follow-up)",
-    "mergepipe/search/runner.py:results": "not split yet: the Pareto/HV summary (issue 25 follow-up)",
     "mergepipe_zoo/demo.py:run_demo": "not split yet: the demo's build, merges and table (issue 25 follow-up)",
     "operator/mergepipe_operator/modelmerge/controller.py:MergeReconciler._reconcile_merge": (
         "not split yet: holds a finish() closure; each step needs the kmock and real-API-server tests (issue 25)"
