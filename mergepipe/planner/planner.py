@@ -193,6 +193,24 @@ class SelectionOptions:
     calibration: str | None = None
     sketch: str = "none"
 
+    def __post_init__(self) -> None:
+        """Refuse options no validated request produces (a caller's bug, not a user's input: a
+        user's budget, fidelity, block value and tiers are refused with their field path by
+        :meth:`mergepipe.request.MergeRequest.resolve` before planning).
+
+        Raises:
+            ValueError: a negative budget, a fidelity outside (0, 1], an unknown block value or
+                fidelity tier.
+        """
+        if self.budget_bytes is not None and self.budget_bytes < 0:
+            raise ValueError(f"SelectionOptions.budget_bytes {self.budget_bytes} is negative")
+        if self.fidelity is not None and not 0.0 < self.fidelity <= 1.0:
+            raise ValueError(f"SelectionOptions.fidelity {self.fidelity} is outside (0, 1]")
+        if self.value not in ("energy", "fisher"):
+            raise ValueError(f"SelectionOptions.value {self.value!r} is not 'energy' or 'fisher'")
+        if self.sketch not in SKETCH_KINDS:
+            raise ValueError(f"SelectionOptions.sketch {self.sketch!r} is not one of {', '.join(SKETCH_KINDS)}")
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -233,9 +251,13 @@ def make_plan(
         engine: working memory and coalescing gap (:class:`EngineOptions`).
 
     Raises:
-        InputError: no experts, parameters for another number of experts, negative budget,
-            fidelity outside (0, 1], an unknown block value or fisher without sensitivity,
-            missing pair statistics, an analysis that does not match the base's layout.
+        InputError: fidelity tiers asked of experts the catalog has no sketches of (``loc``
+            ``("planning", "sketch")``), parameters for another number of experts, missing pair
+            statistics, an analysis that does not match the base's layout.
+        ValueError: ``fisher`` without sensitivity (see :meth:`BlockValueRule.of`). The
+            request-level refusals (budget, fidelity, block value, tiers, number of experts)
+            happen before, in :meth:`mergepipe.request.MergeRequest.resolve`, with field paths;
+            :class:`SelectionOptions` refuses values no validated request produces.
     """
     t0 = time.perf_counter()
     pc = _planning(request, inputs, selection, engine)
@@ -296,15 +318,7 @@ def _planning(
     spec = get_method(request.method)
     experts, analyses, K = inputs.experts, inputs.analyses, len(inputs.experts)
     budget_bytes, fidelity, sketch = selection.budget_bytes, selection.fidelity, selection.sketch
-    if K == 0 and spec.min_experts > 0:
-        raise InputError("no experts given; pass at least one --expert.")
-    if budget_bytes is not None and budget_bytes < 0:
-        raise InputError(f"--budget {budget_bytes} is negative; give bytes like 512MiB or a percentage like 25%.")
-    if fidelity is not None and not (0.0 < fidelity <= 1.0):
-        raise InputError(f"--fidelity {fidelity} is outside (0, 1]; e.g. --fidelity 0.99.")
     value = BlockValueRule.of(selection, inputs.sensitivity)
-    if sketch not in SKETCH_KINDS:
-        raise InputError(f"--sketch {sketch!r}: use one of {', '.join(SKETCH_KINDS)}.")
     # fidelity tiers only where a block can be skipped and the method is the task-arithmetic family
     tiers = sketch != "none" and (budget_bytes is not None or fidelity is not None) and spec.sketch_tiers
     coalesce_gap = engine.coalesce_gap
@@ -312,10 +326,12 @@ def _planning(
         # (LoRA adapter experts have no sketch: their factors are read whole, already small)
         missing = [e.uri for e, a in zip(experts, analyses) if not a.sketch and getattr(e, "adapter", None) is None]
         if missing:
-            raise InputError(
-                f"--sketch {sketch}: the catalog has no block sketches of {missing[0]}; "
-                "re-run `mergepipe analyze` (analyses since stats version 3 record them) or pass --sketch none."
+            loc = ("planning", "sketch")
+            problem = (
+                f"{sketch}: the catalog has no block sketches of {missing[0]}; re-run `mergepipe analyze` "
+                f"(analyses since stats version 3 record them) or ask for {request.where(loc)} none."
             )
+            raise InputError(f"{request.where(loc)} {problem}", loc=loc, problem=problem)
         coalesce_gap = 0  # exact accounting of two tiers: blocks are read exactly, never bridged
     if len(request.params.experts) != K:
         raise InputError(f"{len(request.params.experts)} expert parameter sets for {K} experts.")
@@ -755,16 +771,14 @@ class BlockValueRule:
         """The rule of ``selection``.
 
         Raises:
-            InputError: an unknown value, or ``fisher`` without sensitivity or calibration."""
+            ValueError: ``fisher`` without sensitivity or calibration (a caller's bug:
+                :func:`mergepipe.pipeline.build_plan` measures or loads the sensitivity of the
+                calibration set the request names, and the request refuses ``fisher`` without one)."""
         value, calibration = selection.value, selection.calibration
-        if value not in ("energy", "fisher"):
-            raise InputError(f"--value {value!r}: use 'energy' or 'fisher'.")
         if value == "energy":
             return cls("energy", calibration)
         if sensitivity is None or not calibration:
-            raise InputError(
-                "--value fisher needs the base's sensitivity on a calibration set; pass --calibration FILE.jsonl."
-            )
+            raise ValueError("the fisher block value needs the base's sensitivity and the calibration set's digest")
         allf = (
             np.concatenate([np.asarray(v, dtype=np.float64) for v in sensitivity.values()])
             if sensitivity

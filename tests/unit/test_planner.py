@@ -158,9 +158,10 @@ def test_fidelity_mode(analyzed):
         prev = p.io.expert_read_bytes
     both = _plan(b, es, an, "task_arithmetic", {}, fidelity=0.99, budget_bytes=1000)
     assert both.io.expert_read_bytes <= 1000
-    with pytest.raises(InputError, match="fidelity"):
+    # (a user's fidelity and budget are refused by the request; test_selection_options_refuse_...)
+    with pytest.raises(ValueError, match="fidelity"):
         _plan(b, es, an, "ties", {}, fidelity=1.5)
-    with pytest.raises(InputError, match="budget"):
+    with pytest.raises(ValueError, match="budget"):
         _plan(b, es, an, "ties", {}, budget_bytes=-1)
 
 
@@ -362,9 +363,10 @@ def test_fisher_valued_plans_stay_within_budget(analyzed, frac, m, density, gap,
 
 def test_fisher_value_needs_its_statistic(analyzed):
     b, es, an = analyzed[4096]
-    with pytest.raises(InputError, match="--calibration"):
+    # (a user's value/calibration are refused by the request with field paths, before planning)
+    with pytest.raises(ValueError, match="sensitivity"):
         _plan(b, es, an, "ties", {"density": 0.5}, value="fisher")
-    with pytest.raises(InputError, match="--value"):
+    with pytest.raises(ValueError, match="value"):
         _plan(b, es, an, "ties", {"density": 0.5}, value="curvature")
     with pytest.raises(InputError, match="lacks tensor"):
         _plan(b, es, an, "ties", {"density": 0.5}, value="fisher", sensitivity={"x": [1.0]}, calibration="c")
@@ -412,3 +414,21 @@ def test_selection_is_gap_closed_exact_and_spends_the_budget(data, gap_blocks, p
         more = sel.copy()
         more[j] = True
         assert int(costs[_gap_closure(more, cand_of, cum, gap)].sum()) > budget, "a valuable block still fits"
+
+
+def test_selection_options_refuse_what_no_request_produces():
+    """The user-facing refusals (budget, fidelity, block value, tiers) happen in the request with
+    field paths; the planner's own options refuse values no validated request produces, as a
+    caller's bug (ValueError), with no command-line wording."""
+    for kw in ({"budget_bytes": -1}, {"fidelity": 0.0}, {"fidelity": 1.5}, {"value": "loss"}, {"sketch": "sign9"}):
+        with pytest.raises(ValueError, match=r"^SelectionOptions\.") as e:
+            SelectionOptions(**kw)
+        assert not isinstance(e.value, InputError) and "--" not in str(e.value)
+    req = MergeRequest(base="b", experts=[ExpertRequest(name="e", uri="e")], method="ties", parameters={"density": 0.5})
+    for field, bad in (("budget", -1), ("fidelity", 1.5)):
+        with pytest.raises(InputError) as ie:
+            req.model_copy(update={field: bad}).resolve()
+        assert ie.value.loc == (field,)
+    with pytest.raises(InputError) as ie:
+        req.with_planning(sketch="sign9").resolve()
+    assert ie.value.loc == ("planning", "sketch")
