@@ -1463,10 +1463,10 @@ def search(
     if worker_backend == "kubernetes":
         if place.mirror is None or not (namespace and search_name and search_uid):
             _fail("--worker-backend kubernetes needs an s3:// --out, --namespace, --search-name and --search-uid.")
-        if value or calibration:
+        if calibration and not calibration.startswith("s3://"):
             _fail(
-                "--value/--calibration: the kubernetes backend plans each candidate in its ModelMerge and does "
-                "not pass them there yet; drop them or use --worker-backend local."
+                f"--calibration {calibration}: the kubernetes backend's candidates read it as their ModelMerge "
+                "spec.calibration.uri; give an s3:// URI."
             )
         kube = driver.KubernetesWorkers.from_environment(namespace, search_name, search_uid)
     resuming = place.resumes(resume, resume_existing)

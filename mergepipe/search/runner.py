@@ -245,6 +245,14 @@ class CandidateMerger:
         ``catalog`` is the search's catalog."""
         raise NotImplementedError
 
+    def validation_request(self, cfg: SearchConfig, params: dict):
+        """The request the search plans once before its first candidate (the centre point
+        ``params``): it refuses a configuration no candidate could merge and gives the experts'
+        total bytes. Default: the candidate's own request (:meth:`SearchConfig.request`). A
+        backend whose merges plan elsewhere may return a lighter request that checks the same
+        inputs."""
+        return cfg.request(params)
+
 
 class LocalMerger(CandidateMerger):
     """In-process: :func:`mergepipe.pipeline.build_plan` (under ``cfg.budget``) then
@@ -696,7 +704,7 @@ class _Search:
 
 
 # ------------------------------------------------------------------------------------------------
-def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log) -> dict:
+def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log, merger: CandidateMerger) -> dict:
     cfg.check()
     vary = parse_vary(cfg.vary)
     objs = [Objective.parse(o) for o in cfg.objectives]
@@ -716,11 +724,7 @@ def _init_state(out: Path, cfg: SearchConfig, evaluator: Evaluator, log) -> dict
     )
     # Validate a candidate (the centre point) exactly as every candidate will be planned; this
     # also analyzes the experts once (cached in the catalog), which the prior reads.
-    plan = build_plan(
-        cat,
-        st,
-        cfg.request(space.to_params([0.5] * space.d)),
-    )
+    plan = build_plan(cat, st, merger.validation_request(cfg, space.to_params([0.5] * space.d)))
     prior = None
     if cfg.prior and cfg.strategy == "async":
         _, recs, ans = register_and_analyze(cat, st, cfg.base, [u for _, u in cfg.experts], cfg.block_bytes)
@@ -778,10 +782,15 @@ def _resumed_state(
 
 
 def _new_state(
-    out: Path, path: Path, config: SearchConfig | None, evaluator: Evaluator | None, log: Callable[[str], None]
+    out: Path,
+    path: Path,
+    config: SearchConfig | None,
+    evaluator: Evaluator | None,
+    log: Callable[[str], None],
+    merger: CandidateMerger,
 ) -> tuple[dict, Evaluator]:
-    """The state of a new search into ``out`` (created), after :func:`_init_state` validated it,
-    and its evaluator.
+    """The state of a new search into ``out`` (created), after :func:`_init_state` validated it
+    (with ``merger``'s :meth:`CandidateMerger.validation_request`), and its evaluator.
 
     Raises:
         InputError: no configuration or evaluator, ``out`` already holds a search, or a bad configuration.
@@ -792,7 +801,7 @@ def _new_state(
         raise InputError(
             f"--out {out}: already holds a search ({STATE_NAME}); add --resume to continue it, or choose another --out."
         )
-    state = _init_state(out, config, evaluator, log)
+    state = _init_state(out, config, evaluator, log, merger)
     out.mkdir(parents=True, exist_ok=True)
     return state, evaluator
 
@@ -861,7 +870,7 @@ def run_search(
     if resume:
         state, evaluator = _resumed_state(path, evaluator, workers, evaluations)
     else:
-        state, evaluator = _new_state(out, path, config, evaluator, log)
+        state, evaluator = _new_state(out, path, config, evaluator, log, merger or LocalMerger())
     sess = {"started": time.time(), "ended": None, "workers": state["config"]["workers"]}
     state["sessions"].append(sess)
     s = _Search(out, state, evaluator, log, merger)

@@ -7,7 +7,8 @@ from the operator's ModelMerge path:
 * name ``<search>-c<NNNN>`` (:func:`candidate_name`, the operator computes the same name to link
   the Pareto set's MergedSnapshots), ownerReference to the MergeSearch (deleted with it; its
   MergedSnapshots are never owned, so they stay), labels naming the search and the candidate;
-* spec: the search's base, experts, method, budget and sketch, the candidate's settings as ModelMerge
+* spec: the search's base, experts, method, budget, seed and planning options (``sketch``,
+  ``blockValue``, ``calibration.uri``), the candidate's settings as ModelMerge
   parameters (a varied parameter is a ``[{filter, value}]`` list per layer block),
   output ``<output prefix>/c<NNNN>/``, and the search's ``resources``/``image``/``s3`` (``template``);
 * :meth:`KubernetesMerger.merge` creates it (409: it exists, e.g. a resumed driver) and polls it
@@ -157,6 +158,10 @@ class KubernetesMerger(CandidateMerger):
             spec["budget"] = cfg.budget
         if cfg.planning.sketch is not None:
             spec["sketch"] = cfg.planning.sketch
+        if cfg.planning.value is not None:
+            spec["blockValue"] = cfg.planning.value
+        if cfg.planning.calibration is not None:
+            spec["calibration"] = {"uri": cfg.planning.calibration}
         spec.update({k: v for k, v in self.template.items() if k in ("resources", "image", "s3", "queueName")})
         return {
             "apiVersion": f"{GROUP}/{VERSION}",
@@ -182,6 +187,15 @@ class KubernetesMerger(CandidateMerger):
             },
             "spec": spec,
         }
+
+    def validation_request(self, cfg: SearchConfig, params: dict):
+        """The centre point's request with the ``energy`` block value and no calibration set:
+        the candidates' ModelMerges plan with ``spec.blockValue``/``spec.calibration`` in the
+        operator, whose analyze Job records the base's Fisher sensitivity (with the search's
+        GPU); the driver pod (CPU, the driver's memory) only checks the rest and records the
+        experts' statistics. ``SearchConfig.check`` has already refused ``fisher`` without a
+        calibration set."""
+        return cfg.request(params).with_planning(value="energy", calibration=None)
 
     def _get(self, plural: str, name: str) -> dict:
         return self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, plural, name)

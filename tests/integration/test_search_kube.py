@@ -134,6 +134,23 @@ def test_candidate_body_is_a_modelmerge_owned_by_the_search():
     )
 
 
+def test_candidates_get_the_searchs_block_value_and_calibration_set():
+    """``--value``/``--calibration`` reach each candidate ModelMerge as ``spec.blockValue`` and
+    ``spec.calibration.uri`` (the operator's analyze Job records the base's Fisher on it); the
+    driver checks the search on the centre point with the energy value and no calibration set,
+    so the driver pod never runs the base's forward/backward passes."""
+    cal = "s3://data/calibration/code.jsonl"
+    c = cfg(planning=PlanningOptions(value="fisher", calibration=cal, sketch="sign2"))
+    m = merger(FakeOperator([]))
+    spec = m.candidate_body(c, CAND)["spec"]
+    assert (spec["blockValue"], spec["calibration"], spec["sketch"]) == ("fisher", {"uri": cal}, "sign2")
+    plain = m.candidate_body(cfg(), CAND)["spec"]
+    assert "blockValue" not in plain and "calibration" not in plain  # the ModelMerge's defaults apply
+    req = m.validation_request(c, CAND["params"])
+    assert (req.planning.value, req.planning.calibration, req.planning.sketch) == ("energy", None, "sign2")
+    assert c.request(CAND["params"]).planning == c.planning  # the candidates' own request keeps them
+
+
 def test_committed_candidate_returns_its_snapshot_after_waiting_out_the_quota():
     api = FakeOperator(
         [("False", "Planning"), ("False", "QuotaExceeded"), ("False", "JobRunning"), ("True", "Committed")]
@@ -342,3 +359,22 @@ def test_driver_and_operator_share_one_naming_rule():
         assert len(lv) <= 63 and lv[0].isalnum() and lv[-1].isalnum()
         assert kube.label_value is label_value
     assert label_value("a" * 64) != label_value("a" * 65)
+
+
+def test_a_local_calibration_file_is_refused_for_the_kubernetes_backend(tmp_path, monkeypatch, capsys):
+    """The candidates' merge pods read the calibration set as ``spec.calibration.uri``: the
+    driver refuses a local file with one line naming ``--calibration``, exit 2, before it reads,
+    writes or contacts anything."""
+    from testkit.harness import run_cli
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    cal = tmp_path / "cal.jsonl"
+    cal.write_text('{"text": "def f(): pass"}\n')
+    args = ["search", "--out", "s3://snaps/front/g1/", "--base", "s3://models/base", "-e", "a=s3://models/a"]
+    args += ["--vary", "weight=0:1", "--objective", "a", "--value", "fisher", "--calibration", str(cal)]
+    args += ["--worker-backend", "kubernetes", "--namespace", "team", "--search-name", "front"]
+    args += ["--search-uid", UID]
+    code, out, err = run_cli(args, monkeypatch, capsys)
+    assert code == 2 and out == ""
+    assert err.strip().count("\n") == 0 and f"--calibration {cal}" in err and "s3://" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.jsonl"]

@@ -1089,7 +1089,7 @@ def test_search_driver_job_and_status_mirroring(cluster):
         o = wait_search(lambda o: ready(o).get("reason") == "Searching", "Searching")
         assert o["status"]["stateURI"] == out + "g1/state.json" and o["status"]["driverJob"] == "front-search-g1"
         # the driver has finished 3 candidates (1 failed) and rewrites its results; its pod runs
-        bucket, key = sd.results_uri(spec, 1)[5:].split("/", 1)
+        bucket, key = sd.results_uri(sd.MergeSearchSpec.model_validate(spec), 1)[5:].split("/", 1)
         c.models.client.put_object(Bucket=bucket, Key=key, Body=json.dumps(core_results()).encode())
         mark_job(c.api, job, "Running")
         o = wait_search(lambda o: o["status"].get("evaluations") == 4, "4 evaluations mirrored")

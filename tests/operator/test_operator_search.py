@@ -34,6 +34,21 @@ def search(gen: int = 1, **spec_changes) -> dict:
     return doc
 
 
+def typed(ms: dict) -> sd.MergeSearchSpec:
+    """The MergeSearch's spec parsed as the reconciler parses it (valid, or the test fails)."""
+    spec, issues = sd.parse_search_spec(ms["spec"])
+    assert issues == [] and spec is not None
+    return spec
+
+
+def args_of(ms: dict, settings=None) -> list[str]:
+    return sd.driver_args(ms["metadata"], typed(ms), settings or make_settings())
+
+
+def status_of(ms: dict, *args, **kw) -> dict:
+    return sd.search_status(ms, typed(ms), *args, **kw)
+
+
 def core_results(
     objectives=("loss:python", "loss:arithmetic"), points=((1.0, 2.0), (2.0, 1.0), (3.0, 3.0)), failed: int = 1
 ) -> dict:
@@ -119,6 +134,8 @@ def test_the_example_is_valid():
         ({"budget": "lots"}, "spec.budget", ""),
         ({"sketch": "sign4"}, "spec.sketch", "sign3"),
         ({"base": {"uri": "/local/base"}}, "spec.base.uri", "s3://"),
+        ({"blockValue": "gradient"}, "spec.blockValue", ""),
+        ({"calibration": {"uri": "/local/cal.jsonl"}}, "spec.calibration.uri", ""),
     ],
 )
 def test_invalid_specs_name_the_field(changes, field, needle):
@@ -204,9 +221,9 @@ def test_driver_args_are_the_spec_as_mergepipe_search_options():
         sketch="sign1",
     )
     ms["spec"]["objectives"][1]["sense"] = "max"
-    args = sd.driver_args(ms, make_settings())
-    assert "--sketch" not in sd.driver_args(search(gen=2, sketch=None), make_settings())  # the ModelMerge default
-    model_level = sd.driver_args(search(gen=2, layerBlocks=None), make_settings())  # the CLI's default
+    args = args_of(ms)
+    assert "--sketch" not in args_of(search(gen=2, sketch=None))  # the ModelMerge default
+    model_level = args_of(search(gen=2, layerBlocks=None))  # the CLI's default
     assert model_level[model_level.index("--layer-blocks") + 1] == "1"
     k = args.index("--worker-backend")
     assert args[k:] == [
@@ -240,9 +257,7 @@ def test_driver_args_are_the_spec_as_mergepipe_search_options():
 def test_status_mirrors_the_core_results():
     ms = search()
     res = core_results()
-    st = sd.search_status(
-        ms, res, JobOutcome("Running", "JobRunning", "running"), "llama-code-math-front-search-g1", NOW
-    )
+    st = status_of(ms, res, JobOutcome("Running", "JobRunning", "running"), "llama-code-math-front-search-g1", NOW)
     assert (st["evaluations"], st["failed"], st["paretoSize"]) == (4, 1, 2)
     assert [p["candidate"] for p in st["pareto"]] == [0, 1]
     assert st["pareto"][0]["objectives"] == {"loss:python": 1.0, "loss:arithmetic": 2.0}
@@ -263,7 +278,7 @@ def test_status_mirrors_the_core_results():
 
 def test_maximised_objectives_are_reported_in_their_own_units():
     res = core_results(objectives=("loss:python", "accuracy@max"), points=((1.0, -0.9), (2.0, -0.95)), failed=0)
-    st = sd.search_status(search(), res, JobOutcome("Running", "JobRunning", ""), "j", NOW)
+    st = status_of(search(), res, JobOutcome("Running", "JobRunning", ""), "j", NOW)
     assert {p["candidate"]: p["objectives"]["accuracy"] for p in st["pareto"]} == {0: 0.9, 1: 0.95}
     assert st["refPoint"][1] == -4.0
 
@@ -282,7 +297,7 @@ def test_maximised_objectives_are_reported_in_their_own_units():
     ],
 )
 def test_ready_follows_the_driver_job(outcome, results, want):
-    st = sd.search_status(search(), core_results() if results else None, outcome, "j", NOW)
+    st = status_of(search(), core_results() if results else None, outcome, "j", NOW)
     r = get_condition(st["conditions"], "Ready")
     assert (r["status"], r["reason"]) == want
     if want[1] == "Failed" and results:
@@ -292,7 +307,7 @@ def test_ready_follows_the_driver_job(outcome, results, want):
 def test_a_vanished_driver_fails_the_search_naming_the_driver():
     from mergepipe_operator.k8s.jobs import job_outcome
 
-    st = sd.search_status(search(), None, job_outcome(None, "driver Job"), "j", NOW)
+    st = status_of(search(), None, job_outcome(None, "driver Job"), "j", NOW)
     r = get_condition(st["conditions"], "Ready")
     assert (r["reason"], r["message"]) == (
         "Failed",
@@ -302,14 +317,14 @@ def test_a_vanished_driver_fails_the_search_naming_the_driver():
 
 def test_pareto_list_is_bounded_but_counted():
     pts = tuple((float(i), float(-i)) for i in range(70))
-    st = sd.search_status(search(), core_results(points=pts, failed=0), JobOutcome("Running", "", ""), "j", NOW)
+    st = status_of(search(), core_results(points=pts, failed=0), JobOutcome("Running", "", ""), "j", NOW)
     assert st["paretoSize"] == 70 and len(st["pareto"]) == 64 and st["pareto"][-1]["candidate"] == 63
 
 
 def test_a_malformed_manifest_hash_links_no_snapshot():
     res = core_results(failed=0)
     res["pareto"][0]["manifest_hash"] = "not-a-hash"
-    st = sd.search_status(search(), res, JobOutcome("Running", "", ""), "j", NOW)
+    st = status_of(search(), res, JobOutcome("Running", "", ""), "j", NOW)
     assert "snapshot" not in st["pareto"][0] and "snapshot" in st["pareto"][1]
 
 
@@ -322,10 +337,8 @@ def test_parse_results_refuses_what_the_driver_does_not_write():
 
 
 def test_status_changed_ignores_condition_times():
-    st = sd.search_status(search(), None, JobOutcome("Running", "", "r"), "j", NOW)
-    later = sd.search_status(
-        {**search(), "status": st}, None, JobOutcome("Running", "", "r"), "j", NOW.replace(hour=13)
-    )
+    st = status_of(search(), None, JobOutcome("Running", "", "r"), "j", NOW)
+    later = status_of({**search(), "status": st}, None, JobOutcome("Running", "", "r"), "j", NOW.replace(hour=13))
     assert not sd.status_changed(st, later)
     assert sd.status_changed(st, {**later, "failed": 1})
 
@@ -350,7 +363,7 @@ def test_reconcile_creates_one_driver_job_and_mirrors_results():
     assert c.searches.reconcile_search(ms) is None  # again (restart, resume): 409 on the Job, nothing new
     assert len(kube.list(JOBS, "team-llm")) == 1
     assert c.searches.sync_search(ms) is None
-    store.put(sd.results_uri(ms["spec"], 1), json.dumps(core_results()).encode())
+    store.put(sd.results_uri(typed(ms), 1), json.dumps(core_results()).encode())
     st = c.searches.sync_search(ms)
     assert st["evaluations"] == 4 and st["paretoSize"] == 2
     kube.patch_status(SEARCHES, "team-llm", "llama-code-math-front", st)
@@ -418,6 +431,43 @@ def test_invalid_spec_starts_nothing():
     assert kube.list(JOBS, "team-llm") == []
 
 
+def test_fisher_without_any_calibration_set_starts_nothing_and_names_spec_block_value():
+    """``blockValue: fisher`` needs a calibration set: the spec's, else the operator's default
+    (``merges.calibration.uri``); with neither every candidate's planning would refuse it, so the
+    search is refused up front, naming the field."""
+    c, kube, store, ms = setup(search(blockValue="fisher"))
+    st = c.searches.reconcile_search(ms)
+    r = get_condition(st["conditions"], "Ready")
+    assert (r["status"], r["reason"]) == ("False", "InvalidSpec")
+    assert r["message"].startswith("spec.blockValue: fisher needs a calibration set")
+    assert kube.list(JOBS, "team-llm") == []
+
+
+def test_planning_options_reach_the_driver_and_parse_back():
+    """``spec.blockValue`` and ``spec.calibration.uri`` become the driver's ``--value`` and
+    ``--calibration`` (typer parses them back); without a calibration set the operator's default
+    is passed, as a ModelMerge gets it; ``energy`` needs none and gets none."""
+    import dataclasses
+
+    import typer.main
+
+    from mergepipe.cli import app
+
+    cal = "s3://data/calibration/code.jsonl"
+    args = args_of(search(gen=2, blockValue="fisher", calibration={"uri": cal}))
+    k = args.index("--worker-backend")
+    p = typer.main.get_command(app).commands["search"].make_context("search", args[1:k] + ["--json"]).params
+    assert (p["value"], p["calibration"]) == ("fisher", cal)
+    default = dataclasses.replace(make_settings(), calibration_uri="s3://data/default.jsonl")
+    args = args_of(search(gen=2), default)
+    assert "--value" not in args and args[args.index("--calibration") + 1] == "s3://data/default.jsonl"
+    args = args_of(search(gen=2, blockValue="fisher", calibration={"uri": cal}), default)
+    assert args[args.index("--calibration") + 1] == cal  # the spec's set wins
+    args = args_of(search(gen=2, blockValue="energy"), default)
+    assert args[args.index("--value") + 1] == "energy" and "--calibration" not in args
+    assert "--calibration" not in args_of(search(gen=2)) and "--value" not in args_of(search(gen=2))
+
+
 # --- the driver's candidates (core: mergepipe_kube.search) ---------------------------------------
 
 
@@ -432,6 +482,7 @@ def test_core_and_operator_name_candidates_alike(name):
 def test_a_candidate_of_the_example_is_a_valid_modelmerge():
     """The driver's child ModelMerge for a candidate point of the example search passes the CRD
     schema and the operator's checks (layer-wise weights as filter lists)."""
+    from mergepipe.request import PlanningOptions
     from mergepipe.search.runner import SearchConfig
     from mergepipe_kube.search import KubernetesMerger
     from mergepipe_operator.modelmerge.spec import validate_merge_spec
@@ -448,6 +499,7 @@ def test_a_candidate_of_the_example_is_a_valid_modelmerge():
         initial=8,
         budget=spec["budget"],
         seed=7,
+        planning=PlanningOptions(value="fisher", calibration="s3://data/calibration/code.jsonl"),
     )
     params = {
         "parameters": {
@@ -459,12 +511,14 @@ def test_a_candidate_of_the_example_is_a_valid_modelmerge():
         "team-llm",
         ms["metadata"]["name"],
         UID,
-        sd.state_prefix(spec, 1),
+        sd.state_prefix(typed(ms), 1),
         template={k: spec[k] for k in ("resources",) if k in spec},
     )
     body = m.candidate_body(cfg, {"id": 3, "params": params})
     assert cr_errors(body) == []
     assert validate_merge_spec(body["spec"]) == []
+    assert body["spec"]["blockValue"] == "fisher"
+    assert body["spec"]["calibration"] == {"uri": "s3://data/calibration/code.jsonl"}
     assert body["metadata"]["name"] == sd.candidate_merge_name(ms["metadata"]["name"], 3)
 
 
@@ -486,7 +540,7 @@ def test_the_search_budget_reaches_the_driver_in_bytes_by_the_operator_grammar(b
     the driver for budgets the CRD accepts. The core reads the argument back to the same bytes."""
     from mergepipe.request import parse_bytes
 
-    args = sd.driver_args(search(gen=2, budget=budget), make_settings())
+    args = args_of(search(gen=2, budget=budget))
     arg = args[args.index("--budget") + 1]
     assert arg == f"{expected}B"
     assert parse_bytes(arg, total=None, bare=False) == expected

@@ -21,12 +21,14 @@ from .decisions import (
     build_driver_job,
     driver_job_name,
     parse_results,
+    parse_search_spec,
+    planning_issues,
     results_uri,
     search_image_issue,
     search_status,
     status_changed,
-    validate_search_spec,
 )
+from .model import MergeSearchSpec
 
 log = logging.getLogger("mergepipe.operator")
 
@@ -50,7 +52,9 @@ class SearchReconciler(Reconciler):
             and ready.get("reason") in (SearchReason.COMPLETED, *TERMINAL_SEARCH_REASONS)
         ):
             return None
-        issues = validate_search_spec(spec)
+        typed, issues = parse_search_spec(spec)
+        if typed is not None:
+            issues = planning_issues(typed, self.settings)
         refusal = search_image_issue(spec, self.settings)
         if issues or refusal:
             now = self.clock()
@@ -77,13 +81,22 @@ class SearchReconciler(Reconciler):
             JOBS_CREATED.inc()
         except Conflict:
             pass  # same generation: created by an earlier attempt (or before a restart)
-        return self.sync_search(body, self.kube.get(JOBS, ns, jname) or job)
+        return self.sync_search(body, self.kube.get(JOBS, ns, jname) or job, spec=typed)
 
-    def sync_search(self, body: dict[str, Any], job: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    def sync_search(
+        self, body: dict[str, Any], job: dict[str, Any] | None = None, *, spec: MergeSearchSpec | None = None
+    ) -> dict[str, Any] | None:
         """Mirror the driver's results and its Job's state into the MergeSearch status; returns the
         fields to patch, or ``None`` when nothing changed (an unreadable results object is
-        logged and skipped: the driver rewrites it after the next candidate)."""
-        meta, spec = body["metadata"], body.get("spec") or {}
+        logged and skipped: the driver rewrites it after the next candidate; a spec that no
+        longer parses is left to :meth:`reconcile_search`, which reports it). ``spec``: the
+        parsed spec when the caller has it."""
+        meta = body["metadata"]
+        if spec is None:
+            spec, issues = parse_search_spec(body.get("spec") or {})
+            if spec is None:
+                log.warning("MergeSearch %s/%s: %s", meta["namespace"], meta["name"], format_issues(issues))
+                return None
         gen = meta.get("generation")
         jname = driver_job_name(meta["name"], gen)
         if job is None:
@@ -94,7 +107,7 @@ class SearchReconciler(Reconciler):
         except ResultsError as e:
             log.warning("MergeSearch %s/%s: %s", meta["namespace"], meta["name"], e)
             results = None
-        new = search_status(body, results, self.job_outcome(job, "driver Job"), jname, self.clock())
+        new = search_status(body, spec, results, self.job_outcome(job, "driver Job"), jname, self.clock())
         return new if status_changed(body.get("status"), new) else None
 
     # deletion ---------------------------------------------------------------------------------------

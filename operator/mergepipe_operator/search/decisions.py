@@ -46,10 +46,9 @@ from ..k8s.names import (
 )
 from ..modelmerge.request import spec_settings
 from ..modelmerge.spec import Issue, _pydantic_issues, validate_merge_spec
-from ..quantities import parse_quantity
 from ..settings import Settings
 from ..snapshot.decisions import snapshot_name
-from .model import MergeSearchSpec
+from .model import MergeSearchSpec, ObjectiveSpec
 
 LABEL_SEARCH = f"{GROUP}/merge-search"
 LABEL_CANDIDATE = f"{GROUP}/search-candidate"
@@ -60,6 +59,8 @@ RESULTS_NAME = "results.json"
 DRIVER_DEADLINE_SECONDS = 7 * 86400
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 STATE_NAME = "state.json"
+#: the MergeSearch fields every candidate ModelMerge gets as they are (checked as a ModelMerge's)
+MERGE_FIELDS = ("base", "experts", "method", "parameters", "budget", "sketch", "blockValue", "calibration", "output")
 
 
 class SearchReason:
@@ -85,7 +86,8 @@ def validate_search_spec(spec: Mapping[str, Any]) -> list[Issue]:
 
     The schema checks (pydantic model = the CRD's schema and CEL rules), then what every candidate
     merge would be refused for (the ModelMerge checks of :func:`decisions.validate_merge_spec` on
-    base, experts, method, fixed parameters, budget, sketch and output), then the varied parameters:
+    base, experts, method, fixed parameters, budget, sketch, block value, calibration set and
+    output: :data:`MERGE_FIELDS`), then the varied parameters:
     each must be a parameter of the method, a global one cannot be varied per expert, and it
     cannot also be fixed in the same scope.
     """
@@ -96,9 +98,7 @@ def validate_search_spec(spec: Mapping[str, Any]) -> list[Issue]:
         MergeSearchSpec.model_validate(dict(spec))
     except ValidationError as err:
         out.extend((p, m.replace("modelmerge.spec", "mergesearch.spec")) for p, m in _pydantic_issues(err))
-    merge_like = {
-        k: spec[k] for k in ("base", "experts", "method", "parameters", "budget", "sketch", "output") if k in spec
-    }
+    merge_like = {k: spec[k] for k in MERGE_FIELDS if k in spec}
     merge_like.setdefault("method", "task_arithmetic")
     out.extend(validate_merge_spec(merge_like))  # same paths; duplicates of the schema issues are dropped below
     method = merge_like["method"]
@@ -143,17 +143,48 @@ def validate_search_spec(spec: Mapping[str, Any]) -> list[Issue]:
     return list(dict.fromkeys(out))  # without repeats, in order
 
 
+def parse_search_spec(spec: Mapping[str, Any]) -> tuple[MergeSearchSpec | None, list[Issue]]:
+    """A MergeSearch spec parsed once into its typed model, with its problems
+    (:func:`validate_search_spec`): ``(model, [])`` when valid, ``(None, issues)`` otherwise
+    (the reconciler reports them as ``Ready=False``, reason ``InvalidSpec``)."""
+    issues = validate_search_spec(spec)
+    if issues:
+        return None, issues
+    return MergeSearchSpec.model_validate(dict(spec)), []
+
+
+def calibration_uri(spec: MergeSearchSpec, settings: Settings) -> str | None:
+    """The calibration set of every candidate merge: ``spec.calibration.uri``, else the
+    operator's default (chart value ``merges.calibration.uri``), as a ModelMerge gets it."""
+    return spec.calibration.uri if spec.calibration is not None else settings.calibration_uri
+
+
+def planning_issues(spec: MergeSearchSpec, settings: Settings) -> list[Issue]:
+    """What the operator's settings make impossible for every candidate merge: ``blockValue
+    fisher`` without a calibration set (neither ``spec.calibration.uri`` nor the operator's
+    default), which each candidate's planning would refuse."""
+    if spec.block_value == "fisher" and not calibration_uri(spec, settings):
+        return [
+            (
+                "spec.blockValue",
+                "fisher needs a calibration set: set spec.calibration.uri (or the operator's "
+                "merges.calibration.uri), or use blockValue energy.",
+            )
+        ]
+    return []
+
+
 # --- names, locations, the driver Job -----------------------------------------------------------
 
 
-def state_prefix(spec: Mapping[str, Any], generation: int | None) -> str:
+def state_prefix(spec: MergeSearchSpec, generation: int | None) -> str:
     """Where generation ``generation`` of the search keeps its state, results and candidates'
     snapshots: ``<spec.output.uri>/g<generation>`` (a spec change starts a new search beside the
     old one; snapshots are immutable)."""
-    return f"{spec['output']['uri'].rstrip('/')}/g{int(generation or 0)}"
+    return f"{spec.output.uri.rstrip('/')}/g{int(generation or 0)}"
 
 
-def results_uri(spec: Mapping[str, Any], generation: int | None) -> str:
+def results_uri(spec: MergeSearchSpec, generation: int | None) -> str:
     """The results object the driver rewrites after every finished candidate."""
     return f"{state_prefix(spec, generation)}/{RESULTS_NAME}"
 
@@ -170,85 +201,85 @@ def candidate_merge_name(search_name: str, candidate: int) -> str:
     return dns_label(search_name, f"c{candidate:04d}")
 
 
-def _objective_arg(o: Mapping[str, Any]) -> str:
-    return o["metric"] + ("@max" if o.get("sense") == "max" else "")
+def _objective_arg(o: ObjectiveSpec) -> str:
+    return o.metric + ("@max" if o.sense == "max" else "")
 
 
-def _param_args(spec: Mapping[str, Any]) -> list[str]:
+def _json_arg(v: Any) -> str:
+    return json.dumps(v, separators=(",", ":"), allow_nan=False)
+
+
+def _param_args(spec: MergeSearchSpec) -> list[str]:
     """The spec's fixed settings as the driver's ``--param`` command-line arguments (the driver is a
     ``mergepipe search`` process; its command line parses them back into settings):
-    ``NAME=VALUE`` for ``spec.parameters``, ``POSITION:NAME=VALUE`` (1-based) per expert. Values
-    are JSON. Positions, not names, address experts: a DNS-label name may be all digits, which the
-    command line reads as a position."""
-    glob, per = spec_settings(spec)
-    out = [f"{k}={json.dumps(v, separators=(',', ':'), allow_nan=False)}" for k, v in glob.items()]
+    ``NAME=VALUE`` for ``spec.parameters``, ``POSITION:NAME=VALUE`` (1-based) per expert (its
+    ``parameters``, plus ``weight`` from the shorthand ``weight``). Values are JSON. Positions,
+    not names, address experts: a DNS-label name may be all digits, which the command line reads
+    as a position."""
+    glob, per = spec_settings(spec.model_dump(by_alias=True, exclude_none=True))
+    out = [f"{k}={_json_arg(v)}" for k, v in glob.items()]
     for i, own in enumerate(per, start=1):
-        out += [f"{i}:{k}={json.dumps(v, separators=(',', ':'), allow_nan=False)}" for k, v in own.items()]
+        out += [f"{i}:{k}={_json_arg(v)}" for k, v in own.items()]
     return out
 
 
-def driver_args(ms: Mapping[str, Any], settings: Settings) -> list[str]:
+def _planning_args(spec: MergeSearchSpec, settings: Settings) -> list[str]:
+    """The candidates' planning options as ``mergepipe search`` options: ``--budget`` in bytes
+    with a unit (the operator's byte grammar read it; the core's ``--budget`` grammar has no bare
+    numbers and no Pi/Ei), ``--sketch``, ``--value`` (``spec.blockValue``) and ``--calibration``
+    (:func:`calibration_uri`: the spec's, else the operator's default, as a ModelMerge gets it).
+    Unset options stay unset: the candidates' ModelMerge defaults apply."""
+    args: list[str] = []
+    if spec.budget_bytes is not None:
+        args += ["--budget", f"{spec.budget_bytes}B"]
+    if spec.sketch is not None:
+        args += ["--sketch", str(spec.sketch)]
+    if spec.block_value is not None:
+        args += ["--value", spec.block_value]
+    cal = calibration_uri(spec, settings)
+    if cal and spec.block_value != "energy":
+        args += ["--calibration", cal]
+    return args
+
+
+def driver_args(meta: Mapping[str, Any], spec: MergeSearchSpec, settings: Settings) -> list[str]:
     """The driver's ``mergepipe`` arguments: the spec as ``mergepipe search`` options (fixed
-    parameters in the core's ``--param`` syntax, varied ones as ``--vary [EXPERT:]NAME=MIN:MAX``)
-    plus the Kubernetes worker backend (``--worker-backend kubernetes``: candidates are child
-    ModelMerges in the search's namespace, owned by the search whose uid is
-    given) and ``--resume-existing`` (a restarted pod continues the state it finds)."""
-    meta, spec = ms["metadata"], ms["spec"]
-    gen = meta.get("generation")
-    names = [e.get("name") or f"expert-{i}" for i, e in enumerate(spec["experts"])]
-    args = ["search", "--out", state_prefix(spec, gen) + "/", "--base", spec["base"]["uri"].rstrip("/")]
-    for n, e in zip(names, spec["experts"]):
-        args += ["--expert", f"{n}={e['uri'].rstrip('/')}"]
-    args += ["--method", spec.get("method") or "task_arithmetic"]
+    parameters in the core's ``--param`` syntax, varied ones as ``--vary [EXPERT:]NAME=MIN:MAX``,
+    the planning options of :func:`_planning_args`) plus the Kubernetes worker backend
+    (``--worker-backend kubernetes``: candidates are child ModelMerges in the search's namespace,
+    owned by the search whose uid is given) and ``--resume-existing`` (a restarted pod continues
+    the state it finds). ``meta``: the MergeSearch's metadata (name, namespace, uid, generation)."""
+    names = [e.name or f"expert-{i}" for i, e in enumerate(spec.experts)]
+    args = ["search", "--out", state_prefix(spec, meta.get("generation")) + "/"]
+    args += ["--base", spec.base.uri.rstrip("/")]
+    for n, e in zip(names, spec.experts):
+        args += ["--expert", f"{n}={e.uri.rstrip('/')}"]
+    args += ["--method", spec.method]
     for p in _param_args(spec):
         args += ["--param", p]
-    for v in spec["vary"]:
-        args += ["--vary", f"{v['expert'] + ':' if v.get('expert') else ''}{v['name']}={v['min']!r}:{v['max']!r}"]
-    args += ["--layer-blocks", str(spec.get("layerBlocks", 1))]
-    for o in spec["objectives"]:
+    for v in spec.vary:
+        args += ["--vary", f"{v.expert + ':' if v.expert else ''}{v.name}={v.min!r}:{v.max!r}"]
+    args += ["--layer-blocks", str(spec.layer_blocks)]
+    for o in spec.objectives:
         args += ["--objective", _objective_arg(o)]
-    ev = spec.get("evaluator") or {}
-    if ev.get("command"):
-        args += ["--eval-command", ev["command"]]
-    if ev.get("timeoutSeconds"):
-        args += ["--eval-timeout", str(ev["timeoutSeconds"])]
-    if ev.get("zooBatches"):
-        args += ["--eval-batches", str(ev["zooBatches"])]
-    args += [
-        "--evaluations",
-        str(spec.get("evaluations", 24)),
-        "--initial",
-        str(spec.get("initial", 8)),
-        "--workers",
-        str(spec.get("workers", 1)),
-        "--strategy",
-        spec.get("strategy", "async"),
-        "--seed",
-        str(spec.get("seed", 0)),
-    ]
-    if spec.get("prior") is False:
+    ev = spec.evaluator
+    if ev is not None and ev.command:
+        args += ["--eval-command", ev.command]
+    if ev is not None and ev.timeout_seconds:
+        args += ["--eval-timeout", str(ev.timeout_seconds)]
+    if ev is not None and ev.zoo_batches:
+        args += ["--eval-batches", str(ev.zoo_batches)]
+    args += ["--evaluations", str(spec.evaluations), "--initial", str(spec.initial)]
+    args += ["--workers", str(spec.workers), "--strategy", spec.strategy, "--seed", str(spec.seed)]
+    if not spec.prior:
         args.append("--no-prior")
-    if spec.get("refPoint"):
-        args += ["--ref-point", ",".join(repr(float(x)) for x in spec["refPoint"])]
-    budget = None if spec.get("budget") is None else parse_quantity(spec["budget"], field="spec.budget")
-    if budget is not None:  # bytes with a unit: the core's --budget grammar differs (no bare numbers, no Pi/Ei)
-        args += ["--budget", f"{budget}B"]
-    if spec.get("sketch") is not None:
-        args += ["--sketch", str(spec["sketch"])]
+    if spec.ref_point:
+        args += ["--ref-point", ",".join(repr(float(x)) for x in spec.ref_point)]
+    args += _planning_args(spec, settings)
     if settings.catalog_uri:
         args += ["--catalog", settings.catalog_uri]
-    args += [
-        "--worker-backend",
-        "kubernetes",
-        "--namespace",
-        meta["namespace"],
-        "--search-name",
-        meta["name"],
-        "--search-uid",
-        meta["uid"],
-        "--resume-existing",
-        "--json",
-    ]
+    args += ["--worker-backend", "kubernetes", "--namespace", meta["namespace"]]
+    args += ["--search-name", meta["name"], "--search-uid", meta["uid"], "--resume-existing", "--json"]
     return args
 
 
@@ -269,11 +300,13 @@ def build_driver_job(ms: Mapping[str, Any], settings: Settings) -> dict[str, Any
     in its pod. Owned by the MergeSearch (deleted with it).
 
     Raises:
-        ValueError: ``ms`` lacks metadata.name/uid/namespace or spec.output.uri.
+        ValueError: ``ms`` lacks metadata.name/uid/namespace, or its spec is not a valid
+            MergeSearch spec (pydantic's ValidationError; the reconciler refuses such specs first).
     """
     meta = ms.get("metadata") or {}
     if not meta.get("namespace"):
         raise ValueError("the MergeSearch needs metadata.namespace")
+    typed = MergeSearchSpec.model_validate(dict(ms.get("spec") or {}))
     name, gen = meta["name"], meta.get("generation")
     driver = {
         "metadata": meta,
@@ -303,7 +336,7 @@ def build_driver_job(ms: Mapping[str, Any], settings: Settings) -> dict[str, Any
         driver,
         driver_job_name(name, gen),
         "search",
-        driver_args(ms, settings),
+        driver_args(meta, typed, settings),
         settings,
         gpu=False,
         labels=labels,
@@ -495,6 +528,7 @@ def _ready(outcome: JobOutcome, has_results: bool, job_name: str, summary: str, 
 
 def search_status(
     ms: Mapping[str, Any],
+    spec: MergeSearchSpec,
     results: Mapping[str, Any] | None,
     outcome: JobOutcome,
     job_name: str,
@@ -502,7 +536,8 @@ def search_status(
     *,
     max_pareto: int = 64,
 ) -> dict[str, Any]:
-    """The status of a MergeSearch from its driver Job's outcome and the driver's results.
+    """The status of MergeSearch ``ms`` (its metadata and current status; ``spec``: its parsed
+    spec) from its driver Job's outcome and the driver's results.
 
     Counts: ``evaluations`` = candidates finished (done + failed), ``failed``, ``running``
     (``results.running`` when the driver reports it). ``hypervolume`` is the last point of the
@@ -515,7 +550,7 @@ def search_status(
     Ready: ``Searching`` (False) while the driver runs; ``Completed`` (True) when it succeeded
     and its results are there; ``Failed`` (False) when it failed, or succeeded without results.
     """
-    meta, spec = ms["metadata"], ms.get("spec") or {}
+    meta = ms["metadata"]
     gen = meta.get("generation")
     status = ms.get("status") or {}
     out: dict[str, Any] = {
@@ -523,7 +558,7 @@ def search_status(
         "stateURI": f"{state_prefix(spec, gen)}/{STATE_NAME}",
         "driverJob": job_name,
     }
-    total = int(spec.get("evaluations", 24))
+    total = spec.evaluations
     summary = f"0/{total} candidates evaluated"
     if results is not None:
         fields, summary = _results_fields(meta["name"], results, total, max_pareto)

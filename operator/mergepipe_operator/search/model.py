@@ -11,7 +11,16 @@ from pydantic import ConfigDict, Field, StringConstraints, model_validator
 from mergepipe.catalog.sketch import SKETCH_KINDS
 
 from ..k8s.model import IMAGE_PATTERN, ByteQuantity, DnsLabel, DnsSubdomain, K8sModel, NonNegInt, ObservedStatus, Seed
-from ..modelmerge.model import METHODS, CheckpointRef, ExpertSpec, OutputSpec, ParamMap, ResourcesSpec, S3Spec
+from ..modelmerge.model import (
+    METHODS,
+    CalibrationSpec,
+    CheckpointRef,
+    ExpertSpec,
+    OutputSpec,
+    ParamMap,
+    ResourcesSpec,
+    S3Spec,
+)
 from ..quantities import parse_quantity
 
 SEARCH_STRATEGIES: tuple[str, ...] = ("async", "sync", "random")
@@ -163,6 +172,22 @@ class MergeSearchSpec(K8sModel):
             "adds a rank-1 tier (rank-1 factors + one residual sign plane); none: "
             "read exactly or skip. Default: the candidates' ModelMerge default (chart values "
             "merges.sketchByNamespace, merges.sketch), else sign3+r1."
+        ),
+    )
+    block_value: Literal["energy", "fisher"] | None = Field(
+        default=None,
+        description=(
+            "How the planner values an expert block in every candidate merge (the candidates' "
+            "ModelMerge spec.blockValue): fisher (task-vector energy weighted by the base's Fisher "
+            "sensitivity on the calibration set; the default when there is one) or energy."
+        ),
+    )
+    calibration: CalibrationSpec | None = Field(
+        default=None,
+        description=(
+            "Calibration set of the fisher block value of every candidate merge (the candidates' "
+            "ModelMerge spec.calibration; default: the operator's, chart value "
+            "merges.calibration.uri; none: energy only)."
         ),
     )
     seed: Seed = Field(default=0, description="Seed of the design, proposals and merges: 0 to 2^53-1.")
