@@ -1145,3 +1145,30 @@ def test_a_quota_clamp_on_a_method_that_refuses_budgets_waits_and_says_why(setti
     st = c.merges.reconcile_merge(mm)
     assert cond.get_condition(st["conditions"], "Ready")["reason"] == "JobRunning"
     assert st["admission"]["clamped"] is False
+
+
+def test_post_events_posts_a_racing_transition_once(monkeypatch):
+    """Two handlers of one MergeSearch (its driver Job's event and its timer) both compute
+    Searching -> Completed from the same old status: one Event, not two. A later real transition
+    (a new generation, or Completed -> Searching -> Completed) is posted again."""
+    from mergepipe_operator import kopfglue
+
+    posted: list[str] = []
+    monkeypatch.setattr(kopfglue.kopf, "event", lambda obj, type, reason, message: posted.append(reason))
+    monkeypatch.setattr(kopfglue, "_POSTED", type(kopfglue._POSTED)())
+
+    def status(reason: str, gen: int, st: str = "True") -> dict:
+        return {"conditions": [{"type": "Ready", "status": st, "reason": reason, "observedGeneration": gen}]}
+
+    obj = {"metadata": {"uid": "u-1", "name": "front"}}
+    searching, completed = status("Searching", 1, "False"), status("Completed", 1)
+    kopfglue.post_events(obj, searching, completed)
+    kopfglue.post_events(obj, searching, completed)  # the racing handler, same old status
+    assert posted == ["Completed"]
+    kopfglue.post_events(obj, completed, status("Searching", 2, "False"))
+    kopfglue.post_events(obj, status("Searching", 2, "False"), status("Completed", 2))
+    assert posted == ["Completed", "Searching", "Completed"]
+    kopfglue.post_events({"metadata": {"uid": "u-2"}}, searching, completed)  # another object
+    kopfglue.post_events({"metadata": {}}, searching, completed)  # no uid: never deduplicated
+    kopfglue.post_events({"metadata": {}}, searching, completed)
+    assert posted == ["Completed", "Searching", "Completed", "Completed", "Completed", "Completed"]
