@@ -57,6 +57,11 @@ from mergepipe.storage.routing import open_storage
 
 STRATEGIES = ("async", "sync", "random")
 PRIOR_KINDS = ("scaled", "rank")
+#: Layer blocks per varied parameter when a search names none: 1 (model-level). The default of
+#: ``mergepipe search --layer-blocks`` and MergeSearch ``spec.layerBlocks`` too: layer-wise search
+#: did not beat model-level search at 12 evaluations on development seeds, nor on the
+#: pre-registered fresh seeds (docs/SEARCH.md, "Defaults").
+DEFAULT_LAYER_BLOCKS = 1
 #: Metrics the runner adds to every candidate's evaluator metrics (usable as objectives):
 #: realized expert bytes read by its merge, and that as a fraction of the experts' total bytes.
 IO_METRICS = ("io:expert_read_bytes", "io:expert_read_fraction")
@@ -86,7 +91,8 @@ class SearchConfig:
         base: base checkpoint; ``experts``: ``(name, uri)`` pairs; ``method``: merge method;
         fixed: settings applied to every candidate (``{"parameters": {...}, "experts": {name:
         {...}}}``; a list is read as ``--param`` strings); ``vary``: ``[EXPERT:]NAME=LO:HI``
-        items; ``layer_blocks``: layer blocks per varied parameter; ``objectives``: metric names
+        items; ``layer_blocks``: layer blocks per varied parameter (default
+        :data:`DEFAULT_LAYER_BLOCKS`, model-level); ``objectives``: metric names
         (``NAME``/``NAME@min``/``NAME@max``); ``evaluations``: candidates in total (the budget,
         failed ones included); ``initial``: Sobol design points; ``workers``: parallel workers;
         ``budget``: expert-I/O budget of every merge (None: unlimited); ``planning``: the
@@ -123,7 +129,7 @@ class SearchConfig:
     initial: int
     workers: int = 1
     fixed: dict = field(default_factory=dict)
-    layer_blocks: int = 4
+    layer_blocks: int = DEFAULT_LAYER_BLOCKS
     budget: str | None = None
     planning: PlanningOptions = field(default_factory=PlanningOptions)
     seed: int = 0

@@ -91,7 +91,7 @@ def test_schema_enums_and_defaults_follow_the_core():
 
     cmd = typer.main.get_command(app).commands["search"]
     (layer_blocks,) = [p for p in cmd.params if p.name == "layer_blocks"]
-    assert spec["layerBlocks"]["default"] == layer_blocks.default == 1
+    assert spec["layerBlocks"]["default"] == layer_blocks.default == d.layer_blocks == 1  # one default
     assert spec["objectives"]["x-kubernetes-list-map-keys"] == ["metric"]  # the API server refuses a metric twice
 
 
