@@ -69,8 +69,8 @@ class Evals:
 
     runs = 0
 
-    def __init__(self, path: Path, testbed: Path, per_item: bool = False) -> None:
-        self.path, self.testbed, self.per_item = path, testbed, per_item
+    def __init__(self, path: Path, testbed: Path, per_item: bool = False, kind: str = "") -> None:
+        self.path, self.testbed, self.per_item, self.kind = path, testbed, per_item, kind
 
     def __call__(self, key: str, folder: Path) -> dict:
         from mergepipe.evaluate import evaluate_checkpoint
@@ -80,7 +80,12 @@ class Evals:
             cur = json.loads(self.path.read_text()) if self.path.exists() else {}
             if key in cur:
                 return cur[key]
-        r = evaluate_checkpoint(folder, self.testbed, per_item=self.per_item)
+        if self.kind == "image-classification":  # the vision testbed scores its own CNN
+            from mergepipe_zoo.vision import evaluate
+
+            r = evaluate(folder, self.testbed, per_item=self.per_item)
+        else:
+            r = evaluate_checkpoint(folder, self.testbed, per_item=self.per_item)
         Evals.runs += 1
         with open(str(self.path) + ".lock", "a+") as lk:
             fcntl.flock(lk.fileno(), fcntl.LOCK_EX)
@@ -112,6 +117,15 @@ def build(testbed: str, size: str, seed: int):
             cal,
             cfg.key(),
         )
+    if testbed == "vision":
+        from mergepipe_zoo.vision import VisionConfig, build_vision
+
+        vc = VisionConfig(seed=seed)
+        v = build_vision(None, vc, log=log)
+        tb = json.loads((v.root / "testbed.json").read_text())
+        vbase, vexperts = v.checkpoints({"bf16": "bfloat16", "fp32": "float32"}[size])
+        # no calibration set: the Fisher value needs an LM or encoder (energy only)
+        return v.root, vbase, vexperts, tb["expert_task"], tb["metric"], vc.merge_weight, None, f"{vc.key()}-{size}"
     from mergepipe_zoo.minilm import MiniLMConfig, build_minilm
 
     cfg = MiniLMConfig(seed=seed)
@@ -156,7 +170,8 @@ def sweep_seed(a, seed: int, errors: list) -> dict:
     wd = a.work / f"{a.testbed}-{key}"
     wd.mkdir(parents=True, exist_ok=True)
     cat = Catalog(wd / "catalog.sqlite")
-    ev = Evals(wd / ("evals-items.json" if a.items else "evals.json"), root, per_item=a.items)
+    kind = json.loads((Path(root) / "testbed.json").read_text()).get("kind", "")
+    ev = Evals(wd / ("evals-items.json" if a.items else "evals.json"), root, per_item=a.items, kind=kind)
     hib = metric == "accuracy"
 
     def q(r: dict) -> dict:
@@ -482,8 +497,9 @@ PREREG = OUT / "preregistration.json"
 
 def testbed_label(testbed: str, size: str) -> str:
     """The testbed's name in docs/quality/preregistration.json and in ``fresh-<label>.json``:
-    ``zoo-<size>`` for the zoo, the testbed's name otherwise (``minilm``)."""
-    return f"zoo-{size}" if testbed == "zoo" else testbed
+    ``zoo-<size>`` for the zoo, ``vision-<dtype>`` (``bf16``/``fp32``) for the vision testbed, the
+    testbed's name otherwise (``minilm``)."""
+    return f"{testbed}-{size}" if testbed in ("zoo", "vision") else testbed
 
 
 def _preregistered(a) -> str:
@@ -531,9 +547,13 @@ def _preregistered(a) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--testbed", choices=("zoo", "minilm"), default="zoo")
+    ap.add_argument("--testbed", choices=("zoo", "minilm", "vision"), default="zoo")
     ap.add_argument(
-        "--size", choices=("tiny", "demo"), default="tiny", help="zoo size (ZooConfig.tiny() or ZooConfig())"
+        "--size",
+        choices=("tiny", "demo", "bf16", "fp32"),
+        default=None,
+        help="zoo: tiny (default; ZooConfig.tiny()) or demo (ZooConfig()); vision: the checkpoints' dtype, "
+        "bf16 (default) or fp32 (the same trained weights, rounded or not)",
     )
     ap.add_argument(
         "--seeds", type=int, nargs="+", default=None, help="default 0 1 2; with --fresh the registered fresh seeds"
@@ -574,6 +594,11 @@ def main(argv=None) -> None:
         help="only fill the caches (e.g. one process per seed); a later run over all seeds reports",
     )
     a = ap.parse_args(argv)
+    sizes = {"zoo": ("tiny", "demo"), "vision": ("bf16", "fp32"), "minilm": (None,)}[a.testbed]
+    if a.size is None:
+        a.size = sizes[0]
+    elif a.size not in sizes:
+        ap.error(f"--size {a.size}: not a size of the {a.testbed} testbed ({', '.join(map(str, sizes))})")
     OUT.mkdir(parents=True, exist_ok=True)
     prereg_commit = None
     if a.fresh:
@@ -584,7 +609,7 @@ def main(argv=None) -> None:
         results = [
             (p.stem, json.loads(p.read_text()))
             for p in sorted(OUT.glob("*.json"))
-            if p.stem.startswith(("zoo-", "minilm"))
+            if p.stem.startswith(("zoo-", "minilm", "vision-"))
         ]
         report(results, DOC)
         return
@@ -635,7 +660,9 @@ def main(argv=None) -> None:
     label = testbed_label(a.testbed, a.size)
     (OUT / f"{label}.json").write_text(json.dumps(res, indent=1) + "\n")
     results = [
-        (p.stem, json.loads(p.read_text())) for p in sorted(OUT.glob("*.json")) if p.stem.startswith(("zoo-", "minilm"))
+        (p.stem, json.loads(p.read_text()))
+        for p in sorted(OUT.glob("*.json"))
+        if p.stem.startswith(("zoo-", "minilm", "vision-"))
     ]
     report(results, DOC)
     log(f"done in {res['wall_s']:.0f} s")
