@@ -9,11 +9,12 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, Catalog, CheckpointRecord, check_compatible
-from mergepipe.catalog.sensitivity import load_calibration
+from mergepipe.catalog.sensitivity import Calibration, load_calibration
 from mergepipe.catalog.sketch import DEFAULT_SKETCH
 from mergepipe.errors import InputError
 from mergepipe.limits import short_repr
@@ -190,18 +191,48 @@ def build_plan(
             incompatible.
         MissingAnalysis: with ``analyze=False``, statistics are missing.
     """
+    rr = request if isinstance(request, ResolvedRequest) else request.resolve(where)
+    inputs = _plan_inputs(catalog, storage, rr, progress, analyze)
+    total = sum(r.total_bytes for r in inputs.experts)
+    req = rr.request
+    budget_bytes = (
+        parse_bytes(req.budget, total=total, what=rr.where(("budget",)), bare=False)
+        if isinstance(req.budget, str)
+        else req.budget
+    )
+    if budget_bytes is not None:
+        _check_budget_buys_a_block(budget_bytes, req.budget, inputs.analyses, inputs.experts, rr.where)
+    gap = storage.gap_for([e.uri for e in req.experts])
+    return _plan_under_deadline(rr, lambda b: _plan_at(catalog, rr, inputs, gap, b), budget_bytes, total)
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What :func:`build_plan` gathered before planning: the registered checkpoints, the
+    catalog's statistics, the base's extra files and the calibration set with its sensitivity."""
+
+    base: CheckpointRecord
+    experts: list[CheckpointRecord]
+    analyses: list[Analysis]
+    gram: dict[tuple[int, int], dict[str, float]] | None
+    sensitivity: dict[str, Any] | None
+    calibration: Calibration | None
+    extra_files: dict[str, int]
+    config_json: bytes | None
+
+
+def _register_checked(
+    catalog: Catalog, storage: Storage, rr: ResolvedRequest
+) -> tuple[CheckpointRecord, list[CheckpointRecord]]:
+    """Register the request's base and experts and check, from their headers only, that every
+    parameter names existing tensors and every expert matches the base.
+
+    Raises:
+        InputError: with ``loc`` ``("base",)`` or ``("experts", i, "uri")``.
+    """
     from mergepipe.formats.safetensors import FLOAT_DTYPES
 
-    rr = request if isinstance(request, ResolvedRequest) else request.resolve(where)
     req = rr.request
-    planning = req.planning
-    block_bytes = planning.block_bytes or DEFAULT_BLOCK_BYTES
-    value = planning.block_value
-    try:
-        cal = load_calibration(storage, planning.calibration) if planning.calibration else None
-    except InputError as e:
-        raise rr.at(("planning", "calibration"), e) from None
-    spec = get_method(req.method)
     try:
         base = catalog.register(storage, req.base)
     except InputError as e:
@@ -218,6 +249,34 @@ def build_plan(
             check_compatible(base, [r])  # headers only, both directions, before any tensor byte is read
         except InputError as e:
             raise rr.at(("experts", i, "uri"), e) from None
+    return base, recs
+
+
+def _plan_inputs(
+    catalog: Catalog,
+    storage: Storage,
+    rr: ResolvedRequest,
+    progress: Callable[[int], None] | None,
+    analyze: bool,
+) -> _Inputs:
+    """Load the calibration set, register and check the checkpoints, read the base's extra
+    files' sizes, then analyze what the catalog lacks (with ``analyze=False``: raise
+    :class:`MissingAnalysis` instead) and find the base's sensitivity on the calibration set.
+    Nothing of a tensor is read before every header check passed.
+
+    Raises:
+        InputError: the calibration set (``loc`` ``("planning", "calibration")``) or a
+            checkpoint is missing or incompatible.
+        MissingAnalysis: with ``analyze=False``, statistics are missing.
+    """
+    req = rr.request
+    block_bytes = req.planning.block_bytes or DEFAULT_BLOCK_BYTES
+    try:
+        cal = load_calibration(storage, req.planning.calibration) if req.planning.calibration else None
+    except InputError as e:
+        raise rr.at(("planning", "calibration"), e) from None
+    spec = get_method(req.method)
+    base, recs = _register_checked(catalog, storage, rr)
     extra = _extra_files(storage, base.uri)  # size-capped, before any tensor byte is read
     config_json = None  # the output dtype rewrites config.json: the plan sizes the rewritten file
     if req.options.out_dtype and "config.json" in extra:
@@ -233,50 +292,62 @@ def build_plan(
             if not analyze:
                 raise MissingAnalysis([], base_identity=base.identity, calibration=cal.digest)
             sens = catalog.sensitivity(storage, base, cal, block_bytes)
-    total = sum(r.total_bytes for r in recs)
-    budget_bytes = (
-        parse_bytes(req.budget, total=total, what=rr.where(("budget",)), bare=False)
-        if isinstance(req.budget, str)
-        else req.budget
+    return _Inputs(base, recs, analyses, gram, sens, cal, extra, config_json)
+
+
+def _plan_at(catalog: Catalog, rr: ResolvedRequest, inputs: _Inputs, gap: int, budget: int | None) -> Plan:
+    """:func:`make_plan` of the request over the gathered inputs under ``budget`` bytes (None:
+    unlimited), reading with the storage's coalescing ``gap``."""
+    req = rr.request
+    planning = req.planning
+    cal = inputs.calibration
+    fisher = cal is not None and planning.block_value == "fisher"
+    return make_plan(
+        rr,
+        PlanInputs(
+            inputs.base,
+            inputs.experts,
+            inputs.analyses,
+            gram=inputs.gram,
+            base_digests=catalog.tensor_digests(inputs.base.identity),
+            extra_files=inputs.extra_files,
+            sensitivity=inputs.sensitivity if fisher else None,
+            config_json=inputs.config_json,
+        ),
+        SelectionOptions(
+            budget_bytes=budget,
+            fidelity=req.fidelity,
+            value=planning.block_value,
+            calibration=cal.digest if (cal is not None and fisher) else None,
+            sketch=planning.sketch if planning.sketch is not None else DEFAULT_SKETCH,
+        ),
+        EngineOptions(work_bytes=req.run.work_bytes or DEFAULT_WORK_BYTES, coalesce_gap=gap),
     )
-    if budget_bytes is not None:
-        _check_budget_buys_a_block(budget_bytes, req.budget, analyses, recs, rr.where)
-    gap = storage.gap_for([e.uri for e in req.experts])
-    fisher = cal is not None and value == "fisher"
 
-    def plan_at(budget: int | None) -> Plan:
-        return make_plan(
-            rr,
-            PlanInputs(
-                base,
-                recs,
-                analyses,
-                gram=gram,
-                base_digests=catalog.tensor_digests(base.identity),
-                extra_files=extra,
-                sensitivity=sens if fisher else None,
-                config_json=config_json,
-            ),
-            SelectionOptions(
-                budget_bytes=budget,
-                fidelity=req.fidelity,
-                value=value,
-                calibration=cal.digest if (cal is not None and fisher) else None,
-                sketch=planning.sketch if planning.sketch is not None else DEFAULT_SKETCH,
-            ),
-            EngineOptions(work_bytes=req.run.work_bytes or DEFAULT_WORK_BYTES, coalesce_gap=gap),
-        )
 
+def _plan_under_deadline(
+    rr: ResolvedRequest, plan_at: Callable[[int | None], Plan], budget_bytes: int | None, total: int
+) -> Plan:
+    """``plan_at(budget_bytes)``, or with ``planning.deadline`` the plan of the largest budget
+    (at most ``budget_bytes`` and ``total``) whose predicted time fits
+    (:func:`mergepipe.planner.cost.budget_for_deadline`); with this machine's throughput known,
+    the plan's ``predicted_seconds`` are filled in.
+
+    Raises:
+        InputError: a bad deadline (``loc`` ``("planning", "deadline")``) or a broken throughput
+            cache when a deadline needs it.
+    """
     from mergepipe.planner.cost import budget_for_deadline, load_throughput, parse_duration, predict_seconds
 
+    deadline = rr.request.planning.deadline
     try:
         tp = load_throughput()
     except InputError as e:
-        if planning.deadline is None:
+        if deadline is None:
             tp = None  # a broken cache does not stop planning by bytes; calibrate reports it
         else:
             raise e from None
-    if planning.deadline is not None:
+    if deadline is not None:
         if tp is None:
             tp = _first_calibration()
         hi = total if budget_bytes is None else min(budget_bytes, total)
@@ -284,7 +355,7 @@ def build_plan(
             plan = budget_for_deadline(
                 lambda b: plan_at(budget_bytes if b is None else min(b, hi)),
                 hi,
-                parse_duration(planning.deadline, what=rr.where(("planning", "deadline"))),
+                parse_duration(deadline, what=rr.where(("planning", "deadline"))),
                 tp,
             )
         except InputError as e:

@@ -23,7 +23,6 @@ EXCEPTIONS: dict[str, str] = {
     "mergepipe/catalog/sensitivity.py:compute_fisher": "not split yet: one streaming Fisher pass (issue 25 follow-up)",
     "mergepipe/engine/chunk.py:_merge_chunk_tiled": "not split yet: the tile loop of the merge kernel (issue 23/25 follow-up)",
     "mergepipe/engine/executor.py:_execute": "not split yet: the engine's read/merge/write pipeline (issue 25 follow-up)",
-    "mergepipe/pipeline.py:build_plan": "not split yet: request -> catalog -> plan wiring (issue 25 follow-up)",
     "mergepipe/pipeline.py:execute_and_commit": "not split yet: to become a run of one part (issue 25 item 3)",
     "mergepipe/planner/planner.py:_select": "not split yet: the block knapsack (issue 25 follow-up)",
     "mergepipe/planner/planner.py:_select_tiers": "not split yet: the tier knapsack (issue 25 follow-up)",
