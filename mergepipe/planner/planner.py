@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -933,50 +933,81 @@ def _select(
     is the identity and this is the plain greedy of Dantzig's bound.
     """
     n_all = len(values)
-    selected = np.zeros(n_all, dtype=bool)
     order = _greedy_order(values, costs) if order is None else order
-    if budget is None and fidelity is None:
-        selected[order] = True
-        return _gap_closure(selected, cand_of, np.concatenate([[0], np.cumsum(cost1)]), gap)
     cum = np.concatenate([[0], np.cumsum(cost1)])
+    if budget is None and fidelity is None:
+        selected = np.zeros(n_all, dtype=bool)
+        selected[order] = True
+        return _gap_closure(selected, cand_of, cum, gap)
     bridges = gap > 0 and n_all > 0 and int(cost1.min(initial=gap + 1)) <= gap
 
     def prefix(take: np.ndarray, n: int) -> np.ndarray:
+        """The first ``n`` blocks of ``take``, closed under the gap rule."""
         s = np.zeros(n_all, dtype=bool)
         s[take[:n]] = True
         return _gap_closure(s, cand_of, cum, gap)
 
-    def first_true(lo: int, hi: int, pred) -> int:
-        """Smallest n in [lo, hi] with pred(n) (pred monotone false→true; hi if none)."""
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if pred(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
-
     take = order
-    total = float(values.sum())
-    if fidelity is not None and total > 0:
-        target = fidelity * total * (1 - 1e-12)
-        if bridges:
-            n = first_true(1, len(order), lambda m: float(values[prefix(order, m)].sum()) >= target)
-        else:
-            cumv = np.cumsum(values[order])
-            n = int(np.searchsorted(cumv, target, side="left")) + 1
-        take = order[: min(n, len(order))]
+    if fidelity is not None:
+        take = _fidelity_prefix(values, order, fidelity, prefix if bridges else None)
     if budget is None:
         return prefix(take, len(take))
     if bridges:
-        n = first_true(0, len(take), lambda m: int(costs[prefix(take, m + 1)].sum()) > budget) if len(take) else 0
+        n = _first_true(0, len(take), lambda m: int(costs[prefix(take, m + 1)].sum()) > budget) if len(take) else 0
     else:
         n = int(np.searchsorted(np.cumsum(costs[take]), budget, side="right"))
     selected = prefix(take, n)
-    if not fill:
-        return selected
+    if fill:
+        _fill_remainder(selected, take[n:], costs, cand_of, cum, gap if bridges else 0, budget)
+    return selected
+
+
+def _first_true(lo: int, hi: int, pred: Callable[[int], bool]) -> int:
+    """Smallest n in [lo, hi] with pred(n) (pred monotone false→true; hi if none): bisection."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pred(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _fidelity_prefix(
+    values: np.ndarray,
+    order: np.ndarray,
+    fidelity: float,
+    prefix: Callable[[np.ndarray, int], np.ndarray] | None,
+) -> np.ndarray:
+    """The shortest prefix of ``order`` whose selection keeps ``fidelity`` of the total value
+    (all of ``order`` when the total is 0). ``prefix``: the gap-closed selection of a prefix when
+    the storage bridges gaps (the value then counts the bridged blocks), else None."""
+    total = float(values.sum())
+    if not total > 0:
+        return order
+    target = fidelity * total * (1 - 1e-12)
+    if prefix is not None:
+        n = _first_true(1, len(order), lambda m: float(values[prefix(order, m)].sum()) >= target)
+    else:
+        cumv = np.cumsum(values[order])
+        n = int(np.searchsorted(cumv, target, side="left")) + 1
+    return order[: min(n, len(order))]
+
+
+def _fill_remainder(
+    selected: np.ndarray,
+    rest: np.ndarray,
+    costs: np.ndarray,
+    cand_of: np.ndarray,
+    cum: np.ndarray,
+    gap: int,
+    budget: int,
+) -> None:
+    """Fill ``budget``'s remainder in place with the blocks of ``rest`` (in order) that still
+    fit, each with the gap blocks (``gap`` > 0: the storage bridges gaps) its taking bridges to
+    the nearest selected block of its candidate on each side."""
+    n_all = len(selected)
     room = budget - int(costs[selected].sum())
-    rest = take[n:]
     min_cost = int(costs[rest].min()) if len(rest) else 0
     for j in rest:  # fill the remainder with blocks that still fit (smaller ones, or fewer gap blocks)
         if room < min_cost or room <= 0:
@@ -984,7 +1015,7 @@ def _select(
         if selected[j]:
             continue
         lo = hi = j
-        if bridges:  # gap blocks to the nearest selected block of the same candidate on each side
+        if gap > 0:  # gap blocks to the nearest selected block of the same candidate on each side
             k = j - 1
             while k >= 0 and cand_of[k] == cand_of[j]:
                 if selected[k]:  # the gap [k+1, j) is within the rule (checked below)
@@ -1005,7 +1036,6 @@ def _select(
         if inc <= room:
             selected[lo : hi + 1] = True
             room -= inc
-    return selected
 
 
 #: A plan reads with the storage's coalescing gap (fewer, larger requests) only when closing
@@ -1082,6 +1112,32 @@ def _select_tiers(
     kept value reaches the target.
     """
     n, L = svalues.shape
+    X, Y, ok, perm = _tier_points(values, costs, svalues, scosts)
+    ok = _upper_hull(X, Y, ok)
+    ib, it, fr, dx, dy = _hull_upgrades(X, Y, ok)
+    target = fidelity * float(values.sum()) * (1 - 1e-12) if fidelity is not None else None
+    tier = _buy_upgrades(n, ib, it, fr, dx, dy, budget, target)
+    exact = tier == L + 1
+    sk = (tier > 0) & ~exact
+    level = np.zeros(n, dtype=np.int64)
+    level[sk] = perm[sk, tier[sk] - 1] + 1  # back to the caller's tier columns
+    return exact, level
+
+
+def _tier_points(
+    values: np.ndarray, costs: np.ndarray, svalues: np.ndarray, scosts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each block's tiers as (bytes, value) points, in increasing bytes: column 0 skip, columns
+    ``1..L`` the sketch tiers sorted by bytes, column ``L+1`` exact (arguments as
+    :func:`_select_tiers`).
+
+    Returns:
+        (X, Y, ok, perm): int64 ``(n, L+2)`` bytes, float64 ``(n, L+2)`` values, bool ``(n, L+2)``
+        the points worth considering (a sketch tier with bytes, cheaper than exact and of some
+        value; exact with some value; skip always), and int ``(n, L)`` each block's sort of its
+        sketch tiers by bytes (sorted column -> caller's column).
+    """
+    n, L = svalues.shape
     T = L + 2
     sc = _tier_cost_matrix(scosts, L)
     # the hull walks each block's tiers in increasing bytes: sort the sketch tiers per block
@@ -1096,10 +1152,25 @@ def _select_tiers(
     ok = np.ones((n, T), dtype=bool)
     ok[:, 1 : L + 1] = (sc > 0) & (X[:, 1 : L + 1] < costs[:, None]) & (svalues > 0)
     ok[:, -1] = values > 0
+    return X, Y, ok, perm
+
+
+def _prev_point(ok: np.ndarray) -> np.ndarray:
+    """int ``(n, T)``: for each column, the nearest column to its left that is ``ok`` (-1: none)."""
+    n, T = ok.shape
+    idx = np.broadcast_to(np.arange(T), (n, T))
+    prev = np.maximum.accumulate(np.where(ok, idx, -1), axis=1)
+    return np.concatenate([np.full((n, 1), -1), prev[:, :-1]], axis=1)
+
+
+def _upper_hull(X: np.ndarray, Y: np.ndarray, ok: np.ndarray) -> np.ndarray:
+    """``ok`` without the points on or below the segment between their neighbours: each block's
+    remaining points are the upper convex hull of its (bytes, value) points (columns in
+    increasing bytes; column 0, skip, always stays)."""
+    n, T = ok.shape
     idx = np.broadcast_to(np.arange(T), (n, T))
     while True:  # drop points on or below the segment between their hull neighbours
-        prev = np.maximum.accumulate(np.where(ok, idx, -1), axis=1)
-        prev = np.concatenate([np.full((n, 1), -1), prev[:, :-1]], axis=1)
+        prev = _prev_point(ok)
         nxt = np.minimum.accumulate(np.where(ok, idx, T)[:, ::-1], axis=1)[:, ::-1]
         nxt = np.concatenate([nxt[:, 1:], np.full((n, 1), T)], axis=1)
         inner = ok & (prev >= 0) & (nxt < T)
@@ -1110,10 +1181,21 @@ def _select_tiers(
         # j is below the chord p–n: (y_j − y_p)(x_n − x_p) <= (y_n − y_p)(x_j − x_p)
         below = inner & ((Y - yp) * (xn - xp) <= (yn - yp) * (X - xp))
         if not below.any():
-            break
-        ok &= ~below
-    prev = np.maximum.accumulate(np.where(ok, idx, -1), axis=1)
-    prev = np.concatenate([np.full((n, 1), -1), prev[:, :-1]], axis=1)
+            return ok
+        ok = ok & ~below
+
+
+def _hull_upgrades(
+    X: np.ndarray, Y: np.ndarray, ok: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The upgrades along each block's hull (from one hull point to the next), in order of value
+    per byte (descending; ties by block, then tier).
+
+    Returns:
+        (ib, it, fr, dx, dy): the block, the tier bought, the tier it upgrades from, the added
+        bytes (int64) and the added value (float64) of each upgrade.
+    """
+    prev = _prev_point(ok)
     has = ok & (prev >= 0)
     has[:, 0] = False
     ib, it = np.nonzero(has)
@@ -1122,33 +1204,46 @@ def _select_tiers(
     dy = Y[ib, it] - Y[ib, fr]
     eff = dy / np.maximum(dx, 1)
     order = _desc_order(eff)  # ties by (block, tier): np.nonzero lists (ib, it) in that order
-    ib, it, fr, dx, dy = ib[order], it[order], fr[order], dx[order], dy[order]
+    return ib[order], it[order], fr[order], dx[order], dy[order]
+
+
+def _buy_upgrades(
+    n: int,
+    ib: np.ndarray,
+    it: np.ndarray,
+    fr: np.ndarray,
+    dx: np.ndarray,
+    dy: np.ndarray,
+    budget: int | None,
+    target: float | None,
+) -> np.ndarray:
+    """int64 ``(n,)`` the tier each block ends at, buying the upgrades (as
+    :func:`_hull_upgrades` returns them) in order: the longest prefix within ``budget`` bytes
+    and, with a ``target`` value, no longer than it takes to reach it; then, under a budget,
+    later upgrades that still fit (each from the tier its block is at) until the target is
+    reached."""
     tier = np.zeros(n, dtype=np.int64)
     m = len(dx)
     if budget is not None:
         m = int(np.searchsorted(np.cumsum(dx), budget, side="right"))  # the prefix fits and keeps the order
-    target = fidelity * float(values.sum()) * (1 - 1e-12) if fidelity is not None else None
     if target is not None:
         m = min(m, int(np.searchsorted(np.cumsum(dy), target, side="left")) + 1)
     np.maximum.at(tier, ib[:m], it[:m])
-    if budget is not None:
-        room = budget - int(dx[:m].sum())
-        kept = float(dy[:m].sum())
-        rest_min = int(dx[m:].min()) if m < len(dx) else 0
-        for k in range(m, len(dx)):  # fill the remainder with upgrades that still fit
-            if room < rest_min or (target is not None and kept >= target):
-                break
-            b = ib[k]
-            if tier[b] != fr[k] or dx[k] > room:
-                continue
-            tier[b] = it[k]
-            room -= int(dx[k])
-            kept += float(dy[k])
-    exact = tier == T - 1
-    sk = (tier > 0) & ~exact
-    level = np.zeros(n, dtype=np.int64)
-    level[sk] = perm[sk, tier[sk] - 1] + 1  # back to the caller's tier columns
-    return exact, level
+    if budget is None:
+        return tier
+    room = budget - int(dx[:m].sum())
+    kept = float(dy[:m].sum())
+    rest_min = int(dx[m:].min()) if m < len(dx) else 0
+    for k in range(m, len(dx)):  # fill the remainder with upgrades that still fit
+        if room < rest_min or (target is not None and kept >= target):
+            break
+        b = ib[k]
+        if tier[b] != fr[k] or dx[k] > room:
+            continue
+        tier[b] = it[k]
+        room -= int(dx[k])
+        kept += float(dy[k])
+    return tier
 
 
 def _tier_cost_matrix(scosts: np.ndarray, L: int) -> np.ndarray:
