@@ -226,41 +226,74 @@ def _execute(
         )
     )
     if side_files:
-        index = _write_index(plan, out_storage, out_prefix)
-        if index is not None:
-            res.files[INDEX_NAME] = index
-            if on_file:
-                on_file(INDEX_NAME, index, {})
-            if progress:
-                progress(index["size"])
-        for name, info in _write_extra_files(plan, storage, out_storage, out_prefix).items():
-            res.files[name] = info
-            if on_file:
-                on_file(name, info, {})
-            if progress:
-                progress(info["size"])
+        _write_side_files(plan, storage, out_storage, out_prefix, res.files, progress, on_file)
+    res.counters = _counters(storage, out_storage)
+    _check_realized(plan, res.counters["read"].get("expert", 0) - read_before.get("expert", 0))
+    res.touched_blocks.update(_touched_blocks(plan))
+    res.wall_s = time.perf_counter() - t0
+    return res
 
-    res.counters = (
-        storage.counters.snapshot()
-        if storage.counters is out_storage.counters
-        else {
-            "read": storage.counters.snapshot()["read"],
-            "written": out_storage.counters.snapshot()["written"],
-            "copied": out_storage.counters.snapshot()["copied"],
-        }
-    )
-    realized = res.counters["read"].get("expert", 0) - read_before.get("expert", 0)
+
+def _write_side_files(
+    plan: Plan,
+    storage: Storage,
+    out_storage: Storage,
+    out_prefix: str,
+    files: dict[str, dict],
+    progress: Callable[[int], None] | None,
+    on_file: FileDone | None,
+) -> None:
+    """Write the index (when the output needs one) and the base's extra files under
+    ``out_prefix``, adding each to ``files`` and reporting it to ``on_file`` and ``progress``."""
+    index = _write_index(plan, out_storage, out_prefix)
+    if index is not None:
+        files[INDEX_NAME] = index
+        if on_file:
+            on_file(INDEX_NAME, index, {})
+        if progress:
+            progress(index["size"])
+    for name, info in _write_extra_files(plan, storage, out_storage, out_prefix).items():
+        files[name] = info
+        if on_file:
+            on_file(name, info, {})
+        if progress:
+            progress(info["size"])
+
+
+def _counters(storage: Storage, out_storage: Storage) -> dict:
+    """The storage counters' snapshot: bytes read from ``storage``, written and copied to
+    ``out_storage`` (one snapshot when they share counters)."""
+    if storage.counters is out_storage.counters:
+        return storage.counters.snapshot()
+    return {
+        "read": storage.counters.snapshot()["read"],
+        "written": out_storage.counters.snapshot()["written"],
+        "copied": out_storage.counters.snapshot()["copied"],
+    }
+
+
+def _check_realized(plan: Plan, realized: int) -> None:
+    """Refuse to finish when the expert bytes read exceed the plan's estimate.
+
+    Raises:
+        RuntimeError: ``realized`` > ``plan.io.expert_read_bytes`` (a bug; nothing is committed).
+    """
     if realized > plan.io.expert_read_bytes:
         raise RuntimeError(
             f"realized expert bytes {realized} exceed the planned {plan.io.expert_read_bytes}: refusing to "
             "commit (this is a mergepipe bug; please report it with the plan)."
         )
+
+
+def _touched_blocks(plan: Plan) -> dict[str, int]:
+    """Expert name -> number of its blocks the plan reads exactly, for every expert some tensor
+    of the plan lists (sketched blocks are counted in the manifest's ``sketch`` entry)."""
+    out: dict[str, int] = {}
     for tp in plan.tensors:
         for te in tp.experts:
             nm = plan.experts[te.expert].name
-            res.touched_blocks[nm] = res.touched_blocks.get(nm, 0) + sum(b - a for a, b in te.blocks)
-    res.wall_s = time.perf_counter() - t0
-    return res
+            out[nm] = out.get(nm, 0) + sum(b - a for a, b in te.blocks)
+    return out
 
 
 def _write_shards(
