@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import platform
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mergepipe.commit.manifest import snapshot_id
 from mergepipe.formats.safetensors import FLOAT_DTYPES as floating
 from mergepipe.planner.plan import Plan
 from mergepipe.storage.base import Storage, local_path
 from mergepipe.storage.routing import open_storage
+
+if TYPE_CHECKING:
+    from mergepipe.engine.executor import ExecResult
 
 
 def versions() -> dict:
@@ -96,7 +100,7 @@ def realized_io(before: dict, after: dict) -> dict[str, int]:
 
 def build_manifest(
     plan: Plan,
-    res,
+    res: ExecResult,
     before: dict | None,
     after: dict | None,
     started: float,
@@ -126,25 +130,7 @@ def build_manifest(
         "method": plan.method,
         "parameters": {"globals": plan.globals, "experts": {e.name: e.params for e in plan.experts}},
         "seed": plan.seed,
-        "inputs": {
-            "base": {
-                "uri": plan.base.uri,
-                "identity": plan.base.identity,
-                "files": plan.base.signature,
-                "content_digest": res.base_content_digest(),
-            },
-            "experts": [
-                {
-                    "name": e.name,
-                    "uri": e.uri,
-                    "identity": e.identity,
-                    "files": e.signature,
-                    "content_digest": e.content_digest,
-                    **({"sketch": e.sketch} if e.sketch else {}),
-                }
-                for e in plan.experts
-            ],
-        },
+        "inputs": _manifest_inputs(plan, res),
         "files_prefix": files_prefix,
         "outputs": res.files,
         "touched_blocks": res.touched_blocks,
@@ -164,15 +150,7 @@ def build_manifest(
         "versions": worker_versions or versions(),
     }
     if plan.sketch:  # fidelity tiers: blocks merged from the experts' sketches (bytes in io, like expert bytes)
-        sk: dict[str, int] = {}
-        lv: dict[str, int] = {}
-        for tp in plan.tensors:
-            for te in tp.experts:
-                nm = plan.experts[te.expert].name
-                for (a, b), k in zip(te.sketch_blocks, te.sketch_levels, strict=True):
-                    sk[nm] = sk.get(nm, 0) + b - a
-                    lv[str(k)] = lv.get(str(k), 0) + b - a
-        out["sketch"] = {"kind": plan.sketch, "sketched_blocks": sk, "blocks_by_level": lv}
+        out["sketch"] = _manifest_sketch(plan)
     if parts is not None:
         out["parts"] = parts
     if lineage:
@@ -181,6 +159,45 @@ def build_manifest(
             raise ValueError(f"lineage keys {sorted(clash)} would overwrite manifest fields")
         out.update(lineage)
     return out
+
+
+def _manifest_inputs(plan: Plan, res: ExecResult) -> dict:
+    """The manifest's ``inputs``: the base and each expert by URI, identity, file signatures and
+    content digest (the base's from the bytes the execution hashed), with an expert's sketch blob
+    when the plan reads one."""
+    return {
+        "base": {
+            "uri": plan.base.uri,
+            "identity": plan.base.identity,
+            "files": plan.base.signature,
+            "content_digest": res.base_content_digest(),
+        },
+        "experts": [
+            {
+                "name": e.name,
+                "uri": e.uri,
+                "identity": e.identity,
+                "files": e.signature,
+                "content_digest": e.content_digest,
+                **({"sketch": e.sketch} if e.sketch else {}),
+            }
+            for e in plan.experts
+        ],
+    }
+
+
+def _manifest_sketch(plan: Plan) -> dict:
+    """The manifest's ``sketch`` entry of a plan with fidelity tiers: its kind, the blocks merged
+    from each expert's sketch, and the blocks per sketch level (as a string)."""
+    sk: dict[str, int] = {}
+    lv: dict[str, int] = {}
+    for tp in plan.tensors:
+        for te in tp.experts:
+            nm = plan.experts[te.expert].name
+            for (a, b), k in zip(te.sketch_blocks, te.sketch_levels, strict=True):
+                sk[nm] = sk.get(nm, 0) + b - a
+                lv[str(k)] = lv.get(str(k), 0) + b - a
+    return {"kind": plan.sketch, "sketched_blocks": sk, "blocks_by_level": lv}
 
 
 def output_storage(plan: Plan, storage: Storage, out: str) -> Storage:

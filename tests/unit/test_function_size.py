@@ -23,7 +23,6 @@ EXCEPTIONS: dict[str, str] = {
     "mergepipe/catalog/sensitivity.py:compute_fisher": "not split yet: one streaming Fisher pass (issue 25 follow-up)",
     "mergepipe/engine/chunk.py:_merge_chunk_tiled": "not split yet: the tile loop of the merge kernel (issue 23/25 follow-up)",
     "mergepipe/pipeline.py:execute_and_commit": "not split yet: to become a run of one part (issue 25 item 3)",
-    "mergepipe/result.py:build_manifest": "not split yet: one manifest record, field by field (issue 25 follow-up)",
     "mergepipe_zoo/demo.py:run_demo": "not split yet: the demo's build, merges and table (issue 25 follow-up)",
     "operator/mergepipe_operator/modelmerge/controller.py:MergeReconciler._reconcile_merge": (
         "not split yet: holds a finish() closure; each step needs the kmock and real-API-server tests (issue 25)"
