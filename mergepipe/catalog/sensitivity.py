@@ -44,11 +44,16 @@ import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mergepipe.errors import InputError
+
+if TYPE_CHECKING:
+    import torch
+
+    from mergepipe.formats.safetensors import TensorInfo
 
 DEFAULT_SEQ_LEN = 128
 DEFAULT_MAX_SEQUENCES = 32
@@ -202,8 +207,6 @@ def compute_fisher(
     """
     import torch
 
-    from mergepipe.formats.safetensors import rows_per_block
-
     try:
         dev = torch.device(device or "cpu")
         torch.empty(0, device=dev)
@@ -214,60 +217,107 @@ def compute_fisher(
     try:
         model, tok, config, kind = _build_model(storage, base)
         model.to(dev)
-        L = calibration.seq_len
         if kind == "causal-lm":
-            eos_id = getattr(config, "eos_token_id", None)
-            if isinstance(eos_id, list):
-                eos_id = eos_id[0]
-            ids: list[int] = []
-            for enc in tok.encode_batch(list(calibration.texts), add_special_tokens=False):
-                ids.extend(enc.ids)
-                if eos_id is not None:
-                    ids.append(int(eos_id))
-            n = min(len(ids) // L, calibration.max_sequences)
-            if n == 0:
-                raise InputError(f"--calibration {calibration.uri}: fewer than seq_len={L} tokens of text.")
-            seqs = [torch.tensor(ids[i * L : (i + 1) * L], dtype=torch.long, device=dev).view(1, L) for i in range(n)]
+            seqs, probes = _causal_sequences(tok, config, calibration, dev), None
         else:
-            tok.no_padding()
-            tok.enable_truncation(max_length=min(L, int(getattr(config, "max_position_embeddings", L))))
-            encs = [e.ids for e in tok.encode_batch(list(calibration.texts), add_special_tokens=True) if e.ids]
-            seqs = [
-                torch.tensor(e, dtype=torch.long, device=dev).view(1, -1) for e in encs[: calibration.max_sequences]
-            ]
-            n = len(seqs)
-            if n == 0:
-                raise InputError(f"--calibration {calibration.uri}: no document gives a token.")
-            g = torch.Generator().manual_seed(int(calibration.digest[:15], 16))
-            probes = torch.randn(n, int(config.hidden_size), generator=g, dtype=torch.float32).to(dev)
+            seqs, probes = _encoder_sequences(tok, config, calibration, dev)
         model.train(False)
         params = {k: p for k, p in model.named_parameters() if k in base.layout.tensors}
-        acc = {k: torch.zeros(p.shape, dtype=torch.float64, device=dev) for k, p in params.items()}
-        for i, x in enumerate(seqs):
-            model.zero_grad(set_to_none=True)
-            if kind == "causal-lm":
-                loss = model(input_ids=x, labels=x, use_cache=False).loss
-            else:
-                emb = model(input_ids=x, attention_mask=torch.ones_like(x)).last_hidden_state[0].mean(dim=0)
-                loss = (emb * probes[i]).sum()
-            loss.backward()
-            for k, p in params.items():
-                if p.grad is not None:
-                    acc[k] += p.grad.detach().double() ** 2
-        out = {}
-        for k, f in acc.items():
-            bt = base.layout.tensors[k]
-            f = (f / n).cpu()
-            f = f.reshape(bt.rows, -1) if bt.rows else f.reshape(1, -1)
-            rpb = rows_per_block(bt, block_bytes)
-            per_row = f.sum(dim=1).numpy()
-            nb = max(1, -(-bt.rows // rpb))
-            sums = np.add.reduceat(per_row, np.arange(0, len(per_row), rpb))[:nb]
-            counts = np.minimum((np.arange(nb) + 1) * rpb, bt.rows) - np.arange(nb) * rpb
-            out[k] = sums / (np.maximum(counts, 1) * f.shape[1])
-        return out
+        acc = _squared_gradients(model, params, seqs, probes, dev)
+        return {k: _block_means(base.layout.tensors[k], f / len(seqs), block_bytes) for k, f in acc.items()}
     finally:
         torch.set_num_threads(threads)
+
+
+def _causal_sequences(tok: Any, config: Any, calibration: Calibration, dev: torch.device) -> list[torch.Tensor]:
+    """The calibration documents joined with the EOS token and cut into ``seq_len``-token
+    sequences (the first ``max_sequences``), each int64 ``(1, seq_len)`` on ``dev``.
+
+    Raises:
+        InputError: fewer than ``seq_len`` tokens of text.
+    """
+    import torch
+
+    L = calibration.seq_len
+    eos_id = getattr(config, "eos_token_id", None)
+    if isinstance(eos_id, list):
+        eos_id = eos_id[0]
+    ids: list[int] = []
+    for enc in tok.encode_batch(list(calibration.texts), add_special_tokens=False):
+        ids.extend(enc.ids)
+        if eos_id is not None:
+            ids.append(int(eos_id))
+    n = min(len(ids) // L, calibration.max_sequences)
+    if n == 0:
+        raise InputError(f"--calibration {calibration.uri}: fewer than seq_len={L} tokens of text.")
+    return [torch.tensor(ids[i * L : (i + 1) * L], dtype=torch.long, device=dev).view(1, L) for i in range(n)]
+
+
+def _encoder_sequences(
+    tok: Any, config: Any, calibration: Calibration, dev: torch.device
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One sequence per calibration document (the tokenizer's special tokens, truncated to
+    ``seq_len``; the first ``max_sequences``), each int64 ``(1, tokens)`` on ``dev``, and one
+    float32 ``(hidden_size,)`` Gaussian probe per sequence (seeded by the calibration digest).
+
+    Raises:
+        InputError: no document gives a token.
+    """
+    import torch
+
+    L = calibration.seq_len
+    tok.no_padding()
+    tok.enable_truncation(max_length=min(L, int(getattr(config, "max_position_embeddings", L))))
+    encs = [e.ids for e in tok.encode_batch(list(calibration.texts), add_special_tokens=True) if e.ids]
+    seqs = [torch.tensor(e, dtype=torch.long, device=dev).view(1, -1) for e in encs[: calibration.max_sequences]]
+    n = len(seqs)
+    if n == 0:
+        raise InputError(f"--calibration {calibration.uri}: no document gives a token.")
+    g = torch.Generator().manual_seed(int(calibration.digest[:15], 16))
+    probes = torch.randn(n, int(config.hidden_size), generator=g, dtype=torch.float32).to(dev)
+    return seqs, probes
+
+
+def _squared_gradients(
+    model: Any,
+    params: dict[str, torch.Tensor],
+    seqs: list[torch.Tensor],
+    probes: torch.Tensor | None,
+    dev: torch.device,
+) -> dict[str, torch.Tensor]:
+    """``{tensor: float64 Σ_n g_n²}`` over the sequences, one backward pass each: ``g_n`` the
+    gradient of the causal LM's loss on sequence ``n`` (``probes`` None), else of ``ε_n · e_n``
+    with ``e_n`` the encoder's mean-pooled last hidden state and ``ε_n = probes[n]``."""
+    import torch
+
+    acc = {k: torch.zeros(p.shape, dtype=torch.float64, device=dev) for k, p in params.items()}
+    for i, x in enumerate(seqs):
+        model.zero_grad(set_to_none=True)
+        if probes is None:
+            loss = model(input_ids=x, labels=x, use_cache=False).loss
+        else:
+            emb = model(input_ids=x, attention_mask=torch.ones_like(x)).last_hidden_state[0].mean(dim=0)
+            loss = (emb * probes[i]).sum()
+        loss.backward()
+        for k, p in params.items():
+            if p.grad is not None:
+                acc[k] += p.grad.detach().double() ** 2
+    return acc
+
+
+def _block_means(bt: TensorInfo, f: torch.Tensor, block_bytes: int) -> np.ndarray:
+    """float64 ``(n_blocks,)``: the mean of the Fisher ``f`` (the tensor's shape, float64) over
+    the entries of each block of the catalog's grid for ``block_bytes`` (whole rows per block)."""
+    from mergepipe.formats.safetensors import rows_per_block
+
+    f = f.cpu()
+    f = f.reshape(bt.rows, -1) if bt.rows else f.reshape(1, -1)
+    rpb = rows_per_block(bt, block_bytes)
+    per_row = f.sum(dim=1).numpy()
+    nb = max(1, -(-bt.rows // rpb))
+    sums = np.add.reduceat(per_row, np.arange(0, len(per_row), rpb))[:nb]
+    counts = np.minimum((np.arange(nb) + 1) * rpb, bt.rows) - np.arange(nb) * rpb
+    return sums / (np.maximum(counts, 1) * f.shape[1])
 
 
 def fisher_to_bytes(f: dict[str, np.ndarray]) -> bytes:
