@@ -38,7 +38,7 @@ from mergepipe.errors import InputError
 from mergepipe.request import MergeRequest, Where
 
 if TYPE_CHECKING:
-    from mergepipe.catalog.catalog import Catalog
+    from mergepipe.catalog.catalog import Analysis as CatalogAnalysis, Catalog, CheckpointRecord
     from mergepipe.catalog.objectstore import ObjectCatalog
     from mergepipe.config import LoadedConfig
     from mergepipe.planner.plan import Plan
@@ -305,19 +305,6 @@ def analyze(
         force=force,
     )
     rd = st.counters.snapshot()["read"]
-    cal = None
-    if calibration:
-        from mergepipe.catalog.sensitivity import load_calibration
-
-        cal = {"uri": calibration, "digest": load_calibration(st, calibration).digest}
-    pair_list = None
-    if pairs:
-        dots = cat.pair_dots(b, recs, ans)
-        pair_list = [
-            {"experts": [recs[i].uri, recs[j].uri], "tensors": len(d)}
-            for (i, j), d in sorted(dots.items())
-            if recs[i].identity != recs[j].identity
-        ]
     return Analysis(
         base={"uri": b.uri, "identity": b.identity},
         experts=[
@@ -332,9 +319,32 @@ def analyze(
         ],
         bytes_read={k: rd[k] - before.get(k, 0) for k in ("base", "expert", "catalog")},
         block_bytes=bb,
-        calibration=cal,
-        pairs=pair_list,
+        calibration=None if not calibration else _calibration_record(st, calibration),
+        pairs=_pair_records(cat, b, recs, ans) if pairs else None,
     )
+
+
+def _calibration_record(st: Storage, calibration: str) -> dict:
+    """``{"uri", "digest"}`` of the calibration set at ``calibration``."""
+    from mergepipe.catalog.sensitivity import load_calibration
+
+    return {"uri": calibration, "digest": load_calibration(st, calibration).digest}
+
+
+def _pair_records(
+    cat: Catalog | ObjectCatalog,
+    base: CheckpointRecord,
+    recs: Sequence[CheckpointRecord],
+    analyses: Sequence[CatalogAnalysis],
+) -> list[dict]:
+    """``{"experts": [uri, uri], "tensors": n}`` for each two experts of distinct identity whose
+    pair statistics the catalog holds."""
+    dots = cat.pair_dots(base, recs, analyses)
+    return [
+        {"experts": [recs[i].uri, recs[j].uri], "tensors": len(d)}
+        for (i, j), d in sorted(dots.items())
+        if recs[i].identity != recs[j].identity
+    ]
 
 
 @dataclass(frozen=True)
