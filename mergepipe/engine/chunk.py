@@ -325,44 +325,13 @@ def _merge_chunk_tiled(
     (from the whole tensor's sums, or this chunk's when it is the whole tensor) scales each
     tile's kept entries as :func:`_merge_chunk` scales the chunk's. Returns the output bytes (a
     ``memoryview`` of the encoded tensor)."""
-    import torch
-
     tp = it.tp
-    n = memoryview(base_raw).nbytes // DTYPES[tp.dtype][0]
     row_numel = row_numel_of(tp.shape)
-    offset = it.r0 * row_numel
     base_t = _raw_tensor(base_raw, tp.dtype).to(dev)
-    eparts = []  # per expert: (params, [(elem0, elem1, raw view)])
+    eparts = []  # per expert: (params, [(elem0, elem1, values, is_delta)])
     for te, parts in zip(tp.experts, exp):
-        # (elem0, elem1, values, is_delta): a LoRA run holds its task vector itself (float32)
-        runs = [
-            (
-                (a - it.r0) * row_numel,
-                (z - it.r0) * row_numel,
-                torch.from_numpy(_lora_delta(te.lora, cast(LoraBytes, buf), z - a)).to(dev)
-                if te.lora is not None
-                else buf
-                if isinstance(buf, SketchRun)
-                else _raw_tensor(cast("Buffer", buf), tp.dtype).to(dev),
-                te.lora is not None,
-            )
-            for (a, z), buf in parts
-            if z > a
-        ]
-
-        def hist_of(slot: int, key: int, runs: list[Run] = runs) -> np.ndarray:
-            """This chunk's bit histogram of a threshold key group, a tile at a time (a sketched
-            run from its value tables, without decoding)."""
-            g = _GroupHist(key)
-            for a, z, x, dl in runs:
-                if isinstance(x, SketchRun):
-                    g.add_run(x, dev)
-                    continue
-                for s in range(a, z, TILE_ELEMS):
-                    e = min(z, s + TILE_ELEMS)
-                    g.add_dense(x[s - a : e - a] if dl else torch.sub(x[s - a : e - a], base_t[s:e].float()))
-            return g.done()
-
+        runs = _expert_runs(it, te, parts, row_numel, dev)
+        hist_of = _chunk_hist_of(runs, base_t, dev)
         if it.kind == "threshold" or (tp.derived.get("threshold_pass") and it.fused == "threshold"):
             for slot, key, _rank in _bounds(te):  # (fused: the pre-pass skipped this chunk: add its groups)
                 _add_group(groups, tp, te, slot, hist_of(slot, key))
@@ -374,6 +343,72 @@ def _merge_chunk_tiled(
     factors = _tiled_factors(it, eparts, base_t, spec, l1_all, l1_kept)
     if it.kind == "stats":
         return None
+    return _tiled_output(it, eparts, factors, base_t, spec, dev)
+
+
+def _expert_runs(
+    it: WorkItem, te: TensorExpert, parts: list[ExpertRun], row_numel: int, dev: torch.device
+) -> list[Run]:
+    """One expert's runs in a chunk as ``(elem0, elem1, values, is_delta)``, elements relative to
+    the chunk's first: a LoRA run holds its float32 task vector (``is_delta``), a sketched run its
+    :class:`~mergepipe.engine.sketchkernel.SketchRun`, an exact run its raw values in the
+    tensor's dtype on ``dev`` (a view of the fetched bytes on CPU: no copy)."""
+    import torch
+
+    dtype = it.tp.dtype
+    return [
+        (
+            (a - it.r0) * row_numel,
+            (z - it.r0) * row_numel,
+            torch.from_numpy(_lora_delta(te.lora, cast(LoraBytes, buf), z - a)).to(dev)
+            if te.lora is not None
+            else buf
+            if isinstance(buf, SketchRun)
+            else _raw_tensor(cast("Buffer", buf), dtype).to(dev),
+            te.lora is not None,
+        )
+        for (a, z), buf in parts
+        if z > a
+    ]
+
+
+def _chunk_hist_of(runs: list[Run], base_t: torch.Tensor, dev: torch.device) -> HistOf:
+    """``hist_of(slot, key)`` of one expert's runs in a chunk: the chunk's bit histogram of a
+    threshold key group, a tile at a time (a sketched run from its value tables, without
+    decoding)."""
+    import torch
+
+    def hist_of(slot: int, key: int) -> np.ndarray:
+        g = _GroupHist(key)
+        for a, z, x, dl in runs:
+            if isinstance(x, SketchRun):
+                g.add_run(x, dev)
+                continue
+            for s in range(a, z, TILE_ELEMS):
+                e = min(z, s + TILE_ELEMS)
+                g.add_dense(x[s - a : e - a] if dl else torch.sub(x[s - a : e - a], base_t[s:e].float()))
+        return g.done()
+
+    return hist_of
+
+
+def _tiled_output(
+    it: WorkItem,
+    eparts: list[tuple[ExpertTensorParams, list[Run]]],
+    factors: list[float],
+    base_t: torch.Tensor,
+    spec: MethodSpec,
+    dev: torch.device,
+) -> memoryview | bytes:
+    """The merged chunk, ``TILE_ELEMS`` elements at a time: each expert's tile of task vector
+    (trimmed or sparsified, times its rescale factor), combined with the base's tile into the
+    output tensor in the output dtype. Returns a ``memoryview`` of its bytes (``b""`` when
+    empty)."""
+    import torch
+
+    tp = it.tp
+    n = base_t.numel()
+    offset = it.r0 * row_numel_of(tp.shape)
     out = torch.empty(n, dtype=_torch_dtype(tp.out_dtype or tp.dtype), device=dev)
     ws = [ep.weight for ep, _ in eparts]
     for s in range(0, n, TILE_ELEMS):

@@ -19,7 +19,6 @@ EXCEPTIONS: dict[str, str] = {
     "mergepipe/cli.py:execute": "typer command: option declarations are most of it; the body is a call into the API (issue 25)",
     "mergepipe/cli.py:analyze": "typer command: option declarations are most of it; the body calls mergepipe.api.analyze",
     # not split yet (issue 25 lists them; each needs its slow end-to-end tests run per step)
-    "mergepipe/engine/chunk.py:_merge_chunk_tiled": "not split yet: the tile loop of the merge kernel (issue 23/25 follow-up)",
     "mergepipe/pipeline.py:execute_and_commit": "not split yet: to become a run of one part (issue 25 item 3)",
     "mergepipe_zoo/demo.py:run_demo": "not split yet: the demo's build, merges and table (issue 25 follow-up)",
     "operator/mergepipe_operator/modelmerge/controller.py:MergeReconciler._reconcile_merge": (
