@@ -31,6 +31,7 @@ import os
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from mergepipe.engine.chunk import L1Sums, merge_chunk
 from mergepipe.engine.reader import Prefetcher
@@ -56,6 +57,11 @@ from mergepipe.formats.safetensors import DTYPES, INDEX_NAME, config_with_dtype,
 from mergepipe.methods.registry import get_method
 from mergepipe.planner.plan import Plan, sketch_location
 from mergepipe.storage.base import NotFoundError, Storage
+
+if TYPE_CHECKING:
+    import torch
+
+    from mergepipe.engine.reader import Buffer
 
 DEFAULT_PREFETCH_BYTES = 256 * 1024 * 1024
 
@@ -137,7 +143,13 @@ def default_compute_threads() -> int:
 
 
 def execute(
-    plan: Plan, storage: Storage, out_storage: Storage, out_prefix: str, *, compute_threads: int | None = None, **kw
+    plan: Plan,
+    storage: Storage,
+    out_storage: Storage,
+    out_prefix: str,
+    *,
+    compute_threads: int | None = None,
+    **kw: Any,
 ) -> ExecResult:
     """Execute ``plan`` (see :func:`_execute` for the arguments) with ``compute_threads`` torch
     intra-op threads (default :func:`default_compute_threads`), restoring the setting after."""
@@ -151,7 +163,7 @@ def execute(
         torch.set_num_threads(before)
 
 
-def _device(device: str):
+def _device(device: str) -> torch.device:
     """The torch device named ``device``. Raises InputError when it is unknown or unusable."""
     import torch
 
@@ -164,7 +176,8 @@ def _device(device: str):
     return dev
 
 
-def _nbytes(buf) -> int:
+def _nbytes(buf: Buffer) -> int:
+    """Bytes in ``buf``."""
     return memoryview(buf).nbytes
 
 
@@ -302,7 +315,7 @@ def _write_shards(
     storage: Storage,
     out_storage: Storage,
     out_prefix: str,
-    dev,
+    dev: torch.device,
     prefetch_bytes: int,
     progress: Callable[[int], None] | None,
     read_threads: int,

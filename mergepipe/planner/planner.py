@@ -45,6 +45,7 @@ import numpy as np
 
 from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, CheckpointRecord, lora_map
 from mergepipe.catalog.sketch import R1_LEVEL, SKETCH_KINDS, level_sections, sketch_tiers, tier_costs
+from mergepipe.catalog.stats import TensorStats
 from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import FLOAT_DTYPES, TensorInfo, n_blocks, rows_per_block
 from mergepipe.methods.base import MethodSpec, TensorStatsView
@@ -468,7 +469,7 @@ def _tensor_candidates(
 
 
 def _expert_candidate(
-    pc: _Planning, ti: int, tp: TensorPlan, bt: TensorInfo, i: int, st, val: np.ndarray
+    pc: _Planning, ti: int, tp: TensorPlan, bt: TensorInfo, i: int, st: TensorStats, val: np.ndarray
 ) -> tuple[_Cand, str, int, LoraFactors | None] | None:
     """Expert ``i``'s candidate on tensor ``ti`` with block values ``val``: its bytes per block
     and reads (a LoRA module: one unit of its factors; a sketched tensor: the sign-plane tiers),
@@ -657,7 +658,7 @@ def _assemble(
         tp.explain = _explain_tensor(tp, pc.spec, names)
 
 
-def _assemble_sketch(pc: _Planning, te: TensorExpert, c: _Cand, st, lv: np.ndarray, tensor: str) -> None:
+def _assemble_sketch(pc: _Planning, te: TensorExpert, c: _Cand, st: TensorStats, lv: np.ndarray, tensor: str) -> None:
     """Record the sketch tiers ``lv`` (per block of candidate ``c``: column + 1 of its
     ``svalue``/``scost``, 0: none) in ``te`` as sketch levels."""
     assert c.svalue is not None and c.scost is not None
