@@ -21,12 +21,6 @@ EXCEPTIONS: dict[str, str] = {
     # not split yet (issue 25 lists them; each needs its slow end-to-end tests run per step)
     "mergepipe/pipeline.py:execute_and_commit": "not split yet: to become a run of one part (issue 25 item 3)",
     "mergepipe_zoo/demo.py:run_demo": "not split yet: the demo's build, merges and table (issue 25 follow-up)",
-    "operator/mergepipe_operator/modelmerge/controller.py:MergeReconciler._reconcile_merge": (
-        "not split yet: holds a finish() closure; each step needs the kmock and real-API-server tests (issue 25)"
-    ),
-    "operator/mergepipe_operator/modelmerge/controller.py:MergeReconciler.sync_job": (
-        "not split yet: Job status -> ModelMerge status; needs the kmock tests per step (issue 25)"
-    ),
 }
 
 

@@ -17,6 +17,7 @@ import copy
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -153,6 +154,55 @@ def _analysis_failure(jname: str, outcome: JobOutcome, what: str, catalog_uri: s
     return msg + "; fix the cause, then change the spec (or delete and re-create the ModelMerge) to retry"
 
 
+@dataclass
+class _Pass:
+    """One reconciliation of one ModelMerge generation: what its steps read (the body, its old
+    status, the generation, the pass's time) and the status they build (``out``; ``conds``, the
+    conditions so far)."""
+
+    body: dict[str, Any]
+    status: dict[str, Any]
+    gen: Any
+    now: datetime
+    out: dict[str, Any]
+    conds: list[Any]
+
+    @property
+    def ns(self) -> str:
+        return str(self.body["metadata"]["namespace"])
+
+    @property
+    def name(self) -> str:
+        return str(self.body["metadata"]["name"])
+
+    def condition(self, kind: str, status: str, reason: str, message: str) -> None:
+        """Set condition ``kind`` in ``conds`` (at this generation and time)."""
+        self.conds = set_condition(self.conds, kind, status, reason, message, self.gen, self.now)
+
+    def ready(self, ready_status: str, reason: str, message: str) -> list[Any]:
+        """``conds`` with the Ready condition set (``conds`` itself unchanged)."""
+        return set_condition(self.conds, "Ready", ready_status, reason, message, self.gen, self.now)
+
+    def finish(self, ready_status: str, reason: str, message: str, **extra: Any) -> dict[str, Any]:
+        """The status to patch: ``out`` with ``extra`` and the Ready condition set."""
+        self.out.update(extra)
+        self.out["conditions"] = self.ready(ready_status, reason, message)
+        return self.out
+
+
+@dataclass
+class _Admitted:
+    """A pass's admission: its reservation ``key``, the quotas' verdict, the MergeQuotas holding the
+    reservation, the Kueue AdmissionCheck reserving instead (``None``: none) and the budget admitted
+    (bytes; ``None``: unbounded)."""
+
+    key: str
+    adm: Admission
+    quotas: list[str]
+    check: str | None
+    budget: int | None
+
+
 class MergeReconciler(Reconciler):
     """ModelMerge reconciliation, composed with the services it uses.
 
@@ -206,45 +256,51 @@ class MergeReconciler(Reconciler):
         ready = get_condition(status.get("conditions"), "Ready")
         if generation_settled(status, gen):
             return None  # this generation already went as far as reconcile takes it
-        now = self.clock()
-        conds = status.get("conditions") or []
         out: dict[str, Any] = {
             "observedGeneration": gen,
             "expertCount": len(spec.get("experts") or []),
             "method": spec.get("method"),
         }
-
-        def finish(ready_status: str, reason: str, message: str, **extra: Any) -> dict[str, Any]:
-            out.update(extra)
-            out["conditions"] = set_condition(conds, "Ready", ready_status, reason, message, gen, now)
-            return out
-
-        ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
+        p = _Pass(body, status, gen, self.clock(), out, status.get("conditions") or [])
         typed, issues = parse_merge_spec(spec)  # parsed once; the spec field of each problem named
         refusal = parallelism_issue(spec, self.settings) or merge_image_issue(spec, self.settings)
         if typed is None or refusal:
             # the previous generation's run is retired as on any spec change
-            self._retire(ns, name, status, out, now)
-            return finish("False", Reason.INVALID_SPEC, format_issues(issues) if issues else str(refusal))
+            self._retire(p.ns, p.name, status, out, p.now)
+            return p.finish("False", Reason.INVALID_SPEC, format_issues(issues) if issues else str(refusal))
 
-        key = admission_key(uid, gen)
+        key = admission_key(meta["uid"], gen)
         requested = requested_budget(typed, self.settings)
         # Planning is in-process and cheap: plan first, so the quota is charged with what the
         # plan will read (<= the budget), not with the whole budget.
-        first = self._plan(body, requested, out, conds, gen, now)
-        conds = set_condition(
-            conds,
-            "Analyzed",
-            "True",
-            "Analyzed",
-            f"the catalog has statistics for all {len(typed.experts)} expert(s)",
-            gen,
-            now,
+        first = self._plan(body, requested, out, p.conds, gen, p.now)
+        p.condition(
+            "Analyzed", "True", "Analyzed", f"the catalog has statistics for all {len(typed.experts)} expert(s)"
         )
         if ready and ready.get("reason") == Reason.COMMITTED and status_plan_digest(status) == first.digest:
             # the new generation plans to the same digest: its snapshot is already committed
-            return finish("True", Reason.COMMITTED, f"plan unchanged; {ready.get('message', '')}".strip())
-        check = self.kueue.io_budget_check(ns, typed.queue_name or self.settings.queue_name)
+            return p.finish("True", Reason.COMMITTED, f"plan unchanged; {ready.get('message', '')}".strip())
+        check = self.kueue.io_budget_check(p.ns, typed.queue_name or self.settings.queue_name)
+        adm, quotas = self._admit(p, spec, key, first, requested, check)
+        budget = adm.budget if adm.clamped else requested
+        try:
+            plan = (
+                first
+                if budget is None or first.expert_read_bytes <= budget
+                else self._plan(body, budget, out, p.conds, gen, p.now)
+            )
+        except (RetryWithStatus, Done):
+            self.ledger.unreserve(p.ns, key, quotas, job_started=False)
+            raise
+        return self._run_plan(p, typed.output.uri, typed.parallelism, plan, _Admitted(key, adm, quotas, check, budget))
+
+    def _admit(
+        self, p: _Pass, spec: dict[str, Any], key: str, first: PlanSummary, requested: int | None, check: str | None
+    ) -> tuple[Admission, list[str]]:
+        """Admit ``first`` (the plan under the requested budget) under the namespace's MergeQuotas
+        (a reservation of its expert bytes under ``key``), or defer to Kueue AdmissionCheck
+        ``check``; sets the QuotaAdmitted condition. Returns the admission and the quotas holding
+        the reservation. Raises :class:`RetryWithStatus` (QuotaExceeded) when refused."""
         quotas: list[str]
         if check:  # Kueue's AdmissionCheck reserves the plan when Kueue admits the Job
             adm, quotas = (
@@ -259,50 +315,40 @@ class MergeReconciler(Reconciler):
             )
         else:
             adm, quotas = self.ledger.reserve(
-                ns, name, key, first.expert_read_bytes, now, unclampable=budget_refusal_text(spec)
+                p.ns, p.name, key, first.expert_read_bytes, p.now, unclampable=budget_refusal_text(spec)
             )
             ADMISSIONS.labels(adm.reason).inc()
         if not adm.allowed:
-            conds = set_condition(conds, "QuotaAdmitted", "False", Reason.QUOTA_EXCEEDED, adm.message, gen, now)
-            status_out = finish("False", Reason.QUOTA_EXCEEDED, adm.message)
+            p.condition("QuotaAdmitted", "False", Reason.QUOTA_EXCEEDED, adm.message)
+            status_out = p.finish("False", Reason.QUOTA_EXCEEDED, adm.message)
             raise RetryWithStatus(adm.message, self.settings.quota_retry_seconds, status_out)
         if check:
-            conds = set_condition(conds, "QuotaAdmitted", "Unknown", "AdmissionCheck", adm.message, gen, now)
+            p.condition("QuotaAdmitted", "Unknown", "AdmissionCheck", adm.message)
         else:
-            conds = set_condition(
-                conds,
-                "QuotaAdmitted",
-                "True",
-                adm.reason if adm.reason != Reason.ALREADY_ADMITTED else Reason.ADMITTED,
-                adm.message,
-                gen,
-                now,
-            )
-        budget = adm.budget if adm.clamped else requested
-        try:
-            plan = (
-                first
-                if budget is None or first.expert_read_bytes <= budget
-                else self._plan(body, budget, out, conds, gen, now)
-            )
-        except (RetryWithStatus, Done):
-            self.ledger.unreserve(ns, key, quotas, job_started=False)
-            raise
+            reason = adm.reason if adm.reason != Reason.ALREADY_ADMITTED else Reason.ADMITTED
+            p.condition("QuotaAdmitted", "True", reason, adm.message)
+        return adm, quotas
+
+    def _run_plan(
+        self, p: _Pass, out_uri: str, parallelism: int | None, plan: PlanSummary, a: _Admitted
+    ) -> dict[str, Any]:
+        """Run the admitted ``plan`` into ``out_uri``: refuse an output holding another plan's
+        snapshot, write the plan to object storage, follow this plan's merge Job or create it,
+        retire the previous generation's run; returns the status to patch."""
         if self.store is None:
             raise RuntimeError("the operator has no object store configured")
-        out_uri = typed.output.uri
         other = self._committed_plan(out_uri)
         if other is not None and other != plan.digest:
             # snapshots are immutable: the worker would refuse this output (and fail the Job)
-            self.ledger.unreserve(ns, key, quotas, job_started=False)
-            self._retire(ns, name, status, out, now)
-            return finish(
+            self.ledger.unreserve(p.ns, a.key, a.quotas, job_started=False)
+            self._retire(p.ns, p.name, p.status, p.out, p.now)
+            return p.finish(
                 "False",
                 Reason.INVALID_SPEC,
                 f"spec.output.uri: {out_uri} already holds a committed snapshot of another plan "
                 f"({other[:12]}); snapshots are immutable, choose a new output.uri",
             )
-        uri = plan_uri(self.settings, ns, name, plan.digest)
+        uri = plan_uri(self.settings, p.ns, p.name, plan.digest)
         self.store.put(uri, plan.plan_json)
         plan_summary = plan_status(
             plan.digest,
@@ -314,14 +360,14 @@ class MergeReconciler(Reconciler):
             sketch=plan.sketch,
             sketch_read_bytes=plan.sketch_read_bytes,
         )
-        merge_jobs = [j for j in self.kube.list(JOBS, ns, f"{LABEL_MERGE}={label_value(name)}") if _is_merge_job(j)]
-        choice = choose_job(merge_jobs, ANN_PLAN_DIGEST, plan.digest, gen)
+        merge_jobs = [j for j in self.kube.list(JOBS, p.ns, f"{LABEL_MERGE}={label_value(p.name)}") if _is_merge_job(j)]
+        choice = choose_job(merge_jobs, ANN_PLAN_DIGEST, plan.digest, p.gen)
         if other == plan.digest and choice.follow is None:
             # the output already holds this plan's committed snapshot and no Job of it exists: an
             # earlier generation committed it (and was charged); nothing is read again
-            self.ledger.unreserve(ns, key, quotas, job_started=False)
-            self._retire(ns, name, status, out, now)
-            return finish(
+            self.ledger.unreserve(p.ns, a.key, a.quotas, job_started=False)
+            self._retire(p.ns, p.name, p.status, p.out, p.now)
+            return p.finish(
                 "True",
                 Reason.COMMITTED,
                 f"{out_uri} already holds the committed snapshot of plan {plan.digest[:12]}; nothing to run",
@@ -329,38 +375,55 @@ class MergeReconciler(Reconciler):
             )
         job = choice.follow
         if job is None:
-            parts = choose_parallelism(
-                typed.parallelism,
-                plan.base_read_bytes + plan.expert_read_bytes + plan.output_write_bytes,
-                plan.shards,
-                self.settings.max_parallelism,
-                self.settings.bytes_per_part,
-            )
-            job = build_job(
-                body, uri, plan.digest, self.settings, retry_generation=choice.retry_generation, parts=parts
-            )
-            try:
-                job = self.kube.create(JOBS, ns, job) or job  # as stored: Kueue's webhook may have suspended it
-                JOBS_CREATED.inc()
-            except Conflict:
-                pass  # same name = same merge, plan and attempt: created by an earlier attempt
+            job = self._create_merge_job(p, parallelism, plan, uri, choice.retry_generation)
+        return self._record_run(p, plan, plan_summary, job, choice.follow is not None, a)
+
+    def _create_merge_job(
+        self, p: _Pass, parallelism: int | None, plan: PlanSummary, uri: str, retry_generation: Any
+    ) -> dict[str, Any]:
+        """Create the merge Job of ``plan`` (its plan written at ``uri``), an Indexed Job when the
+        plan is worth splitting; returns it as stored (Kueue's webhook may have suspended it), or
+        as built when an earlier attempt created it (409: same name = same merge, plan, attempt)."""
+        parts = choose_parallelism(
+            parallelism,
+            plan.base_read_bytes + plan.expert_read_bytes + plan.output_write_bytes,
+            plan.shards,
+            self.settings.max_parallelism,
+            self.settings.bytes_per_part,
+        )
+        job = build_job(p.body, uri, plan.digest, self.settings, retry_generation=retry_generation, parts=parts)
+        try:
+            job = self.kube.create(JOBS, p.ns, job) or job  # as stored: Kueue's webhook may have suspended it
+            JOBS_CREATED.inc()
+        except Conflict:
+            pass  # same name = same merge, plan and attempt: created by an earlier attempt
+        return job
+
+    def _record_run(
+        self,
+        p: _Pass,
+        plan: PlanSummary,
+        plan_summary: dict[str, Any],
+        job: dict[str, Any],
+        followed: bool,
+        a: _Admitted,
+    ) -> dict[str, Any]:
+        """The status of a pass that runs ``job`` (``followed``: it existed, same plan): the
+        previous generation's run superseded, the plan, Job and admission recorded, the Planned
+        condition, and Ready=False with JobRunning (or Queued while Kueue holds the Job)."""
+        status, key = p.status, a.key
         parts = job_parts(job)  # a followed Job keeps the N it was created with
         old_adm = status.get("admission") or {}
-        if (
-            check
-            and choice.follow is not None
-            and old_adm.get("admissionCheck")
-            and status_plan_digest(status) == plan.digest
-        ):
+        if a.check and followed and old_adm.get("admissionCheck") and status_plan_digest(status) == plan.digest:
             key = old_adm.get("key") or key  # the same (admitted) Job carries on: its reservation stays
-        carried_started = choice.follow is not None and (
+        carried_started = followed and (
             bool(old_adm.get("started") and status.get("jobName") == job["metadata"]["name"])
             or job_ever_started(job, [])
         )
-        self._supersede(ns, name, status, plan.digest, key, now)
-        out.update(
-            budget=human_bytes(budget) if budget is not None else "unbounded",
-            budgetBytes=budget,
+        self._supersede(p.ns, p.name, status, plan.digest, key, p.now)
+        p.out.update(
+            budget=human_bytes(a.budget) if a.budget is not None else "unbounded",
+            budgetBytes=a.budget,
             plan=plan_summary,
             realized=None,
             expertRead=None,
@@ -369,16 +432,15 @@ class MergeReconciler(Reconciler):
             parts=parts_status(job, parts) if parts > 1 else None,
             admission={
                 "key": key,
-                "budgetBytes": budget,
-                "clamped": adm.clamped,
-                "quotas": quotas,
-                **({"admissionCheck": check} if check else {}),
+                "budgetBytes": a.budget,
+                "clamped": a.adm.clamped,
+                "quotas": a.quotas,
+                **({"admissionCheck": a.check} if a.check else {}),
                 # the same Job carries on: what it already read stays known to have started
                 **({"started": True} if carried_started else {}),
             },
         )
-        conds = set_condition(
-            conds,
+        p.condition(
             "Planned",
             "True",
             "Planned",
@@ -388,15 +450,13 @@ class MergeReconciler(Reconciler):
                 if plan.sketch_read_bytes
                 else ""
             ),
-            gen,
-            now,
         )
-        verb = "created" if choice.follow is None else "carries on (same plan)"
+        verb = "carries on (same plan)" if followed else "created"
         if parts > 1:
             verb += f" as an Indexed Job of {parts} parts"
         if job_suspended(job):  # Kueue holds it until it admits it
-            return finish("False", Reason.QUEUED, f"merge Job {verb}; " + queued_message("merge Job", job))
-        return finish("False", Reason.JOB_RUNNING, f"merge Job {job['metadata']['name']} {verb}")
+            return p.finish("False", Reason.QUEUED, f"merge Job {verb}; " + queued_message("merge Job", job))
+        return p.finish("False", Reason.JOB_RUNNING, f"merge Job {job['metadata']['name']} {verb}")
 
     def _committed_plan(self, out_uri: str) -> str | None:
         """Plan digest of the snapshot already committed at ``out_uri`` ("" if unreadable)."""
@@ -641,119 +701,144 @@ class MergeReconciler(Reconciler):
             or (status.get("jobName") and job["metadata"].get("name") != status["jobName"])
         ):
             return None  # a Job of an earlier plan, or an earlier (failed) run of this plan
-        now = self.clock()
-        conds = status.get("conditions") or []
-        ns, name = mm["metadata"]["namespace"], mm["metadata"]["name"]
+        p = _Pass(mm, status, gen, self.clock(), {}, status.get("conditions") or [])
         adm = status.get("admission") or {}
         outcome = self.job_outcome(job, "merge Job")
         out_uri = (mm.get("spec") or {}).get("output", {}).get("uri")
         n = job_parts(job) if job is not None else int((status.get("parts") or {}).get("total") or 1)
         parts = parts_status(job, n) if n > 1 and job is not None else status.get("parts")
-        started_now = (
-            job is not None and not adm.get("started") and adm.get("key") and job_ever_started(job, [])
-        )  # (the Job's own counts: ready/failed/succeeded pods; no pod listing per event)
-        # remembered: Kueue may evict it (pods gone) and its reads stay charged
-        seen = {"admission": {**adm, "started": True}} if started_now else {}
         if outcome.state == "Running":
-            message = outcome.message
-            if outcome.reason == Reason.QUEUED and job is not None and self.settings.kueue_admission_check:
-                message = queued_message("merge Job", job, self.kueue.workload_of(ns, job))
-            reason = Reason.QUEUED if outcome.reason == Reason.QUEUED else Reason.JOB_RUNNING
-            if n > 1 and reason == Reason.JOB_RUNNING and parts:
-                message = _parts_message(job, parts)
-            if ready.get("message") == message and ready.get("reason") == reason and status.get("parts") == parts:
-                return seen or None
-            new = set_condition(conds, "Ready", "False", reason, message, gen, now)
-            admitted = get_condition(conds, "QuotaAdmitted") or {}
-            if reason == Reason.JOB_RUNNING and adm.get("admissionCheck") and admitted.get("status") != "True":
-                new = set_condition(
-                    new,
-                    "QuotaAdmitted",
-                    "True",
-                    Reason.ADMITTED,
-                    f"reserved by Kueue AdmissionCheck {adm['admissionCheck']}; Kueue admitted the Job",
-                    gen,
-                    now,
-                )
-            return {"conditions": new, **({"parts": parts} if n > 1 else {}), **seen}
+            started_now = (
+                job is not None and not adm.get("started") and adm.get("key") and job_ever_started(job, [])
+            )  # (the Job's own counts: ready/failed/succeeded pods; no pod listing per event)
+            # remembered: Kueue may evict it (pods gone) and its reads stay charged
+            seen = {"admission": {**adm, "started": True}} if started_now else {}
+            return self._running_status(p, job, outcome, ready, n, parts, seen)
         raw = self.store.get(manifest_uri(out_uri)) if out_uri and self.store else None
         extra: dict[str, Any] = {"parts": parts} if n > 1 and parts else {}
         if outcome.state == "Failed" and raw is None:
             # a Job that failed before any container ran (deadline while pending, image pull) read nothing
-            ran = bool(adm.get("started")) or job is None or self._job_started(ns, job)
-            self.ledger.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=ran)
-            return {
-                "conditions": set_condition(conds, "Ready", "False", Reason.JOB_FAILED, outcome.message, gen, now),
-                **extra,
-            }
+            ran = bool(adm.get("started")) or job is None or self._job_started(p.ns, job)
+            self.ledger.unreserve(p.ns, adm.get("key", ""), self.admission_quotas(p.ns, adm), job_started=ran)
+            return {"conditions": p.ready("False", Reason.JOB_FAILED, outcome.message), **extra}
         if outcome.state == "Succeeded" and raw is None and n > 1 and out_uri:
             # every index succeeded: commit the parts here, with the core's `mergepipe commit` code
             failure = self._commit_parts(mm, job, out_uri, n)
             if failure is not None:
-                self.ledger.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=True)
-                return {
-                    "conditions": set_condition(conds, "Ready", "False", Reason.JOB_FAILED, failure, gen, now),
-                    **extra,
-                }
+                self.ledger.unreserve(p.ns, adm.get("key", ""), self.admission_quotas(p.ns, adm), job_started=True)
+                return {"conditions": p.ready("False", Reason.JOB_FAILED, failure), **extra}
             raw = self.store.get(manifest_uri(out_uri)) if self.store else None
         # Succeeded (or the Job is gone but a manifest is there): verify what was committed
+        return self._verified_commit(p, digest, out_uri, raw, outcome.reason, extra)
+
+    def _running_status(
+        self,
+        p: _Pass,
+        job: dict[str, Any] | None,
+        outcome: JobOutcome,
+        ready: dict[str, Any],
+        n: int,
+        parts: dict[str, Any] | None,
+        seen: dict[str, Any],
+    ) -> dict[str, Any] | None:
+        """The status of a merge whose Job runs or is queued (``n`` parts, their ``parts`` status;
+        ``seen``: the admission marked started, when the Job just started): Ready=False with
+        JobRunning (parts done) or Queued (where Kueue holds it), QuotaAdmitted=True once Kueue's
+        AdmissionCheck admitted the Job; ``seen`` or ``None`` when nothing else changed."""
+        adm = p.status.get("admission") or {}
+        message = outcome.message
+        if outcome.reason == Reason.QUEUED and job is not None and self.settings.kueue_admission_check:
+            message = queued_message("merge Job", job, self.kueue.workload_of(p.ns, job))
+        reason = Reason.QUEUED if outcome.reason == Reason.QUEUED else Reason.JOB_RUNNING
+        if n > 1 and reason == Reason.JOB_RUNNING and parts:
+            message = _parts_message(job, parts)
+        if ready.get("message") == message and ready.get("reason") == reason and p.status.get("parts") == parts:
+            return seen or None
+        new = p.ready("False", reason, message)
+        admitted = get_condition(p.conds, "QuotaAdmitted") or {}
+        if reason == Reason.JOB_RUNNING and adm.get("admissionCheck") and admitted.get("status") != "True":
+            new = set_condition(
+                new,
+                "QuotaAdmitted",
+                "True",
+                Reason.ADMITTED,
+                f"reserved by Kueue AdmissionCheck {adm['admissionCheck']}; Kueue admitted the Job",
+                p.gen,
+                p.now,
+            )
+        return {"conditions": new, **({"parts": parts} if n > 1 else {}), **seen}
+
+    def _verified_commit(
+        self,
+        p: _Pass,
+        digest: str,
+        out_uri: str | None,
+        raw: bytes | None,
+        job_reason: str,
+        extra: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Verify the manifest ``raw`` committed at ``out_uri`` (of plan ``digest``) and its
+        outputs; on success create the MergedSnapshot, charge the quotas the expert bytes spent and
+        set Ready=True (Committed), else end the reservation (charged: the Job ran) and set
+        Ready=False (JobFailed). Raises
+        :class:`Retry` while the manifest is missing (the Job ended ``job_reason``)."""
+        adm = p.status.get("admission") or {}
         sizes = self.verifier.output_sizes(out_uri, raw)
         ok, reason, message = snapshot_ready(raw, digest, None, object_sizes=sizes)
         if not ok:
             if reason == Reason.MANIFEST_MISSING:
-                raise Retry(f"Job {outcome.reason}; waiting for the committed manifest", 30)
-            self.ledger.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=True)
+                raise Retry(f"Job {job_reason}; waiting for the committed manifest", 30)
+            self.ledger.unreserve(p.ns, adm.get("key", ""), self.admission_quotas(p.ns, adm), job_started=True)
             return {
-                "conditions": set_condition(
-                    conds,
-                    "Ready",
-                    "False",
-                    Reason.JOB_FAILED,
-                    f"snapshot verification failed ({reason}): {message}",
-                    gen,
-                    now,
-                )
+                "conditions": p.ready("False", Reason.JOB_FAILED, f"snapshot verification failed ({reason}): {message}")
             }
         assert raw is not None  # snapshot_ready found the manifest
         mhash = manifest_hash(raw)
         facts = manifest_facts(json.loads(raw))
-        snap = snapshot_name(name, mhash)
+        snap = snapshot_name(p.name, mhash)
+        self._create_snapshot(p, snap, out_uri, mhash, digest, facts, raw)
+        rx = facts.realized.get("expertReadBytes")
+        # quotas are charged what was read: after a resumed retry, the earlier attempts' reads too
+        spent = facts.spent_expert_bytes
+        self.ledger.unreserve(
+            p.ns, adm.get("key", ""), self.admission_quotas(p.ns, adm), job_started=True, realized=spent
+        )
+        return {
+            **extra,
+            "realized": facts.realized,
+            "expertRead": human_bytes(rx),
+            "snapshot": snap,
+            "conditions": p.ready("True", Reason.COMMITTED, f"snapshot {snap}: {message}"),
+        }
+
+    def _create_snapshot(
+        self, p: _Pass, snap: str, out_uri: str | None, mhash: str, digest: str, facts: Any, raw: bytes
+    ) -> None:
+        """Create MergedSnapshot ``snap`` of the manifest (hash ``mhash``) at ``out_uri`` and count
+        the commit in the metrics, once (a replayed reconcile gets a 409 and counts nothing)."""
         try:
             self.kube.create(
                 SNAPSHOTS,
-                ns,
+                p.ns,
                 {
                     "apiVersion": API_VERSION,
                     "kind": "MergedSnapshot",
                     "metadata": {
                         "name": snap,
-                        "namespace": ns,
-                        "labels": {LABEL_MERGE: label_value(name), LABEL_MANAGED_BY: MANAGER},
+                        "namespace": p.ns,
+                        "labels": {LABEL_MERGE: label_value(p.name), LABEL_MANAGED_BY: MANAGER},
                     },
                     "spec": {
                         "uri": out_uri,
                         "manifestHash": mhash,
                         "planDigest": digest,
-                        "source": {"name": name, "uid": mm["metadata"]["uid"], "generation": gen},
+                        "source": {"name": p.name, "uid": p.body["metadata"]["uid"], "generation": p.gen},
                     },
                 },
             )
             _count_commit(facts, raw)  # once: a replayed reconcile gets the 409 below
         except Conflict:
             pass
-        rx = facts.realized.get("expertReadBytes")
-        # quotas are charged what was read: after a resumed retry, the earlier attempts' reads too
-        spent = facts.spent_expert_bytes
-        self.ledger.unreserve(ns, adm.get("key", ""), self.admission_quotas(ns, adm), job_started=True, realized=spent)
-        return {
-            **extra,
-            "realized": facts.realized,
-            "expertRead": human_bytes(rx),
-            "snapshot": snap,
-            "conditions": set_condition(
-                conds, "Ready", "True", Reason.COMMITTED, f"snapshot {snap}: {message}", gen, now
-            ),
-        }
 
     def _commit_parts(self, mm: dict[str, Any], job: dict[str, Any] | None, out_uri: str, n: int) -> str | None:
         """Commit the N parts of a succeeded Indexed merge Job (``self.committer``, the core's
