@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional
@@ -385,6 +386,23 @@ def analyze(
 ):
     """Analyze experts against the base once: per-block task-vector statistics (cached by identity);
     with --pairs also the per-tensor dot products of every two experts' task vectors."""
+    _analyze(base, expert, block_size, pairs, calibration, device, work_memory, force, catalog, json_out)
+
+
+def _analyze(
+    base: str,
+    expert: list[str],
+    block_size: str,
+    pairs: bool,
+    calibration: str | None,
+    device: str,
+    work_memory: str | None,
+    force: bool,
+    catalog: str | None,
+    json_out: bool,
+) -> None:
+    """The body of ``mergepipe analyze`` (its options as given): analyze, then report on stderr
+    (or as one JSON line on stdout). Exits 2 on bad input (:func:`_fail`)."""
     from dataclasses import asdict
 
     from mergepipe import api
@@ -1100,46 +1118,7 @@ def execute(
 
     p, st = _read_plan(plan_file)
     if part is not None:
-        from mergepipe.engine.partition import parse_part
-        from mergepipe.parts import execute_part
-
-        spec = parse_part(part)
-        with _Progress(not json_out) as prog:
-            prog("merge", 0, None)
-            rec = execute_part(
-                p,
-                st,
-                out,
-                spec,
-                run=run,
-                device=device,
-                resume=resume is not False,
-                progress=lambda n: prog("merge", n, None),
-            )
-        if rec is None:
-            s = {"out": out, "part": str(spec), "already_committed": True}
-        else:
-            s = {
-                "out": out,
-                "part": str(spec),
-                "run": rec["run"],
-                "already_committed": False,
-                "files": sorted(rec["files"]),
-                "kept": rec["kept"],
-                "realized": rec["realized"],
-                "wall_s": rec["wall_s"],
-            }
-        if json_out:
-            print(json.dumps(s))
-        elif rec is None:
-            print(f"{out} already holds this plan's snapshot; nothing to do")
-        else:
-            print(
-                f"part {spec} of run {rec['run']}: {len(rec['files'])} files "
-                f"({len(rec['kept'])} kept from an earlier attempt), "
-                f"{_human(rec['realized']['base_read_bytes'] + rec['realized']['expert_read_bytes'])} read, "
-                f"{rec['wall_s']:.2f} s"
-            )
+        _execute_part(p, st, out, part, run, device, resume, json_out)
         return
     resume = _resume_default(out, resume, plan_digest=p.digest)
     with _Progress(True) as prog:
@@ -1166,6 +1145,54 @@ def execute(
                 unsafe_single_writer=unsafe_single_writer,
             )
     _emit_merge(res, json_out)
+
+
+def _execute_part(
+    p: Any, st: Any, out: str, part: str, run: str | None, device: str, resume: bool | None, json_out: bool
+) -> None:
+    """``mergepipe execute --part I/N``: execute part I of N of plan ``p`` (storage ``st``) into the
+    run at ``out`` without committing (``resume`` ``None``: resume), then report it (one JSON line
+    with ``json_out``). Exits 2 on a bad ``--part``."""
+    from mergepipe.engine.partition import parse_part
+    from mergepipe.parts import execute_part
+
+    spec = parse_part(part)
+    with _Progress(not json_out) as prog:
+        prog("merge", 0, None)
+        rec = execute_part(
+            p,
+            st,
+            out,
+            spec,
+            run=run,
+            device=device,
+            resume=resume is not False,
+            progress=lambda n: prog("merge", n, None),
+        )
+    if rec is None:
+        s = {"out": out, "part": str(spec), "already_committed": True}
+    else:
+        s = {
+            "out": out,
+            "part": str(spec),
+            "run": rec["run"],
+            "already_committed": False,
+            "files": sorted(rec["files"]),
+            "kept": rec["kept"],
+            "realized": rec["realized"],
+            "wall_s": rec["wall_s"],
+        }
+    if json_out:
+        print(json.dumps(s))
+    elif rec is None:
+        print(f"{out} already holds this plan's snapshot; nothing to do")
+    else:
+        print(
+            f"part {spec} of run {rec['run']}: {len(rec['files'])} files "
+            f"({len(rec['kept'])} kept from an earlier attempt), "
+            f"{_human(rec['realized']['base_read_bytes'] + rec['realized']['expert_read_bytes'])} read, "
+            f"{rec['wall_s']:.2f} s"
+        )
 
 
 @app.command()
@@ -1457,35 +1484,11 @@ def search(
 
     log = lambda m: _err_console().print(m, highlight=False)  # noqa: E731
     place = driver.SearchPlace(out)
-    if worker_backend not in ("local", "kubernetes"):
-        _fail(f"--worker-backend {worker_backend!r}: use local or kubernetes.")
-    kube = None
-    if worker_backend == "kubernetes":
-        if place.mirror is None or not (namespace and search_name and search_uid):
-            _fail("--worker-backend kubernetes needs an s3:// --out, --namespace, --search-name and --search-uid.")
-        if calibration and not calibration.startswith("s3://"):
-            _fail(
-                f"--calibration {calibration}: the kubernetes backend's candidates read it as their ModelMerge "
-                "spec.calibration.uri; give an s3:// URI."
-            )
-        kube = driver.KubernetesWorkers.from_environment(namespace, search_name, search_uid)
+    kube = _search_workers(place, worker_backend, namespace, search_name, search_uid, calibration)
     resuming = place.resumes(resume, resume_existing)
     cfg = ev = None
     if resuming:
-        given = [
-            f
-            for f, v in (
-                ("--base", base),
-                ("--expert", expert),
-                ("--vary", vary),
-                ("--param", param),
-                ("--objective", objective),
-                ("--eval-command", eval_command),
-            )
-            if v
-        ]
-        if given and not resume_existing:
-            _fail(f"--resume continues the search recorded in {out}/state.json; drop {', '.join(given)}.")
+        _refuse_new_inputs(out, resume_existing, base, expert, vary, param, objective, eval_command)
     else:
         if not base or not expert or not vary or not objective:
             _fail(
@@ -1528,6 +1531,67 @@ def search(
         kubernetes=kube,
         log=log,
     )
+    _report_search(res, out, json_out, log)
+
+
+def _search_workers(
+    place: Any,
+    worker_backend: str,
+    namespace: str | None,
+    search_name: str | None,
+    search_uid: str | None,
+    calibration: str | None,
+) -> Any:
+    """``mergepipe search --worker-backend``: ``None`` (local workers) or the
+    :class:`~mergepipe.search.driver.KubernetesWorkers` of MergeSearch ``search_name`` (the search
+    at ``place``, an s3:// ``--out``). Exits 2 on a bad backend or a missing kubernetes option."""
+    from mergepipe.search import driver
+
+    if worker_backend not in ("local", "kubernetes"):
+        _fail(f"--worker-backend {worker_backend!r}: use local or kubernetes.")
+    if worker_backend == "kubernetes":
+        if place.mirror is None or not (namespace and search_name and search_uid):
+            _fail("--worker-backend kubernetes needs an s3:// --out, --namespace, --search-name and --search-uid.")
+        if calibration and not calibration.startswith("s3://"):
+            _fail(
+                f"--calibration {calibration}: the kubernetes backend's candidates read it as their ModelMerge "
+                "spec.calibration.uri; give an s3:// URI."
+            )
+        return driver.KubernetesWorkers.from_environment(namespace, search_name, search_uid)
+    return None
+
+
+def _refuse_new_inputs(
+    out: str,
+    resume_existing: bool,
+    base: str | None,
+    expert: list[str] | None,
+    vary: list[str] | None,
+    param: list[str] | None,
+    objective: list[str] | None,
+    eval_command: str | None,
+) -> None:
+    """``mergepipe search --resume``: the search's inputs are the recorded ones; exits 2 naming
+    the inputs given anyway (``--resume-existing`` ignores them)."""
+    given = [
+        f
+        for f, v in (
+            ("--base", base),
+            ("--expert", expert),
+            ("--vary", vary),
+            ("--param", param),
+            ("--objective", objective),
+            ("--eval-command", eval_command),
+        )
+        if v
+    ]
+    if given and not resume_existing:
+        _fail(f"--resume continues the search recorded in {out}/state.json; drop {', '.join(given)}.")
+
+
+def _report_search(res: dict, out: str, json_out: bool, log: Callable[[str], None]) -> None:
+    """Print a finished search's results: one JSON line without the trace (``json_out``), else the
+    Pareto set as a table on stdout and the hypervolume and wall time via ``log``."""
     if json_out:
         print(json.dumps({k: v for k, v in res.items() if k != "trace"}))
         return
