@@ -21,7 +21,6 @@ EXCEPTIONS: dict[str, str] = {
     ),
     # not split yet (issue 25 lists them; each needs its slow end-to-end tests run per step)
     "mergepipe/pipeline.py:execute_and_commit": "not split yet: to become a run of one part (issue 25 item 3)",
-    "mergepipe_zoo/demo.py:run_demo": "not split yet: the demo's build, merges and table (issue 25 follow-up)",
 }
 
 
