@@ -91,7 +91,9 @@ def main() -> None:
     ap.add_argument("--base")
     ap.add_argument("--expert", action="append")
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--synthetic", choices=("llama-7b", "tiny"), help="plan from a synthetic catalog of this shape")
+    ap.add_argument(
+        "--synthetic", choices=("llama-7b", "llama-110m", "tiny"), help="plan from a synthetic catalog of this shape"
+    )
     ap.add_argument("--experts", type=int, default=4, help="(--synthetic) number of experts")
     ap.add_argument("--sketch", default="none,sign3", help="(--synthetic) fidelity tiers, comma-separated")
     ap.add_argument("--budgets", default="10%,25%,50%", help="(--synthetic) expert budgets, comma-separated")

@@ -51,7 +51,13 @@ def _tiny_shapes() -> dict[str, tuple[int, ...]]:
     return tiny_shapes()
 
 
-SHAPES = {"llama-7b": llama_7b_shapes, "tiny": _tiny_shapes}
+def _llama_110m_shapes() -> dict[str, tuple[int, ...]]:
+    from bench.synthetic import llama_110m_shapes
+
+    return llama_110m_shapes()
+
+
+SHAPES = {"llama-7b": llama_7b_shapes, "llama-110m": _llama_110m_shapes, "tiny": _tiny_shapes}
 
 
 def layout(shapes: dict[str, tuple[int, ...]], root: str, dtype: str = "BF16") -> CheckpointLayout:
@@ -174,3 +180,63 @@ def family(
         }
         analyses.append(Analysis(i + 1, base.identity, rec.identity, block_bytes, tensors, sketch=sk))
     return base, recs, analyses
+
+
+def write_family(shape: str, experts: int, folder, seed: int = 0, block_bytes: int = DEFAULT_BLOCK_BYTES):
+    """A family on disk that ``mergepipe plan`` can plan from a cached catalog, end to end, with
+    no analysis: sparse checkpoint files (real safetensors headers, data of zeros never written),
+    a SQLite catalog at ``folder/home/catalog.sqlite`` holding :func:`family`'s statistics under
+    the checkpoints' real identities, and sparse sketch blobs of the recorded sizes.
+
+    Only planning may use it: the tensor data and sketches are zeros, not what the statistics
+    describe (a merge of it would fail the block digests, by design).
+
+    Returns:
+        (base folder, expert folders, ``MERGEPIPE_HOME`` folder).
+    """
+    import json
+    from pathlib import Path
+
+    from mergepipe.catalog.catalog import Catalog
+    from mergepipe.formats.safetensors import INDEX_NAME, index_json
+    from mergepipe.storage.base import IOCounters
+    from mergepipe.storage.local import LocalStorage
+
+    folder = Path(folder)
+    shapes = SHAPES[shape]()
+    lay = layout(shapes, "x")
+    _, _, analyses = family(shape, experts, block_bytes=block_bytes, seed=seed)
+
+    def write_ckpt(d: Path) -> None:
+        d.mkdir(parents=True, exist_ok=True)
+        weight_map, total = {}, 0
+        for f, sh in lay.shards.items():
+            g = [(n, t.dtype, t.shape) for n, t in sh.tensors.items()]
+            raw = build_header(g, {"format": "pt"})
+            data = sum(math.prod(s) * 2 for _, _, s in g)
+            with open(d / f, "wb") as fh:
+                fh.write(raw)
+                fh.truncate(len(raw) + data)
+            weight_map.update({n: f for n, _, _ in g})
+            total += data
+        (d / INDEX_NAME).write_bytes(index_json(weight_map, total))
+        (d / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "bfloat16"}))
+
+    base_dir, expert_dirs = folder / "base", [folder / f"expert{i}" for i in range(experts)]
+    for d in (base_dir, *expert_dirs):
+        write_ckpt(d)
+    home = folder / "home"
+    cat = Catalog(home / "catalog.sqlite")
+    st = LocalStorage(IOCounters())
+    base = cat.register(st, str(base_dir))
+    cat._store_digests(base.identity, {n: hashlib.sha256(n.encode()).hexdigest() for n in base.layout.tensors})
+    for d, an in zip(expert_dirs, analyses, strict=True):
+        e = cat.register(st, str(d))
+        uri = cat.sketch_uri(base.identity, e.identity, block_bytes)
+        Path(uri).parent.mkdir(parents=True, exist_ok=True)
+        with open(uri, "wb") as fh:
+            fh.truncate(an.sketch["bytes"])
+        sk = dict(an.sketch, uri=uri)
+        cat._store(base.identity, e.identity, block_bytes, an.tensors, 0.0, 0, sk)
+    cat.close()
+    return base_dir, expert_dirs, home

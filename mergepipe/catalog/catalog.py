@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import sqlite3
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +39,7 @@ import numpy as np
 
 from mergepipe.catalog.digest import BLOCK_DIGEST_BYTES, block_digest
 from mergepipe.catalog.sketch import PLANES, TIERS, SketchWriter
-from mergepipe.catalog.stats import TensorStats, TensorStatsBuilder
+from mergepipe.catalog.stats import TensorStats, TensorStatsBuilder, pack_stats, unpack_stats
 from mergepipe.errors import InputError
 from mergepipe.formats.safetensors import (
     FLOAT_DTYPES,
@@ -73,9 +74,10 @@ DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 #: (counted in ``_analyze_stream`` and ``TensorStatsBuilder.add``: ~86; measured 43 bytes per
 #: bf16 base byte, docs/CONCEPTS.md), rounded up
 ANALYZE_BYTES_PER_ELEMENT = 96
-STATS_VERSION = 5  # 2: exact whole-tensor sums of products; pair statistics; 3: block sketches (sign planes);
+STATS_VERSION = 6  # 2: exact whole-tensor sums of products; pair statistics; 3: block sketches (sign planes);
 # 4: per-block content digests of expert blocks and sketch planes (checked by the engine);
-# 5: the rank-1 sketch tier (factors + residual sign plane after the three planes of each tensor)
+# 5: the rank-1 sketch tier (factors + residual sign plane after the three planes of each tensor);
+# 6: one packed statistics blob per expert (stats.pack_stats) instead of one .npz per tensor
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS checkpoints (
@@ -98,15 +100,9 @@ CREATE TABLE IF NOT EXISTS analyses (
     bytes_read INTEGER NOT NULL,
     UNIQUE (base_identity, expert_identity, block_bytes, stats_version)
 );
-CREATE TABLE IF NOT EXISTS tensor_stats (
-    analysis_id INTEGER NOT NULL REFERENCES analyses(id) ON DELETE CASCADE,
-    tensor TEXT NOT NULL,
-    numel INTEGER NOT NULL,
-    n_blocks INTEGER NOT NULL,
-    sq_norm REAL NOT NULL,
-    content_sha256 TEXT NOT NULL,
-    stats BLOB NOT NULL,
-    PRIMARY KEY (analysis_id, tensor)
+CREATE TABLE IF NOT EXISTS expert_stats (
+    analysis_id INTEGER PRIMARY KEY REFERENCES analyses(id) ON DELETE CASCADE,
+    stats BLOB NOT NULL
 );
 CREATE TABLE IF NOT EXISTS sketches (
     analysis_id INTEGER PRIMARY KEY REFERENCES analyses(id) ON DELETE CASCADE,
@@ -351,9 +347,7 @@ class Catalog:
             ).fetchone()
             if row is None:
                 return None
-            ts = self.db.execute(
-                "SELECT tensor, content_sha256, stats FROM tensor_stats WHERE analysis_id=?", (row[0],)
-            ).fetchall()
+            blob = self.db.execute("SELECT stats FROM expert_stats WHERE analysis_id=?", (row[0],)).fetchone()
             sk = self.db.execute(
                 "SELECT kind, planes, uri, sha256, bytes FROM sketches WHERE analysis_id=?", (row[0],)
             ).fetchone()
@@ -362,28 +356,26 @@ class Catalog:
             base_identity=base_identity,
             expert_identity=expert_identity,
             block_bytes=block_bytes,
-            tensors=self._parse_stats(ts, expert_identity),
+            tensors=self._parse_stats(blob[0] if blob else b"", expert_identity),
             seconds=row[1],
             bytes_read=row[2],
             sketch=dict(zip(("kind", "planes", "uri", "sha256", "bytes"), sk, strict=True)) if sk else None,
         )
 
-    def _parse_stats(self, rows, expert_identity: str) -> dict[str, TensorStats]:
-        """``{tensor: TensorStats}`` from ``(tensor, content_sha256, blob)`` rows (untrusted).
+    def _parse_stats(self, blob: bytes, expert_identity: str) -> dict[str, TensorStats]:
+        """``{tensor: TensorStats}`` from an expert's packed statistics blob (untrusted,
+        :func:`~mergepipe.catalog.stats.unpack_stats`).
 
         Raises:
-            InputError: a blob is damaged, naming the catalog, the tensor and the fix.
+            InputError: the blob is missing or damaged, naming the catalog, the expert and the fix.
         """
-        out = {}
-        for n, h, b in rows:
-            try:
-                out[n] = TensorStats.from_bytes(n, b, h)
-            except ValueError as e:
-                raise InputError(
-                    f"{self.path}: the statistics of tensor {str(n)[:200]!r} of expert {expert_identity[:12]} are "
-                    f"damaged ({e}); run `mergepipe analyze --force` for this base and expert to recompute them."
-                ) from None
-        return out
+        try:
+            return unpack_stats(blob)
+        except ValueError as e:
+            raise InputError(
+                f"{self.path}: the statistics of expert {expert_identity[:12]} are damaged ({e}); run "
+                "`mergepipe analyze --force` for this base and expert to recompute them."
+            ) from None
 
     def has_analysis(self, base_identity: str, expert_identity: str, block_bytes: int) -> bool:
         with self._lock:
@@ -432,13 +424,7 @@ class Catalog:
             )
             aid = cur.lastrowid
             assert aid is not None  # set by the INSERT above
-            self.db.executemany(
-                "INSERT INTO tensor_stats VALUES (?,?,?,?,?,?,?)",
-                [
-                    (aid, n, s.numel, s.n_blocks, float(s.sq_norm.sum()), s.content_sha256, s.to_bytes())
-                    for n, s in stats.items()
-                ],
-            )
+            self.db.execute("INSERT OR REPLACE INTO expert_stats VALUES (?,?)", (aid, pack_stats(stats)))
             if sk is not None:
                 self.db.execute(
                     "INSERT OR REPLACE INTO sketches VALUES (?,?,?,?,?,?)",
@@ -544,6 +530,7 @@ class Catalog:
         for e in todo:
             first.setdefault(e.identity, e)
         todo = list(first.values())
+        self._say_older([e for e in todo if e.identity not in redo], base.identity, block_bytes)
         missing_pairs = self._missing_pairs(base, experts) if pairs else []
         if todo or missing_pairs:
             self._analyze_and_store(
@@ -559,6 +546,31 @@ class Catalog:
             assert found is not None
             out.append(found)
         return out
+
+    def _older_version(self, base_identity: str, expert_identity: str, block_bytes: int) -> int | None:
+        """The newest stats version below :data:`STATS_VERSION` of an analysis of this key in
+        the catalog (None: none)."""
+        with self._lock:
+            row = self.db.execute(
+                "SELECT MAX(stats_version) FROM analyses WHERE base_identity=? AND expert_identity=? "
+                "AND block_bytes=? AND stats_version<?",
+                (base_identity, expert_identity, block_bytes, STATS_VERSION),
+            ).fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
+    def _say_older(self, todo: Sequence[CheckpointRecord], base_identity: str, block_bytes: int) -> None:
+        """One line on stderr when experts about to be analysed have statistics in this catalog
+        from an older mergepipe (another stats version): the user sees why a ``plan`` of a
+        cached family reads every byte again (once)."""
+        old = [v for e in todo if (v := self._older_version(base_identity, e.identity, block_bytes)) is not None]
+        if old:
+            print(
+                f"mergepipe: {self.path} holds the statistics of {len(old)} of these experts in an older format "
+                f"(stats version {max(old)}; this mergepipe reads version {STATS_VERSION}): analysing them again, "
+                "once (every byte of those experts and of the base is read).",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _missing_pairs(
         self, base: CheckpointRecord, experts: Sequence[CheckpointRecord]

@@ -5,8 +5,9 @@ The operator plans in-process from these objects and never reads a checkpoint:
 * ``<prefix>/checkpoints/<sha256(uri)[:32]>.json``: the latest registration of a checkpoint URI
   (identity, per-file ``[size, version]`` signature with S3 ETags, layout with all shard headers);
 * ``<prefix>/analyses/<base identity>/<expert identity>/<block bytes>-v<stats version>.zip``: one
-  zip with ``meta.json`` and one entry per tensor holding its
-  :class:`~mergepipe.catalog.stats.TensorStats` (numpy ``.npz`` bytes);
+  zip with ``meta.json`` and ``stats``, every tensor's
+  :class:`~mergepipe.catalog.stats.TensorStats` in one packed blob
+  (:func:`~mergepipe.catalog.stats.pack_stats`);
 * ``<prefix>/sensitivity/<base identity>/<calibration digest>/<block bytes>-<kind>-v2.npz``: the base's
   per-block sensitivity on a calibration set (:mod:`mergepipe.catalog.sensitivity`), written by
   ``mergepipe analyze --calibration`` (the operator's analyze Job).
@@ -40,7 +41,7 @@ from mergepipe.catalog.catalog import (
     WriterSketchSink,
     record_layout_dict,
 )
-from mergepipe.catalog.stats import TensorStats
+from mergepipe.catalog.stats import TensorStats, pack_stats, unpack_stats
 from mergepipe.errors import InputError
 from mergepipe.storage.base import IOCounters, NotFoundError, PreconditionFailed, Storage, local_path
 from mergepipe.storage.routing import open_storage
@@ -120,6 +121,15 @@ class ObjectCatalog(Catalog):
     def has_analysis(self, base_identity: str, expert_identity: str, block_bytes: int) -> bool:
         return self.storage.exists(self._analysis_uri(base_identity, expert_identity, block_bytes))
 
+    def _older_version(self, base_identity: str, expert_identity: str, block_bytes: int) -> int | None:
+        """The newest stats version below :data:`STATS_VERSION` of an analysis object of this key
+        (versions 3 and later are looked for; None: none)."""
+        for v in range(STATS_VERSION - 1, 2, -1):
+            uri = self.storage.join(self.prefix, "analyses", base_identity, expert_identity, f"{block_bytes}-v{v}.zip")
+            if self.storage.exists(uri):
+                return v
+        return None
+
     def find_analysis(self, base_identity: str, expert_identity: str, block_bytes: int) -> Analysis | None:
         try:
             data = self.storage.read_object(self._analysis_uri(base_identity, expert_identity, block_bytes), "catalog")
@@ -162,7 +172,6 @@ class ObjectCatalog(Catalog):
 
     def _store(self, base, expert, block_bytes, stats, seconds, nread, sk: dict | None = None, replace=False) -> int:
         buf = io.BytesIO()
-        names = list(stats)
         with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
             z.writestr(
                 "meta.json",
@@ -172,16 +181,13 @@ class ObjectCatalog(Catalog):
                         "expert_identity": expert,
                         "block_bytes": block_bytes,
                         "stats_version": STATS_VERSION,
-                        "tensors": names,
                         "seconds": seconds,
                         "bytes_read": nread,
-                        "sha256": {n: stats[n].content_sha256 for n in names},
                         "sketch": sk,
                     }
                 ),
             )
-            for i, n in enumerate(names):
-                z.writestr(f"t/{i}", stats[n].to_bytes())
+            z.writestr("stats", pack_stats(stats))
         try:
             self.storage.put_object(
                 self._analysis_uri(base, expert, block_bytes), buf.getvalue(), "catalog", if_none_match=not replace
@@ -239,13 +245,13 @@ class ObjectCatalog(Catalog):
 
 
 def read_analysis_zip(data: bytes, source: str) -> tuple[dict, dict[str, TensorStats]]:
-    """Parse an analysis object (a zip of ``meta.json`` and ``t/<i>`` statistics blobs), read
+    """Parse an analysis object (a zip of ``meta.json`` and the packed ``stats`` blob), read
     back from shared storage: untrusted. Before inflating anything, the member count is capped
     (:data:`~mergepipe.limits.MAX_ANALYSIS_MEMBERS`) and every member's declared size must stay
     within :data:`~mergepipe.limits.MAX_INFLATE_RATIO` times its compressed size plus
     :data:`~mergepipe.limits.ANALYSIS_MEMBER_SLACK` (``zipfile`` never inflates past the
-    declared size); ``meta.json`` is checked field by field and each blob by
-    :meth:`TensorStats.from_bytes`.
+    declared size); ``meta.json`` is checked field by field and the blob by
+    :func:`~mergepipe.catalog.stats.unpack_stats` (format tag, content digest, sizes, values).
 
     Returns:
         (meta, ``{tensor: TensorStats}``).
@@ -277,11 +283,8 @@ def read_analysis_zip(data: bytes, source: str) -> tuple[dict, dict[str, TensorS
                 )
         try:
             meta = loads_json(z.read("meta.json"), f"{source}: meta.json")
-            names, sha = meta["tensors"], meta["sha256"]
             if not (
-                isinstance(names, list)
-                and isinstance(sha, dict)
-                and all(isinstance(n, str) and isinstance(sha.get(n), str) for n in names)
+                isinstance(meta, dict)
                 and isinstance(meta.get("seconds"), (int, float))
                 and isinstance(meta.get("bytes_read"), int)
                 and (meta.get("sketch") is None or isinstance(meta["sketch"], dict))
@@ -291,7 +294,7 @@ def read_analysis_zip(data: bytes, source: str) -> tuple[dict, dict[str, TensorS
                 isinstance(meta["sketch"].get("uri"), str) and isinstance(meta["sketch"].get("bytes"), int)
             ):
                 raise ValueError("meta.json sketch record of the wrong type")
-            tensors = {n: TensorStats.from_bytes(n, z.read(f"t/{i}"), sha[n]) for i, n in enumerate(names)}
+            tensors = unpack_stats(z.read("stats"))
         except InputError:
             raise
         except (KeyError, ValueError, TypeError, zipfile.BadZipFile, OSError, EOFError) as e:

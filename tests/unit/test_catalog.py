@@ -186,3 +186,91 @@ def test_load_npz_equals_numpy_load_and_refuses_foreign_archives():
     data[at + 10 + int.from_bytes(data[at + 8 : at + 10], "little") + 3] ^= 0xFF  # a flipped data byte
     with pytest.raises(ValueError, match="not a .npz archive"):  # (its CRC-32 no longer matches)
         load_npz(bytes(data))
+
+
+def _reseal(header: bytes, body: bytes) -> bytes:
+    """A packed statistics blob with this header and body and a correct digest (a forger's)."""
+    import hashlib
+
+    from mergepipe.catalog.stats import _PACK_HEAD, PACK_MAGIC
+
+    header += b" " * (-(len(header) + _PACK_HEAD.size) % 8)
+    rest = header + body
+    return _PACK_HEAD.pack(PACK_MAGIC, hashlib.sha256(rest).digest(), len(header)) + rest
+
+
+def test_packed_stats_round_trip_and_refuse_damage(family, tmp_path):
+    """One blob per expert holds every tensor's statistics exactly; a flipped bit, another
+    format, a truncation, and a re-digested blob whose sizes or values are wrong are refused."""
+    import json
+
+    from mergepipe.catalog.stats import _PACK_HEAD, pack_stats, unpack_stats
+
+    base, experts = family
+    cat = Catalog(tmp_path / "c.sqlite")
+    st = LocalStorage(IOCounters())
+    b = cat.register(st, str(base))
+    (a,) = cat.analyze(st, b, [cat.register(st, str(experts[0]))], block_bytes=4096)
+    blob = pack_stats(a.tensors)
+    back = unpack_stats(blob)
+    assert list(back) == list(a.tensors)
+    for n, s in a.tensors.items():
+        assert back[n].to_bytes() == s.to_bytes() and back[n].content_sha256 == s.content_sha256
+    assert any(s.has_sketch for s in back.values()) and all(s.block_sha is not None for s in back.values())
+    back[n].sq_norm[0] = 1.0  # writable
+    hlen = _PACK_HEAD.unpack_from(blob)[2]
+    header, body = blob[_PACK_HEAD.size : _PACK_HEAD.size + hlen], blob[_PACK_HEAD.size + hlen :]
+    rows = json.loads(header)["tensors"]
+    flipped = bytearray(blob)
+    flipped[-5] ^= 0x01
+    bigger = [list(r) for r in rows]
+    bigger[0][6] += 1  # one more block than the body holds
+    for data, msg in [
+        (bytes(flipped), "digest mismatch"),
+        (blob[:-8], "digest mismatch"),
+        (blob[:20], "shorter than"),
+        (b"PK\x03\x04" + blob[4:], "format tag"),
+        (_reseal(header, body + b"\0" * 8), "header's counts say"),
+        (_reseal(json.dumps({"tensors": bigger}).encode(), body), "header's counts say"),
+        (_reseal(b'{"tensors": [[[[1]]]]}', body), "nested too deep"),
+        (_reseal(b'{"tensors": [["x", "y", -1, 1, 0, -1, 1, 1, 0, 0, 0, 0]]}', body), "rows of the wrong form"),
+        (_reseal(b"not json", body), "not the expected JSON"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            unpack_stats(data)
+    # valid sizes, bad values: the first hist_counts entry negative (a forger re-digests)
+    from mergepipe.catalog.stats import _SECTIONS
+
+    counts = [tuple(r[6:12]) for r in rows]
+    pos = 0
+    for f, dt, size in _SECTIONS:
+        if f == "hist_counts":
+            break
+        pos += sum(size(c) for c in counts) * np.dtype(dt).itemsize
+    bad = bytearray(body)
+    bad[pos : pos + 8] = np.int64(-1).tobytes()
+    with pytest.raises(ValueError, match="negative counts"):
+        unpack_stats(_reseal(header, bytes(bad)))
+
+
+def test_catalog_of_an_older_version_is_analysed_again_and_says_so(family, tmp_path, capsys):
+    """Statistics from an older mergepipe are recomputed once, with one line on stderr."""
+    import mergepipe.catalog.catalog as catmod
+
+    base, experts = family
+    cat = Catalog(tmp_path / "c.sqlite")
+    st = LocalStorage(IOCounters())
+    b = cat.register(st, str(base))
+    es = [cat.register(st, str(e)) for e in experts[:2]]
+    cat.analyze(st, b, es, block_bytes=4096)
+    assert capsys.readouterr().err == ""
+    with cat.db:
+        cat.db.execute("UPDATE analyses SET stats_version = ?", (catmod.STATS_VERSION - 1,))
+    before = st.counters.snapshot()["read"]["expert"]
+    cat.analyze(st, b, es, block_bytes=4096)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "of 2 of these experts in an older format" in err
+    assert f"stats version {catmod.STATS_VERSION - 1}" in err and "analysing them again" in err
+    assert st.counters.snapshot()["read"]["expert"] > before
+    cat.analyze(st, b, es, block_bytes=4096)  # cached now: silent, nothing read
+    assert capsys.readouterr().err == ""

@@ -190,7 +190,7 @@ def test_damaged_statistics_are_named_and_analyze_force_repairs(fam, monkeypatch
     db = sqlite3.connect(tmp / "c.sqlite")
     with db:
         db.execute(
-            "UPDATE tensor_stats SET stats = X'504B0304deadbeef' WHERE rowid = (SELECT min(rowid) FROM tensor_stats)"
+            "UPDATE expert_stats SET stats = X'504B0304deadbeef' WHERE rowid = (SELECT min(rowid) FROM expert_stats)"
         )
     db.close()
     out = tmp / "out"
