@@ -52,6 +52,7 @@ planner's value of that tier.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import tempfile
 from collections.abc import Callable
@@ -118,18 +119,26 @@ def _block_rows(rows: int, rows_per_block: int, n_blocks: int) -> np.ndarray:
     return np.maximum(r, 0)
 
 
+@functools.lru_cache(maxsize=4096)
 def section_costs(rows: int, row_numel: int, rows_per_block: int, n_blocks: int) -> np.ndarray:
-    """int64 ``(n_blocks, SECTIONS)``: bytes of each block in each section of its tensor's sketch."""
+    """int64 ``(n_blocks, SECTIONS)``: bytes of each block in each section of its tensor's sketch
+    (read-only: cached per shape, since the K experts of a merge share every tensor's shape)."""
     r = _block_rows(rows, rows_per_block, n_blocks).astype(np.int64)
     plane = (r * row_numel + 7) // 8 + 2 * r
     fac = np.where(r > 0, 2 * (r + row_numel), 0)
-    return np.stack([plane] * PLANES + [fac, plane], axis=1).reshape(n_blocks, SECTIONS)
+    out = np.stack([plane] * PLANES + [fac, plane], axis=1).reshape(n_blocks, SECTIONS)
+    out.flags.writeable = False
+    return out
 
 
+@functools.lru_cache(maxsize=4096)
 def tier_costs(rows: int, row_numel: int, rows_per_block: int, n_blocks: int) -> np.ndarray:
-    """int64 ``(n_blocks, TIERS)``: bytes a read of each block at level ``k`` takes (column ``k − 1``)."""
+    """int64 ``(n_blocks, TIERS)``: bytes a read of each block at level ``k`` takes (column ``k − 1``;
+    read-only, cached per shape)."""
     sc = section_costs(rows, row_numel, rows_per_block, n_blocks)
-    return np.stack([sc[:, list(level_sections(k))].sum(axis=1) for k in range(1, TIERS + 1)], axis=1)
+    out = np.stack([sc[:, list(level_sections(k))].sum(axis=1) for k in range(1, TIERS + 1)], axis=1)
+    out.flags.writeable = False
+    return out
 
 
 def section_offsets(rows: int, row_numel: int, rows_per_block: int, n_blocks: int) -> np.ndarray:
