@@ -100,7 +100,30 @@ LLAMA_110M_CONFIG = {
     "max_position_embeddings": 2048,
 }
 
-SHAPES = {"qwen3-0.6b": qwen3_0_6b_shapes, "tiny": tiny_shapes, "llama-110m": llama_110m_shapes}
+
+def llama_14m_shapes() -> dict[str, tuple[int, ...]]:
+    """A 14M-parameter Llama (hidden 384, intermediate 1024, 6 layers, 6 heads of 64, vocab 8000,
+    tied embeddings): 13.7M parameters, 27 MB in bf16 -- issue 23's table on a loaded machine,
+    where the 110M fixture's analysis does not fit the time."""
+    return _llama_shapes(hidden=384, inter=1024, layers=6, vocab=8000, lm_head=False)
+
+
+LLAMA_14M_CONFIG = dict(
+    LLAMA_110M_CONFIG,
+    hidden_size=384,
+    intermediate_size=1024,
+    num_hidden_layers=6,
+    num_attention_heads=6,
+    num_key_value_heads=6,
+    vocab_size=8000,
+)
+
+SHAPES = {
+    "qwen3-0.6b": qwen3_0_6b_shapes,
+    "tiny": tiny_shapes,
+    "llama-110m": llama_110m_shapes,
+    "llama-14m": llama_14m_shapes,
+}
 
 QWEN3_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -192,8 +215,9 @@ def make_family(
         _write_shards(base_dir, names, shapes, lambda n: _to_bf16_bytes(base_tensor(n)), shard_bytes)
         if shape == "qwen3-0.6b":
             (base_dir / "config.json").write_text(json.dumps(QWEN3_CONFIG, indent=2))
-        elif shape == "llama-110m":
-            (base_dir / "config.json").write_text(json.dumps(LLAMA_110M_CONFIG, indent=2))
+        elif shape in ("llama-110m", "llama-14m"):
+            cfg = LLAMA_110M_CONFIG if shape == "llama-110m" else LLAMA_14M_CONFIG
+            (base_dir / "config.json").write_text(json.dumps(cfg, indent=2))
         else:
             (base_dir / "config.json").write_text(
                 json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
