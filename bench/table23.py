@@ -51,10 +51,11 @@ import measure  # noqa: E402
 from relpath import rel_paths_in  # noqa: E402
 
 DENSITY = 0.3
-#: (system, budget, sketch); "full" is one run: with an unlimited budget no block is sketched
+#: (system, budget, sketch), in run order (the issue's targets first, so a cut-short run has them);
+#: "full" is one run: with an unlimited budget no block is sketched
 SYSTEMS = [("mergekit", None, None), ("mp-full", "unlimited", "sign3+r1")] + [
     (f"mp-{b[:-1]}-{'tiers' if s != 'none' else 'none'}", b, s)
-    for b in ("25%", "10%", "5%")
+    for b in ("10%", "25%", "5%")
     for s in ("sign3+r1", "none")
 ]
 
