@@ -542,30 +542,8 @@ def unpack_stats(data: bytes) -> dict[str, TensorStats]:
         ValueError: what is wrong (the catalog turns it into a one-line error naming the expert
             and the fix).
     """
-    import json
-
-    if len(data) < _PACK_HEAD.size:
-        raise ValueError(f"statistics blob of {len(data)} bytes, shorter than its {_PACK_HEAD.size}-byte head")
-    magic, digest, hlen = _PACK_HEAD.unpack_from(data)
-    if magic != PACK_MAGIC:
-        raise ValueError(f"not a packed statistics blob (format tag {bytes(magic)[:8]!r})")
-    if hashlib.sha256(memoryview(data)[_PACK_HEAD.size :]).digest() != digest:
-        raise ValueError("content digest mismatch (the blob was modified or truncated)")
-    if hlen > len(data) - _PACK_HEAD.size or (hlen + _PACK_HEAD.size) % 8:
-        raise ValueError(f"header length {hlen} out of range")
-    from mergepipe.limits import json_depth
-
-    raw = bytes(memoryview(data)[_PACK_HEAD.size : _PACK_HEAD.size + hlen])
-    if json_depth(raw) > 3:
-        raise ValueError("header nested too deep")
-    try:
-        rows = json.loads(raw)["tensors"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"header is not the expected JSON ({type(e).__name__})") from None
-    if not isinstance(rows, list) or not all(_row_ok(r) for r in rows):
-        raise ValueError("header rows of the wrong form")
+    rows, body = _unpack_head(data)
     counts = [tuple(r[6:12]) for r in rows]
-    body = bytearray(memoryview(data)[_PACK_HEAD.size + hlen :])  # one writable copy
     sizes = {f: [size(c) for c in counts] for f, _, size in _SECTIONS}
     need = sum(sum(sizes[f]) * np.dtype(dt).itemsize for f, dt, _ in _SECTIONS)
     if need != len(body):
@@ -607,6 +585,38 @@ def unpack_stats(data: bytes) -> dict[str, TensorStats]:
     if len(out) != len(rows):
         raise ValueError("a tensor name is listed twice")
     return out
+
+
+def _unpack_head(data: bytes) -> tuple[list, bytearray]:
+    """The header rows and a writable copy of the body of a :func:`pack_stats` blob, after
+    checking the format tag, the digest and the header's JSON and row types.
+
+    Raises:
+        ValueError: what is wrong.
+    """
+    import json
+
+    if len(data) < _PACK_HEAD.size:
+        raise ValueError(f"statistics blob of {len(data)} bytes, shorter than its {_PACK_HEAD.size}-byte head")
+    magic, digest, hlen = _PACK_HEAD.unpack_from(data)
+    if magic != PACK_MAGIC:
+        raise ValueError(f"not a packed statistics blob (format tag {bytes(magic)[:8]!r})")
+    if hashlib.sha256(memoryview(data)[_PACK_HEAD.size :]).digest() != digest:
+        raise ValueError("content digest mismatch (the blob was modified or truncated)")
+    if hlen > len(data) - _PACK_HEAD.size or (hlen + _PACK_HEAD.size) % 8:
+        raise ValueError(f"header length {hlen} out of range")
+    from mergepipe.limits import json_depth
+
+    raw = bytes(memoryview(data)[_PACK_HEAD.size : _PACK_HEAD.size + hlen])
+    if json_depth(raw) > 3:
+        raise ValueError("header nested too deep")
+    try:
+        rows = json.loads(raw)["tensors"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"header is not the expected JSON ({type(e).__name__})") from None
+    if not isinstance(rows, list) or not all(_row_ok(r) for r in rows):
+        raise ValueError("header rows of the wrong form")
+    return rows, bytearray(memoryview(data)[_PACK_HEAD.size + hlen :])  # one writable copy
 
 
 def _row_ok(r: object) -> bool:
