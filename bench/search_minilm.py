@@ -118,6 +118,9 @@ class MiniLMObjective:
             splits = {"search": range(0, n_search), "heldout": range(n_search, n_search + n_heldout)}
             self.batches[t] = {}
             for split, idx in splits.items():
+                if not idx:
+                    self.batches[t][split] = []
+                    continue
                 enc = tok([texts[i] for i in idx], truncation=True, max_length=self.seq_len)
                 lens = [len(ids) for ids in enc["input_ids"]]
                 order = sorted(range(len(lens)), key=lambda i: (lens[i], i))
@@ -204,6 +207,19 @@ def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+class _Timer:
+    """Wall and CPU seconds of this process (``time.process_time``: all its threads; with one
+    torch thread, close to the work's own cost whatever the machine's load)."""
+
+    def __enter__(self) -> _Timer:
+        self.w0, self.c0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall = round(time.perf_counter() - self.w0, 2)
+        self.cpu = round(time.process_time() - self.c0, 2)
+
+
 def check_against_reference(obj: MiniLMObjective, model_dir: Path) -> dict:
     """Score ``model_dir`` with ``obj`` and with ``mergepipe.evaluate.evaluate_checkpoint`` (the
     first ``n_search`` examples: ``max_batches`` of its 64-example batches), timed side by side.
@@ -216,17 +232,22 @@ def check_against_reference(obj: MiniLMObjective, model_dir: Path) -> dict:
     n = obj.n["search"]
     if n % obj.tb.batch_size:
         raise ValueError(f"the reference check needs n_search a multiple of {obj.tb.batch_size}")
-    t0 = time.perf_counter()
-    ref = evaluate_checkpoint(model_dir, obj.tb, max_batches=n // obj.tb.batch_size, per_item=True)
-    t_ref = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    mine = obj.scores(model_dir)["search"]
-    t_new = time.perf_counter() - t0
+    with _Timer() as t_ref:
+        ref = evaluate_checkpoint(model_dir, obj.tb, max_batches=n // obj.tb.batch_size, per_item=True)
+    with _Timer() as t_new:
+        mine = obj.scores(model_dir)["search"]
     for t in obj.tasks:
         hits = [i for i, h in enumerate(ref[t]["items"]) if h]
         assert hits == mine[t]["hits"], f"{t}: per-example correctness differs"
         assert abs(ref[t]["loss"] - mine[t]["loss"]) < 1e-4, (t, ref[t]["loss"], mine[t]["loss"])
-    return {"examples_per_task": n, "reference_s": round(t_ref, 2), "objective_s": round(t_new, 2)}
+    return {
+        "examples_per_task": n,
+        "reference_s": t_ref.wall,
+        "reference_cpu_s": t_ref.cpu,
+        "objective_s": t_new.wall,
+        "objective_cpu_s": t_new.cpu,
+        "load": _load(),
+    }
 
 
 def time_proposals(dims: list[int], counts: list[int], objectives: int = 3, seed: int = 0) -> list[dict]:
@@ -244,10 +265,10 @@ def time_proposals(dims: list[int], counts: list[int], objectives: int = 3, seed
         for n in counts:
             X = [[rng.random() for _ in range(d)] for _ in range(n)]
             Y = [[sum((x - (k + 1) / (objectives + 1)) ** 2 for x in p) / d for k in range(objectives)] for p in X]
-            t0 = time.perf_counter()
-            propose(X, Y, [1.0] * objectives, pending=[[0.5] * d], rerank=False, seed=seed)
-            out.append({"d": d, "n": n, "seconds": round(time.perf_counter() - t0, 2), "load": _load()})
-            print(f"propose d={d} n={n}: {out[-1]['seconds']} s (load {out[-1]['load'][0]})", flush=True)
+            with _Timer() as tm:
+                propose(X, Y, [1.0] * objectives, pending=[[0.5] * d], rerank=False, seed=seed)
+            out.append({"d": d, "n": n, "seconds": tm.wall, "cpu_s": tm.cpu, "load": _load()})
+            print(f"propose d={d} n={n}: {tm.wall} s, cpu {tm.cpu} s (load {out[-1]['load'][0]})", flush=True)
     return out
 
 
@@ -285,9 +306,9 @@ def main() -> None:
     rec["testbed"] = {"seed": args.seed, "key": bed.config.key(), "eval_examples": bed.config.eval_examples}
     args.work.mkdir(parents=True, exist_ok=True)
 
-    t0 = time.perf_counter()
-    obj = MiniLMObjective(bed.root, n_search=args.n, n_heldout=args.n)
-    rec["objective_setup_s"] = round(time.perf_counter() - t0, 2)
+    with _Timer() as tm:
+        obj = MiniLMObjective(bed.root, n_search=args.n, n_heldout=args.n)
+    rec["objective_setup"] = {"s": tm.wall, "cpu_s": tm.cpu}
     lens = [int(b[1].sum(1).max()) for t in obj.tasks for b in obj.batches[t]["search"]]
     rec["seq_len"] = {"max_length": obj.seq_len, "batch_widths": sorted(lens)}
     rec["check"] = check_against_reference(obj, bed.base)
@@ -296,13 +317,12 @@ def main() -> None:
         from mergepipe.evaluate import evaluate_checkpoint
 
         full = MiniLMObjective(bed.root, n_search=bed.config.eval_examples, n_heldout=0)
-        t0 = time.perf_counter()
-        evaluate_checkpoint(bed.base, bed.root)
-        t_ref = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        full.scores(bed.base)
-        rec["full_512"] = {"reference_s": round(t_ref, 2), "objective_s": round(time.perf_counter() - t0, 2)}
-        rec["full_512"]["load"] = _load()
+        with _Timer() as t_ref:
+            evaluate_checkpoint(bed.base, bed.root)
+        with _Timer() as t_new:
+            full.scores(bed.base)
+        rec["full_512"] = {"reference_s": t_ref.wall, "reference_cpu_s": t_ref.cpu}
+        rec["full_512"].update(objective_s=t_new.wall, objective_cpu_s=t_new.cpu, load=_load())
         print(f"3 x 512 examples: {rec['full_512']}", flush=True)
 
     names = list(bed.experts)
@@ -319,9 +339,9 @@ def main() -> None:
     )
     cat = open_catalog(cfg.catalog)
     st = open_storage(None, IOCounters())
-    t0 = time.perf_counter()
-    register_and_analyze(cat, st, cfg.base, [u for _, u in cfg.experts], cfg.block_bytes)
-    rec["catalog_analysis_s"] = round(time.perf_counter() - t0, 2)  # once per testbed (cached)
+    with _Timer() as tm:
+        register_and_analyze(cat, st, cfg.base, [u for _, u in cfg.experts], cfg.block_bytes)
+    rec["catalog_analysis"] = {"s": tm.wall, "cpu_s": tm.cpu}  # once per testbed (cached)
     base = cat.register(st, cfg.base)
     space = space_for_base(list(base.layout.tensors), cfg.method, names, parse_vary(cfg.vary), args.blocks, {})
     rng = random.Random(args.seed)
@@ -330,15 +350,21 @@ def main() -> None:
     for i in range(args.candidates):
         x = [rng.random() for _ in range(space.d)]
         shutil.rmtree(args.work / "snapshots" / f"c{i:04d}", ignore_errors=True)
-        t0 = time.perf_counter()
-        m = merger.merge(cfg, {"id": i, "params": space.to_params(x)}, args.work, {}, cat)
-        t_merge = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        met = obj.metrics(Path(m.snapshot))
-        t_score = time.perf_counter() - t0
+        with _Timer() as t_merge:
+            m = merger.merge(cfg, {"id": i, "params": space.to_params(x)}, args.work, {}, cat)
+        with _Timer() as t_score:
+            met = obj.metrics(Path(m.snapshot))
         shutil.rmtree(m.snapshot, ignore_errors=True)
-        cands.append({"merge_s": round(t_merge, 2), "score_s": round(t_score, 2), "load": _load()})
-        print(f"candidate {i}: merge {t_merge:.1f} s, score {t_score:.1f} s (load {cands[-1]['load'][0]})", flush=True)
+        cands.append(
+            {
+                "merge_s": t_merge.wall,
+                "merge_cpu_s": t_merge.cpu,
+                "score_s": t_score.wall,
+                "score_cpu_s": t_score.cpu,
+                "load": _load(),
+            }
+        )
+        print(f"candidate {i}: {cands[-1]}", flush=True)
         assert sorted(met) == sorted(
             f"{p}{m}:{t}" for p in ("", "heldout:") for m in ("loss", "acc") for t in obj.tasks
         )
@@ -346,23 +372,26 @@ def main() -> None:
     rec["space_dims"] = space.d
     rec["proposals"] = time_proposals([len(names), space.d], [args.initial, args.initial + args.bo // 2, 47])
 
-    per_eval = sum(c["merge_s"] + c["score_s"] for c in cands) / len(cands)
-    props = [p["seconds"] for p in rec["proposals"] if p["d"] == space.d]
-    per_prop = sum(props) / len(props)  # mean of n = 8, 28, 47: about the mean over a run's 40 steps
     n_eval = args.initial + args.bo
-    per_run = n_eval * per_eval + args.bo * per_prop
-    rec["projection"] = {
-        "per_evaluation_s": round(per_eval, 1),
-        "per_proposal_s_layerwise": round(per_prop, 1),
-        "evaluations_per_run": n_eval,
-        "per_run_s": round(per_run, 0),
-        "runs": args.runs,
-        "arms": args.arms,
-        "total_cpu_hours": round(per_run * args.runs * args.arms / 3600, 1),
-        "two_arm_cpu_hours": round(per_run * args.runs * 2 / 3600, 1),
-        "binomial_se_points_at_p0.8": round(100 * binomial_se(0.8, args.n), 2),
-        "wilson95_at_p0.8": [round(100 * v, 1) for v in wilson_interval(round(0.8 * args.n), args.n)],
-    }
+    rec["projection"] = {"evaluations_per_run": n_eval, "runs": args.runs, "arms": args.arms}
+    for key, suffix in (("wall", "s"), ("cpu", "cpu_s")):
+        per_eval = sum(c[f"merge_{suffix}"] + c[f"score_{suffix}"] for c in cands) / len(cands)
+        props = [p["seconds" if key == "wall" else "cpu_s"] for p in rec["proposals"] if p["d"] == space.d]
+        per_prop = sum(props) / len(props)  # mean at n = 8, 28, 47: about the mean over a run's 40 steps
+        per_run = n_eval * per_eval + args.bo * per_prop
+        rec["projection"][key] = {
+            "per_evaluation_s": round(per_eval, 1),
+            "per_proposal_s_layerwise": round(per_prop, 1),
+            "per_run_s": round(per_run, 0),
+            "all_arms_hours": round(per_run * args.runs * args.arms / 3600, 1),
+            "two_arms_hours": round(per_run * args.runs * 2 / 3600, 1),
+        }
+    rec["projection"].update(
+        {
+            "binomial_se_points_at_p0.8": round(100 * binomial_se(0.8, args.n), 2),
+            "wilson95_at_p0.8": [round(100 * v, 1) for v in wilson_interval(round(0.8 * args.n), args.n)],
+        }
+    )
     rec["load_end"] = _load()
     rec["wall_s"] = round(time.time() - rec.pop("started"), 1)
     print(json.dumps(rec["projection"], indent=1), flush=True)
