@@ -19,9 +19,9 @@ treats as one row, is one chunk).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,6 +38,9 @@ from mergepipe.numerics import (
     nuslerp_coefficients_rows,
     segment_dots,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 #: safetensors dtypes the tiled elementwise path reads in place (others are decoded per chunk)
 TILE_DTYPES = ("BF16", "F16", "F32")
@@ -73,7 +76,9 @@ class ExpertTensorParams:
     shrink_hi: float | None = None
 
 
-def sparsify(delta, spec: MethodSpec, ep: ExpertTensorParams, offset: int, shape=None):
+def sparsify(
+    delta: torch.Tensor, spec: MethodSpec, ep: ExpertTensorParams, offset: int, shape: Sequence[int] | None = None
+) -> torch.Tensor:
     """Apply the method's sparsifier (:mod:`mergepipe.methods.sparsify`) to a chunk of one
     expert's task vector.
 
@@ -121,7 +126,7 @@ def work_floats(spec: MethodSpec, n_experts: int, elementwise: bool) -> int:
     return spec.work_floats(n_experts, elementwise)
 
 
-def filter_width(shape) -> int:
+def filter_width(shape: Sequence[int]) -> int:
     """Length of the vectors mergekit's per-row statistics run over: the last dimension; a 1-D
     tensor is one vector."""
     return int(shape[-1]) if len(shape) > 1 else int(shape[0]) if shape else 1
@@ -132,7 +137,7 @@ def needs_row_stats(spec: MethodSpec, params: dict) -> bool:
     return spec.row_stats(params)
 
 
-def l1_row_sums(x, row_numel: int) -> list[float]:
+def l1_row_sums(x: torch.Tensor, row_numel: int) -> list[float]:
     """float64 ``Σ|x|`` of each row of a flat chunk (``row_numel`` elements per row)."""
     import torch
 
@@ -141,7 +146,7 @@ def l1_row_sums(x, row_numel: int) -> list[float]:
     return x.reshape(-1, row_numel).abs().sum(dim=1, dtype=torch.float64).cpu().tolist()
 
 
-def l1_rows(x, row_numel: int) -> float:
+def l1_rows(x: torch.Tensor, row_numel: int) -> float:
     """``Σ|x|`` as the exactly rounded sum (``math.fsum``) of float64 row sums, so the value does
     not depend on how rows are grouped into chunks."""
     return math.fsum(l1_row_sums(x, row_numel))
@@ -161,14 +166,14 @@ def rescale_factor(l1_all: float, l1_kept: float) -> float:
 
 
 def combine(
-    base,
-    deltas: list,
+    base: torch.Tensor,
+    deltas: list[torch.Tensor],
     weights: list[float],
     spec: MethodSpec,
     globals_: dict,
     weight_sum: float | None = None,
     consume: bool = False,
-):
+) -> torch.Tensor:
     """Combine sparsified (and rescaled) task vectors with the base: the method's combination
     (:func:`linear_combine` for ``linear``, :func:`task_arithmetic_combine` for the other
     task-arithmetic methods, with the method's ``consensus``).
@@ -189,8 +194,12 @@ def combine(
 
 
 def linear_combine(
-    base, deltas: list, weights: list[float], globals_: Mapping[str, Any], weight_sum: float | None = None
-):
+    base: torch.Tensor,
+    deltas: list[torch.Tensor],
+    weights: list[float],
+    globals_: Mapping[str, Any],
+    weight_sum: float | None = None,
+) -> torch.Tensor:
     """mergekit 0.1.5 ``linear``: ``Σwᵢθᵢ / Σwᵢ`` written as ``base + Σwᵢδᵢ / Σwᵢ`` (``normalize``;
     the divisor is 1 where ``|Σwᵢ| < 1e-8``), else ``base·Σwᵢ + Σwᵢδᵢ``. float32 ``(n,)``."""
     normalize = bool(globals_.get("normalize", False))
@@ -206,14 +215,14 @@ def linear_combine(
 
 
 def task_arithmetic_combine(
-    base,
-    deltas: list,
+    base: torch.Tensor,
+    deltas: list[torch.Tensor],
     weights: list[float],
     globals_: Mapping[str, Any],
     consensus: str | None,
     weight_sum: float | None = None,
     consume: bool = False,
-):
+) -> torch.Tensor:
     """mergekit 0.1.5 ``GeneralizedTaskArithmeticMerge``: weighted task vectors; with
     ``consensus="sum"``, the elected sign is ``sign(Σ wᵢδᵢ)`` with 0 counted as +, and only
     entries agreeing with it (zeros never agree) are summed and counted in the divisor; the
@@ -265,7 +274,14 @@ def task_arithmetic_combine(
 _F32_TRUE_MIN = float(np.array([1], dtype=np.uint32).view(np.float32)[0])  # 2**-149, smallest subnormal
 
 
-def _sum_consensus_arith(base, deltas: list, weights: list[float], normalize: bool, lam: float, consume: bool = False):
+def _sum_consensus_arith(
+    base: torch.Tensor,
+    deltas: list[torch.Tensor],
+    weights: list[float],
+    normalize: bool,
+    lam: float,
+    consume: bool = False,
+) -> torch.Tensor | None:
     """TIES sign election and disjoint mean (``consensus: sum``) with arithmetic only (no boolean
     masks, whose CPU kernels are ~10x slower than float ones); the value of :func:`combine`'s
     masked formulation bit for bit, or None when a precondition fails (then :func:`combine` runs
@@ -316,7 +332,7 @@ def _sum_consensus_arith(base, deltas: list, weights: list[float], normalize: bo
     return torch.sub(base, torch.rsub(acc, 0.0))
 
 
-def _add(base, mixed):
+def _add(base: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
     """``base + mixed``, keeping base values bit for bit where ``mixed == 0`` (so ``-0.0`` stays
     ``-0.0`` and untouched regions equal the base byte for byte)."""
     import torch
@@ -330,14 +346,16 @@ def identity_on_zero_delta(spec: MethodSpec, weight_sum: float, globals_: dict) 
     return spec.identity_on_zero_delta(weight_sum, globals_)
 
 
-def sum_in_order(ts: list):
+def sum_in_order(ts: list[torch.Tensor]) -> torch.Tensor:
     acc = ts[0]
     for t in ts[1:]:
         acc = acc + t
     return acc
 
 
-def model_stock_merge(base, deltas: list, t, width: int | None = None):
+def model_stock_merge(
+    base: torch.Tensor, deltas: list[torch.Tensor], t: float | None, width: int | None = None
+) -> torch.Tensor:
     """mergekit's Model Stock in task-vector form: ``base + t · (Σδᵢ)/N``.
 
     Args:
@@ -366,13 +384,20 @@ def model_stock_merge(base, deltas: list, t, width: int | None = None):
     return _add(base, mixed)
 
 
-def slerp_merge(base, expert, c_base: float, c_expert: float):
+def slerp_merge(base: torch.Tensor, expert: torch.Tensor, c_base: float, c_expert: float) -> torch.Tensor:
     """mergekit's slerp output ``c_base·θ_base + c_expert·θ_expert`` (float32), with the
     coefficients from whole-tensor statistics (plan)."""
     return base * c_base + expert * c_expert
 
 
-def nuslerp_merge(base, d0, d1, coef, width: int | None = None, t: float = 0.5):
+def nuslerp_merge(
+    base: torch.Tensor,
+    d0: torch.Tensor,
+    d1: torch.Tensor,
+    coef: tuple[float, float, float] | None,
+    width: int | None = None,
+    t: float = 0.5,
+) -> torch.Tensor:
     """mergekit's nuslerp with a base: ``base + (a·δ₀ + b·δ₁)/s``.
 
     Args:
@@ -392,15 +417,17 @@ def nuslerp_merge(base, d0, d1, coef, width: int | None = None, t: float = 0.5):
         a, b, s = c[:, 0:1], c[:, 1:2], c[:, 2:3]
         mixed = ((d0.reshape(-1, width) * a + d1.reshape(-1, width) * b) / s).reshape(-1)
     else:
-        a, b, s = coef
-        mixed = (d0 * a + d1 * b) / s
+        ca, cb, cs = coef
+        mixed = (d0 * ca + d1 * cb) / cs
     return _add(base, mixed)
 
 
 # --- mergekit 0.1.5's newer methods ----------------------------------------------------------
 
 
-def lincomb_merge(base, deltas: list, coefs: list[float], c_base: float = 1.0):
+def lincomb_merge(
+    base: torch.Tensor, deltas: list[torch.Tensor], coefs: list[float], c_base: float = 1.0
+) -> torch.Tensor:
     """``c_base·base + Σ cᵢ·δᵢ`` (float32, experts summed in plan order): multislerp
     (``c_base = 1``) and karcher, with the coefficients from whole-tensor statistics (plan:
     :func:`mergepipe.numerics.multislerp_coefficients`, :func:`~mergepipe.numerics.karcher_coefficients`).
@@ -415,7 +442,7 @@ def lincomb_merge(base, deltas: list, coefs: list[float], c_base: float = 1.0):
     return out if mixed is None else out + mixed
 
 
-def nearswap_merge(base, expert, t: float):
+def nearswap_merge(base: torch.Tensor, expert: torch.Tensor, t: float) -> torch.Tensor:
     """mergekit 0.1.5 ``nearswap``: ``w·θ_e + (1 − w)·θ_b`` with ``w = clamp(t / max(|θ_b − θ_e|,
     1e-6), 0, 1)`` per entry — the expert's value where it is within ``t`` of the base, else the
     base moved by ``t`` towards it (the task vector clipped to ``[−t, t]``). Entries where the
@@ -433,7 +460,9 @@ def nearswap_merge(base, expert, t: float):
     return torch.where(expert == base, base, out)
 
 
-def ram_merge(base, deltas: list, epsilon: float, gains: list[float] | None = None):
+def ram_merge(
+    base: torch.Tensor, deltas: list[torch.Tensor], epsilon: float, gains: list[float] | None = None
+) -> torch.Tensor:
     """mergekit 0.1.5 ``ram`` / ``ramplus_tl`` on one chunk (float32).
 
     Per entry, the experts with ``|δᵢ| > epsilon`` contribute: an entry only one expert changes
@@ -488,7 +517,9 @@ def ramplus_gains(counts: list[tuple[int, int]], r: float, alpha: float, epsilon
     return out
 
 
-def sce_merge(base, deltas: list, weights: list[float] | None, select_topk: float = 1.0):
+def sce_merge(
+    base: torch.Tensor, deltas: list[torch.Tensor], weights: list[float] | None, select_topk: float = 1.0
+) -> torch.Tensor:
     """mergekit 0.1.5 ``sce`` (select, calculate, erase) on float32 task vectors.
 
     With ``select_topk < 1`` the entries whose variance across the experts is among the top
@@ -533,7 +564,7 @@ def sce_merge(base, deltas: list, weights: list[float] | None, select_topk: floa
     return base + num / den.clamp(min=1e-6)
 
 
-def arcee_fusion_merge(base, expert, width: int):
+def arcee_fusion_merge(base: torch.Tensor, expert: torch.Tensor, width: int) -> torch.Tensor:
     """mergekit 0.1.5 ``arcee_fusion`` on a whole tensor (float32, flat).
 
     Importance ``|θ_e − θ_b| · KL(softmax(θ_e) ‖ softmax(θ_b))`` with the KL divergence per row

@@ -67,7 +67,7 @@ def layer_t(name: str, n_layers: int) -> float:
     return i / (n_layers - 1)
 
 
-def _is_scalar(v) -> bool:
+def _is_scalar(v: Any) -> bool:
     return isinstance(v, (int, float, bool, str)) and not isinstance(v, (list, dict))
 
 
@@ -264,7 +264,7 @@ def _gradient(p: ParamSpec, raw: list, loc: Loc, where: Where) -> list:
     return [p.check(v, where((*loc, i)), (*loc, i)) for i, v in enumerate(raw)]
 
 
-def evaluate(setting: Any, tensor_name: str, t: float):
+def evaluate(setting: Any, tensor_name: str, t: float) -> Any:
     """The value of a (validated, canonical) setting for one tensor at gradient position ``t``;
     None when a filter list has no entry for the tensor."""
     if isinstance(setting, list):

@@ -10,8 +10,8 @@ breadcrumbs' magnitude window; ``della`` DELLA's magnitude-ranked Bernoulli drop
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,18 +27,25 @@ from mergepipe.numerics import (
     trim_rank,
 )
 
+if TYPE_CHECKING:
+    import torch
+
+    from mergepipe.catalog.stats import TensorStats
+    from mergepipe.methods.kernels import ExpertTensorParams
+    from mergepipe.planner.plan import TensorExpert
+
 #: input dtypes whose magnitude trim (TIES) and window (breadcrumbs) rank the exact float32 |δ| (bf16 included: a
 #: difference of two bf16 values is often not a bf16 value, so its key group holds distinct magnitudes; the engine
 #: selects inside a group with a bit histogram, exact at any size in bounded memory)
 EXACT_TRIM_DTYPES = ("BF16", "F16", "F32")
 
 
-def row_numel_of(shape) -> int:
+def row_numel_of(shape: Sequence[int]) -> int:
     """Elements per row of a tensor of ``shape`` (1 for a 1-D tensor: each element is a row)."""
     return int(np.prod(shape[1:])) if len(shape) > 1 else 1
 
 
-def magnitude_key_torch(delta):
+def magnitude_key_torch(delta: torch.Tensor) -> torch.Tensor:
     """Magnitude keys of a float32 torch tensor; equals :func:`mergepipe.numerics.magnitude_keys`."""
     import torch
 
@@ -77,28 +84,30 @@ class Sparsifier:
     #: the kernel computes row-local statistics (ranks within rows)
     row_stats = False
 
-    def apply(self, delta, ep, offset: int, shape):
+    def apply(
+        self, delta: torch.Tensor, ep: ExpertTensorParams, offset: int, shape: Sequence[int] | None
+    ) -> torch.Tensor:
         """``δ ⊙ mask`` of a float32 torch chunk ``delta`` (flat elements ``[offset, offset + n)``
         of a tensor of ``shape``, whole rows) for expert parameters ``ep``
         (:class:`~mergepipe.methods.kernels.ExpertTensorParams`, ``density < 1``); not rescaled."""
         return delta
 
-    def exact_bound(self, st, ep: Mapping[str, Any], group_cap: int | None) -> Bound:
+    def exact_bound(self, st: TensorStats, ep: Mapping[str, Any], group_cap: int | None) -> Bound:
         """The exact-threshold refinement of expert ``ep`` on a tensor of an
         :data:`EXACT_TRIM_DTYPES` dtype with catalog statistics ``st``: ``(0, None)`` for none."""
         return 0, None
 
-    def kept(self, st, ep: Mapping[str, Any], rescale: bool, bound: Bound) -> tuple[np.ndarray, int, int]:
+    def kept(self, st: TensorStats, ep: Mapping[str, Any], rescale: bool, bound: Bound) -> tuple[np.ndarray, int, int]:
         """float64 ``[n_blocks]`` task-vector energy kept per block at ``density < 1``, and the
         magnitude-key window ``(min_key, max_key)`` the engine keeps."""
         return st.sq_norm.copy(), 0, N_KEYS
 
-    def explain(self, te) -> str:
+    def explain(self, te: TensorExpert) -> str:
         """The threshold text of one ``TensorExpert`` (``""``: nothing to say)."""
         return ""
 
 
-def _where(keep, delta):
+def _where(keep: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     import torch
 
     return torch.where(keep, delta, torch.zeros((), dtype=delta.dtype, device=delta.device))
@@ -109,7 +118,9 @@ class Magnitude(Sparsifier):
 
     name = "magnitude"
 
-    def apply(self, delta, ep, offset: int, shape):
+    def apply(
+        self, delta: torch.Tensor, ep: ExpertTensorParams, offset: int, shape: Sequence[int] | None
+    ) -> torch.Tensor:
         import torch
 
         if ep.shrink is not None:  # exact top-k on bf16/float16/float32 values (one vectorized pass)
@@ -121,20 +132,20 @@ class Magnitude(Sparsifier):
             return torch.nn.functional.hardshrink(delta, lam)
         return _where(magnitude_key_torch(delta) >= ep.min_key, delta)
 
-    def exact_bound(self, st, ep, group_cap):
+    def exact_bound(self, st: TensorStats, ep: Mapping[str, Any], group_cap: int | None) -> Bound:
         tau, rank, ties = trim_rank(st.hist_keys, st.hist_counts, st.numel, float(ep.get("density", 1.0)))
         if tau > 0 and rank < ties and (group_cap is None or ties <= group_cap):
             return rank, None
         return 0, None
 
-    def kept(self, st, ep, rescale, bound):
+    def kept(self, st: TensorStats, ep: Mapping[str, Any], rescale: bool, bound: Bound) -> tuple[np.ndarray, int, int]:
         dens = float(ep.get("density", 1.0))
         mk = st.min_key(dens)
         if bound[0]:
             mk = trim_rank(st.hist_keys, st.hist_counts, st.numel, dens)[0]  # τ: part of its group kept
         return st.kept_energy(mk), mk, N_KEYS
 
-    def explain(self, te):
+    def explain(self, te: TensorExpert) -> str:
         return f", trim key>={te.min_key}" if te.min_key else ""
 
 
@@ -144,7 +155,9 @@ class Outliers(Sparsifier):
 
     name = "outliers"
 
-    def apply(self, delta, ep, offset: int, shape):
+    def apply(
+        self, delta: torch.Tensor, ep: ExpertTensorParams, offset: int, shape: Sequence[int] | None
+    ) -> torch.Tensor:
         if ep.shrink is None and ep.shrink_hi is None:
             k = magnitude_key_torch(delta)
             keep = (k >= ep.min_key) & (k < ep.max_key)
@@ -154,7 +167,7 @@ class Outliers(Sparsifier):
             keep &= (a <= ep.shrink_hi) if ep.shrink_hi is not None else (magnitude_key_torch(delta) < ep.max_key)
         return _where(keep, delta)
 
-    def exact_bound(self, st, ep, group_cap):
+    def exact_bound(self, st: TensorStats, ep: Mapping[str, Any], group_cap: int | None) -> Bound:
         ks = outlier_counts(st.numel, float(ep.get("density", 1.0)), float(ep.get("gamma", 0.0)))
         if ks is None or ks[0] == ks[1]:  # keep all, or nothing (target 0)
             return 0, None
@@ -167,7 +180,7 @@ class Outliers(Sparsifier):
             return w[1] or -1, w  # (-1: only the outlier bound is refined)
         return 0, None
 
-    def kept(self, st, ep, rescale, bound):
+    def kept(self, st: TensorStats, ep: Mapping[str, Any], rescale: bool, bound: Bound) -> tuple[np.ndarray, int, int]:
         dens = float(ep.get("density", 1.0))
         mk, xk = outlier_window(st.hist_keys, st.hist_counts, st.numel, dens, float(ep["gamma"]))
         win = bound[1]
@@ -177,7 +190,7 @@ class Outliers(Sparsifier):
             xk = th + 1 if rh else xk
         return st.kept_energy_window(mk, xk), mk, xk
 
-    def explain(self, te):
+    def explain(self, te: TensorExpert) -> str:
         return f", keep keys in [{te.min_key}, {te.max_key})" if te.density < 1.0 else ""
 
 
@@ -186,13 +199,15 @@ class Random(Sparsifier):
 
     name = "random"
 
-    def apply(self, delta, ep, offset: int, shape):
+    def apply(
+        self, delta: torch.Tensor, ep: ExpertTensorParams, offset: int, shape: Sequence[int] | None
+    ) -> torch.Tensor:
         import torch
 
         m = dare_keep_mask(ep.stream_key, offset, delta.numel(), ep.density)
         return _where(torch.from_numpy(m).to(delta.device), delta)
 
-    def kept(self, st, ep, rescale, bound):
+    def kept(self, st: TensorStats, ep: Mapping[str, Any], rescale: bool, bound: Bound) -> tuple[np.ndarray, int, int]:
         dens = float(ep.get("density", 1.0))
         return st.sq_norm * (1.0 / dens if rescale else dens), 0, N_KEYS
 
@@ -204,15 +219,19 @@ class Della(Sparsifier):
     name = "della"
     row_stats = True
 
-    def apply(self, delta, ep, offset: int, shape):
+    def apply(
+        self, delta: torch.Tensor, ep: ExpertTensorParams, offset: int, shape: Sequence[int] | None
+    ) -> torch.Tensor:
         import torch
 
+        if shape is None:
+            raise ValueError("della: the tensor's shape is needed (keep probabilities are ranked within rows)")
         d = delta.detach().cpu().numpy()
         rows = d.size // row_numel_of(shape) if len(shape) > 1 else 1
         p = della_probs(magnitude_keys(d), shape, rows, ep.density, ep.epsilon)
         return _where(torch.from_numpy(della_keep_mask(ep.stream_key, offset, p)).to(delta.device), delta)
 
-    def kept(self, st, ep, rescale, bound):
+    def kept(self, st: TensorStats, ep: Mapping[str, Any], rescale: bool, bound: Bound) -> tuple[np.ndarray, int, int]:
         dens = float(ep.get("density", 1.0))
         kept = st.della_kept_energy(dens, float(ep["epsilon"]))
         return (kept / dens**2 if rescale else kept), 0, N_KEYS
