@@ -390,7 +390,7 @@ def read_shard_header(storage, uri: str, file: str, role: str, size: int | None 
     return parse_header(raw, file, size, source=uri)
 
 
-def load_layout(storage, root: str, role: str = "other") -> CheckpointLayout:
+def load_layout(storage, root: str, role: str = "other") -> CheckpointLayout:  # noqa: C901 - untrusted index + headers: one check per refusal, each naming the file and the fix
     """Read a checkpoint's shard index (if any) and every shard header.
 
     Raises:

@@ -264,7 +264,7 @@ class SearchSpace:
             d.get("outer") or [],
         )
 
-    def validate(self) -> None:
+    def validate(self) -> None:  # noqa: C901, PLR0912 - one refusal per field of a varied parameter, each naming the --vary entry
         """Check the varying parameters against the method (name, scope, allowed range of both
         bounds) and the experts.
 

@@ -97,7 +97,7 @@ def _is_null(n: Any) -> bool:
     return isinstance(n, dict) and n.get("type") == "null"
 
 
-def _convert(node: dict[str, Any], path: str) -> dict[str, Any]:
+def _convert(node: dict[str, Any], path: str) -> dict[str, Any]:  # noqa: C901, PLR0912 - one rewrite per JSON-schema construct pydantic emits (anyOf, $ref, enum, ...)
     node = dict(node)
     node.pop("title", None)
     # Optional[X]: anyOf [X, null] -> X (the field is simply optional).

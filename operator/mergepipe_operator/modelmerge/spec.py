@@ -94,7 +94,7 @@ def parse_merge_spec(spec: Mapping[str, Any]) -> tuple[ModelMergeSpec | None, li
     return ModelMergeSpec.model_validate(dict(spec)), []
 
 
-def validate_merge_spec(spec: Mapping[str, Any]) -> list[Issue]:
+def validate_merge_spec(spec: Mapping[str, Any]) -> list[Issue]:  # noqa: C901, PLR0912 - one check per spec rule the CRD schema cannot state, each naming the field
     """Problems in a ModelMerge spec, as ``(field path, message)``; empty when valid.
 
     Covers what the CRD schema cannot (or what a client that skipped the API server would miss):

@@ -154,7 +154,7 @@ def storage_uri(snapshot_uri: str, facts: ManifestFacts) -> str:
     return base + prefix + "/" if prefix else base
 
 
-def snapshot_ready(
+def snapshot_ready(  # noqa: C901, PLR0912 - one verdict per way a committed manifest can fail, each its own Reason
     manifest: bytes | str | Mapping[str, Any] | None,
     expected_plan_digest: str | None,
     expected_manifest_hash: str | None,
