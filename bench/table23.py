@@ -161,7 +161,8 @@ class Table:
     def save(self) -> None:
         self.a.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.a.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(rel_paths_in(self.res), indent=1) + "\n")
+        text = json.dumps(rel_paths_in(self.res), indent=1) + "\n"  # no path of this machine in the results:
+        tmp.write_text(text.replace(json.dumps(str(self.work.absolute()))[1:-1], "$WORK"))
         tmp.replace(self.a.out)
 
     def measured(self, tag: str, cmd: list[str], env: dict, cold: list[Path]) -> dict:

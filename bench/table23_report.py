@@ -136,8 +136,13 @@ def render_file(path: Path) -> str:
         f"**{path.name}**: base + K = {fx['experts']} experts of the `{fx['shape']}` shape (`bench/synthetic.py`; "
         f"{fx['expert_bytes'] / 1e9:.2f} GB of experts), TIES density {fx['density']}, {d['cache']} page cache, "
         f"{d['machine']['nproc']} cores / {d['machine']['mem_total_gib']} GiB, started {d['started']}, load average "
-        f"{d['loadavg_start'][0]} at the start and {d.get('loadavg_end', ['?'])[0]} at the end; "
-        f"`{' '.join(d['command'])}` at {d['git'][:10]}.",
+        f"{d['loadavg_start'][0]} at the start and "
+        + (
+            f"{d['loadavg_end'][0]} at the end; "
+            if "loadavg_end" in d
+            else f"{d['runs'][-1]['loadavg_after'][0] if d['runs'] else '?'} after its last run (the run was cut short); "
+        )
+        + f"`{' '.join(d['command'])}` at {d['git'][:10]}.",
         "",
     ]
     an = {a["storage"]: a for a in d["analysis"]}
@@ -146,26 +151,31 @@ def render_file(path: Path) -> str:
         if not runs:
             continue
         c = cells(runs)
-        mk = c.get("mergekit", {}).get("wall_s")
+        mk, mkc = c.get("mergekit", {}).get("wall_s"), c.get("mergekit", {}).get("cpu_s")
         a = an.get(where)
         title = "local disk" if where == "local" else "S3 (SeaweedFS, 127.0.0.1) → S3"
         lines += [
             f"*{title}*"
-            + (f" (one-time `mergepipe analyze`: {a['wall_s']:.1f} s wall, {a['cpu_s']:.1f} s CPU)" if a else ""),
+            + (
+                f" (`mergepipe analyze` at the start of the run: {a['wall_s']:.1f} s wall, {a['cpu_s']:.1f} s CPU)"
+                if a
+                else ""
+            ),
             "",
             "| run | expert bytes read (MB) | of which sketches | engine `wall_s` | `analyze_plan_s` | `total_s` "
-            "| process wall (s) | CPU s | peak RSS (MiB) | wall vs mergekit |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| process wall (s) | CPU s | peak RSS (MiB) | wall vs mergekit | CPU vs mergekit |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for system, label in ROWS:
             if system not in c:
                 continue
             v = c[system]
             sp = f"{mk / v['wall_s']:.1f}x" if mk and v["wall_s"] else ""
+            sc = f"{mkc / v['cpu_s']:.1f}x" if mkc and v["cpu_s"] else ""
             lines.append(
                 f"| {label} | {_mb(v['expert_read_bytes'])} | {_mb(v['sketch_read_bytes']) if system != 'mergekit' else ''} "
                 f"| {_s(v['engine_wall_s'])} | {_s(v['plan_s'], 2)} | {_s(v['total_s'])} | {_s(v['wall_s'])} "
-                f"| {_s(v['cpu_s'])} | {_s(v['peak_rss_mib'], 0)} | {sp} |"
+                f"| {_s(v['cpu_s'])} | {_s(v['peak_rss_mib'], 0)} | {sp} | {sc} |"
             )
         lines += ["", "| target | measured | met |", "|---|---|---|"]
         for t, m, ok in targets(c):
