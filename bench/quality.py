@@ -509,13 +509,14 @@ def _preregistered(a) -> str:
     The testbed's entry may override the registered ``settings``, ``budgets_pct`` and
     ``primary_setting`` (an amendment that reduces a testbed's grid). ``--seeds`` (e.g. one
     cache-filling ``--no-report`` process per seed, or a report over the seeds that finished)
-    must name registered fresh or replacement seeds of the testbed; the raw results record the
-    registered fresh seeds beside the ones run, and the report shows both.
+    must name registered fresh or replacement seeds of the testbed, ``--methods`` registered
+    methods; the raw results hold the registration (its seeds and methods) beside the ones run,
+    and the report shows both.
 
     Raises:
         SystemExit: the file has uncommitted changes (a pre-registration is committed before
-            the fresh run), names no fresh seeds for this testbed, or ``--seeds`` names an
-            unregistered seed.
+            the fresh run), names no fresh seeds for this testbed, or ``--seeds``/``--methods``
+            name an unregistered seed/method.
     """
     import subprocess
 
@@ -536,7 +537,12 @@ def _preregistered(a) -> str:
         a.seeds = list(tb["fresh_seeds"])
     elif set(a.seeds) - set(registered):
         sys.exit(f"--seeds {a.seeds}: not registered for {label} in {rel} (fresh/replacement seeds {registered})")
-    a.methods = list(pr["methods"])
+    if a.methods is None:
+        a.methods = list(pr["methods"])
+    elif set(a.methods) - set(pr["methods"]):
+        sys.exit(f"--methods {a.methods}: not registered in {rel} (methods {list(pr['methods'])})")
+    else:  # a report over the methods every seed finished: registered order, the rest named as not run
+        a.methods = [m for m in pr["methods"] if m in a.methods]
     a.budgets = [float(b) for b in tb.get("budgets_pct", pr["budgets_pct"])]
     settings = tb.get("settings", pr["settings"])
     a.values = sorted({v for v, _ in settings})
@@ -558,7 +564,12 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--seeds", type=int, nargs="+", default=None, help="default 0 1 2; with --fresh the registered fresh seeds"
     )
-    ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        help="default all three; with --fresh a subset of the registered methods (e.g. the ones whose seeds finished)",
+    )
     ap.add_argument(
         "--budgets", type=float, nargs="+", default=list(BUDGETS), help="expert budgets in %% of the experts' bytes"
     )
@@ -603,8 +614,9 @@ def main(argv=None) -> None:
     prereg_commit = None
     if a.fresh:
         prereg_commit = _preregistered(a)
-    elif a.seeds is None:
-        a.seeds = [0, 1, 2]
+    else:
+        a.seeds = [0, 1, 2] if a.seeds is None else a.seeds
+        a.methods = list(METHODS) if a.methods is None else a.methods
     if a.report_only:
         results = [
             (p.stem, json.loads(p.read_text()))

@@ -166,6 +166,7 @@ def derive_with_summary(res: dict, n_boot: int | None = None) -> tuple[str, dict
     ran = [s["seed"] for s in seeds]
     missing = [x for x in reg["fresh_seeds"] if x not in ran]
     # recorded per seed since amendment 2; earlier raw results: the testbed's registered checkpoints
+    not_run = [m for m in res["preregistration"].get("methods", {}) if m not in methods]
     dtype = ",".join(sorted({str(s["dtype"]) for s in seeds if s.get("dtype")})) or _registered_checkpoints(testbed)
     summary: dict = {
         "label": testbed,
@@ -176,6 +177,7 @@ def derive_with_summary(res: dict, n_boot: int | None = None) -> tuple[str, dict
         "primary": primary,
         "targets": [],
         "mono": {},
+        "not_run": not_run,
     }
     import re
 
@@ -188,6 +190,14 @@ def derive_with_summary(res: dict, n_boot: int | None = None) -> tuple[str, dict
                 "finish in the session's time and are not in any figure below.\n"
             ]
             if missing
+            else []
+        ),
+        *(
+            [
+                f"**Methods not run**: {not_run} (registered; their seeds did not finish in the session's time): "
+                "no figure below.\n"
+            ]
+            if not_run
             else []
         ),
         f"Metric: {summary['metric']} per task; checkpoints {dtype}.\n",
@@ -313,6 +323,8 @@ def summary_md(sums: list[dict]) -> str:
                 f"| {s['label']} | {s['dtype']} | {m} | {b:g}% | {_pct(mean)} | {tgt:.0%} | {verdict} | {_pct(mn)} "
                 f"| {n} (of {len(s['registered'])}) |"
             )
+        for m in s.get("not_run", []):
+            L.append(f"| {s['label']} | {s['dtype']} | {m} | | not run | | | | 0 (of {len(s['registered'])}) |")
     L += ["", "| testbed | monotone in budget (every setting, every method; 100% = the full merge) |", "|---|---|"]
     for s in sums:
         falls = [f"{m}: {x}" for m, xs in s["mono"].items() for x in xs]

@@ -107,6 +107,12 @@ def test_summary_states_target_gap_and_missing_seeds():
     out = qr.summary_md([summ])
     assert "| tb | not recorded | ties | 10% | 80.0% | 90% | missed by 10.0 pt | 80.0% | 2 (of 3) |" in out
     assert "| tb | yes: every step raises" in out  # 10% -> 100%: 0.8 -> 1.0
+    # a registered method no seed finished is named, never silently absent
+    res = _fresh([s0], [0, 1, 2])
+    res["preregistration"]["methods"] = {"ties": "density=0.5", "dare_ties": "density=0.5"}
+    md, summ = qr.derive_with_summary(res, n_boot=5)
+    assert "**Methods not run**: ['dare_ties']" in md
+    assert "| tb | not recorded | dare_ties | | not run | | | | 0 (of 3) |" in qr.summary_md([summ])
 
 
 def test_testbed_entry_overrides_primary_setting():
