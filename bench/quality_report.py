@@ -226,8 +226,12 @@ def derive_with_summary(res: dict, n_boot: int | None = None) -> tuple[str, dict
         "**Budgeted merges**: worst-task kept share (of the full merge's normalised gain, over tasks at or above "
         "the floor). Read: expert bytes read of the experts' total (in parentheses the part read from sketches). "
         f"Setting `{primary}`: the default and the one the targets judge (energy value; `+signK`: up to K sign "
-        "planes per block; `+sign3+r1`: or the rank-1 tier, rank-1 factors + one residual sign plane); `energy`: "
-        "read or skip.\n",
+        "planes per block; `+sign3+r1`: or the rank-1 tier, rank-1 factors + one residual sign plane)"
+        + (
+            "; `energy`: read or skip.\n"
+            if any(k[0] == "energy" for p in per for d in p.values() for k in d["points"])
+            else ".\n"
+        ),
         "| method | setting | budget | read (sketches) | mean [t 95%] | test-set bootstrap 95% | per-seed min | n "
         "| target | worst NG mean |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
