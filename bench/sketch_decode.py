@@ -11,9 +11,15 @@ shared machine's load) or CUDA-synchronised wall time on a GPU:
 - ``prepare``: :class:`~mergepipe.engine.sketchkernel.SketchRun` building its sign codes and
   value tables (once per run);
 - ``tiles``: decoding the run tile by tile (64Ki entries, the engine's tile) into ``δ̂`` (the
-  task vector the engine merges for a sketched entry since issue 23's table forms).
+  task vector the engine merges for a sketched entry since issue 23's table forms);
+- ``tiles_trim``: the same with the TIES trim the engine applies (``hardshrink`` at the median
+  ``|δ|``: from the value table for sign planes, on the decoded rows for the rank-1 tier);
 
-Throughput is the bf16 bytes the decoded entries stand for (2 bytes per entry) per second.
+each for the sign tier (``sign3``: 3 planes, keys ``{dev}_...``) and the rank-1 tier
+(``sign3+r1``'s level 4: rank-1 factors + the residual plane, keys ``{dev}_r1_...``).
+
+Throughput is the bf16 bytes the decoded entries stand for (2 bytes per entry) per second of one
+core: GB of expert bytes per second per core.
 Usage::
 
     python bench/sketch_decode.py [--rows 4096] [--cols 768] [--block-rows 85] [--repeat 3]
@@ -38,7 +44,7 @@ def main() -> None:
 
     import torch
 
-    from mergepipe.catalog.sketch import PLANES, decode_blocks, encode_block
+    from mergepipe.catalog.sketch import PLANES, SECTIONS, decode_blocks, encode_block
     from mergepipe.engine.chunk import TILE_ELEMS
     from mergepipe.engine.sketchkernel import SketchRun
 
@@ -47,13 +53,14 @@ def main() -> None:
     n = rows * rn
     rng = np.random.default_rng(0)
     delta = (rng.standard_normal((rows, rn)) * 0.01).astype(np.float32)
-    planes: list[list[bytes]] = [[] for _ in range(PLANES)]
+    planes: list[list[bytes]] = [[] for _ in range(SECTIONS)]
     for r in range(0, rows, rpb):
         for p, b in enumerate(encode_block(delta[r : r + rpb])[0]):
             planes[p].append(b)
     blobs = [b"".join(p) for p in planes]
     base = (rng.standard_normal(n) * 0.02).astype(np.float32)
     gb = 2 * n / 1e9
+    lam = float(np.median(np.abs(delta)))
     report: dict = {"entries": n, "expert_gb": gb, "planes": PLANES, "threads": 1}
 
     def timed(fn, sync=None) -> float:
@@ -85,20 +92,24 @@ def main() -> None:
         sync = torch.cuda.synchronize if dev == "cuda" else None
         bt = torch.from_numpy(base).to(dev)
 
-        def prepare(dev=dev) -> SketchRun:
-            run = SketchRun(rows, rn, rpb, list(blobs))
-            run.delta_rows(0, 1, torch.device(dev))
-            return run
+        tiers = {"": (list(blobs[:PLANES]), None), "r1_": ([blobs[PLANES + 1]], blobs[PLANES])}
+        for tag, (pl, fac) in tiers.items():
 
-        run = prepare()
+            def prepare(dev=dev, pl=pl, fac=fac) -> SketchRun:
+                run = SketchRun(rows, rn, rpb, pl, factors=fac)
+                run.delta_rows(0, 1, torch.device(dev))
+                return run
 
-        def tiles(run=run, bt=bt) -> None:
-            for s in range(0, n, TILE_ELEMS):
-                e = min(n, s + TILE_ELEMS)
-                run.delta(s, e, bt[s:e])
+            run = prepare()
 
-        report[f"{dev}_prepare_gb_s"] = round(gb / timed(prepare, sync), 3)
-        report[f"{dev}_tiles_gb_s"] = round(gb / timed(tiles, sync), 3)
+            def tiles(run=run, bt=bt, shrink=None) -> None:
+                for s in range(0, n, TILE_ELEMS):
+                    e = min(n, s + TILE_ELEMS)
+                    run.delta(s, e, bt[s:e], shrink)
+
+            report[f"{dev}_{tag}prepare_gb_s"] = round(gb / timed(prepare, sync), 3)
+            report[f"{dev}_{tag}tiles_gb_s"] = round(gb / timed(tiles, sync), 3)
+            report[f"{dev}_{tag}tiles_trim_gb_s"] = round(gb / timed(lambda run=run: tiles(run, shrink=lam), sync), 3)
     print(json.dumps(report))
 
 

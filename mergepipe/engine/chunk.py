@@ -99,29 +99,27 @@ def _raw_tensor(raw: Buffer, dtype: str) -> torch.Tensor:
 
 class _GroupHist:
     """Accumulates the exact-threshold histogram of one key group (:func:`mergepipe.numerics.
-    exact_shrink_hist`) from float32 task-vector tiles: the offsets of a tile's entries in the
-    group are buffered (int64, at most ~1M entries: 8 MiB) and counted into the ``GROUP_BINS``
-    int64 bins when the buffer fills, so a tile does not pay for the whole bin array."""
-
-    FLUSH = 1 << 20
+    exact_shrink_hist`) from float32 task-vector tiles: each tile's ``|δ|`` bit patterns, offset
+    by the group's first pattern and clamped to one bin below and one above the group, are
+    counted with ``torch.bincount`` (on the tile's device) into a running ``GROUP_BINS + 2``
+    histogram whose two end bins (entries outside the group) are dropped. A select of the
+    entries in the group would cost a boolean mask and a gather per tile; the clamp keeps
+    every pass a plain elementwise one."""
 
     def __init__(self, tau: int) -> None:
         self.lo, n = key_group_bits(tau)
         self.hist = np.zeros(n, dtype=np.int64)
-        self._buf: list[torch.Tensor] = []
-        self._n = 0
+        self._acc: torch.Tensor | None = None
 
     def add_dense(self, d: torch.Tensor) -> None:
         """Count the entries of ``d`` (float32 torch, any device) whose ``|δ|`` is in the group."""
         import torch
 
-        off = d.abs().view(torch.int32).to(torch.int64).sub_(self.lo)
-        sel = off[(off >= 0) & (off < len(self.hist))]
-        if sel.numel():
-            self._buf.append(sel)
-            self._n += sel.numel()
-            if self._n >= self.FLUSH:
-                self._flush()
+        n = len(self.hist)
+        # |δ| bits − lo: no int32 overflow (|δ| clears the sign bit, lo >= 0); clamped to [-1, n]
+        off = d.abs().view(torch.int32).sub_(self.lo).clamp_(-1, n).add_(1).to(torch.int64)
+        counts = torch.bincount(off, minlength=n + 2)
+        self._acc = counts if self._acc is None else self._acc.add_(counts)
 
     def add_run(self, run: SketchRun, dev: torch.device) -> None:
         """Count a sketched run's entries: a sign-plane run from its rows' value tables (no
@@ -133,17 +131,11 @@ class _GroupHist:
         for r0 in range(0, run.rows, step):
             self.add_dense(run.delta_rows(r0, min(run.rows, r0 + step), dev).view(-1))
 
-    def _flush(self) -> None:
-        import torch
-
-        if self._buf:
-            sel = torch.cat(self._buf) if len(self._buf) > 1 else self._buf[0]
-            self.hist += torch.bincount(sel, minlength=len(self.hist)).cpu().numpy()
-            self._buf, self._n = [], 0
-
     def done(self) -> np.ndarray:
         """The int64 histogram (bin ``i``: bit pattern ``lo + i``)."""
-        self._flush()
+        if self._acc is not None:
+            self.hist += self._acc[1:-1].cpu().numpy()
+            self._acc = None
         return self.hist
 
 
@@ -236,6 +228,29 @@ def _expert_params(tp: TensorPlan, te: TensorExpert, groups: Groups, hist_of: Hi
         shrink=shrink,
         shrink_hi=shrink_hi,
     )
+
+
+def _tile_delta_or_zero(
+    runs: list[Run], b: torch.Tensor, s: int, e: int, shrink: float | None = None
+) -> tuple[torch.Tensor | None, bool]:
+    """:func:`_tile_delta`, or ``(None, True)`` when the expert's task vector over ``[s, e)`` is
+    known to be exactly zero without computing it: no run overlaps the tile, or every run that
+    does is a sign-plane sketch whose overlapping rows' trimmed value tables are all zero
+    (:meth:`~mergepipe.engine.sketchkernel.SketchRun.zero_rows`). The merge then leaves the
+    expert out of the tile: a zero task vector adds nothing to a task-arithmetic combine (see
+    :func:`_merge_chunk_tiled`)."""
+    for a, z, x, _dl in runs:
+        lo, hi = max(a, s), min(z, e)
+        if hi <= lo:
+            continue
+        if not isinstance(x, SketchRun):
+            break
+        rn = x.row_numel
+        if not x.zero_rows((lo - a) // rn, -(-(hi - a) // rn), b.device, shrink):
+            break
+    else:
+        return None, True
+    return _tile_delta(runs, b, s, e, shrink)
 
 
 def _tile_delta(
@@ -410,15 +425,23 @@ def _tiled_output(
     n = base_t.numel()
     offset = it.r0 * row_numel_of(tp.shape)
     out = torch.empty(n, dtype=_torch_dtype(tp.out_dtype or tp.dtype), device=dev)
-    ws = [ep.weight for ep, _ in eparts]
+    trims = [_trim_lambda(spec, ep) for ep, _ in eparts]
+    droppable = spec.zero_delta_droppable(tp.params)
     for s in range(0, n, TILE_ELEMS):
         e = min(n, s + TILE_ELEMS)
         b = base_t[s:e].float()  # (F32: a read-only view; nothing below writes into the base)
-        deltas = []
-        for (ep, runs), f in zip(eparts, factors):
-            d, trimmed = _tile_delta(runs, b, s, e, _trim_lambda(spec, ep))
+        # an expert whose task vector is exactly zero on the tile is left out of it: its terms in
+        # the sign election, the sum and the divisor are zeros, which change no value of the
+        # merge (a zero added to a sum leaves it, up to the sign of a zero result, and a zero
+        # merged delta takes the base bit for bit: kernels._sum_consensus_arith)
+        deltas, ws = [], []
+        for (ep, runs), f, lam in zip(eparts, factors, trims):
+            d, trimmed = _tile_delta_or_zero(runs, b, s, e, lam) if droppable else _tile_delta(runs, b, s, e, lam)
+            if d is None:
+                continue
             kept = d if trimmed else sparsify(d, spec, ep, offset + s, tp.shape)
             deltas.append(kept * f if f != 1.0 else kept)
+            ws.append(ep.weight)
         out[s:e].copy_(combine(b, deltas, ws, spec, tp.params, weight_sum=tp.weight_sum, consume=True))
     return out.cpu().view(torch.uint8).numpy().data if n else b""
 

@@ -55,7 +55,6 @@ class _Prepared:
     table: torch.Tensor  # float32 (rows, 2**k) torch tensor: the value of each k-bit sign code per row
     u: Any = None  # float32 (rows,) torch tensor: the rank-1 tier's row factor (None: sign planes only)
     v: Any = None  # float32 (n_blocks, row_numel) torch tensor: the column factor of each block
-    blk: Any = None  # int64 (rows,) torch tensor: each row's block in the run
 
 
 @dataclass
@@ -189,7 +188,6 @@ class SketchRun:
                 pos += r + rn
             got.u = torch.from_numpy(_from_bf16_bits(np.concatenate(us))).to(dev)
             got.v = torch.from_numpy(_from_bf16_bits(np.stack(vs))).to(dev)
-            got.blk = torch.arange(self.rows, device=dev) // rpb
         self._dev[dev] = got
         return got
 
@@ -207,6 +205,20 @@ class SketchRun:
             t = self._dev[key] = torch.nn.functional.hardshrink(pr.table, shrink)
         return t
 
+    def zero_rows(self, r0: int, r1: int, dev: torch.device, shrink: float | None) -> bool:
+        """True when every entry of rows ``[r0, r1)`` decodes to exactly zero after the trim
+        ``hardshrink(·, shrink)`` (a sign-plane run whose rows' trimmed value tables are all zero:
+        at density 0.3 a one-plane row's ``±s`` is usually below the threshold), so the merge can
+        leave the run out of those rows without decoding them. A rank-1 run, or no ``shrink``:
+        False unless the table says so for the untrimmed values."""
+        if self.factors is not None:
+            return False
+        key = (dev, "zero", shrink)
+        z = self._dev.get(key)
+        if z is None:
+            z = self._dev[key] = (self._table(dev, shrink) == 0).all(dim=1).cpu().numpy()
+        return bool(z[r0:r1].all())
+
     def delta_rows(self, r0: int, r1: int, dev: torch.device, shrink: float | None = None) -> torch.Tensor:
         """float32 ``(r1 − r0, row_numel)`` torch tensor on ``dev``: ``δ̂_k`` of rows ``[r0, r1)``
         of the run (``Σ_p σ_p·s_p`` in plane order): one gather of the rows' sign codes from
@@ -220,9 +232,14 @@ class SketchRun:
         if pr.u is None:
             return torch.gather(self._table(dev, shrink)[r0:r1], 1, idx)
         # rank-1 tier: u[row]·v[col] (float32, exact for bf16 factors), then + σ·s; no value table
-        # holds these entries, so a trim applies to the decoded rows
-        lr = torch.mul(pr.u[r0:r1, None], pr.v.index_select(0, pr.blk[r0:r1]))
-        d = torch.add(lr, torch.gather(pr.table[r0:r1], 1, idx))
+        # holds these entries, so a trim applies to the decoded rows. The product is written block
+        # by block (a row's v is its block's: broadcast, no per-row copy of v)
+        rpb = self.rows_per_block
+        d = torch.empty((r1 - r0, rn), dtype=torch.float32, device=dev)
+        for blk in range(r0 // rpb, (r1 - 1) // rpb + 1):
+            a, z = max(r0, blk * rpb), min(r1, (blk + 1) * rpb)
+            torch.mul(pr.u[a:z, None], pr.v[blk], out=d[a - r0 : z - r0])
+        d.add_(torch.gather(pr.table[r0:r1], 1, idx))
         return d if shrink is None else torch.nn.functional.hardshrink(d, shrink)
 
     def delta(self, e0: int, e1: int, b: torch.Tensor, shrink: float | None = None) -> torch.Tensor:

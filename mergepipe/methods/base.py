@@ -370,6 +370,12 @@ class MethodSpec:
         tensor's sum of weights."""
         return True
 
+    def zero_delta_droppable(self, globals_: Mapping[str, Any]) -> bool:
+        """True when :meth:`combine` gives the same bits with an expert whose task vector is
+        all zeros left out of ``deltas``/``weights`` (``weight_sum`` still counts it), so the
+        tiled engine skips experts with nothing on a tile. Default: no."""
+        return False
+
     # --- engine: the chunk kernel ---------------------------------------------------------
 
     def row_stats(self, g: Mapping[str, Any]) -> bool:

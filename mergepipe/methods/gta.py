@@ -122,6 +122,13 @@ class TaskArithmeticMethod(MethodSpec):
     def row_stats(self, g: Mapping[str, Any]) -> bool:
         return self.sparsifier.row_stats
 
+    def zero_delta_droppable(self, globals_: Mapping[str, Any]) -> bool:
+        """Yes: a zero task vector adds zeros to the sign election, the sums and the divisor,
+        which change no value (a zero added to a float32 sum leaves it, up to the sign of a zero
+        result) and a zero merged delta takes the base bit for bit (``_add``, ``base − (0 −
+        mixed)``); its sparsifier (magnitude, random, outliers) keeps zeros zero."""
+        return True
+
     def elementwise(self, dtype: str) -> bool:
         return not self.sparsifier.row_stats and dtype in TILE_DTYPES
 

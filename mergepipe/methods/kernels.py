@@ -271,6 +271,8 @@ def task_arithmetic_combine(
     return _add(base, mixed)
 
 
+_SIGN_BIT = -0x80000000  # float32 sign bit as an int32
+_ONE_BITS = 0x3F800000  # float32 1.0
 _F32_TRUE_MIN = float(np.array([1], dtype=np.uint32).view(np.float32)[0])  # 2**-149, smallest subnormal
 
 
@@ -311,8 +313,14 @@ def _sum_consensus_arith(
         total.add_(t)
     if not math.isfinite(float(total.sum())):  # NaN or ±inf anywhere (or a float32 overflow: also safe)
         return None
-    one = torch.ones((), dtype=total.dtype, device=total.device).expand_as(total)
-    sgn = torch.copysign(one, total, out=total) if len(ts) > 1 else torch.copysign(one, total)
+    # copysign(1, Σtᵢ) on the bits: the sign bit kept, the rest 1.0's (two integer passes in place,
+    # a third of torch.copysign's time on the CPU)
+    if total.dtype == torch.float32 and total.is_contiguous():
+        sgn = total if len(ts) > 1 else total.clone()
+        sgn.view(torch.int32).bitwise_and_(_SIGN_BIT).bitwise_or_(_ONE_BITS)
+    else:
+        one = torch.ones((), dtype=total.dtype, device=total.device).expand_as(total)
+        sgn = torch.copysign(one, total, out=total) if len(ts) > 1 else torch.copysign(one, total)
     acc = div = None
     for t, w, own in zip(ts, weights, owned):
         p = (t.mul_(sgn) if own else torch.mul(t, sgn)).relu_()

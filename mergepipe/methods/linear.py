@@ -36,6 +36,11 @@ class LinearMethod(TaskArithmeticMethod):
 
         return linear_combine(base, deltas, weights, globals_, weight_sum)
 
+    def zero_delta_droppable(self, globals_: Mapping[str, Any]) -> bool:
+        # without normalize the output is base·Σwᵢ + Σwᵢδᵢ, where the sign of a zero sum can show
+        # (a negative weight makes a zero task vector −0)
+        return bool(globals_.get("normalize", True))
+
     def identity_on_zero_delta(self, weight_sum: float, globals_: Mapping[str, Any]) -> bool:
         # without normalize the output is base·Σwᵢ + Σwᵢδᵢ: the base only when Σwᵢ = 1
         return bool(globals_.get("normalize", True)) or weight_sum == 1.0

@@ -212,3 +212,82 @@ def test_exact_shrink_hist_equals_exact_shrink_on_random_groups():
         for rank in {1, m // 2 + 1, max(1, m - 1), m, m + 1}:
             for all_below in (False, True):
                 assert exact_shrink_hist(h, lo, rank, all_below) == exact_shrink(g, rank, all_below)
+
+
+def test_group_hist_counts_exactly_the_group_bit_patterns():
+    """The clamped bincount counts an entry iff its ``|δ|`` bit pattern is in ``[lo, lo + n)``: the
+    patterns just outside, zeros, ±inf and NaN are not counted, in any tile split."""
+    tau = int(magnitude_keys(np.array([0.01], dtype=np.float32))[0])
+    lo, n = key_group_bits(tau)
+    pats = np.array([lo - 1, lo, lo + 1, lo + n // 2, lo + n - 1, lo + n, 0, 0x7F800000, 0x7FC00000], dtype=np.int32)
+    vals = np.concatenate([pats.view(np.float32), -pats.view(np.float32)])
+    vals = np.concatenate([vals, np.zeros(5, np.float32)])
+    want = np.zeros(n, dtype=np.int64)
+    for p in pats:
+        if lo <= p < lo + n:
+            want[p - lo] += 2
+    for split in (1, 4, len(vals)):
+        g = _GroupHist(tau)
+        for s in range(0, len(vals), split):
+            g.add_dense(torch.from_numpy(vals[s : s + split]))
+        assert np.array_equal(g.done(), want)
+    assert _GroupHist(tau).done().sum() == 0
+
+
+@pytest.mark.parametrize(("method", "params"), [("ties", {}), ("task_arithmetic", {}), ("linear", {"normalize": True})])
+def test_zero_experts_left_out_of_a_tile_change_no_bit(monkeypatch, method, params):
+    """The tiled merge leaves an expert out of a tile where its task vector is known to be zero
+    (no run there, or sketched rows whose trimmed value tables are all zero): the output bytes
+    equal those of the merge that combines every expert's zeros. The fixture makes both happen:
+    expert 0 is exact on the first rows only, expert 1 one sign plane whose second half of rows
+    has scales below the trim, expert 2 three planes on the last rows; tiles of 2 rows."""
+    from mergepipe.engine import chunk
+    from mergepipe.engine.reader import ChunkInputs
+    from mergepipe.engine.worklist import WorkItem
+    from mergepipe.methods.registry import get_method
+    from mergepipe.planner.plan import TensorExpert, TensorPlan
+
+    rows, rn, rpb = 40, 33, 6
+    rng = np.random.default_rng(7)
+    base = torch.from_numpy((rng.standard_normal((rows, rn)) * 0.02).astype(np.float32)).bfloat16()
+    base.view(-1)[::11] = -0.0
+    x0 = (base.float() + torch.from_numpy((rng.standard_normal((rows, rn)) * 0.01).astype(np.float32))).bfloat16()
+    d1 = (rng.standard_normal((rows, rn)) * 0.01).astype(np.float32)
+    d1[rows // 2 :] *= 1e-3  # their one-plane scale |δ| is far below the trim below
+    d2 = (rng.standard_normal((rows, rn)) * 0.01).astype(np.float32)
+    p1, p2 = _planes(d1, rpb), _planes(d2[18:], rpb)
+    exps = [
+        [((0, 12), x0[:12].contiguous().view(torch.uint8).numpy().tobytes())],
+        [((0, rows), SketchRun(rows, rn, rpb, p1[:1]))],
+        [((18, rows), SketchRun(rows - 18, rn, rpb, p2[:PLANES]))],
+    ]
+    min_key = int(magnitude_keys(np.array([0.004], dtype=np.float32))[0])
+    spec = get_method(method)
+    tes = [
+        TensorExpert(expert=i, file="x", start=0, weight=w, density=0.5 if method == "ties" else 1.0, min_key=min_key,
+                     blocks=[], bytes=0, kept_energy=1.0, full_energy=1.0)
+        for i, w in enumerate([1.0, 0.5, 2.0])
+    ]  # fmt: skip
+    g = {p.name: p.default for p in spec.params if p.scope == "global" and p.default is not None}
+    tp = TensorPlan(name="t", dtype="BF16", shape=[rows, rn], file="x", start=0, rows_per_block=rpb,
+                    n_blocks=-(-rows // rpb), chunk_rows=rows, params={**g, **params}, weight_sum=3.5, experts=tes)  # fmt: skip
+    it = WorkItem("merge", tp, 0, rows, 0)
+    monkeypatch.setattr(chunk, "TILE_ELEMS", 2 * rn)
+    calls = []
+    real = SketchRun.zero_rows
+
+    def spy(self, r0, r1, dev, shrink):
+        calls.append(out := real(self, r0, r1, dev, shrink))
+        return out
+
+    monkeypatch.setattr(SketchRun, "zero_rows", spy)
+
+    def merged() -> bytes:
+        inputs = ChunkInputs(base.view(torch.uint8).numpy().tobytes(), exps)
+        return bytes(chunk.merge_chunk(it, inputs, None, spec, torch.device("cpu"), chunk.L1Sums()))  # type: ignore[arg-type]
+
+    skipping = merged()
+    if method == "ties":
+        assert any(calls) and not all(calls)  # some tiles of expert 1 are left out, some not
+    monkeypatch.setattr(type(spec), "zero_delta_droppable", lambda self, g: False)
+    assert merged() == skipping
