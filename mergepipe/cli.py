@@ -941,7 +941,8 @@ def calibrate(json_out: JsonOpt = False):
     print(
         f"read {tp.read_bytes_per_s / 1e9:.2f} GB/s, {tp.request_s * 1e6:.0f} µs/request, write "
         f"{tp.write_bytes_per_s / 1e9:.2f} GB/s, decode {tp.decode_bytes_per_s / 1e9:.2f} GB/s, merge "
-        f"{tp.merge_bytes_per_s / 1e9:.2f} GB/s ({tp.device}, {tp.threads} threads) -> {path}"
+        + ", ".join(f"{fam} {bps / 1e9:.2f}" for fam, bps in tp.merge_bytes_per_s.items())
+        + f" GB/s ({tp.device}, {tp.threads} threads) -> {path}"
     )
 
 

@@ -13,9 +13,14 @@ The model (all terms additive, one process, no overlap assumed, so it is an uppe
 for a pipelined engine)::
 
     read   = (base + expert exact bytes) / read_bytes_per_s + requests * request_s
-    decode = sketch bytes / decode_bytes_per_s
-    merge  = (base + expert exact + sketch bytes) / merge_bytes_per_s
+    decode = sketched entry bytes / decode_bytes_per_s
+    merge  = (base + expert exact + sketched entry bytes) / merge_bytes_per_s[family of the method]
     write  = output bytes / write_bytes_per_s
+
+"Sketched entry bytes" are what the sketched rows would be in the tensor's dtype
+(:func:`sketched_entry_bytes`): a sketched entry is decoded, then merged like an exact one. The
+decode and merge rates are the engine's own kernels timed on a small synthetic tensor
+(:func:`engine_rates`), one merge rate per method family (:data:`FAMILIES`).
 
 ``requests`` counts, per tensor and pass, one base range plus one per selected block run and per
 sketch run of each expert (before coalescing: an upper bound). Only local storage is calibrated
@@ -31,14 +36,16 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mergepipe.errors import InputError
 from mergepipe.planner.plan import Plan
 
-THROUGHPUT_FORMAT = "mergepipe.throughput/v1"
+THROUGHPUT_FORMAT = "mergepipe.throughput/v2"
+#: a method family of the cost model (:data:`FAMILIES`)
+Family = Literal["consensus", "sum", "whole"]
 #: the throughput cache's size cap (a real file is ~500 bytes)
 MAX_THROUGHPUT_BYTES = 64 * 1024
 
@@ -51,10 +58,13 @@ class Throughput(BaseModel):
             cannot drop the OS cache without privileges).
         write_bytes_per_s: local storage write including fsync, bytes/s.
         request_s: seconds per small random read request (4 KiB ``pread``).
-        decode_bytes_per_s: sketch decode, sketch bytes/s (a gather of per-row value tables by a
-            one-byte code per entry, the form of :mod:`mergepipe.engine.sketchkernel`).
-        merge_bytes_per_s: merge arithmetic, input bytes/s (a TIES-like float32 trim + sign
-            election + disjoint mean over 4 bf16 experts; one rate for every method family).
+        decode_bytes_per_s: sketch decode, in bf16-equivalent bytes of the sketched entries
+            (2 per entry) per second: the engine's own decoder
+            (:class:`~mergepipe.engine.sketchkernel.SketchRun`, 3 planes: codes and value tables,
+            then every tile's trimmed gather; :func:`engine_rates`).
+        merge_bytes_per_s: per method family (:data:`FAMILIES`), the engine's merge of one
+            chunk (:func:`mergepipe.engine.chunk.merge_chunk` on a synthetic bf16 tensor), input
+            bytes (base plus experts) per second.
         host, device, threads: where it was measured (``platform.node()``, ``"cpu"``,
             ``torch.get_num_threads()``).
         measured_at: UNIX seconds.
@@ -67,7 +77,7 @@ class Throughput(BaseModel):
     write_bytes_per_s: float = Field(gt=0, allow_inf_nan=False)
     request_s: float = Field(ge=0, allow_inf_nan=False)
     decode_bytes_per_s: float = Field(gt=0, allow_inf_nan=False)
-    merge_bytes_per_s: float = Field(gt=0, allow_inf_nan=False)
+    merge_bytes_per_s: dict[Family, Annotated[float, Field(gt=0, allow_inf_nan=False)]]
     host: str = ""
     device: str = "cpu"
     threads: int = Field(default=1, ge=1)
@@ -158,29 +168,7 @@ def calibrate(folder: str | os.PathLike[str] | None = None, *, mib: int = 64) ->
             os.close(fd)
     finally:
         scratch.unlink(missing_ok=True)
-    rows, cols = 2048, 1024
-    g = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 8, (rows, cols), generator=g, dtype=torch.uint8)
-    table = torch.randn(rows, 8, generator=g)
-    t0 = time.perf_counter()
-    for _ in range(3):
-        torch.gather(table, 1, codes.long())
-    decode_bps = 3 * codes.numel() * 3 / 8 / max(time.perf_counter() - t0, 1e-9)  # 3 sign planes: 3 bits/entry
-    base = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
-    experts = [torch.randn(rows, cols, generator=g).to(torch.bfloat16) for _ in range(4)]
-    t0 = time.perf_counter()
-    for _ in range(2):
-        b = base.float()
-        deltas = torch.stack([e.float() - b for e in experts])
-        k = int(0.3 * deltas[0].numel())
-        for i in range(len(experts)):
-            thr = deltas[i].abs().flatten().kthvalue(deltas[i].numel() - k + 1).values
-            deltas[i] *= deltas[i].abs() >= thr
-        sign = torch.sign(deltas.sum(0))
-        agree = torch.sign(deltas) == sign
-        merged = (deltas * agree).sum(0) / agree.sum(0).clamp(min=1)
-        (b + merged).to(torch.bfloat16)
-    merge_bps = 2 * (1 + len(experts)) * base.numel() * 2 / max(time.perf_counter() - t0, 1e-9)
+    decode_bps, merge_bps = engine_rates()
     return Throughput(
         read_bytes_per_s=read_bps,
         write_bytes_per_s=write_bps,
@@ -189,9 +177,158 @@ def calibrate(folder: str | os.PathLike[str] | None = None, *, mib: int = 64) ->
         merge_bytes_per_s=merge_bps,
         host=platform.node(),
         device="cpu",
-        threads=torch.get_num_threads(),
+        threads=_compute_threads(),
         measured_at=time.time(),
     )
+
+
+#: the method families of the cost model, one measured merge rate each, by the engine path a
+#: method's tensors take: tile by tile with TIES sign election (``consensus``: ties, dare_ties,
+#: breadcrumbs_ties), tile by tile without it (``sum``: task_arithmetic, linear, dare_linear,
+#: breadcrumbs), or whole chunks in float32 (``whole``: della and the methods with row or tensor
+#: statistics). Each is timed on the method named here.
+FAMILIES: dict[Family, str] = {"consensus": "ties", "sum": "task_arithmetic", "whole": "della"}
+
+#: the synthetic tensor the engine is timed on: rows x cols bf16 (2 MiB per model), K experts
+_CAL_ROWS, _CAL_COLS, _CAL_K, _CAL_RPB = 512, 1024, 4, 64
+
+
+def method_family(method: str) -> Family:
+    """The cost-model family of a merge method (:data:`FAMILIES`).
+
+    Raises:
+        KeyError: an unknown method name."""
+    from mergepipe.methods.registry import get_method
+
+    spec = get_method(method)
+    if spec.elementwise("BF16"):
+        return "consensus" if spec.consensus else "sum"
+    return "whole"
+
+
+def _compute_threads() -> int:
+    from mergepipe.engine.executor import default_compute_threads
+
+    return default_compute_threads()
+
+
+def _synthetic_chunk(method: str, sketched: bool, seed: int = 0) -> tuple[Any, Any, Any]:
+    """``(item, inputs, spec)``: one whole-tensor ``merge`` work item of :data:`_CAL_K` bf16
+    experts over a bf16 base (``_CAL_ROWS x _CAL_COLS``, task vectors ~1% of the base's scale),
+    with the plan fields the engine reads for ``method`` (density 0.3; TIES's exact threshold
+    rank from the chunk's key histogram, so the timing includes the engine's threshold
+    histogram). ``sketched``: every expert arrives as a 3-plane sign sketch (random sign bits,
+    bf16 scales of the task vector's size) instead of exact rows."""
+    import numpy as np
+    import torch
+
+    from mergepipe.engine.reader import ChunkInputs
+    from mergepipe.engine.sketchkernel import SketchRun
+    from mergepipe.engine.worklist import WorkItem
+    from mergepipe.methods.registry import get_method
+    from mergepipe.numerics import histogram, magnitude_keys, trim_rank
+    from mergepipe.planner.plan import TensorExpert, TensorPlan
+
+    rows, cols, k, rpb = _CAL_ROWS, _CAL_COLS, _CAL_K, _CAL_RPB
+    spec = get_method(method)
+    g = torch.Generator().manual_seed(seed)
+    base = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
+    tes: list[TensorExpert] = []
+    exps: list[list[Any]] = []
+    for i in range(k):
+        x = (base.float() + torch.randn(rows, cols, generator=g) * 0.002).to(torch.bfloat16)
+        d = (x.float() - base.float()).numpy().reshape(-1)
+        keys, counts = histogram(magnitude_keys(d))
+        tau, rank, _ = trim_rank(keys, counts, d.size, 0.3)
+        exact = spec.consensus is not None and spec.sparsify == "magnitude"
+        tes.append(
+            TensorExpert(
+                expert=i, file="x", start=0, density=0.3, epsilon=0.1, min_key=tau, exact_rank=rank if exact else 0,
+                stream_key=i + 1, blocks=[(0, -(-rows // rpb))], bytes=x.numel() * 2, kept_energy=1.0, full_energy=1.0,
+            )
+        )  # fmt: skip
+        if sketched:
+            planes: list[Any] = []
+            rng = np.random.default_rng(seed + i)
+            for _p in range(3):
+                blocks = []
+                for r0 in range(0, rows, rpb):
+                    r = min(rpb, rows - r0)
+                    bits = rng.integers(0, 256, (r * cols + 7) // 8, dtype=np.uint8).tobytes()
+                    scale = torch.full((r,), 0.002, dtype=torch.bfloat16).view(torch.int16).numpy().astype("<u2")
+                    blocks.append(bits + scale.tobytes())
+                planes.append(b"".join(blocks))
+            exps.append([((0, rows), SketchRun(rows, cols, rpb, planes))])
+        else:
+            exps.append([((0, rows), x.view(torch.uint8).numpy().tobytes())])
+    params = {p.name: p.default for p in spec.params if p.scope == "global" and p.default is not None}
+    tp = TensorPlan(
+        name="calibration", dtype="BF16", shape=[rows, cols], file="x", start=0, rows_per_block=rpb,
+        n_blocks=-(-rows // rpb), chunk_rows=rows, params=params, weight_sum=float(k), experts=tes,
+    )  # fmt: skip
+    return WorkItem("merge", tp, 0, rows, 0), ChunkInputs(base.view(torch.uint8).numpy().tobytes(), exps), spec
+
+
+def _best_seconds(fn: Callable[[], object], repeat: int, clock: Callable[[], float]) -> float:
+    """The fastest of ``repeat`` runs of ``fn`` on ``clock`` (after one untimed warm-up)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = clock()
+        fn()
+        best = min(best, clock() - t0)
+    return max(best, 1e-9)
+
+
+def engine_rates(repeat: int = 3) -> tuple[float, dict[Family, float]]:
+    """Time the engine's own kernels on a small synthetic tensor (:func:`_synthetic_chunk`, ~10 MiB
+    of bf16 inputs) with the engine's compute threads, on the CPU.
+
+    Returns:
+        ``(decode, merge)``: ``decode`` the sketch decode rate in bf16-equivalent bytes of
+        sketched entries per second (:class:`~mergepipe.engine.sketchkernel.SketchRun`: sign
+        codes and value tables, then every tile's trimmed gather, 3 planes); ``merge`` per
+        family of :data:`FAMILIES`, input bytes (base plus experts) per second of
+        :func:`mergepipe.engine.chunk.merge_chunk` on exact inputs. The fastest of ``repeat``
+        runs, in CPU seconds when the engine computes on one thread (its default on 2 cores),
+        so a shared machine's load does not enter the rates; wall seconds otherwise.
+    """
+    import torch
+
+    from mergepipe.engine.chunk import TILE_ELEMS, L1Sums, merge_chunk
+
+    before = torch.get_num_threads()
+    threads = _compute_threads()
+    # one compute thread (the engine's default on 2 cores): its CPU seconds, which a shared
+    # machine's load does not inflate as it does wall seconds; several: wall seconds
+    clock = time.process_time if threads == 1 else time.perf_counter
+    torch.set_num_threads(threads)
+    try:
+        dev = torch.device("cpu")
+        merge: dict[Family, float] = {}
+        for fam, method in FAMILIES.items():
+            it, inputs, spec = _synthetic_chunk(method, sketched=False)
+            nbytes = memoryview(inputs.base).nbytes * (1 + _CAL_K)
+
+            def merged(it: Any = it, inputs: Any = inputs, spec: Any = spec) -> object:
+                return merge_chunk(it, inputs, None, spec, dev, L1Sums())  # type: ignore[arg-type]
+
+            merge[fam] = nbytes / _best_seconds(merged, repeat, clock)
+        it, inputs, _spec = _synthetic_chunk("ties", sketched=True)
+        n = _CAL_ROWS * _CAL_COLS
+        runs = [parts[0][1] for parts in inputs.experts or []]
+        b = torch.zeros(n)
+
+        def decode() -> None:
+            for run in runs:
+                run._dev.clear()  # codes and tables are built once per run: time that too
+                for s in range(0, n, TILE_ELEMS):
+                    run.delta(s, min(n, s + TILE_ELEMS), b[s : min(n, s + TILE_ELEMS)], 1e-3)
+
+        decode_bps = 2 * n * len(runs) / _best_seconds(decode, repeat, clock)
+    finally:
+        torch.set_num_threads(before)
+    return decode_bps, merge
 
 
 def plan_requests(plan: Plan) -> int:
@@ -204,6 +341,23 @@ def plan_requests(plan: Plan) -> int:
             continue
         n += t.passes * (1 + sum(len(e.blocks) + len(e.sketch_blocks) for e in t.experts))
     return n
+
+
+def sketched_entry_bytes(plan: Plan) -> int:
+    """Bytes the plan's sketched entries stand for in their tensors' dtype (what the decoder
+    produces and the merge then combines like exact entries): rows of every ``sketch_blocks``
+    run times the row's entries times the dtype's size."""
+    from mergepipe.formats.safetensors import DTYPES
+    from mergepipe.methods.kernels import row_numel_of
+
+    total = 0
+    for t in plan.tensors:
+        n_rows = int(t.shape[0]) if t.shape else 1
+        per_row = row_numel_of(t.shape) * DTYPES[t.dtype][0]
+        for e in t.experts:
+            for b0, b1 in e.sketch_blocks:
+                total += (min(b1 * t.rows_per_block, n_rows) - b0 * t.rows_per_block) * per_row
+    return total
 
 
 def predict_seconds(plan: Plan, tp: Throughput) -> dict[str, float] | None:
@@ -222,8 +376,11 @@ def predict_seconds(plan: Plan, tp: Throughput) -> dict[str, float] | None:
     io = plan.io
     exact = io.base_read_bytes + io.expert_read_bytes - io.sketch_read_bytes
     read = exact / tp.read_bytes_per_s + plan_requests(plan) * tp.request_s
-    decode = io.sketch_read_bytes / tp.decode_bytes_per_s
-    merge = (exact + io.sketch_read_bytes) / tp.merge_bytes_per_s
+    sketched = sketched_entry_bytes(plan)
+    decode = sketched / tp.decode_bytes_per_s
+    fam = method_family(plan.method)
+    rate = tp.merge_bytes_per_s.get(fam) or min(tp.merge_bytes_per_s.values())
+    merge = (exact + sketched) / rate
     write = io.output_write_bytes / tp.write_bytes_per_s
     return {"read": read, "decode": decode, "merge": merge, "write": write, "total": read + decode + merge + write}
 

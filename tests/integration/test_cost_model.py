@@ -13,11 +13,14 @@ from mergepipe.errors import InputError
 from mergepipe.pipeline import build_plan
 from mergepipe.planner.cost import (
     Throughput,
+    engine_rates,
     load_throughput,
+    method_family,
     parse_duration,
     plan_requests,
     predict_seconds,
     save_throughput,
+    sketched_entry_bytes,
 )
 from mergepipe.request import ExpertRequest, MergeRequest, PlanningOptions
 from mergepipe.storage.base import IOCounters
@@ -30,7 +33,7 @@ SLOW = Throughput(
     write_bytes_per_s=2.0**21,
     request_s=2.0**-10,
     decode_bytes_per_s=2.0**19,
-    merge_bytes_per_s=2.0**18,
+    merge_bytes_per_s={"consensus": 2.0**18, "sum": 2.0**17, "whole": 2.0**16},
 )
 
 
@@ -63,8 +66,11 @@ def test_prediction_is_the_documented_sum(family, tmp_path, monkeypatch):
     n = plan_requests(plan)
     assert n >= len(plan.tensors)
     assert pred["read"] == exact / 2**20 + n / 1024
-    assert pred["decode"] == io.sketch_read_bytes / 2**19
-    assert pred["merge"] == (exact + io.sketch_read_bytes) / 2**18
+    sk = sketched_entry_bytes(plan)
+    # a sketch is smaller than the bf16 entries it stands for, which are not read exactly
+    assert io.sketch_read_bytes < sk < plan.expert_bytes_total
+    assert pred["decode"] == sk / 2**19
+    assert pred["merge"] == (exact + sk) / 2**18  # ties: the "consensus" family
     assert pred["write"] == io.output_write_bytes / 2**21
     assert pred["total"] == pred["read"] + pred["decode"] + pred["merge"] + pred["write"]
 
@@ -120,6 +126,9 @@ def test_deadline_with_fidelity_is_refused():
         b"[]",
         json.dumps({**SLOW.model_dump(), "format": "other/v9"}).encode(),
         json.dumps({**SLOW.model_dump(), "merge_bytes_per_s": -1.0}).encode(),
+        json.dumps({**SLOW.model_dump(), "merge_bytes_per_s": {"consensus": -1.0}}).encode(),
+        json.dumps({**SLOW.model_dump(), "merge_bytes_per_s": {"bogus": 1.0}}).encode(),
+        json.dumps({**SLOW.model_dump(), "format": "mergepipe.throughput/v1", "merge_bytes_per_s": 1.0}).encode(),
         json.dumps({**SLOW.model_dump(), "read_bytes_per_s": 0}).encode(),
         json.dumps({k: v for k, v in SLOW.model_dump().items() if k != "request_s"}).encode(),
         json.dumps({**SLOW.model_dump(), "surprise": 1}).encode(),
@@ -170,3 +179,18 @@ def test_predicted_vs_realized_seconds_measured(family, tmp_path, monkeypatch, c
     assert s["predicted_s"] is not None and s["predicted_s"] > 0
     with capsys.disabled():
         print(f"\n[cost model] predicted {s['predicted_s']:.3f} s, realized execute wall {s['wall_s']:.3f} s")
+
+
+def test_method_families_and_engine_rates():
+    """Every method maps to a family with a measured rate; the rates come from the engine's own
+    kernels (positive, finite) and a TIES merge with sign election is slower than a plain sum."""
+    from mergepipe.methods.registry import method_names
+
+    assert method_family("ties") == "consensus" and method_family("dare_ties") == "consensus"
+    assert method_family("task_arithmetic") == "sum" and method_family("linear") == "sum"
+    assert method_family("della") == "whole" and method_family("model_stock") == "whole"
+    assert {method_family(m) for m in method_names()} <= set(SLOW.merge_bytes_per_s)
+    decode, merge = engine_rates(repeat=1)
+    assert set(merge) == {"consensus", "sum", "whole"}
+    assert all(0 < r < 1e12 for r in [decode, *merge.values()])
+    assert merge["consensus"] < merge["sum"]
