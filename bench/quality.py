@@ -1,6 +1,6 @@
 """Quality under an expert-I/O budget, judged per task: does a budgeted merge keep the full merge's gain?
 
-Two testbeds where merging helps (see docs/QUALITY.md):
+Three testbeds where merging helps (see docs/QUALITY.md):
 
 * ``zoo``: :mod:`mergepipe_zoo.zoo`, a small Llama pretrained offline on four text domains and
   one short, low-learning-rate fine-tune per domain (build gates: each expert best on its domain,
@@ -8,6 +8,9 @@ Two testbeds where merging helps (see docs/QUALITY.md):
   quality = per-domain held-out loss;
 * ``minilm``: :mod:`mergepipe_zoo.minilm`, the pretrained MiniLM encoder fully fine-tuned on
   three classification tasks with their own heads; quality = per-task accuracy.
+* ``vision``: :mod:`mergepipe_zoo.vision`, a 0.49 M-parameter CNN (4-D conv weights) on
+  scikit-learn's 8x8 digits, four experts fine-tuned from a task-mix base, checkpoints in bf16
+  or fp32 (``--size``); quality = per-task held-out cross-entropy.
 
 For every seed (a new testbed build per seed: other data order, other fine-tunes; DARE's masks
 use the same seed) and merge method this merges all experts through the public pipeline
@@ -22,6 +25,7 @@ Student-t and bootstrap intervals over seeds (:mod:`mergepipe.metrics`).
 
     python bench/quality.py --testbed zoo --size tiny --seeds 0 1 2      # -> docs/quality/zoo-tiny.json
     python bench/quality.py --testbed minilm --seeds 0 1 2                 # -> docs/quality/minilm.json (development; not committed)
+    python bench/quality.py --testbed vision --size bf16 --seeds 0         # -> docs/quality/vision-bf16.json (development)
     python bench/quality.py --report-only                                 # tables + plots from the JSONs
 
 Cached: testbed builds (``~/.mergepipe``), snapshots, catalog and evaluations (keyed by snapshot
