@@ -164,7 +164,13 @@ def derive_with_summary(res: dict, n_boot: int | None = None) -> tuple[str, dict
     methods = list(dict.fromkeys(m for p in per for m in p))
     testbed = testbed_label(res)
     ran = [s["seed"] for s in seeds]
-    missing = [x for x in reg["fresh_seeds"] if x not in ran]
+    # a seed whose testbed build failed (its gates) is recorded in the errors ("seed N: ..."), and
+    # replaced by the registered rule
+    import re
+
+    failed = [int(m.group(1)) for e in res.get("errors") or [] if (m := re.match(r"seed (\d+): ", str(e)))]
+    missing = [x for x in reg["fresh_seeds"] if x not in ran and x not in failed]
+    replaced = [x for x in ran if x not in reg["fresh_seeds"]]
     # recorded per seed since amendment 2; earlier raw results: the testbed's registered checkpoints
     not_run = [m for m in res["preregistration"].get("methods", {}) if m not in methods]
     dtype = ",".join(sorted({str(s["dtype"]) for s in seeds if s.get("dtype")})) or _registered_checkpoints(testbed)
@@ -179,7 +185,6 @@ def derive_with_summary(res: dict, n_boot: int | None = None) -> tuple[str, dict
         "mono": {},
         "not_run": not_run,
     }
-    import re
 
     cmd = re.sub(r"--work \S+", "--work WORK", res["command"])  # the run's scratch folder, not part of the result
     L = [
@@ -198,6 +203,14 @@ def derive_with_summary(res: dict, n_boot: int | None = None) -> tuple[str, dict
                 "no figure below.\n"
             ]
             if not_run
+            else []
+        ),
+        *(
+            [
+                f"Seeds {failed} failed their testbed build (gates; see the failed points) and were replaced by "
+                f"replacement seeds {replaced}, in order (the registered replacement rule).\n"
+            ]
+            if failed
             else []
         ),
         f"Metric: {summary['metric']} per task; checkpoints {dtype}.\n",
