@@ -87,7 +87,8 @@ def _request(
     request: RequestLike, output: str | os.PathLike[str] | None = None, where: Where | None = None
 ) -> tuple[MergeRequest, Where | None]:
     """``request`` as a :class:`MergeRequest` (with ``output`` when given) and how its fields
-    are named in messages (``where`` when given, else a config's keys, else the CLI's terms)."""
+    are named in messages (``where`` when given, else a config's keys, else the CLI's terms),
+    validated (:meth:`MergeRequest.resolve`) before the caller opens a catalog or reads a file."""
     from mergepipe.config import LoadedConfig
 
     if isinstance(request, (str, os.PathLike)):
@@ -112,6 +113,7 @@ def _request(
         )
     if output is not None:
         request = request.model_copy(update={"output": str(output)})
+    request.resolve(where)  # every field checked before a catalog is opened or a file read
     return request, where
 
 

@@ -51,10 +51,19 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from mergepipe.config_refs import ModelEntry as _ModelEntry, model_ref as _model_ref, model_uri as _model_uri
 from mergepipe.errors import InputError
 from mergepipe.limits import MAX_YAML_BYTES, load_yaml, read_file, short_repr
-from mergepipe.request import ExpertRequest, Loc, MergeRequest, RequestOptions, Where, param_loc, sub_text
+from mergepipe.request import (
+    OUT_DTYPES,
+    ExpertRequest,
+    Loc,
+    MergeRequest,
+    RequestOptions,
+    Where,
+    param_loc,
+    sub_text,
+)
 
 #: mergekit dtype names (``mergekit.common.dtype_from_name``) -> safetensors dtypes.
-DTYPE_NAMES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}
+DTYPE_NAMES = OUT_DTYPES
 
 
 def dtype_code(name: Any, where: str) -> str:

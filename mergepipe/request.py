@@ -109,6 +109,27 @@ class RequestOptions(BaseModel):
     requested_dtype: str | None = None
     source: dict[str, Any] | None = None
 
+    def check(self, where: Where) -> None:
+        """Refuse an ``out_dtype`` that is not a floating safetensors dtype mergepipe writes.
+
+        Raises:
+            InputError: ``loc`` ``("options", "out_dtype")``, naming the accepted codes (and the
+                code of a torch/mergekit name such as ``float16``).
+        """
+        if self.out_dtype is None or self.out_dtype in OUT_DTYPES.values():
+            return
+        loc = ("options", "out_dtype")
+        name = self.out_dtype.removeprefix("torch.") if isinstance(self.out_dtype, str) else None
+        hint = f" ({self.out_dtype} is {OUT_DTYPES[name]})" if name in OUT_DTYPES else ""
+        problem = f"{short_repr(self.out_dtype)} is not a safetensors dtype mergepipe writes; use one of " + (
+            ", ".join(OUT_DTYPES.values()) + hint + "."
+        )
+        raise InputError(f"{where(loc)}: {problem}", loc=loc, problem=problem)
+
+
+#: torch/mergekit names of the floating dtypes mergepipe writes -> their safetensors codes
+OUT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}
+
 
 #: the planner's block values: ``energy`` (the expert block's task-vector energy) or ``fisher``
 #: (energy weighted by the base's per-block Fisher sensitivity on a calibration set)
@@ -335,6 +356,7 @@ class MergeRequest(BaseModel):
             problem = f"a fidelity target and {w(('planning', 'deadline'))} cannot both choose the blocks; give one."
             raise InputError(f"{w(('fidelity',))}: {problem}", loc=("fidelity",), problem=problem)
         self.run.check(w)
+        self.options.check(w)
         self._check_budget_supported(params, w)
         return ResolvedRequest(self, params, w)
 

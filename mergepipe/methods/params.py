@@ -128,7 +128,7 @@ def cli_where(names: Sequence[str] | None = None) -> Where:
             return f"--expert {names[loc[1]] if names else loc[1] + 1}"
         if not loc:
             return "request"
-        key = ".".join(map(str, loc[:2])) if loc[0] in ("planning", "run") else str(loc[0])
+        key = ".".join(map(str, loc[:2])) if loc[0] in ("planning", "run", "options") else str(loc[0])
         return _CLI_FIELDS.get(key, key)
 
     return where

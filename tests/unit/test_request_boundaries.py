@@ -305,3 +305,33 @@ def test_planning_and_run_refusals_carry_a_field_path_each_front_end_renders():
     back = SearchConfig.from_json({**old, "sketch": "sign1", "value": None, "block_bytes": 4096})
     assert back.planning == PlanningOptions(sketch="sign1", block_bytes=4096)
     assert SearchConfig.from_json(cfg.to_json()).planning == cfg.planning
+
+
+def test_out_dtype_outside_the_written_dtypes_is_a_field_refusal(tmp_path):
+    """``options.out_dtype`` takes safetensors codes; a torch name (``float16``) or anything else
+    is refused by the request with its field path and the code to use -- it reached the planner
+    as a ``KeyError`` before. Nothing is written: the refusal comes before any read."""
+    import mergepipe
+    from mergepipe.errors import InputError
+    from mergepipe.request import ExpertRequest, MergeRequest, RequestOptions
+
+    def req(dtype: object) -> MergeRequest:
+        return MergeRequest(
+            base=str(tmp_path / "missing-base"),
+            experts=[ExpertRequest(name="e0", uri=str(tmp_path / "missing-expert"))],
+            method="ties",
+            options=RequestOptions(out_dtype=dtype),
+        )
+
+    for bad, hint in (("float16", "(float16 is F16)"), ("torch.bfloat16", "(torch.bfloat16 is BF16)"), ("I8", "")):
+        with pytest.raises(InputError) as e:
+            req(bad).resolve()
+        assert e.value.field == "options.out_dtype"
+        assert str(e.value).startswith("options.out_dtype: ") and "use one of BF16, F16, F32, F64" in str(e.value)
+        assert hint in str(e.value)
+        with pytest.raises(InputError, match="options.out_dtype"):
+            mergepipe.plan(req(bad))  # refused before the missing checkpoints are looked at
+    for ok in (None, "BF16", "F16", "F32", "F64"):
+        req(ok).resolve()
+    home = tmp_path / "mergepipe-home"  # conftest's MERGEPIPE_HOME: no catalog opened either
+    assert [p for p in tmp_path.iterdir() if p != home] == [] and list(home.rglob("*")) == []
