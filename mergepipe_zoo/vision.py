@@ -66,6 +66,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from mergepipe.errors import InputError
 
@@ -600,8 +601,13 @@ def _load(entry: Path, cfg: VisionConfig) -> VisionTestbed:
 
 
 def _build_into(tmp: Path, cfg: VisionConfig, log: Callable[[str], None]) -> None:
+    """Train the base and the experts, write every checkpoint, head and probe set into ``tmp``,
+    gate each dtype, and write ``testbed.json`` (only when every gate passes).
+
+    Raises:
+        VisionGateError: a dtype's gates fail (``gates.json`` is written first).
+    """
     import torch
-    from safetensors.torch import save_file
 
     t0 = time.perf_counter()
     threads = torch.get_num_threads()
@@ -609,107 +615,120 @@ def _build_into(tmp: Path, cfg: VisionConfig, log: Callable[[str], None]) -> Non
     try:
         data = make_tasks(cfg)
         T = {k: tuple(torch.from_numpy(a) for a in v) for k, v in data.items()}
-        mc = _model_config(cfg, "float32")
-        torch.manual_seed(_derive_seed(cfg.seed, "base-init"))
-        body = DigitsCNN(mc)
-        head = torch.nn.Linear(cfg.hidden[-1], 10)
-        xtr, ytr = _mixture(T, cfg)
-        loss = _train(
-            body, head, xtr, ytr, cfg.base_epochs, cfg.base_lr, cfg.batch_size, _derive_seed(cfg.seed, "base"), True
-        )
-        base_sd = {k: v.to(torch.bfloat16).float() for k, v in body.state_dict().items()}  # released in bf16
-        log(f"  base: {cfg.base_epochs} epochs, loss {loss:.3f} ({time.perf_counter() - t0:.0f} s)")
-        experts_sd, heads = {}, {}
-        (tmp / "heads").mkdir()
-        (tmp / "eval").mkdir()
-        for t in TASKS:
-            t1 = time.perf_counter()
-            xtr, ytr, xte, yte = T[t]
-            torch.manual_seed(_derive_seed(cfg.seed, "expert", t))
-            body = DigitsCNN(mc)
-            body.load_state_dict(base_sd)
-            body.eval()
-            head = _probe(body, xtr, ytr, 10, cfg.probe_steps, cfg.probe_l2)
-            loss = _train(
-                body,
-                head,
-                xtr,
-                ytr,
-                cfg.expert_epochs,
-                cfg.expert_lr,
-                cfg.batch_size,
-                _derive_seed(cfg.seed, "ft", t),
-                False,
-            )
-            experts_sd[t] = {k: v.detach().clone() for k, v in body.state_dict().items()}
-            heads[t] = (head.weight.detach().clone(), head.bias.detach().clone())
-            save_file(
-                {"weight": heads[t][0].contiguous(), "bias": heads[t][1].contiguous()},
-                str(tmp / "heads" / f"{t}.safetensors"),
-            )
-            save_file({"images": xte.contiguous(), "labels": yte.contiguous()}, str(tmp / "eval" / f"{t}.safetensors"))
-            log(f"  {t}: probe + {cfg.expert_epochs} epochs, loss {loss:.3f} ({time.perf_counter() - t1:.0f} s)")
+        base_sd = _train_base(T, cfg, log, t0)
+        experts_sd, heads = _train_experts(tmp, T, base_sd, cfg, log)
         probe = {t: (T[t][2], T[t][3]) for t in TASKS}
-        gates = {}
-        for dt in DTYPES:
-            _save(tmp / dt / "base", base_sd, cfg, dt)
-            for t in TASKS:
-                _save(tmp / dt / "experts" / t, experts_sd[t], cfg, dt)
-            # the gate merge: task_arithmetic on the saved (rounded) checkpoints, in float32
-            rd = {
-                n: {k: v.float() for k, v in _round(sd, dt).items()}
-                for n, sd in {"base": base_sd, **experts_sd}.items()
-            }
-            merged = {
-                k: rd["base"][k] + cfg.merge_weight * sum(rd[t][k] - rd["base"][k] for t in TASKS) for k in base_sd
-            }
-
-            def acc(sd: dict) -> dict[str, float]:
-                b = DigitsCNN(mc)
-                b.load_state_dict(sd)
-                return {t: v["loss"] for t, v in _scores(b.eval(), heads, probe, False).items()}
-
-            g = check_gates(
-                acc(rd["base"]), {t: acc(rd[t]) for t in TASKS}, acc(merged), cfg.min_expert_gain, cfg.min_merge_ng
-            )
-            gates[dt] = g
-            log(
-                f"  gates {dt}: {'passed' if g['passed'] else 'FAILED'}; merge NG "
-                + ", ".join(f"{t} {v:.2f}" for t, v in g["normalised_gain"].items())
-            )
+        gates = {dt: _save_and_gate(tmp, dt, base_sd, experts_sd, heads, probe, cfg, log) for dt in DTYPES}
         (tmp / "gates.json").write_text(json.dumps(gates, indent=1) + "\n")
         failed = [f"{dt}: {f}" for dt, g in gates.items() for f in g["failures"]]
         if failed:
             raise VisionGateError(f"vision testbed seed {cfg.seed} fails its gates: " + "; ".join(failed), gates)
-        (tmp / "testbed.json").write_text(
-            json.dumps(
-                {
-                    "format": FORMAT,
-                    "kind": KIND,
-                    "tasks": {
-                        t: {
-                            "probe": f"eval/{t}.safetensors",
-                            "head": f"heads/{t}.safetensors",
-                            "labels": list(range(10)),
-                        }
-                        for t in TASKS
-                    },
-                    "base": "float32/base",
-                    "experts": {t: f"float32/experts/{t}" for t in TASKS},
-                    "checkpoints": {
-                        dt: {"base": f"{dt}/base", "experts": {t: f"{dt}/experts/{t}" for t in TASKS}} for dt in DTYPES
-                    },
-                    "expert_task": {t: t for t in TASKS},
-                    "metric": "loss",
-                    "config": asdict(cfg),
-                    "key": cfg.key(),
-                    "recommended_params": {"task_arithmetic": {"weight": cfg.merge_weight}},
-                    "source": "sklearn.datasets.load_digits (UCI optical recognition of handwritten digits, 8x8)",
-                },
-                indent=1,
-            )
-            + "\n"
-        )
+        (tmp / "testbed.json").write_text(json.dumps(_testbed_record(cfg), indent=1) + "\n")
         log(f"vision testbed {cfg.key()} built in {time.perf_counter() - t0:.0f} s")
     finally:
         torch.set_num_threads(threads)
+
+
+def _train_base(T: dict[str, tuple[Any, ...]], cfg: VisionConfig, log: Callable[[str], None], t0: float) -> dict:
+    """The base: a CNN trained on the task mixture; its state dict rounded to bf16 (as released)."""
+    import torch
+
+    mc = _model_config(cfg, "float32")
+    torch.manual_seed(_derive_seed(cfg.seed, "base-init"))
+    body = DigitsCNN(mc)
+    head = torch.nn.Linear(cfg.hidden[-1], 10)
+    xtr, ytr = _mixture(T, cfg)
+    loss = _train(
+        body, head, xtr, ytr, cfg.base_epochs, cfg.base_lr, cfg.batch_size, _derive_seed(cfg.seed, "base"), True
+    )
+    base_sd = {k: v.to(torch.bfloat16).float() for k, v in body.state_dict().items()}  # released in bf16
+    log(f"  base: {cfg.base_epochs} epochs, loss {loss:.3f} ({time.perf_counter() - t0:.0f} s)")
+    return base_sd
+
+
+def _train_experts(
+    tmp: Path, T: dict[str, tuple[Any, ...]], base_sd: dict, cfg: VisionConfig, log: Callable[[str], None]
+) -> tuple[dict[str, dict], dict[str, tuple[Any, Any]]]:
+    """One expert per task (LP-FT from the base); writes ``heads/<task>`` and ``eval/<task>``.
+    Returns the experts' state dicts and the heads' ``(weight, bias)``."""
+    import torch
+    from safetensors.torch import save_file
+
+    mc = _model_config(cfg, "float32")
+    experts_sd, heads = {}, {}
+    (tmp / "heads").mkdir()
+    (tmp / "eval").mkdir()
+    for t in TASKS:
+        t1 = time.perf_counter()
+        xtr, ytr, xte, yte = T[t]
+        torch.manual_seed(_derive_seed(cfg.seed, "expert", t))
+        body = DigitsCNN(mc)
+        body.load_state_dict(base_sd)
+        body.eval()
+        head = _probe(body, xtr, ytr, 10, cfg.probe_steps, cfg.probe_l2)
+        seed = _derive_seed(cfg.seed, "ft", t)
+        loss = _train(body, head, xtr, ytr, cfg.expert_epochs, cfg.expert_lr, cfg.batch_size, seed, False)
+        experts_sd[t] = {k: v.detach().clone() for k, v in body.state_dict().items()}
+        heads[t] = (head.weight.detach().clone(), head.bias.detach().clone())
+        save_file(
+            {"weight": heads[t][0].contiguous(), "bias": heads[t][1].contiguous()},
+            str(tmp / "heads" / f"{t}.safetensors"),
+        )
+        save_file({"images": xte.contiguous(), "labels": yte.contiguous()}, str(tmp / "eval" / f"{t}.safetensors"))
+        log(f"  {t}: probe + {cfg.expert_epochs} epochs, loss {loss:.3f} ({time.perf_counter() - t1:.0f} s)")
+    return experts_sd, heads
+
+
+def _save_and_gate(
+    tmp: Path,
+    dt: str,
+    base_sd: dict,
+    experts_sd: dict[str, dict],
+    heads: dict[str, tuple[Any, Any]],
+    probe: dict[str, tuple[Any, Any]],
+    cfg: VisionConfig,
+    log: Callable[[str], None],
+) -> dict:
+    """Write the base and experts in dtype ``dt`` and gate them: the gate merge is
+    task_arithmetic on the saved (rounded) checkpoints, in float32 (:func:`check_gates`)."""
+    mc = _model_config(cfg, "float32")
+    _save(tmp / dt / "base", base_sd, cfg, dt)
+    for t in TASKS:
+        _save(tmp / dt / "experts" / t, experts_sd[t], cfg, dt)
+    rd = {n: {k: v.float() for k, v in _round(sd, dt).items()} for n, sd in {"base": base_sd, **experts_sd}.items()}
+    merged = {k: rd["base"][k] + cfg.merge_weight * sum(rd[t][k] - rd["base"][k] for t in TASKS) for k in base_sd}
+
+    def acc(sd: dict) -> dict[str, float]:
+        b = DigitsCNN(mc)
+        b.load_state_dict(sd)
+        return {t: v["loss"] for t, v in _scores(b.eval(), heads, probe, False).items()}
+
+    g = check_gates(acc(rd["base"]), {t: acc(rd[t]) for t in TASKS}, acc(merged), cfg.min_expert_gain, cfg.min_merge_ng)
+    log(
+        f"  gates {dt}: {'passed' if g['passed'] else 'FAILED'}; merge NG "
+        + ", ".join(f"{t} {v:.2f}" for t, v in g["normalised_gain"].items())
+    )
+    return g
+
+
+def _testbed_record(cfg: VisionConfig) -> dict[str, Any]:
+    """``testbed.json``: tasks (probe set, head, labels), checkpoints per dtype, metric, config."""
+    return {
+        "format": FORMAT,
+        "kind": KIND,
+        "tasks": {
+            t: {"probe": f"eval/{t}.safetensors", "head": f"heads/{t}.safetensors", "labels": list(range(10))}
+            for t in TASKS
+        },
+        "base": "float32/base",
+        "experts": {t: f"float32/experts/{t}" for t in TASKS},
+        "checkpoints": {
+            dt: {"base": f"{dt}/base", "experts": {t: f"{dt}/experts/{t}" for t in TASKS}} for dt in DTYPES
+        },
+        "expert_task": {t: t for t in TASKS},
+        "metric": "loss",
+        "config": asdict(cfg),
+        "key": cfg.key(),
+        "recommended_params": {"task_arithmetic": {"weight": cfg.merge_weight}},
+        "source": "sklearn.datasets.load_digits (UCI optical recognition of handwritten digits, 8x8)",
+    }
