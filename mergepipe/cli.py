@@ -983,9 +983,10 @@ def _interrupted_runs(out: str, plan_digest: str | None = None) -> tuple[list[tu
         ``(folder, files, bytes)``; ``staged`` is ``(files, bytes)`` in a dead plain run's staging
         folder ``.<name>.staging`` (no records: a plain rerun cannot keep them). Empty on S3.
     """
+    from mergepipe.commit.manifest import lock_is_free, lock_path
     from mergepipe.storage.base import local_path
 
-    if local_path(out) is None:
+    if local_path(out) is None or not lock_is_free(lock_path(out)):  # a live writer's run is not interrupted
         return [], (0, 0)
     p = Path(out)
     if plan_digest is not None:
@@ -1010,10 +1011,8 @@ def _interrupted_runs(out: str, plan_digest: str | None = None) -> tuple[list[tu
         if n:
             resumable.append((f, n, size))
     staged = (0, 0)
-    from mergepipe.commit.manifest import lock_is_free, lock_path
-
-    stg = p.parent / f".{p.name}.staging"
-    if stg.is_dir() and not stg.is_symlink() and lock_is_free(lock_path(out)):  # a live writer's is not debris
+    stg = p.parent / f".{p.name}.staging"  # (left by versions before runs of one part)
+    if stg.is_dir() and not stg.is_symlink():
         files = [q for q in stg.rglob("*") if q.is_file() and not q.is_symlink()]
         staged = (len(files), sum(q.stat().st_size for q in files))
     return resumable, staged

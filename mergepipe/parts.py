@@ -41,7 +41,8 @@ from pathlib import Path
 
 from mergepipe.commit import ownership, runs
 from mergepipe.commit.target import CommitTarget, commit_target
-from mergepipe.engine.executor import ExecResult, default_compute_threads, execute, needs_index
+from mergepipe.engine import executor
+from mergepipe.engine.executor import ExecResult, default_compute_threads, needs_index
 from mergepipe.engine.partition import PartSpec, partition
 from mergepipe.errors import CommitConflict, MergepipeError
 from mergepipe.formats.safetensors import INDEX_NAME
@@ -152,7 +153,7 @@ def _execute_part(
         runs.write_file_record(out_storage, layout, plan.digest, name, info, base, attempt=spent)
 
     if todo or not side_done:
-        res = execute(
+        res = executor.execute(  # (looked up at call time: tests wrap it)
             plan,
             storage,
             out_storage,
@@ -252,11 +253,32 @@ def commit_run(
             )
         parts = counts[0]
     target.prepare(unsafe_single_writer)
-    n = parts
-    manifest, mh, won = target.publish(layout, lambda: _run_manifest(plan, storage, out_storage, layout, n, lineage))
+    return _publish(plan, storage, target, layout, parts, lineage)
+
+
+def _publish(
+    plan: Plan, storage: Storage, target: CommitTarget, layout: runs.RunLayout, parts: int, lineage: dict | None
+) -> MergeResult:
+    """Publish run ``layout`` of ``parts`` parts (its records checked, :func:`_run_manifest`),
+    then remove its records and ownership record."""
+    out_storage = target.storage
+    manifest, mh, won = target.publish(
+        layout, lambda: _run_manifest(plan, storage, out_storage, layout, parts, lineage)
+    )
     out_storage.delete(layout.records.rstrip("/") + "/")
     ownership.remove_record(out_storage, layout.files)
-    return MergeResult(out=str(out), manifest=manifest, manifest_hash=mh, plan=plan, already_committed=not won)
+    return MergeResult(out=target.out, manifest=manifest, manifest_hash=mh, plan=plan, already_committed=not won)
+
+
+def _discard(target: CommitTarget, layout: runs.RunLayout) -> None:
+    """Delete run ``layout`` (its files, records and ownership record); best effort."""
+    st = target.storage
+    for uri in (layout.files, layout.records):
+        try:
+            st.delete(uri.rstrip("/") + "/")
+        except Exception:  # noqa: BLE001 - an undeletable run is debris gc reclaims by its record
+            return
+    ownership.remove_record(st, layout.files)
 
 
 def _run_manifest(
@@ -324,6 +346,86 @@ def _run_manifest(
     return manifest
 
 
+def execute_single(
+    plan: Plan,
+    storage: Storage,
+    out: str,
+    *,
+    target: CommitTarget | None = None,
+    resume: bool = False,
+    run: str | None = None,
+    device: str = "cpu",
+    progress: Callable[[int], None] | None = None,
+    prefetch_bytes: int | None = None,
+    unsafe_single_writer: bool = False,
+    lineage: dict | None = None,
+) -> MergeResult:
+    """A single-process merge: the whole plan as the one part of a run (``--part 0/1``,
+    :func:`execute_part`), committed in the same process (:func:`commit_run`'s checks and
+    publish). What ``mergepipe merge/execute`` run without ``--workers``/``--part``.
+
+    The run: on a target with exclusive runs (a local folder) the plan's run
+    ``.<name>.run-plan-<digest[:16]>`` beside ``out``, executed and committed under ``out``'s
+    lock (a second writer is refused at once, naming the holder); on object storage the plan's
+    run ``runs/plan-<digest[:16]>`` with ``resume``, else a fresh run ``runs/<16 hex>`` (writers
+    of one prefix share no lock; a loser's run is deleted by the conditional commit). Every
+    finished file gets its record as in a partitioned run, so a rerun after a crash can keep it.
+
+    ``resume``: keep every file an interrupted attempt of this plan's run finished (read back
+    and checked against its recorded digest, see the module docstring) and merge only the rest.
+    Without it every file is merged again, and a run that fails with an exception is removed
+    (files, records, ownership record; a SIGKILLed one stays, owned, for a rerun or ``gc``).
+
+    The snapshot does not depend on any of this: same shards, same snapshot id as any
+    partitioned run of the plan; the manifest has a one-entry ``parts`` list and the run's
+    ``files_prefix`` (``""`` for a folder).
+
+    Raises:
+        what :func:`execute_part` and :func:`commit_run` raise; CommitConflict when another
+        live writer holds a local ``out``.
+    """
+    target = _target(plan, storage, out, target)
+    inputs = [plan.base.uri, *(e.uri for e in plan.experts)]
+    done = target.committed(plan.digest, inputs)
+    if done is not None:
+        return MergeResult(out=str(out), manifest=done[0], manifest_hash=done[1], plan=plan, already_committed=True)
+    target.prepare(unsafe_single_writer)
+    if run is None and not (resume or target.exclusive_runs):
+        run = uuid.uuid4().hex[:16]  # a fresh run: nobody else writes it
+    with target.exclusive():
+        if target.exclusive_runs:  # committed by the writer we waited behind
+            done = target.committed(plan.digest)
+            if done is not None:
+                return MergeResult(
+                    out=str(out), manifest=done[0], manifest_hash=done[1], plan=plan, already_committed=True
+                )
+        layout = _layout(plan, target, run)
+        t_start, t0 = time.time(), time.perf_counter()
+        ownership.write_record(
+            target.storage, layout.files, ownership.make_record(target.kind, out, layout.run, plan.digest)
+        )
+        with runs.part_lock(layout, 0, 1):  # (held: the run is ours to remove on failure)
+            try:
+                _execute_part(
+                    plan,
+                    storage,
+                    target.storage,
+                    layout,
+                    PartSpec(0, 1),
+                    device,
+                    progress,
+                    prefetch_bytes,
+                    resume,
+                    t_start,
+                    t0,
+                )
+                return _publish(plan, storage, target, layout, 1, lineage)
+            except BaseException:
+                if not resume and (target.exclusive_runs or run != runs.default_run_id(plan.digest)):
+                    _discard(target, layout)
+                raise
+
+
 def execute_resumable(
     plan: Plan,
     storage: Storage,
@@ -336,39 +438,20 @@ def execute_resumable(
     unsafe_single_writer: bool = False,
     lineage: dict | None = None,
 ) -> MergeResult:
-    """Execute the whole plan as the one part of a run (``--part 0/1``), then commit it: what
-    ``mergepipe merge/execute --resume`` do. Unlike the single-process staging of
-    :func:`mergepipe.pipeline.execute_and_commit` (a killed run starts over), a rerun of the
-    same plan keeps every file an interrupted attempt finished and merges only the rest (see the
-    module docstring). The snapshot is the same (same shards, same snapshot id); its manifest
-    has a one-entry ``parts`` list and, on object storage, ``files_prefix`` ``runs/<run id>``.
+    """:func:`execute_single` with ``resume``: what ``mergepipe merge/execute --resume`` run.
 
     Raises:
-        what :func:`execute_part` and :func:`commit_run` raise.
+        what :func:`execute_single` raises.
     """
-    target = _target(plan, storage, out, None)
-    done = target.committed(plan.digest)
-    if done is not None:
-        return MergeResult(out=str(out), manifest=done[0], manifest_hash=done[1], plan=plan, already_committed=True)
-    target.prepare(unsafe_single_writer)
-    execute_part(
+    return execute_single(
         plan,
         storage,
         out,
-        PartSpec(0, 1),
+        resume=True,
         run=run,
         device=device,
         progress=progress,
         prefetch_bytes=prefetch_bytes,
-        target=target,
-    )
-    return commit_run(
-        plan,
-        storage,
-        out,
-        run=run,
-        parts=1,
-        target=target,
         unsafe_single_writer=unsafe_single_writer,
         lineage=lineage,
     )

@@ -6,11 +6,9 @@ The CLI (:mod:`mergepipe.cli`) is a thin layer over these functions.
 from __future__ import annotations
 
 import re
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Analysis, Catalog, CheckpointRecord, check_compatible
@@ -436,14 +434,15 @@ def execute_and_commit(
     prefetch_bytes: int | None = None,
     out_storage: Storage | None = None,
     target: CommitTarget | None = None,
+    resume: bool = False,
     unsafe_single_writer: bool = False,
     lineage: dict | None = None,
 ) -> MergeResult:
-    """Execute ``plan`` and publish the snapshot at ``out`` atomically.
-
-    Where the storage declares folders: staging folder beside ``out`` + ``rename(2)``. Object
-    storage (``s3://``, or a :class:`mergepipe.commit.target.PrefixTarget` given as ``target``):
-    fresh run prefix + conditional manifest create (see :mod:`mergepipe.commit.objectstore`).
+    """Execute ``plan`` in this process and publish the snapshot at ``out`` atomically: the
+    plan as the one part of a run, committed like any partitioned run
+    (:func:`mergepipe.parts.execute_single`; the target decides how: a run folder beside a local
+    ``out`` renamed onto it under ``out``'s lock, or a run prefix and a conditional manifest
+    create on object storage, :mod:`mergepipe.commit.target`).
 
     Args:
         out_storage: storage for ``out`` (default: ``target``'s, else derived from ``out``,
@@ -451,85 +450,33 @@ def execute_and_commit(
         target: the commit target of ``out`` (default:
             :func:`mergepipe.commit.target.commit_target` of ``out_storage``; e.g. a
             ``PrefixTarget`` over local storage runs the object-store protocol on a folder).
+        resume: keep what an interrupted run of this plan finished (``--resume``).
         lineage: extra top-level manifest keys recording where the merge came from, e.g.
             ``{"search": {"search_id", "candidate", "point", ...}}`` (``mergepipe search``).
 
     Raises:
         InputError: output path unusable or holding another snapshot; inputs changed; the store
             ignores conditional writes (unless ``unsafe_single_writer``).
-        CommitConflict: another writer committed a different snapshot at ``out`` meanwhile.
+        CommitConflict: another writer holds a local ``out``, or committed a different
+            snapshot at ``out`` meanwhile.
     """
-    from mergepipe.commit import objectstore as obj, ownership
-    from mergepipe.commit.manifest import (
-        OutputLock,
-        check_output,
-        publish_local,
-        read_manifest,
-        reclaim_staging,
-        staging_path,
-    )
-    from mergepipe.commit.target import PrefixTarget, commit_target
-    from mergepipe.engine.executor import execute
+    from mergepipe.commit.target import commit_target
+    from mergepipe.parts import execute_single
 
-    if out_storage is None:
-        out_storage = target.storage if target is not None else output_storage(plan, storage, out)
     if target is None:
-        target = commit_target(out_storage, out)
-    pf = prefetch_bytes or plan.work_bytes
-    started = time.time()
-    if isinstance(target, PrefixTarget):
-        existing = obj.check_output_obj(out_storage, out, plan.digest)
-        if existing is not None:
-            return MergeResult(
-                out=str(out), manifest=existing[0], manifest_hash=existing[1], plan=plan, already_committed=True
-            )
-        obj.require_conditional_writes(out_storage, out, unsafe_single_writer)
-        rid, run = obj.new_run_prefix(out_storage, out, plan.digest)  # its ownership record first
-        try:
-            before = storage.counters.snapshot()
-            res = execute(plan, storage, out_storage, run, device=device, progress=progress, prefetch_bytes=pf)
-            manifest = build_manifest(
-                plan,
-                res,
-                before,
-                storage.counters.snapshot(),
-                started,
-                device,
-                files_prefix=f"runs/{rid}",
-                lineage=lineage,
-            )
-            manifest, mh, won = obj.publish_obj(out_storage, out, run, manifest)
-        except BaseException:
-            try:
-                out_storage.delete(run.rstrip("/") + "/")
-                ownership.remove_record(out_storage, run)
-            except Exception:
-                pass
-            raise
-        return MergeResult(out=str(out), manifest=manifest, manifest_hash=mh, plan=plan, already_committed=not won)
-
-    if check_output(out, plan.digest, [plan.base.uri, *(e.uri for e in plan.experts)]) is not None:
-        m, mh = read_manifest(out)
-        return MergeResult(out=str(out), manifest=m, manifest_hash=mh, plan=plan, already_committed=True)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    with OutputLock(out) as lock:  # CommitConflict when another live writer owns --out
-        if check_output(out, plan.digest) is not None:  # committed by the writer we waited behind
-            m, mh = read_manifest(out)
-            return MergeResult(out=str(out), manifest=m, manifest_hash=mh, plan=plan, already_committed=True)
-        area = str(staging_path(out))  # the ownership record before any data (gc's proof)
-        ownership.write_record(out_storage, area, ownership.make_record("staging", out, None, plan.digest))
-        staging = reclaim_staging(out, lock)
-        try:
-            before = storage.counters.snapshot()
-            res = execute(plan, storage, out_storage, str(staging), device=device, progress=progress, prefetch_bytes=pf)
-            manifest = build_manifest(plan, res, before, storage.counters.snapshot(), started, device, lineage=lineage)
-            mh = publish_local(staging, out, manifest, lock)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            ownership.remove_record(out_storage, area)
-            raise
-        ownership.remove_record(out_storage, area)
-    return MergeResult(out=str(out), manifest=manifest, manifest_hash=mh, plan=plan)
+        target = commit_target(out_storage or output_storage(plan, storage, out), out)
+    return execute_single(
+        plan,
+        storage,
+        out,
+        target=target,
+        resume=resume,
+        device=device,
+        progress=progress,
+        prefetch_bytes=prefetch_bytes,
+        unsafe_single_writer=unsafe_single_writer,
+        lineage=lineage,
+    )
 
 
 def _check_budget_buys_a_block(budget_bytes: int, given, analyses, recs, where) -> None:
@@ -574,10 +521,9 @@ def merge_request(
     """register → analyze → plan → execute → commit in one call (what ``mergepipe merge`` runs),
     committing at ``request.output``. How it runs is the request's too
     (:class:`mergepipe.request.RunOptions`): ``run.workers`` parts in parallel processes
-    (:func:`mergepipe.parts.run_workers`; a rerun resumes), else with ``run.resume`` the plan as
-    the one part of a resumable run (:func:`mergepipe.parts.execute_resumable`: a rerun after a
-    crash keeps what the interrupted attempt finished), else the single-process staging (a rerun
-    starts over); on ``run.device``.
+    (:func:`mergepipe.parts.run_workers`; a rerun resumes), else in this process as the one part
+    of a run (:func:`execute_and_commit`; with ``run.resume`` a rerun after a crash keeps what
+    the interrupted attempt finished, else it merges every file again); on ``run.device``.
 
     Args:
         where: renders request fields in the caller's terms for messages (see :func:`build_plan`).
@@ -615,17 +561,6 @@ def merge_request(
         from mergepipe.parts import run_workers
 
         res = run_workers(plan, storage, out, workers, device=device)
-    elif resume:
-        from mergepipe.parts import execute_resumable
-
-        res = execute_resumable(
-            plan,
-            storage,
-            out,
-            device=device,
-            prefetch_bytes=prefetch_bytes,
-            progress=(lambda n: progress("merge", n, None)) if progress else None,
-        )
     else:
         res = execute_and_commit(
             plan,
@@ -633,6 +568,7 @@ def merge_request(
             out,
             device=device,
             prefetch_bytes=prefetch_bytes,
+            resume=bool(resume),
             progress=(lambda n: progress("merge", n, None)) if progress else None,
         )
     res.analyze_s = t_an

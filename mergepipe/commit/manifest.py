@@ -12,11 +12,13 @@ Local commit protocol (one filesystem, possibly shared between hosts, e.g. NFS):
    file's text, ``host pid time``, is only quoted in messages). A second writer finds the lock
    held and stops at once (:class:`~mergepipe.errors.CommitConflict`, exit 2) before reading any
    tensor. Filesystems without locks are refused rather than written without ownership.
-3. **Staging.** Under the lock, everything is written into the one staging folder
-   ``<parent>/.<name>.staging`` (each file fsync'd and hashed as it is written). A staging folder
-   found there when the lock is acquired is a dead writer's (nobody else can hold the lock): it is
-   removed by :func:`reclaim_staging` (a future resume may keep its verified files instead: the
-   folder and its files are owned by whoever holds the lock, and nothing else touches them).
+3. **Staging.** Under the lock, everything is written into the run folder
+   ``<parent>/.<name>.run-plan-<hex>`` (a single-process merge is the one part of a run,
+   :func:`mergepipe.parts.execute_single`; each file fsync'd, hashed and recorded as it is
+   written, :mod:`mergepipe.commit.runs`). A run folder of the same plan found there when the
+   lock is acquired is a dead writer's (nobody else can hold the locks): a rerun keeps its files
+   whose bytes give their recorded digests, or rewrites them. (Versions before runs of one part
+   staged in ``<parent>/.<name>.staging``, :func:`staging_path`, reclaimed by ``gc``.)
    Writers never create the staging folder implicitly
    (:class:`~mergepipe.storage.local.LocalWriter` refuses a missing folder), so a removed folder
    makes the run fail instead of being silently recreated half-empty.
@@ -25,8 +27,9 @@ Local commit protocol (one filesystem, possibly shared between hosts, e.g. NFS):
    written last and fsync'd, the folder is renamed onto the output path (``rename(2)`` is atomic)
    and the parent folder fsync'd; then the lock is released (and its file removed).
 
-A run killed at any moment leaves at most the hidden staging folder and lock file (never
-anything at the output path); the next run reclaims them. Readers treat a folder as a snapshot
+A run killed at any moment leaves at most the hidden run folder, its records and the lock file
+(never anything at the output path); the next run of the plan resumes from them, ``gc`` reclaims
+an abandoned one. Readers treat a folder as a snapshot
 only if it holds a ``manifest.json``, and ``verify`` re-hashes it.
 """
 
@@ -35,7 +38,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import socket
 import stat
 import struct
@@ -382,22 +384,6 @@ class OutputLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-
-def reclaim_staging(out: str | Path, lock: OutputLock) -> Path:
-    """Under ``lock``: remove a dead writer's staging folder (nobody else can hold the lock, so
-    whatever is there is not being written), create a fresh empty one and return it."""
-    if lock.fd is None:
-        raise RuntimeError("reclaim_staging needs the output lock held")
-    out = Path(out)
-    st = staging_path(out)
-    if st.exists() or st.is_symlink():
-        if st.is_symlink() or not st.is_dir():
-            st.unlink()
-        else:
-            shutil.rmtree(st)
-    st.mkdir()
-    return st
 
 
 def check_staged_files(staging: Path, outputs: dict) -> None:

@@ -6,8 +6,10 @@ before any data, beside the area (``<area>.owner.json``):
 =============  ===========================================  ====================================
 kind           area (``out`` canonical, see below)          written by
 =============  ===========================================  ====================================
-``staging``    ``<parent>/.<name>.staging``                 a single-process local merge
-``run-folder`` ``<parent>/.<name>.run-<run>`` (+ ``.records``)  a partitioned/resumable local run
+``staging``    ``<parent>/.<name>.staging``                 a single-process local merge of
+                                                            versions before runs of one part
+``run-folder`` ``<parent>/.<name>.run-<run>`` (+ ``.records``)  every local run (single-process,
+                                                            partitioned, resumed)
 ``run-prefix`` ``<out>/runs/<run>`` (+ ``.records``)        every object-store run (and a local
                                                             ``object_mode`` run)
 =============  ===========================================  ====================================

@@ -15,7 +15,8 @@ Callers (:mod:`mergepipe.parts`, the CLI) never branch on the URI scheme: they a
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from mergepipe.commit import objectstore as obj, ownership, runs
@@ -50,6 +51,23 @@ class CommitTarget(abc.ABC):
         """*stage*: where run ``run`` of ``out`` writes its files and records."""
         return runs.run_layout(self.storage, self.out, run, self.kind == "run-prefix")
 
+    #: a single-process run (:func:`mergepipe.parts.execute_single`) of this target has its own
+    #: run, named after its plan and held exclusively (folders: ``out``'s lock for the whole run,
+    #: so a rerun finds and reuses it); False: a fresh run per attempt (object stores, whose
+    #: writers share no lock: concurrent writers never share a prefix, the loser's is deleted)
+    exclusive_runs: bool = False
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold ``out`` against every other writer while a single-process run executes and
+        commits (folders: ``out``'s :class:`~mergepipe.commit.manifest.OutputLock`, which
+        :meth:`publish` then reuses). Object stores: nothing (the conditional create decides).
+
+        Raises:
+            CommitConflict: another live writer holds ``out`` (the message names it).
+        """
+        yield
+
     def prepare(self, unsafe_single_writer: bool = False) -> None:  # noqa: B027 (folders: nothing to check)
         """Check, before any work, that a commit to ``out`` can be made safe (object stores:
         conditional writes are enforced, :func:`mergepipe.commit.objectstore.require_conditional_writes`)."""
@@ -78,6 +96,21 @@ class FolderTarget(CommitTarget):
     """A local folder: staged beside ``out``, published by rename under the output lock."""
 
     kind: ownership.Kind = "run-folder"
+    exclusive_runs = True
+
+    def __init__(self, storage: Storage, out: str) -> None:
+        super().__init__(storage, out)
+        self._held: OutputLock | None = None
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        Path(self.out).parent.mkdir(parents=True, exist_ok=True)
+        with OutputLock(self.out) as lock:
+            self._held = lock
+            try:
+                yield
+            finally:
+                self._held = None
 
     def committed(self, plan_digest: str | None, inputs: Sequence[str] = ()) -> tuple[dict, str] | None:
         if check_output(self.out, plan_digest, inputs) is None:
@@ -87,6 +120,9 @@ class FolderTarget(CommitTarget):
     def publish(self, layout: runs.RunLayout, compose: Callable[[], dict]) -> tuple[dict, str, bool]:
         # gc takes the same lock before it deletes a run folder: the check and the rename below
         # cannot interleave with a deletion (mergepipe.commit.ownership)
+        if self._held is not None:  # held by exclusive() for the whole run
+            manifest = compose()
+            return manifest, publish_local(Path(layout.files), self.out, manifest, self._held), True
         with OutputLock(self.out) as lock:
             manifest = compose()
             return manifest, publish_local(Path(layout.files), self.out, manifest, lock), True

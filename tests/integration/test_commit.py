@@ -54,7 +54,7 @@ def test_sigkill_at_any_moment_leaves_nothing_and_rerun_succeeds(medium_family, 
     kills = 0
     staged_seen = 0
     # ("time", t): kill t seconds after start (imports, analysis); ("staged", t): kill t seconds after the
-    # staging folder appears (while shards are being written), whatever the machine's speed
+    # run folder .snap.run-plan-<hex> appears (while shards are being written), whatever the machine's speed
     moments = [
         ("time", 0.05),
         ("time", 0.8),
@@ -69,7 +69,7 @@ def test_sigkill_at_any_moment_leaves_nothing_and_rerun_succeeds(medium_family, 
         t0 = time.time()
         staged = False
         while p.poll() is None and time.time() - t0 < 120:
-            staged = staged or any(x.name.startswith(".snap.staging") for x in outdir.iterdir())
+            staged = staged or any(x.name.startswith(".snap.run-") for x in outdir.iterdir())
             if mode == "time" and time.time() - t0 >= delay:
                 break
             if mode == "staged" and staged:
@@ -84,7 +84,7 @@ def test_sigkill_at_any_moment_leaves_nothing_and_rerun_succeeds(medium_family, 
         if p.returncode == 0:
             break  # finished before the kill: the snapshot is complete and committed
         assert not out.exists(), f"killed ({mode}, {delay:.2f}s) left {out}"
-        assert _visible(outdir, "snap") == [], "only hidden staging folders may remain"
+        assert _visible(outdir, "snap") == [], "only hidden run folders may remain"
     assert kills >= 2 and staged_seen >= 1, "the kills must land during analysis and during writing"
     done = subprocess.run(_cmd(base, experts, out), capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
@@ -92,15 +92,24 @@ def test_sigkill_at_any_moment_leaves_nothing_and_rerun_succeeds(medium_family, 
     # the same snapshot as the clean run with its own catalog, byte for byte
     ref_manifest = json.loads((tmp_path / "ref" / "manifest.json").read_text())
     manifest = json.loads((out / "manifest.json").read_text())
-    assert (
-        manifest["outputs"] == ref_manifest["outputs"] and manifest["io"]["realized"] == ref_manifest["io"]["realized"]
-    )
+    assert manifest["outputs"] == ref_manifest["outputs"]
+    # the plain rerun resumes the killed run (a single-process merge is a run of one part): the
+    # files it kept were read back, not merged again, and their bytes are the earlier attempts'
+    (part,) = manifest["parts"]
+    realized, ref_io = manifest["io"]["realized"], ref_manifest["io"]["realized"]
+    if not part["kept"]:
+        assert realized == ref_io and "earlier_attempts" not in manifest["io"]
+    else:
+        assert "resuming this plan's interrupted run" in done.stderr, done.stderr
+        for k in ("base_read_bytes", "expert_read_bytes", "output_write_bytes"):
+            assert realized[k] <= ref_io[k], k
+        assert realized["output_write_bytes"] < ref_io["output_write_bytes"]
     assert (
         manifest["snapshot_id"] == ref_manifest["snapshot_id"]
         and manifest["plan_digest"] == ref_manifest["plan_digest"]
     )
     assert (res["snapshot_id"], ref_res["snapshot_id"]) == (manifest["snapshot_id"], ref_manifest["snapshot_id"])
-    assert [x for x in outdir.iterdir() if x.name.startswith(".snap.staging")] == [], "stale staging not cleaned"
+    assert [x.name for x in outdir.iterdir() if x.name.startswith(".snap.run-")] == [], "the run is not cleaned"
     v = subprocess.run(
         [sys.executable, "-m", "mergepipe.cli", "verify", str(out), "--json"], capture_output=True, text=True, env=env
     )
@@ -108,7 +117,8 @@ def test_sigkill_at_any_moment_leaves_nothing_and_rerun_succeeds(medium_family, 
 
 
 def test_failure_mid_execution_leaves_nothing(family, tmp_path, monkeypatch):
-    """An exception inside the engine (here: a write error) removes the staging folder."""
+    """An exception inside the engine (here: a write error) removes the run (its folder, records
+    and ownership record)."""
     from mergepipe.catalog.catalog import Catalog
     from mergepipe.pipeline import merge
     from mergepipe.storage import local
@@ -134,7 +144,7 @@ def test_failure_mid_execution_leaves_nothing(family, tmp_path, monkeypatch):
             catalog=Catalog(tmp_path / "c.sqlite"),
         )
     assert not (tmp_path / "o").exists()
-    assert list(tmp_path.glob(".o.staging*")) == []
+    assert list(tmp_path.glob(".o.run-*")) == []
     monkeypatch.setattr(local.LocalWriter, "write", orig)
     r = merge(
         str(base),

@@ -71,8 +71,8 @@ _KILLED = textwrap.dedent("""
         os.kill(os.getpid(), signal.SIGKILL)
     manifest.publish_local = die
     objectstore.publish_obj = die
-    import mergepipe.pipeline as p
-    p.publish_local = die
+    import mergepipe.commit.target as t
+    t.publish_local = die
     from mergepipe.cli import main
     sys.argv = ["mergepipe", "merge", "--base", sys.argv[1], "--out", sys.argv[2], "--method", "ties",
                 "-p", "density=0.5"] + sum([["-e", e] for e in sys.argv[3:]], [])
@@ -91,6 +91,24 @@ def _killed_merge(family, out, home):
         timeout=600,
     )
     assert p.returncode == -9, p.stderr
+
+
+def _run_of(out: Path) -> Path:
+    """The run folder a killed single-process merge left beside ``out`` (a run of one part)."""
+    (f,) = [q for q in out.parent.glob(f".{out.name}.run-plan-*") if q.is_dir() and q.suffix != ".records"]
+    return f
+
+
+def _legacy_staging(out: Path) -> None:
+    """What a single-process merge killed before publishing left in versions before runs of one
+    part: a staging folder with its ownership record (and a free lock)."""
+    ownership.write_record(
+        open_storage(None, IOCounters()),
+        str(staging_path(out)),
+        ownership.make_record("staging", str(out), None, "0" * 64),
+    )
+    staging_path(out).mkdir()
+    (staging_path(out) / "model.safetensors").write_bytes(b"half")
 
 
 def _tree(root: Path) -> dict:
@@ -119,16 +137,18 @@ def _age(*paths, by=WEEK):
 
 
 def test_gc_local_removes_proven_debris_only(family, tmp_path, monkeypatch, capsys):
-    """Killed writers' staging and runs (with records) go; a committed --out whose path contains
-    runs/<16 hex>/, a sibling's debris, a run whose id ends in `.staging` and debris without a
-    record stay (the last listed as unproven)."""
+    """Killed writers' runs (with records) and an earlier version's staging go; a committed
+    --out whose path contains runs/<16 hex>/, a sibling's debris, a run whose id ends in
+    `.staging` and debris without a record stay (the last listed as unproven)."""
     root = tmp_path / "snaps"
     root.mkdir()
     cat = tmp_path / "c.sqlite"
     trap = root / "a" / "runs" / "0123456789abcdef" / "x"  # a user's --out shaped like a run
     done = _merge(family, trap, cat)
-    _killed_merge(family, root / "dead", tmp_path / "home")  # staging + record + free lock
-    assert staging_path(root / "dead").is_dir() and lock_path(root / "dead").exists()
+    _killed_merge(family, root / "dead", tmp_path / "home")  # its run + records + record + free lock
+    dead_run = _run_of(root / "dead")
+    assert lock_path(root / "dead").exists() and list(dead_run.iterdir())
+    _legacy_staging(root / "old")
     plan, st = _plan(family, cat)
     execute_part(plan, st, str(root / "run"), PartSpec(0, 2))  # an abandoned partitioned run
     execute_part(plan, st, str(root / "r"), PartSpec(0, 2), run="w.staging")  # run id ending in .staging
@@ -140,11 +160,12 @@ def test_gc_local_removes_proven_debris_only(family, tmp_path, monkeypatch, caps
     code, out, err = run_cli(["gc", str(root), "--grace", "1h", "--json"], monkeypatch, capsys)
     assert code == 0, err
     rep = json.loads(out)
-    assert rep["removed_staging"] == [str(staging_path(root / "dead"))]
+    assert rep["removed_staging"] == [str(staging_path(root / "old"))]
     assert sorted(rep["deleted_runs"]) == sorted(
-        [str(root / ".r.run-w.staging"), str(root / ".run.run-") + plan_run(plan)]
+        [str(root / ".r.run-w.staging"), str(root / ".run.run-") + plan_run(plan), str(dead_run)]
     )
-    assert not staging_path(root / "dead").exists() and not lock_path(root / "dead").exists()
+    assert not staging_path(root / "old").exists() and not dead_run.exists()
+    assert not lock_path(root / "dead").exists() and not list(root.glob(".dead.run-*"))
     assert not list(root.glob(".run.run-*")) and not list(root.glob(".r.run-*"))
     assert legacy.exists() and any(str(legacy) in u for u in rep["unproven"])
     assert verify_snapshot(done.out)["ok"] and (trap / "manifest.json").exists()
@@ -164,17 +185,19 @@ def test_gc_of_one_out_spares_its_sibling_and_dot_equals_abs(family, tmp_path, m
     dot = collect(open_storage(None, IOCounters()), ".", grace_s=0, dry_run=True)
     ab = collect(open_storage(None, IOCounters()), str(root / "a"), grace_s=0, dry_run=True)
     assert dot.as_dict() == ab.as_dict()
-    assert dot.removed_staging == [str(staging_path(root / "a"))]
+    run_a, run_ab = _run_of(root / "a"), _run_of(root / "a.b")
+    assert dot.deleted_runs == [str(run_a)]
     code, _out, err = run_cli(["gc", ".", "--grace", "0"], monkeypatch, capsys)
     assert code == 0, err
-    assert not staging_path(root / "a").exists()
-    assert staging_path(root / "a.b").is_dir() and lock_path(root / "a.b").exists()
+    assert not run_a.exists() and not list(root.glob(".a.run-*"))
+    assert run_ab.is_dir() and lock_path(root / "a.b").exists()
 
 
 def test_gc_dry_run_leaves_the_tree_byte_identical(family, tmp_path, monkeypatch, capsys):
     root = tmp_path / "snaps"
     root.mkdir()
     _killed_merge(family, root / "dead", tmp_path / "home")
+    _legacy_staging(root / "old")
     plan, st = _plan(family, tmp_path / "c.sqlite")
     execute_part(plan, st, str(root / "run"), PartSpec(1, 2))
     _age(*root.iterdir())
@@ -182,7 +205,7 @@ def test_gc_dry_run_leaves_the_tree_byte_identical(family, tmp_path, monkeypatch
     code, out, err = run_cli(["gc", str(root), "--grace", "0", "--dry-run", "--json"], monkeypatch, capsys)
     assert code == 0, err
     rep = json.loads(out)
-    assert rep["removed_staging"] and rep["deleted_runs"]
+    assert rep["removed_staging"] and len(rep["deleted_runs"]) == 2
     assert _tree(root) == before
 
 

@@ -1,6 +1,7 @@
-"""Staging ownership and verified publish (issue 12 item 1): two writers of one local --out on
+"""Run ownership and verified publish (issue 12 item 1): two writers of one local --out on
 different hosts (or PID namespaces) never produce a corrupt commit, and a publish checks every
-manifest file before the rename."""
+manifest file before the rename. A single-process merge stages its files in its run folder
+``.<name>.run-plan-<hex>`` (the one part of a run, issue 25) under --out's lock."""
 
 import json
 import os
@@ -20,6 +21,17 @@ from mergepipe.pipeline import merge
 from mergepipe.storage.base import StorageError
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_folder(out: Path) -> Path:
+    """The run folder of the (only) plan written to ``out``: ``.<name>.run-plan-<hex>``."""
+    (f,) = [q for q in out.parent.glob(f".{out.name}.run-plan-*") if q.is_dir() and q.suffix != ".records"]
+    return f
+
+
+def no_run_left(out: Path) -> bool:
+    """Nothing of a run beside ``out``: no run folder, records or ownership record."""
+    return not list(out.parent.glob(f".{out.name}.run-*"))
 
 
 def _merge(family, out, catalog):
@@ -64,9 +76,9 @@ def test_second_writer_on_another_host_is_refused_and_first_commits(family, tmp_
 
     def execute_then_other_writer(*a, **kw):
         res = real_execute(*a, **kw)
-        seen["staged"] = sorted(p.name for p in staging_path(out).iterdir())
+        seen["staged"] = sorted(p.name for p in run_folder(out).iterdir())
         seen["b"] = _other_host_writer(family, out, tmp_path / "home-b")
-        seen["after_b"] = sorted(p.name for p in staging_path(out).iterdir())
+        seen["after_b"] = sorted(p.name for p in run_folder(out).iterdir())
         return res
 
     monkeypatch.setattr(executor, "execute", execute_then_other_writer)
@@ -77,11 +89,11 @@ def test_second_writer_on_another_host_is_refused_and_first_commits(family, tmp_
     err = [ln for ln in b.stderr.splitlines() if ln.strip()]
     assert len(err) == 1 and "another mergepipe process is writing it" in err[0] and "node-a" in err[0], b.stderr
     assert "Traceback" not in b.stderr and b.stdout == ""
-    assert seen["after_b"] == seen["staged"] and seen["staged"], "B must not touch A's staging folder"
+    assert seen["after_b"] == seen["staged"] and seen["staged"], "B must not touch A's run folder"
     assert not r.already_committed
     v = verify_snapshot(out)
     assert v["ok"], v["problems"]
-    assert not staging_path(out).exists() and not lock_path(out).exists()
+    assert no_run_left(out) and not lock_path(out).exists()
     # a rerun (e.g. B retried) finds the committed snapshot: exit 0, nothing rewritten
     again = _other_host_writer(family, out, tmp_path / "home-b")
     assert again.returncode == 0, again.stderr
@@ -90,8 +102,9 @@ def test_second_writer_on_another_host_is_refused_and_first_commits(family, tmp_
 
 
 def test_dead_writers_staging_is_reclaimed(family, tmp_path):
-    """A staging folder whose lock is free belongs to a dead writer (the kernel released its
-    flock): the next writer removes it and commits; its content never reaches the snapshot."""
+    """A staging folder of an earlier version whose lock is free belongs to a dead writer (the
+    kernel released its flock): the next writer commits; its content never reaches the snapshot
+    (``gc`` reclaims the folder by its ownership record)."""
     out = tmp_path / "snap"
     st = staging_path(out)
     st.mkdir(parents=True)
@@ -140,14 +153,14 @@ def test_publish_refuses_a_staging_folder_missing_a_file(family, tmp_path, monke
 
     def execute_then_lose_a_shard(*a, **kw):
         res = real_execute(*a, **kw)
-        shard = sorted(staging_path(out).glob("*.safetensors"))[0]
+        shard = sorted(run_folder(out).glob("*.safetensors"))[0]
         shard.unlink()
         return res
 
     monkeypatch.setattr(executor, "execute", execute_then_lose_a_shard)
     with pytest.raises(CommitConflict, match="missing"):
         _merge(family, out, tmp_path / "c.sqlite")
-    assert not out.exists() and not staging_path(out).exists() and not lock_path(out).exists()
+    assert not out.exists() and no_run_left(out) and not lock_path(out).exists()
 
 
 def test_publish_refuses_a_truncated_or_foreign_file(family, tmp_path, monkeypatch):
@@ -158,10 +171,10 @@ def test_publish_refuses_a_truncated_or_foreign_file(family, tmp_path, monkeypat
 
     def execute_then_tamper(*a, **kw):
         res = real_execute(*a, **kw)
-        shard = sorted(staging_path(out).glob("*.safetensors"))[0]
+        shard = sorted(run_folder(out).glob("*.safetensors"))[0]
         with open(shard, "r+b") as f:
             f.truncate(100)
-        (staging_path(out) / "extra.bin").write_bytes(b"x")
+        (run_folder(out) / "extra.bin").write_bytes(b"x")
         return res
 
     monkeypatch.setattr(executor, "execute", execute_then_tamper)
@@ -172,8 +185,8 @@ def test_publish_refuses_a_truncated_or_foreign_file(family, tmp_path, monkeypat
 
 
 def test_writer_never_recreates_a_removed_staging_folder(family, tmp_path, monkeypatch):
-    """Before the fix LocalWriter recreated folders (makedirs(exist_ok=True)), so a staging folder
-    removed mid-run came back half-empty; now the next file write fails the run."""
+    """Before the fix LocalWriter recreated folders (makedirs(exist_ok=True)), so a staging (now:
+    run) folder removed mid-run came back half-empty; now the next file write fails the run."""
     from mergepipe.storage import local
 
     out = tmp_path / "snap"
@@ -184,10 +197,10 @@ def test_writer_never_recreates_a_removed_staging_folder(family, tmp_path, monke
         n = real_close(self)
         calls["n"] += 1
         if calls["n"] == 1:
-            shutil.rmtree(staging_path(out))
+            shutil.rmtree(run_folder(out))
         return n
 
     monkeypatch.setattr(local.LocalWriter, "close", close_then_remove_staging)
     with pytest.raises(StorageError, match="does not exist"):
         _merge(family, out, tmp_path / "c.sqlite")
-    assert not out.exists() and not staging_path(out).exists()
+    assert not out.exists() and no_run_left(out)

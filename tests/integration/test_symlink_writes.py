@@ -52,7 +52,7 @@ def plan_file(family, tmp_path):
 
 @pytest.mark.parametrize(
     "where",
-    ["lock", "staging record", "run record", "run folder", "records folder", "part lock"],
+    ["lock", "plain run record", "run record", "run folder", "plain run folder", "records folder", "part lock"],
 )
 def test_planted_link_at_a_merge_write_is_refused(plan_file, tmp_path, monkeypatch, capsys, where):
     victim, victim_dir = _victims(tmp_path)
@@ -62,8 +62,8 @@ def test_planted_link_at_a_merge_write_is_refused(plan_file, tmp_path, monkeypat
     files = out.parent / f".snap.run-{run}"
     link, target, args = {
         "lock": (lock_path(out), victim, ["execute", str(plan), "--out", str(out)]),
-        "staging record": (
-            Path(str(staging_path(out)) + ".owner.json"),
+        "plain run record": (  # a single-process execute is the one part of the plan's run
+            Path(str(files) + ".owner.json"),
             victim,
             ["execute", str(plan), "--out", str(out)],
         ),
@@ -73,6 +73,7 @@ def test_planted_link_at_a_merge_write_is_refused(plan_file, tmp_path, monkeypat
             ["execute", str(plan), "--out", str(out), "--part", "0/1"],
         ),
         "run folder": (files, victim_dir, ["execute", str(plan), "--out", str(out), "--part", "0/1"]),
+        "plain run folder": (files, victim_dir, ["execute", str(plan), "--out", str(out)]),
         "records folder": (
             Path(str(files) + ".records"),
             victim_dir,
@@ -94,8 +95,8 @@ def test_planted_link_at_a_merge_write_is_refused(plan_file, tmp_path, monkeypat
 
 
 def test_planted_staging_folder_link_is_removed_not_followed(plan_file, tmp_path, monkeypatch, capsys):
-    """A link at the staging folder's name is a dead writer's leftover at worst: it is removed
-    (never followed) under the lock, and the merge commits."""
+    """A link at the staging folder's name (where versions before runs of one part staged) is
+    never followed: the merge stages in its run folder and commits."""
     victim, victim_dir = _victims(tmp_path)
     plan, _ = plan_file
     out = tmp_path / "snap"

@@ -19,8 +19,6 @@ EXCEPTIONS: dict[str, str] = {
         "typer command: 155 of its lines are its 35 option declarations (the CLI's help); its 56-line body only "
         "forwards them to _search_config and driver.run (backend, resume check and report are helpers)"
     ),
-    # not split yet (issue 25 lists them; each needs its slow end-to-end tests run per step)
-    "mergepipe/pipeline.py:execute_and_commit": "not split yet: to become a run of one part (issue 25 item 3)",
 }
 
 
