@@ -163,7 +163,11 @@ def test_publish_refuses_a_staging_folder_missing_a_file(family, tmp_path, monke
     assert not out.exists() and no_run_left(out) and not lock_path(out).exists()
 
 
-def test_publish_refuses_a_truncated_or_foreign_file(family, tmp_path, monkeypatch):
+@pytest.mark.parametrize("tamper", ["truncate", "foreign"])
+def test_publish_refuses_a_truncated_or_foreign_file(family, tmp_path, monkeypatch, tamper):
+    """A shard truncated after it was recorded fails the run's record check (its bytes, read
+    back, no longer give its recorded digest); a file the run did not write fails the publish's
+    staged-file check. Nothing appears at --out either way."""
     from mergepipe.engine import executor
 
     out = tmp_path / "snap"
@@ -171,17 +175,22 @@ def test_publish_refuses_a_truncated_or_foreign_file(family, tmp_path, monkeypat
 
     def execute_then_tamper(*a, **kw):
         res = real_execute(*a, **kw)
-        shard = sorted(run_folder(out).glob("*.safetensors"))[0]
-        with open(shard, "r+b") as f:
-            f.truncate(100)
-        (run_folder(out) / "extra.bin").write_bytes(b"x")
+        if tamper == "truncate":
+            shard = sorted(run_folder(out).glob("*.safetensors"))[0]
+            with open(shard, "r+b") as f:
+                f.truncate(100)
+        else:
+            (run_folder(out) / "extra.bin").write_bytes(b"x")
         return res
 
     monkeypatch.setattr(executor, "execute", execute_then_tamper)
-    with pytest.raises(CommitConflict, match="size 100") as ei:
+    with pytest.raises(CommitConflict) as ei:
         _merge(family, out, tmp_path / "c.sqlite")
-    assert "extra.bin: not written by this run" in str(ei.value)
-    assert not out.exists()
+    if tamper == "truncate":
+        assert "model-00001-of-00002.safetensors" in str(ei.value) and "--part 0/1" in str(ei.value)
+    else:
+        assert "extra.bin: not written by this run" in str(ei.value)
+    assert not out.exists() and no_run_left(out)
 
 
 def test_writer_never_recreates_a_removed_staging_folder(family, tmp_path, monkeypatch):
