@@ -148,7 +148,7 @@ def test_gc_local_removes_proven_debris_only(family, tmp_path, monkeypatch, caps
     _killed_merge(family, root / "dead", tmp_path / "home")  # its run + records + record + free lock
     dead_run = _run_of(root / "dead")
     assert lock_path(root / "dead").exists() and list(dead_run.iterdir())
-    _legacy_staging(root / "old")
+    _legacy_staging(root / "gone")
     plan, st = _plan(family, cat)
     execute_part(plan, st, str(root / "run"), PartSpec(0, 2))  # an abandoned partitioned run
     execute_part(plan, st, str(root / "r"), PartSpec(0, 2), run="w.staging")  # run id ending in .staging
@@ -160,11 +160,11 @@ def test_gc_local_removes_proven_debris_only(family, tmp_path, monkeypatch, caps
     code, out, err = run_cli(["gc", str(root), "--grace", "1h", "--json"], monkeypatch, capsys)
     assert code == 0, err
     rep = json.loads(out)
-    assert rep["removed_staging"] == [str(staging_path(root / "old"))]
+    assert rep["removed_staging"] == [str(staging_path(root / "gone"))]
     assert sorted(rep["deleted_runs"]) == sorted(
         [str(root / ".r.run-w.staging"), str(root / ".run.run-") + plan_run(plan), str(dead_run)]
     )
-    assert not staging_path(root / "old").exists() and not dead_run.exists()
+    assert not staging_path(root / "gone").exists() and not dead_run.exists()
     assert not lock_path(root / "dead").exists() and not list(root.glob(".dead.run-*"))
     assert not list(root.glob(".run.run-*")) and not list(root.glob(".r.run-*"))
     assert legacy.exists() and any(str(legacy) in u for u in rep["unproven"])
