@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,12 +27,12 @@ import numpy as np
 from mergepipe.methods.base import MethodSpec
 from mergepipe.methods.sparsify import (  # noqa: F401 - re-exported (the kernels' vocabulary)
     SPARSIFIERS,
+    ExpertTensorParams,
     magnitude_key_torch,
     magnitude_shrink_lambda,
     row_numel_of,
 )
 from mergepipe.numerics import (
-    N_KEYS,
     model_stock_t,
     nuslerp_coefficients_rows,
     segment_dots,
@@ -44,36 +43,6 @@ if TYPE_CHECKING:
 
 #: safetensors dtypes the tiled elementwise path reads in place (others are decoded per chunk)
 TILE_DTYPES = ("BF16", "F16", "F32")
-
-
-@dataclass(frozen=True)
-class ExpertTensorParams:
-    """What one expert contributes to one tensor.
-
-    Attributes:
-        weight: mergekit ``weight``.
-        density: mergekit ``density`` (1.0 = no sparsification).
-        min_key: magnitude threshold key (keep ``key >= min_key``; 0 keeps all), fixed at
-            plan time from the catalog's key histogram.
-        max_key: breadcrumbs' outlier bound (keep ``key < max_key``; ``N_KEYS`` = none).
-        stream_key: key of the DARE / DELLA random stream of this (expert, tensor).
-        epsilon: DELLA's ``epsilon``.
-        shrink: exact magnitude trim for bf16/float16/float32 inputs (keep ``|δ| > shrink``, a
-            float32), found by the engine inside the threshold key group
-            (:func:`mergepipe.numerics.exact_shrink`); None: the key rule ``key >= min_key``.
-            Breadcrumbs: the window's lower end the same way.
-        shrink_hi: breadcrumbs' exact outlier bound for bf16/float16/float32 inputs (keep
-            ``|δ| <= shrink_hi``); None: the key rule ``key < max_key``.
-    """
-
-    weight: float
-    density: float
-    min_key: int = 0
-    stream_key: int = 0
-    max_key: int = N_KEYS
-    epsilon: float = 0.0
-    shrink: float | None = None
-    shrink_hi: float | None = None
 
 
 def sparsify(

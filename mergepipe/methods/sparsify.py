@@ -11,6 +11,7 @@ breadcrumbs' magnitude window; ``della`` DELLA's magnitude-ranked Bernoulli drop
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
     import torch
 
     from mergepipe.catalog.stats import TensorStats
-    from mergepipe.methods.kernels import ExpertTensorParams
     from mergepipe.planner.plan import TensorExpert
 
 #: input dtypes whose magnitude trim (TIES) and window (breadcrumbs) rank the exact float32 |δ| (bf16 included: a
@@ -77,6 +77,36 @@ def magnitude_shrink_lambda(min_key: int) -> float | None:
 Bound = tuple[int, "tuple[int, int, int, int] | None"]
 
 
+@dataclass(frozen=True)
+class ExpertTensorParams:
+    """What one expert contributes to one tensor.
+
+    Attributes:
+        weight: mergekit ``weight``.
+        density: mergekit ``density`` (1.0 = no sparsification).
+        min_key: magnitude threshold key (keep ``key >= min_key``; 0 keeps all), fixed at
+            plan time from the catalog's key histogram.
+        max_key: breadcrumbs' outlier bound (keep ``key < max_key``; ``N_KEYS`` = none).
+        stream_key: key of the DARE / DELLA random stream of this (expert, tensor).
+        epsilon: DELLA's ``epsilon``.
+        shrink: exact magnitude trim for bf16/float16/float32 inputs (keep ``|δ| > shrink``, a
+            float32), found by the engine inside the threshold key group
+            (:func:`mergepipe.numerics.exact_shrink`); None: the key rule ``key >= min_key``.
+            Breadcrumbs: the window's lower end the same way.
+        shrink_hi: breadcrumbs' exact outlier bound for bf16/float16/float32 inputs (keep
+            ``|δ| <= shrink_hi``); None: the key rule ``key < max_key``.
+    """
+
+    weight: float
+    density: float
+    min_key: int = 0
+    stream_key: int = 0
+    max_key: int = N_KEYS
+    epsilon: float = 0.0
+    shrink: float | None = None
+    shrink_hi: float | None = None
+
+
 class Sparsifier:
     """Keep every entry (``none``); the base of the others."""
 
@@ -89,7 +119,7 @@ class Sparsifier:
     ) -> torch.Tensor:
         """``δ ⊙ mask`` of a float32 torch chunk ``delta`` (flat elements ``[offset, offset + n)``
         of a tensor of ``shape``, whole rows) for expert parameters ``ep``
-        (:class:`~mergepipe.methods.kernels.ExpertTensorParams`, ``density < 1``); not rescaled."""
+        (:class:`ExpertTensorParams`, ``density < 1``); not rescaled."""
         return delta
 
     def exact_bound(self, st: TensorStats, ep: Mapping[str, Any], group_cap: int | None) -> Bound:
