@@ -465,7 +465,7 @@ _SECTIONS: tuple[tuple[str, str, Callable[[tuple[int, ...]], int]], ...] = (
     ("oct_count", "<i8", lambda r: r[0] * r[1]),
     ("oct_energy", "<f8", lambda r: r[0] * r[1]),
     ("hist_counts", "<i8", lambda r: r[2]),
-    ("sketch_sq", "<f8", lambda r: r[0] * TIERS * r[3]),
+    ("sketch_sq", "<f8", lambda r: r[0] * TIERS * (r[3] == 1)),
     ("max_abs", "<f4", lambda r: r[0]),
     ("hist_keys", "<i4", lambda r: r[2]),
     ("block_sha", "|u1", lambda r: r[0] * BLOCK_DIGEST_BYTES * r[4]),
@@ -479,7 +479,8 @@ def pack_stats(stats: dict[str, TensorStats]) -> bytes:
     Layout: :data:`PACK_MAGIC`; the SHA-256 of everything that follows the 48-byte head; the
     byte length of a JSON header (one row per tensor: name, content SHA-256, numel, rows per
     block, first octave, sketch start, blocks, octaves, distinct keys, and 0/1 for the presence
-    of sketch residual energies, block digests and sketch digests); zero padding to 8 bytes;
+    of sketch residual energies — 2: a sketch extent with no planes, a LoRA expert's —, block
+    digests and sketch digests); zero padding to 8 bytes;
     then per field (:data:`_SECTIONS`) the little-endian arrays of every tensor concatenated in
     header order. Reading it back (:func:`unpack_stats`) is one hash, one ``json.loads`` and
     array views of one buffer: planning from a cached catalog parses 8 of these instead of 880
@@ -495,10 +496,13 @@ def pack_stats(stats: dict[str, TensorStats]) -> bytes:
     parts: dict[str, list[bytes]] = {f: [] for f, _, _ in _SECTIONS}
     for n, s in stats.items():
         sk = s.sketch_sq is not None and s.sketch_start >= 0
+        # 1: a residual-energy table per block; 2: a sketch extent with no planes coded (a LoRA
+        # expert's, sketch_sq of shape (0, TIERS)); 0: no sketch
+        sq_flag = 0 if not sk else (1 if s.sketch_sq.shape[0] > 0 else 2)  # type: ignore[union-attr]
         rows.append(
             (n, s.content_sha256, int(s.numel), int(s.rows_per_block), int(s.oct_lo), int(s.sketch_start) if sk else -1)
             + (s.n_blocks, int(s.oct_count.shape[1]), len(s.hist_keys))
-            + (int(sk), int(s.block_sha is not None), int(s.sketch_sha is not None))
+            + (sq_flag, int(s.block_sha is not None), int(s.sketch_sha is not None))
         )
         arrays = {
             "sums": s.sums if s.sums is not None else np.full(4, np.nan),
@@ -508,7 +512,7 @@ def pack_stats(stats: dict[str, TensorStats]) -> bytes:
             "oct_count": s.oct_count,
             "oct_energy": s.oct_energy,
             "hist_counts": s.hist_counts,
-            "sketch_sq": s.sketch_sq if sk else None,
+            "sketch_sq": s.sketch_sq if sq_flag == 1 else None,
             "max_abs": s.max_abs,
             "hist_keys": s.hist_keys,
             "block_sha": s.block_sha,
@@ -577,7 +581,7 @@ def unpack_stats(data: bytes) -> dict[str, TensorStats]:
             content_sha256=sha,
             sums=v["sums"],
             sketch_start=sk_start if has_sq else -1,
-            sketch_sq=v["sketch_sq"].reshape(nb, TIERS) if has_sq else None,
+            sketch_sq=v["sketch_sq"].reshape(nb, TIERS) if has_sq == 1 else (np.zeros((0, TIERS)) if has_sq else None),
             block_sha=v["block_sha"].reshape(nb, BLOCK_DIGEST_BYTES) if has_bsha else None,
             sketch_sha=v["sketch_sha"].reshape(nb, SECTIONS, BLOCK_DIGEST_BYTES) if has_ssha else None,
         )
@@ -628,8 +632,10 @@ def _row_ok(r: object) -> bool:
         return False
     numel, rpb, _, sk_start, nb, n_oct, n_keys, *flags = ints
     return (
-        numel >= 0 and rpb > 0 and sk_start >= -1 and nb >= 1 and 0 < n_oct <= N_OCT and 0 <= n_keys <= N_KEYS
-    ) and all(f in (0, 1) for f in flags)
+        (numel >= 0 and rpb > 0 and sk_start >= -1 and nb >= 1 and 0 < n_oct <= N_OCT and 0 <= n_keys <= N_KEYS)
+        and flags[0] in (0, 1, 2)
+        and all(f in (0, 1) for f in flags[1:])
+    )
 
 
 def _check_section(field: str, flat: np.ndarray) -> None:

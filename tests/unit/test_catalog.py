@@ -199,6 +199,35 @@ def _reseal(header: bytes, body: bytes) -> bytes:
     return _PACK_HEAD.pack(PACK_MAGIC, hashlib.sha256(rest).digest(), len(header)) + rest
 
 
+def test_packed_stats_keep_a_lora_experts_sketch_extent_without_planes(family, tmp_path):
+    """A LoRA expert's statistics (analysed from its factors) carry a sketch extent but no coded
+    planes: ``sketch_sq`` of shape ``(0, TIERS)``. The packed blob keeps that state (it was packed as
+    if it had a row per block, and every LoRA merge failed on 'its header's counts say')."""
+    import dataclasses
+
+    from mergepipe.catalog.stats import TIERS, pack_stats, unpack_stats
+
+    base, experts = family
+    cat = Catalog(tmp_path / "c.sqlite")
+    st = LocalStorage(IOCounters())
+    b = cat.register(st, str(base))
+    (a,) = cat.analyze(st, b, [cat.register(st, str(experts[0]))], block_bytes=4096)
+    lora = {
+        n: dataclasses.replace(s, sketch_start=max(s.sketch_start, 0), sketch_sq=np.zeros((0, TIERS)), sketch_sha=None)
+        for n, s in a.tensors.items()
+    }
+    n0 = next(iter(a.tensors))
+    mixed = {**a.tensors, n0: lora[n0]}  # one tensor without planes among sketched ones
+    for stats in (lora, mixed):
+        back = unpack_stats(pack_stats(stats))
+        for n, s in stats.items():
+            assert back[n].to_bytes() == s.to_bytes()
+            assert back[n].sketch_start == s.sketch_start
+            assert (back[n].sketch_sq is None) == (s.sketch_sq is None)
+            if s.sketch_sq is not None:
+                assert back[n].sketch_sq.shape == s.sketch_sq.shape
+
+
 def test_packed_stats_round_trip_and_refuse_damage(family, tmp_path):
     """One blob per expert holds every tensor's statistics exactly; a flipped bit, another
     format, a truncation, and a re-digested blob whose sizes or values are wrong are refused."""
