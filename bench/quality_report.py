@@ -22,7 +22,6 @@ from what the committed data give (tests/unit/test_quality_report.py runs it in 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -33,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench import report_block  # noqa: E402
 from mergepipe.metrics import mean_ci_t  # noqa: E402
 
 OUT = REPO / "docs" / "quality"
@@ -368,29 +368,15 @@ def render() -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--write", action="store_true", help="write the tables into docs/QUALITY.md")
-    g.add_argument("--check", action="store_true", help="exit 1 if docs/QUALITY.md differs from the derivation")
-    a = ap.parse_args(argv)
-    body = render()
-    if not (a.write or a.check):
-        print(body)
-        return 0
-    doc = DOC.read_text()
-    if BEGIN not in doc or END not in doc:
-        print(f"{DOC.relative_to(REPO)}: no generated block (markers {BEGIN!r} … {END!r}); add them.", file=sys.stderr)
-        return 2
-    cur = BEGIN + doc.split(BEGIN, 1)[1].split(END, 1)[0] + END
-    if a.check:
-        if cur != body:
-            print(
-                f"{DOC.relative_to(REPO)}: the tables differ from bench/quality_report.py's derivation", file=sys.stderr
-            )
-            return 1
-        return 0
-    DOC.write_text(doc.replace(cur, body))
-    return 0
+    """``--write`` / ``--check`` docs/QUALITY.md's generated block, or print it
+    (:func:`bench.report_block.main`)."""
+    return report_block.main(
+        argv,
+        DOC,
+        lambda: [report_block.Block("pre-registered tables", BEGIN, END, render())],
+        __doc__.split("\n\n")[0],
+        "bench/quality_report.py",
+    )
 
 
 if __name__ == "__main__":

@@ -30,15 +30,18 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import report_block  # noqa: E402
+
 DOC = ROOT / "docs" / "SEARCH.md"
 RAW = ROOT / "docs" / "search"
 
@@ -264,49 +267,28 @@ def blocks(raw_dir: Path = RAW) -> dict[str, str]:
     return out
 
 
-def _span(tb: str) -> re.Pattern:
-    return re.compile(
-        rf"(<!-- search-report:{re.escape(tb)}:begin -->\n)(.*?)(\n<!-- search-report:{re.escape(tb)}:end -->)", re.S
-    )
+def _markers(tb: str) -> tuple[str, str]:
+    return f"<!-- search-report:{tb}:begin -->", f"<!-- search-report:{tb}:end -->"
+
+
+def doc_blocks(raw_dir: Path = RAW) -> list[report_block.Block]:
+    """:func:`blocks` as they stand in docs/SEARCH.md, markers included."""
+    out = []
+    for tb, block in blocks(raw_dir).items():
+        begin, end = _markers(tb)
+        out.append(report_block.Block(f"testbed {tb}", begin, end, f"{begin}\n{block}\n{end}"))
+    return out
 
 
 def check(doc: Path = DOC, raw_dir: Path = RAW) -> list[str]:
     """Mismatches between ``doc`` and the blocks re-derived from ``raw_dir`` (empty: all match)."""
-    text = doc.read_text()
-    bad = []
-    for tb, block in blocks(raw_dir).items():
-        m = _span(tb).search(text)
-        if not m:
-            bad.append(f"{doc.name}: no search-report block for testbed {tb}")
-        elif m.group(2) != block:
-            old, new = m.group(2).splitlines(), block.splitlines()
-            diff = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
-            bad.append(f"{doc.name}: testbed {tb}: line {diff + 1} of the block differs from the re-derivation")
-    return bad
+    return report_block.differences(doc, doc_blocks(raw_dir))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--write", action="store_true", help="rewrite the blocks in docs/SEARCH.md")
-    ap.add_argument("--check", action="store_true", help="exit 1 when docs/SEARCH.md differs")
-    args = ap.parse_args()
-    if args.check:
-        bad = check()
-        for b in bad:
-            print(b, file=sys.stderr)
-        sys.exit(1 if bad else 0)
-    bl = blocks()
-    if args.write:
-        text = DOC.read_text()
-        for tb, block in bl.items():
-            if not _span(tb).search(text):
-                raise SystemExit(f"docs/SEARCH.md: add '<!-- search-report:{tb}:begin -->' / ':end -->' markers")
-            text = _span(tb).sub(lambda m, b=block: m.group(1) + b + m.group(3), text)
-        DOC.write_text(text)
-    else:
-        for tb, block in bl.items():
-            print(f"## {tb}\n\n{block}\n")
+def main(argv=None) -> int:
+    """``--write`` / ``--check`` docs/SEARCH.md's blocks, or print them (:func:`bench.report_block.main`)."""
+    return report_block.main(argv, DOC, doc_blocks, __doc__.splitlines()[0], "bench/search_report.py")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

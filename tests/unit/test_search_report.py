@@ -76,7 +76,7 @@ def test_report_round_trip_and_mismatch(tmp_path):
     assert check(doc, tmp_path) and "differs" in check(doc, tmp_path)[0]
     # so is a block with no markers
     doc.write_text("nothing\n")
-    assert "no search-report block" in check(doc, tmp_path)[0]
+    assert "no generated block" in check(doc, tmp_path)[0]
 
 
 def test_search_md_matches_the_committed_raw_results():
