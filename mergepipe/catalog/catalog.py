@@ -952,11 +952,37 @@ class WriterSketchSink(SketchSink):
         self._w.abort()
 
 
+#: BLAS threads of an analysis (numpy's OpenBLAS/MKL pool, set by :func:`analysis_blas_threads`)
+ANALYZE_BLAS_THREADS = 1
+
+
+def analysis_blas_threads():
+    """Context manager: numpy's BLAS/LAPACK pools limited to :data:`ANALYZE_BLAS_THREADS` (one)
+    thread while an analysis runs (``threadpoolctl.threadpool_limits(user_api="blas")``), restored
+    on exit.
+
+    Why one: the analysis' linear algebra is many small problems (a rank-1 SVD of every
+    ``rows × row_numel`` block of at most 128 KiB, LoRA ``B·A`` products of a few rows), far too
+    small to split; OpenBLAS's threads spin-wait for work, so with more threads than idle cores
+    they only steal CPU. Measured on the 2-core machine under load (docs/BENCHMARKS.md, issue 23):
+    20 SVDs of a 170 × 384 block took 185 s wall / 20 s CPU with OpenBLAS's 2 threads and
+    4.8 s / 0.29 s with one.
+
+    The limit is process-wide (OpenBLAS has one pool): BLAS calls of other threads of the same
+    process during the analysis run on one thread too. Torch's own pool (the Fisher sensitivity)
+    is not touched.
+    """
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=ANALYZE_BLAS_THREADS, user_api="blas")
+
+
 def _analyze_stream(
     storage, base, readers, stat_ids, block_bytes, chunk_bytes, progress, pairs=(), sketches=None, work_bytes=None
 ):
     """Stream the base and ``readers`` once; per-expert statistics for identities in
-    ``stat_ids``, and for each pair of ``pairs`` the exact per-tensor ``⟨δᵢ,δⱼ⟩``.
+    ``stat_ids``, and for each pair of ``pairs`` the exact per-tensor ``⟨δᵢ,δⱼ⟩``, with numpy's
+    BLAS on one thread (:func:`analysis_blas_threads`).
 
     ``sketches`` (``{identity: SketchWriter}``, one per identity of ``stat_ids``) receive the
     sign planes of every floating tensor of two or more dimensions, in base tensor order
@@ -967,6 +993,16 @@ def _analyze_stream(
         ``({identity: {tensor: TensorStats}}, {(id_a, id_b) sorted: {tensor: dot}},
         {tensor: base SHA-256})``.
     """
+    with analysis_blas_threads():
+        return _analyze_stream_body(
+            storage, base, readers, stat_ids, block_bytes, chunk_bytes, progress, pairs, sketches, work_bytes
+        )
+
+
+def _analyze_stream_body(
+    storage, base, readers, stat_ids, block_bytes, chunk_bytes, progress, pairs, sketches, work_bytes
+):
+    """:func:`_analyze_stream` (its arguments and result), in the caller's BLAS threading."""
     builders: dict[str, dict[str, TensorStats]] = {i: {} for i in stat_ids}
     sketches = sketches if sketches is not None else {}
     pair_ids = [tuple(sorted((a.identity, b.identity))) for a, b in pairs]

@@ -303,3 +303,38 @@ def test_catalog_of_an_older_version_is_analysed_again_and_says_so(family, tmp_p
     assert st.counters.snapshot()["read"]["expert"] > before
     cat.analyze(st, b, es, block_bytes=4096)  # cached now: silent, nothing read
     assert capsys.readouterr().err == ""
+
+
+def test_analysis_runs_blas_on_one_thread(family, tmp_path, monkeypatch):
+    """numpy's BLAS pool is limited to one thread while the sketches' SVDs run (OpenBLAS's
+    spinning threads made them 40-70x slower in wall on a loaded 2-core machine), and the
+    caller's setting is restored afterwards."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from mergepipe.catalog import sketch
+
+    def blas_threads() -> set[int]:
+        return {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"}
+
+    seen: list[set[int]] = []
+    real = sketch.rank1_factors
+
+    def spy(d):
+        seen.append(blas_threads())
+        return real(d)
+
+    monkeypatch.setattr(sketch, "rank1_factors", spy)
+    base, experts = family
+    cat = Catalog(tmp_path / "c.sqlite")
+    st = LocalStorage(IOCounters())
+    b = cat.register(st, str(base))
+    e = cat.register(st, str(experts[2]))
+    with threadpool_limits(limits=2, user_api="blas"):
+        outer = blas_threads()
+        if outer != {2}:
+            pytest.skip(f"this numpy's BLAS cannot be set to 2 threads here ({outer})")
+        (a,) = cat.analyze(st, b, [e], block_bytes=4096)
+        after = blas_threads()
+    assert a.sketch is not None and seen, "the analysis computed no sketch"
+    assert all(s == {1} for s in seen), seen
+    assert after == {2}
