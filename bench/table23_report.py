@@ -74,6 +74,7 @@ def cells(runs: list[dict]) -> dict[str, dict]:
                 "total_s",
             )
         }
+        out[system]["load"] = _med([(r.get("loadavg_before") or [None])[0] for r in rs])
         out[system]["n"] = len(rs)
     return out
 
@@ -132,6 +133,18 @@ def _s(x, nd: int = 1) -> str:
     return "" if x is None else f"{x:,.{nd}f}"
 
 
+def _analysis_note(a: dict) -> str:
+    """How the run's one-time ``mergepipe analyze`` went: the analysis itself, or a catalog built
+    beforehand (no expert byte read: the runs plan from a cached catalog)."""
+    read = ((a.get("json") or {}).get("bytes_read") or {}).get("expert")
+    what = (
+        "catalog built beforehand, so the run's `mergepipe analyze` read no expert byte"
+        if read == 0
+        else "`mergepipe analyze` at the start of the run"
+    )
+    return f"{what}: {a['wall_s']:.1f} s wall, {a['cpu_s']:.1f} s CPU"
+
+
 def render_file(path: Path) -> str:
     """The markdown of one raw result file."""
     d = json.loads(path.read_text())
@@ -159,16 +172,11 @@ def render_file(path: Path) -> str:
         a = an.get(where)
         title = "local disk" if where == "local" else "S3 (SeaweedFS, 127.0.0.1) → S3"
         lines += [
-            f"*{title}*"
-            + (
-                f" (`mergepipe analyze` at the start of the run: {a['wall_s']:.1f} s wall, {a['cpu_s']:.1f} s CPU)"
-                if a
-                else ""
-            ),
+            f"*{title}*" + (f" ({_analysis_note(a)})" if a else ""),
             "",
             "| run | expert bytes read (MB) | of which sketches | engine `wall_s` | `analyze_plan_s` | `total_s` "
-            "| process wall (s) | CPU s | peak RSS (MiB) | wall vs mergekit | CPU vs mergekit |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| process wall (s) | CPU s | peak RSS (MiB) | wall vs mergekit | CPU vs mergekit | load before |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for system, label in ROWS:
             if system not in c:
@@ -179,7 +187,7 @@ def render_file(path: Path) -> str:
             lines.append(
                 f"| {label} | {_mb(v['expert_read_bytes'])} | {_mb(v['sketch_read_bytes']) if system != 'mergekit' else ''} "
                 f"| {_s(v['engine_wall_s'])} | {_s(v['plan_s'], 2)} | {_s(v['total_s'])} | {_s(v['wall_s'])} "
-                f"| {_s(v['cpu_s'])} | {_s(v['peak_rss_mib'], 0)} | {sp} | {sc} |"
+                f"| {_s(v['cpu_s'])} | {_s(v['peak_rss_mib'], 0)} | {sp} | {sc} | {_s(v['load'])} |"
             )
         lines += ["", "| target | measured | met |", "|---|---|---|"]
         for t, m, ok in targets(c):

@@ -61,3 +61,26 @@ def test_render_file_names_conditions_and_rows(tmp_path):
     assert "load average 12.5 at the start and 14.0 at the end" in md and "llama-14m" in md
     assert "| mergepipe full | 219.0 |" in md and "| 5.0x |" in md
     assert "`mergepipe analyze` at the start of the run: 30.0 s wall" in md and "S3" not in md
+
+
+def test_render_file_says_when_the_catalog_was_built_beforehand_and_the_load(tmp_path):
+    d = {
+        "fixture": {"shape": "llama-110m", "experts": 8, "density": 0.3, "expert_bytes": 1.75e9},
+        "cache": "cold",
+        "machine": {"nproc": 2, "mem_total_gib": 23.4},
+        "started": "2026-11-27T11:55:00+00:00",
+        "loadavg_start": [9.0, 9.0, 9.0],
+        "loadavg_end": [8.0, 8.0, 8.0],
+        "command": ["table23.py"],
+        "git": "0123456789abcdef",
+        "analysis": [{"storage": "s3", "wall_s": 4.0, "cpu_s": 2.0, "json": {"bytes_read": {"base": 0, "expert": 0}}}],
+        "runs": [
+            {**_run("mp-full", 12.0, 20.0), "storage": "s3", "loadavg_before": [7.25, 1, 1]},
+            {**_run("mp-full", 14.0, 20.0), "storage": "s3", "loadavg_before": [8.75, 1, 1], "rep": 1},
+        ],
+    }
+    p = tmp_path / "issue23-y.json"
+    p.write_text(json.dumps(d))
+    md = tr.render_file(p)
+    assert "catalog built beforehand, so the run's `mergepipe analyze` read no expert byte: 4.0 s wall" in md
+    assert "| 13.0 | 20.0 |" in md and md.splitlines()[6].endswith("| 8.0 |")  # medians; load 7.25/8.75
