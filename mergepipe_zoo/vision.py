@@ -56,12 +56,10 @@ Layout of a built testbed (``root/<config.key()>/``)::
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import math
 import os
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -69,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from mergepipe.errors import InputError
+from mergepipe_zoo._cache import cached_build
 
 __all__ = [
     "DTYPES",
@@ -118,6 +117,7 @@ class VisionConfig:
     """
 
     seed: int = 0
+    tasks: tuple[str, ...] = TASKS
     channels: tuple[int, int, int] = (32, 64, 128)
     hidden: tuple[int, int] = (512, 256)
     test_fraction: float = 0.35
@@ -163,7 +163,7 @@ class VisionTestbed:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r}: one of {list(DTYPES)}")
         d = self.root / dtype
-        return d / "base", {t: d / "experts" / t for t in TASKS}
+        return d / "base", {t: d / "experts" / t for t in self.config.tasks}
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -277,6 +277,14 @@ def _transform(task: str, x, seed: int):
         return 1.0 - x
     if task == "vflip":
         return np.ascontiguousarray(x[:, :, ::-1])
+    if task == "hflip":
+        return np.ascontiguousarray(x[:, :, :, ::-1])
+    if task == "rot180":
+        return np.ascontiguousarray(np.rot90(x, 2, axes=(2, 3)))
+    if task == "rot270":
+        return np.ascontiguousarray(np.rot90(x, 3, axes=(2, 3)))
+    if task == "transpose":
+        return np.ascontiguousarray(np.swapaxes(x, 2, 3))
     if task == "shift":
         out = np.zeros_like(x)
         out[:, :, 2:, 2:] = x[:, :, :-2, :-2]
@@ -300,7 +308,7 @@ def make_tasks(cfg: VisionConfig) -> dict:
         x, y, test_size=cfg.test_fraction, stratify=y, random_state=_derive_seed(cfg.seed, "split") % 2**31
     )
     out = {}
-    for t in ("clean", *TASKS):
+    for t in ("clean", *cfg.tasks):
         out[t] = (
             _transform(t, xtr, _derive_seed(cfg.seed, t, "train")),
             ytr,
@@ -370,9 +378,10 @@ def _mixture(T: dict, cfg: VisionConfig):
     import torch
 
     rng = np.random.default_rng(_derive_seed(cfg.seed, "mixture"))
-    names = ("clean", *TASKS)
+    names = ("clean", *cfg.tasks)
+    k = len(cfg.tasks)
     n = len(T["clean"][0])
-    pick = rng.choice(len(names), size=n, p=[1 - cfg.base_mix] + [cfg.base_mix / len(TASKS)] * len(TASKS))
+    pick = rng.choice(len(names), size=n, p=[1 - cfg.base_mix] + [cfg.base_mix / k] * k)
     x = torch.stack([T[names[int(c)]][0][i] for i, c in enumerate(pick)])
     return x, T["clean"][1]
 
@@ -551,43 +560,20 @@ def default_root() -> Path:
 def build_vision(
     root: Path | None = None, config: VisionConfig | None = None, log: Callable[[str], None] | None = None
 ) -> VisionTestbed:
-    """Build (once, cached under ``root/<config.key()>``, atomically and under a file lock like
-    :func:`mergepipe_zoo.zoo.build_zoo`) and return the vision testbed.
+    """Build (once, cached under ``root/<config.key()>``, atomically and under a file lock:
+    :func:`mergepipe_zoo._cache.cached_build`) and return the vision testbed.
 
     A build that fails its gates leaves only ``root/.<key>.gates-failed.json`` (the gate report),
     so a second call raises at once instead of training again.
 
     Raises:
         VisionGateError: the build fails its gates (no testbed is cached).
+        RuntimeError: ``root/<key>`` exists without ``testbed.json`` (delete it to rebuild).
     """
     cfg = config or VisionConfig()
     root = Path(root or default_root()).expanduser().absolute()
-    entry = root / cfg.key()
     say = log or (lambda m: None)
-    if (entry / "testbed.json").is_file():
-        return _load(entry, cfg)
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{cfg.key()}.lock", "a+") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        if (entry / "testbed.json").is_file():
-            return _load(entry, cfg)
-        failed = root / f".{cfg.key()}.gates-failed.json"
-        if failed.is_file():
-            rep = json.loads(failed.read_text())
-            raise VisionGateError(rep["message"] + " (recorded earlier in " + failed.name + ")", rep["gates"])
-        tmp = root / f".{cfg.key()}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            _build_into(tmp, cfg, say)
-            os.rename(tmp, entry)
-        except VisionGateError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            failed.write_text(json.dumps({"message": str(e), "gates": e.report}, indent=1) + "\n")
-            raise
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    entry = cached_build(root, cfg.key(), "testbed.json", lambda tmp: _build_into(tmp, cfg, say), VisionGateError)
     return _load(entry, cfg)
 
 
@@ -595,7 +581,7 @@ def _load(entry: Path, cfg: VisionConfig) -> VisionTestbed:
     return VisionTestbed(
         root=entry,
         base=entry / "float32" / "base",
-        experts={t: entry / "float32" / "experts" / t for t in TASKS},
+        experts={t: entry / "float32" / "experts" / t for t in cfg.tasks},
         config=cfg,
     )
 
@@ -617,7 +603,7 @@ def _build_into(tmp: Path, cfg: VisionConfig, log: Callable[[str], None]) -> Non
         T = {k: tuple(torch.from_numpy(a) for a in v) for k, v in data.items()}
         base_sd = _train_base(T, cfg, log, t0)
         experts_sd, heads = _train_experts(tmp, T, base_sd, cfg, log)
-        probe = {t: (T[t][2], T[t][3]) for t in TASKS}
+        probe = {t: (T[t][2], T[t][3]) for t in cfg.tasks}
         gates = {dt: _save_and_gate(tmp, dt, base_sd, experts_sd, heads, probe, cfg, log) for dt in DTYPES}
         (tmp / "gates.json").write_text(json.dumps(gates, indent=1) + "\n")
         failed = [f"{dt}: {f}" for dt, g in gates.items() for f in g["failures"]]
@@ -658,7 +644,7 @@ def _train_experts(
     experts_sd, heads = {}, {}
     (tmp / "heads").mkdir()
     (tmp / "eval").mkdir()
-    for t in TASKS:
+    for t in cfg.tasks:
         t1 = time.perf_counter()
         xtr, ytr, xte, yte = T[t]
         torch.manual_seed(_derive_seed(cfg.seed, "expert", t))
@@ -693,17 +679,19 @@ def _save_and_gate(
     task_arithmetic on the saved (rounded) checkpoints, in float32 (:func:`check_gates`)."""
     mc = _model_config(cfg, "float32")
     _save(tmp / dt / "base", base_sd, cfg, dt)
-    for t in TASKS:
+    for t in cfg.tasks:
         _save(tmp / dt / "experts" / t, experts_sd[t], cfg, dt)
     rd = {n: {k: v.float() for k, v in _round(sd, dt).items()} for n, sd in {"base": base_sd, **experts_sd}.items()}
-    merged = {k: rd["base"][k] + cfg.merge_weight * sum(rd[t][k] - rd["base"][k] for t in TASKS) for k in base_sd}
+    merged = {k: rd["base"][k] + cfg.merge_weight * sum(rd[t][k] - rd["base"][k] for t in cfg.tasks) for k in base_sd}
 
     def acc(sd: dict) -> dict[str, float]:
         b = DigitsCNN(mc)
         b.load_state_dict(sd)
         return {t: v["loss"] for t, v in _scores(b.eval(), heads, probe, False).items()}
 
-    g = check_gates(acc(rd["base"]), {t: acc(rd[t]) for t in TASKS}, acc(merged), cfg.min_expert_gain, cfg.min_merge_ng)
+    g = check_gates(
+        acc(rd["base"]), {t: acc(rd[t]) for t in cfg.tasks}, acc(merged), cfg.min_expert_gain, cfg.min_merge_ng
+    )
     log(
         f"  gates {dt}: {'passed' if g['passed'] else 'FAILED'}; merge NG "
         + ", ".join(f"{t} {v:.2f}" for t, v in g["normalised_gain"].items())
@@ -718,14 +706,14 @@ def _testbed_record(cfg: VisionConfig) -> dict[str, Any]:
         "kind": KIND,
         "tasks": {
             t: {"probe": f"eval/{t}.safetensors", "head": f"heads/{t}.safetensors", "labels": list(range(10))}
-            for t in TASKS
+            for t in cfg.tasks
         },
         "base": "float32/base",
-        "experts": {t: f"float32/experts/{t}" for t in TASKS},
+        "experts": {t: f"float32/experts/{t}" for t in cfg.tasks},
         "checkpoints": {
-            dt: {"base": f"{dt}/base", "experts": {t: f"{dt}/experts/{t}" for t in TASKS}} for dt in DTYPES
+            dt: {"base": f"{dt}/base", "experts": {t: f"{dt}/experts/{t}" for t in cfg.tasks}} for dt in DTYPES
         },
-        "expert_task": {t: t for t in TASKS},
+        "expert_task": {t: t for t in cfg.tasks},
         "metric": "loss",
         "config": asdict(cfg),
         "key": cfg.key(),

@@ -36,13 +36,11 @@ functions that need them.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import math
 import os
 import random
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -50,7 +48,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from mergepipe.storage.local import fsync_folder
+from mergepipe_zoo._cache import cached_build
 
 __all__ = ["DOMAINS", "ZooConfig", "Zoo", "default_zoo_root", "build_zoo", "evaluate"]
 
@@ -1053,19 +1051,6 @@ def _sha256(p: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_tree(d: Path) -> None:
-    for p in sorted(d.rglob("*")):
-        if p.is_dir():
-            fsync_folder(p, strict=True)
-            continue
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    fsync_folder(d, strict=True)
-
-
 def _zoo_from_manifest(entry: Path, cfg: ZooConfig) -> Zoo:
     try:
         man = json.loads((entry / _MANIFEST).read_text())
@@ -1112,38 +1097,18 @@ def build_zoo(
     cfg = config if config is not None else ZooConfig()
     root = Path(root if root is not None else default_zoo_root()).expanduser().absolute()
     key = cfg.key()
-    entry = root / key
-    if (entry / _MANIFEST).is_file():
-        return _zoo_from_manifest(entry, cfg)
     say = log or (lambda msg: None)
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{key}.lock", "a+") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        try:
-            if (entry / _MANIFEST).is_file():  # another process built it while we waited
-                return _zoo_from_manifest(entry, cfg)
-            if entry.exists():
-                raise RuntimeError(f"{entry} exists but has no {_MANIFEST}; delete it to rebuild")
-            for stale in root.glob(f".{key}.tmp-*"):  # left by killed builds (we hold the lock)
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp = root / f".{key}.tmp-{os.getpid()}"
-            tmp.mkdir()
-            try:
-                t0 = time.perf_counter()
-                say(f"building zoo {key} in {root}")
-                man = _with_torch_settings(lambda: _build_into(tmp, cfg, say))
-                files = sorted(p for p in tmp.rglob("*") if p.is_file())
-                man["files"] = {p.relative_to(tmp).as_posix(): _sha256(p) for p in files}
-                (tmp / _MANIFEST).write_text(json.dumps(man, indent=1) + "\n")
-                _fsync_tree(tmp)
-                os.rename(tmp, entry)
-                fsync_folder(root, strict=True)
-                say(f"zoo {key} built in {time.perf_counter() - t0:.1f}s")
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-        finally:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+    def build_into(tmp: Path) -> None:
+        t0 = time.perf_counter()
+        say(f"building zoo {key} in {root}")
+        man = _with_torch_settings(lambda: _build_into(tmp, cfg, say))
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        man["files"] = {p.relative_to(tmp).as_posix(): _sha256(p) for p in files}
+        (tmp / _MANIFEST).write_text(json.dumps(man, indent=1) + "\n")
+        say(f"zoo {key} built in {time.perf_counter() - t0:.1f}s")
+
+    entry = cached_build(root, key, _MANIFEST, build_into)
     return _zoo_from_manifest(entry, cfg)
 
 
