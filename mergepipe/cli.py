@@ -1301,7 +1301,7 @@ def eval_(
         typer.Option(
             "--testbed",
             help="Testbed folder with testbed.json: a built zoo "
-            "(mergepipe_zoo) or MiniLM testbed, or your own probe sets",
+            "(mergepipe_zoo), MiniLM or vision testbed, or your own probe sets",
         ),
     ],
     tasks: Annotated[Optional[str], typer.Option("--tasks", help="Comma-separated task names [default: all]")] = None,
@@ -1310,13 +1310,15 @@ def eval_(
     ] = None,
 ):
     """Per-task quality of a checkpoint on a testbed's probe sets, as JSON on stdout: causal-LM
-    loss (nats/token), or classification accuracy and loss with each task's own head."""
-    from mergepipe.evaluate import evaluate_checkpoint, load_testbed
+    loss (nats/token), or classification accuracy and loss with each task's own head (text or,
+    through the mergepipe.testbed_kinds plugins, images)."""
+    from mergepipe.evaluate import KINDS, evaluate_checkpoint, load_testbed, testbed_kind
 
-    tb = load_testbed(testbed)
+    kind = testbed_kind(testbed)
+    tb = load_testbed(testbed) if kind in KINDS else testbed
     names = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else None
     res = evaluate_checkpoint(snapshot, tb, names, max_batches=max_batches)
-    print(json.dumps({"snapshot": str(snapshot), "testbed": str(testbed), "kind": tb.kind, "tasks": res}, indent=1))
+    print(json.dumps({"snapshot": str(snapshot), "testbed": str(testbed), "kind": kind, "tasks": res}, indent=1))
 
 
 # --- mergepipe search (layer-wise multi-objective merge search; mergepipe.search) -----------------

@@ -27,6 +27,12 @@ set (JSON lines). Two kinds are understood:
   Metrics: ``accuracy`` and ``loss`` (mean cross-entropy, nats/example). This is the standard
   protocol of task-arithmetic papers: a merged encoder, scored with each task's head.
 
+Other kinds plug in through the entry-point group ``mergepipe.testbed_kinds`` (:mod:`mergepipe.plugins`):
+the entry point named after the kind is a function ``evaluate(model_dir, testbed_root, tasks=None,
+per_item=False) -> {task: {metric: float, "n": int, ...}}`` that reads and validates the testbed
+itself. ``image-classification`` (the CNN testbed of :mod:`mergepipe_zoo.vision`, extra ``zoo``) is
+one: :func:`mergepipe_zoo.vision.evaluate`, metrics ``accuracy`` and ``loss`` (nats/image).
+
 Everything runs on CPU in float32, one thread, deterministic algorithms (results are reproducible on one
 machine). torch and transformers are imported only inside the functions that need them.
 """
@@ -40,10 +46,11 @@ from pathlib import Path
 
 from mergepipe.errors import InputError
 
-__all__ = ["TESTBED_FILE", "Testbed", "evaluate_checkpoint", "load_testbed"]
+__all__ = ["TESTBED_FILE", "Testbed", "evaluate_checkpoint", "load_testbed", "testbed_kind"]
 
 TESTBED_FILE = "testbed.json"
 KINDS = ("causal-lm", "sequence-classification")
+KIND_PLUGINS = "mergepipe.testbed_kinds"  # entry-point group of the other kinds (mergepipe.plugins)
 
 
 @dataclass(frozen=True)
@@ -75,12 +82,11 @@ class Testbed:
     raw: dict = field(default_factory=dict)
 
 
-def load_testbed(path: str | Path) -> Testbed:
-    """Read ``path/testbed.json`` (or ``path`` itself if it is that file).
+def _read_description(path: str | Path) -> tuple[Path, dict]:
+    """(the ``testbed.json`` file, its JSON object) of a testbed folder or file.
 
     Raises:
-        InputError: missing/unreadable file, unknown kind, a task without a probe set, or a
-            probe/head file that does not exist; the message names the file and field.
+        InputError: missing, unreadable or not a JSON object.
     """
     p = Path(path)
     f = p / TESTBED_FILE if p.is_dir() else p
@@ -92,6 +98,33 @@ def load_testbed(path: str | Path) -> Testbed:
         ) from None
     except (OSError, ValueError) as e:
         raise InputError(f"{f}: unreadable testbed description ({e}).") from None
+    if not isinstance(raw, dict):
+        raise InputError(f"{f}: the testbed description must be a JSON object.")
+    return f, raw
+
+
+def testbed_kind(path: str | Path) -> str:
+    """The ``kind`` of the testbed at ``path`` (a folder with ``testbed.json``, or that file).
+
+    Raises:
+        InputError: missing/unreadable description, or ``kind`` is not a string.
+    """
+    f, raw = _read_description(path)
+    kind = raw.get("kind")
+    if not isinstance(kind, str):
+        raise InputError(f"{f}: kind must be a string, e.g. {KINDS[0]!r}.")
+    return kind
+
+
+def load_testbed(path: str | Path) -> Testbed:
+    """Read ``path/testbed.json`` (or ``path`` itself if it is that file) of a built-in kind
+    (``KINDS``; other kinds are their plugin's to read, see :func:`evaluate_checkpoint`).
+
+    Raises:
+        InputError: missing/unreadable file, another kind, a task without a probe set, or a
+            probe/head file that does not exist; the message names the file and field.
+    """
+    f, raw = _read_description(path)
     root = f.parent
     kind = raw.get("kind")
     if kind not in KINDS:
@@ -129,6 +162,31 @@ def load_testbed(path: str | Path) -> Testbed:
         )
     except (KeyError, TypeError, ValueError) as e:
         raise InputError(f"{f}: seq_len/batch_size/max_windows must be integers ({e}).") from None
+
+
+def _plugin_kind(
+    model_dir: str | Path, testbed: str | Path, tasks: Sequence[str] | None, max_batches: int | None, per_item: bool
+) -> dict[str, dict]:
+    """Score ``model_dir`` with the ``mergepipe.testbed_kinds`` entry point named by the testbed's kind."""
+    from mergepipe.plugins import PluginMissing, load_plugin
+
+    kind = testbed_kind(testbed)
+    f = Path(testbed) / TESTBED_FILE if Path(testbed).is_dir() else Path(testbed)
+    try:
+        fn = load_plugin(KIND_PLUGINS, kind)
+    except PluginMissing as e:
+        raise InputError(
+            f"{f}: kind {kind!r} is not one of {list(KINDS)} and no installed plugin scores it ({e}); "
+            "image-classification needs the zoo extra: pip install 'mergepipe[zoo]'."
+        ) from None
+    if max_batches is not None:
+        raise InputError(f"--max-batches: the {kind} testbed scores whole probe sets; drop the option.")
+    if not (Path(model_dir) / "config.json").is_file():
+        raise InputError(f"{model_dir}: not a checkpoint folder (no config.json); pass a snapshot folder.")
+    res = fn(model_dir, f.parent, list(tasks) if tasks else None, per_item=per_item)
+    if not isinstance(res, dict) or not all(isinstance(v, dict) for v in res.values()):
+        raise TypeError(f"{KIND_PLUGINS} {kind!r}: the plugin must return {{task: {{metric: value}}}}, got {res!r:.80}")
+    return res
 
 
 def _torch_settings(fn):
@@ -315,10 +373,17 @@ def evaluate_checkpoint(
         ``{task: {"loss": float, ...}}``: causal-lm ``loss`` (nats/token) and ``n`` (predicted
         tokens); sequence-classification ``accuracy``, ``loss`` (nats/example) and ``n``.
 
+    A testbed of another kind (``testbed.json`` ``kind`` not in ``KINDS``) is scored by the
+    ``mergepipe.testbed_kinds`` entry point of that name (see the module docstring), e.g.
+    ``image-classification``: accuracy and loss (nats/image) of :mod:`mergepipe_zoo.vision`.
+
     Raises:
-        InputError: ``model_dir`` is not a checkpoint folder, an unknown task, ``max_batches < 1``,
-            or a testbed error (see :func:`load_testbed`).
+        InputError: ``model_dir`` is not a checkpoint folder, an unknown task, ``max_batches < 1``
+            (or given for a plugin kind, which scores whole probe sets), a testbed error (see
+            :func:`load_testbed`), or a kind no installed entry point scores.
     """
+    if not isinstance(testbed, Testbed) and testbed_kind(testbed) not in KINDS:
+        return _plugin_kind(model_dir, testbed, tasks, max_batches, per_item)
     tb = testbed if isinstance(testbed, Testbed) else load_testbed(testbed)
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():

@@ -8,6 +8,8 @@ Groups (declared in ``pyproject.toml``, ``[project.entry-points."GROUP"]``):
   loss, :class:`mergepipe_zoo.evaluator.ZooEvaluator`, extra ``zoo``), rebuilt from a search state's
   ``{"kind": NAME, ...}`` by :func:`mergepipe.search.evaluators.evaluator_from_spec`.
 * ``mergepipe.demos`` — ``mergepipe demo`` (``zoo``: :func:`mergepipe_zoo.demo.run_demo`).
+* ``mergepipe.testbed_kinds`` — ``mergepipe eval`` on a testbed whose ``kind`` the core does not
+  score (``image-classification``: :func:`mergepipe_zoo.vision.evaluate`, extra ``zoo``).
 
 An entry point takes effect when the distribution is (re)installed: ``pip install -e .`` after
 editing ``pyproject.toml``.

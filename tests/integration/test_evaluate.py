@@ -35,6 +35,17 @@ def test_cli_eval_bad_input_exits_2(tmp_path, monkeypatch, capsys):
     assert code == 2 and out == "" and "testbed" in err
 
 
+def test_cli_eval_a_kind_no_plugin_scores_exits_2(tmp_path, monkeypatch, capsys):
+    (tmp_path / "testbed.json").write_text(json.dumps({"kind": "regression", "tasks": {}}))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    code, out, err = run_cli(["eval", str(tmp_path / "m"), "--testbed", str(tmp_path)], monkeypatch, capsys)
+    assert code == 2 and out == "" and "kind 'regression'" in err and "no installed plugin" in err
+    (tmp_path / "testbed.json").write_text(json.dumps({"kind": 3}))
+    code, out, err = run_cli(["eval", str(tmp_path / "m"), "--testbed", str(tmp_path)], monkeypatch, capsys)
+    assert code == 2 and "kind must be a string" in err
+
+
 def test_classification_accuracy_with_the_tasks_head(tmp_path, monkeypatch, capsys):
     """A tiny BERT encoder and a head that reads one pooled feature: accuracy and loss are what
     the head's logits give on the probe set, and the CLI prints them as JSON."""

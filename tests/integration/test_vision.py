@@ -9,7 +9,7 @@ import json
 import pytest
 
 from mergepipe.errors import InputError
-from mergepipe_zoo.vision import TASKS, VisionConfig, VisionGateError, build_vision, check_gates, evaluate, load_body
+from mergepipe_zoo.vision import VisionConfig, VisionGateError, build_vision, check_gates, evaluate, load_body
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +35,9 @@ def test_tiny_build_merge_eval_round_trip(tiny, tmp_path):
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
         assert f.get_slice("conv2.weight").get_shape() == [16, 8, 3, 3]
     rb = evaluate(base, tiny.root, per_item=True)
-    assert set(rb) == set(TASKS) and all(len(v["items"]) == v["n"] for v in rb.values())
+    assert set(rb) == set(tiny.config.tasks) and all(len(v["items"]) == v["n"] for v in rb.values())
     re_ = {t: evaluate(p, tiny.root) for t, p in experts.items()}
-    for t in TASKS:  # the gate the build enforced: each expert is the best model on its task
+    for t in tiny.config.tasks:  # the gate the build enforced: each expert is the best model on its task
         assert re_[t][t]["loss"] < rb[t]["loss"], t
     gates = json.loads((tiny.root / "gates.json").read_text())
     assert gates["bfloat16"]["passed"] and set(gates) == {"float32", "bfloat16"}
@@ -64,13 +64,13 @@ def test_tiny_build_merge_eval_round_trip(tiny, tmp_path):
     # the same merge in memory (float32 of the bf16 checkpoints), then rounded to bf16 as written
     bodies = {n: load_body(p).state_dict() for n, p in {"base": base, **experts}.items()}
     want = {
-        k: (v + lam * sum(bodies[t][k] - v for t in TASKS)).to(torch.bfloat16).float()
+        k: (v + lam * sum(bodies[t][k] - v for t in tiny.config.tasks)).to(torch.bfloat16).float()
         for k, v in bodies["base"].items()
     }
     merged = load_body(full.out)
     for k, v in merged.state_dict().items():  # within one bf16 rounding step of each other
         assert torch.allclose(v, want[k], rtol=8e-3, atol=1e-6), k
-    assert set(got) == set(TASKS)
+    assert set(got) == set(tiny.config.tasks)
 
     # a budget far below one exact expert tensor: the planner buys sketch tiers, 4-D convs included
     small = run("10pct", "10%", "sign3+r1")
@@ -79,7 +79,55 @@ def test_tiny_build_merge_eval_round_trip(tiny, tmp_path):
     sketched = {tp.name for tp in small.plan.tensors for e in tp.experts if e.sketch_blocks}
     assert any(n.startswith("conv") and n.endswith(".weight") for n in sketched), sketched
     r10 = evaluate(small.out, tiny.root)
-    assert set(r10) == set(TASKS) and all(v["loss"] > 0 for v in r10.values())
+    assert set(r10) == set(tiny.config.tasks) and all(v["loss"] > 0 for v in r10.values())
+
+
+def _ensure_kind_plugin(tmp_path, monkeypatch) -> None:
+    """The ``mergepipe.testbed_kinds`` entry point as pyproject.toml declares it: installed by
+    ``pip install -e .``; a checkout whose editable install predates it gets the same declaration
+    from a dist-info folder on sys.path (importlib.metadata reads both the same way)."""
+    import importlib.metadata as md
+    from pathlib import Path
+
+    import tomllib
+
+    decl = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    kinds = decl["project"]["entry-points"]["mergepipe.testbed_kinds"]
+    assert kinds == {"image-classification": "mergepipe_zoo.vision:evaluate"}
+    if any(ep.name == "image-classification" for ep in md.entry_points(group="mergepipe.testbed_kinds")):
+        return
+    info = tmp_path / "site" / "mergepipe_kinds-0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mergepipe-kinds\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(
+        "[mergepipe.testbed_kinds]\n" + "".join(f"{k} = {v}\n" for k, v in kinds.items())
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+
+
+@pytest.mark.slow
+def test_mergepipe_eval_scores_the_vision_kind(tiny, tmp_path, monkeypatch, capsys):
+    """`mergepipe eval` on a vision testbed: the image-classification plugin's metrics, as the
+    testbed's own evaluate gives them; bad input is one line and exit 2."""
+    from testkit.harness import run_cli
+
+    _ensure_kind_plugin(tmp_path, monkeypatch)
+    base, experts = tiny.checkpoints("bfloat16")
+    t = tiny.config.tasks[1]
+    want = evaluate(experts[t], tiny.root)
+    code, out, err = run_cli(["eval", str(experts[t]), "--testbed", str(tiny.root)], monkeypatch, capsys)
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["kind"] == "image-classification" and got["tasks"] == want
+    assert got["tasks"][t]["loss"] < evaluate(base, tiny.root, [t])[t]["loss"]  # the expert beats the base
+    code, out, err = run_cli(
+        ["eval", str(base), "--testbed", str(tiny.root), "--tasks", f"{t},nope"], monkeypatch, capsys
+    )
+    assert code == 2 and out == "" and "nope" in err
+    code, out, err = run_cli(
+        ["eval", str(base), "--testbed", str(tiny.root), "--max-batches", "1"], monkeypatch, capsys
+    )
+    assert code == 2 and "--max-batches" in err
 
 
 def test_gates_refuse_a_testbed_where_merging_does_not_help():
