@@ -15,14 +15,19 @@ shared machine's load) or CUDA-synchronised wall time on a GPU:
 - ``tiles_trim``: the same with the TIES trim the engine applies (``hardshrink`` at the median
   ``|δ|``: from the value table for sign planes, on the decoded rows for the rank-1 tier);
 
+- ``fused_trim`` (CPU): the same trimmed decode by the fused C kernels the engine runs on a CPU
+  (:mod:`mergepipe.methods.kernels_cpu` ``gather_rows`` / ``rank1_rows``);
+
 each for the sign tier (``sign3``: 3 planes, keys ``{dev}_...``) and the rank-1 tier
-(``sign3+r1``'s level 4: rank-1 factors + the residual plane, keys ``{dev}_r1_...``).
+(``sign3+r1``'s level 4: rank-1 factors + the residual plane, keys ``{dev}_r1_...``); then the
+TIES combine of ``--experts`` trimmed task vectors, torch's formulation against the fused kernel
+(``cpu_combine_torch_gb_s``, ``cpu_combine_fused_gb_s``; checked bit-identical).
 
 Throughput is the bf16 bytes the decoded entries stand for (2 bytes per entry) per second of one
 core: GB of expert bytes per second per core.
 Usage::
 
-    python bench/sketch_decode.py [--rows 4096] [--cols 768] [--block-rows 85] [--repeat 3]
+    python bench/sketch_decode.py [--rows 4096] [--cols 768] [--block-rows 85] [--repeat 3] [--experts 8]
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=768)
     ap.add_argument("--block-rows", type=int, default=85)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--experts", type=int, default=8, help="K of the combine stages")
     a = ap.parse_args()
 
     import torch
@@ -47,6 +53,17 @@ def main() -> None:
     from mergepipe.catalog.sketch import PLANES, SECTIONS, decode_blocks, encode_block
     from mergepipe.engine.chunk import TILE_ELEMS
     from mergepipe.engine.sketchkernel import SketchRun
+    from mergepipe.methods import kernels_cpu
+
+    def fused_tiles(run: SketchRun, shrink: float) -> None:
+        out = np.empty(TILE_ELEMS, dtype=np.float32)
+        codes, table, u, v = run.host_arrays(torch.device("cpu"), shrink, 1.0)
+        for s in range(0, n, TILE_ELEMS):
+            e = min(n, s + TILE_ELEMS)
+            if u is None:
+                kernels_cpu.gather_rows(out[: e - s], codes, table, s, e, rn)
+            else:
+                kernels_cpu.rank1_rows(out[: e - s], codes, table, u, v, rpb, s, e, rn, shrink, 1.0)
 
     torch.set_num_threads(1)
     rows, rn, rpb = a.rows, a.cols, a.block_rows
@@ -110,7 +127,53 @@ def main() -> None:
             report[f"{dev}_{tag}prepare_gb_s"] = round(gb / timed(prepare, sync), 3)
             report[f"{dev}_{tag}tiles_gb_s"] = round(gb / timed(tiles, sync), 3)
             report[f"{dev}_{tag}tiles_trim_gb_s"] = round(gb / timed(lambda run=run: tiles(run, shrink=lam), sync), 3)
+            if dev == "cpu" and kernels_cpu.available():
+                report[f"cpu_{tag}fused_trim_gb_s"] = round(gb / timed(lambda run=run: fused_tiles(run, lam)), 3)
+    if kernels_cpu.available():
+        report.update(combine_stages(torch, n, rng, a.experts, timed))
+    else:
+        print(f"fused CPU kernels unavailable ({kernels_cpu.unavailable_reason()}): torch stages only", flush=True)
     print(json.dumps(report))
+
+
+def combine_stages(torch, n: int, rng, k: int, timed) -> dict:
+    """The TIES combine of K trimmed task vectors (density 0.3) over the same entries, tile by
+    tile: torch's formulation (:func:`mergepipe.methods.kernels.task_arithmetic_combine`) and the
+    fused kernel (``combine_sum``), in GB of expert (bf16) bytes per second per core, checked
+    bit-identical."""
+    from mergepipe.engine.chunk import TILE_ELEMS
+    from mergepipe.methods import kernels_cpu
+    from mergepipe.methods.kernels import task_arithmetic_combine
+
+    tile = min(n, TILE_ELEMS)
+    d = (rng.standard_normal((k, tile)) * 0.01).astype(np.float32)
+    d[np.abs(d) < np.quantile(np.abs(d), 0.7)] = 0.0
+    base = (rng.standard_normal(tile) * 0.02).astype(np.float32)
+    g = {"normalize": True, "lambda": 1.0}
+    reps = -(-n // tile)
+    gb = 2 * k * tile * reps / 1e9
+    out = np.empty(tile, dtype=np.float32)
+
+    def torch_combine() -> torch.Tensor:
+        for _ in range(reps):
+            r = task_arithmetic_combine(
+                torch.from_numpy(base), [torch.from_numpy(x.copy()) for x in d], [1.0] * k, g, "sum"
+            )
+        return r
+
+    def fused_combine() -> None:
+        for _ in range(reps):
+            kernels_cpu.combine_sum(out, base, d, k, tile, [1.0] * k, True, 1.0)
+
+    ref = torch_combine()
+    fused_combine()
+    if not np.array_equal(out.view(np.uint32), ref.numpy().view(np.uint32)):
+        raise SystemExit("fused combine differs from torch's: a kernel bug")
+    return {
+        "combine_experts": k,
+        "cpu_combine_torch_gb_s": round(gb / timed(torch_combine), 3),
+        "cpu_combine_fused_gb_s": round(gb / timed(fused_combine), 3),
+    }
 
 
 if __name__ == "__main__":

@@ -123,9 +123,18 @@ class _GroupHist:
 
     def add_run(self, run: SketchRun, dev: torch.device) -> None:
         """Count a sketched run's entries: a sign-plane run from its rows' value tables (no
-        decode); a rank-1 run (its entries are not a table's) decoded a tile of rows at a time."""
+        decode); a rank-1 run (its entries are not a table's) decoded and counted by the fused
+        CPU kernel (:func:`mergepipe.methods.kernels_cpu.rank1_hist`) on a CPU device, else
+        decoded a tile of rows at a time."""
         if run.factors is None:
             run.add_group_hist(self.hist, self.lo, dev)
+            return
+        from mergepipe.methods import kernels_cpu
+
+        if dev.type == "cpu" and kernels_cpu.available():  # decoded and counted in one pass, nothing written
+            codes, table, u, v = run.host_arrays(dev, None, 1.0)
+            assert u is not None and v is not None
+            kernels_cpu.rank1_hist(self.hist, codes, table, u, v, run.rows_per_block, run.rows, run.row_numel, self.lo)
             return
         step = max(1, TILE_ELEMS // run.row_numel)
         for r0 in range(0, run.rows, step):
@@ -239,18 +248,24 @@ def _tile_delta_or_zero(
     (:meth:`~mergepipe.engine.sketchkernel.SketchRun.zero_rows`). The merge then leaves the
     expert out of the tile: a zero task vector adds nothing to a task-arithmetic combine (see
     :func:`_merge_chunk_tiled`)."""
+    if _tile_zero(runs, s, e, b.device, shrink):
+        return None, True
+    return _tile_delta(runs, b, s, e, shrink)
+
+
+def _tile_zero(runs: list[Run], s: int, e: int, dev: torch.device, shrink: float | None) -> bool:
+    """The expert's (trimmed) task vector over ``[s, e)`` is known to be exactly zero without
+    computing it (see :func:`_tile_delta_or_zero`)."""
     for a, z, x, _dl in runs:
         lo, hi = max(a, s), min(z, e)
         if hi <= lo:
             continue
         if not isinstance(x, SketchRun):
-            break
+            return False
         rn = x.row_numel
-        if not x.zero_rows((lo - a) // rn, -(-(hi - a) // rn), b.device, shrink):
-            break
-    else:
-        return None, True
-    return _tile_delta(runs, b, s, e, shrink)
+        if not x.zero_rows((lo - a) // rn, -(-(hi - a) // rn), dev, shrink):
+            return False
+    return True
 
 
 def _tile_delta(
@@ -427,6 +442,9 @@ def _tiled_output(
     out = torch.empty(n, dtype=_torch_dtype(tp.out_dtype or tp.dtype), device=dev)
     trims = [_trim_lambda(spec, ep) for ep, _ in eparts]
     droppable = spec.zero_delta_droppable(tp.params)
+    if _fused_kernels(spec, dev) is not None:
+        _fused_output(out, eparts, factors, trims, base_t, spec, tp, offset, droppable)
+        return out.view(torch.uint8).numpy().data if n else b""
     for s in range(0, n, TILE_ELEMS):
         e = min(n, s + TILE_ELEMS)
         b = base_t[s:e].float()  # (F32: a read-only view; nothing below writes into the base)
@@ -444,6 +462,138 @@ def _tiled_output(
             ws.append(ep.weight)
         out[s:e].copy_(combine(b, deltas, ws, spec, tp.params, weight_sum=tp.weight_sum, consume=True))
     return out.cpu().view(torch.uint8).numpy().data if n else b""
+
+
+def _fused_kernels(spec: MethodSpec, dev: torch.device) -> Any:
+    """The fused CPU kernels (:mod:`mergepipe.methods.kernels_cpu`) when they merge this tensor's
+    tiles: a method combining with :func:`~mergepipe.methods.kernels.task_arithmetic_combine` (TIES-style
+    ``consensus: sum`` or none; not ``linear``, which has its own) on a CPU device, the
+    kernels compiled (and ``MERGEPIPE_KERNELS`` not ``torch``); else None (the torch path, the
+    one a CUDA device runs)."""
+    from mergepipe.methods import kernels_cpu
+    from mergepipe.methods.gta import TaskArithmeticMethod
+
+    if (
+        dev.type != "cpu"
+        or type(spec).combine is not TaskArithmeticMethod.combine  # (linear: its own combine)
+        or spec.consensus not in ("sum", None)
+    ):
+        return None
+    return kernels_cpu if kernels_cpu.available() else None
+
+
+def _fused_output(
+    out: torch.Tensor,
+    eparts: list[tuple[ExpertTensorParams, list[Run]]],
+    factors: list[float],
+    trims: list[float | None],
+    base_t: torch.Tensor,
+    spec: MethodSpec,
+    tp: TensorPlan,
+    offset: int,
+    droppable: bool,
+) -> None:
+    """:func:`_tiled_output`'s tiles with the fused CPU kernels: per tile, each expert's trimmed
+    and scaled task vector is written into one preallocated float32 ``(K, TILE_ELEMS)`` buffer
+    (:func:`_fill_fused`: a sketched piece straight from its codes and value table, an exact one
+    widened, subtracted and trimmed), then one call of ``combine_sum`` / ``combine_plain``
+    (:mod:`mergepipe.methods.kernels_cpu`) elects the signs and takes the mean over the buffer.
+    The same float32 operations in the same order as the torch path, hence the same bytes; a
+    tile the kernels do not take (a non-finite election sum, a non-positive weight under
+    ``normalize``) is combined by the torch path from the same buffer. ``out``: the chunk's
+    output tensor (the output dtype, CPU)."""
+    import torch
+
+    kc = _fused_kernels(spec, base_t.device)
+    n = base_t.numel()
+    dbuf = torch.empty((max(1, len(eparts)), min(n, TILE_ELEMS)), dtype=torch.float32)
+    dn = dbuf.numpy()
+    obuf = torch.empty(dbuf.shape[1], dtype=torch.float32)
+    normalize = bool(tp.params.get("normalize", False))
+    lam = float(tp.params.get("lambda", 1.0))
+    wsum = tp.weight_sum
+    for s in range(0, n, TILE_ELEMS):
+        e = min(n, s + TILE_ELEMS)
+        b = base_t[s:e].float()
+        ws: list[float] = []
+        for (ep, runs), f, trim in zip(eparts, factors, trims):
+            if droppable and _tile_zero(runs, s, e, b.device, trim):
+                continue
+            _fill_fused(kc, dbuf[len(ws), : e - s], runs, b, s, e, trim, f, ep, spec, offset, tp.shape)
+            ws.append(ep.weight)
+        if not ws:  # (the torch combine returns the base)
+            out[s:e].copy_(b)
+            continue
+        on, bn, m = obuf.numpy()[: e - s], b.numpy(), len(ws)
+        if spec.consensus == "sum":
+            ok = (not normalize or all(np.float32(w) > 0 for w in ws)) and kc.combine_sum(
+                on, bn, dn, m, e - s, ws, normalize, lam
+            )
+        else:
+            total = sum(ws) if wsum is None else wsum
+            kc.combine_plain(
+                on, bn, dn, m, e - s, ws, (total if abs(total) >= 1e-8 else 1.0) if normalize else None, lam
+            )
+            ok = True
+        if ok:
+            out[s:e].copy_(obuf[: e - s])
+        else:
+            deltas = [dbuf[i, : e - s] for i in range(m)]
+            out[s:e].copy_(combine(b, deltas, ws, spec, tp.params, weight_sum=wsum, consume=True))
+
+
+def _fill_fused(
+    kc: Any,
+    dt: torch.Tensor,
+    runs: list[Run],
+    b: torch.Tensor,
+    s: int,
+    e: int,
+    trim: float | None,
+    f: float,
+    ep: ExpertTensorParams,
+    spec: MethodSpec,
+    offset: int,
+    shape: list[int],
+) -> None:
+    """Write one expert's task vector over the chunk's elements ``[s, e)``, sparsified and times
+    its rescale factor ``f``, into ``dt`` (float32 ``(e − s,)``, CPU, contiguous): the value
+    :func:`_tiled_output` appends to its ``deltas``. With a magnitude trim (``trim``, the ``λ`` of
+    ``hardshrink``) or no sparsification, piece by piece (the trim and the factor are
+    elementwise): a sign-plane run from its trimmed, scaled value table (``gather_rows``), a
+    rank-1 run decoded, trimmed and scaled in one pass (``rank1_rows``), an exact or LoRA run
+    widened/subtracted by torch into ``dt`` and trimmed in place (``trim_scale``); entries no run
+    covers are zeros. Other sparsifiers (DARE's random drop, breadcrumbs' window) run the torch
+    path on the assembled tile."""
+    import torch
+
+    if trim is None and ep.density < 1.0 and spec.sparsify != "none":
+        d, _ = _tile_delta(runs, b, s, e)
+        kept = sparsify(d, spec, ep, offset + s, shape)
+        if f != 1.0:
+            torch.mul(kept, f, out=dt)
+        else:
+            dt.copy_(kept)
+        return
+    dn = dt.numpy()
+    pieces = [(a, max(a, s), min(z, e), x, dl) for a, z, x, dl in runs if min(z, e) > max(a, s)]
+    if sum(hi - lo for _a, lo, hi, _x, _dl in pieces) < e - s:
+        dn.fill(0.0)
+    for a, lo, hi, x, dl in pieces:
+        seg = dn[lo - s : hi - s]
+        if isinstance(x, SketchRun):
+            codes, table, u, v = x.host_arrays(b.device, trim, f)
+            if u is None:
+                kc.gather_rows(seg, codes, table, lo - a, hi - a, x.row_numel)
+            else:
+                kc.rank1_rows(seg, codes, table, u, v, x.rows_per_block, lo - a, hi - a, x.row_numel, trim, f)
+            continue
+        if dl:
+            dt[lo - s : hi - s].copy_(x[lo - a : hi - a])
+        else:
+            torch.sub(x[lo - a : hi - a], b[lo - s : hi - s], out=dt[lo - s : hi - s])
+        if trim is not None or f != 1.0:
+            kc.trim_scale(seg, trim, f)
 
 
 def _tiled_factors(

@@ -205,6 +205,30 @@ class SketchRun:
             t = self._dev[key] = torch.nn.functional.hardshrink(pr.table, shrink)
         return t
 
+    def host_arrays(
+        self, dev: torch.device, shrink: float | None, factor: float
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """The run as numpy arrays for the fused CPU kernels (:mod:`mergepipe.methods.kernels_cpu`;
+        ``dev`` is a CPU device): ``(codes, table, u, v)`` -- the uint8 ``(rows·row_numel,)`` sign
+        codes, and for a sign-plane run the float32 ``(rows, 2^k)`` value table trimmed by
+        ``hardshrink(·, shrink)`` and times ``factor`` (each table value as the torch path computes
+        it per entry: trimmed, then scaled), ``u = v = None``; for a rank-1 run the untrimmed
+        residual table, ``u`` float32 ``(rows,)`` and ``v`` float32 ``(n_blocks, row_numel)``
+        (the trim and the factor apply to the decoded entries). Cached per device, threshold and
+        factor."""
+        key = (dev, "host", shrink, factor)
+        got = self._dev.get(key)
+        if got is None:
+            pr = self._prepared(dev)
+            codes = pr.codes.numpy()
+            if pr.u is not None:
+                got = (codes, pr.table.numpy(), pr.u.numpy(), pr.v.numpy())
+            else:
+                t = self._table(dev, shrink)
+                got = (codes, (t * factor if factor != 1.0 else t).contiguous().numpy(), None, None)
+            self._dev[key] = got
+        return got
+
     def zero_rows(self, r0: int, r1: int, dev: torch.device, shrink: float | None) -> bool:
         """True when every entry of rows ``[r0, r1)`` decodes to exactly zero after the trim
         ``hardshrink(·, shrink)`` (a sign-plane run whose rows' trimmed value tables are all zero:

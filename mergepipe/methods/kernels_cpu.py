@@ -1,0 +1,426 @@
+"""Fused CPU kernels of the tiled task-arithmetic merge (C, compiled once per machine, ctypes).
+
+The torch formulation of a tile (:func:`mergepipe.methods.kernels.task_arithmetic_combine`, and
+the decode of a sketched run in :mod:`mergepipe.engine.sketchkernel`) is a chain of whole-tile
+operations: per expert a gather of the sign codes from the row's value table (the codes widened
+to int64 first), then ~6 elementwise passes of the sign election and the disjoint mean (weight,
+``copysign``, ``mul``, ``relu``, ``sign``, ``add``), each reading and writing 256 KiB of float32.
+The kernels here do the same float32 arithmetic, in the same order, in one pass per expert:
+
+* ``gather_rows``: ``out[i] = T[row(i), code(i)]`` of a sign-plane run (``T`` the trimmed and
+  scaled value table);
+* ``rank1_rows``: ``hardshrink(u[row]·v[blk, col] + T[row, code], λ) · f`` of a rank-1 run;
+* ``trim_scale``: ``hardshrink(δ, λ) · f`` in place (an exact or LoRA piece);
+* ``rank1_hist``: the exact-threshold histogram of a rank-1 run's decoded ``|δ̂|`` bit patterns,
+  decoded and counted in one pass (nothing written);
+* ``combine_sum`` / ``combine_plain``: TIES sign election and disjoint mean (``consensus: sum``)
+  / the weighted sum (no consensus), normalize, ``lambda``, base, over the ``(K, n)`` float32 task
+  vectors of a tile: per block of 2,048 entries, expert by expert, branch-free loops the compiler
+  vectorises, each entry's sums still taken over the experts in plan order.
+
+Every operation is a float32 IEEE operation (``-O3 -ffp-contract=off``, no fast-math: no FMA
+contraction, no reassociation), so the results are bit-identical to the torch path's;
+``tests/unit/test_kernels_cpu.py`` compares them on random tiles and edge cases. A tile whose
+election sum is not finite (NaN or ±inf task vectors) is not merged here (``combine_sum`` returns
+0): the caller runs the torch formulation, which defines those values.
+
+Why C through ctypes (measured on the 2-core Xeon, docs/BENCHMARKS.md): numba gave the same
+kernel speed but costs every merging process ~0.75 s of CPU (``import numba`` 0.33 s, then its
+type registries, which import scipy, on the first call) and ~150 MiB of peak RSS (LLVM), more
+than the kernels save on a 14M-parameter merge; a C++ extension through
+``torch.utils.cpp_extension`` compiles against torch's headers (tens of seconds). This source is
+compiled by the system C compiler (``$CC``, else ``cc``) on first use, in ~0.3 s, into
+``$XDG_CACHE_HOME/mergepipe/kernels`` (else ``~/.cache/...``; ``MERGEPIPE_KERNEL_CACHE``
+overrides; a per-user temporary directory when that is not writable), keyed by the source,
+compiler and flags, and loaded with ctypes afterwards (~1 ms).
+Without a compiler, or with ``MERGEPIPE_KERNELS=torch``, :func:`available` is False and the
+engine runs the torch path -- the one it always runs on a CUDA device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+
+#define BLK 2048
+
+void gather_rows(float *out, const uint8_t *codes, const float *table, int64_t tcols,
+                 int64_t j0, int64_t j1, int64_t rn) {
+    int64_t j = j0, o = 0;
+    while (j < j1) {
+        int64_t r = j / rn, end = (r + 1) * rn < j1 ? (r + 1) * rn : j1;
+        const float *row = table + r * tcols;
+        for (; j < end; j++, o++) out[o] = row[codes[j]];
+    }
+}
+
+void rank1_rows(float *out, const uint8_t *codes, const float *table, int64_t tcols,
+                const float *u, const float *v, int64_t rpb, int64_t j0, int64_t j1, int64_t rn,
+                float lam, int has_lam, float f, int has_f) {
+    int64_t j = j0, o = 0;
+    if (!has_lam) lam = -1.0f; /* no x satisfies -(-1) <= x <= -1: nothing trimmed, NaN kept */
+    while (j < j1) {
+        int64_t r = j / rn, end = (r + 1) * rn < j1 ? (r + 1) * rn : j1;
+        const float *row = table + r * tcols, *vb = v + (r / rpb) * rn;
+        float ur = u[r];
+        for (int64_t c = j - r * rn; j < end; j++, o++, c++) {
+            float x = ur * vb[c];
+            x = x + row[codes[j]];
+            /* hardshrink without a branch (a trim at the median mispredicts half the time) */
+            uint32_t b, keep = (uint32_t)0 - (uint32_t)!(x >= -lam && x <= lam);
+            memcpy(&b, &x, 4);
+            b &= keep;
+            memcpy(&x, &b, 4);
+            out[o] = x;
+        }
+    }
+    if (has_f)
+        for (int64_t i = 0; i < j1 - j0; i++) out[i] = out[i] * f;
+}
+
+void rank1_hist(const uint8_t *codes, const float *table, int64_t tcols, const float *u, const float *v,
+                int64_t rpb, int64_t j0, int64_t j1, int64_t rn, int64_t lo, int64_t nbins, int64_t *hist) {
+    int64_t j = j0;
+    while (j < j1) {
+        int64_t r = j / rn, end = (r + 1) * rn < j1 ? (r + 1) * rn : j1;
+        const float *row = table + r * tcols, *vb = v + (r / rpb) * rn;
+        float ur = u[r];
+        for (int64_t c = j - r * rn; j < end; j++, c++) {
+            float x = ur * vb[c];
+            x = x + row[codes[j]];
+            uint32_t b;
+            memcpy(&b, &x, 4);
+            int64_t off = (int64_t)(b & 0x7FFFFFFFu) - lo; /* |x| bit pattern, from the group's first */
+            if (off >= 0 && off < nbins) hist[off]++;
+        }
+    }
+}
+
+void trim_scale(float *x, int64_t n, float lam, int has_lam, float f, int has_f) {
+    if (has_lam)
+        for (int64_t i = 0; i < n; i++) x[i] = (x[i] >= -lam && x[i] <= lam) ? 0.0f : x[i];
+    if (has_f)
+        for (int64_t i = 0; i < n; i++) x[i] = x[i] * f;
+}
+
+/* TIES over 16 entries at a time in GCC/Clang vector types (4 x 4 float32 lanes; each lane an
+   IEEE float32 operation, so the values of the scalar code): the accumulators live in registers
+   and each expert's row is streamed once per pass. (Arrays of accumulators in memory, 4 KiB
+   apart from a row, alias in the store buffer: measured 6 ns instead of ~0.5 ns per expert
+   entry at K = 8; and the compiler's own vectorisation of the scalar loops was unreliable.) */
+typedef float v4f __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+
+static inline v4f ld4(const float *p) { v4f r; memcpy(&r, p, 16); return r; }
+
+static inline v4f sel(v4i mask, v4f x) { return (v4f)((v4i)x & mask); }
+
+static int sum_scalar(float *out, const float *base, const float *d, int64_t ld, int64_t m, int64_t i,
+                      const float *wk1, const float *w, int normalize, float lam, int has_lam) {
+    const float tiny = 1.40129846e-45f; /* 2**-149: the divisor guard (clamp_min) */
+    float tot = d[i] * wk1[0], acc = 0.0f, div = 0.0f;
+    for (int64_t k = 1; k < m; k++) tot = tot + d[k * ld + i] * wk1[k];
+    uint32_t b;
+    memcpy(&b, &tot, 4);
+    if ((b & 0x7F800000u) == 0x7F800000u) return 0;
+    b = (b & 0x80000000u) | 0x3F800000u;
+    float sgn;
+    memcpy(&sgn, &b, 4);
+    for (int64_t k = 0; k < m; k++) {
+        float p = d[k * ld + i] * wk1[k] * sgn;
+        if (p > 0.0f) {
+            acc = acc + p;
+            div = div + w[k];
+        }
+    }
+    float a = acc * sgn;
+    if (normalize) a = a / (div > tiny ? div : tiny);
+    if (has_lam) a = a * lam;
+    out[i] = base[i] - (0.0f - a);
+    return 1;
+}
+
+int combine_sum(float *out, const float *base, const float *d, int64_t ld, int64_t m, int64_t n,
+                const float *w, const uint8_t *wone, int normalize, float lam, int has_lam) {
+    float wk1[256];
+    if (m > 256) return 0;
+    for (int64_t k = 0; k < m; k++) wk1[k] = wone[k] ? 1.0f : w[k]; /* x * 1.0f == x exactly */
+    const v4f zero = {0.0f, 0.0f, 0.0f, 0.0f};
+    const v4f tiny = {1.40129846e-45f, 1.40129846e-45f, 1.40129846e-45f, 1.40129846e-45f};
+    const v4i expo = {0x7F800000, 0x7F800000, 0x7F800000, 0x7F800000};
+    const v4i sbit = {(int32_t)0x80000000u, (int32_t)0x80000000u, (int32_t)0x80000000u, (int32_t)0x80000000u};
+    const v4i onebits = {0x3F800000, 0x3F800000, 0x3F800000, 0x3F800000};
+    int64_t i0 = 0;
+    for (; i0 + 16 <= n; i0 += 16) {
+        v4f tot[4], sgn[4], acc[4], div[4];
+        v4i bad = {0, 0, 0, 0};
+        for (int q = 0; q < 4; q++) tot[q] = ld4(d + i0 + 4 * q) * wk1[0];
+        for (int64_t k = 1; k < m; k++) {
+            const float *dk = d + k * ld + i0;
+            for (int q = 0; q < 4; q++) tot[q] = tot[q] + ld4(dk + 4 * q) * wk1[k];
+        }
+        for (int q = 0; q < 4; q++) {
+            v4i bits = (v4i)tot[q];
+            bad |= (bits & expo) == expo; /* exponent all ones: inf or NaN */
+            sgn[q] = (v4f)((bits & sbit) | onebits); /* copysign(1, total) */
+            acc[q] = zero;
+            div[q] = zero;
+        }
+        if (bad[0] | bad[1] | bad[2] | bad[3]) return 0;
+        for (int64_t k = 0; k < m; k++) {
+            const float *dk = d + k * ld + i0;
+            float wk = wk1[k];
+            v4f wd = {w[k], w[k], w[k], w[k]};
+            for (int q = 0; q < 4; q++) {
+                v4f p = ld4(dk + 4 * q) * wk * sgn[q];
+                v4i pos = p > zero;
+                acc[q] = acc[q] + sel(pos, p);
+                div[q] = div[q] + sel(pos, wd);
+            }
+        }
+        for (int q = 0; q < 4; q++) {
+            v4f a = acc[q] * sgn[q];
+            if (normalize) {
+                v4i big = div[q] > tiny;
+                a = a / (v4f)(((v4i)div[q] & big) | ((v4i)tiny & ~big));
+            }
+            if (has_lam) a = a * lam;
+            v4f r = ld4(base + i0 + 4 * q) - (zero - a);
+            memcpy(out + i0 + 4 * q, &r, 16);
+        }
+    }
+    for (; i0 < n; i0++)
+        if (!sum_scalar(out, base, d, ld, m, i0, wk1, w, normalize, lam, has_lam)) return 0;
+    return 1;
+}
+
+void combine_plain(float *out, const float *base, const float *d, int64_t ld, int64_t m, int64_t n,
+                   const float *w, float den, int has_den, float lam, int has_lam) {
+    float mixed[BLK];
+    for (int64_t i0 = 0; i0 < n; i0 += BLK) {
+        int64_t nb = n - i0 < BLK ? n - i0 : BLK;
+        for (int64_t k = 0; k < m; k++) {
+            const float *dk = d + k * ld + i0;
+            float wk = w[k];
+            if (k == 0) for (int64_t j = 0; j < nb; j++) mixed[j] = dk[j] * wk;
+            else for (int64_t j = 0; j < nb; j++) mixed[j] = mixed[j] + dk[j] * wk;
+        }
+        for (int64_t j = 0; j < nb; j++) {
+            float x = mixed[j];
+            if (has_den) x = x / den;
+            if (has_lam) x = x * lam;
+            out[i0 + j] = x == 0.0f ? base[i0 + j] : base[i0 + j] + x;
+        }
+    }
+}
+"""
+
+#: compiler flags: IEEE float32 throughout (no FMA contraction, no fast-math), vectorised loops
+#: (``-fno-trapping-math`` lets selects vectorise; it changes no value, only FP-exception flags)
+CFLAGS = ["-O3", "-std=gnu99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math"]
+
+_LIB: Any = None
+_TRIED = False
+_ERROR = ""
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_F = ctypes.c_float
+_N = ctypes.c_int
+_SIGNATURES = {
+    "gather_rows": (None, [_P, _P, _P, _I, _I, _I, _I]),
+    "rank1_rows": (None, [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F, _N, _F, _N]),
+    "trim_scale": (None, [_P, _I, _F, _N, _F, _N]),
+    "rank1_hist": (None, [_P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _P]),
+    "combine_sum": (_N, [_P, _P, _P, _I, _I, _I, _P, _P, _N, _F, _N]),
+    "combine_plain": (None, [_P, _P, _P, _I, _I, _I, _P, _F, _N, _F, _N]),
+}
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("MERGEPIPE_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "mergepipe" / "kernels"
+
+
+def _compile() -> ctypes.CDLL:
+    """Compile :data:`SOURCE` (once per source, compiler and flags; cached) and load it.
+
+    Raises:
+        OSError: no C compiler, the compile failed, or the library does not load.
+    """
+    cc = os.environ.get("CC") or "cc"
+    exe = shutil.which(cc)
+    if exe is None:
+        raise OSError(f"no C compiler ({cc!r} not on PATH)")
+    key = hashlib.sha256("\0".join([SOURCE, exe, *CFLAGS, platform.machine(), sys.platform]).encode()).hexdigest()[:24]
+    path = _cache_dir() / f"tile-{key}.so"
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not os.access(path.parent, os.W_OK):
+                raise PermissionError(path.parent)
+        except OSError:  # a read-only home (a container): this user's temporary directory
+            path = Path(tempfile.gettempdir()) / f"mergepipe-kernels-{os.getuid()}" / path.name
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            src, so = Path(tmp) / "tile.c", Path(tmp) / "tile.so"
+            src.write_text(SOURCE)
+            r = subprocess.run([exe, *CFLAGS, "-o", str(so), str(src)], capture_output=True, text=True, timeout=120)
+            if r.returncode != 0:
+                raise OSError(f"{cc} failed: {r.stderr.strip()[-400:]}")
+            os.replace(so, path)  # atomic: a concurrent process loads either file, both whole
+    lib = ctypes.CDLL(str(path))
+    for name, (res, args) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    return lib
+
+
+def available() -> bool:
+    """True when the fused CPU kernels can run: ``MERGEPIPE_KERNELS`` is not ``torch`` and the
+    library compiled and loaded (tried once per process; :func:`unavailable_reason` says why
+    not)."""
+    global _LIB, _TRIED, _ERROR
+    if os.environ.get("MERGEPIPE_KERNELS", "").strip().lower() == "torch":
+        return False
+    if not _TRIED:
+        _TRIED = True
+        try:
+            _LIB = _compile()
+        except (OSError, subprocess.SubprocessError) as e:
+            _LIB, _ERROR = None, str(e)
+    return _LIB is not None
+
+
+def unavailable_reason() -> str:
+    """Why :func:`available` is False (``""`` when it is True or was not asked)."""
+    return "MERGEPIPE_KERNELS=torch" if os.environ.get("MERGEPIPE_KERNELS", "").strip().lower() == "torch" else _ERROR
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def gather_rows(out: np.ndarray, codes: np.ndarray, table: np.ndarray, j0: int, j1: int, rn: int) -> None:
+    """``out[i] = table[(j0 + i) // rn, codes[j0 + i]]`` for ``i < j1 − j0``.
+
+    Args:
+        out: float32 ``(j1 − j0,)``, C-contiguous (written).
+        codes: uint8 ``(rows·rn,)`` sign codes of a run (:class:`~mergepipe.engine.sketchkernel.SketchRun`).
+        table: float32 ``(rows, 2^k)`` C-contiguous value table.
+        j0, j1: the run's flat elements to decode; rn: entries per row.
+    """
+    _LIB.gather_rows(_ptr(out), _ptr(codes), _ptr(table), table.shape[1], j0, j1, rn)
+
+
+def rank1_rows(
+    out: np.ndarray,
+    codes: np.ndarray,
+    table: np.ndarray,
+    u: np.ndarray,
+    v: np.ndarray,
+    rpb: int,
+    j0: int,
+    j1: int,
+    rn: int,
+    lam: float | None,
+    f: float,
+) -> None:
+    """Rank-1 tier decode of the run's flat elements ``[j0, j1)`` into ``out`` (float32
+    ``(j1 − j0,)``): ``x = u[r]·v[r // rpb, c]`` then ``x + table[r, code]`` (float32, the torch
+    path's order), ``hardshrink(x, lam)`` when ``lam`` is given, times ``f`` when ``f != 1``.
+    ``u`` float32 ``(rows,)``, ``v`` float32 ``(n_blocks, rn)``, C-contiguous."""
+    _LIB.rank1_rows(
+        _ptr(out), _ptr(codes), _ptr(table), table.shape[1], _ptr(u), _ptr(v), rpb, j0, j1, rn,
+        0.0 if lam is None else lam, lam is not None, f, f != 1.0,
+    )  # fmt: skip
+
+
+def rank1_hist(
+    hist: np.ndarray,
+    codes: np.ndarray,
+    table: np.ndarray,
+    u: np.ndarray,
+    v: np.ndarray,
+    rpb: int,
+    rows: int,
+    rn: int,
+    lo: int,
+) -> None:
+    """Add to ``hist`` (int64 ``(nbins,)``, C-contiguous; bin ``i`` counts the bit pattern
+    ``lo + i`` of ``|δ|``) the decoded entries of a rank-1 run's ``rows`` rows (decoded as
+    :func:`rank1_rows` without trim or factor), without writing them: the exact-threshold
+    histogram of :class:`mergepipe.engine.chunk._GroupHist`, fused with the decode."""
+    _LIB.rank1_hist(
+        _ptr(codes), _ptr(table), table.shape[1], _ptr(u), _ptr(v), rpb, 0, rows * rn, rn, lo, hist.shape[0], _ptr(hist)
+    )
+
+
+def trim_scale(x: np.ndarray, lam: float | None, f: float) -> None:
+    """In place on float32 contiguous ``x``: ``hardshrink(x, lam)`` (0 where ``−lam <= x <= lam``;
+    NaN kept, as torch's) when ``lam`` is given, then ``x · f`` when ``f != 1``."""
+    _LIB.trim_scale(_ptr(x), x.shape[0], 0.0 if lam is None else lam, lam is not None, f, f != 1.0)
+
+
+def combine_sum(
+    out: np.ndarray, base: np.ndarray, d: np.ndarray, m: int, n: int, weights: list[float], normalize: bool, lam: float
+) -> bool:
+    """TIES combine of a tile (:func:`mergepipe.methods.kernels._sum_consensus_arith`, bit for bit).
+
+    Args:
+        out: float32 ``(n,)`` (written); base: float32 ``(n,)``.
+        d: float32 ``(K, L)`` C-contiguous, ``L >= n``: rows ``[0, m)`` are the experts'
+            sparsified, rescaled task vectors (entries ``[0, n)``), in plan order.
+        weights: the ``m`` weights (float32 products, as torch multiplies by a Python float);
+            with ``normalize`` every one must be positive in float32 (the caller checks).
+        lam: ``lambda``.
+
+    Returns:
+        False when some election sum is NaN or ±inf (``out`` is then incomplete: run the torch
+        combine), else True.
+    """
+    w = np.asarray(weights, dtype=np.float32)
+    wone = np.asarray([x == 1.0 for x in weights], dtype=np.uint8)
+    return bool(
+        _LIB.combine_sum(
+            _ptr(out), _ptr(base), _ptr(d), d.shape[1], m, n, _ptr(w), _ptr(wone), normalize, lam, lam != 1.0
+        )
+    )
+
+
+def combine_plain(
+    out: np.ndarray,
+    base: np.ndarray,
+    d: np.ndarray,
+    m: int,
+    n: int,
+    weights: list[float],
+    den: float | None,
+    lam: float,
+) -> None:
+    """Task-arithmetic combine of a tile without consensus (:func:`mergepipe.methods.kernels.
+    task_arithmetic_combine`, bit for bit): ``Σ wₖδₖ`` in plan order, ``/ den`` (``normalize``;
+    None: no division), ``· lam``, added to the base (the base where the sum is 0). Arguments as
+    :func:`combine_sum`."""
+    w = np.asarray(weights, dtype=np.float32)
+    _LIB.combine_plain(
+        _ptr(out), _ptr(base), _ptr(d), d.shape[1], m, n, _ptr(w), 1.0 if den is None else den, den is not None,
+        lam, lam != 1.0,
+    )  # fmt: skip
