@@ -24,7 +24,7 @@ import hashlib
 import io
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,8 +33,23 @@ from mergepipe.catalog.digest import BLOCK_DIGEST_BYTES
 from mergepipe.catalog.sketch import SECTIONS, TIERS
 from mergepipe.numerics import N_KEYS, N_OCT, OCT_SHIFT, exact_total, key_value, magnitude_keys, trim_min_key
 
+#: the array fields of :class:`TensorStats` (both stored forms name them so)
+ARRAY_FIELDS = (
+    "sums",
+    "block_numel",
+    "sq_norm",
+    "l1",
+    "max_abs",
+    "oct_count",
+    "oct_energy",
+    "hist_keys",
+    "hist_counts",
+    "sketch_sq",
+    "block_sha",
+    "sketch_sha",
+)
 
-#: bytes kept of each block's SHA-256 (128 bits: a forged block needs a second preimage, 2^128 work)
+
 @dataclass
 class TensorStats:
     """Statistics of one expert tensor's task vector.
@@ -211,67 +226,105 @@ class TensorStats:
         return buf.getvalue()
 
     @classmethod
-    def from_bytes(cls, name: str, data: bytes, content_sha256: str = "") -> TensorStats:
-        """Parse :meth:`to_bytes` output (a catalog blob: untrusted, read back from storage).
+    def from_fields(
+        cls,
+        name: str,
+        content_sha256: str,
+        head: tuple[int, int, int, int],
+        arrays: Mapping[str, np.ndarray | None],
+        *,
+        values_checked: bool = False,
+    ) -> TensorStats:
+        """The one constructor of both readers (:meth:`from_bytes`, :func:`unpack_stats`): a
+        tensor's statistics from stored fields (untrusted), normalised and checked.
+
+        Args:
+            name: tensor name; ``content_sha256``: SHA-256 of its expert bytes ("" unknown).
+            head: ``(numel, rows_per_block, oct_lo, sketch_start)``; a ``sketch_start`` < 0,
+                or no ``sketch_sq``, means no sketch (both become -1 / None).
+            arrays: the array fields by name (:data:`ARRAY_FIELDS`), shaped as the class
+                documents; ``sums``, ``sketch_sq``, ``block_sha`` and ``sketch_sha`` may be
+                missing or None (``block_sha``/``sketch_sha`` also empty: not recorded).
+            values_checked: the caller already ran :func:`_check_values` on these arrays (or
+                on sections holding them, every tensor at once).
 
         Raises:
-            ValueError: not a statistics blob of a tensor (truncated, other bytes, arrays of
-                the wrong kind or shape); the catalog turns it into a one-line error.
+            ValueError: arrays of inconsistent shapes, or values out of range
+                (:func:`_check_values`); the catalog turns it into a one-line error.
         """
-        try:
-            st = cls._parse(name, data, content_sha256)
-        except ValueError:
-            raise
-        except Exception as e:  # zipfile.BadZipFile, KeyError, OSError, EOFError, TypeError ...
-            raise ValueError(f"not a statistics blob ({type(e).__name__}: {str(e)[:80]})") from None
+        numel, rpb, oct_lo, sketch_start = head
+        sums, sketch_sq = arrays.get("sums"), arrays.get("sketch_sq")
+        bsha, ssha = arrays.get("block_sha"), arrays.get("sketch_sha")
+        if sketch_start < 0 or sketch_sq is None:
+            sketch_start, sketch_sq = -1, None
+        st = cls(
+            name=name,
+            numel=numel,
+            rows_per_block=rpb,
+            block_numel=_required(arrays, "block_numel"),
+            sq_norm=_required(arrays, "sq_norm"),
+            l1=_required(arrays, "l1"),
+            max_abs=_required(arrays, "max_abs"),
+            oct_lo=oct_lo,
+            oct_count=_required(arrays, "oct_count"),
+            oct_energy=_required(arrays, "oct_energy"),
+            hist_keys=_required(arrays, "hist_keys"),
+            hist_counts=_required(arrays, "hist_counts"),
+            content_sha256=content_sha256,
+            sums=sums if sums is not None else np.full(4, np.nan),
+            sketch_start=sketch_start,
+            sketch_sq=sketch_sq,
+            block_sha=None if bsha is None or not len(bsha) else np.asarray(bsha, dtype=np.uint8),
+            sketch_sha=None if ssha is None or not len(ssha) else np.asarray(ssha, dtype=np.uint8),
+        )
         nb = len(st.sq_norm)
         shapes_ok = (
             st.numel >= 0
             and st.rows_per_block > 0
             and nb >= 1
+            and st.sq_norm.ndim == 1
+            and st.sums is not None
+            and st.sums.shape == (4,)
             and st.block_numel.shape == (nb,)
             and st.l1.shape == (nb,)
             and st.max_abs.shape == (nb,)
             and st.oct_count.ndim == 2
             and st.oct_count.shape[0] == nb
+            and 0 < st.oct_count.shape[1] <= N_OCT
             and st.oct_energy.shape == st.oct_count.shape
+            and st.hist_keys.ndim == 1
             and st.hist_keys.shape == st.hist_counts.shape
+            and len(st.hist_keys) <= N_KEYS
             and (st.block_sha is None or st.block_sha.shape == (nb, BLOCK_DIGEST_BYTES))
             and (st.sketch_sq is None or st.sketch_sq.shape in ((0, TIERS), (nb, TIERS)))
             and (st.sketch_sha is None or st.sketch_sha.shape == (nb, SECTIONS, BLOCK_DIGEST_BYTES))
         )
         if not shapes_ok:
             raise ValueError("statistics arrays of inconsistent shapes")
-        if st.sketch_sq is not None and not (np.isfinite(st.sketch_sq).all() and (st.sketch_sq >= 0).all()):
-            raise ValueError("sketch residual energies not finite and >= 0")
+        if not values_checked:
+            for f in ARRAY_FIELDS:
+                a = getattr(st, f)
+                if a is not None:
+                    _check_values(f, a)
         return st
 
     @classmethod
-    def _parse(cls, name: str, data: bytes, content_sha256: str) -> TensorStats:
-        z = load_npz(data)
-        numel, rpb, oct_lo = (int(x) for x in z["meta"])
-        bsha = z["block_sha"] if "block_sha" in z and len(z["block_sha"]) else None
-        ssha = z["sketch_sha"] if "sketch_sha" in z and len(z["sketch_sha"]) else None
-        return cls(
-            name=name,
-            numel=numel,
-            rows_per_block=rpb,
-            block_numel=z["block_numel"],
-            sq_norm=z["sq_norm"],
-            l1=z["l1"],
-            max_abs=z["max_abs"],
-            oct_lo=oct_lo,
-            oct_count=z["oct_count"],
-            oct_energy=z["oct_energy"],
-            hist_keys=z["hist_keys"],
-            hist_counts=z["hist_counts"],
-            content_sha256=content_sha256,
-            sums=z["sums"] if "sums" in z else np.full(4, np.nan),
-            sketch_start=int(z["sketch_start"][0]) if "sketch_start" in z else -1,
-            sketch_sq=z["sketch_sq"] if "sketch_sq" in z and int(z["sketch_start"][0]) >= 0 else None,
-            block_sha=None if bsha is None else np.asarray(bsha, dtype=np.uint8),
-            sketch_sha=None if ssha is None else np.asarray(ssha, dtype=np.uint8),
-        )
+    def from_bytes(cls, name: str, data: bytes, content_sha256: str = "") -> TensorStats:
+        """Parse :meth:`to_bytes` output (untrusted) through :meth:`from_fields`.
+
+        Raises:
+            ValueError: not a statistics blob of a tensor (truncated, other bytes, arrays of
+                the wrong kind, shape or values).
+        """
+        try:
+            z = load_npz(data)
+            numel, rpb, oct_lo = (int(x) for x in z["meta"])
+            sketch_start = int(z["sketch_start"][0]) if "sketch_start" in z else -1
+        except ValueError:
+            raise
+        except Exception as e:  # KeyError, TypeError (meta of the wrong length), IndexError ...
+            raise ValueError(f"not a statistics blob ({type(e).__name__}: {str(e)[:80]})") from None
+        return cls.from_fields(name, content_sha256, (numel, rpb, oct_lo, sketch_start), z)
 
 
 #: dtypes of the catalog's arrays (``descr`` of their ``.npy`` headers)
@@ -534,9 +587,10 @@ def unpack_stats(data: bytes) -> dict[str, TensorStats]:
 
     Checked before any array is built: the format tag, the SHA-256 of everything after the
     head (a flipped bit anywhere is refused), the header's JSON and field types, and that the
-    body holds exactly the bytes the header's counts imply; then every tensor's arrays as
-    :meth:`TensorStats.from_bytes` checks them (shapes, key range, finite non-negative
-    residual energies).
+    body holds exactly the bytes the header's counts imply; each section's values
+    (:func:`_check_values`: key range, non-negative counts, finite non-negative residual
+    energies, every tensor at once); then every tensor through :meth:`TensorStats.from_fields`,
+    the constructor :meth:`TensorStats.from_bytes` uses too (shapes).
 
     Returns:
         ``{tensor name: TensorStats}`` in stored order; the arrays are writable views of one
@@ -558,34 +612,21 @@ def unpack_stats(data: bytes) -> dict[str, TensorStats]:
         n = sum(sizes[f])
         flat = np.frombuffer(body, dtype=dt, count=n, offset=pos)
         pos += flat.nbytes
-        _check_section(f, flat)
+        _check_values(f, flat)  # every tensor's values at once
         ends = np.cumsum(sizes[f]).tolist()
         views[f] = [flat[e - k : e] for k, e in zip(sizes[f], ends, strict=True)]
     out = {}
     for i, r in enumerate(rows):
         name, sha, numel, rpb, oct_lo, sk_start, nb, n_oct, _, has_sq, has_bsha, has_ssha = r
-        v = {f: views[f][i] for f, _, _ in _SECTIONS}
-        st = TensorStats(
-            name=name,
-            numel=numel,
-            rows_per_block=rpb,
-            block_numel=v["block_numel"],
-            sq_norm=v["sq_norm"],
-            l1=v["l1"],
-            max_abs=v["max_abs"],
-            oct_lo=oct_lo,
-            oct_count=v["oct_count"].reshape(nb, n_oct),
-            oct_energy=v["oct_energy"].reshape(nb, n_oct),
-            hist_keys=v["hist_keys"],
-            hist_counts=v["hist_counts"],
-            content_sha256=sha,
-            sums=v["sums"],
-            sketch_start=sk_start if has_sq else -1,
-            sketch_sq=v["sketch_sq"].reshape(nb, TIERS) if has_sq == 1 else (np.zeros((0, TIERS)) if has_sq else None),
-            block_sha=v["block_sha"].reshape(nb, BLOCK_DIGEST_BYTES) if has_bsha else None,
-            sketch_sha=v["sketch_sha"].reshape(nb, SECTIONS, BLOCK_DIGEST_BYTES) if has_ssha else None,
-        )
-        out[name] = st
+        v: dict[str, np.ndarray | None] = {f: views[f][i] for f, _, _ in _SECTIONS}
+        v["oct_count"] = v["oct_count"].reshape(nb, n_oct)  # type: ignore[union-attr]
+        v["oct_energy"] = v["oct_energy"].reshape(nb, n_oct)  # type: ignore[union-attr]
+        # has_sq 1: a residual-energy row per block; 2: a sketch extent with no planes (LoRA)
+        sq = v["sketch_sq"]
+        v["sketch_sq"] = sq.reshape(nb, TIERS) if has_sq == 1 else (np.zeros((0, TIERS)) if has_sq else None)  # type: ignore[union-attr]
+        v["block_sha"] = v["block_sha"].reshape(nb, BLOCK_DIGEST_BYTES) if has_bsha else None  # type: ignore[union-attr]
+        v["sketch_sha"] = v["sketch_sha"].reshape(nb, SECTIONS, BLOCK_DIGEST_BYTES) if has_ssha else None  # type: ignore[union-attr]
+        out[name] = TensorStats.from_fields(name, sha, (numel, rpb, oct_lo, sk_start), v, values_checked=True)
     if len(out) != len(rows):
         raise ValueError("a tensor name is listed twice")
     return out
@@ -638,18 +679,31 @@ def _row_ok(r: object) -> bool:
     )
 
 
-def _check_section(field: str, flat: np.ndarray) -> None:
-    """Value checks of one section of a packed blob, every tensor at once: magnitude keys in
+def _required(arrays: Mapping[str, np.ndarray | None], field: str) -> np.ndarray:
+    """``arrays[field]``, which a statistics record must hold.
+
+    Raises:
+        ValueError: the field is missing.
+    """
+    a = arrays.get(field)
+    if a is None:
+        raise ValueError(f"statistics without the {field!r} array")
+    return a
+
+
+def _check_values(field: str, a: np.ndarray) -> None:
+    """Value checks of one array field of tensor statistics, shared by both readers (one
+    tensor's array, or a packed blob's section of every tensor at once): magnitude keys in
     range, counts non-negative, residual energies finite and >= 0.
 
     Raises:
         ValueError: naming the field.
     """
-    if not len(flat):
+    if not a.size:
         return
-    if field == "hist_keys" and (int(flat.min()) < 0 or int(flat.max()) >= N_KEYS):
+    if field == "hist_keys" and (int(a.min()) < 0 or int(a.max()) >= N_KEYS):
         raise ValueError("magnitude keys out of range")
-    if field in ("hist_counts", "block_numel", "oct_count") and int(flat.min()) < 0:
+    if field in ("hist_counts", "block_numel", "oct_count") and int(a.min()) < 0:
         raise ValueError(f"negative counts in {field!r}")
-    if field == "sketch_sq" and not (np.isfinite(flat).all() and flat.min() >= 0):
+    if field == "sketch_sq" and not (np.isfinite(a).all() and a.min() >= 0):
         raise ValueError("sketch residual energies not finite and >= 0")

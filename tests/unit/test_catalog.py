@@ -228,6 +228,75 @@ def test_packed_stats_keep_a_lora_experts_sketch_extent_without_planes(family, t
                 assert back[n].sketch_sq.shape == s.sketch_sq.shape
 
 
+def test_both_stats_readers_build_alike_and_refuse_the_same_values(family, tmp_path):
+    """``unpack_stats`` and ``TensorStats.from_bytes`` build through one constructor
+    (``TensorStats.from_fields``): the same statistics come back from either stored form -- a
+    sketched tensor, a LoRA expert's extent without planes, one without a sketch -- and a value
+    that one refuses the other refuses with the same message (last session the packed reader
+    drifted from the writer and every LoRA merge failed)."""
+    import dataclasses
+
+    from mergepipe.catalog.stats import _SECTIONS, ARRAY_FIELDS, TIERS, TensorStats, pack_stats, unpack_stats
+    from mergepipe.numerics import N_KEYS
+
+    assert [f for f, _, _ in _SECTIONS] != [] and {f for f, _, _ in _SECTIONS} == set(ARRAY_FIELDS)
+    base, experts = family
+    cat = Catalog(tmp_path / "c.sqlite")
+    st = LocalStorage(IOCounters())
+    b = cat.register(st, str(base))
+    (a,) = cat.analyze(st, b, [cat.register(st, str(experts[0]))], block_bytes=4096)
+    n0, s0 = next((n, s) for n, s in a.tensors.items() if s.has_sketch)
+    kinds = {
+        "sketched": s0,
+        "lora extent": dataclasses.replace(s0, sketch_sq=np.zeros((0, TIERS)), sketch_sha=None),
+        "no sketch": dataclasses.replace(s0, sketch_start=-1, sketch_sq=None, sketch_sha=None, block_sha=None),
+    }
+    for kind, s in kinds.items():
+        packed = unpack_stats(pack_stats({n0: s}))[n0]
+        npz = TensorStats.from_bytes(n0, s.to_bytes(), s.content_sha256)
+        for got in (packed, npz):
+            assert got.to_bytes() == s.to_bytes(), kind
+            assert (got.sketch_start, got.has_sketch, got.content_sha256) == (
+                s.sketch_start,
+                s.has_sketch,
+                s.content_sha256,
+            ), kind
+            assert (got.block_sha is None, got.sketch_sha is None) == (s.block_sha is None, s.sketch_sha is None)
+
+    def bad(**kw):
+        return dataclasses.replace(s0, **{k: v(getattr(s0, k).copy()) for k, v in kw.items()})
+
+    def neg(a):
+        a[0] = -1
+        return a
+
+    def key_out(a):
+        a[-1] = N_KEYS
+        return a
+
+    def nan(a):
+        a[0, 0] = np.nan
+        return a
+
+    for s, msg in [
+        (bad(hist_counts=neg), "negative counts in 'hist_counts'"),
+        (bad(oct_count=neg), "negative counts in 'oct_count'"),
+        (bad(block_numel=neg), "negative counts in 'block_numel'"),
+        (bad(hist_keys=key_out), "magnitude keys out of range"),
+        (bad(sketch_sq=nan), "sketch residual energies not finite"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            unpack_stats(pack_stats({n0: s}))
+        with pytest.raises(ValueError, match=msg):
+            TensorStats.from_bytes(n0, s.to_bytes())
+    # shapes: the packed form's sizes come from its header (refused as "counts say"); the
+    # .npz form carries its own shapes, checked by the shared constructor
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        TensorStats.from_bytes(n0, dataclasses.replace(s0, l1=s0.l1[:-1]).to_bytes())
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        TensorStats.from_bytes(n0, dataclasses.replace(s0, sums=np.zeros(3)).to_bytes())
+
+
 def test_packed_stats_round_trip_and_refuse_damage(family, tmp_path):
     """One blob per expert holds every tensor's statistics exactly; a flipped bit, another
     format, a truncation, and a re-digested blob whose sizes or values are wrong are refused."""
