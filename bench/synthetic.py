@@ -19,69 +19,32 @@ import argparse
 import json
 import math
 import struct
+import sys
 import zlib
 from pathlib import Path
 
 import numpy as np
 
+_REPO = str(Path(__file__).resolve().parents[1])
+if _REPO not in sys.path:  # run as a script, or imported as `synthetic` with bench/ on the path
+    sys.path.insert(0, _REPO)
+
+from testkit.synth import llama_like_shapes  # noqa: E402
+
 
 def qwen3_0_6b_shapes() -> dict[str, tuple[int, ...]]:
-    hidden, inter, layers, vocab, heads, kv, hd = 1024, 3072, 28, 151936, 16, 8, 128
-    s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        s.update(
-            {
-                p + "input_layernorm.weight": (hidden,),
-                p + "self_attn.q_proj.weight": (heads * hd, hidden),
-                p + "self_attn.k_proj.weight": (kv * hd, hidden),
-                p + "self_attn.v_proj.weight": (kv * hd, hidden),
-                p + "self_attn.o_proj.weight": (hidden, heads * hd),
-                p + "self_attn.q_norm.weight": (hd,),
-                p + "self_attn.k_norm.weight": (hd,),
-                p + "post_attention_layernorm.weight": (hidden,),
-                p + "mlp.gate_proj.weight": (inter, hidden),
-                p + "mlp.up_proj.weight": (inter, hidden),
-                p + "mlp.down_proj.weight": (hidden, inter),
-            }
-        )
-    s["model.norm.weight"] = (hidden,)
-    return s
-
-
-def _llama_shapes(hidden: int, inter: int, layers: int, vocab: int, lm_head: bool) -> dict[str, tuple[int, ...]]:
-    """Tensor shapes of a Llama with multi-head attention (heads x head size = ``hidden``): embeddings,
-    ``layers`` decoder layers, final norm, and an untied ``lm_head`` when ``lm_head``."""
-    s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        s.update(
-            {
-                p + "input_layernorm.weight": (hidden,),
-                p + "self_attn.q_proj.weight": (hidden, hidden),
-                p + "self_attn.k_proj.weight": (hidden, hidden),
-                p + "self_attn.v_proj.weight": (hidden, hidden),
-                p + "self_attn.o_proj.weight": (hidden, hidden),
-                p + "post_attention_layernorm.weight": (hidden,),
-                p + "mlp.gate_proj.weight": (inter, hidden),
-                p + "mlp.up_proj.weight": (inter, hidden),
-                p + "mlp.down_proj.weight": (hidden, inter),
-            }
-        )
-    s["model.norm.weight"] = (hidden,)
-    if lm_head:
-        s["lm_head.weight"] = (vocab, hidden)
-    return s
+    """Qwen3-0.6B's tensor names and shapes (see the module docstring)."""
+    return llama_like_shapes(1024, 3072, 28, 151936, lm_head=False, heads=16, kv_heads=8, head_dim=128, qk_norm=True)
 
 
 def tiny_shapes() -> dict[str, tuple[int, ...]]:
-    return _llama_shapes(hidden=256, inter=688, layers=4, vocab=4096, lm_head=True)
+    return llama_like_shapes(hidden=256, inter=688, layers=4, vocab=4096, lm_head=True)
 
 
 def llama_110m_shapes() -> dict[str, tuple[int, ...]]:
     """A 110M-parameter Llama (hidden 768, intermediate 2048, 12 layers, 12 heads of 64, vocab
     32000, tied embeddings): 109.5M parameters, 219 MB in bf16 -- the fixture of issue 23."""
-    return _llama_shapes(hidden=768, inter=2048, layers=12, vocab=32000, lm_head=False)
+    return llama_like_shapes(hidden=768, inter=2048, layers=12, vocab=32000, lm_head=False)
 
 
 LLAMA_110M_CONFIG = {
@@ -105,7 +68,7 @@ def llama_14m_shapes() -> dict[str, tuple[int, ...]]:
     """A 14M-parameter Llama (hidden 384, intermediate 1024, 6 layers, 6 heads of 64, vocab 8000,
     tied embeddings): 13.7M parameters, 27 MB in bf16 -- issue 23's table on a loaded machine,
     where the 110M fixture's analysis does not fit the time."""
-    return _llama_shapes(hidden=384, inter=1024, layers=6, vocab=8000, lm_head=False)
+    return llama_like_shapes(hidden=384, inter=1024, layers=6, vocab=8000, lm_head=False)
 
 
 LLAMA_14M_CONFIG = dict(

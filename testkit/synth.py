@@ -6,25 +6,54 @@ import json
 from pathlib import Path
 
 
-def llama_like_shapes(hidden: int = 64, inter: int = 160, layers: int = 2, vocab: int = 256) -> dict:
-    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+def llama_like_shapes(
+    hidden: int = 64,
+    inter: int = 160,
+    layers: int = 2,
+    vocab: int = 256,
+    *,
+    lm_head: bool = True,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    qk_norm: bool = False,
+) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a Llama-layout decoder, in checkpoint order: the one source of
+    the test suite's and the benchmarks' synthetic layouts (``bench/synthetic.py``,
+    ``bench/synthetic_catalog.py``).
+
+    Args:
+        hidden, inter, layers, vocab: hidden size, MLP intermediate size, decoder layers,
+            vocabulary size.
+        lm_head: an untied ``lm_head.weight`` (vocab x hidden) at the end; False: tied embeddings.
+        heads, kv_heads, head_dim: grouped-query attention (q: heads·head_dim rows, k and v:
+            kv_heads·head_dim rows); None: multi-head attention of width ``hidden``.
+        qk_norm: per-head ``q_norm``/``k_norm`` weights (head_dim) after ``o_proj`` (Qwen3).
+
+    Returns:
+        ``{tensor name: shape}`` (1-D norms, 2-D ``(out, in)`` matrices).
+    """
+    hd = head_dim or (hidden // heads if heads else hidden)
+    q_rows = heads * hd if heads else hidden
+    kv_rows = (kv_heads or heads) * hd if heads else hidden
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "input_layernorm.weight": (hidden,),
-                p + "self_attn.q_proj.weight": (hidden, hidden),
-                p + "self_attn.k_proj.weight": (hidden, hidden),
-                p + "self_attn.v_proj.weight": (hidden, hidden),
-                p + "self_attn.o_proj.weight": (hidden, hidden),
-                p + "post_attention_layernorm.weight": (hidden,),
-                p + "mlp.gate_proj.weight": (inter, hidden),
-                p + "mlp.up_proj.weight": (inter, hidden),
-                p + "mlp.down_proj.weight": (hidden, inter),
-            }
-        )
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        shapes[p + "self_attn.q_proj.weight"] = (q_rows, hidden)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_rows, hidden)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_rows, hidden)
+        shapes[p + "self_attn.o_proj.weight"] = (hidden, q_rows)
+        if qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
     shapes["model.norm.weight"] = (hidden,)
-    shapes["lm_head.weight"] = (vocab, hidden)
+    if lm_head:
+        shapes["lm_head.weight"] = (vocab, hidden)
     return shapes
 
 
