@@ -131,22 +131,18 @@ class SketchRun:
         The codes are assembled at byte granularity: a 256-entry table turns a sign byte into
         eight 0/1 bytes held in one int64 (big-endian bit order, as ``numpy.packbits``), so
         ``code = (bits₁ << 2) | (bits₂ << 1) | bits₃`` costs three int64 operations per eight
-        entries."""
+        entries. On a CPU with the fused kernels the codes come from
+        :func:`mergepipe.methods.kernels_cpu.build_codes` instead (the same bits, one pass)."""
         got = self._dev.get(dev)
         if got is not None:
             return got
         import torch
 
         rpb, rn, k = self.rows_per_block, self.row_numel, len(self.planes)
-        lut = _bit_lut(dev)
-        wholes = []
         table = np.zeros((self.rows, 1 << k), dtype=np.float32)
         signs = np.arange(1 << k)
         for p, buf in enumerate(self.planes):
             u8 = np.frombuffer(memoryview(buf), dtype=np.uint8)
-            with warnings.catch_warnings():  # read-only buffers: the views are only read
-                warnings.simplefilter("ignore")
-                wholes.append(torch.frombuffer(buf, dtype=torch.uint8).to(dev))
             scales, pos = [], 0
             for r0 in range(0, self.rows, rpb):
                 r = min(rpb, self.rows - r0)
@@ -162,21 +158,7 @@ class SketchRun:
             nb = (r * rn + 7) // 8
             spans.append((pos, nb, r))
             pos += nb + 2 * r
-        if all(r * rn % 8 == 0 for _, _, r in spans):  # no padding bits: the run's codes in one sweep
-            code = None
-            for whole in wholes:
-                bits = whole[: spans[0][1]] if len(spans) == 1 else torch.cat([whole[a : a + nb] for a, nb, _ in spans])
-                v = lut.index_select(0, bits.to(torch.int32))
-                code = v if code is None else code.bitwise_left_shift_(1).bitwise_or_(v)
-            assert code is not None
-            codes = code.view(torch.uint8)
-        else:  # a block ends inside a byte: block by block, the padding cut
-            codes = torch.empty(self.rows * rn, dtype=torch.uint8, device=dev)
-            for (a, nb, r), r0 in zip(spans, range(0, self.rows, rpb)):
-                code = lut.index_select(0, wholes[0][a : a + nb].to(torch.int32))
-                for whole in wholes[1:]:
-                    code.bitwise_left_shift_(1).bitwise_or_(lut.index_select(0, whole[a : a + nb].to(torch.int32)))
-                codes[r0 * rn : (r0 + r) * rn] = code.view(torch.uint8)[: r * rn]
+        codes = self._codes(dev, spans)
         got = _Prepared(codes, torch.from_numpy(table).to(dev))
         if self.factors is not None:
             f = np.frombuffer(memoryview(self.factors), dtype="<u2")
@@ -204,6 +186,43 @@ class SketchRun:
 
             t = self._dev[key] = torch.nn.functional.hardshrink(pr.table, shrink)
         return t
+
+    def _codes(self, dev: torch.device, spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        """uint8 ``(rows·row_numel,)`` on ``dev``: the k-bit sign code of every entry (see
+        :meth:`_prepared`); ``spans``: per block ``(first bit byte, bit bytes, rows)``."""
+        import torch
+
+        from mergepipe.methods import kernels_cpu
+
+        rn, rpb = self.row_numel, self.rows_per_block
+        if dev.type == "cpu" and kernels_cpu.available():  # the fused CPU kernel: one pass, no temporaries
+            codes = torch.empty(self.rows * rn, dtype=torch.uint8)
+            kernels_cpu.build_codes(
+                codes.numpy(),
+                [np.frombuffer(memoryview(b), dtype=np.uint8) for b in self.planes],
+                [(a, r * rn) for a, _nb, r in spans],
+            )
+            return codes
+        lut = _bit_lut(dev)
+        with warnings.catch_warnings():  # read-only buffers: the views are only read
+            warnings.simplefilter("ignore")
+            wholes = [torch.frombuffer(buf, dtype=torch.uint8).to(dev) for buf in self.planes]
+        if all(r * rn % 8 == 0 for _, _, r in spans):  # no padding bits: the run's codes in one sweep
+            code = None
+            for whole in wholes:
+                bits = whole[: spans[0][1]] if len(spans) == 1 else torch.cat([whole[a : a + nb] for a, nb, _ in spans])
+                v = lut.index_select(0, bits.to(torch.int32))
+                code = v if code is None else code.bitwise_left_shift_(1).bitwise_or_(v)
+            assert code is not None
+            codes = code.view(torch.uint8)
+        else:  # a block ends inside a byte: block by block, the padding cut
+            codes = torch.empty(self.rows * rn, dtype=torch.uint8, device=dev)
+            for (a, nb, r), r0 in zip(spans, range(0, self.rows, rpb)):
+                code = lut.index_select(0, wholes[0][a : a + nb].to(torch.int32))
+                for whole in wholes[1:]:
+                    code.bitwise_left_shift_(1).bitwise_or_(lut.index_select(0, whole[a : a + nb].to(torch.int32)))
+                codes[r0 * rn : (r0 + r) * rn] = code.view(torch.uint8)[: r * rn]
+        return codes
 
     def host_arrays(
         self, dev: torch.device, shrink: float | None, factor: float

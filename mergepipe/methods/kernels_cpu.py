@@ -7,6 +7,7 @@ to int64 first), then ~6 elementwise passes of the sign election and the disjoin
 ``copysign``, ``mul``, ``relu``, ``sign``, ``add``), each reading and writing 256 KiB of float32.
 The kernels here do the same float32 arithmetic, in the same order, in one pass per expert:
 
+* ``build_codes``: the k-bit sign code of every entry of a sketched run from its planes' bits;
 * ``gather_rows``: ``out[i] = T[row(i), code(i)]`` of a sign-plane run (``T`` the trimmed and
   scaled value table);
 * ``rank1_rows``: ``hardshrink(u[row]·v[blk, col] + T[row, code], λ) · f`` of a rank-1 run;
@@ -57,6 +58,34 @@ SOURCE = r"""
 #include <string.h>
 
 #define BLK 2048
+
+void build_codes(uint8_t *codes, const uint64_t *planes, int64_t k, const int64_t *blk_off,
+                 const int64_t *blk_entries, int64_t nblk) {
+    /* byte v -> its eight bits as eight 0/1 bytes in memory order (big-endian bits, as
+       numpy.packbits): a code grows by one shift and one OR per plane per eight entries (no
+       carry between bytes: a code has at most 8 bits) */
+    uint64_t lut[256];
+    for (int v = 0; v < 256; v++) {
+        uint8_t e[8];
+        for (int t = 0; t < 8; t++) e[t] = (uint8_t)((v >> (7 - t)) & 1);
+        memcpy(&lut[v], e, 8);
+    }
+    for (int64_t b = 0; b < nblk; b++) {
+        int64_t ne = blk_entries[b], full = ne >> 3;
+        const uint8_t *pl[8];
+        for (int64_t p = 0; p < k; p++) pl[p] = (const uint8_t *)(uintptr_t)planes[p] + blk_off[b];
+        for (int64_t q = 0; q < full; q++, codes += 8) {
+            uint64_t c = lut[pl[0][q]];
+            for (int64_t p = 1; p < k; p++) c = (c << 1) | lut[pl[p][q]];
+            memcpy(codes, &c, 8);
+        }
+        for (int64_t i = full << 3; i < ne; i++, codes++) { /* the block's last byte: padding bits cut */
+            uint8_t c = 0;
+            for (int64_t p = 0; p < k; p++) c = (uint8_t)((c << 1) | ((pl[p][i >> 3] >> (7 - (i & 7))) & 1));
+            *codes = c;
+        }
+    }
+}
 
 void gather_rows(float *out, const uint8_t *codes, const float *table, int64_t tcols,
                  int64_t j0, int64_t j1, int64_t rn) {
@@ -242,6 +271,7 @@ _I = ctypes.c_int64
 _F = ctypes.c_float
 _N = ctypes.c_int
 _SIGNATURES = {
+    "build_codes": (None, [_P, _P, _I, _P, _P, _I]),
     "gather_rows": (None, [_P, _P, _P, _I, _I, _I, _I]),
     "rank1_rows": (None, [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F, _N, _F, _N]),
     "trim_scale": (None, [_P, _I, _F, _N, _F, _N]),
@@ -315,7 +345,25 @@ def unavailable_reason() -> str:
 
 
 def _ptr(a: np.ndarray) -> int:
-    return a.ctypes.data
+    return a.__array_interface__["data"][0]  # (a third of ``a.ctypes.data``'s cost per call)
+
+
+def build_codes(codes: np.ndarray, planes: list[np.ndarray], spans: list[tuple[int, int]]) -> None:
+    """The k-bit sign code of every entry of a sketched run, from its planes' bits.
+
+    Args:
+        codes: uint8 ``(Σ entries,)`` C-contiguous (written): bit ``k − 1 − p`` of an entry's code
+            is its bit in plane ``p`` (plane 1 most significant), as
+            :meth:`mergepipe.engine.sketchkernel.SketchRun._prepared` builds them in torch.
+        planes: the ``k <= 8`` planes' bytes (uint8, one per plane, the same block layout).
+        spans: per block ``(first bit byte, entries)``: its sign bits start at that byte of every
+            plane, big-endian within a byte (``numpy.packbits``); the padding bits of its last
+            byte are skipped.
+    """
+    ptrs = np.asarray([_ptr(p) for p in planes], dtype=np.uint64)
+    off = np.asarray([a for a, _ in spans], dtype=np.int64)
+    ne = np.asarray([e for _, e in spans], dtype=np.int64)
+    _LIB.build_codes(_ptr(codes), _ptr(ptrs), len(planes), _ptr(off), _ptr(ne), len(spans))
 
 
 def gather_rows(out: np.ndarray, codes: np.ndarray, table: np.ndarray, j0: int, j1: int, rn: int) -> None:

@@ -249,3 +249,18 @@ def test_rank1_group_hist_fused_equals_decoded(monkeypatch):
             g = _GroupHist(tau)
             g.add_run(run, cpu)
             assert np.array_equal(g.done(), want)
+
+
+@pytest.mark.parametrize(("rows", "rn", "rpb"), [(20, 33, 6), (16, 8, 4), (7, 5, 3), (1, 1, 1)])
+def test_sign_codes_fused_equal_torch(monkeypatch, rows, rn, rpb):
+    """build_codes gives every entry the code SketchRun's torch assembly gives it, for 1 to 3
+    planes and blocks that end inside a byte (padding bits) or on one."""
+    rng = np.random.default_rng(rows * rn)
+    secs = _sections((rng.standard_normal((rows, rn)) * 0.01).astype(np.float32), rpb)
+    cpu = torch.device("cpu")
+    for k in range(1, PLANES + 1):
+        fused = SketchRun(rows, rn, rpb, secs[:k])._prepared(cpu).codes
+        monkeypatch.setenv("MERGEPIPE_KERNELS", "torch")
+        want = SketchRun(rows, rn, rpb, secs[:k])._prepared(cpu).codes
+        monkeypatch.delenv("MERGEPIPE_KERNELS")
+        assert torch.equal(fused, want) and int(want.max()) < (1 << k)
