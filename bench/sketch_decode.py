@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -78,7 +79,14 @@ def main() -> None:
     base = (rng.standard_normal(n) * 0.02).astype(np.float32)
     gb = 2 * n / 1e9
     lam = float(np.median(np.abs(delta)))
-    report: dict = {"entries": n, "expert_gb": gb, "planes": PLANES, "threads": 1}
+    report: dict = {
+        "entries": n,
+        "expert_gb": gb,
+        "planes": PLANES,
+        "threads": 1,
+        "kernels": "fused" if kernels_cpu.available() else "torch",  # (MERGEPIPE_KERNELS=torch: torch)
+        "loadavg_start": os.getloadavg()[0],
+    }
 
     def timed(fn, sync=None) -> float:
         best = float("inf")
@@ -133,6 +141,7 @@ def main() -> None:
         report.update(combine_stages(torch, n, rng, a.experts, timed))
     else:
         print(f"fused CPU kernels unavailable ({kernels_cpu.unavailable_reason()}): torch stages only", flush=True)
+    report["loadavg_end"] = os.getloadavg()[0]
     print(json.dumps(report))
 
 
