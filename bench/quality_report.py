@@ -150,7 +150,7 @@ def derive_with_summary(res: dict, n_boot: int | None = None) -> tuple[str, dict
     Returns:
         (markdown, ``{"label", "dtype", "metric", "seeds", "registered", "primary", "targets":
         [(method, budget, mean, per-seed min, n, target share)], "mono": {method: [step
-        strings that fall]}}``); deterministic (bootstrap ``default_rng(0)``).
+        strings that fall]}, "flat": [steps whose paired mean is exactly 0]}``); deterministic (bootstrap ``default_rng(0)``).
     """
     reg = registration(res)
     floor = reg["floor"]
@@ -183,6 +183,7 @@ def derive_with_summary(res: dict, n_boot: int | None = None) -> tuple[str, dict
         "primary": primary,
         "targets": [],
         "mono": {},
+        "flat": [],
         "not_run": not_run,
     }
 
@@ -292,16 +293,21 @@ def derive_with_summary(res: dict, n_boot: int | None = None) -> tuple[str, dict
                 if not diffs:
                     continue
                 mu, lo, hi = mean_ci_t(diffs)
-                verdict = "non-monotone" if len(diffs) > 1 and hi < 0 else ("dip" if mu < 0 else "up")
+                # 'flat': the paired mean is exactly 0 (e.g. every seed's 50% merge scores as the full one)
+                verdict = (
+                    "non-monotone" if len(diffs) > 1 and hi < 0 else ("dip" if mu < 0 else ("up" if mu else "flat"))
+                )
                 steps.append(f"{b0:g}→{b1:g}%: {100 * mu:+.1f} pt ({verdict})")
                 if mu < 0:
                     summary["mono"].setdefault(m, []).append(f"{setting} {steps[-1]}")
+                elif mu == 0:
+                    summary["flat"].append(f"{m} {setting} {b0:g}→{b1:g}%")
             mono.append(f"| {m} | {setting} | " + "; ".join(steps) + " |")
     L += [
         "",
         "**Monotone in budget** (paired per-seed difference of the worst-task kept share between consecutive "
-        "budgets, mean; 'non-monotone' when its t interval lies below 0, 'dip' when only the mean does; 100% is "
-        "the full merge):\n",
+        "budgets, mean; 'non-monotone' when its t interval lies below 0, 'dip' when only the mean does, 'flat' "
+        "when it is exactly 0; 100% is the full merge):\n",
         "| method | setting | steps |",
         "|---|---|---|",
         *mono,
@@ -325,7 +331,8 @@ def derive_with_summary(res: dict, n_boot: int | None = None) -> tuple[str, dict
 def summary_md(sums: list[dict]) -> str:
     """The cross-testbed summary: per testbed and method the primary setting's mean worst-task
     kept share at each target budget, met or missed by how many points, the per-seed minimum and
-    n; and whether every budget step raised the mean (the monotone check)."""
+    n; and whether every budget step raised the mean (the monotone check; steps whose paired mean
+    is exactly 0 are named as flat)."""
     L = [
         "#### Summary over testbeds (fresh seeds; the primary setting of each registration)\n",
         "| testbed | checkpoints | method | budget | mean worst-task kept share | target | met / missed by "
@@ -345,11 +352,14 @@ def summary_md(sums: list[dict]) -> str:
     L += ["", "| testbed | monotone in budget (every setting, every method; 100% = the full merge) |", "|---|---|"]
     for s in sums:
         falls = [f"{m}: {x}" for m, xs in s["mono"].items() for x in xs]
-        L.append(
-            f"| {s['label']} | "
-            + ("yes: every step raises the mean worst-task kept share" if not falls else "no: " + "; ".join(falls))
-            + " |"
-        )
+        flat = s.get("flat", [])
+        if falls:
+            verdict = "no: " + "; ".join(falls)
+        elif flat:
+            verdict = "yes: no step lowers the mean worst-task kept share; flat (equal means): " + ", ".join(flat)
+        else:
+            verdict = "yes: every step raises the mean worst-task kept share"
+        L.append(f"| {s['label']} | {verdict} |")
     return "\n".join(L) + "\n"
 
 

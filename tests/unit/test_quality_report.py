@@ -134,3 +134,16 @@ def test_fresh_run_refuses_an_unregistered_seed():
     with pytest.raises(SystemExit) as e:
         quality.main(["--fresh", "--testbed", "minilm", "--seeds", "0", "--no-report"])
     assert "--seeds [0]: not registered for minilm" in str(e.value.code)
+
+
+def test_monotone_check_names_a_flat_step():
+    """A step whose paired mean difference is exactly 0 (the 10% merge already scores as the full
+    one) is 'flat', never 'up'; the summary says no step lowers the mean and names the flat step."""
+    s = _seed({"a": 1.5, "b": 1.5}, {"a": 1.5, "b": 1.5})  # 10% keeps 100% of the full merge's gain
+    md, summ = qr.derive_with_summary(_fresh([s], [0]), n_boot=5)
+    assert "| ties | energy+sign3 | 10→100%: +0.0 pt (flat) |" in md
+    out = qr.summary_md([summ])
+    assert (
+        "| tb | yes: no step lowers the mean worst-task kept share; flat (equal means): ties energy+sign3 10→100% |"
+        in out
+    )
