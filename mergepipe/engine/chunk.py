@@ -561,8 +561,9 @@ def _fill_fused(
     :func:`_tiled_output` appends to its ``deltas``. With a magnitude trim (``trim``, the ``λ`` of
     ``hardshrink``) or no sparsification, piece by piece (the trim and the factor are
     elementwise): a sign-plane run from its trimmed, scaled value table (``gather_rows``), a
-    rank-1 run decoded, trimmed and scaled in one pass (``rank1_rows``), an exact or LoRA run
-    widened/subtracted by torch into ``dt`` and trimmed in place (``trim_scale``); entries no run
+    rank-1 run decoded, trimmed and scaled in one pass (``rank1_rows``), an exact bf16 run
+    widened, subtracted, trimmed and scaled in one pass (``exact_bf16``), a float16/float32 or
+    LoRA run widened/subtracted by torch into ``dt`` and trimmed in place (``trim_scale``); entries no run
     covers are zeros. Other sparsifiers (DARE's random drop, breadcrumbs' window) run the torch
     path on the assembled tile."""
     import torch
@@ -587,6 +588,9 @@ def _fill_fused(
                 kc.gather_rows(seg, codes, table, lo - a, hi - a, x.row_numel)
             else:
                 kc.rank1_rows(seg, codes, table, u, v, x.rows_per_block, lo - a, hi - a, x.row_numel, trim, f)
+            continue
+        if not dl and x.dtype == torch.bfloat16:  # widened, subtracted, trimmed, scaled in one pass
+            kc.exact_bf16(seg, x[lo - a : hi - a].view(torch.int16).numpy(), b.numpy()[lo - s : hi - s], trim, f)
             continue
         if dl:
             dt[lo - s : hi - s].copy_(x[lo - a : hi - a])

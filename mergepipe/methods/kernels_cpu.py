@@ -11,7 +11,8 @@ The kernels here do the same float32 arithmetic, in the same order, in one pass 
 * ``gather_rows``: ``out[i] = T[row(i), code(i)]`` of a sign-plane run (``T`` the trimmed and
   scaled value table);
 * ``rank1_rows``: ``hardshrink(u[row]·v[blk, col] + T[row, code], λ) · f`` of a rank-1 run;
-* ``trim_scale``: ``hardshrink(δ, λ) · f`` in place (an exact or LoRA piece);
+* ``exact_bf16``: ``hardshrink(float32(x) − b, λ) · f`` of an exact bf16 piece;
+* ``trim_scale``: ``hardshrink(δ, λ) · f`` in place (a float16/float32 exact or a LoRA piece);
 * ``rank1_hist``: the exact-threshold histogram of a rank-1 run's decoded ``|δ̂|`` bit patterns,
   decoded and counted in one pass (nothing written);
 * ``combine_sum`` / ``combine_plain``: TIES sign election and disjoint mean (``consensus: sum``)
@@ -136,6 +137,22 @@ void rank1_hist(const uint8_t *codes, const float *table, int64_t tcols, const f
             int64_t off = (int64_t)(b & 0x7FFFFFFFu) - lo; /* |x| bit pattern, from the group's first */
             if (off >= 0 && off < nbins) hist[off]++;
         }
+    }
+}
+
+void exact_bf16(float *out, const uint16_t *x, const float *b, int64_t n, float lam, int has_lam, float f,
+                int has_f) {
+    if (!has_lam) lam = -1.0f; /* nothing trimmed (see rank1_rows) */
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t xb = (uint32_t)x[i] << 16, keep; /* bf16 -> float32: exact */
+        float xv, d;
+        memcpy(&xv, &xb, 4);
+        d = xv - b[i];
+        keep = (uint32_t)0 - (uint32_t)!(d >= -lam && d <= lam);
+        memcpy(&xb, &d, 4);
+        xb &= keep;
+        memcpy(&d, &xb, 4);
+        out[i] = has_f ? d * f : d;
     }
 }
 
@@ -275,6 +292,7 @@ _SIGNATURES = {
     "gather_rows": (None, [_P, _P, _P, _I, _I, _I, _I]),
     "rank1_rows": (None, [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F, _N, _F, _N]),
     "trim_scale": (None, [_P, _I, _F, _N, _F, _N]),
+    "exact_bf16": (None, [_P, _P, _P, _I, _F, _N, _F, _N]),
     "rank1_hist": (None, [_P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _P]),
     "combine_sum": (_N, [_P, _P, _P, _I, _I, _I, _P, _P, _N, _F, _N]),
     "combine_plain": (None, [_P, _P, _P, _I, _I, _I, _P, _F, _N, _F, _N]),
@@ -418,6 +436,16 @@ def rank1_hist(
     histogram of :class:`mergepipe.engine.chunk._GroupHist`, fused with the decode."""
     _LIB.rank1_hist(
         _ptr(codes), _ptr(table), table.shape[1], _ptr(u), _ptr(v), rpb, 0, rows * rn, rn, lo, hist.shape[0], _ptr(hist)
+    )
+
+
+def exact_bf16(out: np.ndarray, x: np.ndarray, b: np.ndarray, lam: float | None, f: float) -> None:
+    """An exact bf16 piece's task vector: ``out = hardshrink(float32(x) − b, lam) · f`` (the trim
+    when ``lam`` is given, the factor when ``f != 1``), the torch path's widening, subtraction,
+    trim and scale in one pass. ``x``: the bf16 bit patterns (uint16 or int16 ``(n,)``); ``b``,
+    ``out``: float32 ``(n,)``; all C-contiguous."""
+    _LIB.exact_bf16(
+        _ptr(out), _ptr(x), _ptr(b), out.shape[0], 0.0 if lam is None else lam, lam is not None, f, f != 1.0
     )
 
 

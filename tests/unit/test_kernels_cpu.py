@@ -264,3 +264,24 @@ def test_sign_codes_fused_equal_torch(monkeypatch, rows, rn, rpb):
         want = SketchRun(rows, rn, rpb, secs[:k])._prepared(cpu).codes
         monkeypatch.delenv("MERGEPIPE_KERNELS")
         assert torch.equal(fused, want) and int(want.max()) < (1 << k)
+
+
+def test_exact_bf16_equals_widen_subtract_trim_scale():
+    """exact_bf16 is torch's ``hardshrink(x.float() − b, λ) · f`` for bf16 ``x``: NaN, ±inf, ±0
+    and values at the trim included."""
+    rng = np.random.default_rng(8)
+    n = 1029
+    b = (rng.standard_normal(n) * 0.02).astype(np.float32)
+    x = (torch.from_numpy(b) + torch.from_numpy((rng.standard_normal(n) * 0.01).astype(np.float32))).bfloat16()
+    x[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.0])
+    b[3:5] = [-0.0, 0.0]
+    d = x.float() - torch.from_numpy(b)
+    lam = float(d.abs().median())
+    b[6] = float(x[6].float()) - lam  # a task vector on the trim (up to rounding)
+    d = x.float() - torch.from_numpy(b)
+    for trim, f in [(lam, 1.0), (lam, 0.6), (None, 1.0), (None, 1.9)]:
+        want = torch.nn.functional.hardshrink(d, trim) if trim is not None else d
+        want = want * f if f != 1.0 else want
+        got = np.full(n, np.nan, dtype=np.float32)
+        kernels_cpu.exact_bf16(got, x.view(torch.int16).numpy(), b, trim, f)
+        assert np.array_equal(_bits(got), _bits(want))
