@@ -10,6 +10,14 @@ granularity differs. The zoo's held-out windows (32 per domain) are split: the *
 (the first ``--search-windows``, the objectives the optimizer sees) and the **held-out windows**
 (the next as many; scored in the same model load, never shown to any optimizer).
 
+Testbed ``minilm`` (``--testbed minilm``): the MiniLM testbed of :mod:`mergepipe_zoo.minilm` (the
+pretrained 6-layer MiniLM encoder, experts fully fine-tuned on ``order``/``rotate``/``match``,
+``--minilm-seed`` its seed), objectives ``loss:<task>`` (cross-entropy with the task's head) on
+the first ``--examples`` probe examples per task, held-out the next ``--examples``, scored by
+:class:`bench.search_minilm.MiniLMObjective` (in process, tokenised once; its cost is measured
+by ``bench/search_minilm.py``). Development runs only: no pre-registration names it yet, so
+``--fresh`` and ``--collect`` refuse it.
+
 Arms (:data:`ARMS`; ``lw`` = layer-wise, ``--blocks`` blocks × 3 experts coordinates; ``ml`` =
 model-level, 3 coordinates):
 
@@ -106,10 +114,12 @@ class Evals:
     (``loss:<domain>``) and, under ``heldout:loss:<domain>``, the held-out windows' losses
     (recorded, never an objective)."""
 
+    domains: tuple[str, ...] = DOMAINS
+
     def __init__(self, zoo, work: Path, search_windows: int) -> None:
         from mergepipe.evaluate import causal_lm_windows
 
-        self.zoo, self.path = zoo, work / "evals.jsonl"
+        self.zoo = zoo
         tb = zoo.testbed
         self.batch = tb.batch_size
         win = causal_lm_windows(tb, list(DOMAINS))
@@ -118,7 +128,16 @@ class Evals:
             raise SystemExit(f"the zoo has {n} eval windows per domain; need 2 x {search_windows}")
         self.search = {d: w[:search_windows] for d, w in win.items()}
         self.heldout = {d: w[search_windows : 2 * search_windows] for d, w in win.items()}
-        self.tag = f"{zoo.config.key()}:w{search_windows}"
+        self._open_cache(work, f"{zoo.config.key()}:w{search_windows}")
+
+    @property
+    def objectives(self) -> list[str]:
+        """The search's objectives: ``loss:<domain>`` per domain (minimised)."""
+        return [f"loss:{d}" for d in self.domains]
+
+    def _open_cache(self, work: Path, tag: str) -> None:
+        """The per-candidate cache ``work/evals.jsonl`` of evaluations scored as ``tag``."""
+        self.path, self.tag = work / "evals.jsonl", tag
         self.lock = threading.Lock()
         self.cache: dict[str, dict] = {}
         self.pending: dict[str, str] = {}  # snapshot folder -> key of a merge not yet evaluated
@@ -193,6 +212,25 @@ class Evals:
         return CachingMerger()
 
 
+class MiniLMEvals(Evals):
+    """:class:`Evals` on the MiniLM testbed (:mod:`mergepipe_zoo.minilm`, 6 layers, tasks
+    ``order``/``rotate``/``match``): ``loss:<task>`` on the first ``examples`` probe examples
+    per task, ``heldout:loss:<task>`` on the next ``examples`` (accuracies beside them), scored
+    by :class:`bench.search_minilm.MiniLMObjective` (tokenised once, weights loaded into one
+    encoder, one thread)."""
+
+    def __init__(self, bed, work: Path, examples: int) -> None:
+        from bench.search_minilm import MiniLMObjective
+        from mergepipe_zoo.minilm import TASKS
+
+        self.bed, self.domains = bed, TASKS
+        self.objective = MiniLMObjective(bed.root, n_search=examples, n_heldout=examples)
+        self._open_cache(work, f"minilm:{bed.config.key()}:n{examples}")
+
+    def compute(self, model_dir: Path) -> dict:
+        return self.objective.metrics(Path(model_dir))
+
+
 class _CachedEvaluator:
     """A runner evaluator over :class:`Evals` (in-process)."""
 
@@ -206,7 +244,7 @@ class _CachedEvaluator:
         return self.ev.metrics(checkpoint)
 
     def known_metrics(self):
-        return list(OBJ) + [f"heldout:{o}" for o in OBJ]
+        return list(self.ev.objectives) + [f"heldout:{o}" for o in self.ev.objectives]
 
     def spec(self):
         return None
@@ -215,18 +253,18 @@ class _CachedEvaluator:
 # ------------------------------------------------------------------------------------------------
 # one run of one arm
 # ------------------------------------------------------------------------------------------------
-def _cands_from_state(d: Path) -> list[dict]:
+def _cands_from_state(d: Path, objs: list[str]) -> list[dict]:
     """Every successful candidate of a runner state, in completion order, as raw records."""
     st = json.loads((d / "state.json").read_text())
     done = sorted((c for c in st["candidates"] if c["status"] == "done"), key=lambda c: c["times"]["ended"])
-    return [_raw(c["x"], c["metrics"]) for c in done]
+    return [_raw(c["x"], c["metrics"], objs) for c in done]
 
 
-def _raw(x, m: dict) -> dict:
+def _raw(x, m: dict, objs: list[str]) -> dict:
     return {
         "x": [round(float(v), 6) for v in x],
-        "y": [m[o] for o in OBJ],
-        "h": [m[f"heldout:{o}"] for o in OBJ],
+        "y": [m[o] for o in objs],
+        "h": [m[f"heldout:{o}"] for o in objs],
     }
 
 
@@ -246,12 +284,11 @@ def run_arm(arm: str, seed: int, ctx: dict) -> dict:
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     ev: Evals = ctx["evals"]
-    zoo = ctx["zoo"]
     space, opt = ARMS[arm]
     cfg_kw = dict(
-        base=str(zoo.base),
-        experts=[[n, str(zoo.experts[n])] for n in DOMAINS],
-        objectives=list(OBJ),
+        base=str(ctx["base"]),
+        experts=[[n, str(ctx["experts"][n])] for n in ev.domains],
+        objectives=list(ev.objectives),
         evaluations=a.evaluations,
         initial=a.initial,
         workers=2,
@@ -274,13 +311,13 @@ def run_arm(arm: str, seed: int, ctx: dict) -> dict:
         elif opt == "random":
             cfg_kw["strategy"] = "random"
         elif opt == "grid":
-            dim = len(DOMAINS) * cfg_kw["layer_blocks"]
+            dim = len(ev.domains) * cfg_kw["layer_blocks"]
             cfg_kw.update(strategy="random", initial=a.evaluations, design=grid_design(a.evaluations, dim, seed))
         else:
             raise SystemExit(f"unknown arm {arm}")
         res = run_search(d / "run", SearchConfig(**cfg_kw), _CachedEvaluator(ev), merger=ev.merger())
         failed = res["failed"]
-        cands = _cands_from_state(d / "run")
+        cands = _cands_from_state(d / "run", ev.objectives)
     out = {
         "arm": arm,
         "seed": seed,
@@ -306,17 +343,17 @@ def _nsga2(cfg, seed: int, ctx: dict, d: Path) -> list[dict]:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     names: list[str] = []
-    for f in sorted(ctx["zoo"].base.glob("*.safetensors")):
+    for f in sorted(Path(ctx["base"]).glob("*.safetensors")):
         with safe_open(str(f), "pt") as h:
             names += list(h.keys())
     from mergepipe.methods.params import layer_count
 
-    space = SearchSpace(cfg.method, list(DOMAINS), parse_vary(cfg.vary), layer_count(names), cfg.layer_blocks, {})
-    cat = open_catalog(cfg.catalog)
     ev: Evals = ctx["evals"]
+    space = SearchSpace(cfg.method, list(ev.domains), parse_vary(cfg.vary), layer_count(names), cfg.layer_blocks, {})
+    cat = open_catalog(cfg.catalog)
     merger = ev.merger()
     study = optuna.create_study(
-        directions=["minimize"] * len(OBJ),
+        directions=["minimize"] * len(ev.objectives),
         sampler=optuna.samplers.NSGAIISampler(population_size=cfg.initial, seed=seed),
     )
     out = []
@@ -325,8 +362,8 @@ def _nsga2(cfg, seed: int, ctx: dict, d: Path) -> list[dict]:
         x = [trial.suggest_float(f"x{j}", 0.0, 1.0) for j in range(space.d)]
         m = merger.merge(cfg, {"id": i, "params": space.to_params(x)}, d, {}, cat)
         r = ev.metrics(m.snapshot if str(m.snapshot).startswith("cached:") else Path(m.snapshot))
-        study.tell(trial, [r[o] for o in OBJ])
-        out.append(_raw(x, r))
+        study.tell(trial, [r[o] for o in ev.objectives])
+        out.append(_raw(x, r, ev.objectives))
     return out
 
 
@@ -364,6 +401,22 @@ def _preregistered(args) -> list[tuple[list[int], list[str]]]:
     return [(seeds, [a for a in arms if a not in nsga]), (seeds, nsga)]
 
 
+TESTBEDS = ("zoo8", "minilm")
+
+
+def _testbed(args) -> tuple[Evals, Path, dict[str, Path]]:
+    """The evaluator, base and experts (by domain) of ``args.testbed`` (built once, cached)."""
+    if args.testbed == "minilm":
+        from mergepipe_zoo.minilm import MiniLMConfig, build_minilm
+
+        bed = build_minilm(config=MiniLMConfig(seed=args.minilm_seed), log=print)
+        return MiniLMEvals(bed, args.work, args.examples), bed.base, dict(bed.experts)
+    from mergepipe_zoo import ZooConfig, build_zoo
+
+    zoo = build_zoo(config=ZooConfig.deep(), log=print)
+    return Evals(zoo, args.work, args.search_windows), zoo.base, {n: zoo.experts[n] for n in DOMAINS}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=ROOT / "bench" / ".work" / "search")
@@ -374,6 +427,15 @@ def main() -> None:
     ap.add_argument("--initial", type=int, default=6, help="Sobol design points (NSGA-II population)")
     ap.add_argument("--blocks", type=int, default=4, help="layer blocks of the layer-wise arms")
     ap.add_argument("--search-windows", type=int, default=16, help="windows per domain the search sees")
+    ap.add_argument(
+        "--testbed",
+        choices=TESTBEDS,
+        default="zoo8",
+        help="zoo8 (the 8-layer zoo) or minilm (the 6-layer MiniLM encoder, 3 tasks; development runs only "
+        "so far: --fresh and --collect are zoo8's)",
+    )
+    ap.add_argument("--minilm-seed", type=int, default=0, help="minilm: seed of the testbed (MiniLMConfig.seed)")
+    ap.add_argument("--examples", type=int, default=128, help="minilm: search (and held-out) examples per task")
     ap.add_argument("--arms", default=",".join(a for a in ARMS if a != "lw-bo-default"))
     ap.add_argument("--deadline", type=float, default=0.0, help="do not start a run after this Unix time")
     ap.add_argument(
@@ -389,6 +451,8 @@ def main() -> None:
         help="write --raw from the finished (arm, seed) runs of these work folders and stop",
     )
     args = ap.parse_args()
+    if args.testbed != "zoo8" and (args.collect or args.fresh):
+        raise SystemExit(f"--testbed {args.testbed}: --fresh and --collect are registered for zoo8 only.")
     if args.collect:
         collect(args.collect, args.raw, args.search_windows)
         return
@@ -397,14 +461,10 @@ def main() -> None:
         passes = _preregistered(args)
     args.work.mkdir(parents=True, exist_ok=True)
 
-    from mergepipe_zoo import ZooConfig, build_zoo
-
-    zcfg = ZooConfig.deep()
-    zoo = build_zoo(config=zcfg, log=print)
-    ev = Evals(zoo, args.work, args.search_windows)
-    ref_metrics = {"base": ev.compute(zoo.base)} | {n: ev.compute(zoo.experts[n]) for n in DOMAINS}
-    ref = [max(ref_metrics[n][o] for n in DOMAINS) for o in OBJ]
-    ctx = {"args": args, "work": args.work, "zoo": zoo, "evals": ev, "ref": ref}
+    ev, base, experts = _testbed(args)
+    ref_metrics = {"base": ev.compute(base)} | {n: ev.compute(experts[n]) for n in ev.domains}
+    ref = [max(ref_metrics[n][o] for n in ev.domains) for o in ev.objectives]
+    ctx = {"args": args, "work": args.work, "base": base, "experts": experts, "evals": ev, "ref": ref}
     for _, arms in passes:
         for x in arms:
             if x not in ARMS:
