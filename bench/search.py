@@ -40,6 +40,11 @@ seeds (``--seeds`` can be raised later).
 Run (docs/SEARCH.md)::
 
     PYTHONPATH=. nice -n 15 .venv/bin/python -W ignore bench/search.py --work bench/.work/search
+    # the MiniLM testbed, a development run on a tiny budget (the catalog analysis, ~250 CPU s,
+    # is done once per --work folder):
+    PYTHONPATH=. OPENBLAS_NUM_THREADS=1 nice -n 15 .venv/bin/python -W ignore bench/search.py \\
+        --testbed minilm --minilm-seed 100 --seeds 1 --evaluations 4 --initial 2 --arms lw-bo,ml-bo \\
+        --examples 32 --work bench/.work/search-minilm
 """
 
 from __future__ import annotations
@@ -417,7 +422,7 @@ def _testbed(args) -> tuple[Evals, Path, dict[str, Path]]:
     return Evals(zoo, args.work, args.search_windows), zoo.base, {n: zoo.experts[n] for n in DOMAINS}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=ROOT / "bench" / ".work" / "search")
     ap.add_argument("--raw", type=Path, default=ROOT / "docs" / "search" / "raw-zoo8-fresh.jsonl.gz")
@@ -450,7 +455,7 @@ def main() -> None:
         nargs="+",
         help="write --raw from the finished (arm, seed) runs of these work folders and stop",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.testbed != "zoo8" and (args.collect or args.fresh):
         raise SystemExit(f"--testbed {args.testbed}: --fresh and --collect are registered for zoo8 only.")
     if args.collect:

