@@ -147,3 +147,28 @@ def test_fresh_run_refuses_an_uncommitted_preregistration(tmp_path, monkeypatch)
     f.write_text(json.dumps(pr | {"fresh_seeds": [0]}))  # edited after the commit: refused
     with pytest.raises(SystemExit, match="not committed"):
         bs._preregistered(args)
+
+
+def test_minilm_cost_figures_are_re_derived_from_the_raw_measurement(tmp_path):
+    """docs/SEARCH.md's MiniLM cost block is rendered from docs/search/minilm-eval-cost.json: a
+    changed raw timing changes the block (so --check fails on the committed doc), and a stored
+    projection that the raw timings do not give is refused."""
+    import shutil
+
+    from bench.search_report import DOC, MINILM_COST, RAW, check, minilm_cost
+
+    cost = json.loads((RAW / MINILM_COST).read_text())
+    block = minilm_cost(cost)
+    assert "**10.3 CPU s**" in block and "**635 CPU s per" in block and "| 1236 | 249 |" in block
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    shutil.copy(RAW / MINILM_COST, raw / MINILM_COST)
+    assert check(DOC, raw) == []
+    edited = json.loads(json.dumps(cost))
+    edited["catalog_analysis"]["cpu_s"] = 300.0
+    (raw / MINILM_COST).write_text(json.dumps(edited))
+    assert any("MiniLM cost" in b and "differs" in b for b in check(DOC, raw))
+    edited = json.loads(json.dumps(cost))
+    edited["candidates"][0]["score_cpu_s"] += 4.0  # the stored projection no longer follows
+    with pytest.raises(ValueError, match="projection.cpu"):
+        minilm_cost(edited)
