@@ -122,3 +122,33 @@ def test_the_arms_run_end_to_end_on_the_minilm_testbed(minilm_home, tmp_path, mo
     before = {a: (work / "runs" / a / "s0" / "run.json").stat().st_mtime_ns for a in runs}
     search.main(argv)  # finished (arm, seed) runs with the same settings are kept, not rerun
     assert before == {a: (work / "runs" / a / "s0" / "run.json").stat().st_mtime_ns for a in runs}
+
+
+def test_every_minilm_arm_coordinate_changes_the_merged_encoder(minilm_home, tmp_path):
+    """Issue 27's liveness check on the MiniLM layout (BERT names ``encoder.layer.N``, 6 layers,
+    embeddings and pooler outside the layers): with bench/search.py's default 4 layer blocks and
+    with one block per layer, every coordinate of every arm's space moves the merged encoder."""
+    from bench.search import ARMS, arm_space
+    from mergepipe.search.runner import SearchConfig, dead_coordinates
+    from mergepipe_zoo.minilm import TASKS, MiniLMConfig
+
+    root = minilm_home / "minilm" / MiniLMConfig(seed=SEED).key()
+    seen = set()
+    for blocks in (4, 6):
+        for arm in ARMS:
+            sp = arm_space(arm, blocks=blocks)
+            key = repr(sorted(sp.items()))
+            if key in seen:  # arms that differ only in the optimizer share the space
+                continue
+            seen.add(key)
+            cfg = SearchConfig(
+                base=str(root / "base"),
+                experts=[[t, str(root / "experts" / t)] for t in TASKS],
+                objectives=[f"loss:{t}" for t in TASKS],
+                evaluations=4,
+                initial=2,
+                catalog=str(tmp_path / "cat.sqlite"),
+                **sp,
+            )
+            assert dead_coordinates(cfg, tmp_path / f"{arm}-{blocks}") == [], (arm, blocks)
+    assert len(seen) == 3  # lw at 4 and 6 blocks, ml
