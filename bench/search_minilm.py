@@ -43,6 +43,7 @@ import math
 import os
 import random
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -142,6 +143,7 @@ class MiniLMObjective:
         self.n = {"search": n_search, "heldout": n_heldout}
         self.model = AutoModel.from_config(AutoConfig.from_pretrained(self.tb.root / "base", local_files_only=True))
         self.model.eval()
+        self._lock = threading.Lock()  # one skeleton: a load and its scoring must not interleave
 
     def load(self, model_dir: Path) -> None:
         """Load the checkpoint folder's weights (``*.safetensors``) into the skeleton.
@@ -164,7 +166,10 @@ class MiniLMObjective:
     def scores(self, model_dir: Path) -> dict[str, dict[str, dict]]:
         """``{split: {task: {"loss", "accuracy", "n", "hits"}}}`` of the checkpoint folder
         ``model_dir``: mean cross-entropy (nats/example), accuracy, examples, and the indices
-        (in the probe file) of the examples it got right."""
+        (in the probe file) of the examples it got right.
+
+        Thread-safe: calls are serialised (the weights are loaded into the one skeleton, so
+        two concurrent calls would otherwise score each other's weights)."""
         import torch
         import torch.nn.functional as F
 
@@ -188,7 +193,8 @@ class MiniLMObjective:
                         out[split][t] = {"loss": loss / n, "accuracy": len(hits) / n, "n": n, "hits": sorted(hits)}
             return out
 
-        return _torch_settings(run)
+        with self._lock:  # the search's workers call this from two threads
+            return _torch_settings(run)
 
     def metrics(self, model_dir: Path) -> dict[str, float]:
         """The search's metrics: ``loss:<task>`` and ``acc:<task>`` on the search examples,

@@ -94,6 +94,37 @@ def minilm_home(tmp_path_factory):
     return home
 
 
+def test_concurrent_scoring_scores_each_checkpoint_not_the_other(minilm_home):
+    """The search's two workers score candidates from two threads through one objective (one
+    encoder skeleton): each call must score its own checkpoint. Unserialised, a load between the
+    other thread's load and scoring made two candidates share held-out losses (seen on the real
+    MiniLM run: pairs of different points with identical held-out losses)."""
+    import threading
+
+    from bench.search_minilm import MiniLMObjective
+    from mergepipe_zoo.minilm import TASKS, MiniLMConfig
+
+    root = minilm_home / "minilm" / MiniLMConfig(seed=SEED).key()
+    obj = MiniLMObjective(root, n_search=6, n_heldout=6)
+    dirs = [root / "base", *(root / "experts" / t for t in TASKS)]
+    alone = [obj.metrics(d) for d in dirs]
+    assert len({tuple(sorted(m.items())) for m in alone}) == len(dirs)  # the checkpoints differ
+    for _ in range(3):
+        got: list = [None] * len(dirs)
+        start = threading.Barrier(len(dirs))
+
+        def score(i, got=got, start=start):
+            start.wait()
+            got[i] = obj.metrics(dirs[i])
+
+        threads = [threading.Thread(target=score, args=(i,)) for i in range(len(dirs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got == alone
+
+
 def test_the_arms_run_end_to_end_on_the_minilm_testbed(minilm_home, tmp_path, monkeypatch):
     """Two arms (layer-wise BO, model-level NSGA-II), one run each, 2 + 1 evaluations: every
     candidate is a real merge scored on the three tasks (search and held-out losses, finite and
@@ -116,6 +147,7 @@ def test_the_arms_run_end_to_end_on_the_minilm_testbed(minilm_home, tmp_path, mo
             assert len(c["x"]) == dims and len(c["y"]) == len(c["h"]) == len(TASKS)
             assert all(math.isfinite(v) and v > 0 for v in c["y"] + c["h"]), c
         assert len({tuple(c["y"]) for c in r["cands"]}) == 3, f"{arm}: different merges scored alike"
+        assert len({tuple(c["h"]) for c in r["cands"]}) == 3, f"{arm}: different merges scored alike (held out)"
     cached = [json.loads(x) for x in (work / "evals.jsonl").read_text().splitlines()]
     names = sorted(f"{p}{m}:{t}" for p in ("", "heldout:") for m in ("loss", "acc") for t in TASKS)
     assert len(cached) == 6 and all(sorted(c["metrics"]) == names for c in cached)
