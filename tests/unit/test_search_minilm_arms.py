@@ -27,12 +27,13 @@ SEED = 7  # the testbed seed the fake cache entry is laid out for
 def minilm_home(tmp_path_factory):
     """``$MERGEPIPE_HOME`` holding a small MiniLM-layout testbed under the cache key of
     ``MiniLMConfig(seed=SEED)``: 6 encoder layers (hidden 32), three experts (base + a different
-    random task vector each), random heads and 16 probe examples per task."""
+    random task vector each), random heads, 16 probe examples per task, a little calibration
+    text; ``testbed.json`` as a build writes it."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from mergepipe_zoo.minilm import LABELS, TASKS, MiniLMConfig
+    from mergepipe_zoo.minilm import TASKS, MiniLMConfig, testbed_json
 
     src = minilm_folder()
     if src is None:
@@ -57,7 +58,6 @@ def minilm_home(tmp_path_factory):
     g = torch.Generator().manual_seed(1)
     rng = random.Random(0)
     words = "the merge reads each expert block once and the planner values it by energy under a budget".split()
-    spec = {}
     (root / "eval").mkdir()
     (root / "heads").mkdir()
     for t in TASKS:
@@ -72,25 +72,8 @@ def minilm_home(tmp_path_factory):
         )
         rows = [{"text": " ".join(rng.choices(words, k=rng.randint(3, 30))), "label": i % 2} for i in range(16)]
         (root / "eval" / f"{t}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        spec[t] = {"probe": f"eval/{t}.jsonl", "head": f"heads/{t}.safetensors", "labels": LABELS[t]}
-    (root / "testbed.json").write_text(
-        json.dumps(
-            {
-                "format": 2,
-                "kind": "sequence-classification",
-                "tokenizer": "tokenizer",
-                "seq_len": 40,
-                "batch_size": 64,
-                "pooling": "mean",
-                "tasks": spec,
-                "base": "base",
-                "experts": {t: f"experts/{t}" for t in TASKS},
-                "expert_task": {t: t for t in TASKS},
-                "metric": "accuracy",
-                "key": cfg.key(),
-            }
-        )
-    )
+    (root / "calibration.jsonl").write_text("".join(json.dumps({"text": " ".join(words[i:])}) + "\n" for i in range(4)))
+    (root / "testbed.json").write_text(json.dumps(testbed_json(cfg), indent=1) + "\n")  # what a build writes
     return home
 
 
