@@ -34,9 +34,10 @@ than the kernels save on a 14M-parameter merge; a C++ extension through
 compiled by the system C compiler (``$CC``, else ``cc``) on first use, in ~0.3 s, into
 ``$XDG_CACHE_HOME/mergepipe/kernels`` (else ``~/.cache/...``; ``MERGEPIPE_KERNEL_CACHE``
 overrides; a per-user temporary directory when that is not writable), keyed by the source,
-compiler and flags, and loaded with ctypes afterwards (~1 ms).
-Without a compiler, or with ``MERGEPIPE_KERNELS=torch``, :func:`available` is False and the
-engine runs the torch path -- the one it always runs on a CUDA device.
+flags and platform, and loaded with ctypes afterwards (~1 ms; a cached library loads without a
+compiler). Without a cached library and a compiler, or with ``MERGEPIPE_KERNELS=torch``,
+:func:`available` is False and the engine runs the torch path -- the one it always runs on a
+CUDA device.
 """
 
 from __future__ import annotations
@@ -308,37 +309,52 @@ def _cache_dir() -> Path:
 
 
 def _compile() -> ctypes.CDLL:
-    """Compile :data:`SOURCE` (once per source, compiler and flags; cached) and load it.
+    """Load the compiled :data:`SOURCE` from the cache, compiling it first when no cached copy
+    exists (keyed by the source, flags and platform: a library built once, e.g. into an image's
+    ``MERGEPIPE_KERNEL_CACHE``, loads without a compiler).
 
     Raises:
-        OSError: no C compiler, the compile failed, or the library does not load.
+        OSError: no cached library and no C compiler, the compile failed, or the library does
+            not load.
     """
+    key = hashlib.sha256("\0".join([SOURCE, *CFLAGS, platform.machine(), sys.platform]).encode()).hexdigest()[:24]
+    name = f"tile-{key}.so"
+    dirs = [_cache_dir(), Path(tempfile.gettempdir()) / f"mergepipe-kernels-{os.getuid()}"]
+    path = next((d / name for d in dirs if (d / name).exists()), None)
+    if path is None:
+        path = _build(dirs, name)
+    lib = ctypes.CDLL(str(path))
+    for fname, (res, args) in _SIGNATURES.items():
+        fn = getattr(lib, fname)
+        fn.restype, fn.argtypes = res, args
+    return lib
+
+
+def _build(dirs: list[Path], name: str) -> Path:
+    """Compile :data:`SOURCE` with ``$CC`` (else ``cc``) into the first writable of ``dirs``
+    (the cache directory; else, e.g. under a read-only home, this user's temporary directory);
+    the file appears atomically (a concurrent process loads either copy, both whole)."""
     cc = os.environ.get("CC") or "cc"
     exe = shutil.which(cc)
     if exe is None:
-        raise OSError(f"no C compiler ({cc!r} not on PATH)")
-    key = hashlib.sha256("\0".join([SOURCE, exe, *CFLAGS, platform.machine(), sys.platform]).encode()).hexdigest()[:24]
-    path = _cache_dir() / f"tile-{key}.so"
-    if not path.exists():
+        raise OSError(f"no C compiler ({cc!r} not on PATH) and no compiled kernels in {dirs[0]}")
+    for i, d in enumerate(dirs):
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if not os.access(path.parent, os.W_OK):
-                raise PermissionError(path.parent)
-        except OSError:  # a read-only home (a container): this user's temporary directory
-            path = Path(tempfile.gettempdir()) / f"mergepipe-kernels-{os.getuid()}" / path.name
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            src, so = Path(tmp) / "tile.c", Path(tmp) / "tile.so"
-            src.write_text(SOURCE)
-            r = subprocess.run([exe, *CFLAGS, "-o", str(so), str(src)], capture_output=True, text=True, timeout=120)
-            if r.returncode != 0:
-                raise OSError(f"{cc} failed: {r.stderr.strip()[-400:]}")
-            os.replace(so, path)  # atomic: a concurrent process loads either file, both whole
-    lib = ctypes.CDLL(str(path))
-    for name, (res, args) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = res, args
-    return lib
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if os.access(d, os.W_OK):
+                break
+        except OSError:
+            pass
+        if i == len(dirs) - 1:
+            raise OSError(f"no writable directory for the compiled kernels: {', '.join(map(str, dirs))}")
+    with tempfile.TemporaryDirectory(dir=d) as tmp:
+        src, so = Path(tmp) / "tile.c", Path(tmp) / "tile.so"
+        src.write_text(SOURCE)
+        r = subprocess.run([exe, *CFLAGS, "-o", str(so), str(src)], capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise OSError(f"{cc} failed: {r.stderr.strip()[-400:]}")
+        os.replace(so, d / name)
+    return d / name
 
 
 def available() -> bool:

@@ -285,3 +285,31 @@ def test_exact_bf16_equals_widen_subtract_trim_scale():
         got = np.full(n, np.nan, dtype=np.float32)
         kernels_cpu.exact_bf16(got, x.view(torch.int16).numpy(), b, trim, f)
         assert np.array_equal(_bits(got), _bits(want))
+
+
+def test_kernels_load_from_the_cache_without_a_compiler_and_fall_back_without_either(monkeypatch, tmp_path):
+    """A library compiled once into MERGEPIPE_KERNEL_CACHE loads with no compiler on PATH (an
+    image built with one); with neither, available() is False with a reason naming the cache,
+    and the engine runs the torch path. Real compiles with the system cc, into temporary dirs."""
+    monkeypatch.setattr(kernels_cpu.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+
+    def fresh(cache: str, cc: str | None) -> bool:
+        monkeypatch.setenv("MERGEPIPE_KERNEL_CACHE", cache)
+        if cc is None:
+            monkeypatch.delenv("CC", raising=False)
+        else:
+            monkeypatch.setenv("CC", cc)
+        monkeypatch.setattr(kernels_cpu, "_TRIED", False)
+        monkeypatch.setattr(kernels_cpu, "_LIB", None)
+        return kernels_cpu.available()
+
+    built = tmp_path / "built"
+    assert fresh(str(built), None)
+    assert len(list(built.glob("tile-*.so"))) == 1
+    assert fresh(str(built), "no-such-cc-anywhere")  # loaded from the cache, no compile
+    out = np.array([1.0, -0.5, 0.1], np.float32)
+    kernels_cpu.trim_scale(out, 0.2, 2.0)
+    assert out.tolist() == [2.0, -1.0, 0.0]
+    assert not fresh(str(tmp_path / "empty"), "no-such-cc-anywhere")
+    assert "no-such-cc-anywhere" in kernels_cpu.unavailable_reason()
+    assert str(tmp_path / "empty") in kernels_cpu.unavailable_reason()
