@@ -93,7 +93,7 @@ def targets(c: dict[str, dict]) -> list[tuple[str, str, bool | None]]:
         out.append(
             (
                 f"10% with tiers >= {SPEEDUP_VS_FULL:g}x faster than full ({what})",
-                "n/a" if r is None else f"{r:.2f}x",
+                "n/a" if r is None else _ratio(r, SPEEDUP_VS_FULL),
                 None if r is None else r >= SPEEDUP_VS_FULL,
             )
         )
@@ -102,7 +102,7 @@ def targets(c: dict[str, dict]) -> list[tuple[str, str, bool | None]]:
         out.append(
             (
                 f"10% with tiers within {TIERS_VS_NONE:g}x of `--sketch none` ({what})",
-                "n/a" if r is None else f"{r:.2f}x",
+                "n/a" if r is None else _ratio(r, TIERS_VS_NONE),
                 None if r is None else r <= TIERS_VS_NONE,
             )
         )
@@ -123,6 +123,13 @@ def targets(c: dict[str, dict]) -> list[tuple[str, str, bool | None]]:
         )
     )
     return out
+
+
+def _ratio(r: float, threshold: float) -> str:
+    """``r`` as ``1.23x``, with a third decimal when two would print the threshold itself (a
+    ratio of 1.507 against a 1.5x target reads 1.507x, not a "1.50x" judged over the target)."""
+    two = f"{r:.2f}"
+    return f"{r:.3f}x" if float(two) == threshold and r != threshold else f"{two}x"
 
 
 def _mb(x) -> str:

@@ -84,3 +84,10 @@ def test_render_file_says_when_the_catalog_was_built_beforehand_and_the_load(tmp
     md = tr.render_file(p)
     assert "catalog built beforehand, so the run's `mergepipe analyze` read no expert byte: 4.0 s wall" in md
     assert "| 13.0 | 20.0 |" in md and md.splitlines()[6].endswith("| 8.0 |")  # medians; load 7.25/8.75
+
+
+def test_a_ratio_just_over_a_target_is_not_printed_as_the_target():
+    c = tr.cells([_run("mp-full", 12.0, 20.0), _run("mp-10-tiers", 15.03, 6.0), _run("mp-10-none", 10.0, 6.0)])
+    got = {t: (m, ok) for t, m, ok in tr.targets(c)}
+    assert got["10% with tiers within 1.5x of `--sketch none` (process wall)"] == ("1.503x", False)
+    assert got["10% with tiers within 1.5x of `--sketch none` (CPU s)"] == ("1.00x", True)
