@@ -108,16 +108,25 @@ void rank1_rows(float *out, const uint8_t *codes, const float *table, int64_t tc
         int64_t r = j / rn, end = (r + 1) * rn < j1 ? (r + 1) * rn : j1;
         const float *row = table + r * tcols, *vb = v + (r / rpb) * rn;
         float ur = u[r];
-        for (int64_t c = j - r * rn; j < end; j++, o++, c++) {
-            float x = ur * vb[c];
-            x = x + row[codes[j]];
-            /* hardshrink without a branch (a trim at the median mispredicts half the time) */
-            uint32_t b, keep = (uint32_t)0 - (uint32_t)!(x >= -lam && x <= lam);
-            memcpy(&b, &x, 4);
-            b &= keep;
-            memcpy(&x, &b, 4);
-            out[o] = x;
+        int64_t c0 = j - r * rn, len = end - j;
+        const uint8_t *cj = codes + j;
+        float *oj = out + o;
+        if (tcols == 2) { /* one residual plane (the rank-1 tier): a select, not a gather: vectorises */
+            float t0 = row[0], t1 = row[1];
+            for (int64_t i = 0; i < len; i++) {
+                float x = ur * vb[c0 + i];
+                x = x + (cj[i] ? t1 : t0);
+                oj[i] = (x >= -lam && x <= lam) ? 0.0f : x; /* hardshrink (NaN kept) */
+            }
+        } else {
+            for (int64_t i = 0; i < len; i++) {
+                float x = ur * vb[c0 + i];
+                x = x + row[cj[i]];
+                oj[i] = (x >= -lam && x <= lam) ? 0.0f : x;
+            }
         }
+        j = end;
+        o += len;
     }
     if (has_f)
         for (int64_t i = 0; i < j1 - j0; i++) out[i] = out[i] * f;
@@ -125,18 +134,37 @@ void rank1_rows(float *out, const uint8_t *codes, const float *table, int64_t tc
 
 void rank1_hist(const uint8_t *codes, const float *table, int64_t tcols, const float *u, const float *v,
                 int64_t rpb, int64_t j0, int64_t j1, int64_t rn, int64_t lo, int64_t nbins, int64_t *hist) {
+    /* decoded 256 entries at a time into a local buffer (rank1_rows' arithmetic; a vectorised
+       select for one residual plane), then counted: few entries fall in a key group, so the
+       counting loop's branch is predictable */
+    float buf[256];
     int64_t j = j0;
     while (j < j1) {
         int64_t r = j / rn, end = (r + 1) * rn < j1 ? (r + 1) * rn : j1;
         const float *row = table + r * tcols, *vb = v + (r / rpb) * rn;
         float ur = u[r];
-        for (int64_t c = j - r * rn; j < end; j++, c++) {
-            float x = ur * vb[c];
-            x = x + row[codes[j]];
-            uint32_t b;
-            memcpy(&b, &x, 4);
-            int64_t off = (int64_t)(b & 0x7FFFFFFFu) - lo; /* |x| bit pattern, from the group's first */
-            if (off >= 0 && off < nbins) hist[off]++;
+        while (j < end) {
+            int64_t len = end - j < 256 ? end - j : 256, c0 = j - r * rn;
+            const uint8_t *cj = codes + j;
+            if (tcols == 2) {
+                float t0 = row[0], t1 = row[1];
+                for (int64_t i = 0; i < len; i++) {
+                    float x = ur * vb[c0 + i];
+                    buf[i] = x + (cj[i] ? t1 : t0);
+                }
+            } else {
+                for (int64_t i = 0; i < len; i++) {
+                    float x = ur * vb[c0 + i];
+                    buf[i] = x + row[cj[i]];
+                }
+            }
+            for (int64_t i = 0; i < len; i++) {
+                uint32_t b;
+                memcpy(&b, &buf[i], 4);
+                uint64_t off = (uint64_t)((int64_t)(b & 0x7FFFFFFFu) - lo); /* |x| bit pattern - the group's first */
+                if (off < (uint64_t)nbins) hist[off]++;
+            }
+            j += len;
         }
     }
 }
