@@ -30,7 +30,8 @@ Why C through ctypes (measured on the 2-core Xeon, docs/BENCHMARKS.md): numba ga
 kernel speed but costs every merging process ~0.75 s of CPU (``import numba`` 0.33 s, then its
 type registries, which import scipy, on the first call) and ~150 MiB of peak RSS (LLVM), more
 than the kernels save on a 14M-parameter merge; a C++ extension through
-``torch.utils.cpp_extension`` compiles against torch's headers (tens of seconds). This source is
+``torch.utils.cpp_extension`` compiles against torch's headers (a one-line function: 39 s of CPU
+once per machine). This source is
 compiled by the system C compiler (``$CC``, else ``cc``) on first use, in ~0.3 s, into
 ``$XDG_CACHE_HOME/mergepipe/kernels`` (else ``~/.cache/...``; ``MERGEPIPE_KERNEL_CACHE``
 overrides; a per-user temporary directory when that is not writable), keyed by the source,
