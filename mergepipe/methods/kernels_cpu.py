@@ -48,6 +48,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -352,11 +353,40 @@ def _compile() -> ctypes.CDLL:
     path = next((d / name for d in dirs if (d / name).exists()), None)
     if path is None:
         path = _build(dirs, name)
+    _check_trusted(path)
     lib = ctypes.CDLL(str(path))
     for fname, (res, args) in _SIGNATURES.items():
         fn = getattr(lib, fname)
         fn.restype, fn.argtypes = res, args
     return lib
+
+
+def _check_trusted(path: Path) -> None:
+    """Refuse to load a shared library another user could have written.
+
+    Loading a library runs its code, and the cache path is predictable (e.g. under a shared
+    ``/tmp``), so the file and its directory must be owned by this user or by root (a library
+    built into an image at build time) and writable by neither group nor others; symbolic links
+    are not followed for the file. The same rule as OpenSSH's ``StrictModes`` for key files.
+
+    Raises:
+        OSError: naming the path and the owner or mode that makes it untrusted (the engine then
+            runs the torch path; :func:`unavailable_reason` carries the message).
+    """
+    trusted_uids = {0, os.getuid()}
+    for target, st in ((path.parent, os.stat(path.parent)), (path, os.lstat(path))):
+        if target is path and not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path}: not a regular file; refusing to load it as the kernel library")
+        if st.st_uid not in trusted_uids:
+            raise OSError(
+                f"{target}: owned by uid {st.st_uid}, not by this user ({os.getuid()}) or root; refusing "
+                "to load kernels from it (remove it, or set MERGEPIPE_KERNEL_CACHE to a private directory)"
+            )
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise OSError(
+                f"{target}: writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); refusing to load "
+                "kernels from it (chmod go-w it, or set MERGEPIPE_KERNEL_CACHE to a private directory)"
+            )
 
 
 def _build(dirs: list[Path], name: str) -> Path:
@@ -382,6 +412,7 @@ def _build(dirs: list[Path], name: str) -> Path:
         r = subprocess.run([exe, *CFLAGS, "-o", str(so), str(src)], capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             raise OSError(f"{cc} failed: {r.stderr.strip()[-400:]}")
+        os.chmod(so, 0o755)  # whatever the umask: a group-writable library would be refused on load
         os.replace(so, d / name)
     return d / name
 

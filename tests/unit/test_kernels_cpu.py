@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import stat
+
 import numpy as np
 import pytest
 import torch
@@ -313,3 +315,36 @@ def test_kernels_load_from_the_cache_without_a_compiler_and_fall_back_without_ei
     assert not fresh(str(tmp_path / "empty"), "no-such-cc-anywhere")
     assert "no-such-cc-anywhere" in kernels_cpu.unavailable_reason()
     assert str(tmp_path / "empty") in kernels_cpu.unavailable_reason()
+
+
+def test_a_cached_library_others_could_write_is_not_loaded(monkeypatch, tmp_path):
+    """Loading a library runs its code and the fallback cache path is predictable (/tmp): a
+    library in a directory writable by group/others, a writable file, or a symbolic link is
+    refused with a reason naming the path, and the engine runs the torch path."""
+    monkeypatch.setattr(kernels_cpu.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.delenv("CC", raising=False)
+    cache = tmp_path / "cache"
+
+    def fresh() -> bool:
+        monkeypatch.setenv("MERGEPIPE_KERNEL_CACHE", str(cache))
+        monkeypatch.setattr(kernels_cpu, "_TRIED", False)
+        monkeypatch.setattr(kernels_cpu, "_LIB", None)
+        return kernels_cpu.available()
+
+    assert fresh()
+    (lib,) = cache.glob("tile-*.so")
+    assert stat.S_IMODE(lib.stat().st_mode) == 0o755
+    cache.chmod(0o777)
+    assert not fresh()
+    assert str(cache) in kernels_cpu.unavailable_reason() and "777" in kernels_cpu.unavailable_reason()
+    cache.chmod(0o700)
+    lib.chmod(0o766)
+    assert not fresh()
+    assert str(lib) in kernels_cpu.unavailable_reason()
+    lib.chmod(0o755)
+    assert fresh()
+    real = tmp_path / "elsewhere.so"
+    lib.rename(real)
+    lib.symlink_to(real)
+    assert not fresh()
+    assert "not a regular file" in kernels_cpu.unavailable_reason()
