@@ -277,29 +277,7 @@ class TensorStats:
             block_sha=None if bsha is None or not len(bsha) else np.asarray(bsha, dtype=np.uint8),
             sketch_sha=None if ssha is None or not len(ssha) else np.asarray(ssha, dtype=np.uint8),
         )
-        nb = len(st.sq_norm)
-        shapes_ok = (
-            st.numel >= 0
-            and st.rows_per_block > 0
-            and nb >= 1
-            and st.sq_norm.ndim == 1
-            and st.sums is not None
-            and st.sums.shape == (4,)
-            and st.block_numel.shape == (nb,)
-            and st.l1.shape == (nb,)
-            and st.max_abs.shape == (nb,)
-            and st.oct_count.ndim == 2
-            and st.oct_count.shape[0] == nb
-            and 0 < st.oct_count.shape[1] <= N_OCT
-            and st.oct_energy.shape == st.oct_count.shape
-            and st.hist_keys.ndim == 1
-            and st.hist_keys.shape == st.hist_counts.shape
-            and len(st.hist_keys) <= N_KEYS
-            and (st.block_sha is None or st.block_sha.shape == (nb, BLOCK_DIGEST_BYTES))
-            and (st.sketch_sq is None or st.sketch_sq.shape in ((0, TIERS), (nb, TIERS)))
-            and (st.sketch_sha is None or st.sketch_sha.shape == (nb, SECTIONS, BLOCK_DIGEST_BYTES))
-        )
-        if not shapes_ok:
+        if not st._shapes_consistent():
             raise ValueError("statistics arrays of inconsistent shapes")
         if not values_checked:
             for f in ARRAY_FIELDS:
@@ -307,6 +285,31 @@ class TensorStats:
                 if a is not None:
                     _check_values(f, a)
         return st
+
+    def _shapes_consistent(self) -> bool:
+        """Whether the array fields have the shapes the class documents, for ``nb`` blocks."""
+        nb = len(self.sq_norm)
+        return (
+            self.numel >= 0
+            and self.rows_per_block > 0
+            and nb >= 1
+            and self.sq_norm.ndim == 1
+            and self.sums is not None
+            and self.sums.shape == (4,)
+            and self.block_numel.shape == (nb,)
+            and self.l1.shape == (nb,)
+            and self.max_abs.shape == (nb,)
+            and self.oct_count.ndim == 2
+            and self.oct_count.shape[0] == nb
+            and 0 < self.oct_count.shape[1] <= N_OCT
+            and self.oct_energy.shape == self.oct_count.shape
+            and self.hist_keys.ndim == 1
+            and self.hist_keys.shape == self.hist_counts.shape
+            and len(self.hist_keys) <= N_KEYS
+            and (self.block_sha is None or self.block_sha.shape == (nb, BLOCK_DIGEST_BYTES))
+            and (self.sketch_sq is None or self.sketch_sq.shape in ((0, TIERS), (nb, TIERS)))
+            and (self.sketch_sha is None or self.sketch_sha.shape == (nb, SECTIONS, BLOCK_DIGEST_BYTES))
+        )
 
     @classmethod
     def from_bytes(cls, name: str, data: bytes, content_sha256: str = "") -> TensorStats:
