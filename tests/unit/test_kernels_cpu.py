@@ -8,7 +8,6 @@ over exact, sign-plane and rank-1 runs."""
 from __future__ import annotations
 
 import os
-
 import stat
 
 import numpy as np
