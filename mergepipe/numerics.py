@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -84,7 +85,38 @@ def key_value(key: int | np.ndarray) -> np.ndarray:
     return (np.asarray(key, dtype=np.uint32) << np.uint32(16)).view(np.float32)
 
 
-def trim_min_key(keys: np.ndarray, counts: np.ndarray, numel: int, density: float) -> int:
+class KeyTable(NamedTuple):
+    """A magnitude-key histogram sorted by key, descending, with its cumulative counts: what
+    every top-k rule over the histogram searches (:func:`key_table`). Built once per tensor's
+    statistics and reused by every rule (:attr:`mergepipe.catalog.stats.TensorStats.key_table`).
+
+    Attributes:
+        keys: the histogram's keys (int), descending.
+        counts: int64 entries per key, same order.
+        cum: int64 cumulative sum of ``counts``.
+    """
+
+    keys: np.ndarray
+    counts: np.ndarray
+    cum: np.ndarray
+
+
+def key_table(keys: np.ndarray, counts: np.ndarray) -> KeyTable:
+    """The :class:`KeyTable` of a key histogram (``keys`` int, ``counts`` int, same length).
+    Keys strictly ascending (as the catalog records them) are reversed without a sort: the one
+    order a sort of distinct keys can give."""
+    keys = np.asarray(keys)
+    if len(keys) < 2 or bool((keys[1:] > keys[:-1]).all()):
+        cs = np.asarray(counts, dtype=np.int64)[::-1]
+        return KeyTable(keys[::-1], cs, np.cumsum(cs))
+    order = np.argsort(keys)[::-1]
+    cs = np.asarray(counts, dtype=np.int64)[order]
+    return KeyTable(keys[order], cs, np.cumsum(cs))
+
+
+def trim_min_key(
+    keys: np.ndarray, counts: np.ndarray, numel: int, density: float, table: KeyTable | None = None
+) -> int:
     """The smallest magnitude key kept by a magnitude trim to ``density`` (canonical tie rule).
 
     Args:
@@ -92,6 +124,7 @@ def trim_min_key(keys: np.ndarray, counts: np.ndarray, numel: int, density: floa
         counts: how many entries have each key (int, same length).
         numel: number of elements of the tensor.
         density: fraction to keep, in (0, 1].
+        table: ``key_table(keys, counts)`` when already built (the same result, faster).
 
     Returns:
         ``min_key``: keep an entry iff its key ``>= min_key``. ``0`` keeps everything.
@@ -102,10 +135,7 @@ def trim_min_key(keys: np.ndarray, counts: np.ndarray, numel: int, density: floa
     if density >= 1.0 or numel == 0 or len(keys) == 0:
         return 0
     k = max(1, int(density * numel))
-    order = np.argsort(keys)[::-1]
-    ks = np.asarray(keys)[order]
-    cs = np.asarray(counts, dtype=np.int64)[order]
-    cum = np.cumsum(cs)
+    ks, cs, cum = table if table is not None else key_table(keys, counts)
     i = int(np.searchsorted(cum, k, side="left"))  # first key where the cumulative count >= k
     if i >= len(ks):
         return 0
@@ -118,38 +148,36 @@ def trim_min_key(keys: np.ndarray, counts: np.ndarray, numel: int, density: floa
     return tau if inclusive else tau + 1
 
 
-def trim_rank(keys: np.ndarray, counts: np.ndarray, numel: int, density: float) -> tuple[int, int, int]:
+def trim_rank(
+    keys: np.ndarray, counts: np.ndarray, numel: int, density: float, table: KeyTable | None = None
+) -> tuple[int, int, int]:
     """Where the ``k = max(1, int(density * numel))`` largest magnitudes end, by key histogram.
 
     Returns:
         ``(tau, rank, ties)``: ``tau`` the key of the k-th largest entry, ``ties`` how many entries
         have key ``tau`` and ``rank = k − (entries with key > tau)``, in ``[1, ties]``: how many of
         the ``tau`` group exact top-k keeps. ``(0, 0, 0)`` when nothing is trimmed
-        (``density >= 1``, empty) and ``tau = 0`` when the k-th largest is 0.
+        (``density >= 1``, empty) and ``tau = 0`` when the k-th largest is 0. ``table``:
+        ``key_table(keys, counts)`` when already built (the same result, faster).
     """
     if density >= 1.0 or numel == 0 or len(keys) == 0:
         return 0, 0, 0
     k = max(1, int(density * numel))
-    order = np.argsort(keys)[::-1]
-    ks = np.asarray(keys)[order]
-    cs = np.asarray(counts, dtype=np.int64)[order]
-    cum = np.cumsum(cs)
+    ks, cs, cum = table if table is not None else key_table(keys, counts)
     i = int(np.searchsorted(cum, k, side="left"))
     if i >= len(ks):
         return 0, 0, 0
     return int(ks[i]), int(k - (cum[i] - cs[i])), int(cs[i])
 
 
-def topk_rank(keys: np.ndarray, counts: np.ndarray, k: int) -> tuple[int, int, int]:
+def topk_rank(keys: np.ndarray, counts: np.ndarray, k: int, table: KeyTable | None = None) -> tuple[int, int, int]:
     """:func:`trim_rank` for an explicit count ``k`` (``0 < k < numel``): ``(tau, rank, ties)``
-    of the k largest entries by key histogram; ``(0, 0, 0)`` outside that range."""
+    of the k largest entries by key histogram; ``(0, 0, 0)`` outside that range. ``table``:
+    ``key_table(keys, counts)`` when already built (the same result, faster)."""
     n = int(np.asarray(counts, dtype=np.int64).sum())
     if k <= 0 or k >= n or len(keys) == 0:
         return 0, 0, 0
-    order = np.argsort(keys)[::-1]
-    ks = np.asarray(keys)[order]
-    cs = np.asarray(counts, dtype=np.int64)[order]
-    cum = np.cumsum(cs)
+    ks, cs, cum = table if table is not None else key_table(keys, counts)
     i = int(np.searchsorted(cum, k, side="left"))
     return int(ks[i]), int(k - (cum[i] - cs[i])), int(cs[i])
 
@@ -301,24 +329,22 @@ def dare_keep_mask(key: int, start: int, n: int, density: float) -> np.ndarray:
 # --- canonical top-k threshold, breadcrumbs window -------------------------------------------
 
 
-def topk_min_key(keys: np.ndarray, counts: np.ndarray, k: int) -> int:
+def topk_min_key(keys: np.ndarray, counts: np.ndarray, k: int, table: KeyTable | None = None) -> int:
     """The smallest key of the canonical top-``k`` set of a key histogram.
 
     With ``τ`` the k-th largest key, ``A`` the entries above ``τ`` and ``T`` those equal to it,
     the set holds every entry with key ``> τ`` and *all or none* of the ties: all when
     ``A + T`` is at least as close to ``k`` as ``A`` is. Returns ``N_KEYS`` (no key qualifies)
     for ``k <= 0`` and 0 (everything) for ``k >= numel``. Unlike :func:`trim_min_key` there is no
-    special case for zeros.
+    special case for zeros. ``table``: ``key_table(keys, counts)`` when already built (the same
+    result, faster).
     """
     n = int(np.asarray(counts, dtype=np.int64).sum())
     if k <= 0:
         return N_KEYS
     if k >= n or len(keys) == 0:
         return 0
-    order = np.argsort(keys)[::-1]
-    ks = np.asarray(keys)[order]
-    cs = np.asarray(counts, dtype=np.int64)[order]
-    cum = np.cumsum(cs)
+    ks, cs, cum = table if table is not None else key_table(keys, counts)
     i = int(np.searchsorted(cum, k, side="left"))
     tau = int(ks[i])
     above = int(cum[i] - cs[i])
@@ -326,7 +352,9 @@ def topk_min_key(keys: np.ndarray, counts: np.ndarray, k: int) -> int:
     return tau if (above + ties - k) <= (k - above) else tau + 1
 
 
-def outlier_window(keys: np.ndarray, counts: np.ndarray, numel: int, density: float, gamma: float) -> tuple[int, int]:
+def outlier_window(
+    keys: np.ndarray, counts: np.ndarray, numel: int, density: float, gamma: float, table: KeyTable | None = None
+) -> tuple[int, int]:
     """Breadcrumbs' ``magnitude_outliers`` as a key window: keep ``min_key <= key < max_key``.
 
     mergekit 0.1.5 sorts ``|δ|`` ascending and keeps positions ``[n_bot, n_bot + target)`` with
@@ -339,6 +367,7 @@ def outlier_window(keys: np.ndarray, counts: np.ndarray, numel: int, density: fl
 
     Returns:
         ``(min_key, max_key)``; ``(0, N_KEYS)`` keeps all, ``min_key >= max_key`` keeps nothing.
+        ``table``: ``key_table(keys, counts)`` when already built (the same result, faster).
     """
     if density >= 1.0 or numel == 0:
         return 0, N_KEYS
@@ -348,8 +377,8 @@ def outlier_window(keys: np.ndarray, counts: np.ndarray, numel: int, density: fl
     n_top = int(gamma * numel)
     n_bot = max(0, numel - target - n_top)
     k_top = numel - n_bot - target
-    max_key = N_KEYS if k_top <= 0 else topk_min_key(keys, counts, k_top)
-    min_key = 0 if n_bot == 0 else topk_min_key(keys, counts, numel - n_bot)
+    max_key = N_KEYS if k_top <= 0 else topk_min_key(keys, counts, k_top, table)
+    min_key = 0 if n_bot == 0 else topk_min_key(keys, counts, numel - n_bot, table)
     return int(min_key), int(max_key)
 
 

@@ -20,6 +20,7 @@ Everything is numpy: the planner and the operator use these without torch.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import re
@@ -31,7 +32,17 @@ import numpy as np
 
 from mergepipe.catalog.digest import BLOCK_DIGEST_BYTES
 from mergepipe.catalog.sketch import SECTIONS, TIERS
-from mergepipe.numerics import N_KEYS, N_OCT, OCT_SHIFT, exact_total, key_value, magnitude_keys, trim_min_key
+from mergepipe.numerics import (
+    N_KEYS,
+    N_OCT,
+    OCT_SHIFT,
+    KeyTable,
+    exact_total,
+    key_table,
+    key_value,
+    magnitude_keys,
+    trim_min_key,
+)
 
 #: the array fields of :class:`TensorStats` (both stored forms name them so)
 ARRAY_FIELDS = (
@@ -135,9 +146,20 @@ class TensorStats:
     def energy(self) -> float:
         return float(self.sq_norm.sum())
 
+    @functools.cached_property
+    def key_table(self) -> KeyTable:
+        """The key histogram sorted for top-k rules (:func:`mergepipe.numerics.key_table`), built
+        on first use and kept: a plan asks several rules of one tensor's histogram."""
+        return key_table(self.hist_keys, self.hist_counts)
+
+    @functools.cached_property
+    def block_max_key(self) -> np.ndarray:
+        """int32[nb]: the magnitude key of each block's ``max|δ|`` (built on first use and kept)."""
+        return magnitude_keys(self.max_abs)
+
     def min_key(self, density: float) -> int:
         """Canonical magnitude-trim threshold key for ``density`` (see numerics.trim_min_key)."""
-        return trim_min_key(self.hist_keys, self.hist_counts, self.numel, density)
+        return trim_min_key(self.hist_keys, self.hist_counts, self.numel, density, self.key_table)
 
     def kept_fraction_by_octave(self, min_key: int) -> np.ndarray:
         """float64[n_oct]: estimated fraction of each octave's energy that a trim keeping keys
@@ -145,7 +167,6 @@ class TensorStats:
         threshold's octave, the fraction of the tensor's energy there above it (from the exact
         key histogram), applied to every block."""
         n_oct = self.oct_count.shape[1]
-        octs = np.arange(self.oct_lo, self.oct_lo + n_oct)
         frac = np.zeros(n_oct)
         if min_key >= 0x8000:
             return frac
@@ -153,14 +174,22 @@ class TensorStats:
             frac[:] = 1.0
             return frac
         t_oct = min_key >> OCT_SHIFT
-        frac[octs > t_oct] = 1.0
-        if self.oct_lo <= t_oct < self.oct_lo + n_oct:
-            in_oct = (self.hist_keys >> OCT_SHIFT) == t_oct
+        i = int(t_oct - self.oct_lo)  # the threshold octave's column: the columns after it are kept whole
+        frac[max(0, i + 1) :] = 1.0
+        if 0 <= i < n_oct:
+            key_oct, key_energy = self._key_octaves
+            in_oct = key_oct == t_oct
             k = self.hist_keys[in_oct]
-            e = self.hist_counts[in_oct] * key_value(k).astype(np.float64) ** 2
+            e = key_energy[in_oct]
             tot = e.sum()
             frac[t_oct - self.oct_lo] = e[k >= min_key].sum() / tot if tot > 0 else 0.0
         return frac
+
+    @functools.cached_property
+    def _key_octaves(self) -> tuple[np.ndarray, np.ndarray]:
+        """The octave of each histogram key and the energy its entries hold (``count · value²``,
+        float64), built on first use and kept (:meth:`kept_fraction_by_octave`)."""
+        return self.hist_keys >> OCT_SHIFT, self.hist_counts * key_value(self.hist_keys).astype(np.float64) ** 2
 
     def kept_energy(self, min_key: int) -> np.ndarray:
         """float64[nb]: estimated ``Σ δ²`` per block kept by a trim at ``min_key``; blocks whose
@@ -168,7 +197,7 @@ class TensorStats:
         if min_key <= 0:
             return self.sq_norm.copy()
         est = self.oct_energy @ self.kept_fraction_by_octave(min_key)
-        est[magnitude_keys(self.max_abs) < min_key] = 0.0
+        est[self.block_max_key < min_key] = 0.0
         return est
 
     def kept_energy_window(self, min_key: int, max_key: int) -> np.ndarray:
@@ -180,7 +209,7 @@ class TensorStats:
         if max_key < N_KEYS:
             frac = np.clip(frac - self.kept_fraction_by_octave(max_key), 0.0, 1.0)
         est = self.oct_energy @ frac
-        est[magnitude_keys(self.max_abs) < min_key] = 0.0
+        est[self.block_max_key < min_key] = 0.0
         return est
 
     def della_kept_energy(self, density: float, epsilon: float) -> np.ndarray:

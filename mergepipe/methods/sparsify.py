@@ -163,7 +163,7 @@ class Magnitude(Sparsifier):
         return _where(magnitude_key_torch(delta) >= ep.min_key, delta)
 
     def exact_bound(self, st: TensorStats, ep: Mapping[str, Any], group_cap: int | None) -> Bound:
-        tau, rank, ties = trim_rank(st.hist_keys, st.hist_counts, st.numel, float(ep.get("density", 1.0)))
+        tau, rank, ties = trim_rank(st.hist_keys, st.hist_counts, st.numel, float(ep.get("density", 1.0)), st.key_table)
         if tau > 0 and rank < ties and (group_cap is None or ties <= group_cap):
             return rank, None
         return 0, None
@@ -172,7 +172,7 @@ class Magnitude(Sparsifier):
         dens = float(ep.get("density", 1.0))
         mk = st.min_key(dens)
         if bound[0]:
-            mk = trim_rank(st.hist_keys, st.hist_counts, st.numel, dens)[0]  # τ: part of its group kept
+            mk = trim_rank(st.hist_keys, st.hist_counts, st.numel, dens, st.key_table)[0]  # τ: part of its group kept
         return st.kept_energy(mk), mk, N_KEYS
 
     def explain(self, te: TensorExpert) -> str:
@@ -201,8 +201,8 @@ class Outliers(Sparsifier):
         ks = outlier_counts(st.numel, float(ep.get("density", 1.0)), float(ep.get("gamma", 0.0)))
         if ks is None or ks[0] == ks[1]:  # keep all, or nothing (target 0)
             return 0, None
-        lo = topk_rank(st.hist_keys, st.hist_counts, ks[0])
-        hi = topk_rank(st.hist_keys, st.hist_counts, ks[1])
+        lo = topk_rank(st.hist_keys, st.hist_counts, ks[0], st.key_table)
+        hi = topk_rank(st.hist_keys, st.hist_counts, ks[1], st.key_table)
         if group_cap is not None and max(lo[2], hi[2]) > group_cap // 2:
             return 0, None
         w = (lo[0], lo[1] if 0 < lo[1] < lo[2] else 0, hi[0], hi[1] if 0 < hi[1] < hi[2] else 0)
@@ -212,7 +212,7 @@ class Outliers(Sparsifier):
 
     def kept(self, st: TensorStats, ep: Mapping[str, Any], rescale: bool, bound: Bound) -> tuple[np.ndarray, int, int]:
         dens = float(ep.get("density", 1.0))
-        mk, xk = outlier_window(st.hist_keys, st.hist_counts, st.numel, dens, float(ep["gamma"]))
+        mk, xk = outlier_window(st.hist_keys, st.hist_counts, st.numel, dens, float(ep["gamma"]), st.key_table)
         win = bound[1]
         if win is not None:  # exact ends: the cut groups are inside the key window
             tl, rl, th, rh = win

@@ -87,13 +87,13 @@ class _Cand:
     tensor: int
     expert: int
     value: np.ndarray  # per block (a LoRA module: one unit, the whole tensor)
-    full: np.ndarray
-    cost: np.ndarray  # bytes per block (one read)
+    cost: np.ndarray  # bytes per block (one read); shared by the tensor's candidates: read-only
     reads: np.ndarray  # int64 per block: how many times the engine reads it (plan.block_reads)
     svalue: np.ndarray | None = None  # [block, j]: value a read at the policy's j-th tier keeps (None: no sketch)
     scost: np.ndarray | None = None  # [block, j]: bytes (one pass) of that read (catalog.sketch.tier_costs)
     lora: bool = False
     lora_total: int = 0  # a LoRA module: bytes over all passes (A with every chunk read, B's rows)
+    te: dict = field(default_factory=dict)  # the TensorExpert's fields known before selection
 
     def total(self) -> np.ndarray:
         """Bytes per block over all its reads (a LoRA module: one unit)."""
@@ -118,19 +118,6 @@ def _runs(idx: np.ndarray) -> list[tuple[int, int]]:
     starts = np.concatenate([[idx[0]], idx[breaks + 1]])
     ends = np.concatenate([idx[breaks], [idx[-1]]]) + 1
     return list(zip(starts.tolist(), ends.tolist()))
-
-
-def _level_runs(level: np.ndarray) -> tuple[list[tuple[int, int]], list[int]]:
-    """Runs of consecutive blocks read at one sketch level: ``([(b0, b1), ...], [k, ...])`` in
-    block order, a run ending where the level changes; blocks at level 0 (no sketch) are in none."""
-    idx = np.nonzero(level)[0]
-    if len(idx) == 0:
-        return [], []
-    lv = level[idx]
-    brk = np.nonzero((np.diff(idx) != 1) | (np.diff(lv) != 0))[0]
-    starts = np.concatenate([[0], brk + 1])
-    ends = np.concatenate([brk, [len(idx) - 1]])
-    return list(zip(idx[starts].tolist(), (idx[ends] + 1).tolist())), lv[starts].tolist()
 
 
 @dataclass(frozen=True)
@@ -415,8 +402,11 @@ def _tensor_candidates(
     pc: _Planning, ti: int, tp: TensorPlan, bt: TensorInfo, eps: Sequence[Mapping[str, Any]]
 ) -> list[_Cand]:
     """The candidates of one floating tensor (one per expert with a task vector there), with
-    the method's coefficients and exact-threshold refinements recorded in ``tp`` and one
-    :class:`TensorExpert` per candidate appended to ``tp.experts``."""
+    the method's coefficients and exact-threshold refinements recorded in ``tp``; each carries
+    the fields of its :class:`TensorExpert` (made by :func:`_assemble` once the selection is
+    known). What every expert of the tensor shares — the reads per block, the bytes per block of
+    experts with the base's layout, the sketch tiers' bytes — is computed once, and the sketch
+    tiers' values of all the tensor's experts in one array operation (:func:`_tier_values`)."""
     spec, K = pc.spec, pc.K
     weights = [float(e.get("weight", 1.0)) for e in eps]
     ts = TensorStatsView(
@@ -433,48 +423,91 @@ def _tensor_candidates(
         tp.passes += 1
         tp.derived = {**tp.derived, "threshold_pass": True}
     row_stats = spec.row_stats(tp.params)
-    out = []
+    shared = _TensorShared(np.asarray(block_reads(tp), dtype=np.int64))
+    bvs = []
     for i in range(K):
         bv = spec.block_value(ts, i, eps[i], coefs[i], row_stats, (ranks[i], windows[i]))
-        val = pc.value.apply(bv.value, tp.name)
-        c = _expert_candidate(pc, ti, tp, bt, i, ts.stats[i], val)
+        bvs.append((bv, pc.value.apply(bv.value, tp.name)))
+    sketched = [
+        i for i in range(K) if pc.tiers and pc.lmaps[i] is None and ts.stats[i].has_sketch and len(bt.shape) >= 2
+    ]
+    svalues = dict(zip(sketched, _tier_values(pc, [ts.stats[i] for i in sketched], [bvs[i][1] for i in sketched])))
+    out = []
+    seed = pc.request.request.seed
+    for i in range(K):
+        bv, val = bvs[i]
+        sv = svalues.get(i)
+        c = _expert_candidate(pc, ti, tp, bt, i, ts.stats[i], val, sv, shared)
         if c is None:
             continue
         cand, file, start, lf = c
         out.append(cand)
         ep = eps[i]
-        tp.experts.append(
-            TensorExpert(
-                expert=i,
-                file=file,
-                start=start,
-                lora=lf,
-                weight=weights[i] if weights else 1.0,
-                density=float(ep.get("density", 1.0)),
-                gamma=float(ep.get("gamma", 0.0)),
-                epsilon=float(ep.get("epsilon", 0.0)),
-                min_key=int(bv.min_key),
-                max_key=int(bv.max_key),
-                stream_key=stream_key(pc.request.request.seed, i, tp.name),
-                blocks=[],
-                exact_rank=max(0, ranks[i]),
-                exact_rank_hi=(windows[i] or (0, 0, 0, 0))[3],
-                bytes=0,
-                kept_energy=0.0,
-                full_energy=float(val.sum()),
-                sketch_start=int(ts.stats[i].sketch_start) if cand.svalue is not None else -1,
-            )
+        cand.te = dict(
+            expert=i,
+            file=file,
+            start=start,
+            weight=weights[i] if weights else 1.0,
+            density=float(ep.get("density", 1.0)),
+            gamma=float(ep.get("gamma", 0.0)),
+            epsilon=float(ep.get("epsilon", 0.0)),
+            min_key=int(bv.min_key),
+            max_key=int(bv.max_key),
+            stream_key=stream_key(seed, i, tp.name),
+            exact_rank=max(0, ranks[i]),
+            exact_rank_hi=(windows[i] or (0, 0, 0, 0))[3],
+            full_energy=float(val.sum()),
+            lora=lf,
         )
     return out
 
 
+@dataclass
+class _TensorShared:
+    """What the candidates of one tensor share (:func:`_tensor_candidates`): the reads per
+    block, and per expert layout ``(rows, row_bytes)`` the bytes per block and the sketch
+    tiers' bytes (the same for every expert stored like the base)."""
+
+    reads: np.ndarray
+    costs: dict = field(default_factory=dict)
+    scosts: dict = field(default_factory=dict)
+
+
+def _tier_values(pc: _Planning, stats: Sequence[TensorStats], vals: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """float64 ``[n_blocks, levels]`` per expert: the value a read at each of the policy's tiers
+    keeps, for the sketched experts of one tensor (``stats`` and block values ``vals``, same
+    order; the same block grid), computed for all of them at once. Level ``k`` keeps the share
+    ``1 − residual_k/Σδ²`` of the block's energy; the method's value (trim, weights, Fisher)
+    scales like the exact block's."""
+    if not stats:
+        return []
+    nb = len(vals[0])
+    if any(len(v) != nb for v in vals):  # (one grid per tensor; never stack unequal ones)
+        return [v for st, v in zip(stats, vals) for v in _tier_values(pc, [st], [v])]
+    sq = np.stack([np.asarray(st.sq_norm, dtype=np.float64) for st in stats])[:, :, None]
+    res = np.stack([np.asarray(st.sketch_sq, dtype=np.float64).reshape(nb, -1) for st in stats])[
+        :, :, pc.tier_levels - 1
+    ]
+    rho = np.where(sq > 0, 1.0 - res / np.where(sq > 0, sq, 1.0), 0.0)
+    return list(np.stack(vals)[:, :, None] * np.clip(rho, 0.0, 1.0))
+
+
 def _expert_candidate(
-    pc: _Planning, ti: int, tp: TensorPlan, bt: TensorInfo, i: int, st: TensorStats, val: np.ndarray
+    pc: _Planning,
+    ti: int,
+    tp: TensorPlan,
+    bt: TensorInfo,
+    i: int,
+    st: TensorStats,
+    val: np.ndarray,
+    svalue: np.ndarray | None,
+    shared: _TensorShared,
 ) -> tuple[_Cand, str, int, LoraFactors | None] | None:
-    """Expert ``i``'s candidate on tensor ``ti`` with block values ``val``: its bytes per block
-    and reads (a LoRA module: one unit of its factors; a sketched tensor: the sign-plane tiers),
-    and where its data is (file, start, LoRA factors). None: a LoRA expert that does not touch
-    the tensor (δ = 0, nothing to read)."""
+    """Expert ``i``'s candidate on tensor ``ti`` with block values ``val`` (and ``svalue``, the
+    values of its sketch tiers, None: no tiers): its bytes per block and reads (a LoRA module:
+    one unit of its factors; a sketched tensor: the sign-plane tiers), and where its data is
+    (file, start, LoRA factors). None: a LoRA expert that does not touch the tensor (δ = 0,
+    nothing to read)."""
     lmap = pc.lmaps[i]
     passes, cr = tp.passes, tp.chunk_rows
     if lmap is not None:
@@ -489,7 +522,6 @@ def _expert_candidate(
         cand = _Cand(
             ti,
             i,
-            np.array([val.sum()]),
             np.array([val.sum()]),
             unit,
             np.array([passes], dtype=np.int64),
@@ -508,18 +540,19 @@ def _expert_candidate(
         return cand, mod.b.file, mod.b.start, lf
     rpb = tp.rows_per_block
     et = pc.experts[i].layout.tensors[tp.name]
-    cost = (np.minimum((np.arange(st.n_blocks) + 1) * rpb, et.rows) - np.arange(st.n_blocks) * rpb) * et.row_bytes
-    svalue = scost = None
-    if pc.tiers and st.has_sketch and len(bt.shape) >= 2:
-        # level k keeps the share 1 − residual_k/Σδ² of the block's energy; the method's
-        # value (trim, weights, Fisher) scales like the exact block's
-        sq = np.asarray(st.sq_norm, dtype=np.float64)[:, None]
-        res = np.asarray(st.sketch_sq, dtype=np.float64).reshape(len(val), -1)[:, pc.tier_levels - 1]
-        rho = np.where(sq > 0, 1.0 - res / np.where(sq > 0, sq, 1.0), 0.0)
-        svalue = val[:, None] * np.clip(rho, 0.0, 1.0)
-        scost = tier_costs(et.rows, et.numel // max(1, et.rows), rpb, st.n_blocks)[:, pc.tier_levels - 1]
-    reads = np.asarray(block_reads(tp), dtype=np.int64)
-    return _Cand(ti, i, val, val.copy(), cost.astype(np.int64), reads, svalue, scost), et.file, et.start, None
+    key = (et.rows, et.row_bytes, et.numel, st.n_blocks)
+    cost = shared.costs.get(key)
+    if cost is None:
+        nb = st.n_blocks
+        cost = (np.minimum((np.arange(nb) + 1) * rpb, et.rows) - np.arange(nb) * rpb) * et.row_bytes
+        cost = shared.costs[key] = cost.astype(np.int64)
+    scost = None
+    if svalue is not None:
+        scost = shared.scosts.get(key)
+        if scost is None:
+            tc = tier_costs(et.rows, et.numel // max(1, et.rows), rpb, st.n_blocks)
+            scost = shared.scosts[key] = tc[:, pc.tier_levels - 1]
+    return _Cand(ti, i, val, cost, shared.reads, svalue, scost), et.file, et.start, None
 
 
 @dataclass
@@ -637,44 +670,153 @@ def _assemble(
 ) -> None:
     """Record the selection in the tensor plans: each expert's block runs, bytes, kept value
     and content digests (sketch levels and their digests with tiers); drop experts with no
-    block; decide which tensors are copied from the base and explain each."""
+    block; decide which tensors are copied from the base and explain each. The runs of every
+    candidate and the sketch digests are found in one pass over the flattened selection
+    (:func:`_flat_runs`, :func:`_sketch_digests`)."""
+    runs = _cand_runs(_flat_runs(sel.selected, sel.offs), sel.offs)
+    lruns, sdig = None, {}
+    if pc.tiers and sel.level.any():
+        has = np.zeros(len(sel.level), dtype=bool)  # (only a candidate with tiers has a level)
+        for j, c in enumerate(cands):
+            has[sel.offs[j] : sel.offs[j + 1]] = c.svalue is not None and c.scost is not None
+        lvk = np.where((sel.level > 0) & has, pc.tier_levels[np.maximum(sel.level, 1) - 1], 0)
+        flat = _flat_runs(lvk, sel.offs)
+        lruns, sdig = _cand_runs(flat, sel.offs), _sketch_digests(pc, cands, infos, flat, sel.offs)
+    chosen: list[list[TensorExpert]] = [[] for _ in tensors]
     for j, c in enumerate(cands):
+        sb: list[tuple[int, int]] = []
+        sl: list[int] = []
+        if lruns is not None:
+            sb, sl = lruns[j]
+        if not runs[j][0] and not sb:
+            continue  # nothing of this expert is read: no TensorExpert
         idx = sel.picked(j)
-        te = next(t for t in tensors[c.tensor].experts if t.expert == c.expert)
-        te.blocks = ([(0, tensors[c.tensor].n_blocks)] if len(idx) else []) if c.lora else _runs(idx)
-        te.bytes = int(c.cost[idx].sum())
-        te.kept_energy = float(c.value[idx].sum())
-        st_c = pc.analyses[c.expert].tensors[infos[c.tensor].name]
-        if not c.lora and len(idx):
-            te.block_digests = _digests_hex(st_c.block_sha, idx, pc.analyses[c.expert], infos[c.tensor].name)
-        if pc.tiers and c.svalue is not None and c.scost is not None:
-            _assemble_sketch(pc, te, c, st_c, sel.level[sel.offs[j] : sel.offs[j + 1]], infos[c.tensor].name)
-        if not te.sketch_blocks:
-            te.sketch_start = -1
+        name = infos[c.tensor].name
+        st_c = pc.analyses[c.expert].tensors[name]
+        kept = float(c.value[idx].sum())
+        sk: dict[str, Any] = {"sketch_start": -1, "sketch_bytes": 0, "sketch_digests": ""}
+        if sb:
+            sk = _assemble_sketch(c, st_c, sel.level[sel.offs[j] : sel.offs[j + 1]], sdig[j])
+            kept += sk.pop("kept")
+        # every field given: model_construct fills no default (pydantic inspects default factories slowly)
+        te = TensorExpert.model_construct(
+            **c.te,
+            blocks=([(0, tensors[c.tensor].n_blocks)] if len(idx) else []) if c.lora else runs[j][0],
+            bytes=int(c.cost[idx].sum()),
+            kept_energy=kept,
+            block_digests=(
+                _digests_hex(st_c.block_sha, idx, pc.analyses[c.expert], name) if not c.lora and len(idx) else ""
+            ),
+            sketch_blocks=sb,
+            sketch_levels=sl,
+            **sk,
+        )
+        chosen[c.tensor].append(te)
     names = list(pc.request.names or [])
-    for tp, bt in zip(tensors, infos):
-        tp.experts = [t for t in tp.experts if t.blocks or t.sketch_blocks]
+    for tp, bt, tes in zip(tensors, infos, chosen):
+        tp.experts = tes
         tp.copy_base = not (bt.dtype in FLOAT_DTYPES and bt.numel > 0) or pc.spec.copies_base(tp)
         tp.explain = _explain_tensor(tp, pc.spec, names)
 
 
-def _assemble_sketch(pc: _Planning, te: TensorExpert, c: _Cand, st: TensorStats, lv: np.ndarray, tensor: str) -> None:
-    """Record the sketch tiers ``lv`` (per block of candidate ``c``: column + 1 of its
-    ``svalue``/``scost``, 0: none) in ``te`` as sketch levels."""
-    assert c.svalue is not None and c.scost is not None
-    te.sketch_blocks, te.sketch_levels = _level_runs(np.where(lv > 0, pc.tier_levels[np.maximum(lv, 1) - 1], 0))
-    if te.sketch_blocks:
-        sha = st.sketch_sha
+def _flat_runs(x: np.ndarray, offs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The runs of consecutive blocks with the same non-zero value of the flattened ``x`` (bool:
+    the selected blocks; int: a sketch level per block, 0 none) that do not cross a candidate
+    (candidate ``j``'s blocks are ``[offs[j], offs[j+1])``), in block order: int64 arrays of
+    (first block, end block, value, candidate), block indices global."""
+    n = len(x)
+    v = np.asarray(x).astype(np.int64)
+    first = np.zeros(n, dtype=bool)
+    first[offs[:-1][offs[:-1] < n]] = True  # a candidate's first block starts a run
+    last = np.zeros(n, dtype=bool)
+    last[offs[1:][offs[1:] > 0] - 1] = True  # its last block ends one
+    on = v != 0
+    chg = np.ones(n, dtype=bool)
+    chg[1:] = v[1:] != v[:-1]
+    starts = np.flatnonzero(on & (chg | first))
+    end_chg = np.ones(n, dtype=bool)
+    end_chg[:-1] = v[:-1] != v[1:]
+    ends = np.flatnonzero(on & (end_chg | last)) + 1
+    return starts, ends, v[starts], np.searchsorted(offs, starts, side="right") - 1
+
+
+def _cand_runs(
+    runs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], offs: np.ndarray
+) -> list[tuple[list[tuple[int, int]], list[int]]]:
+    """Per candidate ``j``, its runs of :func:`_flat_runs`: ``([(b0, b1), ...], [value, ...])`` in
+    block order, block indices local to the candidate (what :func:`_runs` gives of one
+    candidate's selected blocks; with levels, a run also ends where the level changes)."""
+    starts, ends, vals, cand = runs
+    J = len(offs) - 1
+    base = offs[cand]
+    s_l, e_l, v_l = (starts - base).tolist(), (ends - base).tolist(), vals.tolist()
+    bounds = np.searchsorted(cand, np.arange(J + 1), side="left").tolist()
+    return [(list(zip(s_l[a:b], e_l[a:b])), v_l[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+#: sections of the sketch a read at each level takes (row ``k``; :func:`level_sections`), padded
+#: with -1, and how many
+_LEVEL_SECTIONS = np.array(
+    [[-1, -1, -1]] + [list(level_sections(k)) + [-1] * (3 - len(level_sections(k))) for k in range(1, R1_LEVEL + 1)],
+    dtype=np.int64,
+)
+_LEVEL_NSECT = (_LEVEL_SECTIONS >= 0).sum(axis=1)
+
+
+def _sketch_digests(
+    pc: _Planning,
+    cands: Sequence[_Cand],
+    infos: Sequence[TensorInfo],
+    runs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    offs: np.ndarray,
+) -> dict[int, str]:
+    """Per candidate with sketch runs (:func:`_flat_runs` of the sketch levels), the hex of the
+    recorded digests of the sketch bytes it reads, in the plan's order: per run, per section of
+    its level (:func:`level_sections`), per block. Gathered for every candidate at once.
+
+    Raises:
+        InputError: an analysis without sketch digests for a tensor read from its sketch."""
+    s, e, k, cand = runs
+    if len(s) == 0:
+        return {}
+    js = np.unique(cand).tolist()
+    shas = []
+    for j in js:
+        c = cands[j]
+        sha = pc.analyses[c.expert].tensors[infos[c.tensor].name].sketch_sha
         if sha is None:
-            _no_digests(pc.analyses[c.expert], tensor)
-        te.sketch_digests = "".join(
-            sha[b0:b1, p].tobytes().hex()
-            for (b0, b1), k in zip(te.sketch_blocks, te.sketch_levels)
-            for p in level_sections(k)
-        )
+            _no_digests(pc.analyses[c.expert], infos[c.tensor].name)
+        shas.append(sha.reshape(-1, *sha.shape[-2:]))
+    # row of each candidate's first block in the concatenation of their digest tables
+    first_row = np.zeros(len(offs) - 1, dtype=np.int64)
+    first_row[js] = np.cumsum([0] + [len(x) for x in shas[:-1]])
+    ns = _LEVEL_NSECT[k]
+    seg_run = np.repeat(np.arange(len(k)), ns)  # one segment per (run, section), in order
+    seg_q = np.arange(len(seg_run)) - np.repeat(np.cumsum(ns) - ns, ns)
+    seg_sec = _LEVEL_SECTIONS[k[seg_run], seg_q]
+    seg_len = (e - s)[seg_run]
+    seg_row = (s - offs[cand] + first_row[cand])[seg_run]
+    within = np.arange(int(seg_len.sum())) - np.repeat(np.cumsum(seg_len) - seg_len, seg_len)
+    rows = np.repeat(seg_row, seg_len) + within
+    hexall = np.concatenate(shas)[rows, np.repeat(seg_sec, seg_len)].tobytes().hex()
+    w = 2 * shas[0].shape[-1]  # hex characters per digest
+    per = np.bincount(cand, weights=(e - s) * ns, minlength=len(offs) - 1).astype(np.int64)
+    at = np.concatenate([[0], np.cumsum(per)]) * w
+    return {j: hexall[at[j] : at[j + 1]] for j in js}
+
+
+def _assemble_sketch(c: _Cand, st: TensorStats, lv: np.ndarray, digests: str) -> dict[str, Any]:
+    """The :class:`TensorExpert` fields of the sketch tiers ``lv`` (per block of candidate ``c``:
+    column + 1 of its ``svalue``/``scost``, 0: none; some non-zero) with their digests
+    (:func:`_sketch_digests`): start, bytes, digests, and ``kept``, the value they keep."""
+    assert c.svalue is not None and c.scost is not None
     sidx = np.nonzero(lv)[0]
-    te.sketch_bytes = int(c.scost[sidx, lv[sidx] - 1].sum())
-    te.kept_energy += float(c.svalue[sidx, lv[sidx] - 1].sum())
+    return {
+        "sketch_start": int(st.sketch_start),
+        "sketch_bytes": int(c.scost[sidx, lv[sidx] - 1].sum()),
+        "sketch_digests": digests,
+        "kept": float(c.svalue[sidx, lv[sidx] - 1].sum()),
+    }
 
 
 def _plan_record(

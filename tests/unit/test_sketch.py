@@ -429,7 +429,7 @@ def _lexsort_desc(key):
 
 
 def _level_runs_by_loops(level):
-    """Sketch runs as the planner assembled them before _level_runs (the reference)."""
+    """One candidate's sketch runs found level by level with loops (the reference)."""
     from mergepipe.planner.planner import _runs
 
     blocks, levels = [], []
@@ -455,17 +455,49 @@ def test_desc_order_is_the_lexsort_order(small, seed):
     assert _desc_order(key).tolist() == _lexsort_desc(key).tolist()
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 3), max_size=60))
-def test_level_runs_match_the_loops(levels):
-    from mergepipe.planner.planner import _level_runs
+def _flat_runs_by_loops(x, offs):
+    """The planner's flattened runs computed candidate by candidate with the loops (the reference)."""
+    out = [[], [], [], []]
+    for j in range(len(offs) - 1):
+        blocks, levels = _level_runs_by_loops(np.asarray(x[offs[j] : offs[j + 1]]).astype(np.int64))
+        for (b0, b1), k in zip(blocks, levels):
+            for col, v in zip(out, (offs[j] + b0, offs[j] + b1, k, j)):
+                col.append(v)
+    return tuple(np.array(c, dtype=np.int64) for c in out)
 
-    lv = np.array(levels, dtype=np.int64)
-    assert _level_runs(lv) == _level_runs_by_loops(lv)
+
+def _sketch_digests_by_loops(pc, cands, infos, runs, offs):
+    """Sketch digests per candidate, run by run and section by section (the reference)."""
+    from mergepipe.catalog.sketch import level_sections
+    from mergepipe.planner.planner import _cand_runs
+
+    out = {}
+    for j, (sb, sl) in enumerate(_cand_runs(runs, offs)):
+        if sb:
+            c = cands[j]
+            sha = pc.analyses[c.expert].tensors[infos[c.tensor].name].sketch_sha
+            out[j] = "".join(sha[b0:b1, p].tobytes().hex() for (b0, b1), k in zip(sb, sl) for p in level_sections(k))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=60), st.lists(st.integers(1, 9), min_size=1, max_size=8))
+def test_level_runs_match_the_loops(levels, sizes):
+    """Runs of every candidate at once (selected blocks and sketch levels) equal the runs found
+    candidate by candidate with loops, on candidates of random sizes."""
+    from mergepipe.planner.planner import _cand_runs, _flat_runs
+
+    offs = np.cumsum([0] + sizes)
+    lv = np.resize(np.array(levels or [0], dtype=np.int64), int(offs[-1]))
+    for x in (lv, lv > 0):
+        fast, ref = _flat_runs(x, offs), _flat_runs_by_loops(x, offs)
+        assert all(a.tolist() == b.tolist() for a, b in zip(fast, ref))
+        for j, (blocks, vals) in enumerate(_cand_runs(fast, offs)):
+            assert (blocks, vals) == _level_runs_by_loops(np.asarray(x[offs[j] : offs[j + 1]]).astype(np.int64))
 
 
 def test_fast_selection_plans_are_byte_identical(monkeypatch):
-    """The planner's sort and run assembly against their reference implementations: identical
+    """The planner's sort, run assembly and sketch digests against their reference implementations: identical
     plan digests, with and without fidelity tiers, under budgets and a fidelity target, and with
     two experts of identical statistics (every block value tied across them)."""
     import dataclasses
@@ -493,7 +525,8 @@ def test_fast_selection_plans_are_byte_identical(monkeypatch):
                     fast = make_plan(rr, PlanInputs(base, recs, an), sel, EngineOptions())
                     with monkeypatch.context() as m:
                         m.setattr(planner, "_desc_order", _lexsort_desc)
-                        m.setattr(planner, "_level_runs", _level_runs_by_loops)
+                        m.setattr(planner, "_flat_runs", _flat_runs_by_loops)
+                        m.setattr(planner, "_sketch_digests", _sketch_digests_by_loops)
                         ref = make_plan(rr, PlanInputs(base, recs, an), sel, EngineOptions())
                     assert fast.digest == ref.digest, (method, sketch, budget, fidelity)
                     assert fast.semantic_json() == ref.semantic_json()
