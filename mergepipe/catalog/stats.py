@@ -177,19 +177,22 @@ class TensorStats:
         i = int(t_oct - self.oct_lo)  # the threshold octave's column: the columns after it are kept whole
         frac[max(0, i + 1) :] = 1.0
         if 0 <= i < n_oct:
-            key_oct, key_energy = self._key_octaves
-            in_oct = key_oct == t_oct
-            k = self.hist_keys[in_oct]
-            e = key_energy[in_oct]
+            if self._keys_ascending:  # the octave's keys are one slice, in the same order as the mask's
+                a, b = np.searchsorted(self.hist_keys, (t_oct << OCT_SHIFT, (t_oct + 1) << OCT_SHIFT)).tolist()
+                k, cnt = self.hist_keys[a:b], self.hist_counts[a:b]
+            else:
+                in_oct = (self.hist_keys >> OCT_SHIFT) == t_oct
+                k, cnt = self.hist_keys[in_oct], self.hist_counts[in_oct]
+            e = cnt * key_value(k).astype(np.float64) ** 2
             tot = e.sum()
-            frac[t_oct - self.oct_lo] = e[k >= min_key].sum() / tot if tot > 0 else 0.0
+            frac[i] = e[k >= min_key].sum() / tot if tot > 0 else 0.0
         return frac
 
     @functools.cached_property
-    def _key_octaves(self) -> tuple[np.ndarray, np.ndarray]:
-        """The octave of each histogram key and the energy its entries hold (``count · value²``,
-        float64), built on first use and kept (:meth:`kept_fraction_by_octave`)."""
-        return self.hist_keys >> OCT_SHIFT, self.hist_counts * key_value(self.hist_keys).astype(np.float64) ** 2
+    def _keys_ascending(self) -> bool:
+        """``hist_keys`` strictly ascending (as recorded; checked once, on first use)."""
+        k = self.hist_keys
+        return len(k) < 2 or bool((k[1:] > k[:-1]).all())
 
     def kept_energy(self, min_key: int) -> np.ndarray:
         """float64[nb]: estimated ``Σ δ²`` per block kept by a trim at ``min_key``; blocks whose
