@@ -749,9 +749,10 @@ def _cand_runs(
     starts, ends, vals, cand = runs
     J = len(offs) - 1
     base = offs[cand]
-    s_l, e_l, v_l = (starts - base).tolist(), (ends - base).tolist(), vals.tolist()
+    pairs = list(zip((starts - base).tolist(), (ends - base).tolist()))
+    v_l = vals.tolist()
     bounds = np.searchsorted(cand, np.arange(J + 1), side="left").tolist()
-    return [(list(zip(s_l[a:b], e_l[a:b])), v_l[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [(pairs[a:b], v_l[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 #: sections of the sketch a read at each level takes (row ``k``; :func:`level_sections`), padded
