@@ -41,7 +41,7 @@ from mergepipe.numerics import (
     key_table,
     key_value,
     magnitude_keys,
-    trim_min_key,
+    trim_rank,
 )
 
 #: the array fields of :class:`TensorStats` (both stored forms name them so)
@@ -157,9 +157,29 @@ class TensorStats:
         """int32[nb]: the magnitude key of each block's ``max|δ|`` (built on first use and kept)."""
         return magnitude_keys(self.max_abs)
 
+    def trim_rank(self, density: float) -> tuple[int, int, int]:
+        """:func:`mergepipe.numerics.trim_rank` of this tensor's histogram at ``density``
+        (``(tau, rank, ties)``), kept per density: a plan asks it of each tensor several times."""
+        r = self._trims.get(density)
+        if r is None:
+            r = self._trims[density] = trim_rank(self.hist_keys, self.hist_counts, self.numel, density, self.key_table)
+        return r
+
+    @functools.cached_property
+    def _trims(self) -> dict[float, tuple[int, int, int]]:
+        return {}
+
     def min_key(self, density: float) -> int:
-        """Canonical magnitude-trim threshold key for ``density`` (see numerics.trim_min_key)."""
-        return trim_min_key(self.hist_keys, self.hist_counts, self.numel, density, self.key_table)
+        """Canonical magnitude-trim threshold key for ``density`` (see numerics.trim_min_key),
+        from :meth:`trim_rank`: the threshold group's key ``tau`` when keeping all of its ``ties``
+        lands at least as near ``k`` as keeping none (``ties − rank <= rank``), else ``tau + 1``;
+        1 when the k-th largest is 0 (zeros are never kept); 0 (keep all) when nothing is trimmed."""
+        tau, rank, ties = self.trim_rank(density)
+        if ties == 0:
+            return 0
+        if tau == 0:
+            return 1
+        return tau if ties - rank <= rank else tau + 1
 
     def kept_fraction_by_octave(self, min_key: int) -> np.ndarray:
         """float64[n_oct]: estimated fraction of each octave's energy that a trim keeping keys

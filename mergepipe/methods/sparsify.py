@@ -25,7 +25,6 @@ from mergepipe.numerics import (
     outlier_counts,
     outlier_window,
     topk_rank,
-    trim_rank,
 )
 
 if TYPE_CHECKING:
@@ -163,7 +162,7 @@ class Magnitude(Sparsifier):
         return _where(magnitude_key_torch(delta) >= ep.min_key, delta)
 
     def exact_bound(self, st: TensorStats, ep: Mapping[str, Any], group_cap: int | None) -> Bound:
-        tau, rank, ties = trim_rank(st.hist_keys, st.hist_counts, st.numel, float(ep.get("density", 1.0)), st.key_table)
+        tau, rank, ties = st.trim_rank(float(ep.get("density", 1.0)))
         if tau > 0 and rank < ties and (group_cap is None or ties <= group_cap):
             return rank, None
         return 0, None
@@ -172,7 +171,7 @@ class Magnitude(Sparsifier):
         dens = float(ep.get("density", 1.0))
         mk = st.min_key(dens)
         if bound[0]:
-            mk = trim_rank(st.hist_keys, st.hist_counts, st.numel, dens, st.key_table)[0]  # τ: part of its group kept
+            mk = st.trim_rank(dens)[0]  # τ: part of its group kept
         return st.kept_energy(mk), mk, N_KEYS
 
     def explain(self, te: TensorExpert) -> str:

@@ -234,6 +234,44 @@ def test_trim_threshold_from_histogram_equals_sort(density):
     assert abs(kept - target) == min(abs(above - target), abs(with_ties - target))
 
 
+def test_cached_trims_of_tensor_stats_equal_the_histogram_rules():
+    """TensorStats.min_key (derived from its cached trim_rank, the sorted histogram built once)
+    equals numerics.trim_min_key and trim_rank on the raw histogram: ascending keys (as recorded),
+    unsorted ones, zeros among the keys, every density from none to all, twice (the cache)."""
+    from mergepipe.catalog.stats import TensorStats
+    from mergepipe.numerics import trim_rank
+
+    rng = np.random.default_rng(5)
+    for trial in range(200):
+        m = int(rng.integers(1, 60))
+        keys = np.sort(
+            rng.choice(np.arange(0, 400 if trial % 3 else 3), size=min(m, 400 if trial % 3 else 3), replace=False)
+        )
+        counts = rng.integers(1, 50 if trial % 2 else 3, size=len(keys)).astype(np.int64)
+        if trial % 5 == 0:
+            perm = rng.permutation(len(keys))
+            keys, counts = keys[perm], counts[perm]
+        numel = int(counts.sum())
+        st = TensorStats(
+            "t",
+            numel,
+            1,
+            np.ones(1, np.int64),
+            np.ones(1),
+            np.ones(1),
+            np.ones(1, np.float32),
+            0,
+            np.ones((1, 1), np.int64),
+            np.ones((1, 1)),
+            keys.astype(np.int32),
+            counts,
+        )
+        for d in (*rng.random(6).tolist(), 1e-9, 1.0, 1.0 - 1e-12, 1 / numel, 0.5):
+            for _ in range(2):
+                assert st.min_key(d) == trim_min_key(keys, counts, numel, d), (keys, counts, d)
+                assert st.trim_rank(d) == trim_rank(keys, counts, numel, d)
+
+
 def test_dare_mask_is_counter_based():
     key = 1234567
     whole = dare_keep_mask(key, 0, 10_000, 0.3)
