@@ -19,6 +19,19 @@ plans from a synthetic catalog of a 7B-shaped family (:mod:`bench.synthetic_cata
 layouts, drawn block statistics and sketches) and prints, per fidelity-tier setting and budget,
 the wall and CPU seconds of each ``make_plan`` call, the plan digest, the planned expert and sketch
 bytes and the retained energy, with the machine's load average before and after.
+
+Recorded mode, issue 23 item 3's figure (planning from a cached catalog, 110M-shaped Llama, K = 8)::
+
+    python bench/plan_time.py --record docs/benchmarks/planning-110m-k8.json [--repeat 7] \
+        [--work bench/.work/plan-110m]
+
+writes the family once (:func:`bench.synthetic_catalog.write_family`: real headers, a catalog of
+drawn statistics, nothing analysed), then per repetition, in fresh processes: ``api.plan`` in
+process (CPU and wall seconds, and ``make_plan``'s share) for unlimited, 10% ``sign3`` and 10%
+``sign3+r1`` TIES plans; the whole ``mergepipe plan`` process at 10% ``sign3``; and the floors:
+the bare interpreter, and the interpreter with the imports planning needs. Raw results (every
+repetition, load averages, machine, commit); ``bench/plan_report.py`` renders them into
+docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -86,8 +99,138 @@ def synthetic(a: argparse.Namespace) -> dict:
     return out
 
 
+#: the in-process measurement (a fresh interpreter per repetition); argv: base, experts...
+_INPROC = r"""
+import json, sys, time
+c0, t0 = time.process_time(), time.perf_counter()
+from mergepipe import api
+import mergepipe.pipeline as pipeline
+from mergepipe.request import ExpertRequest, MergeRequest, PlanningOptions
+imports = [time.process_time() - c0, time.perf_counter() - t0]
+inner = []
+make_plan = pipeline.make_plan
+def timed(*a, **k):
+    c = time.process_time()
+    try:
+        return make_plan(*a, **k)
+    finally:
+        inner.append(time.process_time() - c)
+pipeline.make_plan = timed
+base, experts = sys.argv[1], sys.argv[2:]
+out = {"imports": imports, "cases": {}}
+for budget, sketch in (("unlimited", "none"), ("10%", "sign3"), ("10%", "sign3+r1")):
+    req = MergeRequest(base=base, method="ties", parameters={"density": 0.3}, budget=budget,
+                       planning=PlanningOptions(sketch=sketch),
+                       experts=[ExpertRequest(name=f"expert{i}", uri=u) for i, u in enumerate(experts)])
+    inner.clear()
+    c, t = time.process_time(), time.perf_counter()
+    p = api.plan(req)
+    out["cases"][f"{budget} {sketch}"] = {"cpu_s": time.process_time() - c, "wall_s": time.perf_counter() - t,
+                                         "make_plan_cpu_s": sum(inner), "digest": p.digest,
+                                         "expert_read_bytes": p.io.expert_read_bytes}
+print(json.dumps(out))
+"""
+
+
+def _child(args: list[str], env: dict, cwd: str) -> tuple[float, float, str]:
+    """Run ``args``; (CPU seconds of the child, wall seconds, stdout). Raises on failure."""
+    import resource
+    import subprocess
+
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    o = subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if o.returncode:
+        raise SystemExit(f"plan_time: {' '.join(args[:4])} ... failed ({o.returncode}): {o.stderr.strip()[-500:]}")
+    return r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, wall, o.stdout
+
+
+def record(out: str, repeat: int, work: str, label: str = "") -> dict:
+    """Issue 23 item 3's planning figure (see the module docstring): raw results, written to ``out``."""
+    import os
+    import platform
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo))
+    from bench.synthetic_catalog import write_family
+
+    w = Path(work)
+    if not (w / "home" / "catalog.sqlite").exists():
+        write_family("llama-110m", 8, w)
+    base, experts = str(w / "base"), [str(w / f"expert{i}") for i in range(8)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # as installed: bytecode cached
+    env.update(MERGEPIPE_HOME=str(w / "home"), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), *filter(None, [os.environ.get("PYTHONPATH")])])
+    cli = [sys.executable, "-m", "mergepipe.cli", "plan", "--base", base, "-m", "ties", "-p", "density=0.3"]
+    cli += ["--budget", "10%", "--sketch", "sign3"] + [a for e in experts for a in ("-e", e)]
+    floor = [sys.executable, "-c", "import mergepipe.cli, mergepipe.pipeline, mergepipe.planner.planner"]
+    _child(cli, env, str(repo))  # warm-up: bytecode written, page cache warm
+    # the last commit of the product code measured (bench/ and docs/ commits after it change nothing timed)
+    commit = subprocess.run(
+        ["git", "log", "-1", "--format=%H", "--", "mergepipe", "operator"], cwd=repo, capture_output=True, text=True
+    ).stdout.strip()
+    runs = []
+    for _ in range(repeat):
+        load = os.getloadavg()
+        cpu, wall, so = _child([sys.executable, "-c", _INPROC, base, *experts], env, str(repo))
+        inproc = json.loads(so)
+        pcpu, pwall, _ = _child(cli, env, str(repo))
+        fcpu, fwall, _ = _child(floor, env, str(repo))
+        icpu, iwall, _ = _child([sys.executable, "-c", "pass"], env, str(repo))
+        runs.append(
+            {
+                "loadavg_before": list(load),
+                "loadavg_after": list(os.getloadavg()),
+                "in_process": inproc,
+                "process_10pct_sign3": {"cpu_s": pcpu, "wall_s": pwall},
+                "floor_imports": {"cpu_s": fcpu, "wall_s": fwall},
+                "floor_interpreter": {"cpu_s": icpu, "wall_s": iwall},
+            }
+        )
+    res = {
+        "label": label,
+        "fixture": "bench/synthetic_catalog.py write_family('llama-110m', 8): 110M-shaped bf16 Llama, K = 8, "
+        "catalog of drawn statistics (nothing analysed); TIES density 0.3",
+        "command": f"python bench/plan_time.py --record {_rel(out, repo)} --repeat {repeat}"
+        + (f" --label {json.dumps(label)}" if label else ""),
+        "commit": commit,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "machine": {"nproc": os.cpu_count(), "mem_gib": _mem_gib(), "python": platform.python_version()},
+        "runs": runs,
+    }
+    Path(out).write_text(json.dumps(res, indent=1) + "\n")
+    return res
+
+
+def _rel(path: str, repo) -> str:
+    """``path`` as the docs cite it: relative to the repository (a raw result written into another
+    checkout's docs/benchmarks/ is named by that folder), never this machine's absolute path."""
+    import os
+    from pathlib import Path
+
+    p = Path(path).resolve()
+    r = os.path.relpath(p, repo)
+    return r if not r.startswith("..") else f"{p.parent.parent.name}/{p.parent.name}/{p.name}"
+
+
+def _mem_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            return round(int(f.readline().split()[1]) / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--record", metavar="OUT_JSON", help="record issue 23 item 3's planning figure (raw results)")
+    ap.add_argument("--work", default="bench/.work/plan-110m", help="(--record) where the synthetic family is kept")
+    ap.add_argument("--label", default="", help="(--record) what the measured code is, shown with the figure")
     ap.add_argument("--base")
     ap.add_argument("--expert", action="append")
     ap.add_argument("--repeat", type=int, default=5)
@@ -100,6 +243,9 @@ def main() -> None:
     ap.add_argument("--method", default="ties", help="(--synthetic) merge method (density 0.5 where it has one)")
     ap.add_argument("--seed", type=int, default=0, help="(--synthetic) seed of the drawn statistics")
     a = ap.parse_args()
+    if a.record:
+        record(a.record, a.repeat, a.work, a.label)
+        return
     if a.synthetic:
         print(json.dumps(synthetic(a)))
         return
