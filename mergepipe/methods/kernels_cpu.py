@@ -442,6 +442,26 @@ def _ptr(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]  # (a third of ``a.ctypes.data``'s cost per call)
 
 
+def _need(what: str, a: np.ndarray, dtype: type, size: int) -> None:
+    """The C kernels index raw memory: refuse an array of the wrong dtype, not C-contiguous, or
+    with fewer than ``size`` elements (sizes derive from stored statistics and sketch blobs, which
+    are untrusted input) before any pointer is passed, so a damaged record raises instead of
+    reading or writing out of bounds.
+
+    Raises:
+        ValueError: naming the argument, its dtype/layout/size and what was needed.
+    """
+    if a.dtype != dtype or not a.flags.c_contiguous or a.size < size:
+        raise ValueError(
+            f"fused kernel argument {what}: {a.dtype} {a.shape} (contiguous={a.flags.c_contiguous}); "
+            f"needs C-contiguous {np.dtype(dtype).name} with >= {size} elements"
+        )
+
+
+def _rows_needed(j1: int, rn: int) -> int:
+    return 0 if j1 <= 0 else (j1 - 1) // rn + 1
+
+
 def build_codes(codes: np.ndarray, planes: list[np.ndarray], spans: list[tuple[int, int]]) -> None:
     """The k-bit sign code of every entry of a sketched run, from its planes' bits.
 
@@ -454,6 +474,11 @@ def build_codes(codes: np.ndarray, planes: list[np.ndarray], spans: list[tuple[i
             plane, big-endian within a byte (``numpy.packbits``); the padding bits of its last
             byte are skipped.
     """
+    if not 1 <= len(planes) <= 8 or any(e < 0 or a < 0 for a, e in spans):
+        raise ValueError(f"fused kernel build_codes: {len(planes)} planes, spans {spans[:4]}...")
+    _need("codes", codes, np.uint8, sum(e for _, e in spans))
+    for i, p in enumerate(planes):
+        _need(f"planes[{i}]", p, np.uint8, max((a + (e + 7) // 8 for a, e in spans), default=0))
     ptrs = np.asarray([_ptr(p) for p in planes], dtype=np.uint64)
     off = np.asarray([a for a, _ in spans], dtype=np.int64)
     ne = np.asarray([e for _, e in spans], dtype=np.int64)
@@ -469,6 +494,11 @@ def gather_rows(out: np.ndarray, codes: np.ndarray, table: np.ndarray, j0: int, 
         table: float32 ``(rows, 2^k)`` C-contiguous value table.
         j0, j1: the run's flat elements to decode; rn: entries per row.
     """
+    if not 0 <= j0 <= j1 or rn <= 0 or table.ndim != 2:
+        raise ValueError(f"fused kernel gather_rows: j0={j0} j1={j1} rn={rn} table {table.shape}")
+    _need("out", out, np.float32, j1 - j0)
+    _need("codes", codes, np.uint8, j1)
+    _need("table", table, np.float32, _rows_needed(j1, rn) * table.shape[1])
     _LIB.gather_rows(_ptr(out), _ptr(codes), _ptr(table), table.shape[1], j0, j1, rn)
 
 
@@ -488,7 +518,12 @@ def rank1_rows(
     """Rank-1 tier decode of the run's flat elements ``[j0, j1)`` into ``out`` (float32
     ``(j1 − j0,)``): ``x = u[r]·v[r // rpb, c]`` then ``x + table[r, code]`` (float32, the torch
     path's order), ``hardshrink(x, lam)`` when ``lam`` is given, times ``f`` when ``f != 1``.
-    ``u`` float32 ``(rows,)``, ``v`` float32 ``(n_blocks, rn)``, C-contiguous."""
+    ``u`` float32 ``(rows,)``, ``v`` float32 ``(n_blocks, rn)``, C-contiguous.
+
+    Raises:
+        ValueError: an argument of the wrong dtype, layout or size (:func:`_need`)."""
+    _check_rank1("rank1_rows", codes, table, u, v, rpb, j0, j1, rn)
+    _need("out", out, np.float32, j1 - j0)
     _LIB.rank1_rows(
         _ptr(out), _ptr(codes), _ptr(table), table.shape[1], _ptr(u), _ptr(v), rpb, j0, j1, rn,
         0.0 if lam is None else lam, lam is not None, f, f != 1.0,
@@ -509,10 +544,27 @@ def rank1_hist(
     """Add to ``hist`` (int64 ``(nbins,)``, C-contiguous; bin ``i`` counts the bit pattern
     ``lo + i`` of ``|δ|``) the decoded entries of a rank-1 run's ``rows`` rows (decoded as
     :func:`rank1_rows` without trim or factor), without writing them: the exact-threshold
-    histogram of :class:`mergepipe.engine.chunk._GroupHist`, fused with the decode."""
+    histogram of :class:`mergepipe.engine.chunk._GroupHist`, fused with the decode.
+
+    Raises:
+        ValueError: an argument of the wrong dtype, layout or size (:func:`_need`)."""
+    _check_rank1("rank1_hist", codes, table, u, v, rpb, 0, rows * rn, rn)
+    _need("hist", hist, np.int64, 1)
     _LIB.rank1_hist(
         _ptr(codes), _ptr(table), table.shape[1], _ptr(u), _ptr(v), rpb, 0, rows * rn, rn, lo, hist.shape[0], _ptr(hist)
     )
+
+
+def _check_rank1(
+    fn: str, codes: np.ndarray, table: np.ndarray, u: np.ndarray, v: np.ndarray, rpb: int, j0: int, j1: int, rn: int
+) -> None:
+    if not 0 <= j0 <= j1 or rn <= 0 or rpb <= 0 or table.ndim != 2:
+        raise ValueError(f"fused kernel {fn}: j0={j0} j1={j1} rn={rn} rpb={rpb} table {table.shape}")
+    rows = _rows_needed(j1, rn)
+    _need("codes", codes, np.uint8, j1)
+    _need("table", table, np.float32, rows * table.shape[1])
+    _need("u", u, np.float32, rows)
+    _need("v", v, np.float32, _rows_needed(rows, rpb) * rn)
 
 
 def exact_bf16(out: np.ndarray, x: np.ndarray, b: np.ndarray, lam: float | None, f: float) -> None:
@@ -520,6 +572,11 @@ def exact_bf16(out: np.ndarray, x: np.ndarray, b: np.ndarray, lam: float | None,
     when ``lam`` is given, the factor when ``f != 1``), the torch path's widening, subtraction,
     trim and scale in one pass. ``x``: the bf16 bit patterns (uint16 or int16 ``(n,)``); ``b``,
     ``out``: float32 ``(n,)``; all C-contiguous."""
+    if x.dtype not in (np.uint16, np.int16):
+        raise ValueError(f"fused kernel argument x: {x.dtype}; needs uint16/int16 bf16 bit patterns")
+    _need("x", x, x.dtype.type, out.shape[0])
+    _need("b", b, np.float32, out.shape[0])
+    _need("out", out, np.float32, out.shape[0])
     _LIB.exact_bf16(
         _ptr(out), _ptr(x), _ptr(b), out.shape[0], 0.0 if lam is None else lam, lam is not None, f, f != 1.0
     )
@@ -528,6 +585,7 @@ def exact_bf16(out: np.ndarray, x: np.ndarray, b: np.ndarray, lam: float | None,
 def trim_scale(x: np.ndarray, lam: float | None, f: float) -> None:
     """In place on float32 contiguous ``x``: ``hardshrink(x, lam)`` (0 where ``−lam <= x <= lam``;
     NaN kept, as torch's) when ``lam`` is given, then ``x · f`` when ``f != 1``."""
+    _need("x", x, np.float32, x.shape[0])
     _LIB.trim_scale(_ptr(x), x.shape[0], 0.0 if lam is None else lam, lam is not None, f, f != 1.0)
 
 
@@ -548,6 +606,7 @@ def combine_sum(
         False when some election sum is NaN or ±inf (``out`` is then incomplete: run the torch
         combine), else True.
     """
+    _check_combine("combine_sum", out, base, d, m, n, weights)
     w = np.asarray(weights, dtype=np.float32)
     wone = np.asarray([x == 1.0 for x in weights], dtype=np.uint8)
     return bool(
@@ -571,8 +630,19 @@ def combine_plain(
     task_arithmetic_combine`, bit for bit): ``Σ wₖδₖ`` in plan order, ``/ den`` (``normalize``;
     None: no division), ``· lam``, added to the base (the base where the sum is 0). Arguments as
     :func:`combine_sum`."""
+    _check_combine("combine_plain", out, base, d, m, n, weights)
     w = np.asarray(weights, dtype=np.float32)
     _LIB.combine_plain(
         _ptr(out), _ptr(base), _ptr(d), d.shape[1], m, n, _ptr(w), 1.0 if den is None else den, den is not None,
         lam, lam != 1.0,
     )  # fmt: skip
+
+
+def _check_combine(
+    fn: str, out: np.ndarray, base: np.ndarray, d: np.ndarray, m: int, n: int, weights: list[float]
+) -> None:
+    if d.ndim != 2 or not 0 <= m <= d.shape[0] or not 0 <= n <= d.shape[1] or len(weights) < m:
+        raise ValueError(f"fused kernel {fn}: d {d.shape}, m={m}, n={n}, {len(weights)} weights")
+    _need("out", out, np.float32, n)
+    _need("base", base, np.float32, n)
+    _need("d", d, np.float32, d.size)

@@ -347,3 +347,34 @@ def test_a_cached_library_others_could_write_is_not_loaded(monkeypatch, tmp_path
     lib.symlink_to(real)
     assert not fresh()
     assert "not a regular file" in kernels_cpu.unavailable_reason()
+
+
+def test_fused_kernels_refuse_arguments_that_would_index_out_of_bounds():
+    """Sizes reach the C kernels from stored statistics and sketch blobs (untrusted): a short
+    array, a wrong dtype or a non-contiguous view raises ValueError naming the argument before
+    any pointer is passed (the C code would read or write past the end)."""
+    if not kernels_cpu.available():
+        pytest.skip(kernels_cpu.unavailable_reason())
+    rn, rows = 16, 4
+    codes = np.zeros(rows * rn, np.uint8)
+    table = np.zeros((rows, 8), np.float32)
+    out = np.zeros(rows * rn, np.float32)
+    kernels_cpu.gather_rows(out, codes, table, 0, rows * rn, rn)  # the right sizes run
+    cases = [
+        lambda: kernels_cpu.gather_rows(out, codes[:-1], table, 0, rows * rn, rn),
+        lambda: kernels_cpu.gather_rows(out, codes, table[:-1], 0, rows * rn, rn),
+        lambda: kernels_cpu.gather_rows(out[:-1], codes, table, 0, rows * rn, rn),
+        lambda: kernels_cpu.gather_rows(out, codes, table.astype(np.float64), 0, rows * rn, rn),
+        lambda: kernels_cpu.gather_rows(out, codes, np.zeros((rows, 16), np.float32)[:, ::2], 0, 64, rn),
+        lambda: kernels_cpu.rank1_rows(out, codes, table[:, :2].copy(), np.zeros(rows - 1, np.float32),
+                                       np.zeros((1, rn), np.float32), rows, 0, rows * rn, rn, None, 1.0),
+        lambda: kernels_cpu.rank1_hist(np.zeros(8, np.int64), codes, table[:, :2].copy(),
+                                       np.zeros(rows, np.float32), np.zeros((1, rn - 1), np.float32), rows, rows, rn, 0),
+        lambda: kernels_cpu.exact_bf16(out, np.zeros(rows * rn - 1, np.uint16), np.zeros(rows * rn, np.float32), None, 1.0),
+        lambda: kernels_cpu.combine_sum(out, out.copy(), np.zeros((2, 10), np.float32), 2, 64, [1.0, 1.0], False, 1.0),
+        lambda: kernels_cpu.combine_plain(out, out.copy(), np.zeros((2, 64), np.float32), 3, 64, [1.0] * 3, None, 1.0),
+        lambda: kernels_cpu.build_codes(np.zeros(64, np.uint8), [np.zeros(7, np.uint8)], [(0, 64)]),
+    ]  # fmt: skip
+    for case in cases:
+        with pytest.raises(ValueError, match="fused kernel"):
+            case()
