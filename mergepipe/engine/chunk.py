@@ -442,8 +442,9 @@ def _tiled_output(
     out = torch.empty(n, dtype=_torch_dtype(tp.out_dtype or tp.dtype), device=dev)
     trims = [_trim_lambda(spec, ep) for ep, _ in eparts]
     droppable = spec.zero_delta_droppable(tp.params)
-    if _fused_kernels(spec, dev) is not None:
-        _fused_output(out, eparts, factors, trims, base_t, spec, tp, offset, droppable)
+    kc = _fused_kernels(spec, dev)
+    if kc is not None:
+        _fused_output(kc, out, eparts, factors, trims, base_t, spec, tp, offset, droppable)
         return out.view(torch.uint8).numpy().data if n else b""
     for s in range(0, n, TILE_ELEMS):
         e = min(n, s + TILE_ELEMS)
@@ -483,6 +484,7 @@ def _fused_kernels(spec: MethodSpec, dev: torch.device) -> Any:
 
 
 def _fused_output(
+    kc: Any,
     out: torch.Tensor,
     eparts: list[tuple[ExpertTensorParams, list[Run]]],
     factors: list[float],
@@ -500,11 +502,11 @@ def _fused_output(
     (:mod:`mergepipe.methods.kernels_cpu`) elects the signs and takes the mean over the buffer.
     The same float32 operations in the same order as the torch path, hence the same bytes; a
     tile the kernels do not take (a non-finite election sum, a non-positive weight under
-    ``normalize``) is combined by the torch path from the same buffer. ``out``: the chunk's
-    output tensor (the output dtype, CPU)."""
+    ``normalize``) is combined by the torch path from the same buffer. ``kc``: the kernels
+    module :func:`_fused_kernels` returned; ``out``: the chunk's output tensor (the output
+    dtype, CPU)."""
     import torch
 
-    kc = _fused_kernels(spec, base_t.device)
     n = base_t.numel()
     dbuf = torch.empty((max(1, len(eparts)), min(n, TILE_ELEMS)), dtype=torch.float32)
     dn = dbuf.numpy()
