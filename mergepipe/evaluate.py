@@ -82,14 +82,19 @@ class Testbed:
     raw: dict = field(default_factory=dict)
 
 
+def _description_file(path: str | Path) -> Path:
+    """``path/testbed.json`` for a testbed folder, else ``path`` itself (that file)."""
+    p = Path(path)
+    return p / TESTBED_FILE if p.is_dir() else p
+
+
 def _read_description(path: str | Path) -> tuple[Path, dict]:
     """(the ``testbed.json`` file, its JSON object) of a testbed folder or file.
 
     Raises:
         InputError: missing, unreadable or not a JSON object.
     """
-    p = Path(path)
-    f = p / TESTBED_FILE if p.is_dir() else p
+    f = _description_file(path)
     try:
         raw = json.loads(f.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -171,7 +176,7 @@ def _plugin_kind(
     from mergepipe.plugins import PluginMissing, load_plugin
 
     kind = testbed_kind(testbed)
-    f = Path(testbed) / TESTBED_FILE if Path(testbed).is_dir() else Path(testbed)
+    f = _description_file(testbed)
     try:
         fn = load_plugin(KIND_PLUGINS, kind)
     except PluginMissing as e:
