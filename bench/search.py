@@ -15,8 +15,9 @@ pretrained 6-layer MiniLM encoder, experts fully fine-tuned on ``order``/``rotat
 ``--minilm-seed`` its seed), objectives ``loss:<task>`` (cross-entropy with the task's head) on
 the first ``--examples`` probe examples per task, held-out the next ``--examples``, scored by
 :class:`bench.search_minilm.MiniLMObjective` (in process, tokenised once; its cost is measured
-by ``bench/search_minilm.py``). Development runs only: no pre-registration names it yet, so
-``--fresh`` and ``--collect`` refuse it.
+by ``bench/search_minilm.py``). Its pre-registered fresh run is registered in
+docs/search/preregistration-minilm.json (``--testbed minilm --fresh``; raw results
+docs/search/raw-minilm-fresh.jsonl.gz).
 
 Arms (:data:`ARMS`; ``lw`` = layer-wise, ``--blocks`` blocks × 3 experts coordinates; ``ml`` =
 model-level, 3 coordinates):
@@ -57,6 +58,7 @@ import os
 import platform
 import random
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -266,11 +268,17 @@ def _cands_from_state(d: Path, objs: list[str]) -> list[dict]:
 
 
 def _raw(x, m: dict, objs: list[str]) -> dict:
-    return {
+    """One candidate's raw record: unit-cube point ``x``, search objectives ``y``, held-out
+    losses ``h`` and, where the evaluator scores them (MiniLM), held-out accuracies ``ha``."""
+    out = {
         "x": [round(float(v), 6) for v in x],
         "y": [m[o] for o in objs],
         "h": [m[f"heldout:{o}"] for o in objs],
     }
+    acc = [f"heldout:acc:{o.split(':', 1)[1]}" for o in objs]
+    if all(a in m for a in acc):
+        out["ha"] = [m[a] for a in acc]
+    return out
 
 
 def run_arm(arm: str, seed: int, ctx: dict) -> dict:
@@ -327,6 +335,7 @@ def run_arm(arm: str, seed: int, ctx: dict) -> dict:
         "arm": arm,
         "seed": seed,
         **({"prereg": a.prereg_commit} if getattr(a, "prereg_commit", None) else {}),
+        **({"code": ctx["code"]} if ctx.get("code") else {}),
         "run_s": round(time.time() - t0, 2),
         "load": [round(x, 2) for x in load0],
         "failed": failed,
@@ -373,36 +382,89 @@ def _nsga2(cfg, seed: int, ctx: dict, d: Path) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------
-PREREG = ROOT / "docs" / "search" / "preregistration.json"
+#: testbed -> its pre-registration (committed before its fresh run; never edited afterwards)
+PREREGS: dict[str, Path] = {
+    "zoo8": ROOT / "docs" / "search" / "preregistration.json",
+    "minilm": ROOT / "docs" / "search" / "preregistration-minilm.json",
+}
+PREREG = PREREGS["zoo8"]
+
+
+def _git(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(ROOT), *argv], capture_output=True, text=True)
+
+
+def _head() -> str:
+    """The commit the code runs at (``git rev-parse HEAD``), ``+dirty`` when tracked files under
+    ``bench/``, ``mergepipe/`` or ``mergepipe_zoo/`` differ from it; "" outside a checkout."""
+    head = _git("rev-parse", "HEAD").stdout.strip()
+    if (
+        head
+        and _git(
+            "status", "--porcelain", "--untracked-files=no", "--", "bench", "mergepipe", "mergepipe_zoo"
+        ).stdout.strip()
+    ):
+        head += "+dirty"
+    return head
+
+
+def _part(spec: str, seeds: list[int]) -> list[int]:
+    """The ``K``-th of ``N`` contiguous chunks of ``seeds`` for ``--part K/N`` (1-based; the
+    first chunks one longer when ``N`` does not divide the count).
+
+    Raises:
+        SystemExit: not ``K/N`` with ``1 <= K <= N``.
+    """
+    try:
+        k, n = (int(v) for v in spec.split("/"))
+    except ValueError:
+        raise SystemExit(f"--part {spec!r}: expected K/N, e.g. 1/2") from None
+    if not 1 <= k <= n:
+        raise SystemExit(f"--part {spec!r}: K must be in 1..N")
+    q, r = divmod(len(seeds), n)
+    start = (k - 1) * q + min(k - 1, r)
+    return seeds[start : start + q + (1 if k <= r else 0)]
 
 
 def _preregistered(args) -> list[tuple[list[int], list[str]]]:
-    """Apply docs/search/preregistration.json to ``args`` (budget, blocks, search windows) and
-    return the passes ``[(seeds, arms), ...]`` it registers; records the commit that holds it in
-    ``args.prereg_commit`` (written into every run's spec, so ``--collect`` can name it).
+    """Apply the testbed's pre-registration (:data:`PREREGS`) to ``args`` (budget, blocks, and
+    search windows for ``zoo8``; testbed seed and examples for ``minilm``) and return the passes
+    ``[(seeds, arms), ...]`` it registers (``--part K/N``: this process's chunk of the seeds);
+    records the commit that holds it in ``args.prereg_commit`` (written into every run, so
+    ``--collect`` can name it).
 
     Raises:
         SystemExit: the file has uncommitted changes or is not committed (a pre-registration is
-            committed before the fresh run), or names an unknown arm.
+            committed before the fresh run), names another testbed, or names an unknown arm.
     """
-    import subprocess
-
-    rel = str(PREREG.relative_to(ROOT))
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", rel], capture_output=True, text=True)
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "log", "-1", "--format=%H", "--", rel], capture_output=True, text=True
-    ).stdout.strip()
+    path = PREREGS[args.testbed]
+    rel = str(path.relative_to(ROOT))
+    dirty = _git("status", "--porcelain", "--", rel)
+    commit = _git("log", "-1", "--format=%H", "--", rel).stdout.strip()
     if dirty.returncode or dirty.stdout.strip() or not commit:
         raise SystemExit(f"{rel}: not committed (or changed since); commit the pre-registration before the fresh run.")
-    pr = json.loads(PREREG.read_text())
+    pr = json.loads(path.read_text())
+    if pr["testbed"]["name"] != args.testbed:
+        raise SystemExit(f"{rel}: registers testbed {pr['testbed']['name']!r}, not {args.testbed!r}")
     args.evaluations = int(pr["budget"]["evaluations"])
     args.initial = int(pr["budget"]["initial"])
     args.blocks = int(pr["layer_blocks"])
-    args.search_windows = int(pr["testbed"]["search_windows"])
+    if args.testbed == "minilm":
+        args.minilm_seed = int(pr["testbed"]["minilm_seed"])
+        args.examples = int(pr["testbed"]["examples"])
+    else:
+        args.search_windows = int(pr["testbed"]["search_windows"])
     args.prereg_commit = commit
     seeds = [int(s) for s in pr["fresh_seeds"]]
+    if args.part:
+        seeds = _part(args.part, seeds)
     arms = list(pr["arms"])
-    nsga = [a for a in arms if ARMS[a][1] == "nsga2"]
+    for x in arms:
+        if x not in ARMS:
+            raise SystemExit(f"{rel}: unknown arm {x!r}; arms: {', '.join(ARMS)}")
+    if "passes" in pr:  # registered explicitly (minilm: one seed-major pass of every arm)
+        return [(seeds, list(p)) for p in pr["passes"]]
+    nsga = [a for a in arms if ARMS[a][1] == "nsga2"]  # zoo8: the main arms, then NSGA-II
     return [(seeds, [a for a in arms if a not in nsga]), (seeds, nsga)]
 
 
@@ -425,7 +487,7 @@ def _testbed(args) -> tuple[Evals, Path, dict[str, Path]]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=ROOT / "bench" / ".work" / "search")
-    ap.add_argument("--raw", type=Path, default=ROOT / "docs" / "search" / "raw-zoo8-fresh.jsonl.gz")
+    ap.add_argument("--raw", type=Path, help="raw results to write (default docs/search/raw-<testbed>-fresh.jsonl.gz)")
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--seed-start", type=int, default=0, help="first seed (split the seeds over processes)")
     ap.add_argument("--evaluations", type=int, default=12, help="candidates per run (AP-BMM: 8 + 40)")
@@ -436,8 +498,7 @@ def main(argv: list[str] | None = None) -> None:
         "--testbed",
         choices=TESTBEDS,
         default="zoo8",
-        help="zoo8 (the 8-layer zoo) or minilm (the 6-layer MiniLM encoder, 3 tasks; development runs only "
-        "so far: --fresh and --collect are zoo8's)",
+        help="zoo8 (the 8-layer zoo) or minilm (the pretrained 6-layer MiniLM encoder, 3 tasks)",
     )
     ap.add_argument("--minilm-seed", type=int, default=0, help="minilm: seed of the testbed (MiniLMConfig.seed)")
     ap.add_argument("--examples", type=int, default=128, help="minilm: search (and held-out) examples per task")
@@ -446,9 +507,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--fresh",
         action="store_true",
-        help="the pre-registered fresh run: seeds, arms, budget and blocks from docs/search/preregistration.json "
-        "(committed, unchanged); pass 1 the main arms, pass 2 NSGA-II",
+        help="the pre-registered fresh run: seeds, arms, budget and blocks from the testbed's pre-registration "
+        "(docs/search/preregistration.json, preregistration-minilm.json; committed, unchanged); pass 1 the main "
+        "arms, pass 2 NSGA-II",
     )
+    ap.add_argument("--part", help="with --fresh: K/N, this process runs the K-th of N contiguous chunks of the seeds")
     ap.add_argument(
         "--collect",
         type=Path,
@@ -456,10 +519,12 @@ def main(argv: list[str] | None = None) -> None:
         help="write --raw from the finished (arm, seed) runs of these work folders and stop",
     )
     args = ap.parse_args(argv)
-    if args.testbed != "zoo8" and (args.collect or args.fresh):
-        raise SystemExit(f"--testbed {args.testbed}: --fresh and --collect are registered for zoo8 only.")
+    if args.raw is None:
+        args.raw = ROOT / "docs" / "search" / f"raw-{args.testbed}-fresh.jsonl.gz"
+    if args.part and not args.fresh:
+        raise SystemExit("--part splits the registered seeds of --fresh; without it use --seed-start/--seeds")
     if args.collect:
-        collect(args.collect, args.raw, args.search_windows)
+        collect(args.collect, args.raw, args)
         return
     passes = [(list(range(args.seed_start, args.seed_start + args.seeds)), [x for x in args.arms.split(",") if x])]
     if args.fresh:
@@ -467,9 +532,9 @@ def main(argv: list[str] | None = None) -> None:
     args.work.mkdir(parents=True, exist_ok=True)
 
     ev, base, experts = _testbed(args)
-    ref_metrics = {"base": ev.compute(base)} | {n: ev.compute(experts[n]) for n in ev.domains}
+    ref_metrics = _reference(args.work, ev, base, experts)
     ref = [max(ref_metrics[n][o] for n in ev.domains) for o in ev.objectives]
-    ctx = {"args": args, "work": args.work, "base": base, "experts": experts, "evals": ev, "ref": ref}
+    ctx = {"args": args, "work": args.work, "base": base, "experts": experts, "evals": ev, "ref": ref, "code": _head()}
     for _, arms in passes:
         for x in arms:
             if x not in ARMS:
@@ -488,16 +553,68 @@ def main(argv: list[str] | None = None) -> None:
     print(f"done; python bench/search.py --collect {args.work} ... --raw {args.raw}", flush=True)
 
 
-def collect(works: list[Path], raw: Path, search_windows: int) -> None:
-    """Write the raw results file from every finished (arm, seed) run in ``works`` (one or more
-    processes of ``bench/search.py`` over their own seeds, same settings; a process stopped
-    mid-seed leaves its finished arms). First line the metadata: the base's and experts' losses
-    (evaluated again here, once per ``works[0]``: deterministic), the arms in :data:`ARMS`
-    order, per arm its seeds, wall time from the first run's start to
-    the last run's end, the load average at the first run's start and now; then every run."""
-    from mergepipe_zoo import ZooConfig, build_zoo
+def _reference(work: Path, ev: Evals, base: Path, experts: dict[str, Path]) -> dict:
+    """The base's and every expert's metrics on the testbed (deterministic), cached in
+    ``work/reference.json`` under the evaluator's tag (so a collection does not score them again)."""
+    cached = work / "reference.json"
+    if cached.exists():
+        rec = json.loads(cached.read_text())
+        if rec.get("tag") == ev.tag:
+            return rec["metrics"]
+    metrics = {"base": ev.compute(base)} | {n: ev.compute(experts[n]) for n in ev.domains}
+    cached.write_text(json.dumps({"tag": ev.tag, "metrics": metrics}))
+    return metrics
+
+
+def _testbed_meta(args) -> tuple[str, dict]:
+    """(expected evaluation tag, the raw file's testbed fields) of ``args``'s
+    testbed, without building it (the tag names the testbed's cache key and the split)."""
+    if args.testbed == "minilm":
+        from mergepipe_zoo.minilm import FORMAT, TASKS, MiniLMConfig, minilm_folder
+
+        cfg = MiniLMConfig(seed=args.minilm_seed)
+        try:
+            from transformers import AutoConfig
+
+            layers = AutoConfig.from_pretrained(minilm_folder(), local_files_only=True).num_hidden_layers
+        except (OSError, FileNotFoundError):  # the package is missing: the layout MiniLM has
+            layers = 6
+        fields = {
+            "testbed": "minilm",
+            "examples": args.examples,
+            "domains": list(TASKS),
+            "objectives": [f"loss:{t}" for t in TASKS],
+            "minilm": {"key": cfg.key(), "format": FORMAT, "seed": cfg.seed, "layers": layers},
+        }
+        return f"minilm:{cfg.key()}:n{args.examples}", fields
+    from mergepipe_zoo import ZooConfig
     from mergepipe_zoo.zoo import ZOO_FORMAT
 
+    zcfg = ZooConfig.deep()
+    fields = {
+        "testbed": "zoo8",
+        "search_windows": args.search_windows,
+        "domains": list(DOMAINS),
+        "objectives": OBJ,
+        "zoo": {"key": zcfg.key(), "format": ZOO_FORMAT, "config": "ZooConfig.deep()", "layers": zcfg.num_layers},
+    }
+    return f"{zcfg.key()}:w{args.search_windows}", fields
+
+
+def collect(works: list[Path], raw: Path, args) -> None:
+    """Write the raw results file from every finished (arm, seed) run in ``works`` (one or more
+    processes of ``bench/search.py`` over their own seeds, same settings; a process stopped
+    mid-seed leaves its finished arms). First line the metadata: the testbed, the base's and
+    experts' metrics (``works[0]/reference.json`` as the run wrote it, else evaluated again:
+    deterministic), the arms in :data:`ARMS` order, per arm its seeds, wall time from the first
+    run's start to the last run's end, the load average at the first run's start and now; then
+    every run. ``args`` names the testbed (``--testbed``, ``--minilm-seed``, ``--examples``,
+    ``--search-windows``; a fresh run's values are its pre-registration's).
+
+    Raises:
+        SystemExit: the folders ran different settings, another testbed or split than ``args``
+            names, or runs of different pre-registrations.
+    """
     runs, specs, spans = [], set(), []
     for w in works:
         for f in sorted(w.glob("runs/*/s*/run.json")):
@@ -506,22 +623,8 @@ def collect(works: list[Path], raw: Path, search_windows: int) -> None:
             specs.add((d["spec"]["E"], d["spec"]["I"], d["spec"]["blocks"], d["spec"]["tag"]))
             spans.append((f.stat().st_mtime - d["run"]["run_s"], f.stat().st_mtime, d["run"]["load"]))
     if len(specs) != 1:
-        raise SystemExit(f"--collect: the work folders ran different settings: {sorted(specs)}")
+        raise SystemExit(f"--collect: the work folders ran different settings (or none): {sorted(specs)}")
     E, n0, blocks, tag = specs.pop()
-    zcfg = ZooConfig.deep()
-    zoo = build_zoo(config=zcfg)
-    ev = Evals(zoo, Path("/nonexistent"), search_windows)
-    if ev.tag != tag:
-        raise SystemExit(f"--collect: the runs were scored as {tag}, this zoo/--search-windows gives {ev.tag}")
-    cached = works[0] / "reference.json"  # deterministic; evaluated once per collection folder
-    if cached.exists() and json.loads(cached.read_text()).get("tag") == tag:
-        ref_metrics = json.loads(cached.read_text())["metrics"]
-    else:
-        ref_metrics = {"base": ev.compute(zoo.base)} | {n: ev.compute(zoo.experts[n]) for n in DOMAINS}
-        cached.write_text(json.dumps({"tag": tag, "metrics": ref_metrics}))
-    import botorch
-    import torch
-
     commits = {r.get("prereg") for r in runs}
     if len(commits) != 1:
         raise SystemExit(
@@ -530,18 +633,37 @@ def collect(works: list[Path], raw: Path, search_windows: int) -> None:
     commit = commits.pop()
     prereg = {}
     if commit:  # the registered protocol as committed, so the report applies the registered family
-        import subprocess
-
-        rel = str(PREREG.relative_to(ROOT))
-        shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:{rel}"], capture_output=True, text=True)
+        rel = str(PREREGS[args.testbed].relative_to(ROOT))
+        shown = _git("show", f"{commit}:{rel}")
         if shown.returncode:
             raise SystemExit(f"--collect: cannot read {rel} at the runs' commit {commit}: {shown.stderr.strip()}")
         prereg = {"preregistration_commit": commit, "preregistration": json.loads(shown.stdout)}
+        tb = prereg["preregistration"]["testbed"]
+        if args.testbed == "minilm":
+            args.minilm_seed, args.examples = int(tb["minilm_seed"]), int(tb["examples"])
+        else:
+            args.search_windows = int(tb["search_windows"])
+    want, fields = _testbed_meta(args)
+    if want != tag:
+        raise SystemExit(
+            f"--collect: the runs were scored as {tag}; --testbed {args.testbed} with these options gives {want}"
+        )
+    cached = works[0] / "reference.json"
+    if cached.exists() and json.loads(cached.read_text()).get("tag") == tag:
+        ref_metrics = json.loads(cached.read_text())["metrics"]
+    else:
+        args.work = works[0]
+        ev, base, experts = _testbed(args)
+        ref_metrics = _reference(works[0], ev, base, experts)
+    import botorch
+    import torch
+
     arms = [a for a in ARMS if any(r["arm"] == a for r in runs)]
     runs.sort(key=lambda r: (r["seed"], arms.index(r["arm"])))
     first = min(spans)
+    codes = sorted({r["code"] for r in runs if r.get("code")})
     meta = {
-        "testbed": "zoo8",
+        "testbed": fields.pop("testbed"),
         "phase": "fresh" if commit else "development",
         **prereg,
         "arms": arms,
@@ -549,10 +671,8 @@ def collect(works: list[Path], raw: Path, search_windows: int) -> None:
         "evaluations": E,
         "initial": n0,
         "blocks": blocks,
-        "search_windows": search_windows,
-        "domains": list(DOMAINS),
-        "objectives": OBJ,
-        "zoo": {"key": zcfg.key(), "format": ZOO_FORMAT, "config": "ZooConfig.deep()", "layers": zcfg.num_layers},
+        **fields,
+        **({"code": codes} if codes else {}),
         "reference": {"metrics": ref_metrics},
         "machine": {
             "python": platform.python_version(),

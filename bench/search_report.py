@@ -90,7 +90,13 @@ def _boxes(meta: dict) -> dict:
         ref = [max(rm[n][f"{pre}loss:{d}"] for n in doms) for d in doms]
         ideal = [rm[d][f"{pre}loss:{d}"] for d in doms]
         box = 1.0
-        for r, i in zip(ref, ideal):
+        for d, r, i in zip(doms, ref, ideal):
+            if r <= i:
+                raise ValueError(
+                    f"{kind} {pre}loss:{d}: the {d} expert is the worst expert on its own task ({i:.6g} >= every "
+                    f"other expert's); the HV box between the worst expert and the ideal point is empty, so this "
+                    f"testbed cannot be reported normalised"
+                )
             box *= r - i
         out[kind] = {"ref": ref, "ideal": ideal, "box": box}
     return out
@@ -108,7 +114,9 @@ def analyse(meta: dict, runs: list[dict]) -> dict:
         ys = [c["y"] for c in r["cands"]]
         hs = [c["h"] for c in r["cands"]]
         mask = pareto_mask(ys)
-        v = per.setdefault(r["arm"], {k: [] for k in ("seed", "hv_I", "hv_E", "held", "pareto", "n", "run_s")})
+        v = per.setdefault(r["arm"], {k: [] for k in ("seed", "hv_I", "hv_E", "held", "acc", "pareto", "n", "run_s")})
+        if all("ha" in c for c in r["cands"]):  # held-out accuracies (MiniLM): best worst-task one on the front
+            v["acc"].append(max(min(c["ha"]) for c, k in zip(r["cands"], mask) if k))
         v["seed"].append(r["seed"])
         v["hv_I"].append(hypervolume(ys[:n0], bx["search"]["ref"]) / bx["search"]["box"])
         v["hv_E"].append(hypervolume(ys, bx["search"]["ref"]) / bx["search"]["box"])
@@ -124,6 +132,7 @@ def analyse(meta: dict, runs: list[dict]) -> dict:
             "hv_I": bootstrap_ci(v["hv_I"]),
             "hv_E": bootstrap_ci(v["hv_E"]),
             "held": bootstrap_ci(v["held"]),
+            **({"acc": bootstrap_ci(v["acc"])} if len(v["acc"]) == len(v["seed"]) else {}),
             "pareto": statistics.mean(v["pareto"]),
             "run_s": statistics.mean(v["run_s"]),
         }
@@ -175,29 +184,60 @@ def render(meta: dict, an: dict) -> str:
     doms = meta["domains"]
     mc = meta["machine"]
     L = []
-    L.append(
-        f"Testbed `{meta['testbed']}`: zoo {meta['zoo']['config']} (key `{meta['zoo']['key']}`, format "
-        f"{meta['zoo']['format']}, {meta['zoo']['layers']} layers), experts {', '.join(doms)}; layer-wise arms "
-        f"{meta['blocks']} blocks × {len(doms)} experts = {meta['blocks'] * len(doms)} coordinates, model-level "
-        f"{len(doms)}. {meta['evaluations']} evaluations ({meta['initial']} initial) per run; "
-        f"{meta['search_windows']} search + {meta['search_windows']} held-out windows per domain. "
+    run_line = (
         f"{len(an['runs'])} runs ({sum(len(r['cands']) for r in an['runs'])} evaluated candidates) in "
         f"{meta.get('processes', 1)} process{'es' if meta.get('processes', 1) != 1 else ''}, "
         f"{meta['total_s']:.0f} s wall (sum of the runs' times {meta.get('run_s_sum', meta['total_s']):.0f} s); "
         f"load average {mc['load_start'][0]:.1f} at the start, {mc['load_end'][0]:.1f} at the end "
         f"({mc['cpus']} cores, Python {mc['python']}, torch {mc['torch']}, botorch {mc['botorch']})."
     )
-    L.append("")
-    L.append("Losses (nats/token) on the search windows / held-out windows:")
-    L.append("")
-    L.append("| model | " + " | ".join(doms) + " |")
-    L.append("|---|" + "---|" * len(doms))
-    for n in ["base", *doms]:
+    minilm = meta["testbed"] == "minilm"
+    if minilm:
+        tb = meta["minilm"]
         L.append(
-            f"| {n} | "
-            + " | ".join(f"{rm[n][f'loss:{d}']:.4f} / {rm[n][f'heldout:loss:{d}']:.4f}" for d in doms)
-            + " |"
+            f"Testbed `minilm`: the pretrained MiniLM encoder (sentence-transformers/all-MiniLM-L6-v2, "
+            f"{tb['layers']} layers) and its experts fully fine-tuned on {', '.join(doms)} (testbed seed "
+            f"{tb['seed']}, key `{tb['key']}`, format {tb['format']}); layer-wise arms {meta['blocks']} blocks × "
+            f"{len(doms)} experts = {meta['blocks'] * len(doms)} coordinates, model-level {len(doms)}. "
+            f"{meta['evaluations']} evaluations ({meta['initial']} initial) per run; {meta['examples']} search + "
+            f"{meta['examples']} held-out examples per task. " + run_line
         )
+        L.append("")
+        L.append(
+            "Cross-entropy of each task's head (nats per example) on the search / held-out examples, and the "
+            "held-out accuracy:"
+        )
+        L.append("")
+        L.append("| model | " + " | ".join(doms) + " |")
+        L.append("|---|" + "---|" * len(doms))
+        for n in ["base", *doms]:
+            L.append(
+                f"| {n} | "
+                + " | ".join(
+                    f"{rm[n][f'loss:{d}']:.4f} / {rm[n][f'heldout:loss:{d}']:.4f} ({100 * rm[n][f'heldout:acc:{d}']:.1f}%)"
+                    for d in doms
+                )
+                + " |"
+            )
+    else:
+        L.append(
+            f"Testbed `{meta['testbed']}`: zoo {meta['zoo']['config']} (key `{meta['zoo']['key']}`, format "
+            f"{meta['zoo']['format']}, {meta['zoo']['layers']} layers), experts {', '.join(doms)}; layer-wise arms "
+            f"{meta['blocks']} blocks × {len(doms)} experts = {meta['blocks'] * len(doms)} coordinates, model-level "
+            f"{len(doms)}. {meta['evaluations']} evaluations ({meta['initial']} initial) per run; "
+            f"{meta['search_windows']} search + {meta['search_windows']} held-out windows per domain. " + run_line
+        )
+        L.append("")
+        L.append("Losses (nats/token) on the search windows / held-out windows:")
+        L.append("")
+        L.append("| model | " + " | ".join(doms) + " |")
+        L.append("|---|" + "---|" * len(doms))
+        for n in ["base", *doms]:
+            L.append(
+                f"| {n} | "
+                + " | ".join(f"{rm[n][f'loss:{d}']:.4f} / {rm[n][f'heldout:loss:{d}']:.4f}" for d in doms)
+                + " |"
+            )
     L.append("")
     E, n0 = an["E"], an["I"]
     L.append(
@@ -205,11 +245,21 @@ def render(meta: dict, an: dict) -> str:
         "loss on its own domain at once)."
     )
     L.append("")
-    L.append(f"| arm | seeds | evals | HV @ {n0} | HV @ {E} | held-out HV of the Pareto set | Pareto pts | s/run |")
-    L.append("|---|---|---|---|---|---|---|---|")
-    for arm, v in an["arms"].items():
+    if minilm:
         L.append(
-            f"| {arm} | {v['seeds']} | {v['evals']} | {_ci(*v['hv_I'])} | {_ci(*v['hv_E'])} | {_ci(*v['held'])} | "
+            "Worst-task held-out accuracy: of the Pareto set's points, the best minimum over the tasks of the "
+            "held-out accuracy (the point a user who needs every task would deploy)."
+        )
+        L.append("")
+    acc_h = " worst-task held-out acc. |" if minilm else ""
+    L.append(
+        f"| arm | seeds | evals | HV @ {n0} | HV @ {E} | held-out HV of the Pareto set |{acc_h} Pareto pts | s/run |"
+    )
+    L.append("|---|---|---|---|---|---|---|---|" + ("---|" if minilm else ""))
+    for arm, v in an["arms"].items():
+        acc = f" {100 * v['acc'][0]:.1f}% [{100 * v['acc'][1]:.1f}, {100 * v['acc'][2]:.1f}] |" if minilm else ""
+        L.append(
+            f"| {arm} | {v['seeds']} | {v['evals']} | {_ci(*v['hv_I'])} | {_ci(*v['hv_E'])} | {_ci(*v['held'])} |{acc} "
             f"{v['pareto']:.1f} | {v['run_s']:.0f} |"
         )
     L.append("")

@@ -119,33 +119,52 @@ def test_preregistered_family_is_fixed_and_primary_stated(tmp_path):
 
 
 def test_fresh_run_refuses_an_uncommitted_preregistration(tmp_path, monkeypatch):
-    """bench/search.py --fresh runs only from a committed, unchanged pre-registration and takes
-    seeds, arms (main arms first, NSGA-II second) and budget from it."""
+    """bench/search.py --fresh runs only from a committed, unchanged pre-registration of its
+    testbed and takes seeds, arms (zoo8: main arms first, NSGA-II second; minilm: the registered
+    seed-major pass, split by --part) and budget from it."""
     import subprocess
     from types import SimpleNamespace
 
     import bench.search as bs
 
-    pr = json.loads((ROOT / "docs" / "search" / "preregistration.json").read_text())
+    regs = {}
     (tmp_path / "docs" / "search").mkdir(parents=True)
+    for tb, name in (("zoo8", "preregistration.json"), ("minilm", "preregistration-minilm.json")):
+        regs[tb] = json.loads((ROOT / "docs" / "search" / name).read_text())
+        (tmp_path / "docs" / "search" / name).write_text(json.dumps(regs[tb]))
     f = tmp_path / "docs" / "search" / "preregistration.json"
-    f.write_text(json.dumps(pr))
     monkeypatch.setattr(bs, "ROOT", tmp_path)
-    monkeypatch.setattr(bs, "PREREG", f)
+    monkeypatch.setattr(
+        bs,
+        "PREREGS",
+        {
+            tb: tmp_path / "docs" / "search" / n
+            for tb, n in (("zoo8", "preregistration.json"), ("minilm", "preregistration-minilm.json"))
+        },
+    )
     git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "init", "-q"], check=True)
-    args = SimpleNamespace()
+    args = SimpleNamespace(testbed="zoo8", part=None)
     with pytest.raises(SystemExit, match="not committed"):
         bs._preregistered(args)
     subprocess.run([*git, "add", "-A"], check=True)
     subprocess.run([*git, "commit", "-qm", "prereg"], check=True)
+    pr = regs["zoo8"]
     passes = bs._preregistered(args)
     assert passes[0] == (pr["fresh_seeds"], ["lw-bo", "ml-bo", "ml-bo-default", "lw-random", "ml-random", "ml-grid"])
     assert passes[1] == (pr["fresh_seeds"], ["lw-nsga2", "ml-nsga2"])
     assert (args.evaluations, args.initial, args.blocks, args.search_windows) == (12, 6, 4, 16)
     assert len(args.prereg_commit) == 40
+    mini = SimpleNamespace(testbed="minilm", part="2/2")
+    passes = bs._preregistered(mini)
+    arms = ["lw-bo", "ml-bo", "lw-random", "ml-random", "ml-grid", "lw-nsga2", "ml-nsga2"]
+    assert passes == [([105, 106, 107, 108, 109], arms)]
+    assert (mini.evaluations, mini.initial, mini.blocks, mini.minilm_seed, mini.examples) == (12, 6, 3, 100, 128)
     f.write_text(json.dumps(pr | {"fresh_seeds": [0]}))  # edited after the commit: refused
     with pytest.raises(SystemExit, match="not committed"):
+        bs._preregistered(args)
+    with pytest.raises(SystemExit, match="registers testbed 'minilm', not 'zoo8'"):  # the wrong file
+        bs.PREREGS["zoo8"] = bs.PREREGS["minilm"]
         bs._preregistered(args)
 
 
