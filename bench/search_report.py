@@ -411,13 +411,12 @@ def minilm_cost(cost: dict) -> str:
         f"{chk['reference_s']:.0f} / {chk['objective_s']:.0f} | {chk['reference_cpu_s']:.1f} / "
         f"{chk['objective_cpu_s']:.1f} |",
         "",
-        f"Per evaluation **{c['per_evaluation_s']} CPU s** ({w['per_evaluation_s']:.0f} s wall at that load; the "
-        "CLI protocol above was ~364 s wall at load",
-        "15): per example, model load included, the objective is "
+        f"Per evaluation **{c['per_evaluation_s']} CPU s** ({w['per_evaluation_s']:.0f} s wall at that load): per "
+        "example, model load included, the objective is "
         f"~{per_example:.1f}× cheaper than `mergepipe eval` ({chk['objective_cpu_s']:.1f}",
-        f"CPU s for {6 * n} examples against {chk['reference_cpu_s']:.1f} for {3 * n}), the rest of the saving is "
-        f"{scored} the examples and the merge in",
-        f"process (53 s wall through the CLI). A pre-registered MiniLM run at AP-BMM's budget — {pj['runs']} runs per",
+        f"CPU s for {6 * n} examples against {chk['reference_cpu_s']:.1f} for {3 * n}), and it scores "
+        f"{scored} the testbed's examples with the merge in",
+        f"process. A MiniLM run at AP-BMM's budget — {pj['runs']} runs per",
         f"arm, 8 + {bo} evaluations, {d_lw} layer-wise coordinates — is {n_eval} × {c['per_evaluation_s']} + {bo} × "
         f"{c['per_proposal_s_layerwise']} ≈ **{c['per_run_s']:.0f} CPU s per",
         f"run**: **{c['two_arms_hours']} CPU hours for two arms** (`lw-bo`, `ml-bo`) and "
