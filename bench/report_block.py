@@ -60,23 +60,29 @@ def _where(doc: Path) -> str:
         return doc.name
 
 
+def _compare(doc: Path, blocks: Sequence[Block]) -> tuple[list[str], list[str]]:
+    """(blocks whose markers ``doc`` lacks, blocks ``doc`` holds otherwise), one line each."""
+    text = doc.read_text()
+    missing, differ = [], []
+    for b in blocks:
+        s = span(text, b.begin, b.end)
+        if s is None:
+            missing.append(f"{_where(doc)}: no generated block for the {b.label} (markers {b.begin!r} … {b.end!r})")
+            continue
+        old, new = text[s[0] : s[1]].splitlines(), b.text.splitlines()
+        if old != new or text[s[0] : s[1]] != b.text:
+            i = next((k for k, (x, y) in enumerate(zip(old, new, strict=False)) if x != y), min(len(old), len(new)))
+            differ.append(f"{_where(doc)}: the {b.label}: line {i + 1} of the block differs from the re-derivation")
+    return missing, differ
+
+
 def differences(doc: Path, blocks: Sequence[Block]) -> list[str]:
     """One line per block of ``blocks`` that ``doc`` lacks or holds otherwise (empty: all match).
 
     Each line names the document, the block and, for a difference, its first differing line
     (1 = the begin marker)."""
-    text = doc.read_text()
-    bad = []
-    for b in blocks:
-        s = span(text, b.begin, b.end)
-        if s is None:
-            bad.append(f"{_where(doc)}: no generated block for the {b.label} (markers {b.begin!r} … {b.end!r})")
-            continue
-        old, new = text[s[0] : s[1]].splitlines(), b.text.splitlines()
-        if old != new or text[s[0] : s[1]] != b.text:
-            i = next((k for k, (x, y) in enumerate(zip(old, new, strict=False)) if x != y), min(len(old), len(new)))
-            bad.append(f"{_where(doc)}: the {b.label}: line {i + 1} of the block differs from the re-derivation")
-    return bad
+    missing, differ = _compare(doc, blocks)
+    return missing + differ
 
 
 def write(doc: Path, blocks: Sequence[Block]) -> list[str]:
@@ -126,12 +132,12 @@ def main(
     a = ap.parse_args(argv)
     blocks = render()
     if a.check:
-        bad = differences(doc, blocks)
-        for line in bad:
+        missing, differ = _compare(doc, blocks)
+        for line in missing + differ:
             print(line, file=sys.stderr)
-        if bad:
+        if missing or differ:
             print(f"fix: python {script} --write (never edit the blocks by hand)", file=sys.stderr)
-        return 2 if any("no generated block" in x for x in bad) else (1 if bad else 0)
+        return 2 if missing else (1 if differ else 0)
     if a.write or bare_writes:
         missing = write(doc, blocks)
         for line in missing:

@@ -29,6 +29,13 @@ def test_write_then_check_then_a_hand_edit_is_caught(tmp_path, capsys):
     assert rb.differences(doc, blocks)
 
 
+def test_check_exit_code_comes_from_the_kind_of_mismatch_not_its_wording(tmp_path):
+    """A differing block is exit 1 even when its label reads like the missing-marker message."""
+    doc = _doc(tmp_path)
+    blocks = [rb.Block("no generated block table", B, E, f"{B}\n| a | 2 |\n{E}")]
+    assert rb.main(["--check"], doc, lambda: blocks, "d", "bench/x.py") == 1
+
+
 def test_missing_markers_exit_2_and_write_nothing(tmp_path, capsys):
     doc = tmp_path / "DOC.md"
     doc.write_text(f"intro\n{B}\nno end marker\n")
