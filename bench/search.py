@@ -29,7 +29,10 @@ model-level, 3 coordinates):
 * ``ml-grid``: the full grid with ``k = ⌈E^(1/3)⌉`` levels ``0, 1/(k−1), …, 1`` per expert weight,
   ``E`` of its points in a seed-dependent order;
 * ``lw-nsga2``, ``ml-nsga2``: NSGA-II (optuna's ``NSGAIISampler``, population ``--initial``),
-  sequential ask/tell.
+  sequential ask/tell;
+* ``lw-cmaes``, ``ml-cmaes``: CMA-ES as ``mergekit-evolve`` runs it (pycma, ``x0`` = 1/3 per
+  weight, ``sigma0`` = 1/6, pycma's default population, the objectives summed into one; see
+  :func:`_cmaes`), sequential ask/tell.
 
 Every (arm, seed) run writes every evaluated candidate (unit-cube point, search-window objectives,
 held-out losses) to ``--raw`` (gzip JSON lines, the first line the run's metadata); the tables
@@ -79,6 +82,8 @@ ARMS: dict[str, tuple[str, str]] = {
     "ml-grid": ("ml", "grid"),
     "lw-nsga2": ("lw", "nsga2"),
     "ml-nsga2": ("ml", "nsga2"),
+    "lw-cmaes": ("lw", "cmaes"),
+    "ml-cmaes": ("ml", "cmaes"),
 }
 
 
@@ -316,6 +321,8 @@ def run_arm(arm: str, seed: int, ctx: dict) -> dict:
     failed = 0
     if opt == "nsga2":
         cands = _nsga2(SearchConfig(**cfg_kw), seed, ctx, d)
+    elif opt == "cmaes":
+        cands = _cmaes(SearchConfig(**cfg_kw), seed, ctx, d)
     else:
         if opt == "bo":
             cfg_kw["strategy"] = "async"
@@ -346,24 +353,39 @@ def run_arm(arm: str, seed: int, ctx: dict) -> dict:
     return out
 
 
-def _nsga2(cfg, seed: int, ctx: dict, d: Path) -> list[dict]:
-    """NSGA-II (optuna's ``NSGAIISampler``, population ``cfg.initial``) over the arm's unit cube,
-    sequential ask/tell; every candidate a real merge through the caching merger."""
-    import optuna
+def _search_space(cfg, ctx: dict):
+    """The :class:`mergepipe.search.space.SearchSpace` of ``cfg`` on the testbed's base (its
+    layer count read from the base's safetensors names)."""
     from safetensors import safe_open
 
-    from mergepipe.catalog.objectstore import open_catalog
+    from mergepipe.methods.params import layer_count
     from mergepipe.search.space import SearchSpace, parse_vary
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     names: list[str] = []
     for f in sorted(Path(ctx["base"]).glob("*.safetensors")):
         with safe_open(str(f), "pt") as h:
             names += list(h.keys())
-    from mergepipe.methods.params import layer_count
-
     ev: Evals = ctx["evals"]
-    space = SearchSpace(cfg.method, list(ev.domains), parse_vary(cfg.vary), layer_count(names), cfg.layer_blocks, {})
+    return SearchSpace(cfg.method, list(ev.domains), parse_vary(cfg.vary), layer_count(names), cfg.layer_blocks, {})
+
+
+def _evaluate(cfg, x: list[float], i: int, space, merger, cat, ctx: dict, d: Path) -> dict:
+    """Merge unit-cube point ``x`` (candidate ``i``) through the caching merger and score it."""
+    ev: Evals = ctx["evals"]
+    m = merger.merge(cfg, {"id": i, "params": space.to_params(x)}, d, {}, cat)
+    return ev.metrics(m.snapshot if str(m.snapshot).startswith("cached:") else Path(m.snapshot))
+
+
+def _nsga2(cfg, seed: int, ctx: dict, d: Path) -> list[dict]:
+    """NSGA-II (optuna's ``NSGAIISampler``, population ``cfg.initial``) over the arm's unit cube,
+    sequential ask/tell; every candidate a real merge through the caching merger."""
+    import optuna
+
+    from mergepipe.catalog.objectstore import open_catalog
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    ev: Evals = ctx["evals"]
+    space = _search_space(cfg, ctx)
     cat = open_catalog(cfg.catalog)
     merger = ev.merger()
     study = optuna.create_study(
@@ -374,10 +396,72 @@ def _nsga2(cfg, seed: int, ctx: dict, d: Path) -> list[dict]:
     for i in range(cfg.evaluations):
         trial = study.ask()
         x = [trial.suggest_float(f"x{j}", 0.0, 1.0) for j in range(space.d)]
-        m = merger.merge(cfg, {"id": i, "params": space.to_params(x)}, d, {}, cat)
-        r = ev.metrics(m.snapshot if str(m.snapshot).startswith("cached:") else Path(m.snapshot))
+        r = _evaluate(cfg, x, i, space, merger, cat, ctx, d)
         study.tell(trial, [r[o] for o in ev.objectives])
         out.append(_raw(x, r, ev.objectives))
+    return out
+
+
+#: mergekit-evolve's CMA-ES settings (mergekit/scripts/evolve.py, mergekit/evo/genome.py):
+#: ``sigma0`` (its ``--sigma0`` default) and the initial weight ``1 / n_models`` (``x0`` of
+#: ``ModelGenome.initial_genotype`` without ``random_init``).
+CMAES_SIGMA0 = 1 / 6
+
+
+def cmaes_strategy(d: int, n_experts: int, seed: int):
+    """The ``cma.CMAEvolutionStrategy`` mergekit-evolve starts (pycma; ``cma.fmin2`` with a
+    ``parallel_objective`` is its ask/tell loop): ``x0`` = ``1 / n_experts`` in each of the
+    ``d`` coordinates, ``sigma0`` = :data:`CMAES_SIGMA0`, pycma's default population
+    ``4 + ⌊3 ln d⌋`` (mergekit sets none), no bounds. Seeded (``seed``) and drawing its normal
+    samples from its own ``numpy.random.RandomState(seed)``, so a run is reproducible whatever
+    else in the process uses numpy's global generator (mergekit leaves pycma's time-based seed).
+
+    Raises:
+        ImportError: pycma is not installed (``pip install 'mergepipe[bench]'``).
+    """
+    import cma
+    import numpy as np
+
+    rs = np.random.RandomState(seed)
+    return cma.CMAEvolutionStrategy(
+        [1.0 / n_experts] * d, CMAES_SIGMA0, {"seed": seed, "randn": rs.randn, "verbose": -9}
+    )
+
+
+def cmaes_point(g) -> list[float]:
+    """A CMA-ES genotype ``g`` (``d`` floats, unbounded) as the point of the unit cube that is
+    merged: ``|g|`` as mergekit-evolve takes weights (``allow_negative_weights`` false), capped at
+    1, the top of the registered weight range ``0:1`` (mergekit has no upper cap; from ``x0`` =
+    1/3 with ``sigma0`` = 1/6 a weight above 1 is a 4-sigma draw)."""
+    return [min(abs(float(v)), 1.0) for v in g]
+
+
+def _cmaes(cfg, seed: int, ctx: dict, d: Path) -> list[dict]:
+    """CMA-ES as ``mergekit-evolve`` runs it (:func:`cmaes_strategy`) over the arm's weights:
+    each generation's asks are merged (:func:`cmaes_point`) and scored in order, the fitness is
+    the **sum of the objectives** (mergekit-evolve's scalarisation: the tasks' metrics times their
+    weights, default 1, summed; here losses, minimised, so no sign flip) and told back. The run
+    stops at ``cfg.evaluations`` candidates: the last generation is cut there and never told
+    (mergekit's ``maxfevals`` stops after a whole generation; the cut keeps every arm's budget
+    equal). Every candidate a real merge through the caching merger."""
+    from mergepipe.catalog.objectstore import open_catalog
+
+    ev: Evals = ctx["evals"]
+    space = _search_space(cfg, ctx)
+    cat = open_catalog(cfg.catalog)
+    merger = ev.merger()
+    es = cmaes_strategy(space.d, len(ev.domains), seed)
+    out: list[dict] = []
+    while len(out) < cfg.evaluations:
+        gen = es.ask()
+        fit = []
+        for g in gen[: cfg.evaluations - len(out)]:
+            x = cmaes_point(g)
+            r = _evaluate(cfg, x, len(out), space, merger, cat, ctx, d)
+            fit.append(sum(r[o] for o in ev.objectives))
+            out.append(_raw(x, r, ev.objectives))
+        if len(fit) == len(gen):
+            es.tell(gen, fit)
     return out
 
 

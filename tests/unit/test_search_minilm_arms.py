@@ -204,3 +204,41 @@ def test_every_minilm_arm_coordinate_changes_the_merged_encoder(minilm_home, tmp
             )
             assert dead_coordinates(cfg, tmp_path / f"{arm}-{blocks}") == [], (arm, blocks)
     assert len(seen) == 3  # lw at 4 and 6 blocks, ml
+
+
+def test_the_cmaes_arms_merge_the_asks_of_mergekit_evolves_cma_es(minilm_home, tmp_path, monkeypatch):
+    """``lw-cmaes`` and ``ml-cmaes`` end to end on the small MiniLM layout (issue 27): every
+    candidate is a real merge scored on the three tasks, and the candidates are pycma's asks, not
+    random points: the same strategy (x0 1/3, sigma0 1/6, default population: 9 in 6 dimensions,
+    7 in 3) reproduces the recorded points, and after telling it the first generation's summed
+    losses (mergekit-evolve's scalarisation) its next ask is the model-level run's 8th candidate."""
+    pytest.importorskip("cma")
+    from bench import search
+    from mergepipe_zoo.minilm import TASKS
+
+    monkeypatch.setenv("MERGEPIPE_HOME", str(minilm_home))
+    work = tmp_path / "work"
+    argv = ["--testbed", "minilm", "--minilm-seed", str(SEED), "--work", str(work), "--seeds", "1"]
+    argv += ["--evaluations", "8", "--initial", "2", "--blocks", "2", "--examples", "6", "--arms", "lw-cmaes,ml-cmaes"]
+    search.main(argv)
+    for arm, dims, pop in (("lw-cmaes", 6, 9), ("ml-cmaes", 3, 7)):
+        r = json.loads((work / "runs" / arm / "s0" / "run.json").read_text())["run"]
+        cands = r["cands"]
+        assert r["failed"] == 0 and len(cands) == 8, arm
+        for c in cands:
+            assert len(c["x"]) == dims and len(c["y"]) == len(c["h"]) == len(TASKS)
+            assert all(math.isfinite(v) and v > 0 for v in c["y"] + c["h"]), c
+        assert len({tuple(c["y"]) for c in cands}) == 8, f"{arm}: different merges scored alike"
+        es = search.cmaes_strategy(dims, len(TASKS), 0)
+        assert es.popsize == pop
+        gen = es.ask()
+        asks = [[round(v, 6) for v in search.cmaes_point(g)] for g in gen]
+        assert [c["x"] for c in cands[:pop]] == asks[:8], arm
+        if pop < 8:  # the second generation follows the tell of the first's summed losses
+            es.tell(gen, [sum(c["y"]) for c in cands[:pop]])
+            nxt = [round(v, 6) for v in search.cmaes_point(es.ask()[0])]
+            assert cands[pop]["x"] == nxt
+            # ...which is not what the untold strategy would ask next
+            other = search.cmaes_strategy(dims, len(TASKS), 0)
+            other.ask()
+            assert [round(v, 6) for v in search.cmaes_point(other.ask()[0])] != nxt
