@@ -342,6 +342,7 @@ def run_arm(arm: str, seed: int, ctx: dict) -> dict:
         "arm": arm,
         "seed": seed,
         **({"prereg": a.prereg_commit} if getattr(a, "prereg_commit", None) else {}),
+        **({"amendment": a.amendment_commit} if getattr(a, "amendment_commit", None) else {}),
         **({"code": ctx["code"]} if ctx.get("code") else {}),
         "run_s": round(time.time() - t0, 2),
         "load": [round(x, 2) for x in load0],
@@ -522,11 +523,7 @@ def _preregistered(args) -> list[tuple[list[int], list[str]]]:
             committed before the fresh run), names another testbed, or names an unknown arm.
     """
     path = PREREGS[args.testbed]
-    rel = str(path.relative_to(ROOT))
-    dirty = _git("status", "--porcelain", "--", rel)
-    commit = _git("log", "-1", "--format=%H", "--", rel).stdout.strip()
-    if dirty.returncode or dirty.stdout.strip() or not commit:
-        raise SystemExit(f"{rel}: not committed (or changed since); commit the pre-registration before the fresh run.")
+    rel, commit = _committed(path, "commit the pre-registration before the fresh run")
     pr = json.loads(path.read_text())
     if pr["testbed"]["name"] != args.testbed:
         raise SystemExit(f"{rel}: registers testbed {pr['testbed']['name']!r}, not {args.testbed!r}")
@@ -549,7 +546,72 @@ def _preregistered(args) -> list[tuple[list[int], list[str]]]:
     if "passes" in pr:  # registered explicitly (minilm: one seed-major pass of every arm)
         return [(seeds, list(p)) for p in pr["passes"]]
     nsga = [a for a in arms if ARMS[a][1] == "nsga2"]  # zoo8: the main arms, then NSGA-II
-    return [(seeds, [a for a in arms if a not in nsga]), (seeds, nsga)]
+    passes = [(seeds, [a for a in arms if a not in nsga]), (seeds, nsga)]
+    if getattr(args, "amendment", None):
+        passes = _amended(args, commit)
+    return passes
+
+
+def _committed(path: Path, fix: str) -> tuple[str, str]:
+    """(``path`` relative to the repository, the last commit that changed it).
+
+    Raises:
+        SystemExit: the file has uncommitted changes, is not committed, or is outside the checkout.
+    """
+    try:
+        rel = str(path.resolve().relative_to(ROOT.resolve()))
+    except ValueError:
+        raise SystemExit(f"{path}: not in the checkout {ROOT}; {fix}.") from None
+    dirty = _git("status", "--porcelain", "--", rel)
+    commit = _git("log", "-1", "--format=%H", "--", rel).stdout.strip()
+    if dirty.returncode or dirty.stdout.strip() or not commit:
+        raise SystemExit(f"{rel}: not committed (or changed since); {fix}.")
+    return rel, commit
+
+
+def _amendment(args, path: Path, registered: str) -> tuple[str, str, dict]:
+    """(relative path, commit, content) of the amendment ``path`` to the testbed's registration
+    committed at ``registered``, validated.
+
+    Raises:
+        SystemExit: not committed (or changed since), not JSON, amends another file or commit,
+            names another testbed or an unknown arm, or has no passes.
+    """
+    rel, commit = _committed(path, "commit the amendment before its runs")
+    try:
+        am = json.loads(path.read_text())
+        amends, passes = am["amends"], am["passes"]
+        plan = [([int(s) for s in p["seeds"]], [str(a) for a in p["arms"]]) for p in passes]
+        family = [tuple(c) for c in am["family"]["comparisons"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise SystemExit(
+            f"{rel}: not an amendment ({type(e).__name__}: {e}); see docs/search/*amendment*.json"
+        ) from None
+    reg_rel = str(PREREGS[args.testbed].relative_to(ROOT))
+    if amends.get("file") != reg_rel or amends.get("commit") != registered:
+        raise SystemExit(
+            f"{rel}: amends {amends.get('file')}@{amends.get('commit')}; --testbed {args.testbed}'s registration "
+            f"is {reg_rel}@{registered}"
+        )
+    for x in [a for _, arms in plan for a in arms] + [a for c in family for a in c]:
+        if x not in ARMS:
+            raise SystemExit(f"{rel}: unknown arm {x!r}; arms: {', '.join(ARMS)}")
+    if not plan:
+        raise SystemExit(f"{rel}: passes: no runs registered")
+    return rel, commit, am
+
+
+def _amended(args, registered: str) -> list[tuple[list[int], list[str]]]:
+    """The passes of ``args.amendment`` (run at the registered settings ``_preregistered`` set);
+    records its commit in ``args.amendment_commit`` (written into its runs beside ``prereg``).
+
+    Raises:
+        SystemExit: see :func:`_amendment`; ``--part`` (an amendment runs in one process).
+    """
+    if args.part:
+        raise SystemExit("--part splits a registration's seeds; an amendment runs its passes in one process")
+    _, args.amendment_commit, am = _amendment(args, args.amendment, registered)
+    return [([int(s) for s in p["seeds"]], list(p["arms"])) for p in am["passes"]]
 
 
 TESTBEDS = ("zoo8", "minilm")
@@ -597,12 +659,26 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--part", help="with --fresh: K/N, this process runs the K-th of N contiguous chunks of the seeds")
     ap.add_argument(
+        "--amendment",
+        type=Path,
+        help="with --fresh: run the passes of this committed amendment to the testbed's pre-registration (at the "
+        "registered settings) instead of the registered passes; with --collect: collect its runs and the registered "
+        "runs its comparisons need (e.g. docs/search/preregistration-zoo8-amendment1.json)",
+    )
+    ap.add_argument(
         "--collect",
         type=Path,
         nargs="+",
         help="write --raw from the finished (arm, seed) runs of these work folders and stop",
     )
     args = ap.parse_args(argv)
+    if args.amendment and not (args.fresh or args.collect):
+        raise SystemExit("--amendment goes with --fresh (run it) or --collect (collect its runs)")
+    if args.amendment:
+        args.amendment = args.amendment if args.amendment.is_absolute() else Path.cwd() / args.amendment
+    if args.raw is None and args.amendment:
+        stem = args.amendment.stem.removeprefix("preregistration-")
+        args.raw = ROOT / "docs" / "search" / f"raw-{stem}.jsonl.gz"
     if args.raw is None:
         args.raw = ROOT / "docs" / "search" / f"raw-{args.testbed}-fresh.jsonl.gz"
     if args.part and not args.fresh:
@@ -695,17 +771,42 @@ def collect(works: list[Path], raw: Path, args) -> None:
     every run. ``args`` names the testbed (``--testbed``, ``--minilm-seed``, ``--examples``,
     ``--search-windows``; a fresh run's values are its pre-registration's).
 
+    With ``args.amendment`` (a committed amendment to the testbed's registration): the runs made
+    under it (``amendment`` = its commit) and the registered runs (``prereg`` = the registered
+    commit, no ``amendment``) of the arms its family compares; every other run is left out. The
+    metadata then hold the amendment as committed (``amendment_commit``, ``amendment``), per arm
+    the registered seeds reused (``registered_seeds``), and wall time, run-time sum and start load
+    of the amendment's own runs.
+
     Raises:
         SystemExit: the folders ran different settings, another testbed or split than ``args``
             names, or runs of different pre-registrations.
     """
-    runs, specs, spans = [], set(), []
+    found = []
     for w in works:
         for f in sorted(w.glob("runs/*/s*/run.json")):
             d = json.loads(f.read_text())
-            runs.append(d["run"])
-            specs.add((d["spec"]["E"], d["spec"]["I"], d["spec"]["blocks"], d["spec"]["tag"]))
-            spans.append((f.stat().st_mtime - d["run"]["run_s"], f.stat().st_mtime, d["run"]["load"]))
+            found.append((d, (f.stat().st_mtime - d["run"]["run_s"], f.stat().st_mtime, d["run"]["load"])))
+    amend: dict = {}
+    if getattr(args, "amendment", None):
+        registered = _git("log", "-1", "--format=%H", "--", str(PREREGS[args.testbed].relative_to(ROOT))).stdout
+        rel, acommit, am = _amendment(args, args.amendment, registered.strip())
+        compared = {a for c in am["family"]["comparisons"] for a in c}
+        found = [
+            (d, sp)
+            for d, sp in found
+            if d["run"].get("amendment") == acommit
+            or (
+                "amendment" not in d["run"]
+                and d["run"].get("prereg") == registered.strip()
+                and d["run"]["arm"] in compared
+            )
+        ]
+        amend = {"amendment_file": rel, "amendment_commit": acommit, "amendment": am}
+    runs = [d["run"] for d, _ in found]
+    specs = {(d["spec"]["E"], d["spec"]["I"], d["spec"]["blocks"], d["spec"]["tag"]) for d, _ in found}
+    own = [sp for d, sp in found if not amend or d["run"].get("amendment") == amend["amendment_commit"]]
+    spans = own or [sp for _, sp in found]
     if len(specs) != 1:
         raise SystemExit(f"--collect: the work folders ran different settings (or none): {sorted(specs)}")
     E, n0, blocks, tag = specs.pop()
@@ -746,12 +847,17 @@ def collect(works: list[Path], raw: Path, args) -> None:
     runs.sort(key=lambda r: (r["seed"], arms.index(r["arm"])))
     first = min(spans)
     codes = sorted({r["code"] for r in runs if r.get("code")})
+    seeds = {a: sorted(r["seed"] for r in runs if r["arm"] == a) for a in arms}
+    if amend:
+        reused = {a: sorted(r["seed"] for r in runs if r["arm"] == a and "amendment" not in r) for a in arms}
+        amend["registered_seeds"] = {a: s for a, s in reused.items() if s}
     meta = {
         "testbed": fields.pop("testbed"),
-        "phase": "fresh" if commit else "development",
+        "phase": "amendment" if amend else "fresh" if commit else "development",
         **prereg,
+        **amend,
         "arms": arms,
-        "seeds": {a: sorted(r["seed"] for r in runs if r["arm"] == a) for a in arms},
+        "seeds": seeds,
         "evaluations": E,
         "initial": n0,
         "blocks": blocks,
@@ -768,7 +874,7 @@ def collect(works: list[Path], raw: Path, args) -> None:
         },
         "processes": len(works),
         "total_s": round(max(e for _, e, _ in spans) - first[0], 1),
-        "run_s_sum": round(sum(r["run_s"] for r in runs), 1),
+        "run_s_sum": round(sum(r["run_s"] for r in runs if not amend or "amendment" in r), 1),
     }
     raw.parent.mkdir(parents=True, exist_ok=True)
     with gzip.GzipFile(raw, "wb", compresslevel=9, mtime=0) as f:

@@ -191,3 +191,57 @@ def test_minilm_cost_figures_are_re_derived_from_the_raw_measurement(tmp_path):
     edited["candidates"][0]["score_cpu_s"] += 4.0  # the stored projection no longer follows
     with pytest.raises(ValueError, match="projection.cpu"):
         minilm_cost(edited)
+
+
+def test_amendment_runs_only_when_committed_and_amending_the_registration(tmp_path, monkeypatch):
+    """bench/search.py --fresh --amendment FILE: the committed amendment's passes replace the
+    registered ones at the registered settings, its commit is recorded; an uncommitted or edited
+    amendment, one outside the checkout, one that amends another commit and ``--part`` are refused."""
+    import subprocess
+    from types import SimpleNamespace
+
+    import bench.search as bs
+
+    d = tmp_path / "docs" / "search"
+    d.mkdir(parents=True)
+    reg = (ROOT / "docs" / "search" / "preregistration.json").read_text()
+    (d / "preregistration.json").write_text(reg)
+    monkeypatch.setattr(bs, "ROOT", tmp_path)
+    monkeypatch.setattr(bs, "PREREGS", {"zoo8": d / "preregistration.json"})
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "prereg"], check=True)
+    registered = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    am = json.loads((ROOT / "docs" / "search" / "preregistration-zoo8-amendment1.json").read_text())
+    am["amends"]["commit"] = registered
+    f = d / "preregistration-zoo8-amendment1.json"
+    f.write_text(json.dumps(am))
+    args = SimpleNamespace(testbed="zoo8", part=None, amendment=f)
+    with pytest.raises(SystemExit, match="not committed"):
+        bs._preregistered(args)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "amendment"], check=True)
+    passes = bs._preregistered(args)
+    assert passes == [
+        ([106, 107, 108, 109], ["lw-nsga2", "ml-nsga2"]),
+        (list(range(100, 110)), ["lw-cmaes", "ml-cmaes"]),
+    ]
+    assert (args.evaluations, args.initial, args.blocks, args.search_windows) == (12, 6, 4, 16)
+    assert args.prereg_commit == registered and len(args.amendment_commit) == 40
+    assert args.amendment_commit != registered
+    with pytest.raises(SystemExit, match="an amendment runs its passes in one process"):
+        bs._preregistered(SimpleNamespace(testbed="zoo8", part="1/2", amendment=f))
+    outside = tmp_path.parent / "amendment-elsewhere.json"
+    outside.write_text(json.dumps(am))
+    with pytest.raises(SystemExit, match="not in the checkout"):
+        bs._preregistered(SimpleNamespace(testbed="zoo8", part=None, amendment=outside))
+    other = d / "preregistration-zoo8-amendment2.json"
+    other.write_text(json.dumps(am | {"amends": {"file": "docs/search/preregistration.json", "commit": "0" * 40}}))
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "amendment 2"], check=True)
+    with pytest.raises(SystemExit, match="amends docs/search/preregistration.json@0000000000"):
+        bs._preregistered(SimpleNamespace(testbed="zoo8", part=None, amendment=other))
+    f.write_text(json.dumps(am | {"passes": []}))  # edited after the commit: refused
+    with pytest.raises(SystemExit, match="not committed"):
+        bs._preregistered(args)
