@@ -1,0 +1,113 @@
+"""docs/BENCHMARKS.md's fused-kernel tables and S3 request profile are what the committed raw
+results give (bench/benchmarks_report.py), a changed raw value changes the rendered block, and a
+raw file that does not parse is refused naming the file and the field."""
+
+import json
+import shutil
+
+import pytest
+
+from bench import benchmarks_report as br, report_block
+
+
+def test_benchmarks_doc_matches_committed_raw_results():
+    """Re-render the four blocks from docs/benchmarks/; a hand-edited figure or raw data changed
+    without re-rendering fails."""
+    for _, glob, _ in br.BLOCKS:
+        assert sorted(br.RAW.glob(glob)), f"no committed raw results {glob}"
+    assert br.main(["--check"]) == 0
+
+
+@pytest.fixture
+def raw(tmp_path):
+    """A copy of the committed raw files the blocks are rendered from."""
+    d = tmp_path / "raw"
+    d.mkdir()
+    for _, glob, _ in br.BLOCKS:
+        for f in br.RAW.glob(glob):
+            shutil.copy(f, d / f.name)
+    return d
+
+
+def _edit_jsonl(path, fn):
+    recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    for r in recs:
+        fn(r)
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def _block(blocks, name):
+    return next(b.text for b in blocks if b.label == name)
+
+
+def test_a_changed_raw_value_changes_the_rendered_block(raw, tmp_path):
+    before = br.render(raw)
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text("\n\n".join(b.text for b in before) + "\n")
+    assert report_block.differences(doc, br.render(raw)) == []
+
+    (sd,) = raw.glob("sketch-decode-*.jsonl")
+    _edit_jsonl(sd, lambda r: r.update(cpu_prepare_gb_s=2.5) if r["kernels"] == "torch" else None)
+    (mt,) = raw.glob("merge-tile-*.jsonl")
+    _edit_jsonl(mt, lambda r: r.update(torch_ns_per_expert_entry=9.99) if r["mode"] == "sign3" else None)
+    (fx,) = raw.glob("fused-execute-*.txt")
+    lines = fx.read_text().splitlines(keepends=True)
+    i = next(i for i, x in enumerate(lines) if x.split()[:2] == ["10%", "torch"] and "cpu=5.69" in x)
+    lines[i] = lines[i].replace("cpu=5.69", "cpu=7.69")
+    fx.write_text("".join(lines))
+    (s3,) = raw.glob("s3-requests-*.json")
+    d = json.loads(s3.read_text())
+    d["runs"][0]["by_kind"]["sketch"]["requests"] = 4040
+    s3.write_text(json.dumps(d))
+
+    after = br.render(raw)
+    assert "| run preparation, `sign3` (codes + value tables, once per run) | 2.50 (2.50-2.50) |" in _block(
+        after, "sketch-decode table"
+    )
+    assert "| `sign3` sketches | 9.99 | 2.92 |" in _block(after, "merge-tile table")
+    # the 10% torch CPU medians over 5.69 (now 7.69), 5.82, 4.89: the median moves to 5.82
+    fe = _block(after, "fused-execute table")
+    assert "| 10%, tiers | 5.82 | 4.62 |" in fe and "take 1.2 s of CPU (21%)" in fe
+    s3b = _block(after, "s3-requests table")
+    assert "| 4,040 | 96.8 |" in s3b and "73 GETs per second" in s3b
+    diffs = report_block.differences(doc, after)
+    assert len(diffs) == 4 and all("differs from the re-derivation" in x for x in diffs)
+
+
+def test_a_raw_line_that_does_not_parse_is_refused_naming_file_and_line(raw, monkeypatch, capsys):
+    (fx,) = raw.glob("fused-execute-*.txt")
+    fx.write_text(fx.read_text() + "      10% torch load=4.9 wall=nine cpu=5.0 rss=300MiB engine_wall=4 out=ab\n")
+    with pytest.raises(br.RawError, match=r"fused-execute-llama-14m-k8.txt: line 16 is not"):
+        br.render(raw)
+    monkeypatch.setattr(br, "RAW", raw)
+    assert br.main(["--check"]) == 2
+    assert "line 16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("glob", "edit", "message"),
+    [
+        ("merge-tile-*.jsonl", lambda r: r.update(identical=False), "field 'identical' is False"),
+        (
+            "merge-tile-*.jsonl",
+            lambda r: r.update(fused_ns_per_expert_entry="1.2"),
+            "'fused_ns_per_expert_entry' is '1.2'",
+        ),
+        ("sketch-decode-*.jsonl", lambda r: r.update(kernels="numba"), "field 'kernels' is 'numba'"),
+        ("sketch-decode-*.jsonl", lambda r: r.pop("cpu_combine_fused_gb_s", None), "'cpu_combine_fused_gb_s' is None"),
+    ],
+)
+def test_a_record_without_what_its_table_needs_is_refused(raw, glob, edit, message):
+    (f,) = raw.glob(glob)
+    _edit_jsonl(f, edit)
+    with pytest.raises(br.RawError, match=message):
+        br.render(raw)
+
+
+def test_an_s3_profile_without_a_kind_figure_is_refused(raw):
+    (s3,) = raw.glob("s3-requests-*.json")
+    d = json.loads(s3.read_text())
+    del d["runs"][2]["by_kind"]["expert"]["span_s"]
+    s3.write_text(json.dumps(d))
+    with pytest.raises(br.RawError, match=r"runs\[2\]: by_kind.expert: field 'span_s' is None"):
+        br.render(raw)
