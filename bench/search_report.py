@@ -5,7 +5,8 @@ run's metadata with the base's and experts' losses; then one line per (arm, seed
 evaluated candidate: unit-cube point ``x``, search-window losses ``y``, held-out losses ``h``, in
 completion order). Output: the Markdown between ``<!-- search-report:<label>:begin -->`` and
 ``<!-- search-report:<label>:end -->`` in docs/SEARCH.md (labels ``zoo8-dev``: the development run,
-``zoo8-fresh``: the pre-registered fresh run, docs/search/preregistration.json); and the block
+``zoo8-fresh``: the pre-registered fresh run, docs/search/preregistration.json; ``zoo8-amendment1``:
+its registered amendment, docs/search/preregistration-zoo8-amendment1.json, with its own family); and the block
 ``minilm-cost`` from ``docs/search/minilm-eval-cost.json`` (``bench/search_minilm.py``'s timings;
 :func:`minilm_cost` re-derives the per-evaluation cost and the projection from them).
 
@@ -59,6 +60,9 @@ FAMILY: list[tuple[str, str, str]] = [
     ("lw-bo", "lw-nsga2", "BO vs NSGA-II, layer-wise"),
     ("ml-bo", "ml-nsga2", "BO vs NSGA-II, model-level"),
     ("ml-bo-default", "ml-bo", "CLI defaults (prior + reranking) vs plain BO, model-level"),
+    ("lw-cmaes", "ml-cmaes", "layer-wise vs model-level, CMA-ES"),
+    ("lw-bo", "lw-cmaes", "BO vs CMA-ES, layer-wise"),
+    ("ml-bo", "ml-cmaes", "BO vs CMA-ES, model-level"),
 ]
 
 
@@ -139,7 +143,7 @@ def analyse(meta: dict, runs: list[dict]) -> dict:
     pairs = []
     # A pre-registered run fixes its family in advance: a comparison that did not run stays in it
     # with p = 1 (reported "not run"). Otherwise the family is the comparisons the data contain.
-    prereg = meta.get("preregistration")
+    prereg = meta.get("amendment") or meta.get("preregistration")  # an amendment registers its own family
     fixed = {tuple(c) for c in prereg["family"]["comparisons"]} if prereg else None
     for a, b, what in FAMILY:
         if fixed is not None and (a, b) not in fixed:
@@ -184,6 +188,24 @@ def render(meta: dict, an: dict) -> str:
     doms = meta["domains"]
     mc = meta["machine"]
     L = []
+    amend = meta.get("amendment")
+    if amend:
+        reused = meta["registered_seeds"]
+        own = [r for r in an["runs"] if "amendment" in r]
+        L.append(
+            f"Amendment `{meta['amendment_file']}` (commit `{meta['amendment_commit'][:7]}`) to the registration "
+            f"(commit `{meta['preregistration_commit'][:7]}`), registered before its runs, run after the registered "
+            f"deadline: {len(own)} runs of it ("
+            + ", ".join(
+                f"{a} {_seeds([r['seed'] for r in own if r['arm'] == a])}"
+                for a in meta["arms"]
+                if any(r["arm"] == a for r in own)
+            )
+            + "), and the registered runs its comparisons need, reused as the registered run wrote them ("
+            + ", ".join(f"{a} {_seeds(s)}" for a, s in reused.items())
+            + "). Wall, run times and start load below are the amendment's runs'."
+        )
+        L.append("")
     run_line = (
         f"{len(an['runs'])} runs ({sum(len(r['cands']) for r in an['runs'])} evaluated candidates) in "
         f"{meta.get('processes', 1)} process{'es' if meta.get('processes', 1) != 1 else ''}, "
@@ -293,7 +315,13 @@ def render(meta: dict, an: dict) -> str:
     L.append("")
     L.append("Significant after Holm at 0.05: " + ("; ".join(sig) if sig else "none") + ".")
     prereg = meta.get("preregistration")
-    if prereg:
+    if amend:
+        L.append("")
+        L.append(
+            f"The amendment's family ({an['family']} tests, Holm) is its own: the registered family, its Holm "
+            f"correction and its primary endpoint ({' − '.join(PRIMARY)}, held-out HV) are unchanged."
+        )
+    elif prereg:
         a, b = PRIMARY
         t = next((p["held"] for p in an["pairs"] if (p["a"], p["b"]) == (a, b)), None)
         L.append("")
@@ -307,6 +335,14 @@ def render(meta: dict, an: dict) -> str:
                 f"{t['holm']:.4f}: {'significant' if t['holm'] <= 0.05 else 'not significant'} at 0.05."
             )
     return "\n".join(L)
+
+
+def _seeds(seeds: list[int]) -> str:
+    """``seeds`` as ``a–b`` when contiguous, else comma-separated (``s`` prefix)."""
+    xs = sorted(seeds)
+    if len(xs) > 1 and xs == list(range(xs[0], xs[-1] + 1)):
+        return f"s{xs[0]}–{xs[-1]}"
+    return "s" + ", ".join(map(str, xs))
 
 
 def blocks(raw_dir: Path = RAW) -> dict[str, str]:

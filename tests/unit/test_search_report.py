@@ -245,3 +245,40 @@ def test_amendment_runs_only_when_committed_and_amending_the_registration(tmp_pa
     f.write_text(json.dumps(am | {"passes": []}))  # edited after the commit: refused
     with pytest.raises(SystemExit, match="not committed"):
         bs._preregistered(args)
+
+
+def test_an_amendment_block_applies_the_amendments_family_not_the_registered_one(tmp_path):
+    """A raw file collected under an amendment: Holm runs over the amendment's family (the
+    registered family's comparisons outside it are left out, one that did not run counts with
+    p = 1), the block names the amendment's runs and the registered runs reused, and states the
+    registered primary endpoint unchanged instead of re-testing it."""
+    from bench.search_report import blocks, load
+
+    path = tmp_path / "raw-toy-amendment1.jsonl.gz"
+    _raw(path)
+    with gzip.open(path, "rt") as f:
+        lines = f.read().splitlines()
+    meta = json.loads(lines[0])
+    runs = [json.loads(x) for x in lines[1:]]
+    for r in runs:
+        if r["arm"] == "ml-grid":
+            r["amendment"] = "a" * 40  # the amendment's runs; lw-bo and ml-bo registered, reused
+    meta |= {
+        "phase": "amendment",
+        "preregistration_commit": "0" * 40,
+        "preregistration": {"family": {"comparisons": [["lw-bo", "ml-bo"], ["lw-bo", "ml-grid"]]}},
+        "amendment_file": "docs/search/x.json",
+        "amendment_commit": "a" * 40,
+        "amendment": {"family": {"comparisons": [["lw-bo", "ml-grid"], ["lw-cmaes", "ml-cmaes"]]}},
+        "registered_seeds": {"lw-bo": [0, 1, 2, 3], "ml-bo": [0, 1, 2, 3]},
+    }
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join([json.dumps(meta), *map(json.dumps, runs)]) + "\n")
+    meta, runs = load(path)
+    block = blocks(tmp_path)["toy-amendment1"]
+    assert "4 runs of it (ml-grid s0–3), and the registered runs its comparisons need" in block
+    assert "(lw-bo s0–3, ml-bo s0–3)" in block
+    assert "| lw-bo − ml-grid |" in block and "| lw-bo − ml-bo |" not in block
+    assert "| lw-cmaes − ml-cmaes | layer-wise vs model-level, CMA-ES | 0 | held-out HV | not run |" in block
+    assert "over the family of these 4 tests" in block
+    assert "Primary endpoint" not in block and "primary endpoint (lw-bo − ml-bo, held-out HV) are unchanged" in block
