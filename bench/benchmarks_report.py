@@ -109,6 +109,20 @@ def _loads(recs: Sequence[dict], path: Path, keys: Sequence[str]) -> list[float]
     return [_num(r, k, f"{_rel(path)}: record {i + 1}") for i, r in enumerate(recs) for k in keys if k in r]
 
 
+def _provenance(recs: Sequence[dict]) -> str:
+    """``code at COMMIT, FIRST-LAST UTC; `` from records that carry ``git`` and ``date_utc``
+    (:mod:`bench.record`; records written before it do not, and then this is empty)."""
+    gits = [r.get("git") for r in recs]
+    dates = [r.get("date_utc") for r in recs]
+    if not all(isinstance(x, str) and x for x in gits + dates):
+        return ""
+    commits = ", ".join(dict.fromkeys(str(g)[:7] + ("+dirty" if str(g).endswith("+dirty") else "") for g in gits))
+    stamps = sorted(str(d)[:16].replace("T", " ") for d in dates)
+    first, last = stamps[0], stamps[-1]
+    span = first if first == last else (f"{first}-{last[11:]}" if first[:10] == last[:10] else f"{first} to {last}")
+    return f"code at {commits}, {span} UTC; "
+
+
 # --- sketch-decode ----------------------------------------------------------------------------
 
 #: (stage label, field of the torch-path figure, records it is read from, fused field, records)
@@ -167,7 +181,8 @@ def render_sketch_decode(path: Path) -> str:
     lines = [
         f"{len(by['torch'])} runs with `MERGEPIPE_KERNELS=torch` and {len(by['fused'])} without, "
         f"{entries:,} entries, {planes} planes, {int(_num(r0, 'threads', _rel(path)))} thread; load average "
-        f"{_range(loads)}; raw: {_link(path)}. GB of expert (bf16) bytes per second per core, median (range):",
+        f"{_range(loads)}; {_provenance(recs)}raw: {_link(path)}. GB of expert (bf16) bytes per second per core, "
+        "median (range):",
         "",
         "| stage | torch | fused C |",
         "|---|---|---|",
@@ -205,7 +220,7 @@ def render_merge_tile(path: Path) -> str:
     lines = [
         f"K = {int(_num(first, 'experts', _rel(path)))} experts, {int(_num(first, 'entries', _rel(path))):,} entries per "
         f"expert, {int(_num(first, 'threads', _rel(path)))} thread, output bytes identical in every mode; load average "
-        f"{_range(loads)}; raw: {_link(path)}. ns per expert entry:",
+        f"{_range(loads)}; {_provenance(recs)}raw: {_link(path)}. ns per expert entry:",
         "",
         "| experts held as | torch | fused C | speed-up |",
         "|---|---|---|---|",

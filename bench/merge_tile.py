@@ -14,6 +14,10 @@ compared (they must be equal). Figures: ns per expert entry (CPU time / (entries
 Usage::
 
     python bench/merge_tile.py [--mode sign3|r1|exact] [--experts 8] [--rows 3072] [--cols 768]
+
+``--out FILE`` appends the run's record (with its commit, time and command: :mod:`bench.record`)
+to ``FILE``, e.g. ``docs/benchmarks/merge-tile-DATE.jsonl``, which ``bench/benchmarks_report.py``
+renders into docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -22,12 +26,20 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
-def main() -> None:
+from bench import record  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=["sign3", "r1", "exact"], default="sign3")
     ap.add_argument("--experts", type=int, default=8)
@@ -35,7 +47,10 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=768)
     ap.add_argument("--block-rows", type=int, default=85)
     ap.add_argument("--repeat", type=int, default=5)
-    a = ap.parse_args()
+    ap.add_argument(
+        "--out", type=Path, default=None, help="append the run's record (one JSON line) to this file [print only]"
+    )
+    a = ap.parse_args(argv)
 
     import torch
 
@@ -103,7 +118,10 @@ def main() -> None:
         report[f"{name}_ns_per_expert_entry"] = round(s / (rows * rn * k) * 1e9, 2)
     report["speedup"] = round(best["torch"] / best["fused"], 2)
     report["identical"] = True
+    report.update(record.provenance("bench/merge_tile.py", sys.argv[1:] if argv is None else argv))
     print(json.dumps(report))
+    if a.out is not None:
+        record.append_jsonl(a.out, report)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,10 @@ core: GB of expert bytes per second per core.
 Usage::
 
     python bench/sketch_decode.py [--rows 4096] [--cols 768] [--block-rows 85] [--repeat 3] [--experts 8]
+
+``--out FILE`` appends the run's record (with its commit, time and command: :mod:`bench.record`)
+to ``FILE``, e.g. ``docs/benchmarks/sketch-decode-DATE.jsonl``, which ``bench/benchmarks_report.py``
+renders into docs/BENCHMARKS.md (run it alternately with ``MERGEPIPE_KERNELS=torch`` and without).
 """
 
 from __future__ import annotations
@@ -35,19 +39,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
-def main() -> None:
+from bench import record  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--cols", type=int, default=768)
     ap.add_argument("--block-rows", type=int, default=85)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--experts", type=int, default=8, help="K of the combine stages")
-    a = ap.parse_args()
+    ap.add_argument(
+        "--out", type=Path, default=None, help="append the run's record (one JSON line) to this file [print only]"
+    )
+    a = ap.parse_args(argv)
 
     import torch
 
@@ -142,7 +157,10 @@ def main() -> None:
     else:
         print(f"fused CPU kernels unavailable ({kernels_cpu.unavailable_reason()}): torch stages only", flush=True)
     report["loadavg_end"] = os.getloadavg()[0]
+    report.update(record.provenance("bench/sketch_decode.py", sys.argv[1:] if argv is None else argv))
     print(json.dumps(report))
+    if a.out is not None:
+        record.append_jsonl(a.out, report)
 
 
 def combine_stages(torch, n: int, rng, k: int, timed) -> dict:

@@ -111,3 +111,28 @@ def test_an_s3_profile_without_a_kind_figure_is_refused(raw):
     s3.write_text(json.dumps(d))
     with pytest.raises(br.RawError, match=r"runs\[2\]: by_kind.expert: field 'span_s' is None"):
         br.render(raw)
+
+
+def test_merge_tile_writes_a_record_the_report_renders(tmp_path):
+    """bench/merge_tile.py --out appends its record with commit, time and command (no --out path),
+    and the report renders that record's figures and provenance."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "merge-tile-x.jsonl"
+    argv = ["--mode", "r1", "--rows", "170", "--cols", "64", "--experts", "2", "--repeat", "1", "--out", str(out)]
+    subprocess.run([sys.executable, str(br.REPO / "bench" / "merge_tile.py"), *argv], check=True, capture_output=True)
+    (rec,) = br.read_jsonl(out)
+    assert rec["command"] == ["bench/merge_tile.py", *argv[:-2]] and rec["identical"] is True
+    assert len(rec["git"].removesuffix("+dirty")) == 40 and rec["date_utc"].endswith("Z")
+    md = br.render_merge_tile(out)
+    row = f"| rank-1 tier (`sign3+r1`) | {rec['torch_ns_per_expert_entry']:.2f} | {rec['fused_ns_per_expert_entry']:.2f} |"
+    assert row in md and f"code at {rec['git'][:7]}" in md and "K = 2 experts, 10,880 entries" in md
+
+
+def test_records_with_provenance_name_commit_and_time(raw):
+    (sd,) = raw.glob("sketch-decode-*.jsonl")
+    times = iter(["2026-11-28T10:01:05Z", "2026-11-28T10:03:00Z"] * 3)
+    _edit_jsonl(sd, lambda r: r.update(git="0123456789abcdef" * 2 + "01234567", date_utc=next(times)))
+    md = _block(br.render(raw), "sketch-decode table")
+    assert "load average 5.7-6.7; code at 0123456, 2026-11-28 10:01-10:03 UTC; raw:" in md
