@@ -12,7 +12,8 @@ from the raw files under ``docs/benchmarks/``:
   ``merge-tile-*.jsonl`` (one JSON line per ``bench/merge_tile.py --mode M`` run);
 - ``fused-execute``: ``mergepipe execute`` end to end, medians over rounds, from
   ``fused-execute-*.txt`` (one line per run: budget, path, load, wall, CPU, peak RSS, engine
-  ``wall_s``, output digest; written by hand from ``/usr/bin/time -v`` and ``--json``);
+  ``wall_s``, output digest; ``bench/fused_execute.py`` writes it, the committed one was written
+  by a shell loop from ``/usr/bin/time -v`` and ``--json``);
 - ``s3-requests``: ranged GETs per object kind of each profiled S3 merge, from
   ``s3-requests-*.json`` (``bench/s3_requests.py`` summaries assembled into one file).
 

@@ -136,3 +136,40 @@ def test_records_with_provenance_name_commit_and_time(raw):
     _edit_jsonl(sd, lambda r: r.update(git="0123456789abcdef" * 2 + "01234567", date_utc=next(times)))
     md = _block(br.render(raw), "sketch-decode table")
     assert "load average 5.7-6.7; code at 0123456, 2026-11-28 10:01-10:03 UTC; raw:" in md
+
+
+@pytest.mark.slow
+def test_fused_execute_writes_the_record_the_report_renders(tmp_path, monkeypatch, capsys):
+    """bench/fused_execute.py runs `mergepipe execute` of a real TIES plan with tiers on both
+    paths, compares the outputs and writes the raw record the report parses and renders."""
+    from bench import fused_execute
+    from testkit.harness import run_cli
+    from testkit.synth import make_family
+
+    base, experts = make_family(tmp_path / "m", 2, seed=11)
+    plan = tmp_path / "p30.json"
+    args = ["plan", "--base", str(base), *(x for e in experts for x in ("-e", str(e)))]
+    args += ["-m", "ties", "-p", "density=0.3", "-b", "30%", "--sketch", "sign3", "-o", str(plan), "--json"]
+    code, _, err = run_cli(args, monkeypatch, capsys)
+    assert code == 0, err
+    out = tmp_path / "fused-execute-x.txt"
+    argv = ["--plan", f"30%={plan}", "--rounds", "1", "--work", str(tmp_path / "w"), "--out", str(out)]
+    assert fused_execute.main(argv) == 0
+    runs = br.read_fused_execute(out)
+    assert [(r["budget"], r["path"]) for r in runs] == [("30%", "torch"), ("30%", "c")]
+    assert runs[0]["out"] == runs[1]["out"] and all(r["cpu"] > 0 and r["rss"] > 0 for r in runs)
+    header = [x for x in out.read_text().splitlines() if x.startswith("#")]
+    assert any("code at " in x for x in header) and not any(str(out) in x for x in header)
+    md = br.render_fused_execute(out)
+    assert f"| 30%, tiers | {runs[0]['cpu']:.2f} | {runs[1]['cpu']:.2f} |" in md and "| identical |" in md
+
+
+def test_fused_execute_refuses_a_bad_plan_argument(tmp_path, capsys):
+    from bench import fused_execute
+
+    work = tmp_path / "w"
+    assert fused_execute.main(["--plan", "nolabel.json", "--work", str(work)]) == 2
+    assert "expected LABEL=PLAN.json" in capsys.readouterr().err
+    assert fused_execute.main(["--plan", f"10%={tmp_path / 'missing.json'}", "--work", str(work)]) == 2
+    assert "is not a file (write it with `mergepipe plan" in capsys.readouterr().err
+    assert not work.exists()
