@@ -15,7 +15,8 @@ from the raw files under ``docs/benchmarks/``:
   ``wall_s``, output digest; ``bench/fused_execute.py`` writes it, the committed one was written
   by a shell loop from ``/usr/bin/time -v`` and ``--json``);
 - ``s3-requests``: ranged GETs per object kind of each profiled S3 merge, from
-  ``s3-requests-*.json`` (``bench/s3_requests.py`` summaries assembled into one file).
+  ``s3-requests-*.json`` (``bench/s3_requests.py --record`` appends a run; the committed file's
+  runs were assembled from its summaries by hand).
 
 A raw file is untrusted input: a missing field, a value of the wrong type or a line that does
 not parse raises :class:`RawError` naming the file, the line or run, and the field.
@@ -376,6 +377,14 @@ def _time(r: dict) -> str:
     return m[1] if m else r["started"]
 
 
+def _run_label(run: str) -> str:
+    """``"10% sign3+r1"`` as ``10% `sign3+r1```, ``"10% none"`` as ``10% `--sketch none```."""
+    budget, _, sketch = run.partition(" ")
+    if not sketch:
+        return run
+    return f"{budget} " + {"none": "`--sketch none`", "default": "default tiers"}.get(sketch, f"`{sketch}`")
+
+
 def render_s3_requests(path: Path) -> str:
     """The per-run table of one ``s3-requests-*.json`` and the figures the prose draws from it:
     the share of the tiered run's engine wall in sketch GETs, their rate, the extra base bytes
@@ -397,7 +406,7 @@ def render_s3_requests(path: Path) -> str:
         span = "" if sk is None else f"{sk['request_s']:.0f} s / {sk['span_s']:.0f} s"
         eng = f"{_num(r, 'engine_wall_s', f'{_rel(path)}: runs[{i}]'):.1f}" if "engine_wall_s" in r else ""
         win = f"{_num(r, 'input_window_s', f'{_rel(path)}: runs[{i}]'):.1f} s" if "input_window_s" in r else ""
-        run = r["run"].replace("sign3+r1", "`sign3+r1`").replace(" none", " `--sketch none`")
+        run = _run_label(r["run"])
         rc = f" (rc {r['rc']})" if r.get("rc") not in (None, 0) else ""
         lines.append(
             f"| {run}{rc} | {r['code']} | {_time(r)}, {r['load1_before']:.1f} | {0 if sk is None else sk['requests']:,} "

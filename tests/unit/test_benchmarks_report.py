@@ -173,3 +173,31 @@ def test_fused_execute_refuses_a_bad_plan_argument(tmp_path, capsys):
     assert fused_execute.main(["--plan", f"10%={tmp_path / 'missing.json'}", "--work", str(work)]) == 2
     assert "is not a file (write it with `mergepipe plan" in capsys.readouterr().err
     assert not work.exists()
+
+
+def test_s3_requests_record_keeps_the_command_not_the_scratch_paths(capsys):
+    from bench import s3_requests
+
+    argv = ["--sketch-gap", "65536", "--out", "/tmp/p.json", "--record", "r.json", "--code", "main", "--"]
+    argv += ["merge", "--base", "s3://bk/models/base", "--out", "s3://bk/prof/g64", "--json"]
+    assert s3_requests.record_command(argv, "bk") == [
+        "s3_requests.py",
+        "--sketch-gap",
+        "65536",
+        "--",
+        "merge",
+        "--base",
+        "s3://$BUCKET/models/base",
+        "--out",
+        "s3://$BUCKET/prof/g64",
+        "--json",
+    ]
+    reqs = [
+        {"kind": "catalog", "t0": 0.0, "s": 0.5},
+        {"kind": "base", "t0": 1.0, "s": 0.5},
+        {"kind": "sketch", "t0": 2.0, "s": 1.25},
+        {"kind": "output", "t0": 4.0, "s": 1.0},
+    ]
+    assert s3_requests.input_window_s(reqs) == 2.25 and s3_requests.input_window_s(reqs[:1]) is None
+    assert s3_requests.main(["--record", "r.json", "--", "merge"]) == 2
+    assert "--record needs --code" in capsys.readouterr().err
