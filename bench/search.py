@@ -44,6 +44,9 @@ seeds (``--seeds`` can be raised later).
 Run (docs/SEARCH.md)::
 
     PYTHONPATH=. nice -n 15 .venv/bin/python -W ignore bench/search.py --work bench/.work/search
+    # the zoo8 fresh run's registered amendment (docs/SEARCH.md), in a copy W1 of its work folder:
+    PYTHONPATH=. OPENBLAS_NUM_THREADS=1 nice -n 10 .venv/bin/python -W ignore bench/search.py --fresh \\
+        --amendment docs/search/preregistration-zoo8-amendment1.json --work W1
     # the MiniLM testbed, a development run on a tiny budget (the catalog analysis, ~250 CPU s,
     # is done once per --work folder):
     PYTHONPATH=. OPENBLAS_NUM_THREADS=1 nice -n 15 .venv/bin/python -W ignore bench/search.py \\

@@ -318,6 +318,25 @@ def render(meta: dict, an: dict) -> str:
     if amend:
         L.append("")
         L.append(
+            "Exploratory, not registered and not tested: per arm, the run's candidate with the lowest **sum** of "
+            "the search-window losses (CMA-ES's own fitness, as mergekit-evolve scalarises), mean over seeds "
+            "[95 % percentile bootstrap interval] of that sum and of the same candidate's held-out sum (nats/token "
+            "summed over the domains; the best single expert: "
+            + ", ".join(f"{_sum_loss(rm[d], doms, ''):.4f} / {_sum_loss(rm[d], doms, 'heldout:'):.4f}" for d in doms)
+            + f" for {', '.join(doms)}):"
+        )
+        L.append("")
+        L.append("| arm | best summed search loss | its held-out sum |")
+        L.append("|---|---|---|")
+        from mergepipe.search.stats import bootstrap_ci
+
+        for arm in an["arms"]:
+            best = [min(r["cands"], key=lambda c: sum(c["y"])) for r in an["runs"] if r["arm"] == arm]
+            ys = bootstrap_ci([sum(c["y"]) for c in best])
+            hs = bootstrap_ci([sum(c["h"]) for c in best])
+            L.append(f"| {arm} | {ys[0]:.4f} [{ys[1]:.4f}, {ys[2]:.4f}] | {hs[0]:.4f} [{hs[1]:.4f}, {hs[2]:.4f}] |")
+        L.append("")
+        L.append(
             f"The amendment's family ({an['family']} tests, Holm) is its own: the registered family, its Holm "
             f"correction and its primary endpoint ({' − '.join(PRIMARY)}, held-out HV) are unchanged."
         )
@@ -335,6 +354,11 @@ def render(meta: dict, an: dict) -> str:
                 f"{t['holm']:.4f}: {'significant' if t['holm'] <= 0.05 else 'not significant'} at 0.05."
             )
     return "\n".join(L)
+
+
+def _sum_loss(m: dict, doms: list[str], pre: str) -> float:
+    """Sum over ``doms`` of ``m[f"{pre}loss:{d}"]`` (nats/token)."""
+    return sum(m[f"{pre}loss:{d}"] for d in doms)
 
 
 def _seeds(seeds: list[int]) -> str:
