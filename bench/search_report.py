@@ -2,11 +2,13 @@
 
 Input: ``docs/search/raw-<label>.jsonl.gz`` written by ``bench/search.py`` (first line: the
 run's metadata with the base's and experts' losses; then one line per (arm, seed) with every
-evaluated candidate: unit-cube point ``x``, search-window losses ``y``, held-out losses ``h``, in
+evaluated candidate: unit-cube point ``x``, search-window (or search-example) losses ``y``, held-out losses ``h``, in
 completion order). Output: the Markdown between ``<!-- search-report:<label>:begin -->`` and
 ``<!-- search-report:<label>:end -->`` in docs/SEARCH.md (labels ``zoo8-dev``: the development run,
 ``zoo8-fresh``: the pre-registered fresh run, docs/search/preregistration.json; ``zoo8-amendment1``:
-its registered amendment, docs/search/preregistration-zoo8-amendment1.json, with its own family); and the block
+its registered amendment, docs/search/preregistration-zoo8-amendment1.json, with its own family;
+``minilm-fresh``: the MiniLM testbed's pre-registered fresh run, docs/search/preregistration-minilm.json,
+whose candidates also carry held-out accuracies ``ha``); and the block
 ``minilm-cost`` from ``docs/search/minilm-eval-cost.json`` (``bench/search_minilm.py``'s timings;
 :func:`minilm_cost` re-derives the per-evaluation cost and the projection from them).
 
