@@ -226,23 +226,10 @@ def render(meta: dict, an: dict) -> str:
             f"{meta['evaluations']} evaluations ({meta['initial']} initial) per run; {meta['examples']} search + "
             f"{meta['examples']} held-out examples per task. " + run_line
         )
-        L.append("")
-        L.append(
+        caption = (
             "Cross-entropy of each task's head (nats per example) on the search / held-out examples, and the "
             "held-out accuracy:"
         )
-        L.append("")
-        L.append("| model | " + " | ".join(doms) + " |")
-        L.append("|---|" + "---|" * len(doms))
-        for n in ["base", *doms]:
-            L.append(
-                f"| {n} | "
-                + " | ".join(
-                    f"{rm[n][f'loss:{d}']:.4f} / {rm[n][f'heldout:loss:{d}']:.4f} ({100 * rm[n][f'heldout:acc:{d}']:.1f}%)"
-                    for d in doms
-                )
-                + " |"
-            )
     else:
         L.append(
             f"Testbed `{meta['testbed']}`: zoo {meta['zoo']['config']} (key `{meta['zoo']['key']}`, format "
@@ -251,17 +238,16 @@ def render(meta: dict, an: dict) -> str:
             f"{len(doms)}. {meta['evaluations']} evaluations ({meta['initial']} initial) per run; "
             f"{meta['search_windows']} search + {meta['search_windows']} held-out windows per domain. " + run_line
         )
-        L.append("")
-        L.append("Losses (nats/token) on the search windows / held-out windows:")
-        L.append("")
-        L.append("| model | " + " | ".join(doms) + " |")
-        L.append("|---|" + "---|" * len(doms))
-        for n in ["base", *doms]:
-            L.append(
-                f"| {n} | "
-                + " | ".join(f"{rm[n][f'loss:{d}']:.4f} / {rm[n][f'heldout:loss:{d}']:.4f}" for d in doms)
-                + " |"
-            )
+        caption = "Losses (nats/token) on the search windows / held-out windows:"
+
+    def cell(m: dict, d: str) -> str:
+        """Search / held-out loss of model metrics ``m`` on domain ``d`` (and, MiniLM, held-out accuracy)."""
+        acc = f" ({100 * m[f'heldout:acc:{d}']:.1f}%)" if minilm else ""
+        return f"{m[f'loss:{d}']:.4f} / {m[f'heldout:loss:{d}']:.4f}{acc}"
+
+    L += ["", caption, "", "| model | " + " | ".join(doms) + " |", "|---|" + "---|" * len(doms)]
+    for n in ["base", *doms]:
+        L.append(f"| {n} | " + " | ".join(cell(rm[n], d) for d in doms) + " |")
     L.append("")
     E, n0 = an["E"], an["I"]
     L.append(
