@@ -695,7 +695,7 @@ def main(argv: list[str] | None = None) -> None:
     args.work.mkdir(parents=True, exist_ok=True)
 
     ev, base, experts = _testbed(args)
-    ref_metrics = _reference(args.work, ev, base, experts)
+    ref_metrics = _reference(args.work, ev.tag, lambda: (ev, base, experts))
     ref = [max(ref_metrics[n][o] for n in ev.domains) for o in ev.objectives]
     ctx = {"args": args, "work": args.work, "base": base, "experts": experts, "evals": ev, "ref": ref, "code": _head()}
     for _, arms in passes:
@@ -716,14 +716,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"done; python bench/search.py --collect {args.work} ... --raw {args.raw}", flush=True)
 
 
-def _reference(work: Path, ev: Evals, base: Path, experts: dict[str, Path]) -> dict:
+def _reference(work: Path, tag: str, testbed) -> dict:
     """The base's and every expert's metrics on the testbed (deterministic), cached in
-    ``work/reference.json`` under the evaluator's tag (so a collection does not score them again)."""
+    ``work/reference.json`` under the evaluator's ``tag`` (so a collection does not score them
+    again); ``testbed()`` gives ``(evaluator, base, experts)`` and is called only on a miss."""
     cached = work / "reference.json"
     if cached.exists():
         rec = json.loads(cached.read_text())
-        if rec.get("tag") == ev.tag:
+        if rec.get("tag") == tag:
             return rec["metrics"]
+    ev, base, experts = testbed()
     metrics = {"base": ev.compute(base)} | {n: ev.compute(experts[n]) for n in ev.domains}
     cached.write_text(json.dumps({"tag": ev.tag, "metrics": metrics}))
     return metrics
@@ -731,17 +733,24 @@ def _reference(work: Path, ev: Evals, base: Path, experts: dict[str, Path]) -> d
 
 def _testbed_meta(args) -> tuple[str, dict]:
     """(expected evaluation tag, the raw file's testbed fields) of ``args``'s
-    testbed, without building it (the tag names the testbed's cache key and the split)."""
+    testbed, without building it (the tag names the testbed's cache key and the split; MiniLM's
+    layer count is read from the cached testbed's ``base/config.json``, the encoder merged).
+
+    Raises:
+        SystemExit: MiniLM's cached base config is missing or unreadable.
+    """
     if args.testbed == "minilm":
-        from mergepipe_zoo.minilm import FORMAT, TASKS, MiniLMConfig, minilm_folder
+        from mergepipe_zoo.minilm import FORMAT, TASKS, MiniLMConfig, default_root
 
         cfg = MiniLMConfig(seed=args.minilm_seed)
+        base_cfg = default_root() / cfg.key() / "base" / "config.json"  # the encoder the runs merged
         try:
-            from transformers import AutoConfig
-
-            layers = AutoConfig.from_pretrained(minilm_folder(), local_files_only=True).num_hidden_layers
-        except (OSError, FileNotFoundError):  # the package is missing: the layout MiniLM has
-            layers = 6
+            layers = int(json.loads(base_cfg.read_text())["num_hidden_layers"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(
+                f"--collect: {base_cfg}: cannot read the testbed's layer count ({e}); build the testbed "
+                f"(--testbed minilm --minilm-seed {args.minilm_seed}) or point MERGEPIPE_HOME at its cache"
+            ) from None
         fields = {
             "testbed": "minilm",
             "examples": args.examples,
@@ -836,13 +845,8 @@ def collect(works: list[Path], raw: Path, args) -> None:
         raise SystemExit(
             f"--collect: the runs were scored as {tag}; --testbed {args.testbed} with these options gives {want}"
         )
-    cached = works[0] / "reference.json"
-    if cached.exists() and json.loads(cached.read_text()).get("tag") == tag:
-        ref_metrics = json.loads(cached.read_text())["metrics"]
-    else:
-        args.work = works[0]
-        ev, base, experts = _testbed(args)
-        ref_metrics = _reference(works[0], ev, base, experts)
+    args.work = works[0]
+    ref_metrics = _reference(works[0], tag, lambda: _testbed(args))
     import botorch
     import torch
 

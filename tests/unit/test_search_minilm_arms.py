@@ -147,6 +147,11 @@ def test_the_arms_run_end_to_end_on_the_minilm_testbed(minilm_home, tmp_path, mo
     raw = tmp_path / "raw-minilm-dev.jsonl.gz"
     with pytest.raises(SystemExit, match="scored as minilm:.*:n6"):  # another split than the runs'
         search.main([*argv[:4], "--examples", "8", "--collect", str(work), "--raw", str(raw)])
+    monkeypatch.setenv("MERGEPIPE_HOME", str(tmp_path / "empty-home"))  # no cached testbed: refused, nothing written
+    with pytest.raises(SystemExit, match="base/config.json: cannot read the testbed's layer count"):
+        search.main([*argv[:4], "--examples", "6", "--collect", str(work), "--raw", str(raw)])
+    assert not raw.exists()
+    monkeypatch.setenv("MERGEPIPE_HOME", str(minilm_home))
     search.main([*argv[:4], "--examples", "6", "--collect", str(work), "--raw", str(raw)])
     meta, got = search_report.load(raw)
     assert meta["testbed"] == "minilm" and meta["phase"] == "development" and meta["examples"] == 6
