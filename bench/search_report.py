@@ -138,7 +138,8 @@ def analyse(meta: dict, runs: list[dict]) -> dict:
             "hv_I": bootstrap_ci(v["hv_I"]),
             "hv_E": bootstrap_ci(v["hv_E"]),
             "held": bootstrap_ci(v["held"]),
-            **({"acc": bootstrap_ci(v["acc"])} if len(v["acc"]) == len(v["seed"]) else {}),
+            "held_min": min(v["held"]),
+            **({"acc": bootstrap_ci(v["acc"]), "acc_min": min(v["acc"])} if len(v["acc"]) == len(v["seed"]) else {}),
             "pareto": statistics.mean(v["pareto"]),
             "run_s": statistics.mean(v["run_s"]),
         }
@@ -251,7 +252,7 @@ def render(meta: dict, an: dict) -> str:
     L.append("")
     E, n0 = an["E"], an["I"]
     L.append(
-        "Per arm: mean over seeds [95 % percentile bootstrap interval]; HV normalised (1.0 = every expert's "
+        "Per arm: mean over seeds [95 % percentile bootstrap interval] and the worst seed; HV normalised (1.0 = every expert's "
         "loss on its own domain at once)."
     )
     L.append("")
@@ -263,14 +264,17 @@ def render(meta: dict, an: dict) -> str:
         L.append("")
     acc_h = " worst-task held-out acc. |" if minilm else ""
     L.append(
-        f"| arm | seeds | evals | HV @ {n0} | HV @ {E} | held-out HV of the Pareto set |{acc_h} Pareto pts | s/run |"
+        f"| arm | seeds | evals | HV @ {n0} | HV @ {E} | held-out HV of the Pareto set | held-out HV, worst seed |"
+        f"{acc_h} Pareto pts | s/run |"
     )
-    L.append("|---|---|---|---|---|---|---|---|" + ("---|" if minilm else ""))
+    L.append("|---|---|---|---|---|---|---|---|---|" + ("---|" if minilm else ""))
     for arm, v in an["arms"].items():
-        acc = f" {100 * v['acc'][0]:.1f}% [{100 * v['acc'][1]:.1f}, {100 * v['acc'][2]:.1f}] |" if minilm else ""
+        acc = ""
+        if minilm:
+            acc = f" {100 * v['acc'][0]:.1f}% [{100 * v['acc'][1]:.1f}, {100 * v['acc'][2]:.1f}], worst seed {100 * v['acc_min']:.1f}% |"
         L.append(
-            f"| {arm} | {v['seeds']} | {v['evals']} | {_ci(*v['hv_I'])} | {_ci(*v['hv_E'])} | {_ci(*v['held'])} |{acc} "
-            f"{v['pareto']:.1f} | {v['run_s']:.0f} |"
+            f"| {arm} | {v['seeds']} | {v['evals']} | {_ci(*v['hv_I'])} | {_ci(*v['hv_E'])} | {_ci(*v['held'])} | "
+            f"{v['held_min']:.3f} |{acc} {v['pareto']:.1f} | {v['run_s']:.0f} |"
         )
     L.append("")
     L.append(

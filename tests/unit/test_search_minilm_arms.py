@@ -164,7 +164,11 @@ def test_the_arms_run_end_to_end_on_the_minilm_testbed(minilm_home, tmp_path, mo
     text = search_report.render(meta, search_report.analyse(meta, got))
     assert "Testbed `minilm`" in text and "6 search + 6 held-out examples per task" in text
     row = next(x for x in text.splitlines() if x.startswith("| lw-bo | 1 | 3 |"))
-    assert row.count("|") == 10 and "%" in row  # the worst-task held-out accuracy column
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert len(cells) == 10  # arm .. held-out HV, its worst seed, worst-task held-out accuracy, Pareto pts, s/run
+    held = [r for r in got if r["arm"] == "lw-bo"]
+    assert cells[6] == f"{search_report.analyse(meta, held)['arms']['lw-bo']['held_min']:.3f}"
+    assert cells[7].endswith("%") and ", worst seed " in cells[7]  # the worst-task held-out accuracy column
 
 
 def test_part_splits_the_registered_seeds_into_contiguous_chunks():
