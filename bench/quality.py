@@ -522,15 +522,9 @@ def _preregistered(a) -> str:
             the fresh run), names no fresh seeds for this testbed, or ``--seeds``/``--methods``
             name an unregistered seed/method.
     """
-    import subprocess
+    from bench.record import committed
 
-    rel = str(PREREG.relative_to(REPO))
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", rel], capture_output=True, text=True)
-    commit = subprocess.run(
-        ["git", "-C", str(REPO), "log", "-1", "--format=%H", "--", rel], capture_output=True, text=True
-    ).stdout.strip()
-    if dirty.stdout.strip() or not commit:
-        sys.exit(f"{rel}: not committed (or changed since); commit the pre-registration before the fresh run.")
+    rel, commit = committed(PREREG, "commit the pre-registration before the fresh run", REPO)
     pr = json.loads(PREREG.read_text())
     label = testbed_label(a.testbed, a.size)
     tb = pr["testbeds"].get(label)

@@ -2,7 +2,8 @@
 to a file that is committed under docs/benchmarks/ and rendered into the docs from there
 (``bench/benchmarks_report.py``).
 
-Used by ``bench/sketch_decode.py`` and ``bench/merge_tile.py`` (``--out FILE``).
+Used by ``bench/sketch_decode.py`` and ``bench/merge_tile.py`` (``--out FILE``); :func:`git_rev`
+and :func:`committed` also by ``bench/search.py`` and ``bench/quality.py``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from bench.relpath import rel_argv  # noqa: E402
 
 def git_rev() -> str:
     """The commit the benchmark runs at: ``MERGEPIPE_BENCH_REV`` when set (a run from an exported
-    tree), else ``git rev-parse HEAD``, with ``+dirty`` when tracked files under ``mergepipe/`` or
-    ``bench/`` differ from it; ``"unknown"`` outside a git checkout."""
+    tree), else ``git rev-parse HEAD``, with ``+dirty`` when tracked files under ``mergepipe/``,
+    ``mergepipe_zoo/`` (the testbeds) or ``bench/`` differ from it; ``"unknown"`` outside a git
+    checkout."""
     env = os.environ.get("MERGEPIPE_BENCH_REV")
     if env:
         return env
@@ -33,11 +35,43 @@ def git_rev() -> str:
     if r.returncode != 0:
         return "unknown"
     d = subprocess.run(
-        ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--", "mergepipe", "bench"],
+        [
+            "git",
+            "-C",
+            str(REPO),
+            "status",
+            "--porcelain",
+            "--untracked-files=no",
+            "--",
+            "mergepipe",
+            "mergepipe_zoo",
+            "bench",
+        ],
         capture_output=True,
         text=True,
     )
     return r.stdout.strip() + ("+dirty" if d.stdout.strip() else "")
+
+
+def committed(path: Path, fix: str, root: Path = REPO) -> tuple[str, str]:
+    """(``path`` relative to ``root``, the last commit that changed it) for a file a run must
+    not start without having committed unchanged (a pre-registration, an amendment).
+
+    Raises:
+        SystemExit: the file has uncommitted changes, is not committed, or is outside the
+            checkout; the message names it and ends with ``fix``.
+    """
+    try:
+        rel = str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        raise SystemExit(f"{path}: not in the checkout {root}; {fix}.") from None
+    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", rel], capture_output=True, text=True)
+    commit = subprocess.run(
+        ["git", "-C", str(root), "log", "-1", "--format=%H", "--", rel], capture_output=True, text=True
+    ).stdout.strip()
+    if dirty.returncode or dirty.stdout.strip() or not commit:
+        raise SystemExit(f"{rel}: not committed (or changed since); {fix}.")
+    return rel, commit
 
 
 def command(script: str, argv: Sequence[str]) -> list[str]:

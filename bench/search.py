@@ -475,25 +475,10 @@ PREREGS: dict[str, Path] = {
     "zoo8": ROOT / "docs" / "search" / "preregistration.json",
     "minilm": ROOT / "docs" / "search" / "preregistration-minilm.json",
 }
-PREREG = PREREGS["zoo8"]
 
 
 def _git(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(["git", "-C", str(ROOT), *argv], capture_output=True, text=True)
-
-
-def _head() -> str:
-    """The commit the code runs at (``git rev-parse HEAD``), ``+dirty`` when tracked files under
-    ``bench/``, ``mergepipe/`` or ``mergepipe_zoo/`` differ from it; "" outside a checkout."""
-    head = _git("rev-parse", "HEAD").stdout.strip()
-    if (
-        head
-        and _git(
-            "status", "--porcelain", "--untracked-files=no", "--", "bench", "mergepipe", "mergepipe_zoo"
-        ).stdout.strip()
-    ):
-        head += "+dirty"
-    return head
 
 
 def _part(spec: str, seeds: list[int]) -> list[int]:
@@ -556,20 +541,10 @@ def _preregistered(args) -> list[tuple[list[int], list[str]]]:
 
 
 def _committed(path: Path, fix: str) -> tuple[str, str]:
-    """(``path`` relative to the repository, the last commit that changed it).
+    """:func:`bench.record.committed` in this checkout (:data:`ROOT`)."""
+    from bench.record import committed
 
-    Raises:
-        SystemExit: the file has uncommitted changes, is not committed, or is outside the checkout.
-    """
-    try:
-        rel = str(path.resolve().relative_to(ROOT.resolve()))
-    except ValueError:
-        raise SystemExit(f"{path}: not in the checkout {ROOT}; {fix}.") from None
-    dirty = _git("status", "--porcelain", "--", rel)
-    commit = _git("log", "-1", "--format=%H", "--", rel).stdout.strip()
-    if dirty.returncode or dirty.stdout.strip() or not commit:
-        raise SystemExit(f"{rel}: not committed (or changed since); {fix}.")
-    return rel, commit
+    return committed(path, fix, ROOT)
 
 
 def _amendment(args, path: Path, registered: str) -> tuple[str, str, dict]:
@@ -697,7 +672,17 @@ def main(argv: list[str] | None = None) -> None:
     ev, base, experts = _testbed(args)
     ref_metrics = _reference(args.work, ev.tag, lambda: (ev, base, experts))
     ref = [max(ref_metrics[n][o] for n in ev.domains) for o in ev.objectives]
-    ctx = {"args": args, "work": args.work, "base": base, "experts": experts, "evals": ev, "ref": ref, "code": _head()}
+    from bench.record import git_rev
+
+    ctx = {
+        "args": args,
+        "work": args.work,
+        "base": base,
+        "experts": experts,
+        "evals": ev,
+        "ref": ref,
+        "code": git_rev(),
+    }
     for _, arms in passes:
         for x in arms:
             if x not in ARMS:
