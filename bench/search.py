@@ -481,19 +481,32 @@ def _git(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(["git", "-C", str(ROOT), *argv], capture_output=True, text=True)
 
 
+def _part_arg(spec: str) -> str:
+    """``--part``'s argparse type: ``K/N`` with ``1 <= K <= N`` (a bad value exits 2, naming it).
+
+    Raises:
+        argparse.ArgumentTypeError: not ``K/N`` with ``1 <= K <= N``.
+    """
+    try:
+        k, n = (int(v) for v in spec.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected K/N, e.g. 1/2") from None
+    if not 1 <= k <= n:
+        raise argparse.ArgumentTypeError(f"{spec!r}: K must be in 1..N")
+    return spec
+
+
 def _part(spec: str, seeds: list[int]) -> list[int]:
     """The ``K``-th of ``N`` contiguous chunks of ``seeds`` for ``--part K/N`` (1-based; the
     first chunks one longer when ``N`` does not divide the count).
 
     Raises:
-        SystemExit: not ``K/N`` with ``1 <= K <= N``.
+        SystemExit: not ``K/N`` with ``1 <= K <= N`` (:func:`_part_arg`).
     """
     try:
-        k, n = (int(v) for v in spec.split("/"))
-    except ValueError:
-        raise SystemExit(f"--part {spec!r}: expected K/N, e.g. 1/2") from None
-    if not 1 <= k <= n:
-        raise SystemExit(f"--part {spec!r}: K must be in 1..N")
+        k, n = (int(v) for v in _part_arg(spec).split("/"))
+    except argparse.ArgumentTypeError as e:
+        raise SystemExit(f"--part {e}") from None
     q, r = divmod(len(seeds), n)
     start = (k - 1) * q + min(k - 1, r)
     return seeds[start : start + q + (1 if k <= r else 0)]
@@ -635,7 +648,11 @@ def main(argv: list[str] | None = None) -> None:
         "(docs/search/preregistration.json, preregistration-minilm.json; committed, unchanged); pass 1 the main "
         "arms, pass 2 NSGA-II",
     )
-    ap.add_argument("--part", help="with --fresh: K/N, this process runs the K-th of N contiguous chunks of the seeds")
+    ap.add_argument(
+        "--part",
+        type=_part_arg,
+        help="with --fresh: K/N, this process runs the K-th of N contiguous chunks of the seeds",
+    )
     ap.add_argument(
         "--amendment",
         type=Path,
@@ -660,7 +677,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.raw is None:
         args.raw = ROOT / "docs" / "search" / f"raw-{args.testbed}-fresh.jsonl.gz"
     if args.part and not args.fresh:
-        raise SystemExit("--part splits the registered seeds of --fresh; without it use --seed-start/--seeds")
+        ap.error("--part splits the registered seeds of --fresh; without it use --seed-start/--seeds")
     if args.collect:
         collect(args.collect, args.raw, args)
         return

@@ -171,9 +171,9 @@ def test_the_arms_run_end_to_end_on_the_minilm_testbed(minilm_home, tmp_path, mo
     assert cells[7].endswith("%") and ", worst seed " in cells[7]  # the worst-task held-out accuracy column
 
 
-def test_part_splits_the_registered_seeds_into_contiguous_chunks():
+def test_part_splits_the_registered_seeds_into_contiguous_chunks(capsys):
     """``--part K/N`` gives each of N processes a contiguous chunk; the chunks cover every seed
-    once; a malformed part is refused."""
+    once; a malformed part, or one without ``--fresh``, is refused with exit 2 before any work."""
     from bench.search import _part
 
     seeds = list(range(100, 110))
@@ -183,6 +183,14 @@ def test_part_splits_the_registered_seeds_into_contiguous_chunks():
     for bad in ("0/2", "3/2", "2", "a/b"):
         with pytest.raises(SystemExit, match="--part"):
             _part(bad, seeds)
+
+    from bench.search import main
+
+    for argv in (["--fresh", "--part", "3/2"], ["--part", "1/2"]):  # bad value; --part without --fresh
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2, argv
+        assert "--part" in capsys.readouterr().err
 
 
 def test_every_minilm_arm_coordinate_changes_the_merged_encoder(minilm_home, tmp_path):
